@@ -1,0 +1,33 @@
+# spconv-train developer targets. Every target installs .venv first when it is missing.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+NPROC   ?= 2
+CONFIG  ?= configs/unet.yaml
+
+.PHONY: install run test lint bench bench-conv bench-memory verify predict clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(PY) scripts/demo_sharded.py
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check spconv_train tests scripts
+	$(PY) -m ruff format --check spconv_train tests scripts
+
+bench: bench-conv
+
+bench-conv: install
+	$(PY) scripts/bench_conv.py
+
+clean:
+	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info
