@@ -1,0 +1,41 @@
+"""Typed, validated configuration (stdlib + yaml only: no torch).
+
+Errors are reported as ``ConfigError`` naming the dotted key, before torch or any
+process group is touched::
+
+    cfg = load_config("configs/unet.yaml", ["training.steps=5"])
+    dp, sp = validate_for_world(cfg, world_size)
+"""
+
+from ._errors import ConfigError
+from ._io import config_to_dict, dump_config, load_config
+from ._mesh import data_width_per_rank, validate_for_world
+from .schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainingConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "ScheduleConfig",
+    "TrainingConfig",
+    "config_to_dict",
+    "data_width_per_rank",
+    "dump_config",
+    "load_config",
+    "validate_for_world",
+]

@@ -1,0 +1,182 @@
+"""The typed configuration: one small dataclass per section.
+
+Field types drive validation (see ``_build.py``): ``int`` rejects ``bool`` and strings,
+``float`` accepts integers, ``Literal[...]`` lists the allowed values, ``X | None``
+allows ``null``. Range and cross-field rules live in ``_checks.py``. Each field carries
+its documentation as an attribute docstring right below it.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class ModelConfig:
+    """Which network to build."""
+
+    name: str = "unet"
+    """Registered model name (see ``spconv_train.models``)."""
+    num_classes: int = 4
+    """Number of output classes (logit channels)."""
+    in_channels: int = 3
+    """Number of image channels."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the model factory, e.g. depth, base_width, norm, up."""
+    weights: str | None = None
+    """Optional local state-dict file to initialise the weights from (null: random)."""
+
+
+@dataclass
+class DataConfig:
+    """Where images come from and how they are augmented."""
+
+    source: Literal["synthetic", "folder"] = "synthetic"
+    """``synthetic``: generated shapes; ``folder``: images/{split} + masks/{split} under root."""
+    root: str | None = None
+    """Dataset folder (required for source=folder): images/{split}/<stem>.<ext> and
+    masks/{split}/<stem>.png, matched by stem. Relative paths are relative to the cwd."""
+    train_split: str = "train"
+    """Split (sub-folder) used for training."""
+    val_split: str = "val"
+    """Split (sub-folder) used for validation."""
+    split_list: str | None = None
+    """Optional text file restricting the stems of each split (folder source only).
+    Format: one ``<split> <stem>`` pair per line, e.g. ``train slide_001``; blank lines and
+    lines starting with ``#`` are ignored. Splits absent from the file use every stem."""
+    class_names: list[str] | None = None
+    """Optional display names, one per class (length must equal model.num_classes)."""
+    ignore_index: int = 255
+    """Mask value excluded from loss and metrics; must not be a real class index."""
+    height: int | None = 128
+    """Synthetic image height; for folder data the crop height (null: full image)."""
+    width: int | None = 512
+    """Synthetic image width; for folder data the crop width (null: full image). This is
+    the dimension split across the sp ranks."""
+    num_train: int = 16
+    """Number of synthetic training images."""
+    num_val: int = 4
+    """Number of synthetic validation images."""
+    synthetic_seed: int = 0
+    """Seed of the synthetic generator (same images on every rank and run)."""
+    batch_size: int = 1
+    """Images per step per data-parallel rank (global batch = batch_size * dp)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the main process)."""
+    hflip: float = 0.5
+    """Probability of a horizontal flip."""
+    vflip: float = 0.0
+    """Probability of a vertical flip."""
+    scale: list[float] = field(default_factory=lambda: [1.0, 1.0])
+    """[min, max] of the random rescale factor ([1, 1]: no rescaling)."""
+    on_bad_sample: Literal["error", "skip"] = "error"
+    """What to do with an unreadable image or mismatched mask: stop, or skip with a warning."""
+
+
+@dataclass
+class ParallelConfig:
+    """The (dp, sp) device mesh."""
+
+    sp: int = 0
+    """Spatial-parallel group size: ranks sharing one image. 0 means all ranks; otherwise it
+    must divide the world size, and dp = world_size // sp."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend; auto picks nccl when CUDA is available, else gloo."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer and gradient clipping."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer type."""
+    lr: float = 1e-3
+    """Peak learning rate (reached after warmup)."""
+    weight_decay: float = 1e-4
+    """Decoupled (adamw) or L2 (sgd) weight decay."""
+    momentum: float = 0.9
+    """SGD momentum (ignored by adamw)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas (ignored by sgd)."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; 0 or null disables clipping."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule (per step)."""
+
+    name: Literal["cosine", "poly", "constant"] = "cosine"
+    """Decay shape after warmup."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to optimizer.lr over this many steps (0: none)."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    power: float = 0.9
+    """Exponent of the poly schedule."""
+
+
+@dataclass
+class TrainingConfig:
+    """The training loop."""
+
+    steps: int = 200
+    """Total optimizer steps."""
+    val_every: int = 50
+    """Validate every this many steps (and at the end)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Compute precision (bf16 autocast; weights and optimizer state stay fp32)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    seed: int = 0
+    """Seed for weights, augmentation and sampling."""
+    loss: Literal["ce", "dice", "ce+dice"] = "ce"
+    """Loss: cross-entropy, soft Dice, or their sum."""
+    class_weights: list[float] | None = None
+    """Optional per-class loss weights (length must equal model.num_classes)."""
+    log_every: int = 10
+    """Log training metrics every this many steps."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    every: int = 100
+    """Save a checkpoint every this many steps (and at the end)."""
+    keep_last: int = 2
+    """How many recent checkpoints to keep."""
+    keep_best: bool = True
+    """Also keep the checkpoint with the best validation score."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: resume from the latest checkpoint in run_dir (so torchrun restarts continue);
+    never: always start fresh."""
+
+
+@dataclass
+class LoggingConfig:
+    """What rank 0 reports."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under run_dir."""
+    num_val_images: int = 2
+    """Validation images (with predictions) logged per validation."""
+    progress: bool = True
+    """Show a progress bar on the console."""
+    image_downsample: int = 4
+    """Downsample logged images by this factor (huge images make huge event files)."""
+
+
+@dataclass
+class Config:
+    """The whole configuration of a run."""
+
+    run_dir: str = "runs/unet"
+    """Folder for checkpoints, logs and the resolved config."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,26 @@
+"""Single-device segmentation models and their registry.
+
+Importing this package registers every built-in model, so ``create_model("unet", ...)``
+works right after ``import spconv_train.models``. Parallelism is applied elsewhere
+(``spconv_train.parallel``); nothing here imports it.
+"""
+
+# Imported for their side effect: each module registers its models on import.
+from spconv_train.models import torchvision_models, unet  # noqa: F401
+from spconv_train.models.registry import (
+    UnknownModelError,
+    WeightsLoadError,
+    create_model,
+    list_models,
+    register_model,
+)
+from spconv_train.models.unet import UNet
+
+__all__ = [
+    "UNet",
+    "UnknownModelError",
+    "WeightsLoadError",
+    "create_model",
+    "list_models",
+    "register_model",
+]

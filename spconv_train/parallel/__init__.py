@@ -1,0 +1,50 @@
+"""Spatial (width) parallelism for NCHW models on DTensor ``Shard(3)``.
+
+Public API::
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))  # or ("dp", "sp")
+    model = parallelize(model, mesh)
+    x = distribute_tensor(img, mesh, [Shard(3)])
+    y = model(x)                      # DTensor, Shard(3); y.full_tensor() == model(img)
+
+This package depends only on torch.
+"""
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from . import _conv  # noqa: F401  (registers the spatial convolution)
+from ._conv import SpatialConv2d, spatial_conv2d
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
+from ._halo import HALO_SECONDS, gather_columns, sum_grad_over
+from ._mode import SpatialMode, refuse_function, register_function
+from ._parallelize import parallelize, refuse_module, register_spatial_module
+from ._window import WindowPlan, gather_window, plan_window
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "ExchangePlan",
+    "HALO_SECONDS",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "SpatialConv2d",
+    "SpatialMode",
+    "SpatialShardingError",
+    "WindowPlan",
+    "all_shard_bounds",
+    "distribute_tensor",
+    "gather_columns",
+    "gather_window",
+    "init_device_mesh",
+    "parallelize",
+    "plan_window",
+    "refuse_function",
+    "refuse_module",
+    "register_function",
+    "register_spatial_module",
+    "shard_bounds",
+    "spatial_conv2d",
+    "sum_grad_over",
+]

@@ -1,0 +1,114 @@
+"""Width-sharded ``Conv2d``: fetch the halo, run the ordinary convolution on the window.
+
+Every ``nn.Conv2d`` configuration is covered: any kernel (even ones too), stride, dilation,
+groups, padding given as int, tuple, ``'same'`` or ``'valid'``, and the padding modes
+zeros/reflect/replicate/circular. The output is again a ``Shard(3)`` DTensor whose strips
+follow DTensor's chunking of the output width.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from ._halo import sum_grad_over
+from ._mode import register_function
+from ._parallelize import register_spatial_module
+from ._sharding import enter, leave, spatial_layout
+from ._window import gather_window, plan_window
+
+
+def conv_padding(conv: nn.Conv2d) -> tuple[int, int, int, int]:
+    """``(top, bottom, left, right)`` padding of a ``Conv2d``, whatever form it was given in
+    (``'same'`` with an even kernel pads one more on the bottom/right, as PyTorch does)."""
+    wl, wr, ht, hb = conv._reversed_padding_repeated_twice
+    return ht, hb, wl, wr
+
+
+def spatial_conv2d(
+    x: DTensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: tuple[int, int],
+    padding: tuple[int, int, int, int],
+    dilation: tuple[int, int],
+    groups: int,
+    padding_mode: str = "zeros",
+    what: str = "conv2d",
+) -> DTensor:
+    """2-D convolution of a width-sharded DTensor ``x``; same result as ``F.conv2d`` on the
+    whole tensor. ``padding`` is ``(top, bottom, left, right)``. Weight and bias gradients
+    are summed over the ranks holding other strips (and other batch parts)."""
+    x, layout = spatial_layout(x, what)
+    pt, pb, pl, pr = padding
+    kh, kw = weight.shape[-2:]
+    wp = plan_window(
+        what, x.shape[3], layout.sp_size, kw, stride[1], dilation[1], pl, pr, padding_mode
+    )
+    rank = layout.sp_rank
+    local = enter(x)
+    # Zero height padding is cheapest inside the convolution itself when it is symmetric.
+    conv_pad_h = pt if padding_mode == "zeros" and pt == pb else 0
+    pad_h = (0, 0) if conv_pad_h or (pt == 0 and pb == 0) else (pt, pb)
+    window = gather_window(local, wp, rank, layout.sp_group, padding_mode, 0.0, pad_h)
+    groups_ = layout.grad_groups
+    out = F.conv2d(
+        window,
+        sum_grad_over(weight, groups_),
+        sum_grad_over(bias, groups_),
+        stride,
+        (conv_pad_h, 0),
+        dilation,
+        groups,
+    )
+    o0, o1 = wp.out_bounds[rank]
+    assert out.shape[-1] == o1 - o0, (what, out.shape, wp.out_bounds, rank)
+    return leave(out, layout, (x.shape[0], out.shape[1], out.shape[2], wp.out_width))
+
+
+@register_spatial_module(nn.Conv2d)
+class SpatialConv2d(nn.Conv2d):
+    """``nn.Conv2d`` that runs width-sharded on a ``Shard(3)`` DTensor input.
+
+    ``parallelize`` turns a model's ``Conv2d`` modules into this class in place, so
+    parameters, hooks and ``state_dict`` keys stay exactly those of the original. A plain
+    tensor input runs the ordinary single-device convolution.
+    """
+
+    spatial_name: str = ""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, DTensor):
+            return super().forward(x)
+        return spatial_conv2d(
+            x,
+            self.weight,
+            self.bias,
+            self.stride,
+            conv_padding(self),
+            self.dilation,
+            self.groups,
+            self.padding_mode,
+            what=f"{self.spatial_name or '<module>'} (Conv2d({self.extra_repr()}))",
+        )
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+@register_function("conv2d")
+def _functional_conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """``F.conv2d`` called from model code on a width-sharded input."""
+    stride, dilation = _pair(stride), _pair(dilation)
+    if isinstance(padding, str):
+        if padding == "valid":
+            pads = (0, 0, 0, 0)
+        else:  # 'same': one more on the bottom/right for even kernels, as PyTorch does
+            tot = [d * (k - 1) for d, k in zip(dilation, weight.shape[-2:], strict=True)]
+            pads = (tot[0] // 2, tot[0] - tot[0] // 2, tot[1] // 2, tot[1] - tot[1] // 2)
+    else:
+        ph, pw = _pair(padding)
+        pads = (ph, ph, pw, pw)
+    return spatial_conv2d(input, weight, bias, stride, pads, dilation, groups, what="F.conv2d")

@@ -1,0 +1,129 @@
+"""Halo arithmetic along the width: who owns which columns, and which columns a window op reads.
+
+Everything here works in *global* column indices (see ``shared/DESIGN.md`` §3). Nothing
+here communicates: every rank can compute every other rank's plan, which is what lets the
+exchange post matching sends and receives without a metadata round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Interval = tuple[int, int]
+
+
+class SpatialShardingError(ValueError):
+    """A layer or tensor cannot run width-sharded as configured (the message says why and how
+    to fix it). Raised instead of silently gathering or silently computing a wrong answer."""
+
+
+def shard_bounds(size: int, parts: int, index: int) -> Interval:
+    """Columns ``[start, stop)`` that DTensor's ``Shard`` gives to ``index`` of ``parts``.
+
+    DTensor splits like ``torch.chunk``: ``ceil(size / parts)`` per rank, so the last ranks
+    get fewer columns and possibly none.
+    """
+    chunk = -(-size // parts) if parts > 0 else 0
+    return min(index * chunk, size), min((index + 1) * chunk, size)
+
+
+def all_shard_bounds(size: int, parts: int) -> list[Interval]:
+    """``shard_bounds`` for every rank."""
+    return [shard_bounds(size, parts, r) for r in range(parts)]
+
+
+def window_out_size(
+    size: int, kernel: int, stride: int, dilation: int, pad_lo: int, pad_hi: int, ceil_mode=False
+) -> int:
+    """Output length of a sliding window op (conv, pooling) along one dimension."""
+    span = size + pad_lo + pad_hi - dilation * (kernel - 1) - 1
+    if ceil_mode:
+        out = -(-span // stride) + 1
+        # PyTorch's rule: the last window must start inside the input or its left padding.
+        if (out - 1) * stride >= size + pad_lo:
+            out -= 1
+        return out
+    return span // stride + 1
+
+
+def window_input_range(
+    out_start: int, out_stop: int, kernel: int, stride: int, dilation: int, pad_lo: int
+) -> Interval:
+    """Input columns ``[lo, hi)`` (global, may reach into the padding) read by outputs
+    ``[out_start, out_stop)``: output ``j`` reads ``j*stride - pad_lo + t*dilation``."""
+    lo = out_start * stride - pad_lo
+    hi = (out_stop - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Which global columns every rank of a spatial group owns and which it needs.
+
+    ``needed[r]`` is an ordered list of intervals inside ``[0, width)``; rank ``r`` receives
+    the concatenation of those columns, in order. ``wrap`` allows the first and last rank to
+    talk (circular padding); otherwise only neighbouring ranks may exchange.
+    """
+
+    width: int
+    owned: tuple[Interval, ...]
+    needed: tuple[tuple[Interval, ...], ...]
+    wrap: bool = False
+
+    def pieces(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(owner, start, stop)`` pieces that make up ``rank``'s needed columns, in order."""
+        out = []
+        for lo, hi in self.needed[rank]:
+            for owner, (a, b) in enumerate(self.owned):
+                s, e = max(lo, a), min(hi, b)
+                if s < e:
+                    out.append((owner, s, e))
+        return out
+
+    def sends(self, rank: int) -> list[tuple[int, int, int]]:
+        """``(receiver, start, stop)`` pieces that ``rank`` owns and others need, ordered by
+        receiver and then by the receiver's piece order (so P2P messages match up)."""
+        return [
+            (q, s, e)
+            for q in range(len(self.owned))
+            if q != rank
+            for owner, s, e in self.pieces(q)
+            if owner == rank
+        ]
+
+    def check_neighbours(self, what: str) -> None:
+        """Raise unless every piece comes from the rank itself or a neighbouring rank."""
+        n = len(self.owned)
+        for r in range(n):
+            for owner, s, e in self.pieces(r):
+                ok = abs(owner - r) <= 1 or (self.wrap and {owner, r} == {0, n - 1})
+                if not ok:
+                    widths = [b - a for a, b in self.owned]
+                    raise SpatialShardingError(
+                        f"{what}: rank {r} needs columns [{s}, {e}) held by rank {owner}, but "
+                        f"halos are only exchanged between neighbouring strips. The input "
+                        f"width {self.width} is split over {n} ranks into strips of {widths} "
+                        f"columns, narrower than the halo this layer needs. Use a wider image "
+                        f"or fewer spatial ranks (parallel.sp)."
+                    )
+
+
+def check_strips(what: str, width: int, parts: int, kind: str = "input") -> list[Interval]:
+    """Shard bounds of ``width`` over ``parts`` ranks; raise if any rank gets no column."""
+    bounds = all_shard_bounds(width, parts)
+    empty = [r for r, (a, b) in enumerate(bounds) if a == b]
+    if empty:
+        per = -(-width // parts)
+        raise SpatialShardingError(
+            f"{what}: the {kind} width {width} split over {parts} spatial ranks "
+            f"({per} columns per strip, DTensor chunking) leaves rank(s) {empty} with an empty "
+            f"strip. Every rank needs at least one column: use a wider image (a multiple of "
+            f"{parts} always works) or fewer spatial ranks (parallel.sp)."
+        )
+    return bounds
+
+
+def intervals_width(intervals: Sequence[Interval]) -> int:
+    """Total number of columns in a list of intervals."""
+    return sum(b - a for a, b in intervals)

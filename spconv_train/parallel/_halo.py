@@ -1,0 +1,137 @@
+"""Halo exchange along the width, as differentiable point-to-point communication.
+
+``gather_columns`` returns, on every rank of a spatial group, the global columns its
+``ExchangePlan`` says it needs: its own columns are sliced locally, the others arrive from
+the (neighbouring) ranks that own them. All sends and receives of one call are posted
+together with ``batch_isend_irecv`` on the spatial process group, so a 2-D ``(dp, sp)``
+mesh works and only real neighbours talk.
+
+The exchange is linear; its adjoint sends each received column's gradient back to its owner,
+which adds it onto its own columns. That is the backward here, written with the same
+primitive in the other direction.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._geometry import ExchangePlan
+
+#: Seconds spent inside halo exchanges (forward and backward) in this process; the trainer
+#: reads and resets it to log communication time.
+HALO_SECONDS = [0.0]
+
+
+def _p2p(
+    group: dist.ProcessGroup, sends: list[tuple[int, Tensor]], recvs: list[tuple[int, Tensor]]
+) -> None:
+    """Post every send and receive together and wait for all of them.
+
+    Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
+    posting order, which both sides derive from the same ``ExchangePlan``.
+    """
+    ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
+    ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
+    if not ops:
+        return
+    start = time.perf_counter()
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    HALO_SECONDS[0] += time.perf_counter() - start
+
+
+def _column_slice(x: Tensor, start: int, stop: int) -> Tensor:
+    return x.narrow(-1, start, stop - start)
+
+
+class _GatherColumns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: Tensor, plan: ExchangePlan, rank: int, group) -> Tensor:
+        ctx.plan, ctx.rank, ctx.group = plan, rank, group
+        ctx.local_shape = local.shape
+        a = plan.owned[rank][0]
+        pieces: list[Tensor] = []
+        recvs: list[tuple[int, Tensor]] = []
+        for owner, s, e in plan.pieces(rank):
+            if owner == rank:
+                pieces.append(_column_slice(local, s - a, e - a))
+            else:
+                buf = local.new_empty((*local.shape[:-1], e - s))
+                recvs.append((owner, buf))
+                pieces.append(buf)
+        sends = [
+            (q, _column_slice(local, s - a, e - a).contiguous()) for q, s, e in plan.sends(rank)
+        ]
+        _p2p(group, sends, recvs)
+        if not pieces:
+            return local.new_empty((*local.shape[:-1], 0))
+        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        plan, rank, group = ctx.plan, ctx.rank, ctx.group
+        a = plan.owned[rank][0]
+        grad_local = grad.new_zeros(ctx.local_shape)
+        sends: list[tuple[int, Tensor]] = []
+        offset = 0
+        # Gradients of the columns this rank received go back to their owners ...
+        for owner, s, e in plan.pieces(rank):
+            g = _column_slice(grad, offset, offset + e - s)
+            offset += e - s
+            if owner == rank:
+                _column_slice(grad_local, s - a, e - a).add_(g)
+            else:
+                sends.append((owner, g.contiguous()))
+        # ... and the gradients of the columns it gave arrive here, to be added to its own.
+        recvs = [
+            (q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in plan.sends(rank)
+        ]
+        _p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs])
+        for _, buf, s, e in recvs:
+            _column_slice(grad_local, s - a, e - a).add_(buf)
+        return grad_local, None, None, None
+
+
+def gather_columns(local: Tensor, plan: ExchangePlan, rank: int, group) -> Tensor:
+    """Return the columns ``plan.needed[rank]`` (concatenated, in order) from the local strip
+    ``local`` (columns ``plan.owned[rank]`` of the global tensor) and its neighbours'.
+
+    Differentiable: the backward returns every halo gradient to the rank that owns the column.
+    """
+    if len(plan.owned) == 1:
+        # One rank: no communication; slicing keeps autograd simple and exact.
+        parts = [_column_slice(local, s, e) for s, e in plan.needed[0]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return _GatherColumns.apply(local, plan, rank, group)
+
+
+class _SumGradOverGroups(torch.autograd.Function):
+    """Identity forward; backward all-reduces (sums) the gradient over process groups.
+
+    Wrapped around a parameter where it meets a local strip of a sharded activation: the
+    local gradient is a partial sum over the strip (and over the local batch on a
+    data-parallel dimension), and the sum over the groups is the single-device gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, param: Tensor, groups: tuple) -> Tensor:
+        ctx.groups = groups
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        for group in ctx.groups:
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return grad, None
+
+
+def sum_grad_over(param: Tensor | None, groups: tuple) -> Tensor | None:
+    """``param`` unchanged in forward; its gradient summed over ``groups`` in backward."""
+    if param is None or not groups or not (param.requires_grad and torch.is_grad_enabled()):
+        return param
+    return _SumGradOverGroups.apply(param, groups)

@@ -1,0 +1,102 @@
+"""``parallelize(model, mesh)``: the plan that makes a single-device model run width-sharded.
+
+The model code stays single-device. ``parallelize`` turns every supported spatial module
+into its spatial subclass *in place* (parameters, buffers, hooks and ``state_dict`` keys are
+untouched, and ``print(model)`` shows what will run sharded), refuses modules it cannot run
+with one error listing every offending module path, and makes the model's forward run under
+``SpatialMode`` so functional calls in model code are handled too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._geometry import SpatialShardingError
+from ._mode import SpatialMode
+
+_SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
+_REFUSED_MODULES: dict[type[nn.Module], str] = {
+    nn.Conv1d: "1-D convolution has no width axis to shard",
+    nn.Conv3d: "3-D convolution is not supported",
+    nn.ConvTranspose1d: "1-D transposed convolution is not supported",
+    nn.ConvTranspose3d: "3-D transposed convolution is not supported",
+    nn.Fold: "fold/unfold mix all columns",
+    nn.Unfold: "fold/unfold mix all columns",
+    nn.LocalResponseNorm: "no spatial implementation",
+    nn.PixelShuffle: "no spatial implementation",
+    nn.PixelUnshuffle: "no spatial implementation",
+}
+
+
+def register_spatial_module(base: type[nn.Module]) -> Callable[[type], type]:
+    """Class decorator: ``parallelize`` turns modules of exactly type ``base`` into the
+    decorated subclass (which must not add parameters or buffers)."""
+
+    def deco(cls: type) -> type:
+        if not issubclass(cls, base):
+            raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
+        _SPATIAL_MODULES[base] = cls
+        _REFUSED_MODULES.pop(base, None)
+        return cls
+
+    return deco
+
+
+def refuse_module(base: type[nn.Module], reason: str) -> None:
+    """Make ``parallelize`` refuse modules of exactly type ``base``."""
+    if base not in _SPATIAL_MODULES:
+        _REFUSED_MODULES[base] = reason
+
+
+class _SpatialRoot:
+    """Mixin for the parallelized root module: its forward runs under ``SpatialMode``."""
+
+    def forward(self, *args, **kwargs):
+        with SpatialMode():
+            return super().forward(*args, **kwargs)
+
+
+def _sp_mesh_dim(mesh: DeviceMesh) -> int:
+    names = mesh.mesh_dim_names
+    if mesh.ndim == 1:
+        return 0
+    if not names or "sp" not in names:
+        raise SpatialShardingError(
+            f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
+            f"(e.g. ('dp', 'sp')), got {names}"
+        )
+    return names.index("sp")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Make ``model`` run width-sharded over the ``"sp"`` dimension of ``mesh``.
+
+    Swaps supported layers in place and returns the same model object. Feed it a DTensor
+    with placement ``Shard(3)`` (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh); its output
+    equals the single-device output and, after ``backward``, every rank holds the
+    single-device parameter gradients. Raises ``SpatialShardingError`` naming every module
+    that cannot run width-sharded.
+    """
+    _sp_mesh_dim(mesh)
+    problems = []
+    for path, module in model.named_modules():
+        kind = type(module)
+        if kind in _SPATIAL_MODULES:
+            module.__class__ = _SPATIAL_MODULES[kind]
+            module.spatial_name = path or type(model).__name__
+        elif kind in _REFUSED_MODULES:
+            problems.append(f"  {path or '<root>'} ({kind.__name__}): {_REFUSED_MODULES[kind]}")
+    if problems:
+        raise SpatialShardingError(
+            "parallelize: these modules cannot run on a width-sharded image:\n"
+            + "\n".join(problems)
+            + "\nReplace them in the model, or keep them out of the sharded part."
+        )
+    if not isinstance(model, _SpatialRoot):
+        root = type(model)
+        model.__class__ = type(f"Spatial{root.__name__}", (_SpatialRoot, root), {})
+    model.spatial_mesh = mesh
+    return model

@@ -1,0 +1,15 @@
+"""Shared fixtures: the multi-process worker pool (see ``dist_harness.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import DistPool
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """Spawned gloo worker groups, one per world size, shared by the whole session."""
+    pool = DistPool()
+    yield pool
+    pool.close()

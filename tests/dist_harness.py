@@ -1,0 +1,139 @@
+"""One shared harness for multi-process tests: real gloo process groups on CPU.
+
+``DistPool`` keeps, per world size, a group of spawned worker processes with an initialised
+gloo process group, and runs top-level test functions on every rank of a group at once
+(``pool.run(world, fn, *args)`` returns the list of per-rank results). Spawning once per
+world size instead of once per test keeps the many-case grids fast on 2 cores.
+
+A rank that raises makes ``run`` raise with that rank's traceback; the group is then torn
+down and respawned for the next test (a failed collective can leave it unusable). A
+process group timeout guards against hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+TIMEOUT_S = float(os.environ.get("SPCONV_TEST_TIMEOUT", "120"))
+_MESHES: dict = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["SPCONV_TEST_WORKER"] = "1"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=TIMEOUT_S / 2),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - every failure must reach the test
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def mesh(shape: tuple[int, ...] | int, names: tuple[str, ...] | None = None):
+    """A (cached) CPU DeviceMesh over all ranks of the current worker group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    names = names or (("sp",) if len(shape) == 1 else ("dp", "sp"))
+    key = (shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+class _Group:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [
+            ctx.Process(
+                target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True
+            )
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, kwargs, timeout: float) -> list:
+        for q in self.tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(self.world)) - set(out) - set(errors))
+                errors[-1] = f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
+                break
+            (out if ok else errors)[rank] = value
+        if errors:
+            first = min(errors)
+            raise AssertionError(
+                f"{fn.__name__} failed on rank(s) {sorted(errors)} of {self.world}:\n"
+                f"{errors[first]}"
+            )
+        return [out[r] for r in range(self.world)]
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if force else 10)
+            if p.is_alive():
+                p.kill()
+
+
+class DistPool:
+    """Worker groups keyed by world size, created on first use."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, _Group] = {}
+
+    def run(self, world: int, fn, *args, timeout: float = TIMEOUT_S, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank of a ``world``-process gloo group and
+        return the per-rank results; raise with the traceback if any rank fails."""
+        group = self.groups.get(world)
+        if group is None:
+            group = self.groups[world] = _Group(world)
+        try:
+            return group.run(fn, args, kwargs, timeout)
+        except AssertionError:
+            group.close(force=True)
+            del self.groups[world]
+            raise
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            g.close()
+        self.groups.clear()
