@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+
+from spconv_train.parallel import parallelize
+
+TOL = 1e-5
 
 
 def full(t):
@@ -34,3 +40,41 @@ def seeded(seed: int, *shape, dtype=torch.float32) -> torch.Tensor:
     """A reproducible random tensor (same on every rank)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=dtype)
+
+
+def grad_dtensor(g: torch.Tensor, dmesh, kind: str, placements) -> DTensor:
+    """The upstream gradient ``g`` as a DTensor in the requested placement."""
+    if kind == "shard":
+        return distribute_tensor(g, dmesh, placements)
+    if kind == "replicate":
+        return distribute_tensor(g, dmesh, [Replicate()] * dmesh.ndim)
+    # Partial: rank r holds a share c_r * g with sum(c_r) = 1.
+    rank, n = dmesh.get_rank(), dmesh.size()
+    share = (rank + 1) / (n * (n + 1) / 2)
+    return DTensor.from_local(g * share, dmesh, [Partial()] * dmesh.ndim, run_check=False)
+
+
+def compare_module(model, x, dmesh, placements, grad_kind, label, failures, tol=TOL):
+    """Run ``model`` on ``x`` on one device and sharded (``parallelize`` on ``dmesh``, input
+    distributed with ``placements``), backward with the same seeded upstream gradient given
+    in placement ``grad_kind`` ("shard", "replicate" or "partial"); append every mismatch of
+    output, input gradient and parameter gradients to ``failures``. Returns the sharded
+    model (for further checks, e.g. buffers)."""
+    ref = copy.deepcopy(model)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    g = seeded(99, *yr.shape)
+    yr.backward(g)
+
+    par = parallelize(copy.deepcopy(model), dmesh)
+    xs = distribute_tensor(x.clone(), dmesh, placements).requires_grad_()
+    ys = par(xs)
+    if not isinstance(ys, DTensor) or tuple(ys.placements) != tuple(placements):
+        failures.append(f"{label}: output is not a DTensor with {placements}")
+        return par, ref
+    ys.backward(grad_dtensor(g, dmesh, grad_kind, placements))
+    check_close(f"{label} output", ys, yr, tol, failures)
+    check_close(f"{label} input grad", xs.grad, xr.grad, tol, failures)
+    for (name, p), (_, pr) in zip(par.named_parameters(), ref.named_parameters(), strict=True):
+        check_close(f"{label} {name}.grad", p.grad, pr.grad, tol, failures)
+    return par, ref

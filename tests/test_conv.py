@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, parallelize
 from tests.dist_harness import mesh
-from tests.reference import check_close, seeded
-
-TOL = 1e-5
+from tests.reference import compare_module, seeded
 
 
 def _conv_configs() -> list[dict]:
@@ -55,39 +51,6 @@ def _width_for(conv: nn.Conv2d, world: int) -> int:
     halo = d * (k - 1) + max(conv._reversed_padding_repeated_twice[:2])
     w = world * s * (halo + 3)
     return w + 1 if world > 1 else w
-
-
-def _grad_dtensor(g: torch.Tensor, dmesh, kind: str, placements) -> DTensor:
-    """The upstream gradient ``g`` as a DTensor in the requested placement."""
-    if kind == "shard":
-        return distribute_tensor(g, dmesh, placements)
-    if kind == "replicate":
-        return distribute_tensor(g, dmesh, [Replicate()] * dmesh.ndim)
-    # Partial: rank r holds a share c_r * g with sum(c_r) = 1.
-    rank, n = dmesh.get_rank(), dmesh.size()
-    share = (rank + 1) / (n * (n + 1) / 2)
-    return DTensor.from_local(g * share, dmesh, [Partial()] * dmesh.ndim, run_check=False)
-
-
-def compare_module(model, x, dmesh, placements, grad_kind, label, failures, tol=TOL):
-    """Run ``model`` on ``x`` on one device and sharded; append mismatches to ``failures``."""
-    ref = copy.deepcopy(model)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    g = seeded(99, *yr.shape)
-    yr.backward(g)
-
-    par = parallelize(copy.deepcopy(model), dmesh)
-    xs = distribute_tensor(x.clone(), dmesh, placements).requires_grad_()
-    ys = par(xs)
-    if not isinstance(ys, DTensor) or tuple(ys.placements) != tuple(placements):
-        failures.append(f"{label}: output is not a DTensor with {placements}")
-        return
-    ys.backward(_grad_dtensor(g, dmesh, grad_kind, placements))
-    check_close(f"{label} output", ys, yr, tol, failures)
-    check_close(f"{label} input grad", xs.grad, xr.grad, tol, failures)
-    for (name, p), (_, pr) in zip(par.named_parameters(), ref.named_parameters(), strict=True):
-        check_close(f"{label} {name}.grad", p.grad, pr.grad, tol, failures)
 
 
 def conv_grid(world: int, grad_kind: str) -> list[str]:
