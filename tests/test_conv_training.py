@@ -46,11 +46,10 @@ def train_compare(shape: tuple[int, ...], steps: int = 10) -> list[str]:
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            check_close(
-                f"{name} step {step} loss", loss_par.full_tensor(), loss_ref, 1e-5, failures
-            )
+            label = f"{name} step {step}"
+            check_close(f"{label} loss", loss_par.full_tensor(), loss_ref, 1e-5, failures)
             for (pn, p), (_, q) in zip(par.named_parameters(), ref.named_parameters(), strict=True):
-                check_close(f"{name} step {step} {pn}", p, q, 1e-5, failures)
+                check_close(f"{label} {pn}", p, q, 1e-5, failures)
     return failures
 
 
