@@ -13,11 +13,20 @@ This package depends only on torch.
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import _conv  # noqa: F401  (registers the spatial convolution)
+from . import _conv, _norm  # noqa: F401  (importing registers the spatial ops)
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import HALO_SECONDS, gather_columns, sum_grad_over
 from ._mode import SpatialMode, refuse_function, register_function
+from ._norm import (
+    SpatialBatchNorm2d,
+    SpatialGroupNorm,
+    SpatialInstanceNorm2d,
+    SpatialSyncBatchNorm,
+    spatial_batch_norm,
+    spatial_group_norm,
+    spatial_instance_norm,
+)
 from ._parallelize import parallelize, refuse_module, register_spatial_module
 from ._window import WindowPlan, gather_window, plan_window
 
@@ -29,7 +38,11 @@ __all__ = [
     "Partial",
     "Replicate",
     "Shard",
+    "SpatialBatchNorm2d",
     "SpatialConv2d",
+    "SpatialGroupNorm",
+    "SpatialInstanceNorm2d",
+    "SpatialSyncBatchNorm",
     "SpatialMode",
     "SpatialShardingError",
     "WindowPlan",
@@ -45,6 +58,9 @@ __all__ = [
     "register_function",
     "register_spatial_module",
     "shard_bounds",
+    "spatial_batch_norm",
     "spatial_conv2d",
+    "spatial_group_norm",
+    "spatial_instance_norm",
     "sum_grad_over",
 ]

@@ -1,0 +1,228 @@
+"""Benchmark: width-sharded halo convolution vs DTensor's own routes vs one process.
+
+Forward+backward time per step and peak memory per rank of ``Conv2d(C, C, 3, padding=1)``
+on a ``1 x C x H x W`` image, one thread per process, gloo on CPU (NCCL on GPU with
+``--device cuda``), for several world sizes. Rows:
+
+- ``one process``: the plain convolution on the whole image (world size 1);
+- ``halo (spconv)``: ``parallelize`` + ``Shard(3)`` input (this project);
+- ``dtensor native``: ``nn.Conv2d`` applied to the ``Shard(3)`` DTensor as is (PyTorch's own
+  DTensor convolution; its result is checked and flagged when wrong);
+- ``dtensor gather``: gather the image (``full_tensor``), convolve, re-shard: the only
+  correct DTensor route;
+- ``floor (no comm)``: every rank convolves its own strip with no communication at all.
+
+Usage: ``python scripts/bench_conv.py [--channels 32 --height 512 --width 2048 --worlds 1 2 4]``
+(``make bench-conv``). Prints a table; ``--markdown`` prints it as Markdown for
+``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_mib(device: str) -> float:
+    """Peak memory so far: the CUDA allocator's peak, or the process's peak RSS on CPU."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _current_mib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.memory_allocated() / 2**20
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _time_steps(fn, iters: int, warmup: int, device: str) -> float:
+    """Median seconds per call of ``fn`` (max over ranks: a step ends when the slowest does)."""
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(dt.item())
+    return statistics.median(times)
+
+
+VARIANTS = ("one process", "floor (no comm)", "halo (spconv)", "dtensor gather", "dtensor native")
+
+
+def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
+    """Measure one variant in a fresh process (so the CPU peak RSS is that variant's)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from spconv_train.parallel import init_device_mesh, parallelize
+
+    torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=10),
+    )
+    mesh = init_device_mesh(device, (world,), mesh_dim_names=("sp",))
+    c, h, w = args.channels, args.height, args.width
+    torch.manual_seed(0)
+    conv = nn.Conv2d(c, c, 3, padding=1).to(device)
+    img = torch.randn(1, c, h, w, device=device)
+    x_dt = distribute_tensor(img, mesh, [Shard(3)])
+    note = ""
+    if variant == "one process":
+        x0 = img
+
+        def step():
+            conv(x0.detach().requires_grad_()).sum().backward()
+
+    elif variant == "floor (no comm)":
+        strip = x_dt.to_local().clone()  # this rank's strip, convolved with no halo at all
+
+        def step():
+            conv(strip.detach().requires_grad_()).sum().backward()
+
+    elif variant == "halo (spconv)":
+        model = parallelize(nn.Sequential(conv), mesh)
+
+        def step():
+            model(x_dt.detach().requires_grad_()).sum().backward()
+
+    elif variant == "dtensor gather":
+
+        def step():
+            x = x_dt.detach().requires_grad_()
+            y = DTensor.from_local(conv(x.full_tensor()), mesh, [Replicate()], run_check=False)
+            y.redistribute(mesh, [Shard(3)]).sum().backward()
+
+    else:  # PyTorch's own DTensor convolution, checked for correctness first
+        try:
+            y = conv(x_dt)
+            ok = y.placements[0].is_shard() and torch.allclose(y.full_tensor(), conv(img))
+            note = "correct" if ok else "WRONG result"
+        except Exception as exc:  # noqa: BLE001 - report, don't crash the benchmark
+            queue.put((rank, None, f"raises {type(exc).__name__}"))
+            dist.destroy_process_group()
+            return
+
+        def step():
+            conv(x_dt.detach().requires_grad_()).sum().backward()
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = _current_mib(device)
+    try:
+        sec = _time_steps(step, args.iters, args.warmup, device)
+    except Exception as exc:  # noqa: BLE001 - the parent must not wait forever
+        queue.put((rank, None, f"failed: {exc}"))
+        raise
+    queue.put((rank, (sec, _peak_mib(device) - base), note))
+    dist.destroy_process_group()
+
+
+def run_variant(world: int, variant: str, args) -> tuple[float, float, str]:
+    """(seconds per step, peak extra MiB on the worst rank, note) of one variant."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, variant, args, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=3600) for _ in procs]
+    for p in procs:
+        p.join()
+    if any(r[1] is None for r in results):
+        return float("nan"), float("nan"), results[0][2]
+    sec = max(r[1][0] for r in results)
+    mem = max(r[1][1] for r in results)
+    return sec, mem, results[0][2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--height", type=int, default=512)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = ap.parse_args(argv)
+
+    print(
+        f"Conv2d({args.channels}, {args.channels}, 3, padding=1), input 1x{args.channels}x"
+        f"{args.height}x{args.width}, forward+backward, {args.threads} thread(s)/process, "
+        f"{args.device}; machine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}",
+        file=sys.stderr,
+    )
+    table = []
+    single = None
+    for world in args.worlds:
+        floor = None
+        for variant in VARIANTS:
+            if (variant == "one process") != (world == 1) and variant != "halo (spconv)":
+                continue  # one process only at world 1; the others only sharded (and halo at 1)
+            sec, mem, note = run_variant(world, variant, args)
+            if variant == "one process":
+                single = sec
+            if variant == "floor (no comm)":
+                floor = sec
+            if variant == "halo (spconv)" and floor:
+                note = f"{sec / floor:.2f}x floor"
+            print(f"  measured {world} rank(s) {variant}: {sec * 1e3:.1f} ms", file=sys.stderr)
+            table.append((world, variant, sec * 1e3, mem, single and single / sec, note))
+    mem_label = "peak MiB/rank" if args.device == "cuda" else "peak RSS MiB/rank"
+    header = ("ranks", "variant", "ms/step", mem_label, "speed-up vs 1 proc", "note")
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+    else:
+        print(
+            f"{header[0]:>5}  {header[1]:<16} {header[2]:>9} {header[3]:>18} {header[4]:>18}  note"
+        )
+    for world, name, ms, mem, speed, note in table:
+        speed_s = f"{speed:.2f}x" if speed else "-"
+        if args.markdown:
+            print(f"| {world} | {name} | {ms:.1f} | {mem:.0f} | {speed_s} | {note} |")
+        else:
+            print(f"{world:>5}  {name:<16} {ms:>9.1f} {mem:>18.0f} {speed_s:>18}  {note}")
+
+
+if __name__ == "__main__":
+    main()

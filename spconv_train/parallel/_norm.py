@@ -1,0 +1,349 @@
+"""Width-sharded normalisation: ``BatchNorm2d`` (and ``SyncBatchNorm``), ``GroupNorm``,
+``InstanceNorm2d`` and their functional forms.
+
+No halo, only statistics: each rank sums its strip, the small sums are all-reduced over the
+ranks holding other parts of the same statistic, and the strip is normalised with the global
+values. Batch norm: one statistic per channel over the global batch and image, reduced over
+``layout.stat_groups`` (width and data parallel, like SyncBatchNorm); group and instance
+norm: per sample, reduced over the spatial group only. Variances are two-pass (global mean,
+then squared deviations from it), so large means cost no digits. The backward is the
+analytic one with its two sums reduced the same way; affine gradients are local partial
+sums completed by ``sum_grad_over``. Running statistics follow torch exactly and are
+identical on every rank (all compute them from the same reduced sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
+
+from ._halo import sum_grad_over
+from ._mode import register_function
+from ._parallelize import register_spatial_module
+from ._sharding import SpatialLayout, enter, leave, spatial_layout
+
+
+def _all_reduce(t: Tensor, groups: tuple) -> Tensor:
+    """Sum ``t`` in place over each process group in turn (skipping one-rank groups)."""
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+@dataclass(frozen=True)
+class _Cells:
+    """A layer's statistics: "batch" (per channel), "group" (per sample and channel group) or
+    "instance" (per sample and channel); ``count`` global elements each, their parts held by
+    the ranks of ``groups``."""
+
+    kind: str
+    channels: int
+    num_groups: int
+    count: int
+    groups: tuple
+
+    def collect(self, t: Tensor) -> Tensor:
+        """Per-(sample, channel) local sums ``(N, C)`` -> per-statistic local sums."""
+        if self.kind == "batch":
+            return t.sum(0, keepdim=True)  # (1, C)
+        if self.kind == "group":
+            return t.reshape(t.shape[0], self.num_groups, -1).sum(2)  # (N, G)
+        return t  # (N, C)
+
+    def spread(self, cells: Tensor) -> Tensor:
+        """Per-statistic values -> ``(1 or N, C)``, each channel with its statistic."""
+        if self.kind == "group":
+            return cells.repeat_interleave(self.channels // self.num_groups, dim=1)
+        return cells
+
+
+def _hw(t: Tensor) -> Tensor:
+    return t[:, :, None, None]
+
+
+@torch.no_grad()
+def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
+    """Global mean and biased variance of every statistic, from the local strip ``x``."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    s = cells.collect(x.sum((2, 3), dtype=acc))
+    mean = _all_reduce(s.contiguous(), cells.groups) / cells.count
+    xmu = x.to(acc) - _hw(cells.spread(mean))
+    m2 = cells.collect(xmu.square_().sum((2, 3)))
+    var = _all_reduce(m2.contiguous(), cells.groups) / cells.count
+    return mean, var
+
+
+class _Normalize(torch.autograd.Function):
+    """``(x - mean) * invstd * weight + bias``; the backward goes through the statistics, its
+    sums reduced like them. Only ``x`` is saved, as in torch's own batch norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, cells: _Cells):
+        scale = cells.spread(invstd)
+        if weight is not None:
+            scale = scale * weight
+        y = torch.sub(x, _hw(cells.spread(mean))).mul_(_hw(scale))
+        if bias is not None:
+            y.add_(_hw(bias[None]))
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.cells = cells
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        cells: _Cells = ctx.cells
+        s = cells.spread(invstd)  # (1 or N, C)
+        xmu = x.to(s.dtype) - _hw(cells.spread(mean))
+        g = dy.to(s.dtype)
+        s1 = g.sum((2, 3))  # local sum of dy per (sample, channel)
+        s2 = (g * xmu).sum((2, 3))  # local sum of dy * (x - mean)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            w = weight if weight is not None else torch.ones_like(s[0])
+            # Sums of d(xhat) and d(xhat) * (x - mean) over each statistic, globally.
+            red = torch.stack([cells.collect(s1 * w), cells.collect(s2 * w)])
+            red = _all_reduce(red.contiguous(), cells.groups) / cells.count
+            a, b = cells.spread(red[0]), cells.spread(red[1])
+            # dx = invstd * (w*dy - mean(w*dy) - xhat * mean(w*dy * xhat))
+            dx = xmu.mul_(_hw(-s.pow(3) * b)).addcmul_(g, _hw(s * w)).sub_(_hw(s * a))
+            dx = dx.to(x.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            dw = (s2 * s).sum(0).to(weight.dtype)  # partial: sum_grad_over completes it
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = s1.sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.numel() != c:
+            raise ValueError(f"{what}: {name} has {t.numel()} elements for {c} channels")
+
+
+def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, eps: float):
+    """Normalise the local strip of ``x`` with global statistics ``cells``; returns the
+    output DTensor and the statistics (mean, biased variance)."""
+    local = enter(x)
+    mean, var = _moments(local.detach(), cells)
+    invstd = torch.rsqrt(var + eps)
+    groups = layout.grad_groups
+    y = _Normalize.apply(
+        local, sum_grad_over(weight, groups), sum_grad_over(bias, groups), mean, invstd, cells
+    )
+    return leave(y, layout, tuple(x.shape)), mean, var
+
+
+def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> DTensor:
+    """Normalise with given (running) per-channel statistics: elementwise, no reduction."""
+    w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
+    y = F.batch_norm(enter(x), mean, var, w, b, False, 0.0, eps)
+    return leave(y, layout, tuple(x.shape))
+
+
+@torch.no_grad()
+def _update(running: Tensor | None, value: Tensor, momentum: float) -> None:
+    if running is not None:
+        running.copy_(momentum * value.reshape(-1) + (1 - momentum) * running)
+
+
+def spatial_batch_norm(
+    x: DTensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    what: str = "batch_norm",
+) -> DTensor:
+    """``F.batch_norm`` of a width-sharded DTensor: in training, statistics over the whole
+    global batch and image (reduced over the width and data-parallel ranks) and the running
+    statistics updated in place exactly as torch does, identically on every rank."""
+    x, layout = spatial_layout(x, what)
+    n, c, h, w = x.shape
+    _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
+    if not training:
+        return _normalize_with(x, layout, running_mean, running_var, weight, bias, eps)
+    if n * h * w == 1:
+        raise ValueError(f"{what}: Expected more than 1 value per channel, got {list(x.shape)}")
+    if eps <= 0.0:
+        raise ValueError(f"{what}: batch_norm eps must be positive during training, got {eps}")
+    count = n * h * w
+    cells = _Cells("batch", c, c, count, layout.stat_groups)
+    y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
+    _update(running_mean, mean, momentum)
+    _update(running_var, var * (count / (count - 1)), momentum)
+    return y
+
+
+def spatial_group_norm(
+    x: DTensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    what: str = "group_norm",
+) -> DTensor:
+    """``F.group_norm`` of a width-sharded DTensor: per sample and group, statistics over
+    its channels and the whole image (reduced over the spatial group only)."""
+    x, layout = spatial_layout(x, what)
+    n, c, h, w = x.shape
+    if c % num_groups:
+        raise RuntimeError(
+            f"{what}: Expected number of channels in input to be divisible by num_groups, "
+            f"but got input of shape {list(x.shape)} and num_groups={num_groups}"
+        )
+    _check_channels(what, c, weight=weight, bias=bias)
+    count = c // num_groups * h * w
+    if n * count == 1:
+        raise ValueError(f"{what}: Expected more than 1 value per channel, got {list(x.shape)}")
+    cells = _Cells("group", c, num_groups, count, (layout.sp_group,))
+    return _normalize(x, layout, cells, weight, bias, eps)[0]
+
+
+def spatial_instance_norm(
+    x: DTensor,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    what: str = "instance_norm",
+) -> DTensor:
+    """``F.instance_norm`` of a width-sharded DTensor: per sample and channel, statistics
+    over the whole image. Running statistics (when given) are updated like torch's: with the
+    batch average of the per-sample mean and unbiased variance, over the global batch."""
+    x, layout = spatial_layout(x, what)
+    n, c, h, w = x.shape
+    _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
+    if not use_input_stats:
+        return _normalize_with(x, layout, running_mean, running_var, weight, bias, eps)
+    count = h * w
+    if count == 1:
+        raise ValueError(f"{what}: Expected more than 1 spatial element, got {list(x.shape)}")
+    cells = _Cells("instance", c, c, count, (layout.sp_group,))
+    y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
+    if running_mean is not None or running_var is not None:
+        # Every rank of the spatial group holds the same per-sample statistics: average them
+        # over the global batch by summing over the local samples and the batch-sharded dims.
+        dp = tuple(layout.mesh.get_group(i) for i in layout.batch_dims if i != layout.sp_dim)
+        avg = torch.stack([mean.sum(0), (var * (count / (count - 1))).sum(0)])
+        avg = _all_reduce(avg.contiguous(), dp) / n
+        _update(running_mean, avg[0], momentum)
+        _update(running_var, avg[1], momentum)
+    return y
+
+
+def _label(module: nn.Module) -> str:
+    base = next(c for c in type(module).__mro__ if c.__module__.startswith("torch."))
+    return f"{module.spatial_name or '<module>'} ({base.__name__}({module.extra_repr()}))"
+
+
+class _SpatialBatchNorm:
+    """``_BatchNorm.forward`` (torch 2.14) with the width-sharded functional."""
+
+    spatial_name: str = ""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, DTensor):
+            return super().forward(x)
+        self._check_input_dim(x)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        keep = not self.training or self.track_running_stats  # running stats to use or update
+        rm, rv = (self.running_mean, self.running_var) if keep else (None, None)
+        w, b = self.weight, self.bias
+        return spatial_batch_norm(x, rm, rv, w, b, batch_stats, factor, self.eps, _label(self))
+
+
+@register_spatial_module(nn.BatchNorm2d)
+class SpatialBatchNorm2d(_SpatialBatchNorm, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` on a width-sharded input: batch statistics over the whole global
+    batch and image, as SyncBatchNorm over the mesh. Plain tensors run the ordinary layer."""
+
+
+@register_spatial_module(nn.SyncBatchNorm)
+class SpatialSyncBatchNorm(_SpatialBatchNorm, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` on a width-sharded input: synchronised over the input's mesh
+    (width and data-parallel dimensions); its ``process_group`` is not used."""
+
+
+@register_spatial_module(nn.GroupNorm)
+class SpatialGroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` on a width-sharded input (statistics reduced over the width)."""
+
+    spatial_name: str = ""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, DTensor):
+            return super().forward(x)
+        return spatial_group_norm(
+            x, self.num_groups, self.weight, self.bias, self.eps, _label(self)
+        )
+
+
+@register_spatial_module(nn.InstanceNorm2d)
+class SpatialInstanceNorm2d(nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` on a width-sharded input (statistics reduced over the width)."""
+
+    spatial_name: str = ""
+
+    def _apply_instance_norm(self, x: Tensor) -> Tensor:
+        if not isinstance(x, DTensor):
+            return super()._apply_instance_norm(x)
+        batch_stats = self.training or not self.track_running_stats
+        momentum = self.momentum if self.momentum is not None else 0.0
+        rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
+        return spatial_instance_norm(x, rm, rv, w, b, batch_stats, momentum, self.eps, _label(self))
+
+
+# The functional handlers. The names also cover ``torch.batch_norm`` / ``torch.instance_norm``
+# whose argument order differs (weight and bias first, plus a required ``cudnn_enabled``): a
+# ninth argument tells them apart.
+def _bind(args: tuple, kwargs: dict, flag: str) -> dict:
+    """Arguments of an ``F.*_norm`` or ``torch.*_norm`` call as keywords of ``spatial_*``."""
+    stats = ("running_mean", "running_var")
+    if "cudnn_enabled" in kwargs or len(args) + len(kwargs) == 9:
+        names = ("input", "weight", "bias", *stats, flag, "momentum", "eps", "cudnn_enabled")
+    else:
+        names = ("input", *stats, "weight", "bias", flag, "momentum", "eps")
+    bound = {**dict(zip(names, args, strict=False)), **kwargs}
+    bound.pop("cudnn_enabled", None)
+    bound["x"] = bound.pop("input")
+    return bound
+
+
+@register_function("batch_norm")
+def _functional_batch_norm(*args, **kwargs):
+    """``F.batch_norm`` (or ``torch.batch_norm``) on a width-sharded input."""
+    return spatial_batch_norm(**_bind(args, kwargs, "training"), what="F.batch_norm")
+
+
+@register_function("instance_norm")
+def _functional_instance_norm(*args, **kwargs):
+    """``F.instance_norm`` (or ``torch.instance_norm``) on a width-sharded input."""
+    bound = _bind(args, kwargs, "use_input_stats")
+    return spatial_instance_norm(**bound, what="F.instance_norm")
+
+
+@register_function("group_norm")
+def _functional_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    """``F.group_norm`` (or ``torch.group_norm``) on a width-sharded input."""
+    return spatial_group_norm(input, num_groups, weight, bias, eps, "F.group_norm")
