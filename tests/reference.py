@@ -21,6 +21,8 @@ def rel_err(got, want) -> float:
     """max |got - want| / max |want| (absolute when ``want`` is all zeros)."""
     got, want = full(got).detach().double(), full(want).detach().double()
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if want.numel() == 0:
+        return 0.0
     scale = want.abs().max().item()
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 

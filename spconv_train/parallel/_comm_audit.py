@@ -1,0 +1,105 @@
+"""Count the communication a sharded step does, and catch hidden activation gathers.
+
+``CommAudit`` is a ``TorchDispatchMode`` that records every c10d operation dispatched while
+it is active: the classic ``c10d.*`` ops (``allreduce_``, ``send``, ``recv_``, ``scatter_``,
+...) that ``torch.distributed`` calls go through, and the functional ``_c10d_functional.*``
+ops DTensor uses for its redistributions (``all_gather_into_tensor``, ...). This leans on
+dispatcher op names: checked against torch 2.13 and 2.14 (``tests/test_comm_audit.py``
+guards it). It plays the role of DTensor's ``CommDebugMode`` but also sees the
+point-to-point halo traffic and plain ``dist.all_reduce`` calls.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+_P2P = ("send", "recv", "recv_", "recv_any_source_")
+_SKIP = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
+#: Ops that move (pieces of) a whole tensor between ranks rather than reducing it.
+_GATHER_LIKE = (
+    "all_gather",
+    "allgather",
+    "all_to_all",
+    "alltoall",
+    "reduce_scatter",
+    "scatter",
+    "broadcast",
+    "gather",
+)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+@dataclass
+class CommRecord:
+    """One communication op: its name, kind and the elements of its (largest) tensor."""
+
+    op: str
+    kind: str  # "p2p", "reduce" or "gather"
+    numel: int
+    shape: tuple[int, ...]
+
+
+class CommAudit(TorchDispatchMode):
+    """Record c10d ops while active (``with CommAudit() as audit: ...``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[CommRecord] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in _NAMESPACES:
+            name = func.__name__.split(".")[0]
+            if name not in _SKIP:
+                ts = _tensors(args) + _tensors(list(kwargs.values()))
+                big = max(ts, key=lambda t: t.numel(), default=None)
+                kind = (
+                    "p2p"
+                    if name in _P2P
+                    else "gather"
+                    if any(g in name for g in _GATHER_LIKE)
+                    else "reduce"
+                )
+                self.records.append(
+                    CommRecord(
+                        name,
+                        kind,
+                        big.numel() if big is not None else 0,
+                        tuple(big.shape) if big is not None else (),
+                    )
+                )
+        return func(*args, **kwargs)
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """``{kind: {"count": n, "elements": total}}``."""
+        counts: Counter = Counter()
+        elements: Counter = Counter()
+        for r in self.records:
+            counts[r.kind] += 1
+            elements[r.kind] += r.numel
+        return {k: {"count": counts[k], "elements": elements[k]} for k in counts}
+
+    def activation_sized(
+        self, min_elements: int, param_shapes: set[tuple[int, ...]] = frozenset()
+    ) -> list[CommRecord]:
+        """Records that look like a gathered activation: a gather-like op moving at least
+        ``min_elements``, or a reduction that large whose shape is not a parameter's
+        (parameter-gradient all-reduces are expected)."""
+        return [
+            r
+            for r in self.records
+            if r.numel >= min_elements
+            and (r.kind == "gather" or (r.kind == "reduce" and r.shape not in param_shapes))
+        ]
