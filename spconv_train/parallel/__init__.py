@@ -13,10 +13,12 @@ This package depends only on torch.
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import _conv, _norm  # noqa: F401  (importing registers the spatial ops)
+from . import _conv, _conv_transpose, _interpolate, _norm  # noqa: F401  (registers the ops)
 from ._conv import SpatialConv2d, spatial_conv2d
+from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import HALO_SECONDS, gather_columns, sum_grad_over
+from ._interpolate import SpatialUpsample, spatial_interpolate
 from ._mode import SpatialMode, refuse_function, register_function
 from ._norm import (
     SpatialBatchNorm2d,
@@ -40,6 +42,8 @@ __all__ = [
     "Shard",
     "SpatialBatchNorm2d",
     "SpatialConv2d",
+    "SpatialConvTranspose2d",
+    "SpatialUpsample",
     "SpatialGroupNorm",
     "SpatialInstanceNorm2d",
     "SpatialSyncBatchNorm",
@@ -60,6 +64,8 @@ __all__ = [
     "shard_bounds",
     "spatial_batch_norm",
     "spatial_conv2d",
+    "spatial_conv_transpose2d",
+    "spatial_interpolate",
     "spatial_group_norm",
     "spatial_instance_norm",
     "sum_grad_over",

@@ -105,6 +105,8 @@ def gather_columns(local: Tensor, plan: ExchangePlan, rank: int, group) -> Tenso
     if len(plan.owned) == 1:
         # One rank: no communication; slicing keeps autograd simple and exact.
         parts = [_column_slice(local, s, e) for s, e in plan.needed[0]]
+        if not parts:
+            return local.narrow(-1, 0, 0)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return _GatherColumns.apply(local, plan, rank, group)
 

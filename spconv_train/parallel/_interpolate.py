@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
-from ._mode import register_function
+from ._mode import _HANDLERS, register_function
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, spatial_layout
 
@@ -115,9 +115,9 @@ def resize_table(
         )
         real = ratio * j.to(opm)
     else:
-        # ATen's ``ratio * (j + 0.5) - 0.5`` is contracted into one fused multiply-add by
-        # the compiler (a single rounding): in float64 the product is exact, so computing it
-        # there and rounding once gives the same bits.
+        # ATen's float32 ``ratio * (j + 0.5) - 0.5`` is compiled into one fused multiply-add
+        # (one rounding; two would shift the weights, visibly on wide images):
+        # the product is exact in float64, so computing there and rounding once matches.
         ratio = _ratio(size_in, size_out, scale, opm)
         real = (ratio.double() * (j.double() + 0.5) - 0.5).to(opm).clamp_min(0)
     # guard_index_and_lambda floors with floorf: a float64 index is rounded to float first.
@@ -205,7 +205,8 @@ def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
     i0, i1, w0, w1 = table
     shape = [1] * t.ndim
     shape[dim] = -1
-    # ATen computes t0 * w0 + t1 * w1 (width innermost): the same order, the same result.
+    # ATen sums t0 * w0 + t1 * w1 with the width innermost: the same order (equal to ~1 ulp;
+    # the compiler may fuse ATen's multiply-add).
     return t.index_select(dim, i0) * w0.view(shape) + t.index_select(dim, i1) * w1.view(shape)
 
 
@@ -266,10 +267,8 @@ def spatial_interpolate(
 
 
 def _area(x, out_hw: tuple[int, int], what: str):
-    from . import _mode
-
-    fn = torch.nn.functional.adaptive_avg_pool2d
-    handler = _mode._HANDLERS.get(id(fn))
+    """``mode='area'`` is ``adaptive_avg_pool2d`` in torch: use its spatial handler if any."""
+    handler = _HANDLERS.get(id(torch.nn.functional.adaptive_avg_pool2d))
     if handler is None:
         raise SpatialShardingError(
             f"{what}: interpolate mode='area' is adaptive_avg_pool2d, which has no spatial "
