@@ -17,20 +17,23 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def rel_err(got, want) -> float:
-    """max |got - want| / max |want| (absolute when ``want`` is all zeros)."""
+def rel_err(got, want, floor: float = 0.0) -> float:
+    """max |got - want| / max(max |want|, floor) (absolute when both are zero). ``floor``
+    keeps a mathematically-zero reference (pure rounding noise) from dividing by ~0."""
     got, want = full(got).detach().double(), full(want).detach().double()
     assert got.shape == want.shape, f"shape {tuple(got.shape)} != {tuple(want.shape)}"
     if want.numel() == 0:
         return 0.0
-    scale = want.abs().max().item()
+    scale = max(want.abs().max().item(), floor)
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def check_close(label: str, got, want, tol: float, failures: list[str]) -> None:
+def check_close(
+    label: str, got, want, tol: float, failures: list[str], floor: float = 0.0
+) -> None:
     """Append a readable failure line to ``failures`` if ``got`` is not within ``tol``."""
     try:
-        e = rel_err(got, want)
+        e = rel_err(got, want, floor)
     except AssertionError as exc:
         failures.append(f"{label}: {exc}")
         return

@@ -13,7 +13,7 @@ This package depends only on torch.
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import _conv, _conv_transpose, _interpolate, _norm  # noqa: F401  (registers the ops)
+from . import _conv, _conv_transpose, _interpolate, _linear, _norm, _pointwise, _pool  # noqa: F401
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
@@ -30,6 +30,16 @@ from ._norm import (
     spatial_instance_norm,
 )
 from ._parallelize import parallelize, refuse_module, register_spatial_module
+from ._pool import (
+    SpatialAdaptiveAvgPool2d,
+    SpatialAdaptiveMaxPool2d,
+    SpatialAvgPool2d,
+    SpatialMaxPool2d,
+    spatial_adaptive_avg_pool2d,
+    spatial_adaptive_max_pool2d,
+    spatial_avg_pool2d,
+    spatial_max_pool2d,
+)
 from ._window import WindowPlan, gather_window, plan_window
 
 __all__ = [
@@ -40,12 +50,16 @@ __all__ = [
     "Partial",
     "Replicate",
     "Shard",
+    "SpatialAdaptiveAvgPool2d",
+    "SpatialAdaptiveMaxPool2d",
+    "SpatialAvgPool2d",
     "SpatialBatchNorm2d",
     "SpatialConv2d",
     "SpatialConvTranspose2d",
     "SpatialUpsample",
     "SpatialGroupNorm",
     "SpatialInstanceNorm2d",
+    "SpatialMaxPool2d",
     "SpatialSyncBatchNorm",
     "SpatialMode",
     "SpatialShardingError",
@@ -62,11 +76,15 @@ __all__ = [
     "register_function",
     "register_spatial_module",
     "shard_bounds",
+    "spatial_adaptive_avg_pool2d",
+    "spatial_adaptive_max_pool2d",
+    "spatial_avg_pool2d",
     "spatial_batch_norm",
     "spatial_conv2d",
     "spatial_conv_transpose2d",
     "spatial_interpolate",
     "spatial_group_norm",
     "spatial_instance_norm",
+    "spatial_max_pool2d",
     "sum_grad_over",
 ]

@@ -94,12 +94,20 @@ class CommAudit(TorchDispatchMode):
     def activation_sized(
         self, min_elements: int, param_shapes: set[tuple[int, ...]] = frozenset()
     ) -> list[CommRecord]:
-        """Records that look like a gathered activation: a gather-like op moving at least
-        ``min_elements``, or a reduction that large whose shape is not a parameter's
-        (parameter-gradient all-reduces are expected)."""
+        """Records that look like a moved activation: a gather-like op of at least
+        ``min_elements``, or a reduction that large of a spatial map (the last two dims > 1)
+        whose shape is no parameter's. Statistics ([C], [2, 1, C], [N, C, 1, 1]) and
+        parameter-gradient all-reduces are expected and not flagged."""
+
+        def spatial(shape: tuple[int, ...]) -> bool:
+            return len(shape) >= 3 and shape[-1] > 1 and shape[-2] > 1
+
         return [
             r
             for r in self.records
             if r.numel >= min_elements
-            and (r.kind == "gather" or (r.kind == "reduce" and r.shape not in param_shapes))
+            and (
+                r.kind == "gather"
+                or (r.kind == "reduce" and r.shape not in param_shapes and spatial(r.shape))
+            )
         ]

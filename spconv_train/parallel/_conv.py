@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from ._halo import sum_grad_over
 from ._mode import register_function
 from ._parallelize import register_spatial_module
-from ._sharding import enter, leave, spatial_layout
+from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._window import gather_window, plan_window
 
 
@@ -42,6 +42,14 @@ def spatial_conv2d(
     are summed over the ranks holding other strips (and other batch parts)."""
     x, layout = spatial_layout(x, what)
     pt, pb, pl, pr = padding
+    if not layout.width_sharded:
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+
+        def conv(t, w, b):
+            t = F.pad(t, (pl, pr, pt, pb), mode=mode) if any(padding) else t
+            return F.conv2d(t, w, b, stride, 0, dilation, groups)
+
+        return run_unsharded(x, layout, conv, weight, bias)
     kh, kw = weight.shape[-2:]
     wp = plan_window(
         what, x.shape[3], layout.sp_size, kw, stride[1], dilation[1], pl, pr, padding_mode

@@ -25,7 +25,7 @@ from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_b
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_function
 from ._parallelize import register_spatial_module
-from ._sharding import enter, leave, spatial_layout
+from ._sharding import enter, leave, run_unsharded, spatial_layout
 
 
 def conv_transpose_out_size(
@@ -120,6 +120,16 @@ def spatial_conv_transpose2d(
     ``F.conv_transpose2d`` on the whole tensor. Weight and bias gradients are summed over the
     ranks holding other strips (and other batch parts)."""
     x, layout = spatial_layout(x, what)
+    if not layout.width_sharded:
+        return run_unsharded(
+            x,
+            layout,
+            lambda t, w, b: F.conv_transpose2d(
+                t, w, b, stride, padding, output_padding, groups, dilation
+            ),
+            weight,
+            bias,
+        )
     kw = weight.shape[-1]
     tp = plan_conv_transpose(
         what, x.shape[3], layout.sp_size, kw, stride[1], dilation[1], padding[1], output_padding[1]

@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import _HANDLERS, register_function
 from ._parallelize import register_spatial_module
-from ._sharding import enter, leave, spatial_layout
+from ._sharding import enter, leave, spatial_layout, width_sharded_placements
 
 MODES = ("nearest", "nearest-exact", "bilinear")
 
@@ -147,9 +147,11 @@ def plan_resize(
     align_corners: bool,
     scale: float | None,
     double: bool = False,
+    sharded: bool = True,
 ) -> ResizePlan:
     """Plan the width resize ``width -> out_width`` over ``parts`` ranks (output strips follow
-    DTensor chunking; a rank may get none when ``out_width < parts``)."""
+    DTensor chunking; a rank may get none when ``out_width < parts``). ``sharded=False``:
+    the input is replicated, every rank reads its columns locally (no neighbour check)."""
     table = resize_table(mode, width, out_width, align_corners, scale, double)
     first, last = table[0], table[1] if len(table) > 1 else table[0]
     out_bounds = tuple(all_shard_bounds(out_width, parts))
@@ -163,7 +165,8 @@ def plan_resize(
             needed.append(())
             starts.append(0)
     plan = ExchangePlan(width, tuple(all_shard_bounds(width, parts)), tuple(needed))
-    plan.check_neighbours(what)
+    if sharded:
+        plan.check_neighbours(what)
     return ResizePlan(plan, out_width, out_bounds, tuple(starts))
 
 
@@ -249,12 +252,24 @@ def spatial_interpolate(
             f"{what}: output size {(out_h, out_w)} of input {(h, w)} is empty; torch rejects it."
         )
     double = x.dtype == torch.float64
-    rp = plan_resize(what, w, out_w, layout.sp_size, mode, align, scale_w, double)
+    sharded = layout.width_sharded
+    rp = plan_resize(what, w, out_w, layout.sp_size, mode, align, scale_w, double, sharded)
     rank = layout.sp_rank
     o0, o1 = rp.out_bounds[rank]
-    # Every rank takes part in the exchange, even one with no output columns: others may
-    # need its columns, and its backward must send their gradients back.
-    y = gather_columns(enter(x), rp.exchange, rank, layout.sp_group)
+    if sharded:
+        # Every rank takes part in the exchange, even one with no output columns: others
+        # may need its columns, and its backward must send their gradients back.
+        y = gather_columns(enter(x), rp.exchange, rank, layout.sp_group)
+    else:
+        # A width-replicated input (e.g. DeepLab's pooled branch) is resized straight into
+        # this rank's output strip; each rank's input gradient is then only its part of the
+        # sum, so it is labelled Partial on the sp dimension.
+        grad_pl = list(layout.placements)
+        grad_pl[layout.sp_dim] = Partial()
+        needed = rp.exchange.needed[rank]
+        lo, hi = needed[0] if needed else (0, 0)
+        y = enter(x, tuple(grad_pl)).narrow(-1, lo, hi - lo)
+        layout = replace(layout, placements=width_sharded_placements(layout))
     for dim, n_in, n_out, scale, lo, hi, start in (
         (3, w, out_w, scale_w, o0, o1, rp.starts[rank]),  # width first, as ATen sums
         (2, h, out_h, scale_h, 0, out_h, 0),

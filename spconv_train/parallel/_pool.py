@@ -31,8 +31,8 @@ from ._geometry import ExchangePlan, all_shard_bounds, check_strips, window_out_
 from ._halo import gather_columns
 from ._mode import register_function
 from ._parallelize import register_spatial_module
-from ._sharding import SpatialLayout, enter, leave, spatial_layout
-from ._window import WindowPlan, gather_window, plan_window
+from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
+from ._window import gather_window, plan_window
 
 Segments = tuple[tuple[int, int], ...]
 
@@ -50,11 +50,6 @@ def _pool_plan(what: str, width: int, parts: int, k: int, s: int, d: int, pad: i
     wp = plan_window(what, width, parts, k, s, d, pad, pad_hi)
     assert wp.out_width == out, (what, width, wp.out_width, out)
     return wp, pad_hi
-
-
-def _window_start(wp: WindowPlan, rank: int, stride: int, pad: int) -> int:
-    """Global column of the first column of ``rank``'s gathered window (may be < 0)."""
-    return wp.out_bounds[rank][0] * stride - pad
 
 
 def spatial_max_pool2d(
@@ -75,6 +70,13 @@ def spatial_max_pool2d(
     meta = torch.empty(x.shape, device="meta")
     F.max_pool2d(meta, (kh, kw), (sh, sw), (ph, pw), (dh, dw), ceil_mode, return_indices)
     x, layout = spatial_layout(x, what)
+    if not layout.width_sharded:
+        args = ((kh, kw), (sh, sw), (ph, pw), (dh, dw), ceil_mode)
+        if not return_indices:
+            return run_unsharded(x, layout, lambda t: F.max_pool2d(t, *args))
+        out = run_unsharded(x, layout, lambda t: F.max_pool2d(t, *args, True)[0])
+        idx = F.max_pool2d(x.to_local().detach(), *args, True)[1]
+        return out, leave(idx, layout, tuple(out.shape))
     width, rank = x.shape[3], layout.sp_rank
     wp, _ = _pool_plan(what, width, layout.sp_size, kw, sw, dw, pw, ceil_mode)
     win = gather_window(enter(x), wp, rank, layout.sp_group, "zeros", float("-inf"))
@@ -83,20 +85,16 @@ def spatial_max_pool2d(
     if not return_indices:
         return leave(out, layout, shape)
     # local index h * win_width + c  ->  global index h * W + (window start + c)
-    ww = win.shape[-1]
-    idx = idx // ww * width + idx % ww + _window_start(wp, rank, sw, pw)
+    ww, start = win.shape[-1], wp.out_bounds[rank][0] * sw - pw
+    idx = idx // ww * width + idx % ww + start
     return leave(out, layout, shape), leave(idx, layout, shape)
 
 
 def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: bool) -> list:
     """PyTorch's average-pool divisor factor along one dimension for outputs ``[lo, hi)``:
     the window clipped to ``size + pad`` (``count_include_pad``) or to the image."""
-    out = []
-    for j in range(lo, hi):
-        start = j * s - pad
-        end = min(start + k, size + pad)
-        out.append(end - start if include_pad else min(end, size) - max(start, 0))
-    return out
+    windows = [(j * s - pad, min(j * s - pad + k, size + pad)) for j in range(lo, hi)]
+    return [e - a if include_pad else min(e, size) - max(a, 0) for a, e in windows]
 
 
 def spatial_avg_pool2d(
@@ -117,6 +115,9 @@ def spatial_avg_pool2d(
     args = ((kh, kw), (sh, sw))
     F.avg_pool2d(meta, *args, (ph, pw), ceil_mode, count_include_pad, divisor_override)
     x, layout = spatial_layout(x, what)
+    if not layout.width_sharded:
+        pool_args = (*args, (ph, pw), ceil_mode, count_include_pad, divisor_override)
+        return run_unsharded(x, layout, lambda t: F.avg_pool2d(t, *pool_args))
     height, width, rank = x.shape[2], x.shape[3], layout.sp_rank
     wp, pad_hi = _pool_plan(what, width, layout.sp_size, kw, sw, 1, pw, ceil_mode)
     win = gather_window(enter(x), wp, rank, layout.sp_group, "zeros", 0.0)
@@ -129,10 +130,8 @@ def spatial_avg_pool2d(
         o0, o1 = wp.out_bounds[rank]
         fh = _counts(height, kh, sh, ph, 0, sums.shape[2], count_include_pad)
         fw = _counts(width, kw, sw, pw, o0, o1, count_include_pad)
-        div = torch.tensor(fh, dtype=sums.dtype, device=sums.device)[:, None] * torch.tensor(
-            fw, dtype=sums.dtype, device=sums.device
-        )
-        out = sums / div
+        div = torch.tensor([[a * b for b in fw] for a in fh], dtype=sums.dtype)
+        out = sums / div.to(sums.device)
     return leave(out, layout, (x.shape[0], *out.shape[1:3], wp.out_width))
 
 
@@ -149,10 +148,9 @@ def adaptive_bounds(size: int, out: int, lo: int = 0, hi: int | None = None) -> 
 def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
     """Columns each rank gathers to compute its chunk of ``out`` adaptive output columns."""
     owned = check_strips(what, width, parts, "input")
-    needed = []
-    for o0, o1 in all_shard_bounds(out, parts):
-        needed.append((((o0 * width) // out, -(-(o1 * width) // out)),))
-    plan = ExchangePlan(width, tuple(owned), tuple(needed))
+    bounds = all_shard_bounds(out, parts)
+    needed = tuple((((o0 * width) // out, -(-(o1 * width) // out)),) for o0, o1 in bounds)
+    plan = ExchangePlan(width, tuple(owned), needed)
     plan.check_neighbours(what)
     return plan
 
@@ -173,8 +171,7 @@ def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
     an empty segment gives ``-inf`` at column ``g.shape[-1]``."""
     w = g.shape[-1]
     if segs == ((0, w),):
-        v, col = g.max(-1, keepdim=True)
-        return v, col
+        return g.max(-1, keepdim=True)
     length = max(1, *(e - s for s, e in segs))
     # every segment padded to the same length by repeating its last column (a repeat never
     # wins: max() returns the first maximum), empty segments read the -inf column w
@@ -220,24 +217,20 @@ class _SumReplicated(torch.autograd.Function):
         return grad, None
 
 
-def _replicated(layout: SpatialLayout) -> SpatialLayout:
-    placements = list(layout.placements)
-    placements[layout.sp_dim] = Replicate()
-    return SpatialLayout(layout.mesh, tuple(placements), layout.sp_dim)
-
-
-def spatial_adaptive_pool2d(
-    x: DTensor, output_size, kind: str, return_indices: bool = False, what: str = ""
-):
-    """``F.adaptive_avg_pool2d`` (``kind="avg"``) or ``F.adaptive_max_pool2d`` (``"max"``)
-    on a width-sharded DTensor. ``Shard(3)`` output when every rank gets an output column,
-    else ``Replicate`` on the sp mesh dimension (see the module docstring)."""
-    what = what or f"adaptive_{kind}_pool2d"
+def _adaptive_pool2d(x: DTensor, output_size, kind: str, return_indices: bool, what: str):
+    """Adaptive ``kind`` ("avg"/"max") pooling of a width-sharded DTensor."""
     size = (output_size, output_size) if isinstance(output_size, int) else tuple(output_size)
     oh, ow = (int(o) if o is not None else n for o, n in zip(size, x.shape[2:], strict=True))
     if oh < 1 or ow < 1:
         raise ValueError(f"{what}: output size must be positive, got {output_size}")
     x, layout = spatial_layout(x, what)
+    if not layout.width_sharded:
+        pool = F.adaptive_avg_pool2d if kind == "avg" else F.adaptive_max_pool2d
+        if not return_indices:
+            return run_unsharded(x, layout, lambda t: pool(t, (oh, ow)))
+        out = run_unsharded(x, layout, lambda t: pool(t, (oh, ow), True)[0])
+        idx = pool(x.to_local().detach(), (oh, ow), True)[1]
+        return out, leave(idx, layout, tuple(out.shape))
     n, rank, group, width = layout.sp_size, layout.sp_rank, layout.sp_group, x.shape[3]
     local = enter(x)
     if all(a < b for a, b in all_shard_bounds(ow, n)):
@@ -259,7 +252,8 @@ def spatial_adaptive_pool2d(
     if b == a:  # empty strip: one neutral column keeps the local ops well defined
         local = F.pad(local, (0, 1), value=0.0 if kind == "avg" else float("-inf"))
     v, row, col = _adaptive_local(local, oh, segs, [e - s for s, e in win], kind)
-    rep = _replicated(layout)
+    d, pl = layout.sp_dim, layout.placements
+    rep = SpatialLayout(layout.mesh, (*pl[:d], Replicate(), *pl[d + 1 :]), d)
     shape = (x.shape[0], *v.shape[1:3], ow)
     if kind == "avg":
         return leave(_SumReplicated.apply(v, group) if n > 1 else v, rep, shape)
@@ -276,6 +270,20 @@ def spatial_adaptive_pool2d(
     return leave(out, rep, shape), leave(cand, rep, shape)
 
 
+def spatial_adaptive_avg_pool2d(x: DTensor, output_size, what: str = "adaptive_avg_pool2d"):
+    """``F.adaptive_avg_pool2d`` on a width-sharded DTensor: ``Shard(3)`` output when every
+    rank gets an output column, else ``Replicate`` on the sp mesh dimension (global pooling)."""
+    return _adaptive_pool2d(x, output_size, "avg", False, what)
+
+
+def spatial_adaptive_max_pool2d(
+    x: DTensor, output_size, return_indices: bool = False, what: str = "adaptive_max_pool2d"
+):
+    """``F.adaptive_max_pool2d`` on a width-sharded DTensor (placements as for the average;
+    ties go to the first element in row-major order and indices are global, as in torch)."""
+    return _adaptive_pool2d(x, output_size, "max", return_indices, what)
+
+
 # ---------------------------------------------------------------- modules and functions
 
 
@@ -288,107 +296,70 @@ def _what(module: nn.Module) -> str:
 class SpatialMaxPool2d(nn.MaxPool2d):
     """``nn.MaxPool2d`` that runs width-sharded on a ``Shard(3)`` DTensor input."""
 
-    spatial_name: str = ""
-
     def forward(self, x: Tensor):
         if not isinstance(x, DTensor):
             return super().forward(x)
-        return spatial_max_pool2d(
-            x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
-            self.return_indices, what=_what(self),
-        )  # fmt: skip
+        args = (self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        return spatial_max_pool2d(x, *args, self.return_indices, what=_what(self))
 
 
 @register_spatial_module(nn.AvgPool2d)
 class SpatialAvgPool2d(nn.AvgPool2d):
     """``nn.AvgPool2d`` that runs width-sharded on a ``Shard(3)`` DTensor input."""
 
-    spatial_name: str = ""
-
     def forward(self, x: Tensor):
         if not isinstance(x, DTensor):
             return super().forward(x)
-        return spatial_avg_pool2d(
-            x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
-            self.count_include_pad, self.divisor_override, what=_what(self),
-        )  # fmt: skip
+        args = (self.kernel_size, self.stride, self.padding, self.ceil_mode)
+        args += (self.count_include_pad, self.divisor_override)
+        return spatial_avg_pool2d(x, *args, what=_what(self))
 
 
 @register_spatial_module(nn.AdaptiveAvgPool2d)
 class SpatialAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
-    """``nn.AdaptiveAvgPool2d`` on a ``Shard(3)`` DTensor (Replicate output when the output
-    width cannot give every spatial rank a column, e.g. global pooling)."""
-
-    spatial_name: str = ""
+    """``nn.AdaptiveAvgPool2d`` on a ``Shard(3)`` DTensor (``Replicate`` output when the
+    output width cannot give every spatial rank a column, e.g. global pooling)."""
 
     def forward(self, x: Tensor):
         if not isinstance(x, DTensor):
             return super().forward(x)
-        return spatial_adaptive_pool2d(x, self.output_size, "avg", what=_what(self))
+        return spatial_adaptive_avg_pool2d(x, self.output_size, what=_what(self))
 
 
 @register_spatial_module(nn.AdaptiveMaxPool2d)
 class SpatialAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
     """``nn.AdaptiveMaxPool2d`` on a ``Shard(3)`` DTensor (indices are global, into H*W)."""
 
-    spatial_name: str = ""
-
     def forward(self, x: Tensor):
         if not isinstance(x, DTensor):
             return super().forward(x)
-        return spatial_adaptive_pool2d(
-            x, self.output_size, "max", self.return_indices, what=_what(self)
-        )
+        size, ri = self.output_size, self.return_indices
+        return spatial_adaptive_max_pool2d(x, size, ri, what=_what(self))
 
 
-@register_function("max_pool2d")
-def _f_max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
-                  return_indices=False):  # fmt: skip
-    """``F.max_pool2d`` (and ``torch.max_pool2d``) from model code."""
-    return spatial_max_pool2d(
-        input, kernel_size, stride, padding, dilation, ceil_mode, return_indices, "F.max_pool2d"
-    )
+def _register(name: str, fn, pair_after: int = 0) -> None:
+    """Route the torch function(s) ``name`` to ``fn``. ``pair_after`` marks a
+    ``*_with_indices`` function: it returns (values, indices) whatever its ``return_indices``
+    (the positional after the first ``pair_after``) says."""
+    what = "F." + name.removesuffix("_with_indices")
+
+    def handler(*args, **kwargs):
+        if pair_after:
+            args, kwargs = args[:pair_after], {**kwargs, "return_indices": True}
+        return fn(*args, what=what, **kwargs)
+
+    register_function(name)(handler)
 
 
-@register_function("max_pool2d_with_indices")
-def _f_max_pool2d_with_indices(input, kernel_size, stride=None, padding=0, dilation=1,
-                               ceil_mode=False, return_indices=True):  # fmt: skip
-    """``F.max_pool2d(..., return_indices=True)`` arrives here: always a pair."""
-    return spatial_max_pool2d(
-        input, kernel_size, stride, padding, dilation, ceil_mode, True, "F.max_pool2d"
-    )
-
-
-@register_function("avg_pool2d")
-def _f_avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False,
-                  count_include_pad=True, divisor_override=None):  # fmt: skip
-    """``F.avg_pool2d`` from model code."""
-    return spatial_avg_pool2d(
-        input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
-        "F.avg_pool2d",
-    )  # fmt: skip
-
-
-@register_function("adaptive_avg_pool2d")
-def _f_adaptive_avg_pool2d(input, output_size):
-    """``F.adaptive_avg_pool2d`` from model code (torchvision's ASPP and LR-ASPP heads)."""
-    return spatial_adaptive_pool2d(input, output_size, "avg", what="F.adaptive_avg_pool2d")
-
-
-@register_function("adaptive_max_pool2d")
-def _f_adaptive_max_pool2d(input, output_size, return_indices=False):
-    """``F.adaptive_max_pool2d`` from model code."""
-    what = "F.adaptive_max_pool2d"
-    return spatial_adaptive_pool2d(input, output_size, "max", return_indices, what)
-
-
-@register_function("adaptive_max_pool2d_with_indices")
-def _f_adaptive_max_pool2d_with_indices(input, output_size, return_indices=True):
-    """``F.adaptive_max_pool2d(..., return_indices=True)`` arrives here: always a pair."""
-    what = "F.adaptive_max_pool2d"
-    return spatial_adaptive_pool2d(input, output_size, "max", True, what)
-
-
-# ``torch._C._nn.adaptive_max_pool2d`` shares the name but, unlike ``F.adaptive_max_pool2d``,
-# always returns (values, indices).
-_mode._HANDLERS[id(torch._C._nn.adaptive_max_pool2d)] = _f_adaptive_max_pool2d_with_indices
+# F.max_pool2d and F.adaptive_max_pool2d dispatch on return_indices: SpatialMode sees the
+# dispatcher itself (-> tensor or pair) or the *_with_indices function (-> always a pair).
+_register("max_pool2d", spatial_max_pool2d)
+_register("max_pool2d_with_indices", spatial_max_pool2d, 6)
+_register("avg_pool2d", spatial_avg_pool2d)
+_register("adaptive_avg_pool2d", spatial_adaptive_avg_pool2d)
+_register("adaptive_max_pool2d", spatial_adaptive_max_pool2d)
+_register("adaptive_max_pool2d_with_indices", spatial_adaptive_max_pool2d, 2)
+# torch._C._nn.adaptive_max_pool2d shares the name but always returns (values, indices).
+_mode._HANDLERS[id(torch._C._nn.adaptive_max_pool2d)] = _mode._HANDLERS[
+    id(F.adaptive_max_pool2d_with_indices)
+]

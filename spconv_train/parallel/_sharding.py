@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._geometry import SpatialShardingError
+from ._halo import sum_grad_over
 
 WIDTH_DIM = 3
 
@@ -32,6 +33,9 @@ class SpatialLayout:
     mesh: DeviceMesh
     placements: tuple
     sp_dim: int
+    #: False when the width is replicated on the sp dimension (e.g. after global pooling):
+    #: every rank holds whole rows, so window ops run the plain local op (``run_unsharded``).
+    width_sharded: bool = True
 
     @property
     def sp_size(self) -> int:
@@ -65,33 +69,36 @@ class SpatialLayout:
 
 
 def spatial_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
-    """Check ``x`` is laid out for a spatial op and return it (possibly re-sharded) with its
-    layout. A width-replicated input on a mesh with an "sp" dimension is sharded locally (no
-    communication); anything else that is not width-sharded is refused with a clear error."""
+    """Check ``x`` is laid out for a spatial op and return it with its layout.
+
+    An input whose width is replicated on the sp dimension (e.g. after a global pooling)
+    gets a layout with ``width_sharded=False``: ops then run the plain local op
+    (``run_unsharded``). Anything else that is not width-sharded is refused clearly."""
     if x.ndim != 4:
         raise SpatialShardingError(f"{what}: expected an NCHW tensor, got shape {tuple(x.shape)}")
     placements = tuple(x.placements)
     sp_dims = [i for i, p in enumerate(placements) if _is_width_shard(p)]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
-        if "sp" in names and isinstance(placements[names.index("sp")], Replicate):
-            i = names.index("sp")
-            new = list(placements)
-            new[i] = Shard(WIDTH_DIM)
-            x = x.redistribute(x.device_mesh, new)
-            placements = tuple(new)
-            sp_dims = [i]
-        else:
-            raise SpatialShardingError(
-                f"{what}: input placements {placements} have no Shard(3) (width) dimension. "
-                f"Distribute the image with distribute_tensor(img, mesh, [Shard(3)]) "
-                f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
-            )
+        sp = names.index("sp") if "sp" in names else 0 if x.device_mesh.ndim == 1 else None
+        if sp is not None and isinstance(placements[sp], Replicate):
+            _check_other_dims(placements, sp, what)
+            return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
+        raise SpatialShardingError(
+            f"{what}: input placements {placements} have no Shard(3) (width) dimension. "
+            f"Distribute the image with distribute_tensor(img, mesh, [Shard(3)]) "
+            f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
+        )
     if len(sp_dims) > 1:
         raise SpatialShardingError(
             f"{what}: the width is sharded over several mesh dimensions {placements}; "
             f"spconv-train shards the width over exactly one ('sp')."
         )
+    _check_other_dims(placements, sp_dims[0], what)
+    return x, SpatialLayout(x.device_mesh, placements, sp_dims[0])
+
+
+def _check_other_dims(placements: tuple, sp_dim: int, what: str) -> None:
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
             raise SpatialShardingError(
@@ -99,17 +106,35 @@ def spatial_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
                 f"dimension {i}; reducing it would move a whole activation. Redistribute to "
                 f"Shard/Replicate explicitly before this layer."
             )
-        if isinstance(p, Shard) and i != sp_dims[0] and p.dim != 0:
+        if isinstance(p, Shard) and i != sp_dim and p.dim != 0:
             raise SpatialShardingError(
                 f"{what}: mesh dimension {i} shards tensor dim {p.dim}; only the batch (dim 0) "
                 f"may be sharded besides the width."
             )
-    return x, SpatialLayout(x.device_mesh, placements, sp_dims[0])
 
 
-def enter(x: DTensor) -> Tensor:
-    """The local strip of ``x`` (differentiable)."""
-    return x.to_local()
+def width_sharded_placements(layout: SpatialLayout) -> tuple:
+    """``layout``'s placements with the width sharded on the sp dimension."""
+    new = list(layout.placements)
+    new[layout.sp_dim] = Shard(WIDTH_DIM)
+    return tuple(new)
+
+
+def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
+    """Run ``fn(local, *params)`` on a DTensor whose width is *not* sharded (e.g. the 1x1
+    output of a global pooling in DeepLabV3's ASPP): every rank holds whole rows, so the
+    plain op is exact. Parameter gradients are partial sums only over the batch-sharded
+    mesh dimensions; the output keeps the input's placements."""
+    groups = layout.grad_groups
+    out = fn(enter(x), *(sum_grad_over(p, groups) for p in params))
+    return leave(out, layout, (x.shape[0], *out.shape[1:]))
+
+
+def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
+    """The local strip of ``x`` (differentiable). ``grad_placements`` labels the gradient
+    that flows back (e.g. ``Partial`` on sp when each rank used only part of a replicated
+    input)."""
+    return x.to_local(grad_placements=grad_placements)
 
 
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:
