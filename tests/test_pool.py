@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
 
 import spconv_train.parallel._pool  # noqa: F401  (registers the spatial pooling)
 from spconv_train.parallel import SpatialShardingError, parallelize
@@ -100,7 +99,8 @@ def compare_any(model, x, dmesh, placements, want, grad_kind, label, failures, c
 
 def _sharded_out(ow: int, world: int) -> bool:
     per = -(-ow // world)
-    return per * (world - 1) < ow  # every rank gets an output column
+    # every rank gets an output column; a global pool (one column) is Replicate regardless
+    return ow > 1 and per * (world - 1) < ow
 
 
 def adaptive_grid(world: int) -> list[str]:
@@ -196,9 +196,8 @@ def test_functional_paths_and_2d_mesh(dist_pool):
 def small_model(world: int) -> list[str]:
     """conv -> maxpool -> conv -> global avg pool -> flatten -> linear, as a classifier head.
 
-    The Linear sees a Replicate DTensor and a plain-tensor weight: DTensor refuses mixing
-    them unless implicit replication is on (then the weight grad comes back a Replicate
-    DTensor holding the single-device value)."""
+    The Linear sees a Replicate DTensor and a plain-tensor weight; the spatial ``linear``
+    handler runs it locally, so its weight gradient is a plain tensor."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
@@ -208,11 +207,11 @@ def small_model(world: int) -> list[str]:
     x = seeded(8, 2, 3, 6, 8 * world + 3)
     for kind in ("replicate", "partial"):
         compare_any(model, x, mesh(world), [Shard(3)], [Replicate()], kind, f"model {kind}",
-                    failures, ctx=implicit_replication())  # fmt: skip
+                    failures)  # fmt: skip
     if world == 4:
         x = seeded(9, 4, 3, 6, 13)
         compare_any(model, x, mesh((2, 2)), [Shard(0), Shard(3)], [Shard(0), Replicate()],
-                    "replicate", "2-D model", failures, ctx=implicit_replication())  # fmt: skip
+                    "replicate", "2-D model", failures)  # fmt: skip
     return failures
 
 

@@ -233,7 +233,9 @@ def _adaptive_pool2d(x: DTensor, output_size, kind: str, return_indices: bool, w
         return out, leave(idx, layout, tuple(out.shape))
     n, rank, group, width = layout.sp_size, layout.sp_rank, layout.sp_group, x.shape[3]
     local = enter(x)
-    if all(a < b for a, b in all_shard_bounds(ow, n)):
+    # A global pool (one output column) is Replicate even on one rank, so that flatten +
+    # Linear heads see the same layout at every world size.
+    if ow > 1 and all(a < b for a, b in all_shard_bounds(ow, n)):
         plan = _adaptive_exchange(what, width, ow, n)
         g = gather_columns(local, plan, rank, group)
         lo = plan.needed[rank][0][0]
