@@ -24,10 +24,13 @@ lint: install
 	$(PY) -m ruff check spconv_train tests scripts
 	$(PY) -m ruff format --check spconv_train tests scripts
 
-bench: bench-conv
+bench: bench-conv bench-memory
 
 bench-conv: install
 	$(PY) scripts/bench_conv.py
+
+bench-memory: install
+	$(PY) scripts/bench_memory.py
 
 clean:
 	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info

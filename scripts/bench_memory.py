@@ -1,0 +1,158 @@
+"""Benchmark: per-rank memory of one U-Net training step, 1 vs 2 vs 4 spatial ranks.
+
+Activation memory is measured exactly, independent of the allocator: the bytes of every
+distinct tensor storage that autograd saves for the backward (``saved_tensors_hooks``),
+which is what spatial parallelism divides by N. Also reported: peak memory of the step
+(CUDA allocator peak, or the growth of the process's peak RSS on CPU), time per step, and
+the widest image that fits a per-rank activation budget (extrapolated linearly in width:
+activations of a fully convolutional net grow linearly with the width at fixed height).
+
+Usage: ``python scripts/bench_memory.py [--height 512 --width 2048 --worlds 1 2 4
+--budget-gib 16]`` (``make bench-memory``); ``--markdown`` for ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_conv import _current_mib, _free_port, _peak_mib  # noqa: E402
+
+
+class SavedBytes:
+    """Sum of the distinct storages autograd saves for backward while active."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        try:
+            st = local.untyped_storage()
+            self.seen[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    @property
+    def mib(self) -> float:
+        return sum(self.seen.values()) / 2**20
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from spconv_train.models import create_model
+    from spconv_train.parallel import init_device_mesh, parallelize
+    from spconv_train.train import cross_entropy
+
+    torch.set_num_threads(args.threads)
+    dev = args.device
+    if dev == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if dev == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=30),
+    )
+    mesh = init_device_mesh(dev, (world,), mesh_dim_names=("sp",))
+    torch.manual_seed(0)
+    model = create_model(
+        "unet", num_classes=4, depth=args.depth, base_width=args.base_width, norm="batch"
+    ).to(dev)
+    model = parallelize(model, mesh)
+    g = torch.Generator().manual_seed(1)
+    img = torch.randn(1, 3, args.height, args.width, generator=g).to(dev)
+    target = torch.randint(0, 4, (1, args.height, args.width), generator=g).to(dev)
+    x = distribute_tensor(img, mesh, [Shard(3)], src_data_rank=None)
+    tgt = distribute_tensor(target, mesh, [Shard(2)], src_data_rank=None).to_local()
+    del img, target
+    saved = SavedBytes()
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = _current_mib(dev)
+    dist.barrier()
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        loss = cross_entropy(model(x), tgt)
+    loss.backward()
+    dist.barrier()
+    sec = time.perf_counter() - t0
+    queue.put((rank, saved.mib, _peak_mib(dev) - base, sec))
+    dist.destroy_process_group()
+
+
+def run_world(world: int, args) -> tuple[float, float, float]:
+    """(max activation MiB, max peak MiB, seconds) over the ranks of one run."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = [queue.get(timeout=7200) for _ in procs]
+    for p in procs:
+        p.join()
+    return max(r[1] for r in res), max(r[2] for r in res), max(r[3] for r in res)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--height", type=int, default=512)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--base-width", type=int, default=16)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--budget-gib", type=float, default=16.0, help="per-rank activation budget")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args(argv)
+    print(
+        f"U-Net depth {args.depth} base width {args.base_width} (BatchNorm), one training step "
+        f"on 1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process; "
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        file=sys.stderr,
+    )
+    rows, single = [], None
+    for world in args.worlds:
+        act, peak, sec = run_world(world, args)
+        single = act if world == 1 else single
+        ideal = f"{act / (single / world):.2f}x" if single else "-"
+        cols = args.budget_gib * 1024 / act * args.width / world  # width per rank that fits
+        widest = int(cols * world)
+        rows.append((world, act, ideal, peak, sec, widest))
+        print(f"  {world} rank(s): {act:.0f} MiB saved activations, {sec:.1f} s", file=sys.stderr)
+    peak_label = "peak MiB/rank" if args.device == "cuda" else "peak RSS growth MiB/rank"
+    header = (
+        "ranks",
+        "activations MiB/rank",
+        "vs single/N",
+        peak_label,
+        "s/step",
+        f"widest W at {args.budget_gib:g} GiB/rank (H={args.height})",
+    )
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for w, act, ideal, peak, sec, widest in rows:
+            print(f"| {w} | {act:.0f} | {ideal} | {peak:.0f} | {sec:.1f} | {widest:,} |")
+    else:
+        print("  ".join(header))
+        for w, act, ideal, peak, sec, widest in rows:
+            print(f"{w:>5}  {act:>20.0f}  {ideal:>11}  {peak:>13.0f}  {sec:>6.1f}  {widest:>12,}")
+
+
+if __name__ == "__main__":
+    main()
