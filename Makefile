@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run test lint bench bench-conv bench-memory verify predict clean
+.PHONY: install run data test lint bench bench-conv bench-memory verify predict clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -14,8 +14,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job: train the default config (synthetic data) on $(NPROC) ranks through torchrun.
+# Extra options: make run ARGS="--set training.steps=5"
 run: install
-	$(PY) scripts/demo_sharded.py
+	.venv/bin/torchrun --nproc-per-node $(NPROC) -m spconv_train run $(CONFIG) --overwrite $(ARGS)
+
+data: install
+	$(PY) -m spconv_train make-data data/synthetic
 
 test: install
 	$(PY) -m pytest -q

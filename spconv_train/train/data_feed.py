@@ -1,0 +1,339 @@
+"""From the data package to per-rank DTensor batches.
+
+Every rank of a ``(dp, sp)`` mesh loads only its own column strip
+``strip_bounds(W, sp, sp_rank)`` of the samples its data-parallel replica draws, and wraps
+it into a DTensor of the global shape (``[Shard(0), Shard(3)]``) without communication.
+The target stays the plain local mask strip (what ``losses.py`` expects). Sample order and
+augmentation depend only on ``(seed, epoch, index)`` and the position in the epoch, so a
+feed restored from ``state_dict`` continues exactly where the saved one stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.data import DataLoader, Dataset
+
+from spconv_train.config import Config, ConfigError
+from spconv_train.data import (
+    AugmentParams,
+    DataError,
+    FolderDataset,
+    SegmentationSource,
+    SyntheticDataset,
+    draw_augment,
+    load_strip,
+    make_batch,
+    make_dp_sampler,
+    strip_bounds,
+)
+
+__all__ = [
+    "Batch",
+    "MeshCoords",
+    "TrainFeed",
+    "ValItem",
+    "build_sources",
+    "downsample_strip",
+    "gather_panels",
+    "load_train_strips",
+    "to_dtensor",
+    "val_items",
+]
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """This rank's place on the ``("dp", "sp")`` mesh."""
+
+    dp: int
+    sp: int
+    dp_rank: int
+    sp_rank: int
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> MeshCoords:
+        """Read the coordinates off a 2-D ``("dp", "sp")`` mesh."""
+        return cls(mesh.size(0), mesh.size(1), mesh.get_local_rank(0), mesh.get_local_rank(1))
+
+
+def build_sources(cfg: Config) -> tuple[SegmentationSource, SegmentationSource, list[str]]:
+    """Train and validation sources plus the class names, checked up front.
+
+    Folder data is validated whole (``validate_all``: readable files, sizes, mask values);
+    the image channels must equal ``model.in_channels``. Raises ``DataError`` naming the
+    file or ``ConfigError`` naming the key.
+    """
+    d, m = cfg.data, cfg.model
+    if d.source == "synthetic":
+        kw = dict(
+            height=d.height,
+            width=d.width,
+            num_classes=m.num_classes,
+            seed=d.synthetic_seed,
+            in_channels=m.in_channels,
+            ignore_index=d.ignore_index,
+        )
+        train = SyntheticDataset(d.num_train, **kw)
+        val = SyntheticDataset(d.num_val, offset=d.num_train, **kw)
+    else:
+        kw = dict(
+            num_classes=m.num_classes,
+            ignore_index=d.ignore_index,
+            split_list=d.split_list,
+            class_names=d.class_names,
+            on_bad_sample=d.on_bad_sample,
+        )
+        train = FolderDataset(d.root, d.train_split, **kw)
+        val = FolderDataset(d.root, d.val_split, **kw)
+        for source in (train, val):
+            source.validate_all()
+    for source in (train, val):
+        if len(source) == 0:
+            raise DataError(f"no samples in the {'train' if source is train else 'val'} split")
+        if source.channels(0) != m.in_channels:
+            raise ConfigError(
+                "model.in_channels",
+                f"is {m.in_channels} but the images have {source.channels(0)} channels "
+                f"(e.g. {source.name(0)})",
+            )
+    names = list(d.class_names or getattr(train, "class_names", None) or [])
+    if len(names) != m.num_classes:
+        names = [f"class_{k}" for k in range(m.num_classes)]
+    return train, val, names
+
+
+def to_dtensor(local: Tensor, mesh: DeviceMesh, placements: list, shape: tuple) -> DTensor:
+    """Wrap a local strip into a DTensor of global ``shape`` (contiguous strides), no
+    communication."""
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return DTensor.from_local(
+        local,
+        mesh,
+        placements,
+        run_check=False,
+        shape=tuple(shape),
+        stride=tuple(reversed(stride)),
+    )
+
+
+@dataclass
+class Batch:
+    """One training step's input on this rank."""
+
+    image: DTensor  # global [B * dp, C, H, W], placements [Shard(0), Shard(3)]
+    target: Tensor  # local mask strip [B, H, w]
+    pixels: int  # pixels of the global batch (for throughput)
+
+
+def _crop(cfg: Config, source: SegmentationSource, index: int) -> tuple[int, int] | None:
+    """The training crop size of sample ``index`` (None: the whole image)."""
+    d = cfg.data
+    if d.height is None and d.width is None:
+        return None
+    h, w = source.size(index)
+    return (d.height or h, d.width or w)
+
+
+def load_train_strips(
+    source: SegmentationSource, cfg: Config, coords: MeshCoords, epoch: int, indices: list[int]
+) -> tuple[Tensor, Tensor, tuple[int, int]]:
+    """This rank's strips of the samples ``indices`` augmented for ``epoch``, and the global
+    (H, W) of the augmented samples."""
+    d = cfg.data
+    params = [
+        draw_augment(
+            cfg.training.seed,
+            epoch,
+            i,
+            image_hw=source.size(i),
+            crop_hw=_crop(cfg, source, i),
+            hflip=d.hflip,
+            vflip=d.vflip,
+            scale=tuple(d.scale),
+        )
+        for i in indices
+    ]
+    hw = params[0].out_hw
+    cols = strip_bounds(hw[1], coords.sp, coords.sp_rank)
+    image, mask = make_batch(source, indices, cols, params, ignore_index=d.ignore_index)
+    return image, mask, hw
+
+
+class _BatchTask(Dataset):
+    """Item ``k`` = batch ``k`` of an epoch, as this rank's strips. Holds only picklable
+    state, since it runs in DataLoader workers when ``data.num_workers > 0``."""
+
+    def __init__(
+        self,
+        source: SegmentationSource,
+        cfg: Config,
+        coords: MeshCoords,
+        epoch: int,
+        batches: list[list[int]],
+    ) -> None:
+        self.source, self.cfg, self.coords = source, cfg, coords
+        self.epoch, self.batches = epoch, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, k: int) -> tuple[Tensor, Tensor, tuple[int, int]]:
+        return load_train_strips(self.source, self.cfg, self.coords, self.epoch, self.batches[k])
+
+
+class TrainFeed:
+    """Endless iterator of training batches for this rank; epochs follow each other.
+
+    ``state_dict()`` holds ``(epoch, position)``: the number of batches of the current epoch
+    already handed out, so a restored feed yields exactly the batches an uninterrupted one
+    would have.
+    """
+
+    def __init__(
+        self,
+        source: SegmentationSource,
+        cfg: Config,
+        mesh: DeviceMesh,
+        device: torch.device,
+    ) -> None:
+        self.source, self.cfg, self.mesh, self.device = source, cfg, mesh, device
+        self.coords = MeshCoords.of(mesh)
+        self.batch_size = cfg.data.batch_size
+        self.sampler = make_dp_sampler(
+            len(source), dp=self.coords.dp, dp_rank=self.coords.dp_rank, seed=cfg.training.seed
+        )
+        self.batches_per_epoch = math.ceil(len(self.sampler) / self.batch_size)
+        self.epoch, self.position = 0, 0
+        d = cfg.data
+        self.fixed_size = d.height is not None and d.width is not None
+
+    def state_dict(self) -> dict[str, int]:
+        """The data position: epoch and batches already consumed in it."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a position saved by ``state_dict``."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        self.sampler.set_epoch(epoch)
+        order = list(self.sampler)
+        return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+
+    def _loader(self, task: _BatchTask, start: int) -> Iterator:
+        if self.cfg.data.num_workers == 0:
+            return (task[k] for k in range(start, len(task)))
+        return iter(
+            DataLoader(
+                task,
+                batch_size=None,
+                sampler=range(start, len(task)),
+                num_workers=self.cfg.data.num_workers,
+                pin_memory=self.device.type == "cuda",
+            )
+        )
+
+    def _check_same_size(self, hw: tuple[int, int]) -> None:
+        """Without a fixed crop, data-parallel replicas may draw images of different sizes,
+        which cannot form one global batch: detect it (one tiny all-gather) and say why."""
+        if self.fixed_size or self.coords.dp == 1:
+            return
+        sizes: list = [None] * self.coords.dp
+        dist.all_gather_object(sizes, hw, group=self.mesh.get_group("dp"))
+        if len(set(sizes)) > 1:
+            raise DataError(
+                f"data-parallel replicas drew images of different sizes {sizes} (HxW) for one "
+                "step; set data.height and data.width (a crop size) when parallel.sp is "
+                "smaller than the world size"
+            )
+
+    def _to_batch(self, image: Tensor, mask: Tensor, hw: tuple[int, int]) -> Batch:
+        self._check_same_size(hw)
+        b, c = image.shape[:2]
+        shape = (b * self.coords.dp, c, *hw)
+        non_blocking = self.device.type == "cuda"
+        local = image.to(self.device, non_blocking=non_blocking)
+        x = to_dtensor(local, self.mesh, [Shard(0), Shard(3)], shape)
+        target = mask.to(self.device, non_blocking=non_blocking)
+        return Batch(x, target, shape[0] * hw[0] * hw[1])
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            task = _BatchTask(
+                self.source, self.cfg, self.coords, self.epoch, self._epoch_batches(self.epoch)
+            )
+            for image, mask, hw in self._loader(task, self.position):
+                self.position += 1  # counted before handing out: state = batches consumed
+                yield self._to_batch(image, mask, hw)
+            self.epoch, self.position = self.epoch + 1, 0
+
+
+@dataclass
+class ValItem:
+    """One validation image on this rank (a batch of one per data-parallel replica)."""
+
+    index: int  # sample index in the val source
+    image: DTensor  # [1, C, H, W] on the sp sub-mesh, Shard(3)
+    target: Tensor  # local mask strip [1, H, w]
+    cols: tuple[int, int]  # this rank's global columns [a, b)
+
+
+def val_items(
+    source: SegmentationSource,
+    cfg: Config,
+    coords: MeshCoords,
+    sp_mesh: DeviceMesh,
+    device: torch.device,
+) -> Iterator[ValItem]:
+    """Every validation image once, un-augmented: image ``i`` on replica ``i % dp``.
+
+    The image lives on the ``sp`` sub-mesh (its collectives stay inside the spatial group),
+    so replicas may see images of different sizes and counts; in eval mode nothing talks
+    across replicas until the metrics are reduced.
+    """
+    for index in range(coords.dp_rank, len(source), coords.dp):
+        params = AugmentParams.identity(source.size(index))
+        h, w = params.out_hw
+        cols = strip_bounds(w, coords.sp, coords.sp_rank)
+        image, mask = load_strip(source, index, cols, params, ignore_index=cfg.data.ignore_index)
+        x = to_dtensor(image[None].to(device), sp_mesh, [Shard(3)], (1, image.shape[0], h, w))
+        yield ValItem(index, x, mask[None].to(device), cols)
+
+
+def downsample_strip(t: Tensor, col_start: int, factor: int) -> Tensor:
+    """Keep rows ``0, f, 2f, ...`` and the GLOBAL columns ``0, f, 2f, ...`` of a strip that
+    starts at global column ``col_start``: concatenating the strips of all ranks gives
+    exactly ``full[..., ::f, ::f]``, so only small tensors ever travel."""
+    return t[..., ::factor, (-col_start) % factor :: factor]
+
+
+def gather_panels(pieces: list) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+    """Collect on rank 0 the downsampled strips ``(index, sp_rank, image, pred, target)`` of
+    every rank (collective) and stitch them along the width, in sp-rank order.
+
+    Returns ``{index: (image CHW, pred HW, target HW)}`` on rank 0, ``{}`` elsewhere.
+    """
+    rank0 = dist.get_rank() == 0
+    gathered = [None] * dist.get_world_size() if rank0 else None
+    dist.gather_object(pieces, gathered, dst=0)
+    parts: dict[int, list] = {}
+    for rank_pieces in gathered or []:
+        for index, sp_rank, *tensors in rank_pieces:
+            parts.setdefault(index, []).append((sp_rank, tensors))
+    return {
+        index: tuple(
+            torch.cat([t[i] for _, t in sorted(p, key=lambda q: q[0])], dim=-1) for i in range(3)
+        )
+        for index, p in sorted(parts.items())
+    }

@@ -1,0 +1,349 @@
+"""``spconv-train run``: set-up, the training loop, validation and checkpoints.
+
+``train(cfg, resume=..., remove=...)`` is what the CLI calls once the config is valid and
+the run directory decision is made (``spconv_train.cli.plan_start``). Every rank runs the
+same code; only rank 0 writes logs. After ``backward()`` every rank holds the single-device
+gradient of the global batch (the parallelized model all-reduces parameter gradients over
+the mesh), so optimizer, clipping and schedule are plain single-device code.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
+
+from spconv_train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from spconv_train.config import (
+    Config,
+    ConfigError,
+    config_to_dict,
+    dump_config,
+    validate_for_world,
+)
+from spconv_train.data import SegmentationSource
+from spconv_train.distributed import (
+    DistInfo,
+    build_mesh,
+    gather_all,
+    init_distributed,
+    peak_memory_mb,
+    seed_everything,
+)
+from spconv_train.logging import RunLogger, overlay_panel
+from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
+from spconv_train.parallel import HALO_SECONDS, parallelize
+from spconv_train.train.data_feed import (
+    MeshCoords,
+    TrainFeed,
+    build_sources,
+    downsample_strip,
+    gather_panels,
+    val_items,
+)
+from spconv_train.train.metrics import ConfusionMatrix
+from spconv_train.train.optim import (
+    build_loss,
+    build_optimizer,
+    build_scheduler,
+    clip_gradients,
+    enable_activation_checkpointing,
+)
+
+__all__ = ["TrainingStopped", "build_model", "train", "validate"]
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose with a message for the user (exit code 1, no traceback)."""
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The single-device model of ``cfg.model``; bad names/options/weights -> ``ConfigError``."""
+    m = cfg.model
+    try:
+        kw = dict(m.kwargs)
+        return create_model(
+            m.name, num_classes=m.num_classes, in_channels=m.in_channels, weights=m.weights, **kw
+        )
+    except UnknownModelError as exc:
+        raise ConfigError("model.name", str(exc)) from exc
+    except (FileNotFoundError, WeightsLoadError) as exc:
+        raise ConfigError("model.weights", str(exc)) from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("model.kwargs", str(exc)) from exc
+
+
+def _prepare_run_dir(cfg: Config, remove: Sequence[str], info: DistInfo) -> None:
+    """Rank 0 deletes ``remove`` (an overwritten run's files) and writes the resolved config;
+    the other ranks wait."""
+    run_dir = Path(cfg.run_dir)
+    if info.is_main:
+        for name in remove:
+            path = run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        dump_config(cfg, run_dir / "config.yaml")
+    dist.barrier()
+
+
+@dataclass
+class _Run:
+    """Everything the loop and validation share."""
+
+    cfg: Config
+    info: DistInfo
+    mesh: DeviceMesh
+    model: nn.Module
+    val_source: SegmentationSource
+    class_names: list[str]
+    logger: RunLogger
+
+    def __post_init__(self) -> None:
+        self.sp_mesh = self.mesh["sp"]  # validation images live on the spatial group only
+        self.coords = MeshCoords.of(self.mesh)
+        self.loss_fn = build_loss(self.cfg, self.info.device)
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast when ``training.precision`` asks for it (a no-op context otherwise)."""
+        bf16 = self.cfg.training.precision == "bf16"
+        return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+@torch.no_grad()
+def validate(run: _Run, step: int) -> dict:
+    """Metrics over the whole validation set (confusion matrix summed over the mesh)."""
+    cfg, model = run.cfg, run.model
+    k, ignore, ds = cfg.model.num_classes, cfg.data.ignore_index, cfg.logging.image_downsample
+    model.eval()
+    cm = ConfusionMatrix(k, ignore, device=run.info.device)
+    loss_sum, count, pieces = 0.0, 0, []
+    for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, run.info.device):
+        with run.autocast():
+            logits = model(item.image)
+        loss = float(run.loss_fn(logits, item.target))
+        if math.isfinite(loss):  # nan when every pixel is ignored
+            loss_sum, count = loss_sum + loss, count + 1
+        cm.update(logits, item.target)
+        if item.index < cfg.logging.num_val_images:
+            a = item.cols[0]
+            small = [
+                downsample_strip(t, a, ds).cpu()
+                for t in (
+                    item.image.to_local()[0].float(),
+                    logits.to_local()[0].argmax(0),
+                    item.target[0],
+                )
+            ]
+            pieces.append((item.index, run.coords.sp_rank, *small))
+    cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
+    totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=run.info.device)
+    dist.all_reduce(totals, group=run.mesh.get_group("dp"))  # losses are replicated over sp
+    scores = cm.metrics()
+    scores["loss"] = (totals[0] / totals[1]).item() if totals[1] > 0 else math.nan
+    for index, (img, pred, tgt) in gather_panels(pieces).items():
+        panel = overlay_panel(img, pred, tgt, k, ignore_index=ignore, downsample=1)
+        run.logger.images(step, f"val/panel_{index}", panel)
+    model.train()
+    return scores
+
+
+def _log_val(run: _Run, step: int, scores: dict) -> None:
+    keys = ("loss", "pixel_accuracy", "miou", "mean_dice", "mean_class_accuracy")
+    run.logger.scalars(step, {key: scores[key] for key in keys}, prefix="val")
+    run.logger.scalars(step, dict(zip(run.class_names, scores["iou"], strict=True)), "val_iou")
+    run.logger.scalars(step, dict(zip(run.class_names, scores["dice"], strict=True)), "val_dice")
+
+
+def _rank_stats(run: _Run) -> list[tuple[float, float]]:
+    """(peak memory MiB, halo seconds since the last call) of every rank."""
+    mine = (peak_memory_mb(run.info.device), HALO_SECONDS[0])
+    HALO_SECONDS[0] = 0.0
+    return gather_all(mine)
+
+
+def _resume(ckpt: CheckpointManager, folder: Path, model, optimizer, scheduler) -> tuple:
+    """``ckpt.load`` with a one-line ``ConfigError`` when the checkpoint does not fit (the
+    model or optimizer settings changed since it was saved) instead of DCP's per-rank dump."""
+    try:
+        return ckpt.load(folder, model, optimizer, scheduler=scheduler)
+    except (Exception, CheckpointException) as exc:
+        if isinstance(exc, CheckpointException) and exc.failures:
+            exc = next(iter(exc.failures.values()))[0]
+        raise ConfigError(
+            str(folder),
+            f"cannot resume from this checkpoint: {type(exc).__name__}: {exc}. Resume with the "
+            "model and optimizer settings it was saved with, or start over with --overwrite",
+        ) from exc
+
+
+def train(
+    cfg: Config, *, resume: bool = False, remove: Sequence[str] = (), notes: Sequence[str] = ()
+) -> dict:
+    """Run ``cfg`` on every rank (collective); returns the final validation scores.
+
+    ``resume``: continue from the latest checkpoint in ``cfg.run_dir`` if there is one.
+    ``remove``: names inside ``run_dir`` to delete first (``--overwrite``), after every
+    set-up check has passed. ``notes``: lines rank 0 prints at the start.
+
+    Raises ``ConfigError``/``DataError``/``SpatialShardingError`` for set-up problems,
+    ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then).
+    """
+    seed_everything(cfg.training.seed)  # same initial weights on every rank
+    model = build_model(cfg)
+    train_source, val_source, class_names = build_sources(cfg)
+    info = init_distributed(cfg.parallel.backend)
+    dp, sp = validate_for_world(cfg, info.world_size)
+    mesh = build_mesh(dp, sp, info.device.type)
+    run_dir = Path(cfg.run_dir)
+    _prepare_run_dir(cfg, remove, info)
+    model = parallelize(model.to(info.device), mesh)
+    if cfg.training.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    steps = cfg.training.steps
+    scheduler = build_scheduler(optimizer, cfg.schedule, steps, cfg.optimizer.lr)
+    feed = TrainFeed(train_source, cfg, mesh, info.device)
+    ckpt = CheckpointManager(
+        run_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best
+    )
+    start, latest = 0, ckpt.latest() if resume else None
+    if latest is not None:
+        start, extra = _resume(ckpt, latest, model, optimizer, scheduler)
+        feed.load_state_dict(extra.get("data", feed.state_dict()))  # data position
+        set_rng_state(extra.get("rng", {}))
+    lg = cfg.logging
+    logger = RunLogger(
+        run_dir,
+        enabled=info.is_main,
+        tensorboard=lg.tensorboard,
+        progress=lg.progress,
+        total_steps=steps,
+        resume_step=start if resume else None,  # drop log lines after the restart point
+        log_every=cfg.training.log_every,
+    )
+    run = _Run(cfg, info, mesh, model, val_source, class_names, logger)
+    try:
+        return _loop(run, feed, optimizer, scheduler, ckpt, start, latest, notes)
+    finally:
+        logger.close()
+
+
+def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> dict:
+    cfg, info, model, logger = run.cfg, run.info, run.model, run.logger
+    t, steps = cfg.training, cfg.training.steps
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    where = f"resumed from {latest}" if latest is not None else "fresh start"
+    logger.info(
+        f"spconv-train: {info.world_size} rank(s), mesh dp={run.coords.dp} x sp={run.coords.sp}, "
+        f"{info.backend} on {info.device.type}; {cfg.model.name} ({n_params:,} "
+        f"params); {where}; run dir {cfg.run_dir}"
+    )
+    for line in notes:
+        logger.info(f"  {line}")
+    model.train()
+    step, scores, last_scores = start, None, {}
+    loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
+    HALO_SECONDS[0] = 0.0
+    logger.progress_start(steps, initial=start)
+    batches = iter(feed)
+    while step < steps:
+        batch = next(batches)
+        with run.autocast():
+            logits = model(batch.image)
+        loss = run.loss_fn(logits, batch.target)
+        value = float(loss.detach())  # the same on every rank (a global mean)
+        if not math.isfinite(value):
+            raise TrainingStopped(
+                f"non-finite loss ({value}) at step {step + 1}; stopping "
+                "without a checkpoint (lower optimizer.lr or check the data)"
+            )
+        loss.backward()
+        grad_norm = clip_gradients(params, cfg.optimizer.grad_clip)
+        if not math.isfinite(grad_norm):
+            raise TrainingStopped(
+                f"non-finite gradient norm ({grad_norm}) at step {step + 1}; "
+                "stopping without a checkpoint"
+            )
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
+        logger.progress_update(step, loss=value, lr=lr)
+        if step % t.log_every == 0 or step == steps:
+            elapsed = time.perf_counter() - tick
+            stats = _rank_stats(run)
+            logger.scalars(
+                step,
+                {
+                    "loss": loss_sum / loss_n,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "throughput_mpx_s": pixels / elapsed / 1e6,
+                    "step_time_s": elapsed / loss_n,
+                    "halo_s_per_step": max(h for _, h in stats) / loss_n,
+                    "epoch": feed.epoch,
+                },
+            )
+            memory = {f"peak_mb_rank{r}": m for r, (m, _) in enumerate(stats[:16])}
+            logger.scalars(step, {"peak_mb_max": max(m for m, _ in stats), **memory}, "memory")
+            loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
+        # Validation and checkpoints are not training: keep their time and halo traffic out
+        # of the throughput and halo figures of the current logging interval.
+        paused, halo = time.perf_counter(), HALO_SECONDS[0]
+        scores = None
+        if step % t.val_every == 0 or step == steps:
+            scores = last_scores = validate(run, step)
+            _log_val(run, step, scores)
+        if step % cfg.checkpoint.every == 0 or step == steps:
+            extra = {"data": feed.state_dict(), "rng": rng_state()}
+            metric = None if scores is None else scores["miou"]
+            metric = None if metric is None or math.isnan(metric) else metric
+            ckpt.save(step, model, optimizer, scheduler=scheduler, extra=extra, metric=metric)
+        tick += time.perf_counter() - paused
+        HALO_SECONDS[0] = halo
+    logger.progress_stop()
+    return _finish(run, ckpt, last_scores, step)
+
+
+def _finish(run: _Run, ckpt: CheckpointManager, scores: dict, step: int) -> dict:
+    cfg, logger = run.cfg, run.logger
+    export = Path(cfg.run_dir) / "model.pt"
+    CheckpointManager.export(run.model, export, config=config_to_dict(cfg))
+    if not scores:  # resumed at the final step: nothing ran, validate once for the report
+        scores = validate(run, step)
+    final = {k: scores[k] for k in ("loss", "pixel_accuracy", "miou", "mean_dice")}
+    logger.hparams(config_to_dict(cfg), final)
+    if scores.get("iou"):
+        logger.per_class_table(
+            run.class_names, scores["iou"], scores["dice"], scores["class_accuracy"]
+        )
+    best = ckpt.best()
+    logger.summary(
+        "spconv-train run",
+        [
+            ("steps", str(step)),
+            ("val loss", final["loss"]),
+            ("pixel accuracy", final["pixel_accuracy"]),
+            ("mIoU (macro over classes)", final["miou"]),
+            ("mean Dice (macro over classes)", final["mean_dice"]),
+            ("best checkpoint", str(best) if best else "-"),
+            ("latest checkpoint", str(ckpt.latest())),
+            ("exported model", str(export)),
+        ],
+    )
+    logger.flush()
+    return scores
