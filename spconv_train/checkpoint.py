@@ -226,12 +226,16 @@ class CheckpointManager:
         tmp = self.dir / f".tmp-{name}"
         main = _rank() == 0
         _agree(_attempt(self._prepare, tmp) if main else None, "preparing")
+        error = _attempt(self._write, tmp, step, model, optimizer, scheduler, extra, metric)
         try:
-            error = _attempt(self._write, tmp, step, model, optimizer, scheduler, extra, metric)
             _agree(error, "writing")
         except BaseException:
-            if main:  # every rank has stopped writing: drop the partial folder
+            # _agree raises on every rank at once, so all ranks are here: drop the partial
+            # folder, and let nobody return before it is gone.
+            if main:
                 shutil.rmtree(tmp, ignore_errors=True)
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
             raise
         _agree(_attempt(self._commit, tmp, name, metric) if main else None, "committing")
         return self.dir / name
