@@ -29,6 +29,17 @@ lint: install
 	$(PY) -m ruff check spconv_train tests scripts
 	$(PY) -m ruff format --check spconv_train tests scripts
 
+# Proof that the sharded run equals one device on CONFIG (default: the default config, 2 ranks).
+verify: install
+	$(PY) -m spconv_train verify $(CONFIG) --nproc $(NPROC) --json runs/verify.json $(ARGS)
+
+# Full-resolution predictions of the trained default run on the synthetic validation set.
+predict: install
+	test -e runs/unet/checkpoints/latest || $(MAKE) run
+	test -d data/synthetic/images/val || $(MAKE) data
+	$(PY) -m spconv_train predict runs/unet data/synthetic/images/val \
+		--masks data/synthetic/masks/val --out runs/unet/predictions --nproc $(NPROC) $(ARGS)
+
 bench: bench-conv bench-memory
 
 bench-conv: install

@@ -1,0 +1,298 @@
+"""``spconv-train predict``: segment full-resolution images of any width with a trained model.
+
+Every image is split along its width over the spatial ranks (``sp`` = all ranks unless
+``--set parallel.sp=K``; with ``dp = world / sp`` replicas, image ``i`` goes to replica
+``i % dp``). Each rank reads only its own column strip (PNG/JPEG are decoded whole and
+sliced, TIFF and ``.npy`` are read strip-wise), runs the parallelized model in eval mode
+without gradients, and takes the arg-max over the classes of its strip. Rank 0 then
+gathers the uint8 class-index strips and the RGB overlay strips (1 and 3 bytes per pixel:
+far smaller than the activations, which never leave their rank) and writes
+``<stem>.png`` (class indices; 16-bit if there are more than 256 classes) and
+``<stem>_overlay.png`` into the output folder. With ``--masks DIR`` (``<stem>.*`` masks) a
+confusion matrix is counted strip by strip, summed over all ranks, printed as a
+per-class IoU/Dice table and written to ``metrics.json``.
+
+Widths that cannot be split: when the first forward of an image raises
+``SpatialShardingError`` (e.g. a strip of a deep, down-sampled layer ends up empty), the
+image is padded on the right with zeros to the next multiple of ``32 * sp`` columns, run
+again, and the prediction is cropped back to the original width. The padding changes
+nothing left of the original right edge for a network with zero-padded convolutions only
+at the very first layer, but deeper layers see the padded zeros (through their
+receptive field), so predictions within a receptive field of the right edge may differ
+from an unpadded single-device run; the summary names every padded image. If the padded
+width fails too (a strip narrower than a layer's halo), the error says so and suggests
+fewer ranks.
+
+Checkpoints: a run folder (its best, else latest checkpoint), a ``step-N`` checkpoint
+folder (both use the run's ``config.yaml``), or an exported ``.pt`` holding
+``{"model", "config"}``; ``--config`` replaces the saved config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from spconv_train.verify._launch import launched_by_torchrun, run_torchrun
+
+__all__ = [
+    "PAD_MULTIPLE",
+    "PredictError",
+    "predict_command",
+    "register",
+    "resolve_checkpoint",
+    "run_predict",
+]
+
+#: Padded widths are multiples of ``PAD_MULTIPLE * sp`` (32 = the output stride of the
+#: usual backbones, and 2**5 for a U-Net of depth <= 6).
+PAD_MULTIPLE = 32
+
+
+def __getattr__(name: str):
+    if name == "run_predict":  # lazy: it pulls in torch
+        from ._run import run_predict
+
+        return run_predict
+    raise AttributeError(name)
+
+
+class PredictError(Exception):
+    """Bad input for predict (checkpoint, images, masks); exit code 2."""
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[str, Path, Path | None]:
+    """``(kind, weights, config.yaml or None)`` for a run folder, a checkpoint folder or an
+    exported ``.pt`` (kind ``"dcp"`` or ``"export"``)."""
+    p = Path(path)
+    if p.is_file():
+        return "export", p, None
+    if (p / "meta.json").is_file():
+        return "dcp", p, p.parent.parent / "config.yaml"
+    if (p / "checkpoints").is_dir() or (p / "model.pt").is_file():
+        for pointer in ("best", "latest"):
+            f = p / "checkpoints" / pointer
+            name = f.read_text().strip() if f.is_file() else ""
+            if name and (p / "checkpoints" / name / "meta.json").is_file():
+                return "dcp", p / "checkpoints" / name, p / "config.yaml"
+        if (p / "model.pt").is_file():
+            return "export", p / "model.pt", p / "config.yaml"
+    raise PredictError(
+        f"{p}: not a run folder, a checkpoint folder (with meta.json) or an exported .pt file"
+    )
+
+
+def _load_config(kind: str, weights: Path, config_yaml: Path | None, overrides, config_path):
+    """The config to build the model with (the saved one unless ``config_path``)."""
+    from spconv_train.config import load_config
+
+    overrides = list(overrides)
+    if not any(o.strip().startswith("parallel.sp") for o in overrides):
+        overrides.append("parallel.sp=0")  # every rank shares each image by default
+    source = config_path or (config_yaml if config_yaml and config_yaml.is_file() else None)
+    if source is not None:
+        return load_config(source, overrides, check_paths=False)
+    if kind == "export":
+        import torch
+        import yaml
+
+        try:
+            saved = torch.load(weights, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error
+            raise PredictError(f"{weights}: cannot read ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(saved, dict) or "model" not in saved:
+            raise PredictError(f"{weights}: not an exported model ({{'model', 'config'}})")
+        saved = saved.get("config")
+        if saved:
+            with tempfile.TemporaryDirectory() as tmp:
+                f = Path(tmp) / "config.yaml"
+                f.write_text(yaml.safe_dump(saved), encoding="utf-8")
+                return load_config(f, overrides, check_paths=False)
+    raise PredictError(f"{weights}: no saved config found; pass --config CONFIG")
+
+
+def _collect(inputs: Sequence[str | Path], masks_dir: str | Path | None) -> list[tuple]:
+    """``(stem, image path, mask path or None)`` of every input image, sorted."""
+    from spconv_train.data._readers import IMAGE_EXTS, MASK_EXTS, index_folder
+
+    found: dict[str, Path] = {}
+    for item in map(Path, inputs):
+        if item.is_dir():
+            files = list(index_folder(item, IMAGE_EXTS, "image").values())
+        elif item.is_file():
+            files = [item]
+        else:
+            raise PredictError(f"{item}: no such file or folder")
+        for f in files:
+            if f.stem in found and found[f.stem] != f:
+                raise PredictError(f"two inputs share the stem {f.stem!r}: {found[f.stem]}, {f}")
+            found[f.stem] = f
+    if not found:
+        raise PredictError("no input images found")
+    masks = index_folder(Path(masks_dir), MASK_EXTS, "mask") if masks_dir else None
+    if masks is not None:
+        missing = sorted(s for s in found if s not in masks)
+        if missing:
+            raise PredictError(f"{masks_dir}: no mask for {', '.join(missing[:10])}")
+    return [(s, found[s], masks[s] if masks else None) for s in sorted(found)]
+
+
+def _class_names(cfg, masks_dir) -> list[str]:
+    k = cfg.model.num_classes
+    if cfg.data.class_names:
+        return list(cfg.data.class_names)
+    for root in [Path(masks_dir).parent.parent] if masks_dir else []:
+        f = root / "classes.txt"
+        names = f.read_text().split() if f.is_file() else []
+        if len(names) == k:
+            return names
+    if cfg.data.source == "synthetic" and k >= 2:
+        from spconv_train.data import synthetic_class_names
+
+        return synthetic_class_names(k)
+    return [f"class_{i}" for i in range(k)]
+
+
+def _error(message: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    if os.environ.get("RANK", "0") == "0":
+        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {escape(message)}")
+
+
+def predict_command(
+    checkpoint: str | Path,
+    inputs: Sequence[str | Path],
+    out_dir: str | Path,
+    nproc: int | None = None,
+    masks_dir: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    config_path: str | Path | None = None,
+) -> int:
+    """Run ``spconv-train predict``; returns the exit code (0 done, 1 crash, 2 bad input,
+    config, checkpoint or an image that cannot be split). Under torchrun every rank takes
+    part; otherwise ``nproc`` (default 1) local ranks are started through torchrun."""
+    from spconv_train.config import ConfigError, validate_for_world
+    from spconv_train.data import DataError
+    from spconv_train.parallel import SpatialShardingError
+
+    try:
+        kind, weights, saved = resolve_checkpoint(checkpoint)
+        cfg = _load_config(kind, weights, saved, overrides, config_path)
+        images = _collect(inputs, masks_dir)
+        names = _class_names(cfg, masks_dir)
+        nproc = nproc or 1
+        if not launched_by_torchrun():
+            validate_for_world(
+                dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, width=None)), nproc
+            )
+    except (PredictError, ConfigError, DataError) as exc:
+        _error(str(exc))
+        return 2
+    if not launched_by_torchrun() and nproc > 1:
+        args = [str(checkpoint), *map(str, inputs), "--out", str(out_dir)]
+        args += ["--masks", str(masks_dir)] if masks_dir else []
+        args += ["--config", str(config_path)] if config_path else []
+        for text in overrides:
+            args += ["--set", text]
+        return run_torchrun(nproc, "predict", args)
+    from spconv_train.distributed import init_distributed, shutdown
+
+    try:
+        init_distributed(cfg.parallel.backend)
+        from ._run import run_predict
+
+        run_predict(cfg, kind, weights, images, out_dir, class_names=names)
+    except (PredictError, ConfigError, DataError, SpatialShardingError) as exc:
+        _error(str(exc))
+        return 2
+    finally:
+        shutdown()
+    return 0
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``spconv-train predict`` to ``app``."""
+
+    @app.command("predict")
+    def predict(
+        checkpoint: Annotated[
+            Path,
+            typer.Argument(
+                metavar="CHECKPOINT",
+                help="Run folder (its best, else latest checkpoint), a checkpoints/step-N "
+                "folder, or an exported .pt file (e.g. RUN_DIR/model.pt).",
+                show_default=False,
+            ),
+        ],
+        inputs: Annotated[
+            list[Path],
+            typer.Argument(
+                metavar="INPUT...",
+                help="Image files or folders of images (PNG, JPEG, TIFF, .npy), any width.",
+                show_default=False,
+            ),
+        ],
+        out: Annotated[
+            Path,
+            typer.Option(
+                "--out", "-o", help="Output folder for <stem>.png and <stem>_overlay.png."
+            ),
+        ],
+        masks: Annotated[
+            Path | None,
+            typer.Option(
+                "--masks",
+                help="Folder of ground-truth masks (<stem>.png/.tif/.npy): prints and writes "
+                "per-class IoU/Dice to OUT/metrics.json.",
+                show_default=False,
+            ),
+        ] = None,
+        nproc: Annotated[
+            int | None,
+            typer.Option(
+                "--nproc",
+                "-n",
+                min=1,
+                help="Local ranks to start through torchrun (default 1). Ignored under torchrun.",
+                show_default=False,
+            ),
+        ] = None,
+        overrides: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--set",
+                "-s",
+                metavar="KEY=VALUE",
+                help="Override a key of the saved config, e.g. --set parallel.sp=2.",
+                show_default=False,
+            ),
+        ] = None,
+        config: Annotated[
+            Path | None,
+            typer.Option("--config", help="Use this YAML config instead of the saved one."),
+        ] = None,
+    ) -> None:
+        """Segment full-resolution images with a trained model, sharded over the ranks.
+
+        Each rank reads and computes only its column strip of every image;
+        rank 0 writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png.
+        Images too narrow to split are padded on the right and cropped back.
+
+        [bold]spconv-train predict runs/unet images/ --out preds --nproc 2[/]
+
+        Exit codes: 0 done, 2 bad usage, input or config, 1 failure.
+        """
+        command = predict_command
+        if launched_by_torchrun():
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            command = record(predict_command)
+        raise SystemExit(command(checkpoint, inputs, out, nproc, masks, overrides or (), config))

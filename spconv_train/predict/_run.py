@@ -1,0 +1,256 @@
+"""The sharded prediction loop of ``spconv-train predict`` (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from PIL import Image
+from rich.console import Console
+from rich.table import Table
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import Shard
+
+from spconv_train.config import validate_for_world
+from spconv_train.data import DataError, strip_bounds
+from spconv_train.data._readers import (
+    check_mask_values,
+    image_header,
+    mask_header,
+    read_image,
+    read_mask,
+)
+from spconv_train.distributed import build_mesh
+from spconv_train.logging import class_colors
+from spconv_train.parallel import SpatialShardingError, parallelize
+from spconv_train.train.data_feed import MeshCoords, to_dtensor
+from spconv_train.train.loop import build_model
+from spconv_train.train.metrics import ConfusionMatrix
+
+from . import PAD_MULTIPLE, PredictError
+
+#: Errors every rank re-raises (by type and message) when one image fails on some rank.
+_SHARED_ERRORS = {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
+
+__all__ = ["run_predict"]
+
+
+def _overlay(image, pred, colors, alpha: float = 0.5):
+    """uint8 RGB strip: the image blended with the colour of each pixel's class."""
+
+    rgb = image[:3] if image.shape[0] >= 3 else image[:1].expand(3, -1, -1)
+    rgb = rgb.clamp(0, 1) * 255
+    blend = (1 - alpha) * rgb + alpha * colors[pred.long()].permute(2, 0, 1)
+    return blend.round().to(torch.uint8)
+
+
+class _Predictor:
+    """One image at a time on this rank's strip (see the module docstring)."""
+
+    def __init__(self, cfg, model, sp_mesh, device) -> None:
+
+        self.cfg, self.model, self.mesh, self.device = cfg, model, sp_mesh, device
+        self.sp, self.rank = sp_mesh.size(), sp_mesh.get_local_rank()
+        self.colors = torch.tensor(class_colors(cfg.model.num_classes), dtype=torch.float32)
+
+    def forward(self, path: Path, h: int, w: int, c: int, width: int):
+        """(prediction strip uint8 [H, n], image strip [C, H, n], (a, b)) for the image
+        padded to ``width`` columns, cropped back to the original ``w``."""
+        a, b = strip_bounds(width, self.sp, self.rank)
+        ra, rb = min(a, w), min(b, w)
+        image = read_image(path, (ra, rb))
+        padded = F.pad(image, (0, (b - a) - (rb - ra)))
+        x = to_dtensor(padded[None].to(self.device), self.mesh, [Shard(3)], (1, c, h, width))
+        bf16 = self.cfg.training.precision == "bf16"
+        with torch.no_grad(), torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
+            logits = self.model(x)
+        pred = logits.to_local()[0].argmax(0)[:, : rb - ra].cpu()
+        return pred, image, (ra, rb)
+
+    def __call__(self, stem: str, path: Path, mask_path: Path | None, cm) -> tuple:
+
+        h, w, c = image_header(path)
+        if c != self.cfg.model.in_channels:
+            raise PredictError(
+                f"{path}: {c} channels, the model takes {self.cfg.model.in_channels}"
+            )
+        if mask_path is not None and mask_header(mask_path)[:2] != (h, w):
+            raise PredictError(f"{mask_path}: mask size differs from image {path.name} ({h}x{w})")
+        width = w
+        try:
+            pred, image, cols = self.forward(path, h, w, c, w)
+        except SpatialShardingError as first:
+            step = PAD_MULTIPLE * self.sp
+            width = math.ceil(w / step) * step
+            if width == w:
+                raise
+            try:
+                pred, image, cols = self.forward(path, h, w, c, width)
+            except SpatialShardingError as exc:
+                raise SpatialShardingError(
+                    f"{path}: width {w} cannot be split over sp={self.sp} ranks for this "
+                    f"model, not even padded to {width} columns ({exc}); use fewer ranks "
+                    f"(--nproc) or --set parallel.sp=<smaller>. Unpadded: {first}"
+                ) from exc
+        if mask_path is not None:
+            mask = read_mask(mask_path, cols)
+            k, ignore = self.cfg.model.num_classes, self.cfg.data.ignore_index
+            check_mask_values(mask, mask_path, k, ignore, col_offset=cols[0])
+            cm.update(pred[None].to(cm.local.device), mask[None].to(cm.local.device))
+        small = pred.to(torch.uint8 if self.cfg.model.num_classes <= 256 else torch.int32)
+        return stem, self.rank, small, _overlay(image, pred, self.colors), (w, width)
+
+
+def _write(out_dir: Path, stem: str, parts: list[tuple]) -> tuple[int, int]:
+    """Stitch the strips of one image (in sp-rank order) and write its two PNGs."""
+    parts.sort(key=lambda q: q[0])
+    pred = torch.cat([q[1] for q in parts], dim=-1).numpy()
+    overlay = torch.cat([q[2] for q in parts], dim=-1).permute(1, 2, 0).numpy()
+    mask = (
+        Image.fromarray(pred)
+        if pred.dtype == np.uint8
+        else Image.fromarray(pred.astype(np.uint16), mode="I;16")
+    )
+    mask.save(out_dir / f"{stem}.png")
+    Image.fromarray(np.ascontiguousarray(overlay)).save(out_dir / f"{stem}_overlay.png")
+    return pred.shape
+
+
+def _metrics_json(cm, names: list[str], n_images: int) -> dict:
+    def num(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    m = cm.metrics()
+    classes = [
+        {"name": n, "iou": num(i), "dice": num(d), "accuracy": num(a)}
+        for n, i, d, a in zip(names, m["iou"], m["dice"], m["class_accuracy"], strict=True)
+    ]
+    keys = ("pixel_accuracy", "miou", "mean_dice", "mean_class_accuracy")
+    return {
+        "images": n_images,
+        "pixels": m["pixels"],
+        **{k: num(m[k]) for k in keys},
+        "classes": classes,
+        "confusion_matrix": cm.total.cpu().tolist(),
+        "note": "miou, mean_dice, mean_class_accuracy are macro averages over the classes "
+        "present in the masks or the predictions; confusion_matrix[target][prediction]",
+    }
+
+
+def _print_table(console, result: dict) -> None:
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    table = Table(title=f"Per-class metrics over {result['images']} image(s)")
+    for col in ("class", "IoU", "Dice", "Acc"):
+        table.add_column(col, justify="left" if col == "class" else "right")
+    for c in result["classes"]:
+        table.add_row(c["name"], fmt(c["iou"]), fmt(c["dice"]), fmt(c["accuracy"]))
+    table.add_section()
+    means = (result["miou"], result["mean_dice"], result["mean_class_accuracy"])
+    table.add_row("mean (macro)", *map(fmt, means), style="bold")
+    console.print(table)
+
+
+def run_predict(
+    cfg,
+    kind: str,
+    weights: str | Path,
+    images: list[tuple],
+    out_dir: str | Path,
+    *,
+    class_names: list[str] | None = None,
+    console=None,
+) -> dict | None:
+    """Predict ``images`` (from ``_collect``) with the model of ``cfg`` and the checkpoint
+    ``weights`` (``kind`` ``"dcp"`` or ``"export"``), inside an initialised process group
+    (collective). Rank 0 writes the PNGs and, with masks, ``metrics.json``; returns the
+    metrics dict (rank 0, masks given) or None."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, width=None))
+    dp, sp = validate_for_world(cfg, dist.get_world_size())
+    mesh = build_mesh(dp, sp, device.type)
+    coords = MeshCoords.of(mesh)
+    model = build_model(
+        dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=None))
+    )
+    try:
+        if kind == "dcp":
+            state = {"model": model.state_dict()}
+            dcp.load(state, checkpoint_id=weights)  # fills the model's own tensors in place
+            model.load_state_dict(state["model"])
+        else:
+            saved = torch.load(weights, map_location="cpu", weights_only=True)
+            model.load_state_dict(saved["model"])
+    except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+        raise PredictError(
+            f"{weights}: cannot load into the model of the config ({cfg.model.name}, "
+            f"{cfg.model.num_classes} classes): {type(exc).__name__}: {exc}"
+        ) from exc
+    model = parallelize(model.to(device).eval(), mesh)
+    predictor = _Predictor(cfg, model, mesh["sp"], device)
+    with_masks = any(m is not None for _, _, m in images)
+    cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)
+    out_dir = Path(out_dir)
+    main = dist.get_rank() == 0
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    console = console or Console()
+    padded = []
+    for first in range(0, len(images), dp):
+        mine = first + coords.dp_rank
+        piece, failure = None, None
+        if mine < len(images):
+            try:
+                piece = predictor(*images[mine], cm)
+            except Exception as exc:  # noqa: BLE001 - every rank stops together below
+                failure, piece = exc, {"error": type(exc).__name__, "message": str(exc)}
+        gathered = [None] * dist.get_world_size() if main else None
+        dist.gather_object(piece, gathered, dst=0)
+        errors = [None]
+        if main:
+            errors = [next((p for p in gathered if isinstance(p, dict)), None)]
+        dist.broadcast_object_list(errors, src=0)  # no rank may wait for a failed one
+        if failure is not None:
+            raise failure
+        if errors[0] is not None:
+            name, message = errors[0]["error"], errors[0]["message"]
+            if name in _SHARED_ERRORS:
+                raise _SHARED_ERRORS[name](message)
+            raise RuntimeError(f"another rank failed: {name}: {message}")
+        if main:
+            strips: dict[str, list] = {}
+            for stem, rank, pred, overlay, (w, width) in (p for p in gathered if p is not None):
+                strips.setdefault(stem, []).append((rank, pred, overlay))
+                if width != w and rank == 0:
+                    padded.append(f"{stem}: width {w} padded to {width}")
+            for stem, parts in strips.items():
+                h, w = _write(out_dir, stem, parts)
+                console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
+    for line in padded:
+        console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")
+    if not with_masks:
+        return None
+    cm.reduce(mesh)  # every rank counted different pixels
+    if not main:
+        return None
+    names = class_names or [f"class_{i}" for i in range(cfg.model.num_classes)]
+    result = _metrics_json(cm, names, len(images))
+    (out_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    _print_table(console, result)
+    console.print(
+        f"pixel accuracy {result['pixel_accuracy']:.4f}, mIoU {result['miou']:.4f}, mean Dice "
+        f"{result['mean_dice']:.4f} (macro) -> {out_dir / 'metrics.json'}"
+    )
+    return result

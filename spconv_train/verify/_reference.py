@@ -1,0 +1,204 @@
+"""Phase 2 of ``run_verify``: the one-device reference steps and the comparison.
+
+A plain copy of the model (plain ``F.cross_entropy`` / Dice on full tensors) is trained on
+the FULL images of the same samples with the same augmentation parameters, on every rank
+(``reference="all"``) or on rank 0 only (``"rank0"``: it then sends each rank the blocks of
+the input and logits matching that rank's strip, and broadcasts gradients, parameters and
+buffers). Every rank compares its own part; one all-reduce per step gives the maxima.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from spconv_train.config import Config
+from spconv_train.data import make_dp_sampler
+from spconv_train.parallel import shard_bounds
+from spconv_train.train.data_feed import MeshCoords, load_train_strips
+from spconv_train.train.losses import dice_loss_reference
+from spconv_train.train.optim import build_optimizer, build_scheduler, clip_gradients
+
+from ._compare import Check, Collector, floors
+from ._sharded import StepRecord, autocast, low
+
+__all__ = ["reference_run"]
+
+
+def _block(shape: tuple[int, ...], placements, coords: list[tuple[int, int]]) -> tuple:
+    """Slices of a global tensor of ``shape`` held by the rank at mesh ``coords``
+    (``(size, index)`` per mesh dimension) under ``placements`` (DTensor chunking)."""
+    ranges = [[0, n] for n in shape]
+    for p, (size, index) in zip(placements, coords, strict=True):
+        if p.is_shard():
+            lo, hi = ranges[p.dim]
+            a, b = shard_bounds(hi - lo, size, index)
+            ranges[p.dim] = [lo + a, lo + b]
+        elif not p.is_replicate():
+            raise ValueError(f"cannot compare a {p} DTensor strip by strip")
+    return tuple(slice(a, b) for a, b in ranges)
+
+
+def _coords_of(mesh, rank: int) -> list[tuple[int, int]]:
+    where = (mesh.mesh == rank).nonzero()[0].tolist()
+    return [(mesh.size(i), where[i]) for i in range(mesh.ndim)]
+
+
+def _reference_loss(cfg: Config, device: torch.device):
+    """The single-device definition of ``training.loss`` on full tensors."""
+    t, ignore = cfg.training, cfg.data.ignore_index
+    weight = None if t.class_weights is None else torch.tensor(t.class_weights, device=device)
+
+    def ce(y: Tensor, target: Tensor) -> Tensor:
+        w = None if weight is None else weight.to(low(y).dtype)
+        return F.cross_entropy(low(y), target, ignore_index=ignore, weight=w)
+
+    def dice(y: Tensor, target: Tensor) -> Tensor:
+        return dice_loss_reference(low(y), target, ignore_index=ignore)
+
+    if t.loss == "ce":
+        return ce
+    if t.loss == "dice":
+        return dice
+    return lambda y, target: ce(y, target) + dice(y, target)
+
+
+def _reference_batch(source, cfg: Config, dp: int, epoch: int, position: int):
+    """The whole global batch of one training step: the FULL augmented images and masks of
+    every data-parallel replica's samples, replica after replica (the batch order of the
+    sharded ``[Shard(0), Shard(3)]`` DTensor)."""
+    images, masks, bs = [], [], cfg.data.batch_size
+    for r in range(dp):
+        sampler = make_dp_sampler(len(source), dp=dp, dp_rank=r, seed=cfg.training.seed)
+        sampler.set_epoch(epoch)
+        indices = list(sampler)[position * bs : (position + 1) * bs]
+        image, mask, _ = load_train_strips(source, cfg, MeshCoords(dp, 1, r, 0), epoch, indices)
+        images.append(image)
+        masks.append(mask)
+    return torch.cat(images), torch.cat(masks)
+
+
+def _send_block(full: Tensor | None, mine: Tensor, placements, mesh, device) -> Tensor:
+    """Rank 0 holds the full reference tensor ``full``; every rank gets the block matching
+    its own sharded local tensor ``mine`` (rank 0 sends the others theirs, in ``mine``'s
+    dtype, which is the same on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        shape = tuple(full.shape)
+        for r in range(1, world):
+            block = full[_block(shape, placements, _coords_of(mesh, r))]
+            dist.send(block.to(device, mine.dtype).contiguous(), dst=r)
+        return full[_block(shape, placements, _coords_of(mesh, 0))]
+    buf = torch.empty(mine.shape, dtype=mine.dtype, device=device)
+    dist.recv(buf, src=0)
+    return buf
+
+
+def _bcast_dict(values: dict | None, shapes: dict[str, torch.Size], device) -> dict:
+    """Rank 0's ``values`` (tensors or None) on every rank, shapes from ``shapes``."""
+    names = list(shapes)
+    missing = [[n for n in names if values[n] is None] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(missing, src=0)
+    present = [n for n in names if n not in missing[0]]
+    if dist.get_rank() == 0:
+        parts = [values[n].detach().double().flatten().to(device) for n in present]
+        flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    else:
+        total = sum(shapes[n].numel() for n in present)
+        flat = torch.empty(total, dtype=torch.float64, device=device)
+    dist.broadcast(flat, src=0)
+    out: dict = dict.fromkeys(names)
+    offset = 0
+    for n in present:
+        k = shapes[n].numel()
+        out[n] = flat[offset : offset + k].view(shapes[n])
+        offset += k
+    return out
+
+
+def _resync(ref: nn.Module, optimizer, rec: StepRecord) -> None:
+    """Put the reference into the sharded run's state after step ``rec``."""
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(rec.params[n])
+        for n, b in ref.named_buffers():
+            b.copy_(rec.buffers[n])
+    optimizer.load_state_dict(rec.optimizer)
+
+
+def reference_run(ref, cfg, mesh, device, source, records, tols, reference, precision, resync):
+    """Phase 2: the same steps on one device; returns every check (collective). With
+    ``resync`` every step from the second on starts from the sharded run's state after the
+    previous step, so each step's errors are its own (not amplified by earlier steps)."""
+    rank, dp = dist.get_rank(), mesh.size(0)
+    me = _coords_of(mesh, rank)
+    if ref is not None:
+        ref.train()
+        optimizer = build_optimizer(ref, cfg.optimizer)
+        scheduler = build_scheduler(optimizer, cfg.schedule, cfg.training.steps, cfg.optimizer.lr)
+        loss_fn = _reference_loss(cfg, device)
+        trainable = [p for p in ref.parameters() if p.requires_grad]
+    checks: list[Check] = []
+    for step, rec in enumerate(records, 1):
+        image = logits = None
+        loss, grads, params, buffers = 0.0, {}, {}, {}
+        if ref is not None:
+            if resync and step > 1:
+                _resync(ref, optimizer, records[step - 2])
+            image, mask = _reference_batch(source, cfg, dp, rec.epoch, rec.position)
+            dtype = torch.float64 if precision == "fp64" else image.dtype
+            image, mask = image.to(device, dtype), mask.to(device)
+            with autocast(precision, device):
+                logits = ref(image)
+            out = loss_fn(logits, mask)
+            out.backward()
+            loss = float(out.detach())
+            grads = {  # copies: clipping below scales the gradients in place
+                n: None if p.grad is None else p.grad.detach().clone()
+                for n, p in ref.named_parameters()
+                if n in rec.grads
+            }
+            clip_gradients(trainable, cfg.optimizer.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            params = {n: p.detach() for n, p in ref.named_parameters()}
+            buffers = dict(ref.named_buffers())
+        if reference == "rank0":
+            image = _send_block(image, rec.input, rec.input_placements, mesh, device)
+            if rec.placements:
+                logits = _send_block(logits, rec.logits, rec.placements, mesh, device)
+            else:  # unsharded output: every rank needs the whole tensor
+                logits = _bcast_dict(
+                    {"x": logits} if rank == 0 else None, {"x": rec.logits.shape}, device
+                )["x"]
+            scalar = torch.tensor([loss], dtype=torch.float64, device=device)
+            dist.broadcast(scalar, src=0)
+            loss = scalar.item()
+            shapes = {n: rec.params[n].shape for n in rec.grads}
+            grads = _bcast_dict(grads or None, shapes, device)
+            params = _bcast_dict(
+                params or None, {n: t.shape for n, t in rec.params.items()}, device
+            )
+            buffers = _bcast_dict(
+                buffers or None, {n: t.shape for n, t in rec.buffers.items()}, device
+            )
+        else:
+            image = image[_block(tuple(image.shape), rec.input_placements, me)]
+            if rec.placements:
+                logits = logits[_block(tuple(logits.shape), rec.placements, me)]
+        col = Collector(step, tols, floors(precision))
+        col.add("input", "input", rec.input, image)
+        col.add("loss", "loss", torch.tensor(rec.loss), torch.tensor(loss))
+        col.add("logits", "logits", rec.logits, logits)
+        for n in rec.grads:
+            col.add("grad", n, rec.grads[n], grads.get(n))
+        for n in rec.params:
+            col.add("param", n, rec.params[n], params.get(n))
+        for n in rec.buffers:
+            col.add("buffer", n, rec.buffers[n], buffers.get(n))
+        checks += col.reduce(device)
+        if ref is not None:
+            optimizer.zero_grad(set_to_none=True)
+    return checks
