@@ -28,9 +28,7 @@ def rel_err(got, want, floor: float = 0.0) -> float:
     return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def check_close(
-    label: str, got, want, tol: float, failures: list[str], floor: float = 0.0
-) -> None:
+def check_close(label: str, got, want, tol: float, failures: list[str], floor: float = 0.0) -> None:
     """Append a readable failure line to ``failures`` if ``got`` is not within ``tol``."""
     try:
         e = rel_err(got, want, floor)
