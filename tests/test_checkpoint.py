@@ -197,6 +197,7 @@ def atomic_case(root: str, world: int) -> list[str]:
             failures.append(f"{where}: folder left as {names}, {sorted(os.listdir(good))}")
 
     # A save killed earlier leaves a temp folder (and maybe a torn step folder): ignored.
+    dist.barrier()  # every rank has listed the folder above before rank 0 litters it
     if rank == 0:
         (cm.dir / ".tmp-step-000009").mkdir()
         (cm.dir / ".tmp-step-000009" / "__0_0.distcp").write_bytes(b"partial")
