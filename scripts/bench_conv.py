@@ -125,18 +125,26 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
             y = DTensor.from_local(conv(x.full_tensor()), mesh, [Replicate()], run_check=False)
             y.redistribute(mesh, [Shard(3)]).sum().backward()
 
-    else:  # PyTorch's own DTensor convolution, checked for correctness first
+    else:  # PyTorch's own DTensor convolution (parameters replicated), checked first
+        from torch.distributed.tensor import distribute_module
+
+        dconv = distribute_module(nn.Conv2d(c, c, 3, padding=1).to(device), mesh)
+        with torch.no_grad():
+            for p, q in zip(dconv.parameters(), conv.parameters(), strict=True):
+                p.to_local().copy_(q)
         try:
-            y = conv(x_dt)
-            ok = y.placements[0].is_shard() and torch.allclose(y.full_tensor(), conv(img))
-            note = "correct" if ok else "WRONG result"
+            y = dconv(x_dt)
+            ok = y.placements[0].is_shard() and torch.allclose(
+                y.full_tensor(), conv(img), atol=1e-4
+            )
+            note = "correct" if ok else f"WRONG result (output {y.placements[0]})"
         except Exception as exc:  # noqa: BLE001 - report, don't crash the benchmark
             queue.put((rank, None, f"raises {type(exc).__name__}"))
             dist.destroy_process_group()
             return
 
         def step():
-            conv(x_dt.detach().requires_grad_()).sum().backward()
+            dconv(x_dt.detach().requires_grad_()).sum().backward()
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

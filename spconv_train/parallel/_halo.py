@@ -49,66 +49,97 @@ def _column_slice(x: Tensor, start: int, stop: int) -> Tensor:
 
 
 class _GatherColumns(torch.autograd.Function):
+    """Forward: one buffer holding ``pad_lo`` columns of ``value``, the needed columns, and
+    ``pad_hi`` columns of ``value`` (the image-edge padding is written in place, so the
+    window costs a single copy of the strip). Backward: the adjoint."""
+
     @staticmethod
-    def forward(ctx, local: Tensor, plan: ExchangePlan, rank: int, group) -> Tensor:
-        ctx.plan, ctx.rank, ctx.group = plan, rank, group
+    def forward(ctx, local, plan, rank, group, pad_lo=0, pad_hi=0, value=0.0):
+        ctx.plan, ctx.rank, ctx.group, ctx.pad_lo = plan, rank, group, pad_lo
         ctx.local_shape = local.shape
         a = plan.owned[rank][0]
-        pieces: list[Tensor] = []
+        pieces = plan.pieces(rank)
+        total = sum(e - s for _, s, e in pieces)
+        out = local.new_empty((*local.shape[:-1], pad_lo + total + pad_hi))
+        if pad_lo:
+            out.narrow(-1, 0, pad_lo).fill_(value)
+        if pad_hi:
+            out.narrow(-1, pad_lo + total, pad_hi).fill_(value)
         recvs: list[tuple[int, Tensor]] = []
-        for owner, s, e in plan.pieces(rank):
+        arrivals: list[tuple[Tensor, Tensor]] = []
+        offset = pad_lo
+        for owner, s, e in pieces:
+            dst = out.narrow(-1, offset, e - s)
+            offset += e - s
             if owner == rank:
-                pieces.append(_column_slice(local, s - a, e - a))
-            else:
+                dst.copy_(_column_slice(local, s - a, e - a))
+            else:  # gloo needs contiguous buffers: receive, then place
                 buf = local.new_empty((*local.shape[:-1], e - s))
                 recvs.append((owner, buf))
-                pieces.append(buf)
+                arrivals.append((dst, buf))
         sends = [
             (q, _column_slice(local, s - a, e - a).contiguous()) for q, s, e in plan.sends(rank)
         ]
         _p2p(group, sends, recvs)
-        if not pieces:
-            return local.new_empty((*local.shape[:-1], 0))
-        return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        for dst, buf in arrivals:
+            dst.copy_(buf)
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         plan, rank, group = ctx.plan, ctx.rank, ctx.group
-        a = plan.owned[rank][0]
-        grad_local = grad.new_zeros(ctx.local_shape)
-        sends: list[tuple[int, Tensor]] = []
-        offset = 0
-        # Gradients of the columns this rank received go back to their owners ...
-        for owner, s, e in plan.pieces(rank):
-            g = _column_slice(grad, offset, offset + e - s)
+        a, b = plan.owned[rank]
+        pieces = plan.pieces(rank)
+        given = plan.sends(rank)
+        offsets, offset = [], ctx.pad_lo
+        for _, s, e in pieces:
+            offsets.append(offset)
             offset += e - s
-            if owner == rank:
-                _column_slice(grad_local, s - a, e - a).add_(g)
-            else:
-                sends.append((owner, g.contiguous()))
-        # ... and the gradients of the columns it gave arrive here, to be added to its own.
-        recvs = [
-            (q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in plan.sends(rank)
+        own = [(off, s, e) for off, (q, s, e) in zip(offsets, pieces, strict=True) if q == rank]
+        if len(own) == 1 and own[0][1:] == (a, b):
+            # The usual case: the window holds the whole strip once; no zero-fill needed.
+            grad_local = grad.narrow(-1, own[0][0], b - a)
+            grad_local = grad_local.clone() if given else grad_local
+        else:
+            grad_local = grad.new_zeros(ctx.local_shape)
+            for off, s, e in own:
+                _column_slice(grad_local, s - a, e - a).add_(grad.narrow(-1, off, e - s))
+        # Gradients of the columns this rank received go back to their owners ...
+        sends = [
+            (q, grad.narrow(-1, off, e - s).contiguous())
+            for off, (q, s, e) in zip(offsets, pieces, strict=True)
+            if q != rank
         ]
+        # ... and the gradients of the columns it gave arrive here, to be added to its own.
+        recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
         _p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs])
         for _, buf, s, e in recvs:
             _column_slice(grad_local, s - a, e - a).add_(buf)
-        return grad_local, None, None, None
+        return grad_local, None, None, None, None, None, None
 
 
-def gather_columns(local: Tensor, plan: ExchangePlan, rank: int, group) -> Tensor:
+def gather_columns(
+    local: Tensor,
+    plan: ExchangePlan,
+    rank: int,
+    group,
+    pad_lo: int = 0,
+    pad_hi: int = 0,
+    value: float = 0.0,
+) -> Tensor:
     """Return the columns ``plan.needed[rank]`` (concatenated, in order) from the local strip
-    ``local`` (columns ``plan.owned[rank]`` of the global tensor) and its neighbours'.
+    ``local`` (columns ``plan.owned[rank]`` of the global tensor) and its neighbours', with
+    ``pad_lo``/``pad_hi`` columns of ``value`` around them (image-edge padding).
 
     Differentiable: the backward returns every halo gradient to the rank that owns the column.
     """
-    if len(plan.owned) == 1:
-        # One rank: no communication; slicing keeps autograd simple and exact.
+    if len(plan.owned) == 1 and not (pad_lo or pad_hi):
+        # One rank, no padding: no communication and no copy.
         parts = [_column_slice(local, s, e) for s, e in plan.needed[0]]
         if not parts:
             return local.narrow(-1, 0, 0)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-    return _GatherColumns.apply(local, plan, rank, group)
+    return _GatherColumns.apply(local, plan, rank, group, pad_lo, pad_hi, value)
 
 
 class _SumGradOverGroups(torch.autograd.Function):

@@ -126,12 +126,15 @@ def gather_window(
     "reflect"/"replicate"/"circular" follow ``F.pad``. ``pad_h`` pads the height the same way,
     so the local op afterwards runs with padding 0.
     """
-    g = gather_columns(local, wp.exchange, rank, group)
     pl, pr, cl, cr = wp.edges[rank]
     if mode in ("zeros", "constant"):
-        if pl or pr or any(pad_h):
-            g = F.pad(g, (pl, pr, *pad_h), mode="constant", value=value)
-    elif mode == "circular":
+        # The width padding is written straight into the window buffer (no extra copy).
+        g = gather_columns(local, wp.exchange, rank, group, pl, pr, value)
+        if any(pad_h):
+            g = F.pad(g, (0, 0, *pad_h), mode="constant", value=value)
+        return g.narrow(-1, cl, g.shape[-1] - cl - cr) if cl or cr else g
+    g = gather_columns(local, wp.exchange, rank, group)
+    if mode == "circular":
         if any(pad_h):
             g = F.pad(g, (0, 0, *pad_h), mode="circular")
     elif pl or pr or any(pad_h):
