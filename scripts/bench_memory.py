@@ -2,7 +2,11 @@
 
 Activation memory is measured exactly, independent of the allocator: the bytes of every
 distinct tensor storage that autograd saves for the backward (``saved_tensors_hooks``),
-which is what spatial parallelism divides by N. Also reported: peak memory of the step
+which is what spatial parallelism divides by N. One rank runs the plain, unparallelized
+model (the true single-device baseline). The sharded windows of convolutions and max
+pools are saved as a reference to the strip plus their halo columns
+(``parallel._window.saving_window_by_reference``); those few halo columns per layer are not
+in this count. Also reported: peak memory of the step
 (CUDA allocator peak, or the growth of the process's peak RSS on CPU), time per step, and
 the widest image that fits a per-rank activation budget (extrapolated linearly in width:
 activations of a fully convolutional net grow linearly with the width at fixed height).
@@ -71,12 +75,16 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     model = create_model(
         "unet", num_classes=4, depth=args.depth, base_width=args.base_width, norm="batch"
     ).to(dev)
-    model = parallelize(model, mesh)
+    if world > 1:  # world 1 is the plain single-device model: the true baseline
+        model = parallelize(model, mesh)
     g = torch.Generator().manual_seed(1)
     img = torch.randn(1, 3, args.height, args.width, generator=g).to(dev)
     target = torch.randint(0, 4, (1, args.height, args.width), generator=g).to(dev)
-    x = distribute_tensor(img, mesh, [Shard(3)], src_data_rank=None)
-    tgt = distribute_tensor(target, mesh, [Shard(2)], src_data_rank=None).to_local()
+    if world > 1:
+        x = distribute_tensor(img, mesh, [Shard(3)], src_data_rank=None)
+        tgt = distribute_tensor(target, mesh, [Shard(2)], src_data_rank=None).to_local()
+    else:
+        x, tgt = img, target
     del img, target
     saved = SavedBytes()
     if dev == "cuda":

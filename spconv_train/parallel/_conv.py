@@ -16,7 +16,7 @@ from ._halo import sum_grad_over
 from ._mode import register_function
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, run_unsharded, spatial_layout
-from ._window import gather_window, plan_window
+from ._window import gather_window, plan_window, saving_plain_window
 
 
 def conv_padding(conv: nn.Conv2d) -> tuple[int, int, int, int]:
@@ -61,15 +61,13 @@ def spatial_conv2d(
     pad_h = (0, 0) if conv_pad_h or (pt == 0 and pb == 0) else (pt, pb)
     window = gather_window(local, wp, rank, layout.sp_group, padding_mode, 0.0, pad_h)
     groups_ = layout.grad_groups
-    out = F.conv2d(
-        window,
-        sum_grad_over(weight, groups_),
-        sum_grad_over(bias, groups_),
-        stride,
-        (conv_pad_h, 0),
-        dilation,
-        groups,
-    )
+    w, b = sum_grad_over(weight, groups_), sum_grad_over(bias, groups_)
+    if padding_mode == "zeros":
+        # Save the strip by reference + thin halos, not a second copy of it (memory ~1/N).
+        with saving_plain_window(window, local, wp, rank):
+            out = F.conv2d(window, w, b, stride, (conv_pad_h, 0), dilation, groups)
+    else:
+        out = F.conv2d(window, w, b, stride, (conv_pad_h, 0), dilation, groups)
     o0, o1 = wp.out_bounds[rank]
     assert out.shape[-1] == o1 - o0, (what, out.shape, wp.out_bounds, rank)
     return leave(out, layout, (x.shape[0], out.shape[1], out.shape[2], wp.out_width))

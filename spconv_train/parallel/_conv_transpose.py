@@ -14,9 +14,11 @@ The height runs the ordinary way (stride, padding, output_padding, dilation unch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -26,6 +28,7 @@ from ._halo import gather_columns, sum_grad_over
 from ._mode import register_function
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, run_unsharded, spatial_layout
+from ._window import saving_window_by_reference
 
 
 def conv_transpose_out_size(
@@ -147,16 +150,23 @@ def spatial_conv_transpose2d(
         # collectives run on every rank (a rank skipping them would hang the others).
         window = F.pad(window, (0, 1))
     groups_ = layout.grad_groups
-    y = F.conv_transpose2d(
-        window,
-        sum_grad_over(weight, groups_),
-        None,
-        stride,
-        (padding[0], 0),
-        (output_padding[0], 0),
-        groups,
-        dilation,
-    )
+    # Save the strip by reference + thin halos rather than a copy of it (memory ~1/N).
+    by_ref = hi > lo and layout.sp_size > 1 and torch.is_grad_enabled()
+    with (
+        saving_window_by_reference(window, local, tp.exchange, rank)
+        if by_ref
+        else contextlib.nullcontext()
+    ):
+        y = F.conv_transpose2d(
+            window,
+            sum_grad_over(weight, groups_),
+            None,
+            stride,
+            (padding[0], 0),
+            (output_padding[0], 0),
+            groups,
+            dilation,
+        )
     o0, o1 = tp.out_bounds[rank]
     y = _place(y, lo * stride[1] - padding[1], o0, o1)
     if bias is not None:

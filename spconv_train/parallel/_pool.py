@@ -32,7 +32,7 @@ from ._halo import gather_columns
 from ._mode import register_function
 from ._parallelize import register_spatial_module
 from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
-from ._window import gather_window, plan_window
+from ._window import gather_window, plan_window, saving_plain_window
 
 Segments = tuple[tuple[int, int], ...]
 
@@ -79,8 +79,10 @@ def spatial_max_pool2d(
         return out, leave(idx, layout, tuple(out.shape))
     width, rank = x.shape[3], layout.sp_rank
     wp, _ = _pool_plan(what, width, layout.sp_size, kw, sw, dw, pw, ceil_mode)
-    win = gather_window(enter(x), wp, rank, layout.sp_group, "zeros", float("-inf"))
-    out, idx = F.max_pool2d(win, (kh, kw), (sh, sw), (ph, 0), (dh, dw), ceil_mode, True)
+    local = enter(x)
+    win = gather_window(local, wp, rank, layout.sp_group, "zeros", float("-inf"))
+    with saving_plain_window(win, local, wp, rank, float("-inf")):
+        out, idx = F.max_pool2d(win, (kh, kw), (sh, sw), (ph, 0), (dh, dw), ceil_mode, True)
     shape = (x.shape[0], *out.shape[1:3], wp.out_width)
     if not return_indices:
         return leave(out, layout, shape)

@@ -8,9 +8,11 @@ this rank's output columns (DTensor chunking of the output width).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -144,6 +146,100 @@ def gather_window(
     return g
 
 
+def saving_plain_window(window: Tensor, local: Tensor, wp: WindowPlan, rank: int, value=0.0):
+    """``saving_window_by_reference`` for a window from ``gather_window`` in a constant mode
+    with no height padding and no crop (a no-op context otherwise, or without autograd)."""
+    pl, pr, cl, cr = wp.edges[rank]
+    if cl or cr or not torch.is_grad_enabled() or window.shape[-2] != local.shape[-2]:
+        return contextlib.nullcontext()
+    return saving_window_by_reference(window, local, wp.exchange, rank, pl, pr, value)
+
+
 def shard_sizes(width: int, parts: int) -> list[int]:
     """Widths of every rank's strip under DTensor chunking."""
     return [b - a for a, b in all_shard_bounds(width, parts)]
+
+
+class _WindowRecipe:
+    """How to rebuild a padded window from the local strip (kept by reference: usually the
+    op before saved it anyway) and thin copies of the halo columns. Both go through the
+    hooks that were active before (``outer``), so a memory meter, offloading or activation
+    checkpointing sees exactly what is kept."""
+
+    def __init__(self, window: Tensor, local: Tensor, exchange, rank, pl, pr, value, outer):
+        a = exchange.owned[rank][0]
+        self.shape, self.value, self.outer = window.shape, value, outer
+        self.version = local._version
+        self.local = outer[0](local) if outer else local
+        self.parts: list[tuple[str, object]] = [("pad", pl)] if pl else []
+        offset = pl
+        for owner, s, e in exchange.pieces(rank):
+            if owner == rank:
+                self.parts.append(("own", (s - a, e - s)))
+            else:  # a received halo: a few columns, copied
+                halo = window.narrow(-1, offset, e - s).clone()
+                self.parts.append(("halo", outer[0](halo) if outer else halo))
+            offset += e - s
+        if pr:
+            self.parts.append(("pad", pr))
+
+    def _get(self, packed) -> Tensor:
+        return self.outer[1](packed) if self.outer else packed
+
+    def rebuild(self) -> Tensor:
+        local = self._get(self.local)
+        if not self.outer and local._version != self.version:
+            raise RuntimeError(
+                "a tensor a width-sharded layer saved for backward was modified in place "
+                "after the forward; make that operation out of place"
+            )
+        out = local.new_empty(self.shape)
+        offset = 0
+        for kind, item in self.parts:
+            if kind == "pad":
+                out.narrow(-1, offset, item).fill_(self.value)
+                offset += item
+            elif kind == "own":
+                start, width = item
+                out.narrow(-1, offset, width).copy_(local.narrow(-1, start, width))
+                offset += width
+            else:
+                halo = self._get(item)
+                out.narrow(-1, offset, halo.shape[-1]).copy_(halo)
+                offset += halo.shape[-1]
+        return out
+
+
+@contextlib.contextmanager
+def saving_window_by_reference(
+    window: Tensor, local: Tensor, exchange, rank: int, pad_lo=0, pad_hi=0, value=0.0
+):
+    """While active, an op that saves ``window`` (built by ``gather_columns`` from ``local``
+    with ``exchange``, ``pad_lo``/``pad_hi`` columns of ``value`` around it) for its backward
+    saves a recipe instead (the strip by reference plus its halo columns) and rebuilds the
+    window in the backward.
+
+    Without it, a convolution's saved input (strip + halo, a separate buffer) would sit next
+    to the strip itself, saved by the op before it: twice the activation memory of one device.
+    """
+
+    # Hooks already active (activation checkpointing, offloading, a memory meter) keep
+    # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
+    # is internal (checked against torch 2.14; tests/test_conv.py covers the chaining).
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer else (None, None)
+
+    def pack(t: Tensor):
+        if t.data_ptr() == window.data_ptr() and t.shape == window.shape and t.dim() == 4:
+            return _WindowRecipe(window, local, exchange, rank, pad_lo, pad_hi, value, outer)
+        return ("outer", outer_pack(t)) if outer_pack else t
+
+    def unpack(saved):
+        if isinstance(saved, _WindowRecipe):
+            return saved.rebuild()
+        if isinstance(saved, tuple) and len(saved) == 2 and saved[0] == "outer":
+            return outer_unpack(saved[1])
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
