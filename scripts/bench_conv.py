@@ -113,6 +113,9 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
             conv(strip.detach().requires_grad_()).sum().backward()
 
     elif variant == "halo (spconv)":
+        from spconv_train.parallel import _window
+
+        _window.SAVE_WINDOWS_BY_REFERENCE = not args.copy_windows
         model = parallelize(nn.Sequential(conv), mesh)
 
         def step():
@@ -190,6 +193,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    ap.add_argument(
+        "--copy-windows",
+        action="store_true",
+        help="save halo windows as copies (faster, more memory) instead of by reference",
+    )
     args = ap.parse_args(argv)
 
     print(

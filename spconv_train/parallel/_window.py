@@ -29,6 +29,12 @@ from ._halo import gather_columns
 
 PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
 
+#: Save conv / max-pool windows as (strip reference + halo columns) and rebuild them in the
+#: backward: activation memory per rank = single device / N, for one extra copy of the
+#: window per layer in the backward (about 4 % of a conv step on CPU, docs/benchmarks.md).
+#: Set to False to trade that memory for speed.
+SAVE_WINDOWS_BY_REFERENCE = True
+
 
 @dataclass(frozen=True)
 class WindowPlan:
@@ -226,6 +232,9 @@ def saving_window_by_reference(
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
     # is internal (checked against torch 2.14; tests/test_conv.py covers the chaining).
+    if not SAVE_WINDOWS_BY_REFERENCE:
+        yield
+        return
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer else (None, None)
 
