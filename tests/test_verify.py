@@ -66,9 +66,9 @@ def verify_cases(cases: list[tuple[list[str], dict]]) -> list[dict]:
 def _drop_one_halo_column(original):
     """A halo exchange that zeroes the first column received from a neighbour."""
 
-    def broken(local, plan, rank, group):
-        out = original(local, plan, rank, group)
-        offset = 0
+    def broken(local, plan, rank, group, pad_lo=0, pad_hi=0, value=0.0):
+        out = original(local, plan, rank, group, pad_lo, pad_hi, value)
+        offset = pad_lo
         for owner, s, e in plan.pieces(rank):
             if owner != rank:
                 keep = torch.ones(out.shape[-1], dtype=out.dtype)
