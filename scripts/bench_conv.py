@@ -73,6 +73,23 @@ def _time_steps(fn, iters: int, warmup: int, device: str) -> float:
     return statistics.median(times)
 
 
+def init_worker(rank: int, world: int, port: int, args):
+    """Threads, device, process group (NCCL on CUDA, gloo on CPU) and a 1-D "sp" mesh."""
+    from spconv_train.parallel import init_device_mesh
+
+    torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=30),
+    )
+    return init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
+
+
 VARIANTS = ("one process", "floor (no comm)", "halo (spconv)", "dtensor gather", "dtensor native")
 
 
@@ -80,20 +97,10 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
     """Measure one variant in a fresh process (so the CPU peak RSS is that variant's)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from spconv_train.parallel import init_device_mesh, parallelize
+    from spconv_train.parallel import parallelize
 
-    torch.set_num_threads(args.threads)
     device = args.device
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if device == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=10),
-    )
-    mesh = init_device_mesh(device, (world,), mesh_dim_names=("sp",))
+    mesh = init_worker(rank, world, port, args)
     c, h, w = args.channels, args.height, args.width
     torch.manual_seed(0)
     conv = nn.Conv2d(c, c, 3, padding=1).to(device)

@@ -22,14 +22,13 @@ import os
 import platform
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import _current_mib, _free_port, _peak_mib  # noqa: E402
+from bench_conv import _current_mib, _free_port, _peak_mib, init_worker  # noqa: E402
 
 
 class SavedBytes:
@@ -56,21 +55,11 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from spconv_train.models import create_model
-    from spconv_train.parallel import init_device_mesh, parallelize
+    from spconv_train.parallel import parallelize
     from spconv_train.train import cross_entropy
 
-    torch.set_num_threads(args.threads)
     dev = args.device
-    if dev == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl" if dev == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=30),
-    )
-    mesh = init_device_mesh(dev, (world,), mesh_dim_names=("sp",))
+    mesh = init_worker(rank, world, port, args)
     torch.manual_seed(0)
     model = create_model(
         "unet", num_classes=4, depth=args.depth, base_width=args.base_width, norm="batch"

@@ -88,36 +88,42 @@ def _step_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
+def _batch_part(x: DTensor) -> int:
+    """Index of this rank's part of the batch (0 without data parallelism)."""
+    part = 0
+    for i, pl in enumerate(x.placements):
+        if pl.is_shard() and pl.dim == 0:
+            part = part * x.device_mesh.size(i) + x.device_mesh.get_local_rank(i)
+    return part
+
+
+def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
+    """Dropout on the local strip; the mask's seed takes one draw of the global RNG."""
+    plain = F.dropout2d if channels_only else F.dropout
+    if not isinstance(input, DTensor):
+        return plain(input, p, training, inplace)
+    if not training or p == 0.0:
+        return input
+    local = _local(input, f"F.{plain.__name__}")
+    g = torch.Generator(device=local.device)
+    if channels_only:
+        # Same seed on every strip of one image; the data-parallel rank picks the batch part.
+        g.manual_seed(_step_seed() + _batch_part(input))
+        shape = (*local.shape[:2], 1, 1)
+    else:
+        g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())
+        shape = local.shape
+    keep = torch.rand(shape, generator=g, device=local.device) >= p
+    return _wrap(input, local * keep.to(local.dtype) / (1.0 - p))
+
+
 @register_function("dropout")
 def _dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
     """Element-wise dropout of the local strip with a per-rank mask (see module docstring)."""
-    if not isinstance(input, DTensor):
-        return F.dropout(input, p, training, inplace)
-    if not training or p == 0.0:
-        return input
-    local = _local(input, "F.dropout")
-    g = torch.Generator(device=local.device)
-    g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())
-    keep = torch.rand(local.shape, generator=g, device=local.device, dtype=local.dtype) >= p
-    return _wrap(input, local * keep / (1.0 - p))
+    return _drop(input, p, training, inplace, channels_only=False)
 
 
 @register_function("dropout2d")
 def _dropout2d(input, p: float = 0.5, training: bool = True, inplace: bool = False):
     """Channel dropout: one mask per (sample, channel), identical on every strip of an image."""
-    if not isinstance(input, DTensor):
-        return F.dropout2d(input, p, training, inplace)
-    if not training or p == 0.0:
-        return input
-    local = _local(input, "F.dropout2d")
-    g = torch.Generator(device=local.device)
-    seed = _step_seed()
-    # Same seed on the ranks of one image's strips; the dp rank picks the batch part.
-    batch_part = 0
-    for i, pl in enumerate(input.placements):
-        if pl.is_shard() and pl.dim == 0:
-            mesh = input.device_mesh
-            batch_part = batch_part * mesh.size(i) + mesh.get_local_rank(i)
-    g.manual_seed(seed + batch_part)
-    mask = torch.rand((*local.shape[:2], 1, 1), generator=g, device=local.device) >= p
-    return _wrap(input, local * mask.to(local.dtype) / (1.0 - p))
+    return _drop(input, p, training, inplace, channels_only=True)
