@@ -81,6 +81,16 @@ def _attempt(fn: Callable, *args: Any) -> Exception | None:
     return None
 
 
+def _remove_tree(path: Path, attempts: int = 20) -> None:
+    """Remove a folder; retry briefly, since file-system writers of other ranks (DCP's
+    background writes on shared storage) may still be closing files in it."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.1)
+
+
 def _replace_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """``write(tmp)`` then ``os.replace``: readers see the old or the new file, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +243,7 @@ class CheckpointManager:
             # _agree raises on every rank at once, so all ranks are here: drop the partial
             # folder, and let nobody return before it is gone.
             if main:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _remove_tree(tmp)
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
             raise
