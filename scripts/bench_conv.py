@@ -23,7 +23,6 @@ import argparse
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -34,11 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from spconv_train.distributed import free_port
 
 
 def _peak_mib(device: str) -> float:
@@ -172,7 +167,7 @@ def run_variant(world: int, variant: str, args) -> tuple[float, float, str]:
     """(seconds per step, peak extra MiB on the worst rank, note) of one variant."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world, port, variant, args, queue))
         for r in range(world)

@@ -28,7 +28,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import _current_mib, _free_port, _peak_mib, init_worker  # noqa: E402
+from bench_conv import _current_mib, _peak_mib, init_worker  # noqa: E402
+
+from spconv_train.distributed import free_port  # noqa: E402
 
 
 class SavedBytes:
@@ -94,7 +96,7 @@ def run_world(world: int, args) -> tuple[float, float, float]:
     """(max activation MiB, max peak MiB, seconds) over the ranks of one run."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

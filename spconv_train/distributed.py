@@ -91,7 +91,8 @@ def restart_count() -> int:
     return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on localhost (for single-node process groups)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -157,7 +158,7 @@ def init_distributed(backend: str = "auto") -> DistInfo:
             dist.init_process_group(init_method="env://", **kwargs)
         else:
             dist.init_process_group(
-                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs
+                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs
             )
     return DistInfo(
         rank=dist.get_rank(),

@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
 
+from spconv_train.distributed import free_port
+
 TIMEOUT_S = float(os.environ.get("SPCONV_TEST_TIMEOUT", "120"))
 _MESHES: dict = {}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
@@ -73,7 +68,7 @@ class _Group:
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(
                 target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True

@@ -7,7 +7,6 @@ exchange post matching sends and receives without a metadata round trip.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 Interval = tuple[int, int]
@@ -122,8 +121,3 @@ def check_strips(what: str, width: int, parts: int, kind: str = "input") -> list
             f"{parts} always works) or fewer spatial ranks (parallel.sp)."
         )
     return bounds
-
-
-def intervals_width(intervals: Sequence[Interval]) -> int:
-    """Total number of columns in a list of intervals."""
-    return sum(b - a for a, b in intervals)

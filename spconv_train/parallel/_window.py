@@ -20,7 +20,6 @@ from ._geometry import (
     ExchangePlan,
     Interval,
     SpatialShardingError,
-    all_shard_bounds,
     check_strips,
     window_input_range,
     window_out_size,
@@ -159,11 +158,6 @@ def saving_plain_window(window: Tensor, local: Tensor, wp: WindowPlan, rank: int
     if cl or cr or not torch.is_grad_enabled() or window.shape[-2] != local.shape[-2]:
         return contextlib.nullcontext()
     return saving_window_by_reference(window, local, wp.exchange, rank, pl, pr, value)
-
-
-def shard_sizes(width: int, parts: int) -> list[int]:
-    """Widths of every rank's strip under DTensor chunking."""
-    return [b - a for a, b in all_shard_bounds(width, parts)]
 
 
 class _WindowRecipe:
