@@ -19,7 +19,7 @@ from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import HALO_SECONDS, gather_columns, sum_grad_over
 from ._interpolate import SpatialUpsample, spatial_interpolate
-from ._mode import SpatialMode, refuse_function, register_function
+from ._mode import SpatialMode, refuse_function, register_function, register_handler
 from ._norm import (
     SpatialBatchNorm2d,
     SpatialGroupNorm,
@@ -74,6 +74,7 @@ __all__ = [
     "refuse_function",
     "refuse_module",
     "register_function",
+    "register_handler",
     "register_spatial_module",
     "shard_bounds",
     "spatial_adaptive_avg_pool2d",

@@ -51,6 +51,22 @@ def register_function(*names: str) -> Callable[[Callable], Callable]:
     return deco
 
 
+def register_handler(*functions: Callable) -> Callable[[Callable], Callable]:
+    """Decorator keyed by the function objects themselves (``torch.Tensor.mean``,
+    ``F.pad``, ``torch.Tensor.__getitem__``, ...): run ``handler(*args, **kwargs)`` instead
+    whenever a DTensor is among the arguments while a parallelized model runs. Tensor
+    methods reach ``SpatialMode`` as the unbound method objects of ``torch.Tensor``."""
+
+    def deco(handler: Callable) -> Callable:
+        for fn in functions:
+            _HANDLERS[id(fn)] = handler
+            _NAMES[id(fn)] = getattr(fn, "__name__", repr(fn))
+            _REFUSED.pop(id(fn), None)
+        return handler
+
+    return deco
+
+
 def refuse_function(name: str, reason: str) -> None:
     """Make ``name`` raise on width-sharded DTensors (unless a handler is registered)."""
     for fn in _functions(name):
