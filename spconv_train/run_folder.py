@@ -164,9 +164,8 @@ def _resume_notes(cfg: Config, run_dir: Path) -> list[str]:
     new = config_to_dict(cfg)
     if has_ckpt:
         return check_resume_changes(old, new)
-    return notes + [
-        f"changed since {saved}: {k}: {a!r} -> {b!r}" for k, a, b in changed_settings(old, new)
-    ]
+    changes = changed_settings(old, new)
+    return notes + [f"{k}: {a!r} -> {b!r} (changed since the saved config)" for k, a, b in changes]
 
 
 def plan_start(

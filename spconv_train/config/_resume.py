@@ -100,5 +100,6 @@ def check_resume_changes(old: dict, new: dict) -> list[str]:
             f"cannot change when resuming: {listed}. Start a new run with another run_dir "
             f"(or --overwrite), or revert the change (--set {key}={_as_yaml(before)})",
         )
-    note = "changed since the saved config (applies from the resumed step)"
-    return [f"{note}: {k}: {a!r} -> {b!r}" for k, a, b in changes]
+    return [
+        f"{k}: {a!r} -> {b!r} (changed since the saved config; applies now)" for k, a, b in changes
+    ]

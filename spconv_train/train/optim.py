@@ -130,7 +130,11 @@ def apply_hyperparameters(optimizer: Optimizer, scheduler: LambdaLR, cfg: Optimi
         if "momentum" in group:
             group["momentum"] = cfg.momentum
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-    lrs = scheduler.get_lr()
+    # LambdaLR.get_lr's formula (calling it outside step() warns)
+    lrs = [
+        base * f(scheduler.last_epoch)
+        for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     scheduler._last_lr = list(lrs)  # what get_last_lr() reports
