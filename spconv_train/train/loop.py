@@ -1,7 +1,7 @@
 """``spconv-train run``: set-up, the training loop, validation and checkpoints.
 
 ``train(cfg, resume=..., remove=...)`` is what the CLI calls once the config is valid and
-the run directory decision is made (``spconv_train.cli.plan_start``). Every rank runs the
+the run directory decision is made (``spconv_train.run_folder.plan_start``). Every rank runs the
 same code; only rank 0 writes logs. After ``backward()`` every rank holds the single-device
 gradient of the global batch (the parallelized model all-reduces parameter gradients over
 the mesh), so optimizer, clipping and schedule are plain single-device code.
