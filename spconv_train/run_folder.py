@@ -18,14 +18,17 @@ the same thing again:
 
 A record counts as the current job's only on a restart (``TORCHELASTIC_RESTART_COUNT > 0``),
 with the same non-empty run id, written by an earlier attempt, and not marked finished. A
-single-node ``torchrun`` draws a fresh random run id per launch; multi-node jobs must give
-each job its own ``--rdzv-id`` (e.g. the scheduler's job id).
+single-node ``torchrun`` draws a fresh random run id per launch (or, with ``--master-port``,
+is told apart by its process id); multi-node jobs must give each job its own ``--rdzv-id``
+(e.g. the scheduler's job id).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -89,10 +92,18 @@ class StartPlan:
     record: JobRecord | None = None
 
 
-def job_id(env: dict[str, str] | None = None) -> str:
-    """This job's identity: torchrun's run id (``""`` when not launched by torchrun)."""
+def job_id(env: Mapping[str, str] | None = None) -> str:
+    """This job's identity: torchrun's run id (``""`` when not launched by torchrun).
+
+    With ``--master-port`` torchrun's run id is the constant ``"none"``; on a single node it
+    is then qualified with the torchrun process (every worker's parent, alive for the whole
+    job), so two launches never share an identity. Multi-node jobs need ``--rdzv-id``.
+    """
     env = os.environ if env is None else env
-    return env.get("TORCHELASTIC_RUN_ID", "")
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if run_id == "none" and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
+        return f"none@{socket.gethostname()}:{os.getppid()}"
+    return run_id
 
 
 def read_job(run_dir: str | Path) -> JobRecord | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -177,6 +178,10 @@ def test_job_record_round_trip_and_finish(tmp_path, monkeypatch):
     assert job_id() == "f00d"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     assert job_id() == ""
+    # torchrun --master-port: run id "none" for every launch; one node: the agent's pid
+    one_node = {"TORCHELASTIC_RUN_ID": "none", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
+    assert job_id(one_node).startswith("none@") and str(os.getppid()) in job_id(one_node)
+    assert job_id({**one_node, "WORLD_SIZE": "4"}) == "none"  # multi-node: --rdzv-id needed
 
 
 # --- real torchrun --------------------------------------------------------------------------
