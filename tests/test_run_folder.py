@@ -187,16 +187,17 @@ def test_job_record_round_trip_and_finish(tmp_path, monkeypatch):
 # --- real torchrun --------------------------------------------------------------------------
 
 
-def test_torchrun_restart_never_deletes_a_refused_folder(tmp_path):
-    """``torchrun --max-restarts 1`` in a folder holding a run, ``checkpoint.resume=never``:
-    today's bug deleted the old run on the restart. Both attempts must refuse (exit 2 from
-    every worker, so torchrun fails) and leave every byte in place."""
+@pytest.mark.parametrize("policy", ["never", "auto"])
+def test_torchrun_restart_never_takes_over_a_refused_folder(tmp_path, policy):
+    """``torchrun --max-restarts 1`` in a folder holding another job's run: the old code's
+    restart deleted it (``checkpoint.resume=never``) or continued it (``auto``). Both attempts
+    must refuse (exit 2 from every worker, so torchrun fails) and leave every byte in place."""
     config = tiny_config(tmp_path)
     run_dir = tmp_path / "run"
     _old_run(run_dir)
     write_job(run_dir, JobRecord(job="an-earlier-job", decision="fresh", attempt=0))
     before = _tree(run_dir)
-    proc = torchrun(config, "--set", "checkpoint.resume=never", restarts=1)
+    proc = torchrun(config, "--set", f"checkpoint.resume={policy}", restarts=1)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "already holds a run" in out and "torchrun restart 1: still refused" in out, out[-3000:]
