@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -248,9 +249,14 @@ def _train(cfg: Config, plan: StartPlan) -> None:
     try:
         train(cfg, resume=plan.resume, remove=plan.remove, notes=plan.notes)
     except Preempted as exc:
+        # torchrun SIGTERMs the other workers as soon as the first one exits: they are all
+        # leaving with the same code already, so let them finish instead of dying by signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         shutdown(barrier=True)  # every rank stopped after the same step and saved it
         if _rank() == 0:
-            Console(stderr=True, highlight=False).print(f"spconv-train: {escape(str(exc))}")
+            Console(stderr=True, highlight=False).print(
+                f"spconv-train: {escape(str(exc))}", soft_wrap=True
+            )
         raise SystemExit(EXIT_PREEMPTED) from None
     except BaseException as exc:
         if isinstance(exc, ConfigError | DataError):

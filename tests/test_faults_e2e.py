@@ -103,6 +103,17 @@ class Job:
             time.sleep(0.1)
         self.fail(f"no step {step} after {timeout} s")
 
+    def wait_for_stderr(self, text: str, timeout: float = 120) -> None:
+        """Until ``text`` appears in the job's stderr."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.err.read_text():
+                return
+            if self.proc.poll() is not None:
+                self.fail(f"ended without printing {text!r}")
+            time.sleep(0.1)
+        self.fail(f"no {text!r} after {timeout} s")
+
     def worker(self, rank: int) -> int:
         """The pid of torchrun's worker of global rank ``rank``."""
         for entry in Path("/proc").iterdir():
@@ -171,17 +182,23 @@ def test_stopped_rank_ends_the_job_with_the_watchdog_naming_step_and_collective(
     hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.2")
     config = tiny_config(tmp_path)
     args = ("--set", "training.steps=200", "--set", "parallel.timeout_s=4")
-    job = Job(torchrun_cmd(config, *args, extra=("--shutdown-timeout=2",)), tmp_path)
+    args += ("--set", "training.val_every=100", "--set", "checkpoint.every=100")
+    job = Job(torchrun_cmd(config, *args), tmp_path)
     try:
         job.wait_for_step(tmp_path / "run", 2)
-        os.kill(job.worker(1), signal.SIGSTOP)
+        stopped = job.worker(1)
+        os.kill(stopped, signal.SIGSTOP)
+        job.wait_for_stderr("watchdog: stuck")
+        # torchrun now SIGTERMs the stopped rank and SIGKILLs it 30 s later; play the
+        # cluster's part at once to keep the test short.
+        os.kill(stopped, signal.SIGKILL)
         proc = job.finish(timeout=120)
     finally:
         job.kill()
     assert proc.returncode != 0
     match = re.search(r"\[rank 0\] error: watchdog: stuck for (\d+) s in step (\d+): ", proc.stderr)
     assert match, proc.stderr[-4000:]
-    assert int(match.group(1)) >= 4 and int(match.group(2)) >= 3
+    assert int(match.group(1)) >= 4 and int(match.group(2)) >= 2
     line = proc.stderr[match.start() :].splitlines()[0]
     assert "parallel.timeout_s=4" in line
     assert any(c in line for c in ("halo exchanges", "all-reduce", "all_gather")), line
@@ -212,13 +229,15 @@ def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(tmp_path, h
     assert match, proc.stderr[-4000:]
     stop = int(match.group(1))
     assert 2 <= stop < 14
-    assert proc.stderr.count("exitcode  : 3") == 2  # both workers, the same documented code
+    # Every worker torchrun reports exited with the documented code (none by its SIGTERM).
+    assert set(re.findall(r"exitcode  : (-?\d+)", proc.stderr)) == {"3"}, proc.stderr[-3000:]
     ckpt = cut_dir / "run" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == f"step-{stop:06d}"
     assert not (cut_dir / "run" / "model.pt").exists()
     hooked.delenv("SPCONV_TEST_STEP_DELAY")
     resumed = ok(launch(torchrun_cmd(config, "--resume", *steps)))
-    assert f"resumed from {ckpt / f'step-{stop:06d}'}" in resumed.stdout
+    said = "".join(resumed.stdout.split())  # the console wraps long paths
+    assert f"resumedfrom{ckpt / f'step-{stop:06d}'}" in said
     want, got = exported(ref_dir / "run"), exported(cut_dir / "run")
     assert want.keys() == got.keys()
     for key in want:
