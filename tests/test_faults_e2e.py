@@ -247,3 +247,22 @@ def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(tmp_path, h
         for d in (ref_dir, cut_dir)
     ]
     assert losses[0] == losses[1]
+
+
+def test_sigterm_to_a_plain_run_exits_3_with_a_checkpoint(tmp_path, hooked):
+    """One process, no torchrun: the exit code itself is the documented 3."""
+    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
+    args = ("--set", "training.steps=40", "--set", "checkpoint.every=100")
+    cmd = [sys.executable, "-m", "spconv_train", "run", str(tiny_config(tmp_path)), *args]
+    job = Job(cmd, tmp_path)
+    try:
+        job.wait_for_step(tmp_path / "run", 2)
+        os.kill(job.proc.pid, signal.SIGTERM)
+        proc = job.finish(timeout=120)
+    finally:
+        job.kill()
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    match = re.search(r"stopped by SIGTERM after step (\d+) of 40", proc.stderr)
+    assert match and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{int(match.group(1)):06d}"
