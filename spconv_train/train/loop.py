@@ -333,7 +333,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # of the throughput and halo figures of the current logging interval.
         paused, halo = time.perf_counter(), HALO_SECONDS[0]
         scores = None
-        # A preempted job has seconds left: validation waits for the resumed run.
+        # A preempted job has seconds left: they are for the checkpoint, not validation.
         if (step % t.val_every == 0 or step == steps) and not stop:
             scores = last_scores = validate(run, step)
             _log_val(run, step, scores)
