@@ -45,6 +45,11 @@ def test_watchdog_stays_quiet_without_a_phase_and_after_close():
     wd.close()
     time.sleep(0.3)
     assert not fired.is_set()
+    quiet = Watchdog(0.1, rank=0, enabled=False, exit=lambda code: fired.set())
+    quiet.beat("step 1: forward pass")  # one process: only recorded
+    time.sleep(0.3)
+    quiet.close()
+    assert not fired.is_set() and last_phase() == "step 1: forward pass"
     with pytest.raises(ValueError, match="positive"):
         Watchdog(0, rank=0)
 

@@ -83,7 +83,7 @@ class ParallelConfig:
     """Process-group backend; auto picks nccl when CUDA is available, else gloo."""
     timeout_s: float | None = None
     """Seconds one training phase (a step's forward, backward, validation image, checkpoint
-    write) may wait for the other ranks before a watchdog stops the job with a message
+    write) may last in a multi-rank run before a watchdog stops the job with a message
     naming the step and the collective it is stuck in (exit code 4): a rank that hangs or
     was stopped must not hang the job forever. Make it longer than the slowest phase.
     null: the SPCONV_TIMEOUT_S environment variable, else 600."""

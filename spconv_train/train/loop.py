@@ -36,6 +36,7 @@ from spconv_train.distributed import (
     build_mesh,
     default_timeout_s,
     env_rank,
+    env_world_size,
     gather_all,
     init_distributed,
     peak_memory_mb,
@@ -211,7 +212,8 @@ def train(
     watchdog's message (``spconv_train.train.watchdog``).
     """
     timeout_s = cfg.parallel.timeout_s or default_timeout_s()
-    with Watchdog(timeout_s, env_rank()) as watchdog, StopRequests() as stops:
+    multi = env_world_size() > 1  # one process has no peer to wait for
+    with Watchdog(timeout_s, env_rank(), enabled=multi) as watchdog, StopRequests() as stops:
         return _train(cfg, resume, remove, notes, watchdog, stops)
 
 

@@ -45,12 +45,20 @@ def process_group_timeout(timeout_s: float) -> float:
 class Watchdog:
     """Stops this process when one announced phase lasts longer than ``timeout_s``.
 
-    ``beat(what)`` starts a new phase (main thread); ``idle()`` pauses the clock (e.g. while
-    rank 0 alone writes files nobody waits for); ``close()`` stops the thread. Use as a
-    context manager. ``exit`` replaces ``os._exit`` (tests).
+    ``beat(what)`` starts a new phase (main thread); ``close()`` stops the thread. Use as
+    a context manager. ``enabled=False`` (a single process: no peer to wait for, and a long
+    step on one device is no hang) only records the phases. ``exit`` replaces ``os._exit``
+    (tests).
     """
 
-    def __init__(self, timeout_s: float, rank: int, *, exit=os._exit) -> None:  # noqa: A002
+    def __init__(
+        self,
+        timeout_s: float,
+        rank: int,
+        *,
+        enabled: bool = True,
+        exit=os._exit,  # noqa: A002
+    ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"watchdog timeout must be positive, got {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -59,21 +67,18 @@ class Watchdog:
         self._phase: tuple[str, float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="spconv-watchdog", daemon=True)
-        self._thread.start()
+        if enabled:
+            self._thread.start()
 
     def beat(self, what: str) -> None:
         """Phase ``what`` starts now (its name should say which collectives it runs)."""
         _LAST_PHASE[0] = what
         self._phase = (what, time.monotonic())  # one tuple: read atomically by the thread
 
-    def idle(self) -> None:
-        """No phase is running: the clock stops until the next ``beat``."""
-        self._phase = None
-
     def close(self) -> None:
         """Stop watching (idempotent)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
     def __enter__(self) -> Watchdog:
