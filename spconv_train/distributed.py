@@ -247,6 +247,7 @@ _PEER_GONE = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
+    "remote process exited",  # NCCL
     "failed on another rank",  # spconv_train.checkpoint's agreement
 )
 
