@@ -103,7 +103,7 @@ class Watchdog:
         message = (
             f"[rank {self.rank}] error: watchdog: stuck for {waited:.0f} s in {what} "
             f"(parallel.timeout_s={self.timeout_s:g}). A peer rank is probably hung, stopped "
-            "or dead (look for its own message above); stopping this rank with exit code "
+            "or dead (its own message, if any, is above); stopping this rank with exit code "
             f"{EXIT_HUNG}. If this phase is legitimately this slow, raise parallel.timeout_s."
         )
         for stream in (sys.stdout, sys.stderr):
