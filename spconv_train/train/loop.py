@@ -34,6 +34,9 @@ from spconv_train.data import SegmentationSource
 from spconv_train.distributed import (
     DistInfo,
     build_mesh,
+    default_timeout_s,
+    env_rank,
+    env_world_size,
     gather_all,
     init_distributed,
     peak_memory_mb,
@@ -60,6 +63,8 @@ from spconv_train.train.optim import (
     clip_gradients,
     enable_activation_checkpointing,
 )
+from spconv_train.train.preemption import Preempted, StopRequests
+from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
 
@@ -114,6 +119,8 @@ class _Run:
     val_source: SegmentationSource
     class_names: list[str]
     logger: RunLogger
+    watchdog: Watchdog
+    stops: StopRequests
 
     def __post_init__(self) -> None:
         self.sp_mesh = self.mesh["sp"]  # validation images live on the spatial group only
@@ -135,6 +142,7 @@ def validate(run: _Run, step: int) -> dict:
     cm = ConfusionMatrix(k, ignore, device=run.info.device)
     loss_sum, count, pieces = 0.0, 0, []
     for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, run.info.device):
+        run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
         with run.autocast():
             logits = model(item.image)
         loss = float(run.loss_fn(logits, item.target))
@@ -152,6 +160,7 @@ def validate(run: _Run, step: int) -> dict:
                 )
             ]
             pieces.append((item.index, run.coords.sp_rank, *small))
+    run.watchdog.beat(f"step {step}: validation metrics (all-reduce over the mesh)")
     cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
     totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=run.info.device)
     dist.all_reduce(totals, group=run.mesh.get_group("dp"))  # losses are replicated over sp
@@ -209,12 +218,23 @@ def train(
     start decision rank 0 records in ``run_dir`` (``spconv_train.run_folder``).
 
     Raises ``ConfigError``/``DataError``/``SpatialShardingError`` for set-up problems,
-    ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then).
+    ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then),
+    ``Preempted`` after SIGTERM/SIGUSR1 (on any rank) once the step's checkpoint is written.
+    A rank stuck longer than ``parallel.timeout_s`` in one phase ends its process with the
+    watchdog's message (``spconv_train.train.watchdog``).
     """
+    timeout_s = cfg.parallel.timeout_s or default_timeout_s()
+    multi = env_world_size() > 1  # one process has no peer to wait for
+    with Watchdog(timeout_s, env_rank(), enabled=multi) as watchdog, StopRequests() as stops:
+        return _train(cfg, resume, remove, notes, watchdog, stops)
+
+
+def _train(cfg, resume, remove, notes, watchdog: Watchdog, stops: StopRequests) -> dict:
     seed_everything(cfg.training.seed)  # same initial weights on every rank
     model = build_model(cfg)
     train_source, val_source, class_names = build_sources(cfg)
-    info = init_distributed(cfg.parallel.backend)
+    info = init_distributed(cfg.parallel.backend, process_group_timeout(watchdog.timeout_s))
+    watchdog.beat("set-up: mesh, run folder and resume (barriers, checkpoint-load collectives)")
     dp, sp = validate_for_world(cfg, info.world_size)
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
@@ -245,7 +265,7 @@ def train(
         resume_step=start if resume else None,  # drop log lines after the restart point
         log_every=cfg.training.log_every,
     )
-    run = _Run(cfg, info, mesh, model, val_source, class_names, logger)
+    run = _Run(cfg, info, mesh, model, val_source, class_names, logger, watchdog, stops)
     try:
         return _loop(run, feed, optimizer, scheduler, ckpt, start, latest, notes)
     finally:
@@ -253,7 +273,7 @@ def train(
 
 
 def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> dict:
-    cfg, info, model, logger = run.cfg, run.info, run.model, run.logger
+    cfg, info, model, logger, wd = run.cfg, run.info, run.model, run.logger, run.watchdog
     t, steps = cfg.training, cfg.training.steps
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
@@ -271,10 +291,14 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     HALO_SECONDS[0] = 0.0
     logger.progress_start(steps, initial=start)
     batches = iter(feed)
+    run.stops.install()  # SIGTERM/SIGUSR1 now end the run after a step, with a checkpoint
     while step < steps:
+        # Each phase names its collectives: the watchdog's message says where a rank hung.
+        wd.beat(f"step {step + 1}: data and forward pass (halo exchanges, norm all-reduces)")
         batch = next(batches)
         with run.autocast():
             logits = model(batch.image)
+        wd.beat(f"step {step + 1}: loss (all-reduce over the mesh)")
         loss = run.loss_fn(logits, batch.target)
         value = float(loss.detach())  # the same on every rank (a global mean)
         if not math.isfinite(value):
@@ -282,6 +306,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
                 f"non-finite loss ({value}) at step {step + 1}; stopping "
                 "without a checkpoint (lower optimizer.lr or check the data)"
             )
+        wd.beat(f"step {step + 1}: backward pass (halo exchanges, gradient all-reduce)")
         loss.backward()
         grad_norm = clip_gradients(params, cfg.optimizer.grad_clip)
         if not math.isfinite(grad_norm):
@@ -294,9 +319,14 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        wd.beat(f"step {step}: stop-signal all-reduce")
+        # Every rank stops after the same step, whichever rank(s) got the signal. At the
+        # last step the run is complete anyway: finish it normally.
+        stop = run.stops.agree(info.device) if step < steps else None
         loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
         logger.progress_update(step, loss=value, lr=lr)
         if step % t.log_every == 0 or step == steps:
+            wd.beat(f"step {step}: logging (all_gather of per-rank statistics)")
             elapsed = time.perf_counter() - tick
             stats = _rank_stats(run)
             logger.scalars(
@@ -318,17 +348,23 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # of the throughput and halo figures of the current logging interval.
         paused, halo = time.perf_counter(), HALO_SECONDS[0]
         scores = None
-        if step % t.val_every == 0 or step == steps:
+        # A preempted job has seconds left: they are for the checkpoint, not validation.
+        if (step % t.val_every == 0 or step == steps) and not stop:
             scores = last_scores = validate(run, step)
             _log_val(run, step, scores)
-        if step % cfg.checkpoint.every == 0 or step == steps:
+        if step % cfg.checkpoint.every == 0 or step == steps or stop:
+            wd.beat(f"step {step}: checkpoint save (distributed-checkpoint collectives)")
             extra = {"data": feed.state_dict(), "rng": rng_state()}
             metric = None if scores is None else scores["miou"]
             metric = None if metric is None or math.isnan(metric) else metric
             ckpt.save(step, model, optimizer, scheduler=scheduler, extra=extra, metric=metric)
+        if stop:
+            logger.progress_stop()
+            raise Preempted(stop, step, steps, str(ckpt.latest()))
         tick += time.perf_counter() - paused
         HALO_SECONDS[0] = halo
     logger.progress_stop()
+    wd.beat(f"step {step}: export of model.pt and final report (barrier)")
     return _finish(run, ckpt, last_scores, step)
 
 
