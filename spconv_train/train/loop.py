@@ -226,10 +226,10 @@ def train(
     timeout_s = cfg.parallel.timeout_s or default_timeout_s()
     multi = env_world_size() > 1  # one process has no peer to wait for
     with Watchdog(timeout_s, env_rank(), enabled=multi) as watchdog, StopRequests() as stops:
-        return _train(cfg, resume, remove, notes, watchdog, stops)
+        return _train(cfg, resume, remove, notes, job, watchdog, stops)
 
 
-def _train(cfg, resume, remove, notes, watchdog: Watchdog, stops: StopRequests) -> dict:
+def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopRequests) -> dict:
     seed_everything(cfg.training.seed)  # same initial weights on every rank
     model = build_model(cfg)
     train_source, val_source, class_names = build_sources(cfg)
