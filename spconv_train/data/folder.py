@@ -35,19 +35,35 @@ def _listing(items: list[str]) -> str:
     return ", ".join(items[:_MAX_LISTED]) + (f", ... and {more} more" if more > 0 else "")
 
 
-def _read_split_list(path: Path) -> list[str]:
-    """Stems from a text file: one per line, '#' starts a comment, known extensions dropped."""
+def _read_split_list(path: Path, split: str) -> list[str] | None:
+    """Stems of ``split`` from a split list; None when the file does not mention ``split``.
+
+    Documented format: one ``<split> <stem>`` pair per line (``train slide_001``); a line
+    with a single word names a stem used by every split. ``#`` starts a comment, known
+    extensions are dropped (``a.png`` -> ``a``).
+    """
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise bad_file(path, f"cannot read split list ({e})") from e
     stems: list[str] = []
-    for line in lines:
-        entry = line.split("#", 1)[0].strip()
-        if not entry:
+    mentioned = False
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
             continue
-        name = Path(entry)
-        stems.append(name.stem if name.suffix.lower() in IMAGE_EXTS | MASK_EXTS else entry)
+        if len(words) > 2:
+            raise bad_file(
+                path, f"line {number}: expected '<split> <stem>' or '<stem>', got {line.strip()!r}"
+            )
+        if len(words) == 2:
+            if words[0] != split:
+                continue
+            mentioned = True
+        name = Path(words[-1])
+        stems.append(name.stem if name.suffix.lower() in IMAGE_EXTS | MASK_EXTS else words[-1])
+    if not stems and not mentioned:
+        return None
     dupes = sorted({s for s in stems if stems.count(s) > 1})
     if dupes:
         raise bad_file(path, f"split list names these stems more than once: {_listing(dupes)}")
@@ -63,7 +79,8 @@ class FolderDataset(SegmentationSource):
         num_classes: number of classes; mask values must be in ``[0, num_classes)`` or equal
             ``ignore_index``.
         ignore_index: mask value excluded from the loss.
-        split_list: optional text file of stems to use (one per line, ``#`` comments); a
+        split_list: optional text file of ``<split> <stem>`` lines (or bare ``<stem>`` lines
+            for every split; ``#`` comments); a split it does not mention uses every stem. A
             relative path is looked up as given, then under ``root``.
         class_names: optional names; default: ``root/classes.txt`` if present, else
             ``class_0 ..``.
@@ -99,11 +116,14 @@ class FolderDataset(SegmentationSource):
         images = index_folder(image_dir, IMAGE_EXTS, "image")
         masks = index_folder(mask_dir, MASK_EXTS, "mask")
 
+        listed: list[str] | None = None
         if split_list is not None:
             list_path = Path(split_list)
             if not list_path.exists() and (self.root / list_path).exists():
                 list_path = self.root / list_path
-            stems = _read_split_list(list_path)
+            listed = _read_split_list(list_path, split)
+        if listed is not None:
+            stems = listed
             self._check_pairs(stems, images, masks, f"listed in {list_path} but")
         else:
             stems = sorted(images.keys() | masks.keys())

@@ -282,7 +282,8 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         optimizer.zero_grad(set_to_none=True)
         step += 1
         loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
-        logger.progress_update(step, loss=value, lr=lr)
+        # The window mean so far: at a log step it equals the "loss" in metrics.jsonl.
+        logger.progress_update(step, loss=loss_sum / loss_n, lr=lr)
         if step % t.log_every == 0 or step == steps:
             elapsed = time.perf_counter() - tick
             stats = _rank_stats(run)
