@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
 from ._readers import (
+    DEFAULT_MAX_PIXELS,
     IMAGE_EXTS,
     MASK_EXTS,
     check_mask_values,
     image_header,
     index_folder,
     mask_header,
-    read_image,
+    read_image_raw,
     read_mask,
     verify_image,
 )
 from .base import DataError, SegmentationSource, bad_file, check_cols
+from .normalize import ChannelRange, normalize_image
+from .scan import ScanCache, check_values, image_range, mask_values
 
 __all__ = ["FolderDataset"]
 
@@ -87,6 +91,10 @@ class FolderDataset(SegmentationSource):
         on_bad_sample: ``"error"`` (raise on the first ``validate_all``/``load`` problem) or
             ``"skip"`` (``validate_all`` drops bad samples and records them in ``skipped``;
             unpaired files are recorded at construction).
+        level: pyramid level of pyramidal TIFFs (``data.level``).
+        max_image_pixels: largest PNG/JPEG decoded (``data.max_image_pixels``).
+        normalize: ``data.normalize`` (None: ``dtype``); ``minmax``/``percentile`` need
+            ``prepare_normalization`` (or compute per-image statistics on first use).
 
     Attributes:
         skipped: ``(file, reason)`` of every sample dropped in skip mode.
@@ -102,6 +110,9 @@ class FolderDataset(SegmentationSource):
         split_list: str | Path | None = None,
         class_names: list[str] | None = None,
         on_bad_sample: str = "error",
+        level: int = 0,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+        normalize: Any = None,
     ) -> None:
         if on_bad_sample not in ("error", "skip"):
             raise ValueError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
@@ -112,6 +123,9 @@ class FolderDataset(SegmentationSource):
         self.on_bad_sample = on_bad_sample
         self.skipped: list[tuple[str, str]] = []
         self._headers: dict[int, tuple[int, int, int]] = {}
+        self.level, self.max_pixels, self.normalize = level, max_image_pixels, normalize
+        self._ranges: dict[str, ChannelRange] = {}  # per-image minmax/percentile, by stem
+        self.dataset_range: ChannelRange | None = None  # scope=dataset
         image_dir, mask_dir = self.root / "images" / split, self.root / "masks" / split
         images = index_folder(image_dir, IMAGE_EXTS, "image")
         masks = index_folder(mask_dir, MASK_EXTS, "mask")
@@ -186,7 +200,9 @@ class FolderDataset(SegmentationSource):
 
     def _header(self, i: int) -> tuple[int, int, int]:
         if i not in self._headers:  # files are assumed not to change while training
-            self._headers[i] = image_header(self._items[i][1])
+            self._headers[i] = image_header(
+                self._items[i][1], level=self.level, max_pixels=self.max_pixels
+            )
         return self._headers[i]
 
     def size(self, i: int) -> tuple[int, int]:
@@ -201,7 +217,7 @@ class FolderDataset(SegmentationSource):
     def _check_mask_header(self, i: int) -> None:
         _, image_path, mask_path = self._items[i]
         h, w, _ = self._header(i)
-        mh, mw, mc = mask_header(mask_path)
+        mh, mw, mc = mask_header(mask_path, level=self.level, max_pixels=self.max_pixels)
         if (mh, mw) != (h, w):
             raise bad_file(
                 mask_path,
@@ -214,23 +230,86 @@ class FolderDataset(SegmentationSource):
                 "class index per pixel: convert colours to class indices",
             )
 
-    def load(self, i: int, cols: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
-        """Columns ``[a, b)`` (None = all): image float32 ``[C, H, w]``, mask int64 ``[H, w]``.
+    def load(
+        self, i: int, cols: tuple[int, int] | None = None, rows: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Rows (None = all) x columns ``[a, b)`` (None = all): image float32 ``[C, h, w]``
+        normalised per ``data.normalize``, mask int64 ``[h, w]``.
 
-        Raises ``DataError`` naming the file for unreadable files, size mismatches and
-        out-of-range mask values (only the loaded columns are checked here; ``validate_all``
-        checks whole masks).
+        Only the region is decoded for TIFF (its tiles) and ``.npy``. Raises ``DataError``
+        naming the file for unreadable files, size mismatches and out-of-range mask values
+        (only the loaded region is checked here; ``validate_all`` checks whole masks).
         """
-        _, image_path, mask_path = self._items[i]
-        a, b = check_cols(cols, self.size(i)[1], str(image_path))
+        stem, image_path, mask_path = self._items[i]
+        h, w = self.size(i)
+        a, b = check_cols(cols, w, str(image_path))
+        if rows is not None and not 0 <= rows[0] <= rows[1] <= h:
+            raise ValueError(f"{image_path}: row range {rows} is outside [0, {h})")
         self._check_mask_header(i)
-        image = read_image(image_path, (a, b))
-        mask = read_mask(mask_path, (a, b))
-        check_mask_values(mask, mask_path, self.num_classes, self.ignore_index, col_offset=a)
+        kw = {"level": self.level, "max_pixels": self.max_pixels}
+        raw = read_image_raw(image_path, (a, b), rows, **kw)
+        image = normalize_image(raw, self.normalize or {}, self._range(i))
+        mask = read_mask(mask_path, (a, b), rows, **kw)
+        check_mask_values(
+            mask,
+            mask_path,
+            self.num_classes,
+            self.ignore_index,
+            col_offset=a,
+            row_offset=0 if rows is None else rows[0],
+        )
         return image, mask
 
-    def validate_all(self) -> list[tuple[str, str]]:
+    def _range(self, i: int) -> ChannelRange | None:
+        """The ``(low, high)`` per channel that ``minmax``/``percentile`` use for sample i."""
+        norm = self.normalize
+        mode = getattr(norm, "mode", "dtype")
+        if mode not in ("minmax", "percentile"):
+            return None
+        if norm.scope == "dataset":
+            if norm.stats is not None:
+                return [tuple(r) for r in norm.stats]
+            if self.dataset_range is None:
+                self.prepare_normalization()
+            return self.dataset_range
+        stem, image_path, _ = self._items[i]
+        if stem not in self._ranges:  # whole-image statistics, never the strip's
+            self._ranges[stem] = image_range(
+                [image_path], mode, norm.percentile, level=self.level, max_pixels=self.max_pixels
+            )
+        return self._ranges[stem]
+
+    def prepare_normalization(
+        self, cache: ScanCache | None = None, dataset_range: ChannelRange | None = None
+    ) -> ChannelRange | None:
+        """Compute the ``minmax``/``percentile`` statistics up front (streamed, cached).
+
+        Per image: every image's own range. Per dataset: the range over every image of
+        this split, unless ``dataset_range`` (e.g. the training split's, for validation)
+        or ``normalize.stats`` is given. Returns the dataset range (None per image).
+        """
+        norm = self.normalize
+        mode = getattr(norm, "mode", "dtype")
+        if mode not in ("minmax", "percentile"):
+            return None
+        kw = {"level": self.level, "max_pixels": self.max_pixels}
+        if norm.scope == "dataset":
+            if norm.stats is not None:
+                dataset_range = [tuple(r) for r in norm.stats]
+            if dataset_range is None:
+                paths = [image_path for _, image_path, _ in self._items]
+                dataset_range = image_range(paths, mode, norm.percentile, cache, **kw)
+            self.dataset_range = dataset_range
+            return dataset_range
+        for stem, image_path, _ in self._items:
+            self._ranges[stem] = image_range([image_path], mode, norm.percentile, cache, **kw)
+        return None
+
+    def validate_all(self, cache: ScanCache | None = None) -> list[tuple[str, str]]:
         """Check every sample up front: readable files, sizes, channels, mask values.
+
+        Masks are scanned band by band in their own dtype; with a ``cache`` (in the run
+        folder) a file scanned before and unchanged (size, mtime) is not read again.
 
         In ``"error"`` mode raises one ``DataError`` listing every problem (each naming its
         file). In ``"skip"`` mode drops the bad samples, appends them to ``skipped`` and
@@ -243,10 +322,11 @@ class FolderDataset(SegmentationSource):
         for i, (_, image_path, mask_path) in enumerate(self._items):
             try:
                 self._check_mask_header(i)
-                verify_image(image_path)
-                mask = read_mask(mask_path, (0, self.size(i)[1]))
-                check_mask_values(mask, mask_path, self.num_classes, self.ignore_index)
-                seen.update(int(v) for v in mask.unique())
+                kw = {"level": self.level, "max_pixels": self.max_pixels}
+                verify_image(image_path, **kw)
+                values = mask_values(mask_path, cache, **kw)
+                check_values(mask_path, values, self.num_classes, self.ignore_index, **kw)
+                seen.update(values)
                 channels.setdefault(self.channels(i), []).append(i)
             except DataError as e:
                 problems.append((i, e.path or str(mask_path), e.reason))
