@@ -34,7 +34,15 @@ from .base import DataError, bad_file
 from .normalize import ChannelRange, range_of_bands
 from .tiff import is_tiff
 
-__all__ = ["CACHE_NAME", "ScanCache", "image_range", "mask_values", "row_bands"]
+__all__ = [
+    "CACHE_NAME",
+    "ScanCache",
+    "check_values",
+    "image_range",
+    "mask_values",
+    "normalization_range",
+    "row_bands",
+]
 
 CACHE_NAME = "data_cache.json"
 _BAND_PIXELS = 1 << 24  # pixels per streamed band (16 Mpx: ~16-64 MB in the file's dtype)
@@ -227,3 +235,28 @@ def image_range(
         raise bad_file(paths[0], f"cannot compute {mode} statistics ({e})") from e
     cache.put(kind, paths, [list(r) for r in result])
     return result
+
+
+def normalization_range(
+    path: Path,
+    norm: Any,
+    cache: ScanCache | None = None,
+    *,
+    level: int = 0,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> ChannelRange | None:
+    """The ``stats`` argument of ``normalize_image`` for image ``path`` under ``norm``
+    (``data.normalize``): None for ``dtype``/``mean_std``, the stored dataset range for
+    ``scope=dataset``, else the whole image's range (streamed; every rank gets the same)."""
+    if norm.mode not in ("minmax", "percentile"):
+        return None
+    if norm.scope == "dataset":
+        if norm.stats is None:
+            raise ValueError(
+                "data.normalize.scope=dataset but data.normalize.stats is null: use the "
+                "run's config.yaml (training fills it in) or set the [low, high] pairs"
+            )
+        return [tuple(r) for r in norm.stats]
+    return image_range(
+        [Path(path)], norm.mode, norm.percentile, cache, level=level, max_pixels=max_pixels
+    )
