@@ -10,12 +10,12 @@ import torch
 from spconv_train.config import ConfigError, dump_config, load_config
 from spconv_train.data import (
     FolderDataset,
-    auto_contrast,
     normalization_range,
     normalize_image,
     strip_bounds,
 )
 from spconv_train.data.normalize import range_of_bands
+from spconv_train.logging import auto_contrast, overlay_panel
 from spconv_train.train.data_feed import build_sources
 
 
@@ -143,3 +143,6 @@ def test_auto_contrast_makes_dim_images_visible():
     out = auto_contrast(dim)
     assert float(dim.max()) < 0.07 and out.min() == 0 and out.max() == 1
     assert 0.3 < float(out.mean()) < 0.7
+    labels = torch.zeros(40, 40, dtype=torch.long)
+    panel = overlay_panel(dim, labels, labels, 2, downsample=1)
+    assert int(panel[:, :, :10].max()) == 255  # the input panel of a dim image is not black

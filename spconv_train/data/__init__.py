@@ -6,7 +6,7 @@ This package never imports ``spconv_train.parallel``: column ranges come in as a
 
 from .base import DataError, SegmentationSource, check_cols
 from .folder import FolderDataset
-from .normalize import auto_contrast, normalize_image
+from .normalize import normalize_image
 from .scan import normalization_range
 from .strips import make_batch, make_dp_sampler, strip_bounds
 from .synthetic import synthetic_class_names, synthetic_sample, write_synthetic_dataset
@@ -16,7 +16,6 @@ from .transforms import AugmentParams, draw_augment, global_size, load_strip
 
 __all__ = [
     "AugmentParams",
-    "auto_contrast",
     "DataError",
     "FolderDataset",
     "SegmentationSource",

@@ -23,7 +23,6 @@ from .base import bad_file
 
 __all__ = [
     "ChannelRange",
-    "auto_contrast",
     "normalize_image",
     "range_of_bands",
     "scale_by_dtype",
@@ -175,15 +174,3 @@ def range_of_bands(
         )
         for counts, edges in hists
     ]
-
-
-def auto_contrast(image: Tensor, low: float = 0.5, high: float = 99.5) -> Tensor:
-    """``[C, H, W]`` stretched per channel so its ``low``..``high`` percentiles span [0, 1]
-    (for overlays and logged images: a dim 16-bit image is not black)."""
-    flat = image.float().flatten(1)
-    if flat.shape[1] == 0:
-        return image.float()
-    sample = flat[:, :: max(1, flat.shape[1] // 1_000_000)]  # a bounded sample is plenty
-    q = torch.quantile(sample, torch.tensor([low / 100, high / 100]), dim=1)
-    lo, hi = q[0].view(-1, 1, 1), q[1].view(-1, 1, 1)
-    return ((image.float() - lo) / (hi - lo).clamp(min=1e-12)).clamp(0, 1)
