@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from spconv_train.cli import app
 from spconv_train.data import DataError, FolderDataset, read_region, strip_bounds, tiff
-from spconv_train.data._readers import image_header, read_image
+from spconv_train.data._readers import image_header, read_image, read_mask
 from spconv_train.data.transforms import AugmentParams, load_strip
 
 runner = CliRunner()
@@ -171,3 +171,17 @@ def test_over_pillow_limit_png_fails_clearly_tiff_works(tmp_path):
 def test_convert_command_errors(tmp_path):
     result = runner.invoke(app, ["convert", str(tmp_path / "missing.png"), str(tmp_path / "o.tif")])
     assert result.exit_code == 2 and "missing.png" in result.output
+
+
+def test_palette_tiff_image_is_rgb_and_palette_mask_gives_indices(tmp_path):
+    rng = np.random.default_rng(8)
+    indices = rng.integers(0, 4, (20, 30)).astype(np.uint8)
+    pal = Image.fromarray(indices, mode="L").convert("P")
+    pal.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255] + [0] * 756)
+    pal.save(tmp_path / "p.tif")
+    assert image_header(tmp_path / "p.tif") == (20, 30, 3)
+    rgb = read_image(tmp_path / "p.tif", (4, 9))
+    assert torch_equal(
+        rgb, np.array(pal.convert("RGB"))[:, 4:9].transpose(2, 0, 1) / np.float32(255)
+    )
+    assert np.array_equal(read_mask(tmp_path / "p.tif", (4, 9)).numpy(), np.array(pal)[:, 4:9])

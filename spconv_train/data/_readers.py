@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .base import DataError, bad_file
 from .normalize import scale_by_dtype
-from .tiff import TIFF_EXTS, is_tiff, read_region, tiff_header
+from .tiff import TIFF_EXTS, is_tiff, needs_color_conversion, read_region, tiff_header
 
 IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".npy"}) | TIFF_EXTS
 MASK_EXTS = frozenset({".png", ".npy"}) | TIFF_EXTS
@@ -91,6 +91,12 @@ def _npy_layout(shape: tuple[int, ...], path: Path) -> str:
     raise bad_file(path, f"array of shape {tuple(shape)} is not [H,W], [C,H,W] or [H,W,C]")
 
 
+def _tiled_read(path: Path, level: int) -> bool:
+    """Image TIFFs go through ``tifffile`` (tile by tile) unless their colours need a
+    conversion to RGB (palette, CMYK, Lab: rare, small, decoded whole by Pillow)."""
+    return is_tiff(path) and (level > 0 or not needs_color_conversion(path))
+
+
 def image_header(
     path: Path, *, level: int = 0, max_pixels: int = DEFAULT_MAX_PIXELS
 ) -> tuple[int, int, int]:
@@ -101,7 +107,7 @@ def image_header(
         if layout == "hw":
             return shape[0], shape[1], 1
         return (shape[1], shape[2], shape[0]) if layout == "chw" else (shape[0], shape[1], shape[2])
-    if is_tiff(path):
+    if _tiled_read(path, level):
         return tiff_header(path, level)[:3]
     with _open_pil(path, max_pixels) as img:
         w, h = img.size
@@ -193,7 +199,7 @@ def read_image_raw(
             return np.ascontiguousarray(np.moveaxis(np.array(arr[r, a:b, :]), 2, 0))
         except _READ_ERRORS as e:
             raise bad_file(path, f"cannot read ({type(e).__name__}: {e})") from e
-    if is_tiff(path):
+    if _tiled_read(path, level):
         arr = read_region(path, rows, cols, level)
     else:
         arr, mode = _decode_pil(path, cols, rows, True, max_pixels)

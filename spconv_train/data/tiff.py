@@ -18,9 +18,11 @@ import tifffile
 
 from .base import DataError, bad_file
 
-__all__ = ["TIFF_EXTS", "is_tiff", "read_region", "tiff_header"]
+__all__ = ["TIFF_EXTS", "is_tiff", "needs_color_conversion", "read_region", "tiff_header"]
 
 TIFF_EXTS = frozenset({".tif", ".tiff", ".btf", ".svs"})
+# Palette, CMYK and Lab images are converted to RGB (by Pillow, decoding them whole).
+_CONVERTED_PHOTOMETRIC = frozenset({3, 5, 8, 9, 10})
 _ERRORS = (OSError, ValueError, KeyError, IndexError, NotImplementedError, tifffile.TiffFileError)
 
 
@@ -67,6 +69,20 @@ def tiff_header(path: Path, level: int = 0) -> tuple[int, int, int, np.dtype]:
                 int(key.imagewidth),
                 _samples(key) * len(pages),
                 np.dtype(key.dtype),
+            )
+    except DataError:
+        raise
+    except _ERRORS as e:
+        raise bad_file(path, f"cannot read TIFF ({type(e).__name__}: {e})") from e
+
+
+def needs_color_conversion(path: Path, level: int = 0) -> bool:
+    """Whether an *image* TIFF stores palette/CMYK/Lab colours (read through Pillow as RGB,
+    like PNG). Masks never are: a palette mask's indices are its class indices."""
+    try:
+        with tifffile.TiffFile(path) as tif:
+            return int(_level_pages(tif, path, level)[0].keyframe.photometric) in (
+                _CONVERTED_PHOTOMETRIC
             )
     except DataError:
         raise
