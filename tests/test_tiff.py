@@ -140,7 +140,7 @@ def test_over_pillow_limit_png_fails_clearly_tiff_works(tmp_path):
     with pytest.raises(DataError) as err:
         ds.load(0)
     msg = str(err.value)
-    assert str(png / "images/train/a.png") in msg and "data.max_image_pixels=1000" in msg
+    assert str(png / "images/train/a.png") in msg and "data.max_image_pixels=1,000" in msg
     assert "spconv-train convert" in msg
     # Pillow's own guard (far below this file's size here) is not what stops it:
     old = Image.MAX_IMAGE_PIXELS

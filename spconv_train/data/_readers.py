@@ -66,10 +66,11 @@ def _open_pil(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
         img.close()
         raise bad_file(
             path,
-            f"{h}x{w} = {w * h / 1e6:.0f} Mpx is over data.max_image_pixels="
-            f"{max_pixels} ({path.suffix or 'this format'} files are decoded whole); convert it "
-            f"to a tiled TIFF, which is read tile by tile: spconv-train convert {path} "
-            f"{path.with_suffix('.tif')} (or raise data.max_image_pixels if memory allows)",
+            f"{h}x{w} = {w * h:,} pixels is over data.max_image_pixels={max_pixels:,} "
+            f"({path.suffix or 'this format'} files are decoded whole on every rank); convert "
+            f"it to a tiled TIFF, read tile by tile: spconv-train convert {path} "
+            f"{path.with_suffix('.tif')} (then move the original out of the folder), or raise "
+            "data.max_image_pixels if memory allows",
         )
     return img
 
