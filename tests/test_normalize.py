@@ -77,7 +77,11 @@ def test_modes_match_numpy_references():
 def test_per_image_percentile_strips_use_whole_image_statistics(tmp_path):
     images = [_dim_16bit((37, 50), 2), _dim_16bit((37, 50), 3) // 2]
     _write(tmp_path, "train", images)
-    cfg = load_config(None, ["data.normalize.mode=percentile"], check_paths=False)
+    cfg = load_config(
+        None,
+        ["data.source=folder", "data.root=x", "data.normalize.mode=percentile"],
+        check_paths=False,
+    )
     ds = FolderDataset(tmp_path, "train", num_classes=3, normalize=cfg.data.normalize)
     ds.prepare_normalization()
     for i, image in enumerate(images):
@@ -124,15 +128,23 @@ def test_dataset_scope_is_stored_in_the_resolved_config(tmp_path):
 
 
 def test_config_checks():
+    folder = ["data.source=folder", "data.root=x"]
     with pytest.raises(ConfigError, match="data.normalize.mean"):
-        load_config(None, ["data.normalize.mode=mean_std"], check_paths=False)
+        load_config(None, [*folder, "data.normalize.mode=mean_std"], check_paths=False)
     with pytest.raises(ConfigError, match="data.normalize.percentile"):
         load_config(None, ["data.normalize.percentile=[99, 1]"], check_paths=False)
     with pytest.raises(ConfigError, match="data.normalize.mode"):
         load_config(None, ["data.normalize.mode=zscore"], check_paths=False)
+    with pytest.raises(ConfigError, match="data.normalize.mode: percentile applies to folder"):
+        load_config(None, ["data.normalize.mode=percentile"], check_paths=False)
     cfg = load_config(
         None,
-        ["data.normalize.mode=mean_std", "data.normalize.mean=[0.5]", "data.normalize.std=[0.2]"],
+        [
+            *folder,
+            "data.normalize.mode=mean_std",
+            "data.normalize.mean=[0.5]",
+            "data.normalize.std=[0.2]",
+        ],
         check_paths=False,
     )
     assert cfg.data.normalize.mean == [0.5]

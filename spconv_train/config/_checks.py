@@ -131,6 +131,11 @@ def _min_lr(cfg: Config) -> Problem:
 
 def _normalize(cfg: Config) -> Problem:
     norm, channels = cfg.data.normalize, cfg.model.in_channels
+    if norm.mode != "dtype" and cfg.data.source != "folder":
+        return "data.normalize.mode", (
+            f"{norm.mode} applies to folder data (raw file values); synthetic images are "
+            "generated in [0, 1]: use dtype, or data.source=folder"
+        )
     if norm.mode != "mean_std":
         return None
     for key, values in (("mean", norm.mean), ("std", norm.std)):
