@@ -27,7 +27,7 @@ from ._readers import (
 )
 from .base import DataError, SegmentationSource, bad_file, check_cols
 from .normalize import ChannelRange, normalize_image
-from .scan import ScanCache, check_values, image_range, mask_values
+from .scan import ScanCache, check_values, image_range, mask_values, normalization_range
 
 __all__ = ["FolderDataset"]
 
@@ -124,7 +124,7 @@ class FolderDataset(SegmentationSource):
         self.skipped: list[tuple[str, str]] = []
         self._headers: dict[int, tuple[int, int, int]] = {}
         self.level, self.max_pixels, self.normalize = level, max_image_pixels, normalize
-        self._ranges: dict[str, ChannelRange] = {}  # per-image minmax/percentile, by stem
+        self._ranges: dict[Path, ChannelRange] = {}  # per-image minmax/percentile
         self.dataset_range: ChannelRange | None = None  # scope=dataset
         image_dir, mask_dir = self.root / "images" / split, self.root / "masks" / split
         images = index_folder(image_dir, IMAGE_EXTS, "image")
@@ -240,7 +240,7 @@ class FolderDataset(SegmentationSource):
         naming the file for unreadable files, size mismatches and out-of-range mask values
         (only the loaded region is checked here; ``validate_all`` checks whole masks).
         """
-        stem, image_path, mask_path = self._items[i]
+        _, image_path, mask_path = self._items[i]
         h, w = self.size(i)
         a, b = check_cols(cols, w, str(image_path))
         if rows is not None and not 0 <= rows[0] <= rows[1] <= h:
@@ -261,23 +261,20 @@ class FolderDataset(SegmentationSource):
         return image, mask
 
     def _range(self, i: int) -> ChannelRange | None:
-        """The ``(low, high)`` per channel that ``minmax``/``percentile`` use for sample i."""
+        """The ``(low, high)`` per channel that ``minmax``/``percentile`` use for sample i:
+        whole-image (or dataset) statistics, never the loaded strip's."""
         norm = self.normalize
-        mode = getattr(norm, "mode", "dtype")
-        if mode not in ("minmax", "percentile"):
+        if getattr(norm, "mode", "dtype") not in ("minmax", "percentile"):
             return None
         if norm.scope == "dataset":
-            if norm.stats is not None:
-                return [tuple(r) for r in norm.stats]
             if self.dataset_range is None:
                 self.prepare_normalization()
             return self.dataset_range
-        stem, image_path, _ = self._items[i]
-        if stem not in self._ranges:  # whole-image statistics, never the strip's
-            self._ranges[stem] = image_range(
-                [image_path], mode, norm.percentile, level=self.level, max_pixels=self.max_pixels
-            )
-        return self._ranges[stem]
+        _, image_path, _ = self._items[i]
+        if image_path not in self._ranges:
+            kw = {"level": self.level, "max_pixels": self.max_pixels}
+            self._ranges[image_path] = normalization_range(image_path, norm, **kw)
+        return self._ranges[image_path]
 
     def prepare_normalization(
         self, cache: ScanCache | None = None, dataset_range: ChannelRange | None = None
@@ -301,8 +298,8 @@ class FolderDataset(SegmentationSource):
                 dataset_range = image_range(paths, mode, norm.percentile, cache, **kw)
             self.dataset_range = dataset_range
             return dataset_range
-        for stem, image_path, _ in self._items:
-            self._ranges[stem] = image_range([image_path], mode, norm.percentile, cache, **kw)
+        for _, image_path, _ in self._items:
+            self._ranges[image_path] = normalization_range(image_path, norm, cache, **kw)
         return None
 
     def validate_all(self, cache: ScanCache | None = None) -> list[tuple[str, str]]:
