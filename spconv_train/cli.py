@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, NoReturn
 
@@ -36,6 +35,7 @@ from spconv_train.config import (
     load_config,
     validate_for_world,
 )
+from spconv_train.run_folder import RUN_FILES, StartPlan, finish_job, job_id, plan_start
 
 __all__ = ["RUN_FILES", "StartPlan", "app", "fail", "load_or_exit", "main", "plan_start"]
 
@@ -49,9 +49,6 @@ app = typer.Typer(
 )
 
 _QUIET_RANK_DELAY_S = 3.0
-
-#: What a run leaves in its directory (the only things ``--overwrite`` deletes).
-RUN_FILES = ("config.yaml", "checkpoints", "tensorboard", "metrics.jsonl", "model.pt")
 
 ConfigArg = Annotated[
     Path,
@@ -104,71 +101,6 @@ def load_or_exit(config: Path, overrides: list[str] | None) -> Config:
         fail(str(exc))
 
 
-@dataclass(frozen=True)
-class StartPlan:
-    """How ``run`` starts: ``resume`` from the latest checkpoint (if any); ``remove`` the
-    previous run's files first (``--overwrite``); ``notes`` to print."""
-
-    resume: bool = False
-    remove: tuple[str, ...] = ()
-    notes: list[str] = field(default_factory=list)
-
-
-def _config_changes(cfg: Config, saved: Path) -> list[str]:
-    """Settings that differ from the config saved by the run being resumed."""
-    try:
-        old = config_to_dict(load_config(saved, check_paths=False))
-    except ConfigError:
-        return []
-
-    def flat(d: dict, prefix: str = "") -> dict:
-        out: dict = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(old), flat(config_to_dict(cfg))
-    changed = [k for k in b if a.get(k) != b[k]]
-    return [f"changed since the saved config: {k}: {a.get(k)!r} -> {b[k]!r}" for k in changed]
-
-
-def plan_start(cfg: Config, *, resume: bool, overwrite: bool, restarts: int) -> StartPlan:
-    """Decide how ``run`` starts in ``cfg.run_dir`` (reads only; before any process group).
-
-    A folder holding a run (any of ``RUN_FILES``) is refused unless ``resume`` or
-    ``overwrite``. When torchrun restarts failed workers (``restarts > 0``) the run
-    continues from its latest checkpoint (``checkpoint.resume: auto``) or starts over
-    (``never``) without asking. ``resume`` without a checkpoint starts fresh (with a note),
-    so a job script may always pass ``--resume``.
-    """
-    run_dir = Path(cfg.run_dir)
-    if resume and overwrite:
-        raise ConfigError("--resume", "cannot be combined with --overwrite; pick one")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError("run_dir", f"{run_dir} exists and is not a directory")
-    found = tuple(name for name in RUN_FILES if (run_dir / name).exists())
-    if restarts > 0:
-        resume = resume or cfg.checkpoint.resume == "auto"
-        note = f"torchrun restart {restarts}: " + ("resuming" if resume else "starting over")
-        return StartPlan(resume=resume, remove=() if resume else found, notes=[note])
-    if found and not (resume or overwrite):
-        raise ConfigError(
-            "run_dir",
-            f"{run_dir} already holds a run ({', '.join(found)}); pass --resume to continue "
-            "it, --overwrite to start over, or choose another folder with --set run_dir=...",
-        )
-    notes = []
-    if resume:
-        has_ckpt = (run_dir / "checkpoints").is_dir() and any(
-            p.name.startswith("step-") for p in (run_dir / "checkpoints").iterdir()
-        )
-        if not has_ckpt:
-            notes.append(f"--resume: no checkpoint in {run_dir}; starting from step 0")
-        if (run_dir / "config.yaml").is_file():
-            notes += _config_changes(cfg, run_dir / "config.yaml")
-    return StartPlan(resume=resume, remove=found if overwrite else (), notes=notes)
-
-
 @app.command()
 def run(
     config: ConfigArg,
@@ -195,7 +127,9 @@ def run(
 
     try:
         validate_for_world(cfg, env_world_size())
-        plan = plan_start(cfg, resume=resume, overwrite=overwrite, restarts=restart_count())
+        plan = plan_start(
+            cfg, resume=resume, overwrite=overwrite, restarts=restart_count(), job=job_id()
+        )
     except ConfigError as exc:
         fail(str(exc))
     # torchrun's error recording: an uncaught exception in a worker writes its traceback
@@ -214,7 +148,7 @@ def _train(cfg: Config, plan: StartPlan) -> None:
     from spconv_train.train.loop import TrainingStopped, train
 
     try:
-        train(cfg, resume=plan.resume, remove=plan.remove, notes=plan.notes)
+        train(cfg, resume=plan.resume, remove=plan.remove, notes=plan.notes, job=plan.record)
     except BaseException as exc:
         shutdown(failed=True)
         if isinstance(exc, ConfigError):
@@ -230,6 +164,8 @@ def _train(cfg: Config, plan: StartPlan) -> None:
             # A BaseException, which torchrun's ``record`` would not write to its error file.
             raise RuntimeError(f"checkpoint failed: {exc}") from exc
         raise
+    if _rank() == 0:
+        finish_job(cfg.run_dir)  # a later launch with the same run id is a new job
     shutdown(barrier=True)
 
 

@@ -1,7 +1,7 @@
 """``spconv-train run``: set-up, the training loop, validation and checkpoints.
 
 ``train(cfg, resume=..., remove=...)`` is what the CLI calls once the config is valid and
-the run directory decision is made (``spconv_train.cli.plan_start``). Every rank runs the
+the run directory decision is made (``spconv_train.run_folder.plan_start``). Every rank runs the
 same code; only rank 0 writes logs. After ``backward()`` every rank holds the single-device
 gradient of the global batch (the parallelized model all-reduces parameter gradients over
 the mesh), so optimizer, clipping and schedule are plain single-device code.
@@ -42,6 +42,7 @@ from spconv_train.distributed import (
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.parallel import HALO_SECONDS, parallelize
+from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.data_feed import (
     MeshCoords,
     TrainFeed,
@@ -52,6 +53,7 @@ from spconv_train.train.data_feed import (
 )
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.optim import (
+    apply_hyperparameters,
     build_loss,
     build_optimizer,
     build_scheduler,
@@ -82,9 +84,11 @@ def build_model(cfg: Config) -> nn.Module:
         raise ConfigError("model.kwargs", str(exc)) from exc
 
 
-def _prepare_run_dir(cfg: Config, remove: Sequence[str], info: DistInfo) -> None:
-    """Rank 0 deletes ``remove`` (an overwritten run's files) and writes the resolved config;
-    the other ranks wait."""
+def _prepare_run_dir(
+    cfg: Config, remove: Sequence[str], info: DistInfo, job: JobRecord | None = None
+) -> None:
+    """Rank 0 deletes ``remove`` (an overwritten run's files), records the job's start
+    decision and writes the resolved config; the other ranks wait."""
     run_dir = Path(cfg.run_dir)
     if info.is_main:
         for name in remove:
@@ -93,6 +97,8 @@ def _prepare_run_dir(cfg: Config, remove: Sequence[str], info: DistInfo) -> None
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+        if job is not None:
+            write_job(run_dir, job)
         dump_config(cfg, run_dir / "config.yaml")
     dist.barrier()
 
@@ -188,13 +194,19 @@ def _resume(ckpt: CheckpointManager, folder: Path, model, optimizer, scheduler) 
 
 
 def train(
-    cfg: Config, *, resume: bool = False, remove: Sequence[str] = (), notes: Sequence[str] = ()
+    cfg: Config,
+    *,
+    resume: bool = False,
+    remove: Sequence[str] = (),
+    notes: Sequence[str] = (),
+    job: JobRecord | None = None,
 ) -> dict:
     """Run ``cfg`` on every rank (collective); returns the final validation scores.
 
     ``resume``: continue from the latest checkpoint in ``cfg.run_dir`` if there is one.
     ``remove``: names inside ``run_dir`` to delete first (``--overwrite``), after every
-    set-up check has passed. ``notes``: lines rank 0 prints at the start.
+    set-up check has passed. ``notes``: lines rank 0 prints at the start. ``job``: the
+    start decision rank 0 records in ``run_dir`` (``spconv_train.run_folder``).
 
     Raises ``ConfigError``/``DataError``/``SpatialShardingError`` for set-up problems,
     ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then).
@@ -206,7 +218,7 @@ def train(
     dp, sp = validate_for_world(cfg, info.world_size)
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
-    _prepare_run_dir(cfg, remove, info)
+    _prepare_run_dir(cfg, remove, info, job)
     model = parallelize(model.to(info.device), mesh)
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
@@ -220,6 +232,7 @@ def train(
     start, latest = 0, ckpt.latest() if resume else None
     if latest is not None:
         start, extra = _resume(ckpt, latest, model, optimizer, scheduler)
+        apply_hyperparameters(optimizer, scheduler, cfg.optimizer)  # changed on resume
         feed.load_state_dict(extra.get("data", feed.state_dict()))  # data position
         set_rng_state(extra.get("rng", {}))
     lg = cfg.logging
