@@ -7,7 +7,13 @@ import pytest
 import tifffile
 import torch
 
-from spconv_train.config import ConfigError, dump_config, load_config
+from spconv_train.config import (
+    ConfigError,
+    check_resume_changes,
+    config_to_dict,
+    dump_config,
+    load_config,
+)
 from spconv_train.data import (
     FolderDataset,
     normalization_range,
@@ -122,6 +128,13 @@ def test_dataset_scope_is_stored_in_the_resolved_config(tmp_path):
     dump_config(cfg, tmp_path / "config.yaml")
     stored = load_config(tmp_path / "config.yaml", check_paths=False)
     assert stored.data.normalize.stats == cfg.data.normalize.stats
+    # Resuming with the same settings (stats null: recomputed) is not a change ...
+    again = config_to_dict(load_config(None, overrides))
+    assert check_resume_changes(config_to_dict(stored), again) == []
+    # ... while other numbers than the run used are refused.
+    again["data"]["normalize"]["stats"] = [[0.0, 1.0]]
+    with pytest.raises(ConfigError, match="data.normalize.stats"):
+        check_resume_changes(config_to_dict(stored), again)
     assert normalization_range(tmp_path / "images/val/s0.tif", stored.data.normalize) == [
         tuple(cfg.data.normalize.stats[0])
     ]
