@@ -1,8 +1,10 @@
 """``FolderDataset``: image/mask pairs from ``root/images/<split>/`` and ``root/masks/<split>/``.
 
 Pairs are matched by file stem (``0001.png`` with ``0001.png`` or ``0001.npy``). See
-``_readers`` for the supported formats. Reads are column-range aware: ``.npy`` reads only the
-requested columns through a memory map; PIL formats are decoded and cropped.
+``_readers`` for the supported formats. Reads are region aware: TIFFs decode only the tiles
+under the requested rows and columns, ``.npy`` reads them through a memory map; PNG/JPEG are
+decoded whole (up to ``max_image_pixels``) and cropped. Whole-file scans (mask values,
+normalisation statistics) are streamed and cached (``scan``).
 """
 
 from __future__ import annotations
