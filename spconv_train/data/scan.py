@@ -99,8 +99,13 @@ class ScanCache:
         if self.path is None:
             yield self
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(self.path.name + ".lock"), "w") as lock:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock = open(self.path.with_name(self.path.name + ".lock"), "w")  # noqa: SIM115
+        except OSError:  # a run folder we cannot write: scan without a cache
+            yield self
+            return
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 self._load()
