@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from spconv_train.cli import app
 from spconv_train.data import DataError, FolderDataset, read_region, strip_bounds, tiff
 from spconv_train.data._readers import image_header, read_image, read_mask
+from spconv_train.data.convert import _halve, convert_to_tiff
 from spconv_train.data.transforms import AugmentParams, load_strip
 
 runner = CliRunner()
@@ -185,3 +186,18 @@ def test_palette_tiff_image_is_rgb_and_palette_mask_gives_indices(tmp_path):
         rgb, np.array(pal.convert("RGB"))[:, 4:9].transpose(2, 0, 1) / np.float32(255)
     )
     assert np.array_equal(read_mask(tmp_path / "p.tif", (4, 9)).numpy(), np.array(pal)[:, 4:9])
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3])
+def test_convert_streams_levels_equal_to_whole_image_halving(tmp_path, channels):
+    full = _image((75, 101, channels), np.uint16 if channels != 3 else np.uint8, seed=9)
+    np.save(tmp_path / "big.npy", full)
+    sizes = convert_to_tiff(tmp_path / "big.npy", tmp_path / "big.tif", tile=16)
+    assert sizes == [(75, 101), (38, 51), (19, 26), (10, 13)]
+    level = full
+    for k, hw in enumerate(sizes):
+        if k:
+            level = _halve(level, nearest=False)
+        got = read_region(tmp_path / "big.tif", level=k)
+        assert got.shape[:2] == hw
+        assert np.array_equal(got, level[:, :, 0] if channels == 1 else level), k
