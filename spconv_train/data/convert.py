@@ -29,7 +29,8 @@ def _halve(arr: np.ndarray, nearest: bool) -> np.ndarray:
     if nearest:
         return arr[::2, ::2]
     x = np.pad(arr, ((0, arr.shape[0] % 2), (0, arr.shape[1] % 2), (0, 0)), mode="edge")
-    x = x.astype(np.float64)
+    # float32 sums four 16-bit values exactly; wider types need float64
+    x = x.astype(np.float32 if arr.dtype.itemsize <= 2 else np.float64)
     mean = (x[0::2, 0::2] + x[1::2, 0::2] + x[0::2, 1::2] + x[1::2, 1::2]) / 4
     if np.issubdtype(arr.dtype, np.integer):
         mean = np.rint(mean)
@@ -72,7 +73,7 @@ def convert_to_tiff(
 ) -> list[tuple[int, int]]:
     """Write ``src`` as a tiled, compressed, pyramidal (Big)TIFF at ``dst``.
 
-    TIFF and .npy inputs are streamed (memory: a band of ``2 * tile`` rows; the reduced
+    TIFF and .npy inputs are streamed (memory: a few bands of ``tile`` rows; the reduced
     levels are built in temporary memory-mapped files next to ``dst``); PNG/JPEG are
     decoded whole, as they must be.
 
@@ -101,15 +102,14 @@ def convert_to_tiff(
     with tempfile.TemporaryDirectory(dir=dst.parent, prefix=".convert-") as tmp:
         bands = [_source_bands(src, w)]
         dtype = bands[0](0, min(1, h)).dtype
-        for k in range(1, len(sizes)):  # level k from level k-1, 2 * tile rows at a time
+        for k in range(1, len(sizes)):  # level k from level k-1, tile (even) rows at a time
             (ph, _), (lh, lw) = sizes[k - 1], sizes[k]
             level = np.lib.format.open_memmap(
                 Path(tmp) / f"level{k}.npy", mode="w+", dtype=dtype, shape=(lh, lw, channels)
             )
-            for r0 in range(0, ph, 2 * tile):
-                level[r0 // 2 : (r0 + 2 * tile) // 2] = _halve(
-                    bands[k - 1](r0, min(r0 + 2 * tile, ph)), nearest
-                )
+            for r0 in range(0, ph, tile):
+                rows = bands[k - 1](r0, min(r0 + tile, ph))
+                level[r0 // 2 : (r0 + tile) // 2] = _halve(rows, nearest)
             level.flush()
             bands.append(lambda r0, r1, level=level: level[r0:r1])
         photometric = "rgb" if channels in (3, 4) and dtype == np.uint8 else "minisblack"
