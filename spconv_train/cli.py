@@ -286,6 +286,34 @@ def make_data(
     )
 
 
+@app.command("convert")
+def convert(
+    image: Annotated[Path, typer.Argument(metavar="IMAGE", help="PNG, JPEG, TIFF or .npy file.")],
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="Output .tif file.")],
+    tile: Annotated[int, typer.Option(min=16, help="Tile edge in pixels (multiple of 16).")] = 512,
+    compression: Annotated[
+        Literal["zlib", "zstd", "lzw", "none"], typer.Option(help="Tile compression.")
+    ] = "zlib",
+    mask: Annotated[
+        bool, typer.Option("--mask", help="A class-index mask: downsample levels by picking.")
+    ] = False,
+) -> None:
+    """Write IMAGE as a tiled, compressed, pyramidal TIFF that ranks read tile by tile.
+
+    Use it for PNG/JPEG over data.max_image_pixels (decoded whole on every rank) and for
+    untiled TIFFs; pick a pyramid level with data.level.
+    """
+    from spconv_train.data import DataError
+    from spconv_train.data.convert import convert_to_tiff
+
+    try:
+        sizes = convert_to_tiff(image, out, tile=tile, compression=compression, nearest=mask)
+    except (DataError, ValueError) as exc:
+        fail(str(exc))
+    levels = ", ".join(f"{h}x{w}" for h, w in sizes)
+    typer.echo(f"wrote {out}: {len(sizes)} level(s) {levels} (HxW), {tile}px {compression} tiles")
+
+
 def _placeholder(name: str, summary: str) -> None:
     def command(ctx: typer.Context) -> None:
         fail(f"'{name}' is not available in this version yet", code=1)

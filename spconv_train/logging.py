@@ -270,6 +270,19 @@ def class_colors(num_classes: int) -> list[tuple[int, int, int]]:
     return colors
 
 
+def auto_contrast(image: Tensor, low: float = 0.5, high: float = 99.5) -> Tensor:
+    """``[C, H, W]`` stretched per channel so its ``low``..``high`` percentiles span [0, 1],
+    for display: a dim 16-bit image (values 0..235 of 65535) is not shown black."""
+    img = image.float()
+    flat = img.flatten(1)
+    if flat.shape[1] == 0:
+        return img
+    sample = flat[:, :: max(1, flat.shape[1] // 1_000_000)]  # quantile of a bounded sample
+    q = torch.quantile(sample, torch.tensor([low / 100, high / 100]), dim=1)
+    lo, hi = q[0].view(-1, 1, 1), q[1].view(-1, 1, 1)
+    return ((img - lo) / (hi - lo).clamp(min=1e-12)).clamp(0, 1)
+
+
 def _to_rgb_uint8(image: Tensor) -> Tensor:
     img = image.detach().cpu()
     if img.dim() != 3:
@@ -278,10 +291,7 @@ def _to_rgb_uint8(image: Tensor) -> Tensor:
     img = img[:3] if img.shape[0] >= 3 else img[:1].expand(3, -1, -1)
     if img.dtype == torch.uint8:
         return img.contiguous()
-    img = img.float()
-    lo, hi = img.min(), img.max()
-    if lo < 0 or hi > 1:  # normalised input: stretch to [0, 1] for display
-        img = (img - lo) / (hi - lo).clamp_min(1e-12)
+    img = auto_contrast(img)  # any normalisation, any dynamic range: visible
     return (img * 255).round().clamp(0, 255).to(torch.uint8)
 
 
@@ -342,4 +352,4 @@ def overlay_panel(
     return torch.cat([img, sep, overlay(pred_l), sep, overlay(tgt_l)], dim=2)
 
 
-__all__ = ["RunLogger", "class_colors", "overlay_panel"]
+__all__ = ["RunLogger", "auto_contrast", "class_colors", "overlay_panel"]

@@ -57,9 +57,9 @@ class _Recording(SyntheticDataset):
         super().__init__(*args, **kwargs)
         self.requested: list[tuple[int, int]] = []
 
-    def load(self, i, cols=None):
+    def load(self, i, cols=None, rows=None):
         self.requested.append(cols)
-        return super().load(i, cols)
+        return super().load(i, cols, rows)
 
 
 def _reference_augment(image, mask, p: AugmentParams, ignore: int):

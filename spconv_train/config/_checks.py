@@ -64,6 +64,15 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
         Check(lambda v: all(s > 0 for s in v), "positive scale factors"),
         Check(lambda v: v[0] <= v[1], "a [min, max] pair with min <= max"),
     ),
+    "data.level": (at_least(0),),
+    "data.max_image_pixels": (at_least(1),),
+    "data.normalize.percentile": (
+        Check(lambda v: len(v) == 2, "a [low, high] pair"),
+        Check(lambda v: 0 <= v[0] < v[1] <= 100, "percentiles with 0 <= low < high <= 100"),
+    ),
+    "data.normalize.std": (
+        Check(lambda v: all(x > 0 and math.isfinite(x) for x in v), "positive numbers"),
+    ),
     "parallel.sp": (at_least(0),),
     "parallel.timeout_s": (POSITIVE,),
     "optimizer.lr": (POSITIVE,),
@@ -121,6 +130,25 @@ def _min_lr(cfg: Config) -> Problem:
     return None
 
 
+def _normalize(cfg: Config) -> Problem:
+    norm, channels = cfg.data.normalize, cfg.model.in_channels
+    if norm.mode != "dtype" and cfg.data.source != "folder":
+        return "data.normalize.mode", (
+            f"{norm.mode} applies to folder data (raw file values); synthetic images are "
+            "generated in [0, 1]: use dtype, or data.source=folder"
+        )
+    if norm.mode != "mean_std":
+        return None
+    for key, values in (("mean", norm.mean), ("std", norm.std)):
+        if values is None or len(values) not in (1, channels):
+            got = "null" if values is None else f"{len(values)} values"
+            return f"data.normalize.{key}", (
+                f"mode=mean_std needs one value per channel (model.in_channels={channels}) "
+                f"or a single value, got {got}"
+            )
+    return None
+
+
 def _synthetic_size(cfg: Config) -> Problem:
     if cfg.data.source == "synthetic":
         for key, value in (("data.height", cfg.data.height), ("data.width", cfg.data.width)):
@@ -134,6 +162,7 @@ CROSS_CHECKS: tuple[Callable[[Config], Problem], ...] = (
     _ignore_index,
     _min_lr,
     _synthetic_size,
+    _normalize,
 )
 
 
@@ -153,8 +182,11 @@ def _folder_paths(cfg: Config) -> Problem:
                     f"folder not found: {(root / sub / split).resolve()} "
                     f"(data.root must contain images/{{split}} and masks/{{split}})"
                 )
-    if data.split_list is not None and not Path(data.split_list).expanduser().is_file():
-        return "data.split_list", f"file not found: {Path(data.split_list).resolve()}"
+    split_list = None if data.split_list is None else Path(data.split_list).expanduser()
+    if split_list is not None and not (split_list.is_file() or (root / split_list).is_file()):
+        return "data.split_list", (
+            f"file not found: {split_list.resolve()} (nor under data.root: {root / split_list})"
+        )
     return None
 
 

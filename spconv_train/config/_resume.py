@@ -39,6 +39,7 @@ RESUME_POLICY: dict[str, tuple[Policy, str]] = {
     "data.vflip": ("apply", "augmentation"),
     "data.scale": ("apply", "augmentation"),
     "data.on_bad_sample": ("apply", "error handling only"),
+    "data.max_image_pixels": ("apply", "a size limit only"),
     "parallel": ("apply", "checkpoints resume on any world size and (dp, sp) layout"),
     "optimizer": ("apply", "hyper-parameters are overridden after the checkpoint is loaded"),
     "optimizer.name": ("refuse", "the saved optimizer state belongs to the old optimizer"),
@@ -48,6 +49,11 @@ RESUME_POLICY: dict[str, tuple[Policy, str]] = {
     "checkpoint": ("apply", "read at every save"),
     "logging": ("apply", "reporting only"),
 }
+
+
+#: Filled in by the tool at every start (``null`` = compute it): ``null`` in the new config
+#: is not a change (``data.normalize.stats``: the training split's normalisation range).
+DERIVED_KEYS = frozenset({"data.normalize.stats"})
 
 
 def resume_policy(key: str) -> tuple[Policy, str]:
@@ -76,7 +82,11 @@ def changed_settings(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
     dicts (``config_to_dict`` form); a key missing on one side counts as ``None``."""
     a, b = _flat(old), _flat(new)
     keys = list(b) + [k for k in a if k not in b]
-    return [(k, a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)]
+    return [
+        (k, a.get(k), b.get(k))
+        for k in keys
+        if a.get(k) != b.get(k) and not (k in DERIVED_KEYS and b.get(k) is None)
+    ]
 
 
 def _as_yaml(value: Any) -> str:

@@ -27,6 +27,31 @@ class ModelConfig:
 
 
 @dataclass
+class NormalizeConfig:
+    """How raw image values become network inputs (applied identically in ``predict``)."""
+
+    mode: Literal["dtype", "minmax", "percentile", "mean_std"] = "dtype"
+    """``dtype``: divide by the dtype's maximum (uint8 / 255, uint16 / 65535, floats kept);
+    ``minmax``: map each channel's [min, max] to [0, 1]; ``percentile``: map each channel's
+    [low, high] percentiles to [0, 1] (clipped); ``mean_std``: dtype scaling, then
+    (x - mean) / std per channel (ImageNet-style, for pretrained encoders)."""
+    percentile: list[float] = field(default_factory=lambda: [1.0, 99.8])
+    """[low, high] percentiles for mode=percentile."""
+    scope: Literal["image", "dataset"] = "image"
+    """minmax/percentile statistics per image, or one set over the training split. Computed
+    up front on the whole image (streamed), cached in run_dir, identical on every rank."""
+    mean: list[float] | None = None
+    """Per-channel means for mode=mean_std (values after dtype scaling, e.g. ImageNet's
+    [0.485, 0.456, 0.406])."""
+    std: list[float] | None = None
+    """Per-channel standard deviations for mode=mean_std (e.g. [0.229, 0.224, 0.225])."""
+    stats: list[list[float]] | None = None
+    """[[low, high], ...] per channel for scope=dataset: filled in by the tool from the
+    training split at the start of a run and stored in run_dir/config.yaml, so ``predict``
+    applies the same numbers. Set it yourself to fix the range (null: compute)."""
+
+
+@dataclass
 class DataConfig:
     """Where images come from and how they are augmented."""
 
@@ -48,7 +73,8 @@ class DataConfig:
     ignore_index: int = 255
     """Mask value excluded from loss and metrics; must not be a real class index."""
     height: int | None = 128
-    """Synthetic image height; for folder data the crop height (null: full image)."""
+    """Synthetic image height; for folder data the crop height (null: full image). Crops
+    of tiled TIFFs read only the tiles under the crop."""
     width: int | None = 512
     """Synthetic image width; for folder data the crop width (null: full image). This is
     the dimension split across the sp ranks."""
@@ -70,6 +96,14 @@ class DataConfig:
     """[min, max] of the random rescale factor ([1, 1]: no rescaling)."""
     on_bad_sample: Literal["error", "skip"] = "error"
     """What to do with an unreadable image or mismatched mask: stop, or skip with a warning."""
+    level: int = 0
+    """Pyramid level read from pyramidal TIFF / OME-TIFF / SVS files (0: full resolution)."""
+    max_image_pixels: int = 2_000_000_000
+    """Largest PNG/JPEG (which are decoded whole) accepted, in pixels; bigger files must be
+    converted to a tiled TIFF (``spconv-train convert IMAGE OUT.tif``). TIFFs are read tile
+    by tile and have no limit."""
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    """Input normalisation (see NormalizeConfig)."""
 
 
 @dataclass

@@ -70,11 +70,14 @@ class SegmentationSource(ABC):
         """``(H, W)`` of sample ``i``, read without decoding pixels where possible."""
 
     @abstractmethod
-    def load(self, i: int, cols: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
-        """Columns ``[a, b)`` of sample ``i`` (None = all).
+    def load(
+        self, i: int, cols: tuple[int, int] | None = None, rows: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Rows ``[r0, r1)`` x columns ``[a, b)`` of sample ``i`` (None = all).
 
         Returns:
-            image float32 ``[C, H, b - a]`` in ``[0, 1]`` and mask int64 ``[H, b - a]``.
+            image float32 ``[C, r1 - r0, b - a]`` (normalised) and mask int64
+            ``[r1 - r0, b - a]``.
         """
 
     @abstractmethod

@@ -1,29 +1,35 @@
 """``FolderDataset``: image/mask pairs from ``root/images/<split>/`` and ``root/masks/<split>/``.
 
 Pairs are matched by file stem (``0001.png`` with ``0001.png`` or ``0001.npy``). See
-``_readers`` for the supported formats. Reads are column-range aware: ``.npy`` reads only the
-requested columns through a memory map; PIL formats are decoded and cropped.
+``_readers`` for the supported formats. Reads are region aware: TIFFs decode only the tiles
+under the requested rows and columns, ``.npy`` reads them through a memory map; PNG/JPEG are
+decoded whole (up to ``max_image_pixels``) and cropped. Whole-file scans (mask values,
+normalisation statistics) are streamed and cached (``scan``).
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
 from ._readers import (
+    DEFAULT_MAX_PIXELS,
     IMAGE_EXTS,
     MASK_EXTS,
     check_mask_values,
     image_header,
     index_folder,
     mask_header,
-    read_image,
+    read_image_raw,
     read_mask,
     verify_image,
 )
 from .base import DataError, SegmentationSource, bad_file, check_cols
+from .normalize import ChannelRange, normalize_image
+from .scan import ScanCache, check_values, image_range, mask_values, normalization_range
 
 __all__ = ["FolderDataset"]
 
@@ -35,19 +41,35 @@ def _listing(items: list[str]) -> str:
     return ", ".join(items[:_MAX_LISTED]) + (f", ... and {more} more" if more > 0 else "")
 
 
-def _read_split_list(path: Path) -> list[str]:
-    """Stems from a text file: one per line, '#' starts a comment, known extensions dropped."""
+def _read_split_list(path: Path, split: str) -> list[str] | None:
+    """Stems of ``split`` from a split list; None when the file does not mention ``split``.
+
+    Documented format: one ``<split> <stem>`` pair per line (``train slide_001``); a line
+    with a single word names a stem used by every split. ``#`` starts a comment, known
+    extensions are dropped (``a.png`` -> ``a``).
+    """
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise bad_file(path, f"cannot read split list ({e})") from e
     stems: list[str] = []
-    for line in lines:
-        entry = line.split("#", 1)[0].strip()
-        if not entry:
+    mentioned = False
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
             continue
-        name = Path(entry)
-        stems.append(name.stem if name.suffix.lower() in IMAGE_EXTS | MASK_EXTS else entry)
+        if len(words) > 2:
+            raise bad_file(
+                path, f"line {number}: expected '<split> <stem>' or '<stem>', got {line.strip()!r}"
+            )
+        if len(words) == 2:
+            if words[0] != split:
+                continue
+            mentioned = True
+        name = Path(words[-1])
+        stems.append(name.stem if name.suffix.lower() in IMAGE_EXTS | MASK_EXTS else words[-1])
+    if not stems and not mentioned:
+        return None
     dupes = sorted({s for s in stems if stems.count(s) > 1})
     if dupes:
         raise bad_file(path, f"split list names these stems more than once: {_listing(dupes)}")
@@ -63,13 +85,18 @@ class FolderDataset(SegmentationSource):
         num_classes: number of classes; mask values must be in ``[0, num_classes)`` or equal
             ``ignore_index``.
         ignore_index: mask value excluded from the loss.
-        split_list: optional text file of stems to use (one per line, ``#`` comments); a
+        split_list: optional text file of ``<split> <stem>`` lines (or bare ``<stem>`` lines
+            for every split; ``#`` comments); a split it does not mention uses every stem. A
             relative path is looked up as given, then under ``root``.
         class_names: optional names; default: ``root/classes.txt`` if present, else
             ``class_0 ..``.
         on_bad_sample: ``"error"`` (raise on the first ``validate_all``/``load`` problem) or
             ``"skip"`` (``validate_all`` drops bad samples and records them in ``skipped``;
             unpaired files are recorded at construction).
+        level: pyramid level of pyramidal TIFFs (``data.level``).
+        max_image_pixels: largest PNG/JPEG decoded (``data.max_image_pixels``).
+        normalize: ``data.normalize`` (None: ``dtype``); ``minmax``/``percentile`` need
+            ``prepare_normalization`` (or compute per-image statistics on first use).
 
     Attributes:
         skipped: ``(file, reason)`` of every sample dropped in skip mode.
@@ -85,6 +112,9 @@ class FolderDataset(SegmentationSource):
         split_list: str | Path | None = None,
         class_names: list[str] | None = None,
         on_bad_sample: str = "error",
+        level: int = 0,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+        normalize: Any = None,
     ) -> None:
         if on_bad_sample not in ("error", "skip"):
             raise ValueError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
@@ -95,15 +125,21 @@ class FolderDataset(SegmentationSource):
         self.on_bad_sample = on_bad_sample
         self.skipped: list[tuple[str, str]] = []
         self._headers: dict[int, tuple[int, int, int]] = {}
+        self.level, self.max_pixels, self.normalize = level, max_image_pixels, normalize
+        self._ranges: dict[Path, ChannelRange] = {}  # per-image minmax/percentile
+        self.dataset_range: ChannelRange | None = None  # scope=dataset
         image_dir, mask_dir = self.root / "images" / split, self.root / "masks" / split
         images = index_folder(image_dir, IMAGE_EXTS, "image")
         masks = index_folder(mask_dir, MASK_EXTS, "mask")
 
+        listed: list[str] | None = None
         if split_list is not None:
             list_path = Path(split_list)
             if not list_path.exists() and (self.root / list_path).exists():
                 list_path = self.root / list_path
-            stems = _read_split_list(list_path)
+            listed = _read_split_list(list_path, split)
+        if listed is not None:
+            stems = listed
             self._check_pairs(stems, images, masks, f"listed in {list_path} but")
         else:
             stems = sorted(images.keys() | masks.keys())
@@ -166,7 +202,9 @@ class FolderDataset(SegmentationSource):
 
     def _header(self, i: int) -> tuple[int, int, int]:
         if i not in self._headers:  # files are assumed not to change while training
-            self._headers[i] = image_header(self._items[i][1])
+            self._headers[i] = image_header(
+                self._items[i][1], level=self.level, max_pixels=self.max_pixels
+            )
         return self._headers[i]
 
     def size(self, i: int) -> tuple[int, int]:
@@ -181,7 +219,7 @@ class FolderDataset(SegmentationSource):
     def _check_mask_header(self, i: int) -> None:
         _, image_path, mask_path = self._items[i]
         h, w, _ = self._header(i)
-        mh, mw, mc = mask_header(mask_path)
+        mh, mw, mc = mask_header(mask_path, level=self.level, max_pixels=self.max_pixels)
         if (mh, mw) != (h, w):
             raise bad_file(
                 mask_path,
@@ -194,23 +232,83 @@ class FolderDataset(SegmentationSource):
                 "class index per pixel: convert colours to class indices",
             )
 
-    def load(self, i: int, cols: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
-        """Columns ``[a, b)`` (None = all): image float32 ``[C, H, w]``, mask int64 ``[H, w]``.
+    def load(
+        self, i: int, cols: tuple[int, int] | None = None, rows: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Rows (None = all) x columns ``[a, b)`` (None = all): image float32 ``[C, h, w]``
+        normalised per ``data.normalize``, mask int64 ``[h, w]``.
 
-        Raises ``DataError`` naming the file for unreadable files, size mismatches and
-        out-of-range mask values (only the loaded columns are checked here; ``validate_all``
-        checks whole masks).
+        Only the region is decoded for TIFF (its tiles) and ``.npy``. Raises ``DataError``
+        naming the file for unreadable files, size mismatches and out-of-range mask values
+        (only the loaded region is checked here; ``validate_all`` checks whole masks).
         """
         _, image_path, mask_path = self._items[i]
-        a, b = check_cols(cols, self.size(i)[1], str(image_path))
+        h, w = self.size(i)
+        a, b = check_cols(cols, w, str(image_path))
+        if rows is not None and not 0 <= rows[0] <= rows[1] <= h:
+            raise ValueError(f"{image_path}: row range {rows} is outside [0, {h})")
         self._check_mask_header(i)
-        image = read_image(image_path, (a, b))
-        mask = read_mask(mask_path, (a, b))
-        check_mask_values(mask, mask_path, self.num_classes, self.ignore_index, col_offset=a)
+        kw = {"level": self.level, "max_pixels": self.max_pixels}
+        raw = read_image_raw(image_path, (a, b), rows, **kw)
+        image = normalize_image(raw, self.normalize or {}, self._range(i))
+        mask = read_mask(mask_path, (a, b), rows, **kw)
+        check_mask_values(
+            mask,
+            mask_path,
+            self.num_classes,
+            self.ignore_index,
+            col_offset=a,
+            row_offset=0 if rows is None else rows[0],
+        )
         return image, mask
 
-    def validate_all(self) -> list[tuple[str, str]]:
+    def _range(self, i: int) -> ChannelRange | None:
+        """The ``(low, high)`` per channel that ``minmax``/``percentile`` use for sample i:
+        whole-image (or dataset) statistics, never the loaded strip's."""
+        norm = self.normalize
+        if getattr(norm, "mode", "dtype") not in ("minmax", "percentile"):
+            return None
+        if norm.scope == "dataset":
+            if self.dataset_range is None:
+                self.prepare_normalization()
+            return self.dataset_range
+        _, image_path, _ = self._items[i]
+        if image_path not in self._ranges:
+            kw = {"level": self.level, "max_pixels": self.max_pixels}
+            self._ranges[image_path] = normalization_range(image_path, norm, **kw)
+        return self._ranges[image_path]
+
+    def prepare_normalization(
+        self, cache: ScanCache | None = None, dataset_range: ChannelRange | None = None
+    ) -> ChannelRange | None:
+        """Compute the ``minmax``/``percentile`` statistics up front (streamed, cached).
+
+        Per image: every image's own range. Per dataset: the range over every image of
+        this split, unless ``dataset_range`` (e.g. the training split's, for validation)
+        or ``normalize.stats`` is given. Returns the dataset range (None per image).
+        """
+        norm = self.normalize
+        mode = getattr(norm, "mode", "dtype")
+        if mode not in ("minmax", "percentile"):
+            return None
+        kw = {"level": self.level, "max_pixels": self.max_pixels}
+        if norm.scope == "dataset":
+            if norm.stats is not None:
+                dataset_range = [tuple(r) for r in norm.stats]
+            if dataset_range is None:
+                paths = [image_path for _, image_path, _ in self._items]
+                dataset_range = image_range(paths, mode, norm.percentile, cache, **kw)
+            self.dataset_range = dataset_range
+            return dataset_range
+        for _, image_path, _ in self._items:
+            self._ranges[image_path] = normalization_range(image_path, norm, cache, **kw)
+        return None
+
+    def validate_all(self, cache: ScanCache | None = None) -> list[tuple[str, str]]:
         """Check every sample up front: readable files, sizes, channels, mask values.
+
+        Masks are scanned band by band in their own dtype; with a ``cache`` (in the run
+        folder) a file scanned before and unchanged (size, mtime) is not read again.
 
         In ``"error"`` mode raises one ``DataError`` listing every problem (each naming its
         file). In ``"skip"`` mode drops the bad samples, appends them to ``skipped`` and
@@ -223,10 +321,11 @@ class FolderDataset(SegmentationSource):
         for i, (_, image_path, mask_path) in enumerate(self._items):
             try:
                 self._check_mask_header(i)
-                verify_image(image_path)
-                mask = read_mask(mask_path, (0, self.size(i)[1]))
-                check_mask_values(mask, mask_path, self.num_classes, self.ignore_index)
-                seen.update(int(v) for v in mask.unique())
+                kw = {"level": self.level, "max_pixels": self.max_pixels}
+                verify_image(image_path, **kw)
+                values = mask_values(mask_path, cache, **kw)
+                check_values(mask_path, values, self.num_classes, self.ignore_index, **kw)
+                seen.update(values)
                 channels.setdefault(self.channels(i), []).append(i)
             except DataError as e:
                 problems.append((i, e.path or str(mask_path), e.reason))

@@ -56,8 +56,10 @@ class SyntheticDataset(SegmentationSource):
         """``synthetic[seed=S]/NNNN`` with the global synthetic index."""
         return f"synthetic[seed={self.seed}]/{self.offset + i:04d}"
 
-    def load(self, i: int, cols: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
-        """Generate sample ``offset + i`` and return columns ``[a, b)`` (None = all)."""
+    def load(
+        self, i: int, cols: tuple[int, int] | None = None, rows: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Generate sample ``offset + i`` and return rows x columns ``[a, b)`` (None = all)."""
         self._check(i)
         a, b = check_cols(cols, self.width, self.name(i))
         image, mask = synthetic_sample(
@@ -68,4 +70,5 @@ class SyntheticDataset(SegmentationSource):
             seed=self.seed,
             in_channels=self.in_channels,
         )
-        return image[:, :, a:b].contiguous(), mask[:, a:b].contiguous()
+        r0, r1 = (0, self.height) if rows is None else rows
+        return image[:, r0:r1, a:b].contiguous(), mask[r0:r1, a:b].contiguous()

@@ -188,23 +188,31 @@ def _scaled_region(
     cols: tuple[int, int],
 ) -> tuple[Tensor, Tensor]:
     """Rows ``[r0, r1)`` and columns ``[c0, c1)`` of the resized sample, reading only the
-    source columns they depend on."""
+    source rows and columns they depend on (a crop of a tiled TIFF costs the crop)."""
     (h, w), (hs, ws) = params.source_hw, params.scaled_hw
     (r0, r1), (c0, c1) = rows, cols
+    if hs == h:
+        src_rows = (r0, r1)
+    else:
+        ridx, rweight = _linear_taps(h, hs, r0, r1)
+        rnidx = _nearest_taps(h, hs, r0, r1)
+        src_rows = (int(min(ridx.min(), rnidx.min())), int(max(ridx.max(), rnidx.max())) + 1)
+    # Full height: the two-argument call, which every source (old subclasses too) accepts.
+    extra = () if src_rows == (0, h) else (src_rows,)
     if ws == w:
-        image, mask = source.load(index, (c0, c1))
+        image, mask = source.load(index, (c0, c1), *extra)
     else:
         idx, weight = _linear_taps(w, ws, c0, c1)
         nidx = _nearest_taps(w, ws, c0, c1)
         lo = int(min(idx.min(), nidx.min()))
         hi = int(max(idx.max(), nidx.max())) + 1
-        image, mask = source.load(index, (lo, hi))
+        image, mask = source.load(index, (lo, hi), *extra)
         image = _apply_taps(image, idx - lo, weight, dim=2)
         mask = mask[:, nidx - lo]
     if hs == h:
-        return image[:, r0:r1], mask[r0:r1]
-    idx, weight = _linear_taps(h, hs, r0, r1)
-    return _apply_taps(image, idx, weight, dim=1), mask[_nearest_taps(h, hs, r0, r1)]
+        return image, mask
+    top = src_rows[0]
+    return _apply_taps(image, ridx - top, rweight, dim=1), mask[rnidx - top]
 
 
 def load_strip(

@@ -34,6 +34,7 @@ from spconv_train.data import (
     make_dp_sampler,
     strip_bounds,
 )
+from spconv_train.data.prepare import prepare_splits
 
 __all__ = [
     "Batch",
@@ -90,11 +91,15 @@ def build_sources(cfg: Config) -> tuple[SegmentationSource, SegmentationSource, 
             split_list=d.split_list,
             class_names=d.class_names,
             on_bad_sample=d.on_bad_sample,
+            level=d.level,
+            max_image_pixels=d.max_image_pixels,
+            normalize=d.normalize,
         )
         train = FolderDataset(d.root, d.train_split, **kw)
         val = FolderDataset(d.root, d.val_split, **kw)
-        for source in (train, val):
-            source.validate_all()
+        dataset_range = prepare_splits(train, val, cfg.run_dir)  # validates; cached in run_dir
+        if dataset_range is not None:  # stored in the resolved config, for predict
+            d.normalize.stats = [list(r) for r in dataset_range]
     for source in (train, val):
         if len(source) == 0:
             raise DataError(f"no samples in the {'train' if source is train else 'val'} split")

@@ -324,7 +324,8 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # last step the run is complete anyway: finish it normally.
         stop = run.stops.agree(info.device) if step < steps else None
         loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
-        logger.progress_update(step, loss=value, lr=lr)
+        # The window mean so far: at a log step it equals the "loss" in metrics.jsonl.
+        logger.progress_update(step, loss=loss_sum / loss_n, lr=lr)
         if step % t.log_every == 0 or step == steps:
             wd.beat(f"step {step}: logging (all_gather of per-rank statistics)")
             elapsed = time.perf_counter() - tick
