@@ -1,17 +1,22 @@
-"""Atomic, resumable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""Atomic, verified, resumable checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Layout of ``run_dir/checkpoints``::
 
     step-000120/       a complete checkpoint: DCP files (.metadata, *.distcp: model and
-                       optimizer), extra-rank{r}.pt (per-rank RNG states, data position),
-                       scheduler.pt, and meta.json (step, metric; written last)
+                       optimizer), extra-rank{r}.pt (optional per-rank state),
+                       scheduler.pt, and meta.json (the manifest, written last: step, metric,
+                       rank-independent ``shared`` state such as the data position, and the
+                       size and sha256 of every other file)
     latest, best       text pointers naming a step folder (rewritten with os.replace)
     .tmp-step-000140/  a save in progress (or killed): ignored, removed by the next save
+    corrupt-step-N/    a checkpoint that failed verification, moved aside by a resume
 
-A save writes everything into ``.tmp-step-N``, all ranks agree it succeeded, then rank 0
-renames the folder into place and atomically rewrites ``latest``. An exception on any
-rank (or a kill) before that leaves the previous checkpoint and ``latest`` untouched.
-The folders must live on a file system shared by all ranks.
+A save writes everything into ``.tmp-step-N``, all ranks agree it succeeded, the files are
+hashed (spread over the ranks), rank 0 writes the manifest, renames the folder into place
+and atomically rewrites ``latest``. An exception on any rank (or a kill) before that leaves
+the previous checkpoint and ``latest`` untouched and the partial folder removed.
+``newest_good`` verifies checkpoints against their manifests, newest first, so a resume
+skips a corrupt or truncated one. The folders must live on a file system shared by all ranks.
 """
 
 from __future__ import annotations
@@ -33,13 +38,33 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from spconv_train.checkpoint_files import (
+    CheckpointError,
+    check_files,
+    digest_files,
+    save_failure_message,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointManager",
+    "export_checkpoint",
+    "read_meta",
+    "rng_state",
+    "set_rng_state",
+]
+
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _META = "meta.json"
-FORMAT_VERSION = 1
+# 2: meta.json holds a checksum of every file and the rank-independent ``shared`` state.
+# 1 (no checksums, all state per rank) stays loadable.
+FORMAT_VERSION = 2
 
 
 def _rank() -> int:
@@ -66,6 +91,37 @@ def _agree(error: BaseException | None, what: str) -> None:
         raise RuntimeError(f"checkpoint {what} failed on another rank: " + "; ".join(failed))
 
 
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (so that all ranks act on one listing of a folder)."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if _world() == 1:
+        return [obj]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
+    """About how many bytes a checkpoint of this model and optimizer takes (this rank's
+    tensors; replicated tensors are written once)."""
+    states = [model.state_dict()] + ([optimizer.state_dict()] if optimizer is not None else [])
+    total = 0
+    for leaf in torch.utils._pytree.tree_leaves(states):
+        if isinstance(leaf, DTensor):
+            leaf = leaf.to_local()
+        if torch.is_tensor(leaf):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
 def _dcp_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` keyed by parameter names (DCP's state_dict API)."""
     model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
@@ -76,7 +132,9 @@ def _attempt(fn: Callable, *args: Any) -> Exception | None:
     """Run ``fn``; return its exception instead of raising (``_agree`` reports it)."""
     try:
         fn(*args)
-    except Exception as exc:  # noqa: BLE001 - every failure reaches every rank via _agree
+    # DCP's CheckpointException is a BaseException: without it a failed dcp.save skipped
+    # the clean-up of the partial folder.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported via _agree
         return exc
     return None
 
@@ -212,6 +270,59 @@ class CheckpointManager:
         folder = self.best()
         return None if folder is None else (read_meta(folder) or {}).get("metric")
 
+    # -- verifying -------------------------------------------------------------------------
+    def verify(self, folder: str | Path) -> list[str]:
+        """Problems of checkpoint ``folder`` (collective; the same list on every rank): a
+        missing manifest, and every file that is missing, truncated or fails its checksum.
+        The files are spread over the ranks, each hashes its share. A checkpoint of format
+        1 has no checksums: only its manifest is checked."""
+        folder = Path(folder)
+        meta = read_meta(folder)
+        files = None if meta is None else meta.get("files")
+        if files is None:
+            return [] if meta is not None else [f"{folder / _META}: missing or unreadable"]
+        names = sorted(files)[_rank() :: _world()]
+        found = _gather(check_files(folder, files, names))
+        return sorted(p for problems in found for p in problems)
+
+    def newest_good(self) -> Path | None:
+        """The newest checkpoint that passes ``verify`` (collective), or None if there is
+        none at all. A bad one is moved aside to ``corrupt-step-N`` with a warning naming
+        the bad file, and the previous one is tried. If checkpoints exist but none is good,
+        ``CheckpointError`` (exit code 2) names every bad file."""
+        latest = self.latest()
+        candidates = [latest] if latest is not None else []
+        candidates += [p for p in reversed(self.folders()) if p != latest]
+        bad: list[str] = []
+        for folder in _broadcast(candidates):
+            problems = self.verify(folder)
+            if not problems:
+                return folder
+            bad.append(problems[0])
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            aside = self.dir / f"corrupt-{folder.name}"
+            if _rank() == 0:
+                try:  # out of the way of latest()/pruning, kept for inspection
+                    shutil.rmtree(aside, ignore_errors=True)
+                    folder.rename(aside)
+                except OSError:
+                    aside = folder
+                warnings.warn(
+                    f"checkpoint {folder} is unusable: {problems[0]}{more}; moved it to "
+                    f"{aside} and trying the previous checkpoint",
+                    stacklevel=2,
+                )
+            if dist.is_initialized():
+                dist.barrier()
+        if bad:
+            raise CheckpointError(
+                f"no usable checkpoint in {self.dir}: {'; '.join(bad)}. Every checkpoint of "
+                "this run failed verification; restore the files from a backup, or start "
+                "over with --overwrite (this discards the run)",
+                code=2,
+            )
+        return None
+
     # -- saving ----------------------------------------------------------------------------
     def save(
         self,
@@ -221,32 +332,44 @@ class CheckpointManager:
         *,
         scheduler: Any = None,
         extra: dict | None = None,
+        shared: dict | None = None,
         metric: float | None = None,
     ) -> Path:
         """Write a checkpoint of ``step`` and return its folder (collective).
 
-        Model and optimizer state go through DCP, ``extra`` (this rank's RNG states, data
-        position...) into ``extra-rank{r}.pt``, the scheduler and ``step`` into small files.
-        Then ``latest`` is repointed, folders beyond ``keep_last`` are pruned (never the
-        newest, never the best), and a higher ``metric`` than the best so far moves ``best``.
-        If anything fails on any rank, every rank raises and the previous checkpoint and
-        ``latest`` are unchanged.
+        Model and optimizer state go through DCP, ``extra`` (this rank's own state, if
+        given) into ``extra-rank{r}.pt``, the scheduler into ``scheduler.pt``; ``shared``
+        (JSON-able, the same on every rank, e.g. the data position) and the checksum of
+        every file into the manifest ``meta.json``, written last. Then ``latest`` is
+        repointed, folders beyond ``keep_last`` are pruned (never the newest, never the
+        best), and a higher ``metric`` than the best so far moves ``best``.
+        If anything fails on any rank (a full disk included), every rank raises
+        ``CheckpointError`` saying why, the partial folder is removed, and the previous
+        checkpoint and ``latest`` are unchanged.
         """
         name = f"step-{step:06d}"
         tmp = self.dir / f".tmp-{name}"
         main = _rank() == 0
-        _agree(_attempt(self._prepare, tmp) if main else None, "preparing")
-        error = _attempt(self._write, tmp, step, model, optimizer, scheduler, extra, metric)
         try:
-            _agree(error, "writing")
-        except BaseException:
+            _agree(_attempt(self._prepare, tmp) if main else None, "preparing")
+            _agree(_attempt(self._write, tmp, model, optimizer, scheduler, extra), "writing")
+            files = self._digest(tmp)
+            meta = dict(format=FORMAT_VERSION, step=step, world_size=_world())
+            metric = None if metric is None else float(metric)
+            meta.update(metric=metric, has_optimizer=optimizer is not None, saved_at=time.time())
+            meta.update(shared=shared or {}, files=files)
+            _agree(_attempt(self._write_meta, tmp, meta) if main else None, "writing meta.json")
+        except (Exception, CheckpointException) as exc:
             # _agree raises on every rank at once, so all ranks are here: drop the partial
-            # folder, and let nobody return before it is gone.
+            # folder (a full disk stays full otherwise), and let nobody return before it is
+            # gone; then say why in one line.
             if main:
                 _remove_tree(tmp)
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
-            raise
+            needed = _state_bytes(model, optimizer)
+            message = save_failure_message(exc, f"checkpoint {name}", self.dir, needed)
+            raise CheckpointError(message) from exc
         _agree(_attempt(self._commit, tmp, name, metric) if main else None, "committing")
         return self.dir / name
 
@@ -257,17 +380,32 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
         tmp.mkdir()
 
-    def _write(self, tmp, step, model, optimizer, scheduler, extra, metric) -> None:
+    def _write(self, tmp, model, optimizer, scheduler, extra) -> None:
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=tmp)
-        torch.save(extra or {}, tmp / f"extra-rank{_rank()}.pt")
-        if _rank() == 0:
-            if scheduler is not None:
-                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            metric = None if metric is None else float(metric)
-            meta = dict(format=FORMAT_VERSION, step=step, metric=metric, world_size=_world())
-            meta.update(has_optimizer=optimizer is not None, saved_at=time.time())
-            # Written last: a step folder without meta.json is never treated as complete.
-            _write_text_atomic(tmp / _META, json.dumps(meta, indent=1) + "\n")
+        if extra is not None:
+            torch.save(extra, tmp / f"extra-rank{_rank()}.pt")
+        if _rank() == 0 and scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+
+    def _digest(self, tmp: Path) -> dict[str, dict]:
+        """Size and sha256 of every file in ``tmp`` (collective: rank 0 lists the folder,
+        each rank hashes its share, reading back what the ranks wrote)."""
+        names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != _META))
+        mine: dict | Exception | None = None
+        try:
+            mine = digest_files(tmp, names[_rank() :: _world()])
+        except OSError as exc:
+            mine = exc
+        _agree(mine if isinstance(mine, Exception) else None, "hashing")
+        files: dict[str, dict] = {}
+        for part in _gather(mine):
+            files.update(part)
+        return files
+
+    @staticmethod
+    def _write_meta(tmp: Path, meta: dict) -> None:
+        # Written last: a step folder without meta.json is never treated as complete.
+        _write_text_atomic(tmp / _META, json.dumps(meta, indent=1) + "\n")
 
     def _commit(self, tmp: Path, name: str, metric: float | None) -> None:
         final = self.dir / name
@@ -304,12 +442,26 @@ class CheckpointManager:
     ) -> tuple[int, dict]:
         """Restore ``model``, ``optimizer`` (exact state: moments, momentum buffers, step
         counts, param groups) and ``scheduler`` in place from checkpoint folder ``path``
-        (collective). Returns ``(step, this rank's extra dict)``; the extra dict is empty if
-        the checkpoint was written by fewer ranks."""
+        (collective; ``newest_good`` verifies a folder first). Returns ``(step, extra)``:
+        the ``shared`` state of the manifest updated with this rank's ``extra`` (if the
+        checkpoint has one for this rank).
+
+        A checkpoint of format 1 keeps all its state per rank, so it is refused
+        (``CheckpointError``) on a different number of ranks than it was saved with.
+        """
         folder = Path(path)
         meta = read_meta(folder)
         if meta is None:
             raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {_META})")
+        saved_world = meta.get("world_size")
+        if meta.get("format", 1) < 2 and saved_world != _world():
+            raise CheckpointError(
+                f"{folder} was written by an older spconv-train at {saved_world} ranks and "
+                "keeps its data position per rank, which cannot be mapped to "
+                f"{_world()} ranks; resume it with {saved_world} ranks "
+                f"(torchrun --nproc-per-node {saved_world} ...)",
+                code=2,
+            )
         state = _dcp_state(model, optimizer)  # fresh state (optimizer's initialised) to fill
         dcp.load(state, checkpoint_id=folder)
         optims = optimizer if optimizer is not None else []
@@ -321,15 +473,17 @@ class CheckpointManager:
             if not sched_file.is_file():
                 raise FileNotFoundError(f"{folder} holds no scheduler state ({sched_file.name})")
             scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+        extra = dict(meta.get("shared") or {})
         extra_file = folder / f"extra-rank{_rank()}.pt"
         if extra_file.is_file():  # our own file; RNG states are python objects: not weights_only
-            return int(meta["step"]), torch.load(extra_file, weights_only=False)
-        warnings.warn(
-            f"{folder} has no per-rank state for rank {_rank()} (saved with "
-            f"{meta.get('world_size')} ranks); RNG states and data position start fresh",
-            stacklevel=2,
-        )
-        return int(meta["step"]), {}
+            extra.update(torch.load(extra_file, weights_only=False))
+        elif any(folder.glob("extra-rank*.pt")):
+            warnings.warn(
+                f"{folder} has no per-rank state for rank {_rank()} (saved with "
+                f"{saved_world} ranks); this rank's extra state starts fresh",
+                stacklevel=2,
+            )
+        return int(meta["step"]), extra
 
     # -- export ----------------------------------------------------------------------------
     @staticmethod
@@ -339,7 +493,8 @@ class CheckpointManager:
         ``model.load_state_dict(torch.load(path)["model"])`` into the unparallelized model.
 
         Rank 0 writes (atomically); other ranks return. If a parameter is a DTensor its full
-        value is gathered, which is collective: then every rank must call this.
+        value is gathered, which is collective: then every rank must call this. A failed
+        write (e.g. a full disk) leaves no partial file and raises ``CheckpointError``.
         """
         state = {}
         for key, value in _unwrap(model).state_dict().items():
@@ -347,7 +502,21 @@ class CheckpointManager:
                 value = value.full_tensor()
             state[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
         if _rank() == 0:
-            _replace_atomic(Path(path), lambda t: torch.save({"model": state, "config": config}, t))
+            _save_file(Path(path), {"model": state, "config": config}, f"exporting {path}")
+
+
+def _save_file(path: Path, obj: Any, what: str) -> None:
+    """``torch.save`` atomically; a failure (the partial file is removed) becomes a
+    ``CheckpointError`` saying why, with needed and free space when the disk is full."""
+    try:
+        _replace_atomic(path, lambda t: torch.save(obj, t))
+    except Exception as exc:
+        needed = sum(
+            t.numel() * t.element_size()
+            for t in torch.utils._pytree.tree_leaves(obj)
+            if torch.is_tensor(t)
+        )
+        raise CheckpointError(save_failure_message(exc, what, path.parent, needed)) from exc
 
 
 def export_checkpoint(folder: str | Path, path: str | Path, *, config: Any = None) -> None:
@@ -359,4 +528,4 @@ def export_checkpoint(folder: str | Path, path: str | Path, *, config: Any = Non
         full = Path(tmpdir) / "full.pt"
         dcp_to_torch_save(folder, full)
         model_sd = torch.load(full, weights_only=False)["model"]
-    _replace_atomic(Path(path), lambda t: torch.save({"model": model_sd, "config": config}, t))
+    _save_file(Path(path), {"model": model_sd, "config": config}, f"exporting {path}")
