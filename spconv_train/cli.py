@@ -208,6 +208,7 @@ def run(
 def _train(cfg: Config, plan: StartPlan) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from spconv_train.checkpoint_files import CheckpointError
     from spconv_train.data import DataError
     from spconv_train.distributed import shutdown
     from spconv_train.parallel import SpatialShardingError
@@ -226,6 +227,8 @@ def _train(cfg: Config, plan: StartPlan) -> None:
             fail(str(exc), all_ranks=True)
         if isinstance(exc, TrainingStopped):
             fail(str(exc), code=1)
+        if isinstance(exc, CheckpointError):  # corrupt checkpoints, full disk: one line
+            fail(str(exc), code=exc.code)
         if isinstance(exc, CheckpointException):
             # A BaseException, which torchrun's ``record`` would not write to its error file.
             raise RuntimeError(f"checkpoint failed: {exc}") from exc
