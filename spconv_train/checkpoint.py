@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import random
 import re
 import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +44,19 @@ from spconv_train.checkpoint_files import (
     CheckpointError,
     check_files,
     digest_files,
+    remove_tree,
+    rng_state,
     save_failure_message,
+    save_file,
+    set_rng_state,
+    write_text_atomic,
 )
+from spconv_train.checkpoint_sync import agree as _agree
+from spconv_train.checkpoint_sync import attempt as _attempt
+from spconv_train.checkpoint_sync import broadcast as _broadcast
+from spconv_train.checkpoint_sync import gather as _gather
+from spconv_train.checkpoint_sync import rank as _rank
+from spconv_train.checkpoint_sync import world as _world
 
 __all__ = [
     "FORMAT_VERSION",
@@ -65,48 +73,6 @@ _META = "meta.json"
 # 2: meta.json holds a checksum of every file and the rank-independent ``shared`` state.
 # 1 (no checksums, all state per rank) stays loadable.
 FORMAT_VERSION = 2
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _agree(error: BaseException | None, what: str) -> None:
-    """Synchronise all ranks (acts as a barrier) and raise on every rank if any failed, so a
-    failure on one rank never leaves the others waiting in a later collective."""
-    msg = None if error is None else f"rank {_rank()}: {type(error).__name__}: {error}"
-    if _world() > 1:
-        gathered: list[Any] = [None] * _world()
-        dist.all_gather_object(gathered, msg)
-        failed = [m for m in gathered if m is not None]
-    else:
-        failed = [msg] if msg is not None else []
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"checkpoint {what} failed on another rank: " + "; ".join(failed))
-
-
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (so that all ranks act on one listing of a folder)."""
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank."""
-    if _world() == 1:
-        return [obj]
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def _state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
@@ -128,84 +94,12 @@ def _dcp_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
 
 
-def _attempt(fn: Callable, *args: Any) -> Exception | None:
-    """Run ``fn``; return its exception instead of raising (``_agree`` reports it)."""
-    try:
-        fn(*args)
-    # DCP's CheckpointException is a BaseException: without it a failed dcp.save skipped
-    # the clean-up of the partial folder.
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported via _agree
-        return exc
-    return None
-
-
-def _remove_tree(path: Path, attempts: int = 20) -> None:
-    """Remove a folder; retry briefly, since file-system writers of other ranks (DCP's
-    background writes on shared storage) may still be closing files in it."""
-    for _ in range(attempts):
-        shutil.rmtree(path, ignore_errors=True)
-        if not path.exists():
-            return
-        time.sleep(0.1)
-
-
-def _replace_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` then ``os.replace``: readers see the old or the new file, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    def write(tmp: Path) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # the pointer must not outlive a crash as an empty file
-
-    _replace_atomic(path, write)
-
-
 def _unwrap(model: nn.Module) -> nn.Module:
     """The user's model under DDP (``.module``) or ``torch.compile`` (``._orig_mod``)."""
     ddp = nn.parallel.DistributedDataParallel
     while isinstance(model, ddp) or isinstance(getattr(model, "_orig_mod", None), nn.Module):
         model = model.module if isinstance(model, ddp) else model._orig_mod
     return model
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random number generator states (torch CPU/CUDA, python, numpy), to be
-    stored in a checkpoint's per-rank ``extra`` and restored with ``set_rng_state``."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # numpy is optional
-        pass
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore generator states captured by ``rng_state`` (missing entries are skipped)."""
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "python" in state:
-        random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
 
 
 def read_meta(folder: str | Path) -> dict[str, Any] | None:
@@ -364,7 +258,7 @@ class CheckpointManager:
             # folder (a full disk stays full otherwise), and let nobody return before it is
             # gone; then say why in one line.
             if main:
-                _remove_tree(tmp)
+                remove_tree(tmp)
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
             needed = _state_bytes(model, optimizer)
@@ -405,7 +299,7 @@ class CheckpointManager:
     @staticmethod
     def _write_meta(tmp: Path, meta: dict) -> None:
         # Written last: a step folder without meta.json is never treated as complete.
-        _write_text_atomic(tmp / _META, json.dumps(meta, indent=1) + "\n")
+        write_text_atomic(tmp / _META, json.dumps(meta, indent=1) + "\n")
 
     def _commit(self, tmp: Path, name: str, metric: float | None) -> None:
         final = self.dir / name
@@ -415,11 +309,11 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         tmp.rename(final)
-        _write_text_atomic(self.dir / "latest", name + "\n")
+        write_text_atomic(self.dir / "latest", name + "\n")
         if self.keep_best and metric is not None and math.isfinite(metric):  # NaN never best
             best = self.best_metric()
             if best is None or float(metric) > best:
-                _write_text_atomic(self.dir / "best", name + "\n")
+                write_text_atomic(self.dir / "best", name + "\n")
         self._prune(final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -502,21 +396,7 @@ class CheckpointManager:
                 value = value.full_tensor()
             state[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
         if _rank() == 0:
-            _save_file(Path(path), {"model": state, "config": config}, f"exporting {path}")
-
-
-def _save_file(path: Path, obj: Any, what: str) -> None:
-    """``torch.save`` atomically; a failure (the partial file is removed) becomes a
-    ``CheckpointError`` saying why, with needed and free space when the disk is full."""
-    try:
-        _replace_atomic(path, lambda t: torch.save(obj, t))
-    except Exception as exc:
-        needed = sum(
-            t.numel() * t.element_size()
-            for t in torch.utils._pytree.tree_leaves(obj)
-            if torch.is_tensor(t)
-        )
-        raise CheckpointError(save_failure_message(exc, what, path.parent, needed)) from exc
+            save_file(Path(path), {"model": state, "config": config}, f"exporting {path}")
 
 
 def export_checkpoint(folder: str | Path, path: str | Path, *, config: Any = None) -> None:
@@ -528,4 +408,4 @@ def export_checkpoint(folder: str | Path, path: str | Path, *, config: Any = Non
         full = Path(tmpdir) / "full.pt"
         dcp_to_torch_save(folder, full)
         model_sd = torch.load(full, weights_only=False)["model"]
-    _save_file(Path(path), {"model": model_sd, "config": config}, f"exporting {path}")
+    save_file(Path(path), {"model": model_sd, "config": config}, f"exporting {path}")

@@ -1,18 +1,21 @@
-"""The files of a checkpoint: checksums for its manifest, their verification, and plain
-messages for failed writes (a full disk above all).
-
-Used by ``spconv_train.checkpoint``; imports only the standard library (and torch's
-``CheckpointException`` to unwrap it), so any tool can check a checkpoint folder.
+"""The files of a checkpoint: checksums for its manifest and their verification, atomic
+writes, plain messages for failed writes (a full disk above all), and the per-process RNG
+states. Used by ``spconv_train.checkpoint`` (collectives and DCP live there).
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import os
+import random
 import shutil
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
@@ -20,7 +23,13 @@ __all__ = [
     "check_files",
     "digest_files",
     "find_os_error",
+    "remove_tree",
+    "replace_atomic",
+    "rng_state",
     "save_failure_message",
+    "save_file",
+    "set_rng_state",
+    "write_text_atomic",
 ]
 
 _CHUNK = 1 << 22  # 4 MiB reads: hashing keeps up with the disk, memory stays flat
@@ -115,3 +124,78 @@ def save_failure_message(exc: BaseException, what: str, where: Path, needed: int
         first = next(iter(cause.failures.values()))
         cause = first[0] if isinstance(first, tuple) else first
     return f"{what} failed: {type(cause).__name__}: {cause}"
+
+
+def remove_tree(path: Path, attempts: int = 20) -> None:
+    """Remove a folder; retry briefly, since file-system writers of other ranks (DCP's
+    background writes on shared storage) may still be closing files in it."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            return
+        time.sleep(0.1)
+
+
+def replace_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` then ``os.replace``: readers see the old or the new file, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the pointer must not outlive a crash as an empty file
+
+    replace_atomic(path, write)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states (torch CPU/CUDA, python, numpy), to be
+    stored in a checkpoint's per-rank ``extra`` and restored with ``set_rng_state``."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is optional
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore generator states captured by ``rng_state`` (missing entries are skipped)."""
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_file(path: Path, obj: Any, what: str) -> None:
+    """``torch.save`` atomically; a failure (the partial file is removed) becomes a
+    ``CheckpointError`` saying why, with needed and free space when the disk is full."""
+    try:
+        replace_atomic(path, lambda t: torch.save(obj, t))
+    except Exception as exc:
+        needed = sum(
+            t.numel() * t.element_size()
+            for t in torch.utils._pytree.tree_leaves(obj)
+            if torch.is_tensor(t)
+        )
+        raise CheckpointError(save_failure_message(exc, what, path.parent, needed)) from exc
