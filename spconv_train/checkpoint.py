@@ -181,41 +181,51 @@ class CheckpointManager:
 
     def newest_good(self) -> Path | None:
         """The newest checkpoint that passes ``verify`` (collective), or None if there is
-        none at all. A bad one is moved aside to ``corrupt-step-N`` with a warning naming
-        the bad file, and the previous one is tried. If checkpoints exist but none is good,
+        none at all. Newer bad ones are then moved aside to ``corrupt-step-N`` (out of the
+        way of ``latest`` and pruning, kept for inspection) with a warning naming the bad
+        file. If checkpoints exist but none is good, nothing is moved and
         ``CheckpointError`` (exit code 2) names every bad file."""
         latest = self.latest()
         candidates = [latest] if latest is not None else []
         candidates += [p for p in reversed(self.folders()) if p != latest]
-        bad: list[str] = []
+        bad: list[tuple[Path, list[str]]] = []
         for folder in _broadcast(candidates):
             problems = self.verify(folder)
-            if not problems:
-                return folder
-            bad.append(problems[0])
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            aside = self.dir / f"corrupt-{folder.name}"
+            if problems:
+                bad.append((folder, problems))
+                continue
             if _rank() == 0:
-                try:  # out of the way of latest()/pruning, kept for inspection
-                    shutil.rmtree(aside, ignore_errors=True)
-                    folder.rename(aside)
-                except OSError:
-                    aside = folder
-                warnings.warn(
-                    f"checkpoint {folder} is unusable: {problems[0]}{more}; moved it to "
-                    f"{aside} and trying the previous checkpoint",
-                    stacklevel=2,
-                )
-            if dist.is_initialized():
+                for skipped, found in bad:
+                    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+                    warnings.warn(
+                        f"checkpoint {skipped} is unusable: {found[0]}{more}; moved it to "
+                        f"{self._move_aside(skipped)} and resuming from {folder} instead",
+                        stacklevel=2,
+                    )
+            if bad and dist.is_initialized():
                 dist.barrier()
+            return folder
         if bad:
             raise CheckpointError(
-                f"no usable checkpoint in {self.dir}: {'; '.join(bad)}. Every checkpoint of "
-                "this run failed verification; restore the files from a backup, or start "
-                "over with --overwrite (this discards the run)",
+                f"no usable checkpoint in {self.dir}: {'; '.join(p[0] for _, p in bad)}. "
+                "Every checkpoint of this run failed verification; restore the files from a "
+                "backup, or start over with --overwrite (this discards the run)",
                 code=2,
             )
         return None
+
+    def _move_aside(self, folder: Path) -> Path:
+        """Rename a bad checkpoint to a free ``corrupt-step-N[.k]`` name (kept as is if the
+        rename fails); returns where it is."""
+        aside, k = self.dir / f"corrupt-{folder.name}", 0
+        while aside.exists():
+            k += 1
+            aside = self.dir / f"corrupt-{folder.name}.{k}"
+        try:
+            folder.rename(aside)
+        except OSError:
+            return folder
+        return aside
 
     # -- saving ----------------------------------------------------------------------------
     def save(

@@ -116,6 +116,8 @@ def corruption_case(root: str) -> list[str]:
     except CheckpointError as exc:
         if exc.code != 2 or "step-000001" not in str(exc) or "unreadable" not in str(exc):
             failures.append(f"error {exc} (code {exc.code})")
+    if not good.is_dir():  # nothing good to resume from: nothing is moved either
+        failures.append("the last checkpoint was moved aside although none is good")
     return failures
 
 
