@@ -245,15 +245,17 @@ class TrainFeed:
     def _loader(self, task: _BatchTask) -> Iterator:
         if self.cfg.data.num_workers == 0:
             return (task[k] for k in range(len(task)))
-        return iter(
-            DataLoader(
-                task,
-                batch_size=None,
-                sampler=range(len(task)),
-                num_workers=self.cfg.data.num_workers,
-                pin_memory=self.device.type == "cuda",
-            )
+        loader = DataLoader(
+            task,
+            batch_size=None,
+            sampler=range(len(task)),
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
         )
+        # Starting the workers draws a seed from the global generator: leave it untouched,
+        # so that the step's RNG (seeded by step) does not depend on where an epoch started.
+        with torch.random.fork_rng(devices=[]):
+            return iter(loader)
 
     def _check_same_size(self, hw: tuple[int, int]) -> None:
         """Without a fixed crop, data-parallel replicas may draw images of different sizes,
