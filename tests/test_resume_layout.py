@@ -170,3 +170,26 @@ def test_resume_on_a_new_layout_continues_the_same_samples(dist_pool, saved, tmp
     if dp == dp0:  # the same replicas: step for step an uninterrupted run at the new layout
         ref = dist_pool.run(world, run_recorded, str(tmp_path), "ref", sp, TOTAL, False)
         assert global_batches(ref, sp, 0)[SAVED_STEPS:] == after
+
+
+def test_global_stream_gives_the_distributed_sampler_batches():
+    """On an unchanged layout the feed's batches are exactly those of the previous
+    per-replica ``DistributedSampler`` + ``batch_size`` (format-1 positions stay valid, and
+    ``verify``'s reference batches still match); the offsets count real samples only."""
+    from spconv_train.data import make_dp_sampler
+    from spconv_train.train.determinism import epoch_order, replica_steps
+
+    for n in range(1, 10):
+        for batch in (1, 2, 3):
+            for dp in (1, 2, 3, 4):
+                order = epoch_order(n, SEED, 3)
+                for r in range(dp):
+                    sampler = make_dp_sampler(n, dp=dp, dp_rank=r, seed=SEED)
+                    sampler.set_epoch(3)
+                    mine = list(sampler)
+                    want = [mine[i : i + batch] for i in range(0, len(mine), batch)]
+                    steps = replica_steps(order, 0, batch, dp, r)
+                    assert [s for s, _ in steps] == want, (n, batch, dp, r)
+                    assert [o for _, o in steps] == [
+                        min((k + 1) * batch * dp, n) for k in range(len(want))
+                    ]
