@@ -1,31 +1,33 @@
-"""Atomic, resumable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""Atomic, verified, resumable checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
 Layout of ``run_dir/checkpoints``::
 
     step-000120/       a complete checkpoint: DCP files (.metadata, *.distcp: model and
-                       optimizer), extra-rank{r}.pt (per-rank RNG states, data position),
-                       scheduler.pt, and meta.json (step, metric; written last)
+                       optimizer), extra-rank{r}.pt (optional per-rank state),
+                       scheduler.pt, and meta.json (the manifest, written last: step, metric,
+                       rank-independent ``shared`` state such as the data position, and the
+                       size and sha256 of every other file)
     latest, best       text pointers naming a step folder (rewritten with os.replace)
     .tmp-step-000140/  a save in progress (or killed): ignored, removed by the next save
+    corrupt-step-N/    a checkpoint that failed verification, moved aside by a resume
 
-A save writes everything into ``.tmp-step-N``, all ranks agree it succeeded, then rank 0
-renames the folder into place and atomically rewrites ``latest``. An exception on any
-rank (or a kill) before that leaves the previous checkpoint and ``latest`` untouched.
-The folders must live on a file system shared by all ranks.
+A save writes everything into ``.tmp-step-N``, all ranks agree it succeeded, the files are
+hashed (spread over the ranks), rank 0 writes the manifest, renames the folder into place
+and atomically rewrites ``latest``. An exception on any rank (or a kill) before that leaves
+the previous checkpoint and ``latest`` untouched and the partial folder removed.
+``newest_good`` verifies checkpoints against their manifests, newest first, so a resume
+skips a corrupt or truncated one. The folders must live on a file system shared by all ranks.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import random
 import re
 import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,37 +35,57 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from spconv_train.checkpoint_files import (
+    CheckpointError,
+    check_files,
+    digest_files,
+    remove_tree,
+    rng_state,
+    save_failure_message,
+    save_file,
+    set_rng_state,
+    write_text_atomic,
+)
+from spconv_train.checkpoint_sync import agree as _agree
+from spconv_train.checkpoint_sync import attempt as _attempt
+from spconv_train.checkpoint_sync import broadcast as _broadcast
+from spconv_train.checkpoint_sync import gather as _gather
+from spconv_train.checkpoint_sync import rank as _rank
+from spconv_train.checkpoint_sync import world as _world
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointManager",
+    "export_checkpoint",
+    "read_meta",
+    "rng_state",
+    "set_rng_state",
+]
+
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _META = "meta.json"
-FORMAT_VERSION = 1
+# 2: meta.json holds a checksum of every file and the rank-independent ``shared`` state.
+# 1 (no checksums, all state per rank) stays loadable.
+FORMAT_VERSION = 2
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _agree(error: BaseException | None, what: str) -> None:
-    """Synchronise all ranks (acts as a barrier) and raise on every rank if any failed, so a
-    failure on one rank never leaves the others waiting in a later collective."""
-    msg = None if error is None else f"rank {_rank()}: {type(error).__name__}: {error}"
-    if _world() > 1:
-        gathered: list[Any] = [None] * _world()
-        dist.all_gather_object(gathered, msg)
-        failed = [m for m in gathered if m is not None]
-    else:
-        failed = [msg] if msg is not None else []
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError(f"checkpoint {what} failed on another rank: " + "; ".join(failed))
+def _state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
+    """About how many bytes a checkpoint of this model and optimizer takes (this rank's
+    tensors; replicated tensors are written once)."""
+    states = [model.state_dict()] + ([optimizer.state_dict()] if optimizer is not None else [])
+    total = 0
+    for leaf in torch.utils._pytree.tree_leaves(states):
+        if isinstance(leaf, DTensor):
+            leaf = leaf.to_local()
+        if torch.is_tensor(leaf):
+            total += leaf.numel() * leaf.element_size()
+    return total
 
 
 def _dcp_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
@@ -72,82 +94,12 @@ def _dcp_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
 
 
-def _attempt(fn: Callable, *args: Any) -> Exception | None:
-    """Run ``fn``; return its exception instead of raising (``_agree`` reports it)."""
-    try:
-        fn(*args)
-    except Exception as exc:  # noqa: BLE001 - every failure reaches every rank via _agree
-        return exc
-    return None
-
-
-def _remove_tree(path: Path, attempts: int = 20) -> None:
-    """Remove a folder; retry briefly, since file-system writers of other ranks (DCP's
-    background writes on shared storage) may still be closing files in it."""
-    for _ in range(attempts):
-        shutil.rmtree(path, ignore_errors=True)
-        if not path.exists():
-            return
-        time.sleep(0.1)
-
-
-def _replace_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """``write(tmp)`` then ``os.replace``: readers see the old or the new file, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    def write(tmp: Path) -> None:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # the pointer must not outlive a crash as an empty file
-
-    _replace_atomic(path, write)
-
-
 def _unwrap(model: nn.Module) -> nn.Module:
     """The user's model under DDP (``.module``) or ``torch.compile`` (``._orig_mod``)."""
     ddp = nn.parallel.DistributedDataParallel
     while isinstance(model, ddp) or isinstance(getattr(model, "_orig_mod", None), nn.Module):
         model = model.module if isinstance(model, ddp) else model._orig_mod
     return model
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random number generator states (torch CPU/CUDA, python, numpy), to be
-    stored in a checkpoint's per-rank ``extra`` and restored with ``set_rng_state``."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # numpy is optional
-        pass
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore generator states captured by ``rng_state`` (missing entries are skipped)."""
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "python" in state:
-        random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
 
 
 def read_meta(folder: str | Path) -> dict[str, Any] | None:
@@ -212,6 +164,69 @@ class CheckpointManager:
         folder = self.best()
         return None if folder is None else (read_meta(folder) or {}).get("metric")
 
+    # -- verifying -------------------------------------------------------------------------
+    def verify(self, folder: str | Path) -> list[str]:
+        """Problems of checkpoint ``folder`` (collective; the same list on every rank): a
+        missing manifest, and every file that is missing, truncated or fails its checksum.
+        The files are spread over the ranks, each hashes its share. A checkpoint of format
+        1 has no checksums: only its manifest is checked."""
+        folder = Path(folder)
+        meta = read_meta(folder)
+        files = None if meta is None else meta.get("files")
+        if files is None:
+            return [] if meta is not None else [f"{folder / _META}: missing or unreadable"]
+        names = sorted(files)[_rank() :: _world()]
+        found = _gather(check_files(folder, files, names))
+        return sorted(p for problems in found for p in problems)
+
+    def newest_good(self) -> Path | None:
+        """The newest checkpoint that passes ``verify`` (collective), or None if there is
+        none at all. Newer bad ones are then moved aside to ``corrupt-step-N`` (out of the
+        way of ``latest`` and pruning, kept for inspection) with a warning naming the bad
+        file. If checkpoints exist but none is good, nothing is moved and
+        ``CheckpointError`` (exit code 2) names every bad file."""
+        latest = self.latest()
+        candidates = [latest] if latest is not None else []
+        candidates += [p for p in reversed(self.folders()) if p != latest]
+        bad: list[tuple[Path, list[str]]] = []
+        for folder in _broadcast(candidates):
+            problems = self.verify(folder)
+            if problems:
+                bad.append((folder, problems))
+                continue
+            if _rank() == 0:
+                for skipped, found in bad:
+                    more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+                    warnings.warn(
+                        f"checkpoint {skipped} is unusable: {found[0]}{more}; moved it to "
+                        f"{self._move_aside(skipped)} and resuming from {folder} instead",
+                        stacklevel=2,
+                    )
+            if bad and dist.is_initialized():
+                dist.barrier()
+            return folder
+        if bad:
+            raise CheckpointError(
+                f"no usable checkpoint in {self.dir}: {'; '.join(p[0] for _, p in bad)}. "
+                "Every checkpoint of this run failed verification; restore the files from a "
+                "backup, or start over with --overwrite (this discards the run)",
+                code=2,
+            )
+        return None
+
+    def _move_aside(self, folder: Path) -> Path:
+        """Rename a bad checkpoint to a free ``corrupt-step-N[.k]`` name (kept as is if the
+        rename fails); returns where it is."""
+        aside, k = self.dir / f"corrupt-{folder.name}", 0
+        while aside.exists():
+            k += 1
+            aside = self.dir / f"corrupt-{folder.name}.{k}"
+        try:
+            folder.rename(aside)
+        except OSError:
+            return folder
+        return aside
+
     # -- saving ----------------------------------------------------------------------------
     def save(
         self,
@@ -221,32 +236,44 @@ class CheckpointManager:
         *,
         scheduler: Any = None,
         extra: dict | None = None,
+        shared: dict | None = None,
         metric: float | None = None,
     ) -> Path:
         """Write a checkpoint of ``step`` and return its folder (collective).
 
-        Model and optimizer state go through DCP, ``extra`` (this rank's RNG states, data
-        position...) into ``extra-rank{r}.pt``, the scheduler and ``step`` into small files.
-        Then ``latest`` is repointed, folders beyond ``keep_last`` are pruned (never the
-        newest, never the best), and a higher ``metric`` than the best so far moves ``best``.
-        If anything fails on any rank, every rank raises and the previous checkpoint and
-        ``latest`` are unchanged.
+        Model and optimizer state go through DCP, ``extra`` (this rank's own state, if
+        given) into ``extra-rank{r}.pt``, the scheduler into ``scheduler.pt``; ``shared``
+        (JSON-able, the same on every rank, e.g. the data position) and the checksum of
+        every file into the manifest ``meta.json``, written last. Then ``latest`` is
+        repointed, folders beyond ``keep_last`` are pruned (never the newest, never the
+        best), and a higher ``metric`` than the best so far moves ``best``.
+        If anything fails on any rank (a full disk included), every rank raises
+        ``CheckpointError`` saying why, the partial folder is removed, and the previous
+        checkpoint and ``latest`` are unchanged.
         """
         name = f"step-{step:06d}"
         tmp = self.dir / f".tmp-{name}"
         main = _rank() == 0
-        _agree(_attempt(self._prepare, tmp) if main else None, "preparing")
-        error = _attempt(self._write, tmp, step, model, optimizer, scheduler, extra, metric)
         try:
-            _agree(error, "writing")
-        except BaseException:
+            _agree(_attempt(self._prepare, tmp) if main else None, "preparing")
+            _agree(_attempt(self._write, tmp, model, optimizer, scheduler, extra), "writing")
+            files = self._digest(tmp)
+            meta = dict(format=FORMAT_VERSION, step=step, world_size=_world())
+            metric = None if metric is None else float(metric)
+            meta.update(metric=metric, has_optimizer=optimizer is not None, saved_at=time.time())
+            meta.update(shared=shared or {}, files=files)
+            _agree(_attempt(self._write_meta, tmp, meta) if main else None, "writing meta.json")
+        except (Exception, CheckpointException) as exc:
             # _agree raises on every rank at once, so all ranks are here: drop the partial
-            # folder, and let nobody return before it is gone.
+            # folder (a full disk stays full otherwise), and let nobody return before it is
+            # gone; then say why in one line.
             if main:
-                _remove_tree(tmp)
+                remove_tree(tmp)
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
-            raise
+            needed = _state_bytes(model, optimizer)
+            message = save_failure_message(exc, f"checkpoint {name}", self.dir, needed)
+            raise CheckpointError(message) from exc
         _agree(_attempt(self._commit, tmp, name, metric) if main else None, "committing")
         return self.dir / name
 
@@ -257,17 +284,32 @@ class CheckpointManager:
                 shutil.rmtree(p, ignore_errors=True)
         tmp.mkdir()
 
-    def _write(self, tmp, step, model, optimizer, scheduler, extra, metric) -> None:
+    def _write(self, tmp, model, optimizer, scheduler, extra) -> None:
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=tmp)
-        torch.save(extra or {}, tmp / f"extra-rank{_rank()}.pt")
-        if _rank() == 0:
-            if scheduler is not None:
-                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            metric = None if metric is None else float(metric)
-            meta = dict(format=FORMAT_VERSION, step=step, metric=metric, world_size=_world())
-            meta.update(has_optimizer=optimizer is not None, saved_at=time.time())
-            # Written last: a step folder without meta.json is never treated as complete.
-            _write_text_atomic(tmp / _META, json.dumps(meta, indent=1) + "\n")
+        if extra is not None:
+            torch.save(extra, tmp / f"extra-rank{_rank()}.pt")
+        if _rank() == 0 and scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+
+    def _digest(self, tmp: Path) -> dict[str, dict]:
+        """Size and sha256 of every file in ``tmp`` (collective: rank 0 lists the folder,
+        each rank hashes its share, reading back what the ranks wrote)."""
+        names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != _META))
+        mine: dict | Exception | None = None
+        try:
+            mine = digest_files(tmp, names[_rank() :: _world()])
+        except OSError as exc:
+            mine = exc
+        _agree(mine if isinstance(mine, Exception) else None, "hashing")
+        files: dict[str, dict] = {}
+        for part in _gather(mine):
+            files.update(part)
+        return files
+
+    @staticmethod
+    def _write_meta(tmp: Path, meta: dict) -> None:
+        # Written last: a step folder without meta.json is never treated as complete.
+        write_text_atomic(tmp / _META, json.dumps(meta, indent=1) + "\n")
 
     def _commit(self, tmp: Path, name: str, metric: float | None) -> None:
         final = self.dir / name
@@ -277,11 +319,11 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         tmp.rename(final)
-        _write_text_atomic(self.dir / "latest", name + "\n")
+        write_text_atomic(self.dir / "latest", name + "\n")
         if self.keep_best and metric is not None and math.isfinite(metric):  # NaN never best
             best = self.best_metric()
             if best is None or float(metric) > best:
-                _write_text_atomic(self.dir / "best", name + "\n")
+                write_text_atomic(self.dir / "best", name + "\n")
         self._prune(final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -304,12 +346,26 @@ class CheckpointManager:
     ) -> tuple[int, dict]:
         """Restore ``model``, ``optimizer`` (exact state: moments, momentum buffers, step
         counts, param groups) and ``scheduler`` in place from checkpoint folder ``path``
-        (collective). Returns ``(step, this rank's extra dict)``; the extra dict is empty if
-        the checkpoint was written by fewer ranks."""
+        (collective; ``newest_good`` verifies a folder first). Returns ``(step, extra)``:
+        the ``shared`` state of the manifest updated with this rank's ``extra`` (if the
+        checkpoint has one for this rank).
+
+        A checkpoint of format 1 keeps all its state per rank, so it is refused
+        (``CheckpointError``) on a different number of ranks than it was saved with.
+        """
         folder = Path(path)
         meta = read_meta(folder)
         if meta is None:
             raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {_META})")
+        saved_world = meta.get("world_size")
+        if meta.get("format", 1) < 2 and saved_world != _world():
+            raise CheckpointError(
+                f"{folder} was written by an older spconv-train at {saved_world} ranks and "
+                "keeps its data position per rank, which cannot be mapped to "
+                f"{_world()} ranks; resume it with {saved_world} ranks "
+                f"(torchrun --nproc-per-node {saved_world} ...)",
+                code=2,
+            )
         state = _dcp_state(model, optimizer)  # fresh state (optimizer's initialised) to fill
         dcp.load(state, checkpoint_id=folder)
         optims = optimizer if optimizer is not None else []
@@ -321,15 +377,17 @@ class CheckpointManager:
             if not sched_file.is_file():
                 raise FileNotFoundError(f"{folder} holds no scheduler state ({sched_file.name})")
             scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+        extra = dict(meta.get("shared") or {})
         extra_file = folder / f"extra-rank{_rank()}.pt"
         if extra_file.is_file():  # our own file; RNG states are python objects: not weights_only
-            return int(meta["step"]), torch.load(extra_file, weights_only=False)
-        warnings.warn(
-            f"{folder} has no per-rank state for rank {_rank()} (saved with "
-            f"{meta.get('world_size')} ranks); RNG states and data position start fresh",
-            stacklevel=2,
-        )
-        return int(meta["step"]), {}
+            extra.update(torch.load(extra_file, weights_only=False))
+        elif any(folder.glob("extra-rank*.pt")):
+            warnings.warn(
+                f"{folder} has no per-rank state for rank {_rank()} (saved with "
+                f"{saved_world} ranks); this rank's extra state starts fresh",
+                stacklevel=2,
+            )
+        return int(meta["step"]), extra
 
     # -- export ----------------------------------------------------------------------------
     @staticmethod
@@ -339,7 +397,8 @@ class CheckpointManager:
         ``model.load_state_dict(torch.load(path)["model"])`` into the unparallelized model.
 
         Rank 0 writes (atomically); other ranks return. If a parameter is a DTensor its full
-        value is gathered, which is collective: then every rank must call this.
+        value is gathered, which is collective: then every rank must call this. A failed
+        write (e.g. a full disk) leaves no partial file and raises ``CheckpointError``.
         """
         state = {}
         for key, value in _unwrap(model).state_dict().items():
@@ -347,7 +406,7 @@ class CheckpointManager:
                 value = value.full_tensor()
             state[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
         if _rank() == 0:
-            _replace_atomic(Path(path), lambda t: torch.save({"model": state, "config": config}, t))
+            save_file(Path(path), {"model": state, "config": config}, f"exporting {path}")
 
 
 def export_checkpoint(folder: str | Path, path: str | Path, *, config: Any = None) -> None:
@@ -359,4 +418,4 @@ def export_checkpoint(folder: str | Path, path: str | Path, *, config: Any = Non
         full = Path(tmpdir) / "full.pt"
         dcp_to_torch_save(folder, full)
         model_sd = torch.load(full, weights_only=False)["model"]
-    _replace_atomic(Path(path), lambda t: torch.save({"model": model_sd, "config": config}, t))
+    save_file(Path(path), {"model": model_sd, "config": config}, f"exporting {path}")

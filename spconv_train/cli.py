@@ -173,6 +173,7 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
 def _train(cfg: Config, plan: StartPlan) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from spconv_train.checkpoint_files import CheckpointError
     from spconv_train.data import DataError
     from spconv_train.distributed import is_peer_failure, shutdown
     from spconv_train.parallel import SpatialShardingError
@@ -210,6 +211,8 @@ def _train(cfg: Config, plan: StartPlan) -> None:
         if isinstance(exc, RuntimeError) and "Timed out" in str(exc):
             detail = _first_line(exc)
             _rank_failure(f"timed out in {where} waiting for another rank: {detail}", EXIT_HUNG)
+        if isinstance(exc, CheckpointError):  # corrupt checkpoints, full disk: one line
+            _rank_failure(str(exc), exc.code)
         shutdown(failed=True)
         if isinstance(exc, CheckpointException):
             # A BaseException, which torchrun's ``record`` would not write to its error file.

@@ -157,6 +157,10 @@ def atomic_case(root: str, world: int) -> list[str]:
     """A save that fails midway (after a real partial write, on one rank only) raises on every
     rank and leaves `latest` and the previous folder intact; killed leftovers are ignored."""
     rank, failures = dist.get_rank(), []
+    # Every rank must train the same replica: DCP writes a plain (replicated) tensor once,
+    # from one rank, so unseeded per-rank noise made "after failures" differ on a rank
+    # whenever this test ran first in its worker group (e.g. alone with -k failed).
+    seed_all(0)
     model = tiny_net(0)
     opt, sched = make_opt("adamw", model)
     train(model, opt, sched, None, 0, 2)

@@ -175,7 +175,9 @@ def test_run_leaves_checkpoints_config_and_metrics(trained):
     assert (ckpt / "latest").read_text().strip() == "step-000004"
     assert (ckpt / "best").read_text().strip() in ("step-000002", "step-000004")
     for step in ckpt.glob("step-*"):
-        assert {"extra-rank0.pt", "extra-rank1.pt", "meta.json"} <= {p.name for p in step.iterdir()}
+        meta = json.loads((step / "meta.json").read_text())  # manifest: files, data position
+        assert set(meta["files"]) == {p.name for p in step.iterdir()} - {"meta.json"}
+        assert meta["shared"]["data"]["epoch"] >= 0 and meta["format"] == 2
     from spconv_train.config import load_config
 
     assert load_config(trained / "config.yaml").training.steps == 4

@@ -4,13 +4,13 @@ Every rank of a ``(dp, sp)`` mesh loads only its own column strip
 ``strip_bounds(W, sp, sp_rank)`` of the samples its data-parallel replica draws, and wraps
 it into a DTensor of the global shape (``[Shard(0), Shard(3)]``) without communication.
 The target stays the plain local mask strip (what ``losses.py`` expects). Sample order and
-augmentation depend only on ``(seed, epoch, index)`` and the position in the epoch, so a
-feed restored from ``state_dict`` continues exactly where the saved one stopped.
+augmentation depend only on ``(seed, epoch, index)`` and the global position in the epoch
+(``determinism.py``), so a feed restored from ``state_dict`` continues exactly where the
+saved one stopped, on any ``(dp, sp)`` layout.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,10 +31,10 @@ from spconv_train.data import (
     draw_augment,
     load_strip,
     make_batch,
-    make_dp_sampler,
     strip_bounds,
 )
 from spconv_train.data.prepare import prepare_splits
+from spconv_train.train.determinism import epoch_order, replica_steps
 
 __all__ = [
     "Batch",
@@ -200,9 +200,10 @@ class _BatchTask(Dataset):
 class TrainFeed:
     """Endless iterator of training batches for this rank; epochs follow each other.
 
-    ``state_dict()`` holds ``(epoch, position)``: the number of batches of the current epoch
-    already handed out, so a restored feed yields exactly the batches an uninterrupted one
-    would have.
+    ``state_dict()`` holds ``(epoch, offset)``: how many samples of the epoch's global order
+    the whole mesh has consumed. It is the same on every rank and means the same on every
+    layout, so a restored feed yields, from the same sample on, the batches of an
+    uninterrupted run at its own ``(dp, sp)`` (step for step when ``dp`` is unchanged).
     """
 
     def __init__(
@@ -215,39 +216,51 @@ class TrainFeed:
         self.source, self.cfg, self.mesh, self.device = source, cfg, mesh, device
         self.coords = MeshCoords.of(mesh)
         self.batch_size = cfg.data.batch_size
-        self.sampler = make_dp_sampler(
-            len(source), dp=self.coords.dp, dp_rank=self.coords.dp_rank, seed=cfg.training.seed
-        )
-        self.batches_per_epoch = math.ceil(len(self.sampler) / self.batch_size)
-        self.epoch, self.position = 0, 0
+        # offset: samples of the epoch's global order consumed by the whole mesh;
+        # position: batches this rank handed out in the epoch (verify's step records).
+        self.epoch, self.offset, self.position = 0, 0, 0
         d = cfg.data
         self.fixed_size = d.height is not None and d.width is not None
 
     def state_dict(self) -> dict[str, int]:
-        """The data position: epoch and batches already consumed in it."""
-        return {"epoch": self.epoch, "position": self.position}
+        """The data position, rank- and layout-independent: the epoch and the number of
+        samples of its global order consumed."""
+        return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a position saved by ``state_dict``."""
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        """Continue from a position saved by ``state_dict`` on any layout.
 
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        self.sampler.set_epoch(epoch)
-        order = list(self.sampler)
-        return [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        The per-rank ``{"epoch", "position"}`` of format-1 checkpoints counted this
+        replica's batches; the checkpoint layer only lets those load on the world size they
+        were saved with, where ``dp`` is the same as now.
+        """
+        self.epoch = int(state["epoch"])
+        if "offset" in state:
+            self.offset = int(state["offset"])
+        else:
+            self.offset = int(state["position"]) * self.batch_size * self.coords.dp
+        self.offset = min(self.offset, len(self.source))
+        self.position = -(-self.offset // (self.batch_size * self.coords.dp))
 
-    def _loader(self, task: _BatchTask, start: int) -> Iterator:
+    def _epoch_steps(self) -> list[tuple[list[int], int]]:
+        order = epoch_order(len(self.source), self.cfg.training.seed, self.epoch)
+        c = self.coords
+        return replica_steps(order, self.offset, self.batch_size, c.dp, c.dp_rank)
+
+    def _loader(self, task: _BatchTask) -> Iterator:
         if self.cfg.data.num_workers == 0:
-            return (task[k] for k in range(start, len(task)))
-        return iter(
-            DataLoader(
-                task,
-                batch_size=None,
-                sampler=range(start, len(task)),
-                num_workers=self.cfg.data.num_workers,
-                pin_memory=self.device.type == "cuda",
-            )
+            return (task[k] for k in range(len(task)))
+        loader = DataLoader(
+            task,
+            batch_size=None,
+            sampler=range(len(task)),
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
         )
+        # Starting the workers draws a seed from the global generator: leave it untouched,
+        # so that the step's RNG (seeded by step) does not depend on where an epoch started.
+        with torch.random.fork_rng(devices=[]):
+            return iter(loader)
 
     def _check_same_size(self, hw: tuple[int, int]) -> None:
         """Without a fixed crop, data-parallel replicas may draw images of different sizes,
@@ -275,13 +288,14 @@ class TrainFeed:
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
-            task = _BatchTask(
-                self.source, self.cfg, self.coords, self.epoch, self._epoch_batches(self.epoch)
-            )
-            for image, mask, hw in self._loader(task, self.position):
-                self.position += 1  # counted before handing out: state = batches consumed
+            steps = self._epoch_steps()
+            batches = [indices for indices, _ in steps]
+            task = _BatchTask(self.source, self.cfg, self.coords, self.epoch, batches)
+            for (image, mask, hw), (_, offset) in zip(self._loader(task), steps, strict=True):
+                # counted before handing out: the state is what has been consumed
+                self.offset, self.position = offset, self.position + 1
                 yield self._to_batch(image, mask, hw)
-            self.epoch, self.position = self.epoch + 1, 0
+            self.epoch, self.offset, self.position = self.epoch + 1, 0, 0
 
 
 @dataclass

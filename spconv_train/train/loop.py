@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
-from spconv_train.checkpoint import CheckpointManager, rng_state, set_rng_state
+from spconv_train.checkpoint import CheckpointError, CheckpointManager
 from spconv_train.config import (
     Config,
     ConfigError,
@@ -54,6 +54,7 @@ from spconv_train.train.data_feed import (
     gather_panels,
     val_items,
 )
+from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.optim import (
     apply_hyperparameters,
@@ -192,6 +193,8 @@ def _resume(ckpt: CheckpointManager, folder: Path, model, optimizer, scheduler) 
     model or optimizer settings changed since it was saved) instead of DCP's per-rank dump."""
     try:
         return ckpt.load(folder, model, optimizer, scheduler=scheduler)
+    except CheckpointError:  # says itself what is wrong and what to do
+        raise
     except (Exception, CheckpointException) as exc:
         if isinstance(exc, CheckpointException) and exc.failures:
             exc = next(iter(exc.failures.values()))[0]
@@ -249,12 +252,12 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     ckpt = CheckpointManager(
         run_dir, keep_last=cfg.checkpoint.keep_last, keep_best=cfg.checkpoint.keep_best
     )
-    start, latest = 0, ckpt.latest() if resume else None
+    # newest_good: the newest checkpoint whose files match their checksums
+    start, latest = 0, ckpt.newest_good() if resume else None
     if latest is not None:
         start, extra = _resume(ckpt, latest, model, optimizer, scheduler)
         apply_hyperparameters(optimizer, scheduler, cfg.optimizer)  # changed on resume
         feed.load_state_dict(extra.get("data", feed.state_dict()))  # data position
-        set_rng_state(extra.get("rng", {}))
     lg = cfg.logging
     logger = RunLogger(
         run_dir,
@@ -295,6 +298,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     while step < steps:
         # Each phase names its collectives: the watchdog's message says where a rank hung.
         wd.beat(f"step {step + 1}: data and forward pass (halo exchanges, norm all-reduces)")
+        seed_for_step(t.seed, step)  # RNG by step: the same after a resume on any layout
         batch = next(batches)
         with run.autocast():
             logits = model(batch.image)
@@ -355,10 +359,10 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             _log_val(run, step, scores)
         if step % cfg.checkpoint.every == 0 or step == steps or stop:
             wd.beat(f"step {step}: checkpoint save (distributed-checkpoint collectives)")
-            extra = {"data": feed.state_dict(), "rng": rng_state()}
+            shared = {"data": feed.state_dict()}  # rank-independent: resumable on any layout
             metric = None if scores is None else scores["miou"]
             metric = None if metric is None or math.isnan(metric) else metric
-            ckpt.save(step, model, optimizer, scheduler=scheduler, extra=extra, metric=metric)
+            ckpt.save(step, model, optimizer, scheduler=scheduler, shared=shared, metric=metric)
         if stop:
             logger.progress_stop()
             raise Preempted(stop, step, steps, str(ckpt.latest()))
