@@ -95,9 +95,7 @@ def test_torch_file_without_model_is_named(tmp_path, inputs):
     image = str(inputs / "images" / "c_ok.png")
     result = CliRunner().invoke(app, ["predict", str(other), image, "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
-    assert "not a spconv-train checkpoint (no 'model' state dict" in " ".join(
-        result.output.split()
-    )
+    assert "not a spconv-train checkpoint (no 'model' state dict" in " ".join(result.output.split())
 
 
 def test_one_rank_narrow_image_is_padded_and_the_rest_continue(tmp_path, inputs):

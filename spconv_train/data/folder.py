@@ -21,9 +21,9 @@ from ._readers import (
     mask_header,
     read_image,
     read_mask,
-    verify_image,
 )
 from .base import DataError, SegmentationSource, bad_file, check_cols
+from .checks import check_decodable
 
 __all__ = ["FolderDataset"]
 
@@ -223,7 +223,7 @@ class FolderDataset(SegmentationSource):
         for i, (_, image_path, mask_path) in enumerate(self._items):
             try:
                 self._check_mask_header(i)
-                verify_image(image_path)
+                check_decodable(image_path)  # JPEG/TIFF truncation too, cheaply
                 mask = read_mask(mask_path, (0, self.size(i)[1]))
                 check_mask_values(mask, mask_path, self.num_classes, self.ignore_index)
                 seen.update(int(v) for v in mask.unique())

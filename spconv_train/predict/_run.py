@@ -33,6 +33,7 @@ from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.train.data_feed import MeshCoords, to_dtensor
 from spconv_train.train.loop import build_model
 from spconv_train.train.metrics import ConfusionMatrix
+from spconv_train.train.val_check import is_geometry_error
 
 from . import PAD_MULTIPLE, ImagesFailed, PredictError, load_export
 
@@ -75,15 +76,9 @@ class _Predictor:
         return pred, image, (ra, rb)
 
     def _too_narrow(self, exc: Exception) -> bool:
-        """Whether the forward failed on the image's geometry, so padding may help (and
-        every rank of the replica failed the same way, so going on is safe). At ``sp > 1``
-        that is ``SpatialShardingError`` (raised on every rank together) or a pooling
-        layer's "Output size is too small" (a too-small height: the same on every strip).
-        At ``sp = 1`` nothing is split and no collective runs in the forward: the plain ops
-        fail on a too-narrow image (e.g. max_pool2d), so any ``RuntimeError`` is retried."""
-        if isinstance(exc, SpatialShardingError):
-            return True
-        return isinstance(exc, RuntimeError) and (self.sp == 1 or "too small" in str(exc))
+        """Whether the forward failed on the image's geometry, so padding may help and
+        going on with the next image is safe (see ``is_geometry_error``)."""
+        return is_geometry_error(exc, self.sp)
 
     def _narrow_error(self, path, h, w, first, padded) -> SpatialShardingError:
         """The same clear message at any number of ranks (the padded attempt, if any, is

@@ -13,7 +13,7 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,12 @@ from spconv_train.distributed import (
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.parallel import HALO_SECONDS, parallelize
+from spconv_train.train.bad_samples import (
+    note_training_skips,
+    report_skipped,
+    skipped_summary,
+    upfront_skips,
+)
 from spconv_train.train.data_feed import (
     MeshCoords,
     TrainFeed,
@@ -58,6 +64,7 @@ from spconv_train.train.optim import (
     clip_gradients,
     enable_activation_checkpointing,
 )
+from spconv_train.train.val_check import check_val_sizes
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
 
@@ -108,6 +115,7 @@ class _Run:
     val_source: SegmentationSource
     class_names: list[str]
     logger: RunLogger
+    skipped: list = field(default_factory=list)  # SkipRecord of every skipped file
 
     def __post_init__(self) -> None:
         self.sp_mesh = self.mesh["sp"]  # validation images live on the spatial group only
@@ -206,8 +214,9 @@ def train(
     dp, sp = validate_for_world(cfg, info.world_size)
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
-    _prepare_run_dir(cfg, remove, info)
     model = parallelize(model.to(info.device), mesh)
+    check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), mesh["sp"], info.device)
+    _prepare_run_dir(cfg, remove, info)  # after every check: --overwrite deletes here
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -233,6 +242,8 @@ def train(
         log_every=cfg.training.log_every,
     )
     run = _Run(cfg, info, mesh, model, val_source, class_names, logger)
+    run.skipped = upfront_skips(train_source, val_source)
+    report_skipped(logger, run.skipped, write=latest is None)  # resumed: already written
     try:
         return _loop(run, feed, optimizer, scheduler, ckpt, start, latest, notes)
     finally:
@@ -260,6 +271,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     batches = iter(feed)
     while step < steps:
         batch = next(batches)
+        run.skipped += note_training_skips(logger, feed, step + 1)
         with run.autocast():
             logits = model(batch.image)
         loss = run.loss_fn(logits, batch.target)
@@ -343,6 +355,7 @@ def _finish(run: _Run, ckpt: CheckpointManager, scores: dict, step: int) -> dict
             ("best checkpoint", str(best) if best else "-"),
             ("latest checkpoint", str(ckpt.latest())),
             ("exported model", str(export)),
+            ("skipped samples", skipped_summary(run.skipped)),
         ],
     )
     logger.flush()
