@@ -40,7 +40,7 @@ from spconv_train.train.data_feed import build_sources
 from spconv_train.train.loop import build_model
 from spconv_train.train.optim import enable_activation_checkpointing
 
-from ._compare import resolve_tolerances
+from ._compare import SPREAD_FACTOR, resolve_tolerances
 from ._reference import reference_run
 from ._report import VerifyReport
 from ._sharded import sharded_run
@@ -168,7 +168,10 @@ def run_verify(
         f"{cfg.training.precision}: --dtype config checks that precision)"
         if precision == "fp64"
         else f"computed in the training precision ({precision}); --dtype float64 gives an "
-        "exact check free of rounding ties",
+        "exact check free of rounding ties. A tensor also passes when its relative error is "
+        f"within {SPREAD_FACTOR:g}x the one-device {precision} run's own relative distance "
+        "from the same step in float64, worst over the tensors of its kind (the rounding "
+        "noise of that precision; 'fp64_spread' in --json)",
         "reference run on every rank"
         if reference == "all"
         else "reference run on rank 0 only; it sends each rank the blocks to compare",
