@@ -14,7 +14,7 @@ import math
 import torch
 
 from spconv_train.verify._compare import SPREAD_FACTOR, Check, Collector, floors, resolve_tolerances
-from tests.test_verify import _drop_one_halo_column, _failed, verify_cases
+from tests.test_verify import TINY, _drop_one_halo_column, _failed, verify_cases
 
 
 def test_spread_criterion():
@@ -40,47 +40,40 @@ def test_spread_criterion():
     assert not h.passed  # 5e-3 relative: not within 10 * 3e-4 of noise
 
 
-# The README's false alarm, small: a depth-3 U-Net with BatchNorm, AdamW, fp32, 3 ranks.
-DEEP = [
-    "model.num_classes=4",
-    "model.kwargs={depth: 3, base_width: 8}",
-    "data.height=32",
-    "data.width=96",
-    "data.num_train=4",
-    "data.num_val=1",
-    "run_dir=/nonexistent/verify-never-written",
-]
-
-
 def verify_config_mode_and_broken_halo(overrides: list[str], steps: int) -> list[dict]:
-    """A correct run and a broken-halo run, both in the training precision (fp32)."""
+    """Correct runs and a broken-halo run in the training precision (fp32): with the
+    default tolerances, and with an rtol (1e-7) that fp32 rounding alone exceeds."""
     import spconv_train.parallel._window as window
 
-    correct = verify_cases([(overrides, {"steps": steps, "dtype": "config"})])[0]
+    config = {"steps": steps, "dtype": "config"}
+    strict = {**config, "tolerances": {"rtol": 1e-7}}
+    reports = verify_cases([(overrides, config), (overrides, strict)])
     original = window.gather_columns
     window.gather_columns = _drop_one_halo_column(original)
     try:
-        broken = verify_cases([(overrides, {"steps": 1, "dtype": "config"})])[0]
+        reports += verify_cases([(overrides, {"steps": 1, "dtype": "config"})])
     finally:
         window.gather_columns = original
-    return [correct, broken]
+    return reports
 
 
 def test_config_dtype_passes_correct_run_and_fails_broken_halo(dist_pool):
-    correct, broken = dist_pool.run(3, verify_config_mode_and_broken_halo, DEEP, 2)[0]
-    assert correct["precision"] == "fp32"
-    assert correct["passed"], _failed(correct)
-    # A fixed rtol would have failed it: some tensors pass only by the measured spread.
-    by_spread = [
-        c
-        for c in correct["checks"]
-        if c["max_rel_err"] > c["rtol"] and c["max_abs_err"] > c["atol"]
+    """The README's own example (``configs/unet.yaml --nproc 3 --dtype config --steps 5``)
+    failed 49 to 166 of 525 tensors at up to 2.4e-2 relative; measured with the noise
+    criterion its worst tensor kind is within 6x the one-device noise. Here, small: a
+    fixed rtol of 1e-7 fails on fp32 rounding alone, the measured noise does not."""
+    correct, strict, broken = dist_pool.run(2, verify_config_mode_and_broken_halo, TINY, 2)[0]
+    for report in (correct, strict):
+        assert report["precision"] == "fp32"
+        assert report["passed"], _failed(report)
+    by_noise = [
+        c for c in strict["checks"] if c["max_rel_err"] > c["rtol"] and c["max_abs_err"] > 0
     ]
-    assert by_spread, "expected rounding noise above the fixed fp32 rtol"
-    assert all(c["max_abs_err"] <= SPREAD_FACTOR * c["fp64_spread"] for c in by_spread)
-    assert any("float64" in n and "spread" in n for n in correct["notes"])
+    assert len(by_noise) > 10, "expected fp32 rounding above rtol=1e-7"
+    assert all(c["max_abs_err"] <= SPREAD_FACTOR * c["fp64_spread"] for c in by_noise)
+    assert any("float64" in n and "noise" in n for n in correct["notes"])
     assert not broken["passed"]
     failed = {(f["step"], f["kind"]) for f in broken["failures"]}
     assert (1, "logits") in failed and (1, "grad") in failed
-    worst = broken["failures"][0]
-    assert worst["max_abs_err"] > 100 * SPREAD_FACTOR * worst.get("fp64_spread", 0.0)
+    logits = next(f for f in broken["failures"] if f["kind"] == "logits")
+    assert logits["max_abs_err"] > 1000 * SPREAD_FACTOR * logits["fp64_spread"]
