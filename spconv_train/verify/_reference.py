@@ -183,17 +183,19 @@ def _spreads(low: tuple, exact: tuple) -> dict:
     return out
 
 
-def reference_run(ref, cfg, mesh, device, source, records, tols, reference, precision, resync):
+def reference_run(
+    ref, cfg, mesh, device, source, records, tols, reference, precision, resync, noise=False
+):
     """Phase 2: the same steps on one device; returns every check (collective). With
     ``resync`` every step from the second on starts from the sharded run's state after the
     previous step, so each step's errors are its own (not amplified by earlier steps).
-    In the training precision (``precision != "fp64"``) a float64 copy of the reference
-    runs the same steps too, to measure the one-device rounding spread (``_compare.py``)."""
+    With ``noise`` (in the training precision) a float64 copy of the reference runs the
+    same steps too, to measure the one-device rounding noise (``_compare.py``)."""
     rank, dp = dist.get_rank(), mesh.size(0)
     me = _coords_of(mesh, rank)
     one = exact = None
     if ref is not None:
-        if precision != "fp64":
+        if noise and precision != "fp64":
             exact = _OneDevice(copy.deepcopy(ref).double(), cfg, device)
         one = _OneDevice(ref, cfg, device)
     checks: list[Check] = []
