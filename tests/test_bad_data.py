@@ -12,9 +12,7 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +23,6 @@ from PIL import Image
 
 from spconv_train.data import DataError, FolderDataset, write_synthetic_dataset
 from spconv_train.data.checks import check_decodable
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _pixels(h: int, w: int, seed: int) -> np.ndarray:
@@ -219,38 +215,60 @@ CONFIG = """\
 run_dir: {run_dir}
 model: {{name: unet, num_classes: 3, kwargs: {{depth: 2, base_width: 4}}}}
 data: {{source: folder, root: {root}, height: 32, width: 64, on_bad_sample: {mode}}}
-training: {{steps: 2, val_every: 2, log_every: 1}}
-checkpoint: {{every: 2}}
+training: {{steps: 3, val_every: 3, log_every: 1}}
+checkpoint: {{every: 3}}
 logging: {{tensorboard: false, progress: false}}
 """
 
 
-def _run(
-    tmp_path: Path, root: Path, mode: str, name: str
-) -> tuple[subprocess.CompletedProcess, Path]:
+def _run(tmp_path: Path, root: Path, mode: str, name: str):
+    """``spconv-train run`` in this process (one rank)."""
+    from typer.testing import CliRunner
+
+    from spconv_train.cli import app
+
     run_dir = tmp_path / name
     config = tmp_path / f"{name}.yaml"
     config.write_text(CONFIG.format(run_dir=run_dir, root=root, mode=mode), encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
-    cmd = [sys.executable, "-m", "spconv_train", "run", str(config)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
-    return proc, run_dir
+    result = CliRunner().invoke(app, ["run", str(config)], env={"COLUMNS": "200"})
+    return result, run_dir
 
 
-def test_run_names_and_counts_skipped_files_or_stops(tmp_path):
-    root = _dataset(tmp_path / "d", num_train=2)
+def test_run_names_and_counts_skipped_files_or_stops(tmp_path, monkeypatch):
+    """Skip mode: the truncated JPEG (up front) and a PNG that fails to decode in the middle
+    of training are named on the console and in metrics.jsonl and counted in the summary.
+    Error mode: exit 2 naming the JPEG before anything is trained."""
+    import spconv_train.data.folder as folder
+
+    root = _dataset(tmp_path / "d", num_train=3)
     bad = _add_truncated_jpeg(root)
-    proc, run_dir = _run(tmp_path, root, "skip", "skip")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
+    flaky = root / "images" / "train" / "0001.png"
+    original = folder.read_image
+
+    def read_image(path, cols):
+        if Path(path) == flaky:  # passes the up-front checks, fails when training reads it
+            raise DataError(f"{path}: cannot decode (simulated)", path=str(path),
+                            reason="cannot decode (simulated)")  # fmt: skip
+        return original(path, cols)
+
+    monkeypatch.setattr(folder, "read_image", read_image)
+    result, run_dir = _run(tmp_path, root, "skip", "skip")
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output[-3000:]
     assert f"skipped train sample {bad} (up front): corrupt or truncated image" in out
-    assert "skipped samples" in out and "1 (named above and in metrics.jsonl" in out
+    at = re.search(rf"skipped train sample {re.escape(str(flaky))} \(at step (\d)\): cannot", out)
+    assert at, out  # three steps: a whole epoch and more, so 0001 is met
+    assert "skipped samples │ 2 (named above and in metrics.jsonl" in out
     lines = [json.loads(s) for s in (run_dir / "metrics.jsonl").read_text().splitlines()]
     skipped = [r for r in lines if r["split"] == "skipped"]
-    assert len(skipped) == 1 and skipped[0]["file"] == str(bad)
-    assert skipped[0]["data_split"] == "train" and "truncated" in skipped[0]["reason"]
+    assert [(r["step"], r["file"], r["data_split"]) for r in skipped] == [
+        (0, str(bad), "train"),
+        (int(at.group(1)), str(flaky), "train"),  # named once
+    ]
+    assert "truncated" in skipped[0]["reason"]
+    assert [r["step"] for r in lines if r["split"] == "train"] == [1, 2, 3]
 
-    proc, run_dir = _run(tmp_path, root, "error", "error")
-    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
-    assert f"{bad}: corrupt or truncated image" in " ".join(proc.stderr.split())
+    result, run_dir = _run(tmp_path, root, "error", "error")
+    assert result.exit_code == 2, result.output[-3000:]
+    assert f"{bad}: corrupt or truncated image" in " ".join(result.output.split())
     assert not (run_dir / "checkpoints").exists()  # nothing trained
