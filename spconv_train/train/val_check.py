@@ -65,8 +65,10 @@ def check_val_sizes(
             a, b = strip_bounds(w, coords.sp, coords.sp_rank)
             c = source.channels(i)
             x = torch.zeros(1, c, h, b - a, device=device)
+            bf16 = cfg.training.precision == "bf16"  # as validation runs it (memory)
             try:
-                model(to_dtensor(x, sp_mesh, [Shard(3)], (1, c, h, w)))
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    model(to_dtensor(x, sp_mesh, [Shard(3)], (1, c, h, w)))
             except (SpatialShardingError, RuntimeError) as exc:
                 if not is_geometry_error(exc, coords.sp):
                     raise
