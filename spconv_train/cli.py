@@ -3,7 +3,13 @@
 Exit codes: 0 success; 2 bad usage or configuration (a config key, a data file, an image too
 narrow for the network at ``parallel.sp`` ranks, a run directory that already holds a run);
 1 a failed run (non-finite loss, a crash: its traceback is printed and, under torchrun,
-recorded for the launcher's summary).
+recorded for the launcher's summary); 3 stopped by SIGTERM/SIGUSR1 (preemption) after
+writing a checkpoint: continue with ``--resume``; 4 a rank waited longer than
+``parallel.timeout_s`` for its peers (the watchdog names the step and collective).
+
+An error raised during training is printed by the rank that raised it, as
+``[rank r] error: ...`` (once when several ranks raise the same one); a rank that only
+lost its connection to the failed rank says so in one line instead of a gloo traceback.
 
 Config problems are reported before torch, any process group or any data is touched. Under
 torchrun every worker reports the same config error and exits 2; torchrun itself then exits
@@ -19,8 +25,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
+import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, NoReturn
 
@@ -36,6 +43,7 @@ from spconv_train.config import (
     load_config,
     validate_for_world,
 )
+from spconv_train.run_folder import RUN_FILES, StartPlan, finish_job, job_id, plan_start
 
 __all__ = ["RUN_FILES", "StartPlan", "app", "fail", "load_or_exit", "main", "plan_start"]
 
@@ -49,9 +57,6 @@ app = typer.Typer(
 )
 
 _QUIET_RANK_DELAY_S = 3.0
-
-#: What a run leaves in its directory (the only things ``--overwrite`` deletes).
-RUN_FILES = ("config.yaml", "checkpoints", "tensorboard", "metrics.jsonl", "model.pt")
 
 ConfigArg = Annotated[
     Path,
@@ -104,71 +109,6 @@ def load_or_exit(config: Path, overrides: list[str] | None) -> Config:
         fail(str(exc))
 
 
-@dataclass(frozen=True)
-class StartPlan:
-    """How ``run`` starts: ``resume`` from the latest checkpoint (if any); ``remove`` the
-    previous run's files first (``--overwrite``); ``notes`` to print."""
-
-    resume: bool = False
-    remove: tuple[str, ...] = ()
-    notes: list[str] = field(default_factory=list)
-
-
-def _config_changes(cfg: Config, saved: Path) -> list[str]:
-    """Settings that differ from the config saved by the run being resumed."""
-    try:
-        old = config_to_dict(load_config(saved, check_paths=False))
-    except ConfigError:
-        return []
-
-    def flat(d: dict, prefix: str = "") -> dict:
-        out: dict = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(old), flat(config_to_dict(cfg))
-    changed = [k for k in b if a.get(k) != b[k]]
-    return [f"changed since the saved config: {k}: {a.get(k)!r} -> {b[k]!r}" for k in changed]
-
-
-def plan_start(cfg: Config, *, resume: bool, overwrite: bool, restarts: int) -> StartPlan:
-    """Decide how ``run`` starts in ``cfg.run_dir`` (reads only; before any process group).
-
-    A folder holding a run (any of ``RUN_FILES``) is refused unless ``resume`` or
-    ``overwrite``. When torchrun restarts failed workers (``restarts > 0``) the run
-    continues from its latest checkpoint (``checkpoint.resume: auto``) or starts over
-    (``never``) without asking. ``resume`` without a checkpoint starts fresh (with a note),
-    so a job script may always pass ``--resume``.
-    """
-    run_dir = Path(cfg.run_dir)
-    if resume and overwrite:
-        raise ConfigError("--resume", "cannot be combined with --overwrite; pick one")
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError("run_dir", f"{run_dir} exists and is not a directory")
-    found = tuple(name for name in RUN_FILES if (run_dir / name).exists())
-    if restarts > 0:
-        resume = resume or cfg.checkpoint.resume == "auto"
-        note = f"torchrun restart {restarts}: " + ("resuming" if resume else "starting over")
-        return StartPlan(resume=resume, remove=() if resume else found, notes=[note])
-    if found and not (resume or overwrite):
-        raise ConfigError(
-            "run_dir",
-            f"{run_dir} already holds a run ({', '.join(found)}); pass --resume to continue "
-            "it, --overwrite to start over, or choose another folder with --set run_dir=...",
-        )
-    notes = []
-    if resume:
-        has_ckpt = (run_dir / "checkpoints").is_dir() and any(
-            p.name.startswith("step-") for p in (run_dir / "checkpoints").iterdir()
-        )
-        if not has_ckpt:
-            notes.append(f"--resume: no checkpoint in {run_dir}; starting from step 0")
-        if (run_dir / "config.yaml").is_file():
-            notes += _config_changes(cfg, run_dir / "config.yaml")
-    return StartPlan(resume=resume, remove=found if overwrite else (), notes=notes)
-
-
 @app.command()
 def run(
     config: ConfigArg,
@@ -188,14 +128,18 @@ def run(
 
     The run folder (run_dir) receives config.yaml, checkpoints/,
     tensorboard/, metrics.jsonl and model.pt (exported weights).
-    Exit codes: 0 done, 2 bad usage or config, 1 the run failed.
+    Exit codes: 0 done, 2 bad usage or config, 1 the run failed,
+    3 preempted (SIGTERM/SIGUSR1: checkpoint written, continue with --resume),
+    4 a rank hung longer than parallel.timeout_s.
     """
     cfg = load_or_exit(config, overrides)
     from spconv_train.distributed import env_world_size, restart_count
 
     try:
         validate_for_world(cfg, env_world_size())
-        plan = plan_start(cfg, resume=resume, overwrite=overwrite, restarts=restart_count())
+        plan = plan_start(
+            cfg, resume=resume, overwrite=overwrite, restarts=restart_count(), job=job_id()
+        )
     except ConfigError as exc:
         fail(str(exc))
     # torchrun's error recording: an uncaught exception in a worker writes its traceback
@@ -205,31 +149,74 @@ def run(
     record(_train)(cfg, plan)
 
 
+def _rank_failure(message: str, code: int) -> NoReturn:
+    """Print ``message`` as this rank's error, at once (unless another rank already printed
+    the same one), leave the process group and exit with ``code``."""
+    from spconv_train.distributed import first_to_report, shutdown
+
+    if first_to_report(message):
+        prefix = f"[rank {_rank()}] " if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        Console(stderr=True, highlight=False).print(
+            f"[bold red]error:[/] {escape(prefix + message)}", soft_wrap=True
+        )
+        sys.stderr.flush()
+    shutdown(failed=True)
+    raise SystemExit(code)
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of ``exc``'s message, shortened (gloo's come with a source path)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _train(cfg: Config, plan: StartPlan) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from spconv_train.data import DataError
-    from spconv_train.distributed import shutdown
+    from spconv_train.distributed import is_peer_failure, shutdown
     from spconv_train.parallel import SpatialShardingError
     from spconv_train.train.loop import TrainingStopped, train
+    from spconv_train.train.preemption import EXIT_PREEMPTED, Preempted
+    from spconv_train.train.watchdog import EXIT_HUNG, last_phase
 
     try:
-        train(cfg, resume=plan.resume, remove=plan.remove, notes=plan.notes)
+        train(cfg, resume=plan.resume, remove=plan.remove, notes=plan.notes, job=plan.record)
+    except Preempted as exc:
+        # torchrun SIGTERMs the other workers as soon as the first one exits: they are all
+        # leaving with the same code already, so let them finish instead of dying by signal.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        shutdown(barrier=True)  # every rank stopped after the same step and saved it
+        if _rank() == 0:
+            Console(stderr=True, highlight=False).print(
+                f"spconv-train: {escape(str(exc))}", soft_wrap=True
+            )
+        raise SystemExit(EXIT_PREEMPTED) from None
     except BaseException as exc:
-        shutdown(failed=True)
-        if isinstance(exc, ConfigError):
-            fail(str(exc))
+        if isinstance(exc, ConfigError | DataError):
+            _rank_failure(str(exc), 2)
         if isinstance(exc, SpatialShardingError):
             hint = "\n(check data.width and parallel.sp: every strip must be wider than the halos)"
-            fail(str(exc) + hint)
-        if isinstance(exc, DataError):
-            fail(str(exc), all_ranks=True)
+            _rank_failure(str(exc) + hint, 2)
         if isinstance(exc, TrainingStopped):
-            fail(str(exc), code=1)
+            _rank_failure(str(exc), 1)
+        where = last_phase() or "set-up"
+        if is_peer_failure(exc):
+            _rank_failure(
+                f"stopped in {where}: lost the connection to another rank, which failed "
+                f"first (its error is printed above or below). Detail: {_first_line(exc)}",
+                1,
+            )
+        if isinstance(exc, RuntimeError) and "Timed out" in str(exc):
+            detail = _first_line(exc)
+            _rank_failure(f"timed out in {where} waiting for another rank: {detail}", EXIT_HUNG)
+        shutdown(failed=True)
         if isinstance(exc, CheckpointException):
             # A BaseException, which torchrun's ``record`` would not write to its error file.
             raise RuntimeError(f"checkpoint failed: {exc}") from exc
         raise
+    if _rank() == 0:
+        finish_job(cfg.run_dir)  # a later launch with the same run id is a new job
     shutdown(barrier=True)
 
 

@@ -5,13 +5,16 @@ Launched by torchrun, the usual environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_R
 group on a free localhost port is created, so every code path (collectives, DCP
 checkpoints) is the same in both cases.
 
-The process-group timeout (``SPCONV_TIMEOUT_S``, default 600 s) bounds how long a rank
-waits in a collective for a peer that died; torchrun normally tears the other workers down
-much sooner, as soon as one worker exits with an error.
+The process-group timeout (``init_distributed(timeout_s=...)``, else ``SPCONV_TIMEOUT_S``,
+default 600 s) bounds how long a rank waits in a collective for a peer that died; torchrun
+normally tears the other workers down much sooner, as soon as one worker exits with an
+error. ``is_peer_failure`` and ``first_to_report`` help a failing rank say what happened
+once, with its rank, instead of a wall of identical messages or a bare gloo error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import resource
@@ -26,9 +29,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 __all__ = [
     "DistInfo",
     "build_mesh",
+    "default_timeout_s",
     "env_world_size",
+    "first_to_report",
     "gather_all",
     "init_distributed",
+    "is_peer_failure",
     "peak_memory_mb",
     "restart_count",
     "seed_everything",
@@ -98,9 +104,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _timeout() -> timedelta:
-    seconds = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    return timedelta(seconds=seconds)
+def default_timeout_s() -> float:
+    """``SPCONV_TIMEOUT_S`` if set, else 600: how long a rank waits for its peers."""
+    value = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        seconds = float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError as exc:
+        raise RuntimeError(f"environment variable {TIMEOUT_ENV}={value!r} is not a number") from exc
+    if not seconds > 0:
+        raise RuntimeError(f"environment variable {TIMEOUT_ENV}={value!r} must be positive")
+    return seconds
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -129,12 +142,13 @@ def _restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"spconv_train/attempt_{restart_count()}", store)
 
 
-def init_distributed(backend: str = "auto") -> DistInfo:
+def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> DistInfo:
     """Initialise the default process group (once) and pick this rank's device.
 
     Under torchrun the ``env://`` rendezvous is used (a fresh store prefix after a restart);
     otherwise a world-size-1 group on a free localhost port. ``nccl`` needs CUDA: each rank
-    uses ``cuda:LOCAL_RANK``.
+    uses ``cuda:LOCAL_RANK``. ``timeout_s``: the group's collective timeout (None:
+    ``default_timeout_s()``).
     """
     backend = resolve_backend(backend)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -148,7 +162,8 @@ def init_distributed(backend: str = "auto") -> DistInfo:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        kwargs = {"backend": backend, "timeout": _timeout()}
+        seconds = default_timeout_s() if timeout_s is None else timeout_s
+        kwargs = {"backend": backend, "timeout": timedelta(seconds=seconds)}
         if backend == "nccl":
             kwargs["device_id"] = device
         if launched and restart_count() > 0:
@@ -224,3 +239,40 @@ def gather_all(obj: object) -> list:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+# What gloo (and NCCL) say when a peer's process died or closed its connections: the
+# failure of this rank is a consequence, the cause is printed by the peer.
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",  # NCCL
+    "failed on another rank",  # spconv_train.checkpoint's agreement
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when ``exc`` only says that another rank went away (its own error is the cause)."""
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(marker in text for marker in _PEER_GONE)
+
+
+def first_to_report(message: str, timeout_s: float = 5.0) -> bool:
+    """True on the first rank of the job to report ``message`` (False on later ones).
+
+    Ranks failing together (a layer too wide for every strip, a checkpoint that fits none)
+    then print one line instead of one per rank. Uses the process group's store; True when
+    there is none or it does not answer within ``timeout_s`` (better twice than never).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=timeout_s))
+        key = "spconv_train/reported/" + hashlib.sha1(message.encode()).hexdigest()
+        return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - the store's host may be gone: report anyway
+        return True

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from spconv_train.cli import RUN_FILES, app, plan_start
 from spconv_train.config import ConfigError, config_to_dict, load_config
+from spconv_train.run_folder import JOB_FILE, JobRecord, write_job
 
 REPO = Path(__file__).resolve().parents[1]
 UNET = REPO / "configs" / "unet.yaml"
@@ -203,18 +204,21 @@ def test_plan_start_rules(tmp_path):
 
 
 def test_plan_start_after_a_torchrun_restart(tmp_path):
+    """A restart follows its own job's record (tests/test_run_folder.py has the details)."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / "config.yaml").write_text("")
-    # checkpoint.resume=auto: a restarted worker continues without --resume, not refused.
-    auto = plan_start(_cfg(run_dir, "auto"), resume=False, overwrite=False, restarts=1)
+    # No record of this job: its first attempt was refused, so the restart is refused too.
+    with pytest.raises(ConfigError):
+        plan_start(_cfg(run_dir, "never"), resume=False, overwrite=False, restarts=1, job="j")
+    write_job(run_dir, JobRecord(job="j", decision="overwrite", attempt=0))
+    # checkpoint.resume=auto: a restarted worker continues without --resume, not refused,
+    # even though the first attempt was launched with --overwrite (must not wipe its work).
+    auto = plan_start(_cfg(run_dir, "auto"), resume=False, overwrite=True, restarts=1, job="j")
     assert auto.resume and auto.remove == ()
-    # ... even if the first attempt was launched with --overwrite (must not wipe its work).
-    auto = plan_start(_cfg(run_dir, "auto"), resume=False, overwrite=True, restarts=2)
-    assert auto.resume and auto.remove == ()
-    # checkpoint.resume=never: start over, deleting the failed attempt's files.
-    never = plan_start(_cfg(run_dir, "never"), resume=False, overwrite=False, restarts=1)
-    assert not never.resume and set(never.remove) == {"checkpoints", "config.yaml"}
+    # checkpoint.resume=never: start over, deleting the job's own files.
+    never = plan_start(_cfg(run_dir, "never"), resume=False, overwrite=True, restarts=1, job="j")
+    assert not never.resume and set(never.remove) == {"checkpoints", "config.yaml", JOB_FILE}
 
 
 def test_plan_start_notes_config_changes_on_resume(tmp_path):

@@ -269,17 +269,23 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
 def test_torchrun_restart_resumes_automatically(trained, tmp_path, monkeypatch):
     """One rank crashes after the step-2 checkpoint: the other exits instead of hanging,
     torchrun restarts both, and the run resumes on its own (checkpoint.resume=auto) and
-    ends exactly like the uninterrupted run."""
+    ends exactly like the uninterrupted run; the first attempt's --overwrite is not
+    repeated by the restart."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(INJECT)
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     )
-    proc = ok(torchrun(tiny_config(tmp_path), restarts=1))
+    stale = tmp_path / "run" / "checkpoints" / "step-000009"  # an older run, overwritten
+    stale.mkdir(parents=True)
+    (stale / "meta.json").write_text('{"step": 9}')
+    proc = ok(torchrun(tiny_config(tmp_path), "--overwrite", restarts=1))
     out = proc.stdout + proc.stderr
     assert "injected failure on rank 1" in out
+    # The restart resumes what attempt 0 wrote: --overwrite is not applied a second time.
     assert "torchrun restart 1: resuming" in out and "resumed from" in out
+    assert not stale.exists()
     want, got = exported(trained), exported(tmp_path / "run")
     for key in want:
         assert torch.equal(want[key], got[key]), key

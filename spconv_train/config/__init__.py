@@ -10,6 +10,7 @@ process group is touched::
 from ._errors import ConfigError
 from ._io import config_to_dict, dump_config, load_config
 from ._mesh import data_width_per_rank, validate_for_world
+from ._resume import RESUME_POLICY, changed_settings, check_resume_changes, resume_policy
 from .schema import (
     CheckpointConfig,
     Config,
@@ -31,11 +32,15 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "RESUME_POLICY",
     "ScheduleConfig",
     "TrainingConfig",
+    "changed_settings",
+    "check_resume_changes",
     "config_to_dict",
     "data_width_per_rank",
     "dump_config",
     "load_config",
+    "resume_policy",
     "validate_for_world",
 ]

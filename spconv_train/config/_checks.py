@@ -65,6 +65,7 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
         Check(lambda v: v[0] <= v[1], "a [min, max] pair with min <= max"),
     ),
     "parallel.sp": (at_least(0),),
+    "parallel.timeout_s": (POSITIVE,),
     "optimizer.lr": (POSITIVE,),
     "optimizer.weight_decay": (at_least(0),),
     "optimizer.momentum": (DECAY,),

@@ -81,6 +81,12 @@ class ParallelConfig:
     must divide the world size, and dp = world_size // sp."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto picks nccl when CUDA is available, else gloo."""
+    timeout_s: float | None = None
+    """Seconds one training phase (a step's forward, backward, validation image, checkpoint
+    write) may last in a multi-rank run before a watchdog stops the job with a message
+    naming the step and the collective it is stuck in (exit code 4): a rank that hangs or
+    was stopped must not hang the job forever. Make it longer than the slowest phase.
+    null: the SPCONV_TIMEOUT_S environment variable, else 600."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``spconv-train run``: set-up, the training loop, validation and checkpoints.
 
 ``train(cfg, resume=..., remove=...)`` is what the CLI calls once the config is valid and
-the run directory decision is made (``spconv_train.cli.plan_start``). Every rank runs the
+the run directory decision is made (``spconv_train.run_folder.plan_start``). Every rank runs the
 same code; only rank 0 writes logs. After ``backward()`` every rank holds the single-device
 gradient of the global batch (the parallelized model all-reduces parameter gradients over
 the mesh), so optimizer, clipping and schedule are plain single-device code.
@@ -34,6 +34,9 @@ from spconv_train.data import SegmentationSource
 from spconv_train.distributed import (
     DistInfo,
     build_mesh,
+    default_timeout_s,
+    env_rank,
+    env_world_size,
     gather_all,
     init_distributed,
     peak_memory_mb,
@@ -42,6 +45,7 @@ from spconv_train.distributed import (
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.parallel import HALO_SECONDS, parallelize
+from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
     note_training_skips,
     report_skipped,
@@ -58,13 +62,16 @@ from spconv_train.train.data_feed import (
 )
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.optim import (
+    apply_hyperparameters,
     build_loss,
     build_optimizer,
     build_scheduler,
     clip_gradients,
     enable_activation_checkpointing,
 )
+from spconv_train.train.preemption import Preempted, StopRequests
 from spconv_train.train.val_check import check_val_sizes
+from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
 
@@ -89,9 +96,11 @@ def build_model(cfg: Config) -> nn.Module:
         raise ConfigError("model.kwargs", str(exc)) from exc
 
 
-def _prepare_run_dir(cfg: Config, remove: Sequence[str], info: DistInfo) -> None:
-    """Rank 0 deletes ``remove`` (an overwritten run's files) and writes the resolved config;
-    the other ranks wait."""
+def _prepare_run_dir(
+    cfg: Config, remove: Sequence[str], info: DistInfo, job: JobRecord | None = None
+) -> None:
+    """Rank 0 deletes ``remove`` (an overwritten run's files), records the job's start
+    decision and writes the resolved config; the other ranks wait."""
     run_dir = Path(cfg.run_dir)
     if info.is_main:
         for name in remove:
@@ -100,6 +109,8 @@ def _prepare_run_dir(cfg: Config, remove: Sequence[str], info: DistInfo) -> None
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+        if job is not None:
+            write_job(run_dir, job)
         dump_config(cfg, run_dir / "config.yaml")
     dist.barrier()
 
@@ -115,6 +126,8 @@ class _Run:
     val_source: SegmentationSource
     class_names: list[str]
     logger: RunLogger
+    watchdog: Watchdog
+    stops: StopRequests
     skipped: list = field(default_factory=list)  # SkipRecord of every skipped file
 
     def __post_init__(self) -> None:
@@ -137,6 +150,7 @@ def validate(run: _Run, step: int) -> dict:
     cm = ConfusionMatrix(k, ignore, device=run.info.device)
     loss_sum, count, pieces = 0.0, 0, []
     for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, run.info.device):
+        run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
         with run.autocast():
             logits = model(item.image)
         loss = float(run.loss_fn(logits, item.target))
@@ -154,6 +168,7 @@ def validate(run: _Run, step: int) -> dict:
                 )
             ]
             pieces.append((item.index, run.coords.sp_rank, *small))
+    run.watchdog.beat(f"step {step}: validation metrics (all-reduce over the mesh)")
     cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
     totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=run.info.device)
     dist.all_reduce(totals, group=run.mesh.get_group("dp"))  # losses are replicated over sp
@@ -196,27 +211,44 @@ def _resume(ckpt: CheckpointManager, folder: Path, model, optimizer, scheduler) 
 
 
 def train(
-    cfg: Config, *, resume: bool = False, remove: Sequence[str] = (), notes: Sequence[str] = ()
+    cfg: Config,
+    *,
+    resume: bool = False,
+    remove: Sequence[str] = (),
+    notes: Sequence[str] = (),
+    job: JobRecord | None = None,
 ) -> dict:
     """Run ``cfg`` on every rank (collective); returns the final validation scores.
 
     ``resume``: continue from the latest checkpoint in ``cfg.run_dir`` if there is one.
     ``remove``: names inside ``run_dir`` to delete first (``--overwrite``), after every
-    set-up check has passed. ``notes``: lines rank 0 prints at the start.
+    set-up check has passed. ``notes``: lines rank 0 prints at the start. ``job``: the
+    start decision rank 0 records in ``run_dir`` (``spconv_train.run_folder``).
 
     Raises ``ConfigError``/``DataError``/``SpatialShardingError`` for set-up problems,
-    ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then).
+    ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then),
+    ``Preempted`` after SIGTERM/SIGUSR1 (on any rank) once the step's checkpoint is written.
+    A rank stuck longer than ``parallel.timeout_s`` in one phase ends its process with the
+    watchdog's message (``spconv_train.train.watchdog``).
     """
+    timeout_s = cfg.parallel.timeout_s or default_timeout_s()
+    multi = env_world_size() > 1  # one process has no peer to wait for
+    with Watchdog(timeout_s, env_rank(), enabled=multi) as watchdog, StopRequests() as stops:
+        return _train(cfg, resume, remove, notes, job, watchdog, stops)
+
+
+def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopRequests) -> dict:
     seed_everything(cfg.training.seed)  # same initial weights on every rank
     model = build_model(cfg)
     train_source, val_source, class_names = build_sources(cfg)
-    info = init_distributed(cfg.parallel.backend)
+    info = init_distributed(cfg.parallel.backend, process_group_timeout(watchdog.timeout_s))
+    watchdog.beat("set-up: mesh, run folder and resume (barriers, checkpoint-load collectives)")
     dp, sp = validate_for_world(cfg, info.world_size)
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
     model = parallelize(model.to(info.device), mesh)
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), mesh["sp"], info.device)
-    _prepare_run_dir(cfg, remove, info)  # after every check: --overwrite deletes here
+    _prepare_run_dir(cfg, remove, info, job)  # after every check: --overwrite deletes here
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -229,6 +261,7 @@ def train(
     start, latest = 0, ckpt.latest() if resume else None
     if latest is not None:
         start, extra = _resume(ckpt, latest, model, optimizer, scheduler)
+        apply_hyperparameters(optimizer, scheduler, cfg.optimizer)  # changed on resume
         feed.load_state_dict(extra.get("data", feed.state_dict()))  # data position
         set_rng_state(extra.get("rng", {}))
     lg = cfg.logging
@@ -241,7 +274,7 @@ def train(
         resume_step=start if resume else None,  # drop log lines after the restart point
         log_every=cfg.training.log_every,
     )
-    run = _Run(cfg, info, mesh, model, val_source, class_names, logger)
+    run = _Run(cfg, info, mesh, model, val_source, class_names, logger, watchdog, stops)
     run.skipped = upfront_skips(train_source, val_source)
     report_skipped(logger, run.skipped, write=latest is None)  # resumed: already written
     try:
@@ -251,7 +284,7 @@ def train(
 
 
 def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> dict:
-    cfg, info, model, logger = run.cfg, run.info, run.model, run.logger
+    cfg, info, model, logger, wd = run.cfg, run.info, run.model, run.logger, run.watchdog
     t, steps = cfg.training, cfg.training.steps
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
@@ -269,11 +302,15 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     HALO_SECONDS[0] = 0.0
     logger.progress_start(steps, initial=start)
     batches = iter(feed)
+    run.stops.install()  # SIGTERM/SIGUSR1 now end the run after a step, with a checkpoint
     while step < steps:
+        # Each phase names its collectives: the watchdog's message says where a rank hung.
+        wd.beat(f"step {step + 1}: data and forward pass (halo exchanges, norm all-reduces)")
         batch = next(batches)
         run.skipped += note_training_skips(logger, feed, step + 1)
         with run.autocast():
             logits = model(batch.image)
+        wd.beat(f"step {step + 1}: loss (all-reduce over the mesh)")
         loss = run.loss_fn(logits, batch.target)
         value = float(loss.detach())  # the same on every rank (a global mean)
         if not math.isfinite(value):
@@ -281,6 +318,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
                 f"non-finite loss ({value}) at step {step + 1}; stopping "
                 "without a checkpoint (lower optimizer.lr or check the data)"
             )
+        wd.beat(f"step {step + 1}: backward pass (halo exchanges, gradient all-reduce)")
         loss.backward()
         grad_norm = clip_gradients(params, cfg.optimizer.grad_clip)
         if not math.isfinite(grad_norm):
@@ -293,9 +331,14 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        wd.beat(f"step {step}: stop-signal all-reduce")
+        # Every rank stops after the same step, whichever rank(s) got the signal. At the
+        # last step the run is complete anyway: finish it normally.
+        stop = run.stops.agree(info.device) if step < steps else None
         loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
         logger.progress_update(step, loss=value, lr=lr)
         if step % t.log_every == 0 or step == steps:
+            wd.beat(f"step {step}: logging (all_gather of per-rank statistics)")
             elapsed = time.perf_counter() - tick
             stats = _rank_stats(run)
             logger.scalars(
@@ -317,17 +360,23 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # of the throughput and halo figures of the current logging interval.
         paused, halo = time.perf_counter(), HALO_SECONDS[0]
         scores = None
-        if step % t.val_every == 0 or step == steps:
+        # A preempted job has seconds left: they are for the checkpoint, not validation.
+        if (step % t.val_every == 0 or step == steps) and not stop:
             scores = last_scores = validate(run, step)
             _log_val(run, step, scores)
-        if step % cfg.checkpoint.every == 0 or step == steps:
+        if step % cfg.checkpoint.every == 0 or step == steps or stop:
+            wd.beat(f"step {step}: checkpoint save (distributed-checkpoint collectives)")
             extra = {"data": feed.state_dict(), "rng": rng_state()}
             metric = None if scores is None else scores["miou"]
             metric = None if metric is None or math.isnan(metric) else metric
             ckpt.save(step, model, optimizer, scheduler=scheduler, extra=extra, metric=metric)
+        if stop:
+            logger.progress_stop()
+            raise Preempted(stop, step, steps, str(ckpt.latest()))
         tick += time.perf_counter() - paused
         HALO_SECONDS[0] = halo
     logger.progress_stop()
+    wd.beat(f"step {step}: export of model.pt and final report (barrier)")
     return _finish(run, ckpt, last_scores, step)
 
 

@@ -21,6 +21,7 @@ from spconv_train.parallel import SpatialMode
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
 
 __all__ = [
+    "apply_hyperparameters",
     "build_loss",
     "build_optimizer",
     "build_scheduler",
@@ -109,6 +110,34 @@ def build_scheduler(
         return lr_factor(step, cfg, total_steps, peak_lr)
 
     return LambdaLR(optimizer, factor)
+
+
+def apply_hyperparameters(optimizer: Optimizer, scheduler: LambdaLR, cfg: OptimizerConfig) -> None:
+    """Put ``cfg``'s optimizer settings in force after a checkpoint was loaded.
+
+    Loading restores the saved param groups (``lr``, ``initial_lr``, weight decay, betas or
+    momentum) and the scheduler's ``base_lrs``, so a value changed on ``--resume`` would be
+    written to ``config.yaml`` but not used. Overwrite them from ``cfg`` and recompute the
+    current lr from the (rebuilt) schedule at the restored step, exactly as
+    ``scheduler.step()`` computes it: with an unchanged config nothing changes, bit for bit.
+    """
+    for index, group in enumerate(optimizer.param_groups):
+        group["initial_lr"] = cfg.lr
+        if index == 0:  # the decayed group (see _param_groups); the other one stays at 0
+            group["weight_decay"] = cfg.weight_decay
+        if "betas" in group:
+            group["betas"] = tuple(cfg.betas)
+        if "momentum" in group:
+            group["momentum"] = cfg.momentum
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    # LambdaLR.get_lr's formula (calling it outside step() warns)
+    lrs = [
+        base * f(scheduler.last_epoch)
+        for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)  # what get_last_lr() reports
 
 
 def clip_gradients(params: Iterable[torch.Tensor], max_norm: float | None) -> float:

@@ -1,0 +1,268 @@
+"""Faults under a real torchrun (2 CPU ranks, gloo): every rank's error reaches the user,
+a hung rank does not hang the job, and SIGTERM means "checkpoint, exit 3, resume exactly".
+
+Faults are injected at real boundaries by a ``sitecustomize`` hook on ``PYTHONPATH``
+(``HOOK`` below, switched by environment variables), the way a user's broken file or a
+stuck node would show up: a data file that only rank 1 reads fails in step 3; a weights
+file only rank 1 cannot read; rank 1 stopped with SIGSTOP; SIGTERM reaching rank 1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_train_e2e import REPO, _env, exported, launch, ok, read_metrics, tiny_config
+
+HOOK = """\
+import os, time
+
+fault, rank = os.environ.get("SPCONV_TEST_FAULT"), os.environ.get("RANK")
+if fault == "data_rank1" and rank == "1":
+    # Rank 1's strip of a training image cannot be read in step 3 (the other rank's can).
+    from spconv_train.data import DataError, SyntheticDataset
+
+    calls, load = [0], SyntheticDataset.load
+
+    def failing_load(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            path = "/data/images/train/img_007.npy"
+            raise DataError(f"{path}: cannot read columns 32-64 (truncated file)", path=path)
+        return load(self, *args, **kwargs)
+
+    SyntheticDataset.load = failing_load
+if fault == "config_rank1" and rank == "1":
+    # Only rank 1 fails to read the weights file (before the process group exists).
+    import spconv_train.train.loop as loop
+    from spconv_train.config import ConfigError
+
+    def failing_build(cfg):
+        raise ConfigError("model.weights", "/weights/unet.pt: truncated file (rank-local copy)")
+
+    loop.build_model = failing_build
+if os.environ.get("SPCONV_TEST_STEP_DELAY"):
+    # Pace the steps so that a signal sent after step 2 lands in the middle of the run.
+    import spconv_train.train.loop as loop
+
+    delay, clip = float(os.environ["SPCONV_TEST_STEP_DELAY"]), loop.clip_gradients
+
+    def slow_clip(*args, **kwargs):
+        time.sleep(delay)
+        return clip(*args, **kwargs)
+
+    loop.clip_gradients = slow_clip
+"""
+
+
+@pytest.fixture
+def hooked(tmp_path, monkeypatch):
+    """Put ``HOOK`` on the workers' ``PYTHONPATH``; returns ``monkeypatch`` to set faults."""
+    folder = tmp_path / "hook"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(HOOK)
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    return monkeypatch
+
+
+def torchrun_cmd(*args: object, extra: tuple[str, ...] = ()) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", *extra]
+    return [*cmd, "--max-restarts=0", "-m", "spconv_train", "run", *map(str, args)]
+
+
+class Job:
+    """A torchrun job started in the background, its output in files (no pipe fills up)."""
+
+    def __init__(self, cmd: list[str], folder: Path):
+        self.out, self.err = folder / "stdout.txt", folder / "stderr.txt"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=err, cwd=REPO, env=_env(), start_new_session=True
+            )
+
+    def wait_for_step(self, run_dir: Path, step: int, timeout: float = 120) -> None:
+        """Until rank 0 logged training step ``step`` (fails if the job ends first)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.fail(f"ended before step {step}")
+            if (run_dir / "metrics.jsonl").is_file():
+                steps = [m["step"] for m in read_metrics(run_dir) if m["split"] == "train"]
+                if steps and max(steps) >= step:
+                    return
+            time.sleep(0.1)
+        self.fail(f"no step {step} after {timeout} s")
+
+    def wait_for_stderr(self, text: str, timeout: float = 120) -> None:
+        """Until ``text`` appears in the job's stderr."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.err.read_text():
+                return
+            if self.proc.poll() is not None:
+                self.fail(f"ended without printing {text!r}")
+            time.sleep(0.1)
+        self.fail(f"no {text!r} after {timeout} s")
+
+    def worker(self, rank: int) -> int:
+        """The pid of torchrun's worker of global rank ``rank``."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == self.proc.pid and f"RANK={rank}".encode() in environ:
+                return int(entry.name)
+        self.fail(f"no worker of rank {rank}")
+
+    def finish(self, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Wait for the job (kill its whole session and fail after ``timeout`` s)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.fail(f"still running after {timeout} s")
+        return subprocess.CompletedProcess(
+            self.proc.args, self.proc.returncode, self.out.read_text(), self.err.read_text()
+        )
+
+    def kill(self) -> None:
+        """Kill torchrun and its workers (stopped ones too); safe when already gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def fail(self, why: str):
+        self.kill()
+        pytest.fail(f"{why}\n{self.out.read_text()[-3000:]}\n{self.err.read_text()[-5000:]}")
+
+
+# --- item 5: every rank's error reaches the user -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        ("data_rank1", "/data/images/train/img_007.npy: cannot read columns 32-64"),
+        ("config_rank1", "model.weights: /weights/unet.pt: truncated file"),
+    ],
+)
+def test_error_on_one_rank_is_printed_with_its_rank_and_file(tmp_path, hooked, fault, says):
+    """Rank 1 alone fails: its message (rank, file) is printed, the job ends at once (the
+    subprocess timeout of 120 s bounds it; the process-group timeout is 120 s too), and
+    rank 0 says in one line that it lost its peer instead of dumping a gloo traceback."""
+    hooked.setenv("SPCONV_TEST_FAULT", fault)
+    no_val = ("--set", "training.val_every=100")  # the 3rd sample read is step 3's
+    proc = launch(torchrun_cmd(tiny_config(tmp_path), *no_val), timeout=120)
+    assert proc.returncode != 0
+    assert f"[rank 1] {says}" in proc.stderr, proc.stderr[-4000:]
+    assert "exitcode  : 2" in proc.stderr  # rank 1's own exit code, in torchrun's summary
+    assert "[rank0]: Traceback" not in proc.stderr  # no gloo traceback from the healthy rank
+    if fault == "data_rank1":  # rank 0 was waiting for rank 1 in step 3's halo exchange
+        assert "[rank 0] stopped in step 3: data and forward pass" in proc.stderr
+        assert "lost the connection to another rank" in proc.stderr
+        assert not (tmp_path / "run" / "checkpoints" / "step-000004").exists()
+
+
+def test_stopped_rank_ends_the_job_with_the_watchdog_naming_step_and_collective(tmp_path, hooked):
+    """SIGSTOP rank 1 after step 2: rank 0 waits in a collective of the next phase until
+    parallel.timeout_s, then the watchdog names the step and phase and exits 4."""
+    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.2")
+    config = tiny_config(tmp_path)
+    args = ("--set", "training.steps=200", "--set", "parallel.timeout_s=4")
+    args += ("--set", "training.val_every=100", "--set", "checkpoint.every=100")
+    job = Job(torchrun_cmd(config, *args), tmp_path)
+    try:
+        job.wait_for_step(tmp_path / "run", 2)
+        stopped = job.worker(1)
+        os.kill(stopped, signal.SIGSTOP)
+        job.wait_for_stderr("watchdog: stuck")
+        # torchrun now SIGTERMs the stopped rank and SIGKILLs it 30 s later; play the
+        # cluster's part at once to keep the test short.
+        os.kill(stopped, signal.SIGKILL)
+        proc = job.finish(timeout=120)
+    finally:
+        job.kill()
+    assert proc.returncode != 0
+    match = re.search(r"\[rank 0\] error: watchdog: stuck for (\d+) s in step (\d+): ", proc.stderr)
+    assert match, proc.stderr[-4000:]
+    assert int(match.group(1)) >= 4 and int(match.group(2)) >= 2
+    line = proc.stderr[match.start() :].splitlines()[0]
+    assert "parallel.timeout_s=4" in line
+    assert any(c in line for c in ("halo exchanges", "all-reduce", "all_gather")), line
+    assert "exitcode  : 4" in proc.stderr
+
+
+# --- item 7: preemption ----------------------------------------------------------------------
+
+
+def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(tmp_path, hooked):
+    """SIGTERM reaches rank 1 only, mid-run: both ranks agree on the stop step, write its
+    checkpoint, exit 3; --resume then ends with the parameters of an uninterrupted run."""
+    steps = ("--set", "training.steps=14", "--set", "checkpoint.every=100")
+    steps += ("--set", "training.val_every=100")
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    ref_dir.mkdir(), cut_dir.mkdir()
+    ok(launch(torchrun_cmd(tiny_config(ref_dir), *steps)))  # uninterrupted, no hook
+    config = tiny_config(cut_dir)
+    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
+    job = Job(torchrun_cmd(config, *steps), cut_dir)
+    try:
+        job.wait_for_step(cut_dir / "run", 2)
+        os.kill(job.worker(1), signal.SIGTERM)
+        proc = job.finish(timeout=120)
+    finally:
+        job.kill()
+    match = re.search(r"stopped by SIGTERM after step (\d+) of 14", proc.stderr)
+    assert match, proc.stderr[-4000:]
+    stop = int(match.group(1))
+    assert 2 <= stop < 14
+    # Every worker torchrun reports exited with the documented code (none by its SIGTERM).
+    assert set(re.findall(r"exitcode  : (-?\d+)", proc.stderr)) == {"3"}, proc.stderr[-3000:]
+    ckpt = cut_dir / "run" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == f"step-{stop:06d}"
+    assert not (cut_dir / "run" / "model.pt").exists()
+    hooked.delenv("SPCONV_TEST_STEP_DELAY")
+    resumed = ok(launch(torchrun_cmd(config, "--resume", *steps)))
+    said = "".join(resumed.stdout.split())  # the console wraps long paths
+    assert f"resumedfrom{ckpt / f'step-{stop:06d}'}" in said
+    want, got = exported(ref_dir / "run"), exported(cut_dir / "run")
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    losses = [
+        [m["loss"] for m in read_metrics(d / "run") if m["split"] == "train"]
+        for d in (ref_dir, cut_dir)
+    ]
+    assert losses[0] == losses[1]
+
+
+def test_sigterm_to_a_plain_run_exits_3_with_a_checkpoint(tmp_path, hooked):
+    """One process, no torchrun: the exit code itself is the documented 3."""
+    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
+    args = ("--set", "training.steps=40", "--set", "checkpoint.every=100")
+    cmd = [sys.executable, "-m", "spconv_train", "run", str(tiny_config(tmp_path)), *args]
+    job = Job(cmd, tmp_path)
+    try:
+        job.wait_for_step(tmp_path / "run", 2)
+        os.kill(job.proc.pid, signal.SIGTERM)
+        proc = job.finish(timeout=120)
+    finally:
+        job.kill()
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    match = re.search(r"stopped by SIGTERM after step (\d+) of 40", proc.stderr)
+    assert match and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{int(match.group(1)):06d}"
