@@ -138,6 +138,14 @@ class RunLogger:
         self._jsonl.write(json.dumps({"step": step, "split": prefix, **clean}) + "\n")
         self._jsonl.flush()
 
+    def record(self, step: int, split: str, values: dict[str, Any]) -> None:
+        """One metrics.jsonl line ``{"step": step, "split": split, **values}`` holding any
+        JSON values (e.g. the name of a skipped file), not sent to TensorBoard."""
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, "split": split, **values}) + "\n")
+        self._jsonl.flush()
+
     def images(self, step: int, tag: str, image: Tensor) -> None:
         """Log a CHW image (uint8, or float in [0, 1]) to TensorBoard."""
         if self.enabled and self._writer is not None:

@@ -183,7 +183,7 @@ def test_awkward_widths_are_padded_or_refused(dist_pool, data, tmp_path):
 
     status, message = dist_pool.run(3, narrow_lraspp, str(narrow), str(tmp_path / "lr"))[0]
     assert status == "error", message
-    assert "SpatialShardingError" in message and "0000.png" in message
+    assert "ImagesFailed" in message and "0000.png" in message
     assert "not even padded to 96" in message and "fewer ranks" in message
 
 

@@ -25,9 +25,9 @@ from ._readers import (
     mask_header,
     read_image_raw,
     read_mask,
-    verify_image,
 )
 from .base import DataError, SegmentationSource, bad_file, check_cols
+from .checks import check_decodable
 from .normalize import ChannelRange, normalize_image
 from .scan import ScanCache, check_values, image_range, mask_values, normalization_range
 
@@ -322,7 +322,7 @@ class FolderDataset(SegmentationSource):
             try:
                 self._check_mask_header(i)
                 kw = {"level": self.level, "max_pixels": self.max_pixels}
-                verify_image(image_path, **kw)
+                check_decodable(image_path, **kw)  # JPEG/TIFF truncation too, cheaply
                 values = mask_values(mask_path, cache, **kw)
                 check_values(mask_path, values, self.num_classes, self.ignore_index, **kw)
                 seen.update(values)

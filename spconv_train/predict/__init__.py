@@ -43,7 +43,9 @@ from spconv_train.verify._launch import launched_by_torchrun, run_torchrun
 
 __all__ = [
     "PAD_MULTIPLE",
+    "ImagesFailed",
     "PredictError",
+    "load_export",
     "predict_command",
     "register",
     "resolve_checkpoint",
@@ -67,6 +69,22 @@ class PredictError(Exception):
     """Bad input for predict (checkpoint, images, masks); exit code 2."""
 
 
+class ImagesFailed(PredictError):
+    """Some images could not be predicted (the others were written); exit code 2.
+
+    Attributes:
+        failed: ``{stem: message}`` of every failed image.
+        total: number of input images.
+    """
+
+    def __init__(self, failed: dict[str, str], total: int) -> None:
+        self.failed, self.total = dict(failed), total
+        lines = "\n".join(f"  {stem}: {message}" for stem, message in self.failed.items())
+        super().__init__(
+            f"{len(self.failed)} of {total} image(s) failed (the others were written):\n{lines}"
+        )
+
+
 def resolve_checkpoint(path: str | Path) -> tuple[str, Path, Path | None]:
     """``(kind, weights, config.yaml or None)`` for a run folder, a checkpoint folder or an
     exported ``.pt`` (kind ``"dcp"`` or ``"export"``)."""
@@ -88,6 +106,39 @@ def resolve_checkpoint(path: str | Path) -> tuple[str, Path, Path | None]:
     )
 
 
+_NOT_EXPORT_HINT = (
+    "give a run folder, a checkpoints/step-N folder or the model.pt written by spconv-train run"
+)
+
+
+def load_export(path: Path) -> dict:
+    """The ``{"model", "config"}`` dict of an exported ``.pt`` file, read with
+    ``weights_only=True``; anything else raises ``PredictError`` naming the file (never
+    torch's advice to retry with ``weights_only=False``, which would run arbitrary code
+    from a file that is not a spconv-train export)."""
+    import pickle
+
+    import torch
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, IndexError, ValueError) as exc:
+        # UnpicklingError: bytes that are not a weights-only pickle; RuntimeError: not a
+        # torch zip archive; the others: truncated or random bytes.
+        raise PredictError(
+            f"{path}: not a spconv-train checkpoint (cannot be read as a weights-only torch "
+            f"file: {type(exc).__name__}); {_NOT_EXPORT_HINT}"
+        ) from None
+    except OSError as exc:
+        raise PredictError(f"{path}: cannot read ({exc})") from exc
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise PredictError(
+            f"{path}: not a spconv-train checkpoint (no 'model' state dict in it); "
+            + _NOT_EXPORT_HINT
+        )
+    return saved
+
+
 def _load_config(kind: str, weights: Path, config_yaml: Path | None, overrides, config_path):
     """The config to build the model with (the saved one unless ``config_path``)."""
     from spconv_train.config import load_config
@@ -99,16 +150,9 @@ def _load_config(kind: str, weights: Path, config_yaml: Path | None, overrides, 
     if source is not None:
         return load_config(source, overrides, check_paths=False)
     if kind == "export":
-        import torch
         import yaml
 
-        try:
-            saved = torch.load(weights, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is a user error
-            raise PredictError(f"{weights}: cannot read ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(saved, dict) or "model" not in saved:
-            raise PredictError(f"{weights}: not an exported model ({{'model', 'config'}})")
-        saved = saved.get("config")
+        saved = load_export(weights).get("config")
         if saved:
             with tempfile.TemporaryDirectory() as tmp:
                 f = Path(tmp) / "config.yaml"

@@ -33,8 +33,9 @@ from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.train.data_feed import MeshCoords, to_dtensor
 from spconv_train.train.loop import build_model
 from spconv_train.train.metrics import ConfusionMatrix
+from spconv_train.train.val_check import is_geometry_error
 
-from . import PAD_MULTIPLE, PredictError
+from . import PAD_MULTIPLE, ImagesFailed, PredictError, load_export
 
 #: Errors every rank re-raises (by type and message) when one image fails on some rank.
 _SHARED_ERRORS = {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
@@ -74,6 +75,23 @@ class _Predictor:
         pred = logits.to_local()[0].argmax(0)[:, : rb - ra].cpu()
         return pred, image, (ra, rb)
 
+    def _too_narrow(self, exc: Exception) -> bool:
+        """Whether the forward failed on the image's geometry, so padding may help and
+        going on with the next image is safe (see ``is_geometry_error``)."""
+        return is_geometry_error(exc, self.sp)
+
+    def _narrow_error(self, path, h, w, first, padded) -> SpatialShardingError:
+        """The same clear message at any number of ranks (the padded attempt, if any, is
+        ``(width, its error)``)."""
+        tried = f", not even padded to {padded[0]} columns ({padded[1]})" if padded else ""
+        fix = "the image may be smaller than the model's down-sampling needs (height or width)"
+        if self.sp > 1:
+            fix = "use fewer ranks (--nproc) or --set parallel.sp=<smaller>, or " + fix
+        return SpatialShardingError(
+            f"{path}: image {h}x{w} (HxW) cannot be run by this model over sp={self.sp} "
+            f"rank(s){tried}; {fix}. Unpadded: {first}"
+        )
+
     def __call__(self, stem: str, path: Path, mask_path: Path | None, cm) -> tuple:
 
         h, w, c = image_header(path)
@@ -86,19 +104,19 @@ class _Predictor:
         width = w
         try:
             pred, image, cols = self.forward(path, h, w, c, w)
-        except SpatialShardingError as first:
+        except (SpatialShardingError, RuntimeError) as first:
+            if not self._too_narrow(first):
+                raise
             step = PAD_MULTIPLE * self.sp
             width = math.ceil(w / step) * step
             if width == w:
-                raise
+                raise self._narrow_error(path, h, w, first, None) from first
             try:
                 pred, image, cols = self.forward(path, h, w, c, width)
-            except SpatialShardingError as exc:
-                raise SpatialShardingError(
-                    f"{path}: width {w} cannot be split over sp={self.sp} ranks for this "
-                    f"model, not even padded to {width} columns ({exc}); use fewer ranks "
-                    f"(--nproc) or --set parallel.sp=<smaller>. Unpadded: {first}"
-                ) from exc
+            except (SpatialShardingError, RuntimeError) as exc:
+                if not self._too_narrow(exc):
+                    raise
+                raise self._narrow_error(path, h, w, first, (width, exc)) from exc
         if mask_path is not None:
             mask = read_mask(mask_path, cols)
             k, ignore = self.cfg.model.num_classes, self.cfg.data.ignore_index
@@ -191,8 +209,9 @@ def run_predict(
             dcp.load(state, checkpoint_id=weights)  # fills the model's own tensors in place
             model.load_state_dict(state["model"])
         else:
-            saved = torch.load(weights, map_location="cpu", weights_only=True)
-            model.load_state_dict(saved["model"])
+            model.load_state_dict(load_export(Path(weights))["model"])
+    except PredictError:
+        raise
     except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
         raise PredictError(
             f"{weights}: cannot load into the model of the config ({cfg.model.name}, "
@@ -207,31 +226,38 @@ def run_predict(
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
     console = console or Console()
-    padded = []
+    padded, failed = [], {}  # failed: {stem: message}, the same on every rank
     for first in range(0, len(images), dp):
         mine = first + coords.dp_rank
         piece, failure = None, None
         if mine < len(images):
             try:
                 piece = predictor(*images[mine], cm)
-            except Exception as exc:  # noqa: BLE001 - every rank stops together below
-                failure, piece = exc, {"error": type(exc).__name__, "message": str(exc)}
+            except Exception as exc:  # noqa: BLE001 - every rank learns of it below
+                failure = exc
+                piece = {"stem": images[mine][0], "error": type(exc).__name__, "message": str(exc)}
         gathered = [None] * dist.get_world_size() if main else None
         dist.gather_object(piece, gathered, dst=0)
-        errors = [None]
+        errors: list = [None]
         if main:
-            errors = [next((p for p in gathered if isinstance(p, dict)), None)]
+            errors = [[p for p in gathered if isinstance(p, dict)]]
         dist.broadcast_object_list(errors, src=0)  # no rank may wait for a failed one
-        if failure is not None:
-            raise failure
-        if errors[0] is not None:
-            name, message = errors[0]["error"], errors[0]["message"]
-            if name in _SHARED_ERRORS:
-                raise _SHARED_ERRORS[name](message)
-            raise RuntimeError(f"another rank failed: {name}: {message}")
+        fatal = [e for e in errors[0] if e["error"] not in _SHARED_ERRORS]
+        if fatal:  # not an input problem: the process group may be unusable, stop
+            if failure is not None and type(failure).__name__ not in _SHARED_ERRORS:
+                raise failure
+            raise RuntimeError(f"another rank failed: {fatal[0]['error']}: {fatal[0]['message']}")
+        now = {e["stem"]: e["message"] for e in errors[0]}  # an input problem: go on
+        for stem, message in now.items():
+            failed.setdefault(stem, message)
+            if main:
+                console.print(f"[red]failed[/] {stem}: {message}", soft_wrap=True)
         if main:
             strips: dict[str, list] = {}
-            for stem, rank, pred, overlay, (w, width) in (p for p in gathered if p is not None):
+            ok = (p for p in gathered if p is not None and not isinstance(p, dict))
+            for stem, rank, pred, overlay, (w, width) in ok:
+                if stem in now:  # failed on another rank of its replica: no partial image
+                    continue
                 strips.setdefault(stem, []).append((rank, pred, overlay))
                 if width != w and rank == 0:
                     padded.append(f"{stem}: width {w} padded to {width}")
@@ -240,13 +266,22 @@ def run_predict(
                 console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
     for line in padded:
         console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")
-    if not with_masks:
-        return None
+    result = None
+    if with_masks:
+        names = class_names or [f"class_{i}" for i in range(cfg.model.num_classes)]
+        result = _masks_summary(cm, mesh, names, out_dir, len(images) - len(failed), console)
+    if failed:
+        raise ImagesFailed(failed, len(images))
+    return result
+
+
+def _masks_summary(cm, mesh, names, out_dir: Path, n_images: int, console) -> dict | None:
+    """Reduce the confusion matrix (collective); rank 0 writes ``metrics.json``, prints the
+    table and returns the metrics (None on the other ranks)."""
     cm.reduce(mesh)  # every rank counted different pixels
-    if not main:
+    if dist.get_rank() != 0:
         return None
-    names = class_names or [f"class_{i}" for i in range(cfg.model.num_classes)]
-    result = _metrics_json(cm, names, len(images))
+    result = _metrics_json(cm, names, n_images)
     (out_dir / "metrics.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     _print_table(console, result)
     console.print(

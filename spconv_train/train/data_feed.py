@@ -34,6 +34,7 @@ from spconv_train.data import (
     strip_bounds,
 )
 from spconv_train.data.prepare import prepare_splits
+from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
 
 __all__ = [
@@ -193,8 +194,16 @@ class _BatchTask(Dataset):
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, k: int) -> tuple[Tensor, Tensor, tuple[int, int]]:
-        return load_train_strips(self.source, self.cfg, self.coords, self.epoch, self.batches[k])
+    def __getitem__(self, k: int) -> tuple:
+        """``(image, mask, hw, [])``, or ``(None, None, None, [(file, reason)])`` when this
+        rank cannot load its strips (every rank must learn of it: see ``bad_samples``)."""
+        try:
+            batch = load_train_strips(
+                self.source, self.cfg, self.coords, self.epoch, self.batches[k]
+            )
+        except DataError as e:
+            return None, None, None, [(e.path or "?", e.reason)]
+        return (*batch, [])
 
 
 class TrainFeed:
@@ -221,6 +230,9 @@ class TrainFeed:
         self.epoch, self.offset, self.position = 0, 0, 0
         d = cfg.data
         self.fixed_size = d.height is not None and d.width is not None
+        # Files skipped while iterating, drained by the training loop (``pop_skipped``).
+        self.skipped: list[tuple[str, str]] = []
+        self._known_bad: set[str] = set()
 
     def state_dict(self) -> dict[str, int]:
         """The data position, rank- and layout-independent: the epoch and the number of
@@ -286,14 +298,44 @@ class TrainFeed:
         target = mask.to(self.device, non_blocking=non_blocking)
         return Batch(x, target, shape[0] * hw[0] * hw[1])
 
+    def pop_skipped(self) -> list[tuple[str, str]]:
+        """``(file, reason)`` of the files first skipped since the last call."""
+        out, self.skipped = self.skipped, []
+        return out
+
+    def _skip(self, failures: list[tuple[str, str]], in_a_row: int, per_epoch: int) -> None:
+        """Every rank together: skip the batch (remember new bad files) or raise."""
+        if self.cfg.data.on_bad_sample != "skip":
+            raise training_failure(failures)
+        if in_a_row > per_epoch:
+            raise DataError(
+                f"every training batch of a whole epoch had a bad sample (last: "
+                f"{failures[0][0]}: {failures[0][1]})",
+                path=failures[0][0],
+            )
+        new = [(f, r) for f, r in failures if f not in self._known_bad]
+        self._known_bad.update(f for f, _ in new)
+        self.skipped += new
+
     def __iter__(self) -> Iterator[Batch]:
+        # Folder data can fail to load on some rank only; every rank must then agree.
+        agree = isinstance(self.source, FolderDataset)
+        in_a_row = 0
         while True:
             steps = self._epoch_steps()
             batches = [indices for indices, _ in steps]
             task = _BatchTask(self.source, self.cfg, self.coords, self.epoch, batches)
-            for (image, mask, hw), (_, offset) in zip(self._loader(task), steps, strict=True):
+            for (image, mask, hw, failed), (_, offset) in zip(
+                self._loader(task), steps, strict=True
+            ):
                 # counted before handing out: the state is what has been consumed
                 self.offset, self.position = offset, self.position + 1
+                failed = agree_on_failures(failed, self.device) if agree else failed
+                if failed:  # on every rank together: the whole step's batch is skipped
+                    in_a_row += 1
+                    self._skip(failed, in_a_row, len(steps))
+                    continue
+                in_a_row = 0
                 yield self._to_batch(image, mask, hw)
             self.epoch, self.offset, self.position = self.epoch + 1, 0, 0
 

@@ -13,7 +13,7 @@ import math
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,12 @@ from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.parallel import HALO_SECONDS, parallelize
 from spconv_train.run_folder import JobRecord, write_job
+from spconv_train.train.bad_samples import (
+    note_training_skips,
+    report_skipped,
+    skipped_summary,
+    upfront_skips,
+)
 from spconv_train.train.data_feed import (
     MeshCoords,
     TrainFeed,
@@ -65,6 +71,7 @@ from spconv_train.train.optim import (
     enable_activation_checkpointing,
 )
 from spconv_train.train.preemption import Preempted, StopRequests
+from spconv_train.train.val_check import check_val_sizes
 from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
@@ -122,6 +129,7 @@ class _Run:
     logger: RunLogger
     watchdog: Watchdog
     stops: StopRequests
+    skipped: list = field(default_factory=list)  # SkipRecord of every skipped file
 
     def __post_init__(self) -> None:
         self.sp_mesh = self.mesh["sp"]  # validation images live on the spatial group only
@@ -241,8 +249,9 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     dp, sp = validate_for_world(cfg, info.world_size)
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
-    _prepare_run_dir(cfg, remove, info, job)
     model = parallelize(model.to(info.device), mesh)
+    check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), mesh["sp"], info.device)
+    _prepare_run_dir(cfg, remove, info, job)  # after every check: --overwrite deletes here
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -269,6 +278,8 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
         log_every=cfg.training.log_every,
     )
     run = _Run(cfg, info, mesh, model, val_source, class_names, logger, watchdog, stops)
+    run.skipped = upfront_skips(train_source, val_source)
+    report_skipped(logger, run.skipped, write=latest is None)  # resumed: already written
     try:
         return _loop(run, feed, optimizer, scheduler, ckpt, start, latest, notes)
     finally:
@@ -300,6 +311,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         wd.beat(f"step {step + 1}: data and forward pass (halo exchanges, norm all-reduces)")
         seed_for_step(t.seed, step)  # RNG by step: the same after a resume on any layout
         batch = next(batches)
+        run.skipped += note_training_skips(logger, feed, step + 1)
         with run.autocast():
             logits = model(batch.image)
         wd.beat(f"step {step + 1}: loss (all-reduce over the mesh)")
@@ -397,6 +409,7 @@ def _finish(run: _Run, ckpt: CheckpointManager, scores: dict, step: int) -> dict
             ("best checkpoint", str(best) if best else "-"),
             ("latest checkpoint", str(ckpt.latest())),
             ("exported model", str(export)),
+            ("skipped samples", skipped_summary(run.skipped)),
         ],
     )
     logger.flush()

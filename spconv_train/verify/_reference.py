@@ -9,6 +9,8 @@ buffers). Every rank compares its own part; one all-reduce per step gives the ma
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,7 +23,7 @@ from spconv_train.train.data_feed import MeshCoords, load_train_strips
 from spconv_train.train.losses import dice_loss_reference
 from spconv_train.train.optim import build_optimizer, build_scheduler, clip_gradients
 
-from ._compare import Check, Collector, floors
+from ._compare import Check, Collector, floors, max_abs_diff
 from ._sharded import StepRecord, autocast, low
 
 __all__ = ["reference_run"]
@@ -119,7 +121,8 @@ def _bcast_dict(values: dict | None, shapes: dict[str, torch.Size], device) -> d
 
 
 def _resync(ref: nn.Module, optimizer, rec: StepRecord) -> None:
-    """Put the reference into the sharded run's state after step ``rec``."""
+    """Put the reference into the sharded run's state after step ``rec`` (cast to the
+    reference's dtype: the optimizer casts its state to the parameters' dtype)."""
     with torch.no_grad():
         for n, p in ref.named_parameters():
             p.copy_(rec.params[n])
@@ -128,43 +131,90 @@ def _resync(ref: nn.Module, optimizer, rec: StepRecord) -> None:
     optimizer.load_state_dict(rec.optimizer)
 
 
-def reference_run(ref, cfg, mesh, device, source, records, tols, reference, precision, resync):
+class _OneDevice:
+    """A plain model trained like the trainer does (loss, clipping, optimizer, schedule)."""
+
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
+        self.model = model.train()
+        self.optimizer = build_optimizer(model, cfg.optimizer)
+        self.scheduler = build_scheduler(
+            self.optimizer, cfg.schedule, cfg.training.steps, cfg.optimizer.lr
+        )
+        self.loss_fn = _reference_loss(cfg, device)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.grad_clip = cfg.optimizer.grad_clip
+
+    def step(self, image: Tensor, mask: Tensor, grad_names, precision: str, device) -> tuple:
+        """One training step: ``(logits, loss, grads before clipping, params, buffers)``."""
+        with autocast(precision, device):
+            logits = self.model(image)
+        out = self.loss_fn(logits, mask)
+        out.backward()
+        grads = {  # copies: clipping below scales the gradients in place
+            n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in self.model.named_parameters()
+            if n in grad_names
+        }
+        clip_gradients(self.trainable, self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        params = {n: p.detach() for n, p in self.model.named_parameters()}
+        return logits.detach(), float(out.detach()), grads, params, dict(self.model.named_buffers())
+
+
+def _spreads(low: tuple, exact: tuple) -> dict:
+    """``{(kind, name): max |low - exact|}`` between two ``_OneDevice.step`` results: the
+    one-device run in the training precision and the same step in float64."""
+    (logits, loss, grads, params, buffers), (logits64, loss64, grads64, params64, buf64) = (
+        low,
+        exact,
+    )
+    out = {
+        ("loss", "loss"): abs(loss - loss64),
+        ("logits", "logits"): max_abs_diff(logits, logits64),
+    }
+    for kind, a, b in (
+        ("grad", grads, grads64),
+        ("param", params, params64),
+        ("buffer", buffers, buf64),
+    ):
+        out.update({(kind, n): max_abs_diff(t, b.get(n)) for n, t in a.items()})
+    return out
+
+
+def reference_run(
+    ref, cfg, mesh, device, source, records, tols, reference, precision, resync, noise=False
+):
     """Phase 2: the same steps on one device; returns every check (collective). With
     ``resync`` every step from the second on starts from the sharded run's state after the
-    previous step, so each step's errors are its own (not amplified by earlier steps)."""
+    previous step, so each step's errors are its own (not amplified by earlier steps).
+    With ``noise`` (in the training precision) a float64 copy of the reference runs the
+    same steps too, to measure the one-device rounding noise (``_compare.py``)."""
     rank, dp = dist.get_rank(), mesh.size(0)
     me = _coords_of(mesh, rank)
+    one = exact = None
     if ref is not None:
-        ref.train()
-        optimizer = build_optimizer(ref, cfg.optimizer)
-        scheduler = build_scheduler(optimizer, cfg.schedule, cfg.training.steps, cfg.optimizer.lr)
-        loss_fn = _reference_loss(cfg, device)
-        trainable = [p for p in ref.parameters() if p.requires_grad]
+        if noise and precision != "fp64":
+            exact = _OneDevice(copy.deepcopy(ref).double(), cfg, device)
+        one = _OneDevice(ref, cfg, device)
     checks: list[Check] = []
     for step, rec in enumerate(records, 1):
         image = logits = None
-        loss, grads, params, buffers = 0.0, {}, {}, {}
-        if ref is not None:
+        loss, grads, params, buffers, spreads = 0.0, {}, {}, {}, {}
+        if one is not None:
             if resync and step > 1:
-                _resync(ref, optimizer, records[step - 2])
+                for run in (one, exact) if exact is not None else (one,):
+                    _resync(run.model, run.optimizer, records[step - 2])
             image, mask = _reference_batch(source, cfg, dp, rec.epoch, rec.position)
             dtype = torch.float64 if precision == "fp64" else image.dtype
             image, mask = image.to(device, dtype), mask.to(device)
-            with autocast(precision, device):
-                logits = ref(image)
-            out = loss_fn(logits, mask)
-            out.backward()
-            loss = float(out.detach())
-            grads = {  # copies: clipping below scales the gradients in place
-                n: None if p.grad is None else p.grad.detach().clone()
-                for n, p in ref.named_parameters()
-                if n in rec.grads
-            }
-            clip_gradients(trainable, cfg.optimizer.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            params = {n: p.detach() for n, p in ref.named_parameters()}
-            buffers = dict(ref.named_buffers())
+            result = one.step(image, mask, rec.grads, precision, device)
+            logits, loss, grads, params, buffers = result
+            if exact is not None:
+                spreads = _spreads(
+                    result, exact.step(image.double(), mask, rec.grads, "fp64", device)
+                )
         if reference == "rank0":
             image = _send_block(image, rec.input, rec.input_placements, mesh, device)
             if rec.placements:
@@ -189,16 +239,22 @@ def reference_run(ref, cfg, mesh, device, source, records, tols, reference, prec
             if rec.placements:
                 logits = logits[_block(tuple(logits.shape), rec.placements, me)]
         col = Collector(step, tols, floors(precision))
+        spread = spreads.get  # the ranks without a reference add 0: the all-reduce takes MAX
         col.add("input", "input", rec.input, image)
-        col.add("loss", "loss", torch.tensor(rec.loss), torch.tensor(loss))
-        col.add("logits", "logits", rec.logits, logits)
-        for n in rec.grads:
-            col.add("grad", n, rec.grads[n], grads.get(n))
-        for n in rec.params:
-            col.add("param", n, rec.params[n], params.get(n))
-        for n in rec.buffers:
-            col.add("buffer", n, rec.buffers[n], buffers.get(n))
+        col.add(
+            "loss",
+            "loss",
+            torch.tensor(rec.loss),
+            torch.tensor(loss),
+            spread(("loss", "loss"), 0.0),
+        )
+        col.add("logits", "logits", rec.logits, logits, spread(("logits", "logits"), 0.0))
+        for kind, got, want in (
+            ("grad", rec.grads, grads),
+            ("param", rec.params, params),
+            ("buffer", rec.buffers, buffers),
+        ):
+            for n in got:
+                col.add(kind, n, got[n], want.get(n), spread((kind, n), 0.0))
         checks += col.reduce(device)
-        if ref is not None:
-            optimizer.zero_grad(set_to_none=True)
     return checks

@@ -165,9 +165,10 @@ class VerifyReport:
             console.print(f"[bold red]Out of tolerance[/] ({len(failed)}, worst first):")
             for c in failed[:_MAX_FAILURES_SHOWN]:
                 note = f" [{c.note}]" if c.note else ""
+                spread = f", one-device noise {_fmt(c.spread)}" if c.spread else ""
                 console.print(
                     f"  step {c.step} {c.kind} {c.name}: abs {_fmt(c.abs_err)}, rel "
-                    f"{_fmt(c.rel_err)} (rtol {c.rtol:g}){note}",
+                    f"{_fmt(c.rel_err)} (rtol {c.rtol:g}){spread}{note}",
                     highlight=False,
                 )
             if len(failed) > _MAX_FAILURES_SHOWN:

@@ -1,0 +1,82 @@
+"""Validation images that cannot run at this many ranks are reported before training.
+
+Training batches are cropped to ``data.height x data.width``, so the first training step
+finds a crop too narrow for the mesh. Validation runs on whole images of any size; without
+this check, an image too narrow for ``parallel.sp`` ranks (a strip narrower than a layer's
+halo, or an empty strip deep in the network) stops the run only at the first validation,
+after ``training.val_every`` steps of work.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from spconv_train.config import Config
+from spconv_train.data import DataError, SegmentationSource, strip_bounds
+from spconv_train.parallel import SpatialShardingError
+from spconv_train.train.data_feed import MeshCoords, to_dtensor
+
+__all__ = ["check_val_sizes", "is_geometry_error"]
+
+
+def is_geometry_error(exc: BaseException, sp: int) -> bool:
+    """Whether a forward failed on the image's size, the same way on every rank of its
+    ``sp`` group: ``SpatialShardingError`` (raised on every rank together), or a pooling
+    layer's "Output size is too small" (a too-small height: the same on every strip). At
+    ``sp = 1`` nothing is split and no collective runs, so the plain ops' ``RuntimeError``
+    on a too-small image (max_pool2d, a kernel larger than the input) counts too."""
+    if isinstance(exc, SpatialShardingError):
+        return True
+    return isinstance(exc, RuntimeError) and (sp == 1 or "too small" in str(exc))
+
+
+def _file(source: SegmentationSource, i: int) -> str:
+    files = getattr(source, "files", None)
+    return str(files(i)[0]) if files is not None else source.name(i)
+
+
+@torch.no_grad()
+def check_val_sizes(
+    model: nn.Module,
+    source: SegmentationSource,
+    cfg: Config,
+    coords: MeshCoords,
+    sp_mesh: DeviceMesh,
+    device: torch.device,
+) -> None:
+    """Run the parallelized ``model`` once (eval mode, no gradients, zeros) on every distinct
+    validation image size other than the training crop (collective over ``sp_mesh``: every
+    replica checks every size). Raises ``DataError`` naming the first image of a size
+    that cannot run, on every rank together (the geometry is the same on every rank)."""
+    crop = (cfg.data.height, cfg.data.width)
+    sizes: dict[tuple[int, int], int] = {}
+    for i in range(len(source)):
+        sizes.setdefault(source.size(i), i)
+    sizes.pop(crop, None)
+    if not sizes:
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        for (h, w), i in sizes.items():
+            a, b = strip_bounds(w, coords.sp, coords.sp_rank)
+            c = source.channels(i)
+            x = torch.zeros(1, c, h, b - a, device=device)
+            bf16 = cfg.training.precision == "bf16"  # as validation runs it (memory)
+            try:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    model(to_dtensor(x, sp_mesh, [Shard(3)], (1, c, h, w)))
+            except (SpatialShardingError, RuntimeError) as exc:
+                if not is_geometry_error(exc, coords.sp):
+                    raise
+                raise DataError(
+                    f"{_file(source, i)}: validation image {h}x{w} (HxW) cannot run through "
+                    f"{cfg.model.name} split over parallel.sp={coords.sp} rank(s): {exc}. "
+                    "Remove it from the validation split, or use a smaller parallel.sp",
+                    path=_file(source, i),
+                ) from exc
+    finally:
+        model.train(was_training)
