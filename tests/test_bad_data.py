@@ -243,15 +243,15 @@ def test_run_names_and_counts_skipped_files_or_stops(tmp_path, monkeypatch):
     root = _dataset(tmp_path / "d", num_train=3)
     bad = _add_truncated_jpeg(root)
     flaky = root / "images" / "train" / "0001.png"
-    original = folder.read_image
+    original = folder.read_image_raw
 
-    def read_image(path, cols):
+    def read_image_raw(path, cols, *args, **kwargs):
         if Path(path) == flaky:  # passes the up-front checks, fails when training reads it
             raise DataError(f"{path}: cannot decode (simulated)", path=str(path),
                             reason="cannot decode (simulated)")  # fmt: skip
-        return original(path, cols)
+        return original(path, cols, *args, **kwargs)
 
-    monkeypatch.setattr(folder, "read_image", read_image)
+    monkeypatch.setattr(folder, "read_image_raw", read_image_raw)
     result, run_dir = _run(tmp_path, root, "skip", "skip")
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output[-3000:]
