@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ._geometry import SpatialShardingError
 from ._mode import register_function
+from ._sharding import sharded_dim
 
 _ELEMENTWISE = (
     "relu",
@@ -92,7 +93,7 @@ def _batch_part(x: DTensor) -> int:
     """Index of this rank's part of the batch (0 without data parallelism)."""
     part = 0
     for i, pl in enumerate(x.placements):
-        if pl.is_shard() and pl.dim == 0:
+        if sharded_dim(pl) == 0:
             part = part * x.device_mesh.size(i) + x.device_mesh.get_local_rank(i)
     return part
 

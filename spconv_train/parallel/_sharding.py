@@ -15,11 +15,30 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 
 WIDTH_DIM = 3
+
+
+def sharded_dim(placement) -> int | None:
+    """The tensor dimension ``placement`` splits across the ranks of its mesh dimension, or
+    ``None`` (``Replicate``, ``Partial``).
+
+    THE test for "is this sharded?": a ``_StridedShard`` (what ``x.flatten(2)`` of a
+    ``Shard(3)`` tensor becomes) splits its data too, but in torch 2.14 it is not a ``Shard``
+    subclass and its ``is_shard()`` is False; treating it as replicated silently drops the
+    sum of parameter gradients over the ranks."""
+    if placement.is_shard() or isinstance(placement, _StridedShard):
+        return placement.dim
+    return None
+
+
+def sharding_mesh_dims(placements) -> tuple[int, ...]:
+    """Mesh dimensions whose placement splits a tensor dimension (see ``sharded_dim``)."""
+    return tuple(i for i, p in enumerate(placements) if sharded_dim(p) is not None)
 
 
 def _is_width_shard(p) -> bool:
@@ -52,15 +71,13 @@ class SpatialLayout:
     @property
     def batch_dims(self) -> tuple[int, ...]:
         """Mesh dimensions that shard the batch (data parallel)."""
-        return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Shard))
+        return sharding_mesh_dims(self.placements)
 
     @property
     def grad_groups(self) -> tuple:
         """Groups over which a parameter gradient computed on the local data is a partial sum:
         every mesh dimension that shards the activation (width or batch)."""
-        return tuple(
-            self.mesh.get_group(i) for i, p in enumerate(self.placements) if isinstance(p, Shard)
-        )
+        return tuple(self.mesh.get_group(i) for i in sharding_mesh_dims(self.placements))
 
     @property
     def stat_groups(self) -> tuple:
@@ -106,7 +123,7 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str) -> None:
                 f"dimension {i}; reducing it would move a whole activation. Redistribute to "
                 f"Shard/Replicate explicitly before this layer."
             )
-        if isinstance(p, Shard) and i != sp_dim and p.dim != 0:
+        if sharded_dim(p) not in (None, 0) and i != sp_dim:
             raise SpatialShardingError(
                 f"{what}: mesh dimension {i} shards tensor dim {p.dim}; only the batch (dim 0) "
                 f"may be sharded besides the width."
