@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._halo import sum_grad_over
-from ._mode import register_function
+from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._window import gather_window, plan_window, saving_plain_window
@@ -79,7 +79,7 @@ def spatial_conv2d(
         return run_unsharded(x, layout, conv, weight, bias)
     kh, kw = weight.shape[-2:]
     wp = plan_window(
-        what, x.shape[3], layout.sp_size, kw, stride[1], dilation[1], pl, pr, padding_mode
+        what, x.shape[layout.dim], layout.sp_size, kw, stride[1], dilation[1], pl, pr, padding_mode
     )
     rank = layout.sp_rank
     local = enter(x)
@@ -127,7 +127,7 @@ class SpatialConv2d(nn.Conv2d):
         )
 
 
-@register_function("conv2d")
+@register_handler(F.conv2d)  # torch.conv2d is the same object
 def _functional_conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """``F.conv2d`` called from model code on a width-sharded input."""
     stride, dilation = _pair(stride), _pair(dilation)

@@ -13,11 +13,11 @@ from torch.distributed.tensor import DTensor
 
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._mode import register_function
+from ._mode import register_handler
 from ._sharding import SpatialLayout, leave, sharded_dim, sharding_mesh_dims
 
 
-@register_function("linear")
+@register_handler(F.linear)  # torch._C._nn.linear is the same object
 def _functional_linear(input, weight, bias=None):
     if not isinstance(input, DTensor) or isinstance(weight, DTensor):
         return F.linear(input, weight, bias)  # DTensor parameters: DTensor's own rules

@@ -41,7 +41,7 @@ from spconv_train.distributed import (
 )
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
-from spconv_train.parallel import HALO_SECONDS, parallelize
+from spconv_train.parallel import parallelize, runtime_of
 from spconv_train.train.data_feed import (
     MeshCoords,
     TrainFeed,
@@ -167,8 +167,9 @@ def _log_val(run: _Run, step: int, scores: dict) -> None:
 
 def _rank_stats(run: _Run) -> list[tuple[float, float]]:
     """(peak memory MiB, halo seconds since the last call) of every rank."""
-    mine = (peak_memory_mb(run.info.device), HALO_SECONDS[0])
-    HALO_SECONDS[0] = 0.0
+    halo = runtime_of(run.model).stats
+    mine = (peak_memory_mb(run.info.device), halo.halo_seconds)
+    halo.reset()
     return gather_all(mine)
 
 
@@ -255,7 +256,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     model.train()
     step, scores, last_scores = start, None, {}
     loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
-    HALO_SECONDS[0] = 0.0
+    runtime_of(model).stats.reset()
     logger.progress_start(steps, initial=start)
     batches = iter(feed)
     while step < steps:
@@ -303,7 +304,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
         # Validation and checkpoints are not training: keep their time and halo traffic out
         # of the throughput and halo figures of the current logging interval.
-        paused, halo = time.perf_counter(), HALO_SECONDS[0]
+        paused, halo = time.perf_counter(), runtime_of(model).stats.snapshot()
         scores = None
         if step % t.val_every == 0 or step == steps:
             scores = last_scores = validate(run, step)
@@ -314,7 +315,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             metric = None if metric is None or math.isnan(metric) else metric
             ckpt.save(step, model, optimizer, scheduler=scheduler, extra=extra, metric=metric)
         tick += time.perf_counter() - paused
-        HALO_SECONDS[0] = halo
+        runtime_of(model).stats.restore(halo)
     logger.progress_stop()
     return _finish(run, ckpt, last_scores, step)
 

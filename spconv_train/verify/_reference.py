@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from spconv_train.config import Config
 from spconv_train.data import make_dp_sampler
-from spconv_train.parallel import shard_bounds
+from spconv_train.parallel import block_slices
 from spconv_train.train.data_feed import MeshCoords, load_train_strips
 from spconv_train.train.losses import dice_loss_reference
 from spconv_train.train.optim import build_optimizer, build_scheduler, clip_gradients
@@ -25,20 +25,6 @@ from ._compare import Check, Collector, floors
 from ._sharded import StepRecord, autocast, low
 
 __all__ = ["reference_run"]
-
-
-def _block(shape: tuple[int, ...], placements, coords: list[tuple[int, int]]) -> tuple:
-    """Slices of a global tensor of ``shape`` held by the rank at mesh ``coords``
-    (``(size, index)`` per mesh dimension) under ``placements`` (DTensor chunking)."""
-    ranges = [[0, n] for n in shape]
-    for p, (size, index) in zip(placements, coords, strict=True):
-        if p.is_shard():
-            lo, hi = ranges[p.dim]
-            a, b = shard_bounds(hi - lo, size, index)
-            ranges[p.dim] = [lo + a, lo + b]
-        elif not p.is_replicate():
-            raise ValueError(f"cannot compare a {p} DTensor strip by strip")
-    return tuple(slice(a, b) for a, b in ranges)
 
 
 def _coords_of(mesh, rank: int) -> list[tuple[int, int]]:
@@ -88,9 +74,9 @@ def _send_block(full: Tensor | None, mine: Tensor, placements, mesh, device) -> 
     if rank == 0:
         shape = tuple(full.shape)
         for r in range(1, world):
-            block = full[_block(shape, placements, _coords_of(mesh, r))]
+            block = full[block_slices(shape, placements, _coords_of(mesh, r))]
             dist.send(block.to(device, mine.dtype).contiguous(), dst=r)
-        return full[_block(shape, placements, _coords_of(mesh, 0))]
+        return full[block_slices(shape, placements, _coords_of(mesh, 0))]
     buf = torch.empty(mine.shape, dtype=mine.dtype, device=device)
     dist.recv(buf, src=0)
     return buf
@@ -185,9 +171,9 @@ def reference_run(ref, cfg, mesh, device, source, records, tols, reference, prec
                 buffers or None, {n: t.shape for n, t in rec.buffers.items()}, device
             )
         else:
-            image = image[_block(tuple(image.shape), rec.input_placements, me)]
+            image = image[block_slices(tuple(image.shape), rec.input_placements, me)]
             if rec.placements:
-                logits = logits[_block(tuple(logits.shape), rec.placements, me)]
+                logits = logits[block_slices(tuple(logits.shape), rec.placements, me)]
         col = Collector(step, tols, floors(precision))
         col.add("input", "input", rec.input, image)
         col.add("loss", "loss", torch.tensor(rec.loss), torch.tensor(loss))

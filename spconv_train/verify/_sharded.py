@@ -16,8 +16,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from spconv_train.config import Config
-from spconv_train.parallel import HALO_SECONDS
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel import CommAudit, runtime_of
 from spconv_train.train.data_feed import TrainFeed, to_dtensor
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
 from spconv_train.train.optim import build_loss, build_optimizer, build_scheduler, clip_gradients
@@ -104,7 +103,8 @@ def sharded_run(
                 batch.image.placements,
                 tuple(batch.image.shape),
             )
-        HALO_SECONDS[0] = 0.0
+        halo = runtime_of(model).stats
+        halo.reset()
         with CommAudit() as audit:
             with autocast(precision, device):
                 logits = model(batch.image)
@@ -134,6 +134,6 @@ def sharded_run(
             f"step {step + 1} rank {dist.get_rank()}: {r.op} of shape {r.shape} ({r.numel:,} el.)"
             for r in audit.activation_sized(threshold, shapes)
         ]
-        comms.append((audit.summary(), HALO_SECONDS[0], flagged))
+        comms.append((audit.summary(), halo.halo_seconds, flagged))
         del logits, loss, batch
     return records, comms, shape
