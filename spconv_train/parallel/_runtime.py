@@ -15,6 +15,7 @@ on the autograd context).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -88,6 +89,13 @@ class SpatialRuntime:
         self.options = options or SpatialOptions()
         self.stats = SpatialStats()
         self.registry = HandlerRegistry(parent=DEFAULT_REGISTRY)
+
+    def __deepcopy__(self, memo) -> SpatialRuntime:
+        # A deep-copied model (e.g. a reference copy) gets its own statistics and registry
+        # entries; the mesh (process groups) and the immutable options are shared.
+        new = SpatialRuntime(self.mesh, self.options)
+        new.registry = copy.deepcopy(self.registry, memo)
+        return new
 
     def __repr__(self) -> str:
         return f"SpatialRuntime(options={self.options}, stats={self.stats})"

@@ -55,15 +55,11 @@ from spconv_train.train.optim import (
     build_loss,
     build_optimizer,
     build_scheduler,
-    clip_gradients,
     enable_activation_checkpointing,
 )
+from spconv_train.train.step import TrainingStopped, train_step
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose with a message for the user (exit code 1, no traceback)."""
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -261,26 +257,20 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     batches = iter(feed)
     while step < steps:
         batch = next(batches)
-        with run.autocast():
-            logits = model(batch.image)
-        loss = run.loss_fn(logits, batch.target)
-        value = float(loss.detach())  # the same on every rank (a global mean)
-        if not math.isfinite(value):
-            raise TrainingStopped(
-                f"non-finite loss ({value}) at step {step + 1}; stopping "
-                "without a checkpoint (lower optimizer.lr or check the data)"
-            )
-        loss.backward()
-        grad_norm = clip_gradients(params, cfg.optimizer.grad_clip)
-        if not math.isfinite(grad_norm):
-            raise TrainingStopped(
-                f"non-finite gradient norm ({grad_norm}) at step {step + 1}; "
-                "stopping without a checkpoint"
-            )
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        done = train_step(
+            model,
+            batch.image,
+            batch.target,
+            run.loss_fn,
+            optimizer,
+            scheduler,
+            params=params,
+            grad_clip=cfg.optimizer.grad_clip,
+            step=step,
+            autocast=run.autocast(),
+        )
+        value, grad_norm, lr = done.loss, done.grad_norm, done.lr
+        del done
         step += 1
         loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
         logger.progress_update(step, loss=value, lr=lr)

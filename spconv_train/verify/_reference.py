@@ -19,7 +19,8 @@ from spconv_train.data import make_dp_sampler
 from spconv_train.parallel import block_slices
 from spconv_train.train.data_feed import MeshCoords, load_train_strips
 from spconv_train.train.losses import dice_loss_reference
-from spconv_train.train.optim import build_optimizer, build_scheduler, clip_gradients
+from spconv_train.train.optim import build_optimizer, build_scheduler
+from spconv_train.train.step import train_step
 
 from ._compare import Check, Collector, floors
 from ._sharded import StepRecord, autocast, low
@@ -136,19 +137,27 @@ def reference_run(ref, cfg, mesh, device, source, records, tols, reference, prec
             image, mask = _reference_batch(source, cfg, dp, rec.epoch, rec.position)
             dtype = torch.float64 if precision == "fp64" else image.dtype
             image, mask = image.to(device, dtype), mask.to(device)
-            with autocast(precision, device):
-                logits = ref(image)
-            out = loss_fn(logits, mask)
-            out.backward()
-            loss = float(out.detach())
-            grads = {  # copies: clipping below scales the gradients in place
-                n: None if p.grad is None else p.grad.detach().clone()
-                for n, p in ref.named_parameters()
-                if n in rec.grads
-            }
-            clip_gradients(trainable, cfg.optimizer.grad_clip)
-            optimizer.step()
-            scheduler.step()
+
+            def copy_grads(grads=grads, rec=rec):  # copies: clipping scales them in place
+                for n, p in ref.named_parameters():
+                    if n in rec.grads:
+                        grads[n] = None if p.grad is None else p.grad.detach().clone()
+
+            # the trainer's own step, on one device with the plain loss
+            done = train_step(
+                ref,
+                image,
+                mask,
+                loss_fn,
+                optimizer,
+                scheduler,
+                params=trainable,
+                grad_clip=cfg.optimizer.grad_clip,
+                step=step - 1,
+                autocast=autocast(precision, device),
+                after_backward=copy_grads,
+            )
+            logits, loss = done.logits, done.loss
             params = {n: p.detach() for n, p in ref.named_parameters()}
             buffers = dict(ref.named_buffers())
         if reference == "rank0":
@@ -185,6 +194,4 @@ def reference_run(ref, cfg, mesh, device, source, records, tols, reference, prec
         for n in rec.buffers:
             col.add("buffer", n, rec.buffers[n], buffers.get(n))
         checks += col.reduce(device)
-        if ref is not None:
-            optimizer.zero_grad(set_to_none=True)
     return checks
