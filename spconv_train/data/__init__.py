@@ -4,6 +4,16 @@ This package never imports ``spconv_train.parallel``: column ranges come in as a
 (``strip_bounds`` reproduces DTensor's ``Shard`` split so callers can compute them).
 """
 
+from ._readers import (  # public names for predict (the readers stay in _readers)
+    IMAGE_EXTS,
+    MASK_EXTS,
+    check_mask_values,
+    image_header,
+    index_folder,
+    mask_header,
+    read_image,
+    read_mask,
+)
 from .base import DataError, SegmentationSource, check_cols
 from .folder import FolderDataset
 from .normalize import normalize_image
@@ -15,19 +25,27 @@ from .tiff import read_region
 from .transforms import AugmentParams, draw_augment, global_size, load_strip
 
 __all__ = [
+    "IMAGE_EXTS",
+    "MASK_EXTS",
     "AugmentParams",
     "DataError",
     "FolderDataset",
     "SegmentationSource",
     "SyntheticDataset",
     "check_cols",
+    "check_mask_values",
     "draw_augment",
     "global_size",
+    "image_header",
+    "index_folder",
     "load_strip",
     "make_batch",
     "make_dp_sampler",
+    "mask_header",
     "normalization_range",
     "normalize_image",
+    "read_image",
+    "read_mask",
     "read_region",
     "strip_bounds",
     "synthetic_class_names",

@@ -19,13 +19,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import Shard
 
 from spconv_train.config import validate_for_world
-from spconv_train.data import DataError, strip_bounds
-from spconv_train.data._readers import (
+from spconv_train.data import (
+    DataError,
     check_mask_values,
     image_header,
     mask_header,
     read_image,
     read_mask,
+    strip_bounds,
 )
 from spconv_train.distributed import build_mesh
 from spconv_train.logging import class_colors

@@ -44,7 +44,7 @@ from spconv_train.distributed import (
 )
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
-from spconv_train.parallel import HALO_SECONDS, parallelize
+from spconv_train.parallel import parallelize, runtime_of
 from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
     note_training_skips,
@@ -67,18 +67,20 @@ from spconv_train.train.optim import (
     build_loss,
     build_optimizer,
     build_scheduler,
-    clip_gradients,
     enable_activation_checkpointing,
 )
 from spconv_train.train.preemption import Preempted, StopRequests
+from spconv_train.train.step import TrainingStopped, train_step
 from spconv_train.train.val_check import check_val_sizes
 from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
 
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose with a message for the user (exit code 1, no traceback)."""
+# What the watchdog names when a rank hangs in a phase of ``train_step``.
+_STEP_PHASES = {
+    "loss": "loss (all-reduce over the mesh)",
+    "backward": "backward pass (halo exchanges, gradient all-reduce)",
+}
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -191,8 +193,9 @@ def _log_val(run: _Run, step: int, scores: dict) -> None:
 
 def _rank_stats(run: _Run) -> list[tuple[float, float]]:
     """(peak memory MiB, halo seconds since the last call) of every rank."""
-    mine = (peak_memory_mb(run.info.device), HALO_SECONDS[0])
-    HALO_SECONDS[0] = 0.0
+    halo = runtime_of(run.model).stats
+    mine = (peak_memory_mb(run.info.device), halo.halo_seconds)
+    halo.reset()
     return gather_all(mine)
 
 
@@ -302,7 +305,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     model.train()
     step, scores, last_scores = start, None, {}
     loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
-    HALO_SECONDS[0] = 0.0
+    runtime_of(model).stats.reset()
     logger.progress_start(steps, initial=start)
     batches = iter(feed)
     run.stops.install()  # SIGTERM/SIGUSR1 now end the run after a step, with a checkpoint
@@ -312,28 +315,21 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         seed_for_step(t.seed, step)  # RNG by step: the same after a resume on any layout
         batch = next(batches)
         run.skipped += note_training_skips(logger, feed, step + 1)
-        with run.autocast():
-            logits = model(batch.image)
-        wd.beat(f"step {step + 1}: loss (all-reduce over the mesh)")
-        loss = run.loss_fn(logits, batch.target)
-        value = float(loss.detach())  # the same on every rank (a global mean)
-        if not math.isfinite(value):
-            raise TrainingStopped(
-                f"non-finite loss ({value}) at step {step + 1}; stopping "
-                "without a checkpoint (lower optimizer.lr or check the data)"
-            )
-        wd.beat(f"step {step + 1}: backward pass (halo exchanges, gradient all-reduce)")
-        loss.backward()
-        grad_norm = clip_gradients(params, cfg.optimizer.grad_clip)
-        if not math.isfinite(grad_norm):
-            raise TrainingStopped(
-                f"non-finite gradient norm ({grad_norm}) at step {step + 1}; "
-                "stopping without a checkpoint"
-            )
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        done = train_step(
+            model,
+            batch.image,
+            batch.target,
+            run.loss_fn,
+            optimizer,
+            scheduler,
+            params=params,
+            grad_clip=cfg.optimizer.grad_clip,
+            step=step,
+            autocast=run.autocast(),
+            on_phase=lambda phase, n=step + 1: wd.beat(f"step {n}: {_STEP_PHASES[phase]}"),
+        )
+        value, grad_norm, lr = done.loss, done.grad_norm, done.lr
+        del done
         step += 1
         wd.beat(f"step {step}: stop-signal all-reduce")
         # Every rank stops after the same step, whichever rank(s) got the signal. At the
@@ -363,7 +359,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
         # Validation and checkpoints are not training: keep their time and halo traffic out
         # of the throughput and halo figures of the current logging interval.
-        paused, halo = time.perf_counter(), HALO_SECONDS[0]
+        paused, halo = time.perf_counter(), runtime_of(model).stats.snapshot()
         scores = None
         # A preempted job has seconds left: they are for the checkpoint, not validation.
         if (step % t.val_every == 0 or step == steps) and not stop:
@@ -379,7 +375,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             logger.progress_stop()
             raise Preempted(stop, step, steps, str(ckpt.latest()))
         tick += time.perf_counter() - paused
-        HALO_SECONDS[0] = halo
+        runtime_of(model).stats.restore(halo)
     logger.progress_stop()
     wd.beat(f"step {step}: export of model.pt and final report (barrier)")
     return _finish(run, ckpt, last_scores, step)

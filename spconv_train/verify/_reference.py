@@ -18,29 +18,16 @@ from torch import Tensor, nn
 
 from spconv_train.config import Config
 from spconv_train.data import make_dp_sampler
-from spconv_train.parallel import shard_bounds
+from spconv_train.parallel import block_slices
 from spconv_train.train.data_feed import MeshCoords, load_train_strips
 from spconv_train.train.losses import dice_loss_reference
-from spconv_train.train.optim import build_optimizer, build_scheduler, clip_gradients
+from spconv_train.train.optim import build_optimizer, build_scheduler
+from spconv_train.train.step import train_step
 
 from ._compare import Check, Collector, floors, max_abs_diff
 from ._sharded import StepRecord, autocast, low
 
 __all__ = ["reference_run"]
-
-
-def _block(shape: tuple[int, ...], placements, coords: list[tuple[int, int]]) -> tuple:
-    """Slices of a global tensor of ``shape`` held by the rank at mesh ``coords``
-    (``(size, index)`` per mesh dimension) under ``placements`` (DTensor chunking)."""
-    ranges = [[0, n] for n in shape]
-    for p, (size, index) in zip(placements, coords, strict=True):
-        if p.is_shard():
-            lo, hi = ranges[p.dim]
-            a, b = shard_bounds(hi - lo, size, index)
-            ranges[p.dim] = [lo + a, lo + b]
-        elif not p.is_replicate():
-            raise ValueError(f"cannot compare a {p} DTensor strip by strip")
-    return tuple(slice(a, b) for a, b in ranges)
 
 
 def _coords_of(mesh, rank: int) -> list[tuple[int, int]]:
@@ -90,9 +77,9 @@ def _send_block(full: Tensor | None, mine: Tensor, placements, mesh, device) -> 
     if rank == 0:
         shape = tuple(full.shape)
         for r in range(1, world):
-            block = full[_block(shape, placements, _coords_of(mesh, r))]
+            block = full[block_slices(shape, placements, _coords_of(mesh, r))]
             dist.send(block.to(device, mine.dtype).contiguous(), dst=r)
-        return full[_block(shape, placements, _coords_of(mesh, 0))]
+        return full[block_slices(shape, placements, _coords_of(mesh, 0))]
     buf = torch.empty(mine.shape, dtype=mine.dtype, device=device)
     dist.recv(buf, src=0)
     return buf
@@ -143,24 +130,35 @@ class _OneDevice:
         self.loss_fn = _reference_loss(cfg, device)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.grad_clip = cfg.optimizer.grad_clip
+        self.steps = 0
 
     def step(self, image: Tensor, mask: Tensor, grad_names, precision: str, device) -> tuple:
-        """One training step: ``(logits, loss, grads before clipping, params, buffers)``."""
-        with autocast(precision, device):
-            logits = self.model(image)
-        out = self.loss_fn(logits, mask)
-        out.backward()
-        grads = {  # copies: clipping below scales the gradients in place
-            n: None if p.grad is None else p.grad.detach().clone()
-            for n, p in self.model.named_parameters()
-            if n in grad_names
-        }
-        clip_gradients(self.trainable, self.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        """One training step (the trainer's own ``train_step``): ``(logits, loss, grads
+        before clipping, params, buffers)``."""
+        grads: dict = {}
+
+        def copy_grads() -> None:  # copies: clipping scales the gradients in place
+            for n, p in self.model.named_parameters():
+                if n in grad_names:
+                    grads[n] = None if p.grad is None else p.grad.detach().clone()
+
+        done = train_step(
+            self.model,
+            image,
+            mask,
+            self.loss_fn,
+            self.optimizer,
+            self.scheduler,
+            params=self.trainable,
+            grad_clip=self.grad_clip,
+            step=self.steps,
+            autocast=autocast(precision, device),
+            after_backward=copy_grads,
+        )
+        self.steps += 1
         params = {n: p.detach() for n, p in self.model.named_parameters()}
-        return logits.detach(), float(out.detach()), grads, params, dict(self.model.named_buffers())
+        logits = done.logits.detach()
+        return logits, done.loss, grads, params, dict(self.model.named_buffers())
 
 
 def _spreads(low: tuple, exact: tuple) -> dict:
@@ -235,9 +233,9 @@ def reference_run(
                 buffers or None, {n: t.shape for n, t in rec.buffers.items()}, device
             )
         else:
-            image = image[_block(tuple(image.shape), rec.input_placements, me)]
+            image = image[block_slices(tuple(image.shape), rec.input_placements, me)]
             if rec.placements:
-                logits = logits[_block(tuple(logits.shape), rec.placements, me)]
+                logits = logits[block_slices(tuple(logits.shape), rec.placements, me)]
         col = Collector(step, tols, floors(precision))
         spread = spreads.get  # the ranks without a reference add 0: the all-reduce takes MAX
         col.add("input", "input", rec.input, image)
