@@ -28,9 +28,8 @@ def check_fn(fn, x: torch.Tensor, dmesh, placements, label: str, failures: list[
     g = seeded(99, max(shape.numel(), 1), dtype=x.dtype)[: shape.numel()].reshape(shape)
     _first(yr).backward(g)
     xs = distribute_tensor(x.clone(), dmesh, placements).requires_grad_()
-    with CommAudit() as audit:
-        with SpatialMode():
-            ys = fn(xs)
+    with CommAudit() as audit, SpatialMode():
+        ys = fn(xs)
     outs = ys if isinstance(ys, (tuple, list)) else (ys,)
     if not all(isinstance(o, DTensor) for o in outs):
         failures.append(f"{label}: output is not a DTensor")

@@ -13,8 +13,18 @@ This package depends only on torch.
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import _conv, _conv_transpose, _interpolate, _linear, _norm, _pointwise, _pool  # noqa: F401
-from . import _reduce  # noqa: F401
+from . import (  # noqa: F401  # noqa: F401
+    _conv,
+    _conv_transpose,
+    _interpolate,
+    _linear,
+    _norm,
+    _pad,
+    _pointwise,
+    _pool,
+    _reduce,
+    _slicing,
+)
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
