@@ -81,6 +81,9 @@ class ParallelConfig:
     must divide the world size, and dp = world_size // sp."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto picks nccl when CUDA is available, else gloo."""
+    allow_gather: bool = False
+    """Let an op without a spatial implementation gather the width-sharded activation
+    through DTensor (logged and counted) instead of refusing it (the default)."""
 
 
 @dataclass

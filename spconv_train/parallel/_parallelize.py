@@ -14,6 +14,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._mode import SpatialMode
 
@@ -55,7 +56,7 @@ class _SpatialRoot:
     """Mixin for the parallelized root module: its forward runs under ``SpatialMode``."""
 
     def forward(self, *args, **kwargs):
-        with SpatialMode():
+        with SpatialMode(), gather_guard(getattr(self, "spatial_allow_gather", False)):
             return super().forward(*args, **kwargs)
 
 
@@ -71,14 +72,16 @@ def _sp_mesh_dim(mesh: DeviceMesh) -> int:
     return names.index("sp")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, allow_gather: bool = False) -> nn.Module:
     """Make ``model`` run width-sharded over the ``"sp"`` dimension of ``mesh``.
 
     Swaps supported layers in place and returns the same model object. Feed it a DTensor
     with placement ``Shard(3)`` (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh); its output
     equals the single-device output and, after ``backward``, every rank holds the
     single-device parameter gradients. Raises ``SpatialShardingError`` naming every module
-    that cannot run width-sharded.
+    that cannot run width-sharded. An op that would make DTensor gather the width-sharded
+    activation raises ``SpatialShardingError`` at the first forward unless ``allow_gather``
+    (then it is logged and counted in ``GATHER_EVENTS``).
     """
     _sp_mesh_dim(mesh)
     problems = []
@@ -99,4 +102,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         root = type(model)
         model.__class__ = type(f"Spatial{root.__name__}", (_SpatialRoot, root), {})
     model.spatial_mesh = mesh
+    model.spatial_allow_gather = allow_gather
+    track_module_paths(model)
     return model

@@ -207,7 +207,7 @@ def train(
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
     _prepare_run_dir(cfg, remove, info)
-    model = parallelize(model.to(info.device), mesh)
+    model = parallelize(model.to(info.device), mesh, cfg.parallel.allow_gather)
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optimizer)
