@@ -105,8 +105,8 @@ def _observe(cls, src_spec, dst_spec, message):
         if not guard.allow:
             raise SpatialShardingError(
                 f"an op in module '{where}' ({op}) has no spatial implementation, and "
-                f"DTensor would redistribute the width-sharded activation {event.src} -> {event.dst} to run "
-                f"it (gathering the image on every rank). Replace the op "
+                f"DTensor would redistribute the width-sharded activation {event.src} -> "
+                f"{event.dst} to run it (gathering the image on every rank). Replace the op "
                 f"with a supported one, make it spatial (spconv_train.parallel."
                 f"register_handler), or accept the gather explicitly with "
                 f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
