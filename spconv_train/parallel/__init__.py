@@ -13,7 +13,9 @@ This package depends only on torch.
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import (  # noqa: F401  # noqa: F401
+from . import (  # noqa: F401  (op modules register their handlers on import)
+    _broadcast,
+    _channels,
     _conv,
     _conv_transpose,
     _interpolate,
