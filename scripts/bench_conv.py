@@ -115,10 +115,9 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
             conv(strip.detach().requires_grad_()).sum().backward()
 
     elif variant == "halo (spconv)":
-        from spconv_train.parallel import _window
-
-        _window.SAVE_WINDOWS_BY_REFERENCE = not args.copy_windows
-        model = parallelize(nn.Sequential(conv), mesh)
+        model = parallelize(
+            nn.Sequential(conv), mesh, save_windows_by_reference=not args.copy_windows
+        )
 
         def step():
             model(x_dt.detach().requires_grad_()).sum().backward()

@@ -5,8 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel import CommAudit, parallelize
 from tests.dist_harness import mesh
 from tests.reference import seeded
 

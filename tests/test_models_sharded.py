@@ -24,8 +24,7 @@ import torch
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.models import create_model, list_models
-from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel import CommAudit, parallelize
 from spconv_train.train import cross_entropy
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from spconv_train.parallel import SpatialShardingError, parallelize
+from spconv_train.parallel import SpatialShardingError, parallelize, runtime_of
 from spconv_train.parallel._comm_audit import CommAudit
 from spconv_train.parallel._dtensor_guard import GATHER_EVENTS
 from tests.dist_harness import mesh
@@ -61,6 +61,7 @@ def guard_checks() -> dict:
     with CommAudit() as audit:
         y = allowed(distribute_tensor(x, dmesh, [Shard(3)]))
     out["events"] = [(e.op, e.module) for e in GATHER_EVENTS[before:]]
+    out["stats"] = runtime_of(allowed).stats.gathered_ops
     out["gathers"] = [r.op for r in audit.records if r.kind == "gather"]
     out["err"] = rel_err(y, model(x))
     e = parallelize(ExplicitGather(), dmesh)(distribute_tensor(x, dmesh, [Shard(3)]))
@@ -74,6 +75,7 @@ def test_gathering_model_refused_by_default_allowed_on_request(dist_pool):
         assert "aten.bmm" in msg and "'attn'" in msg and "allow_gather=True" in msg, msg
         assert "parallel.allow_gather" in msg
         assert out["events"] and all(m == "attn" for _, m in out["events"]), out["events"]
+        assert out["stats"].get("aten.bmm.default", 0) >= 1, out["stats"]
         # the audit now sees DTensor's internal collectives
         assert "all_gather_into_tensor" in out["gathers"], out["gathers"]
         assert out["err"] < 1e-12 and out["explicit_err"] < 1e-12

@@ -22,7 +22,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from spconv_train.config import load_config
-from spconv_train.data._readers import read_image, read_mask
+from spconv_train.data import read_image, read_mask
 from spconv_train.predict import PredictError, _collect, resolve_checkpoint
 from spconv_train.train.loop import build_model
 from spconv_train.train.metrics import ConfusionMatrix

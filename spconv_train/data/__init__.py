@@ -4,6 +4,16 @@ This package never imports ``spconv_train.parallel``: column ranges come in as a
 (``strip_bounds`` reproduces DTensor's ``Shard`` split so callers can compute them).
 """
 
+from ._readers import (  # public names for predict (the readers stay in _readers)
+    IMAGE_EXTS,
+    MASK_EXTS,
+    check_mask_values,
+    image_header,
+    index_folder,
+    mask_header,
+    read_image,
+    read_mask,
+)
 from .base import DataError, SegmentationSource, check_cols
 from .folder import FolderDataset
 from .strips import make_batch, make_dp_sampler, strip_bounds
@@ -12,17 +22,25 @@ from .synthetic_dataset import SyntheticDataset
 from .transforms import AugmentParams, draw_augment, global_size, load_strip
 
 __all__ = [
+    "IMAGE_EXTS",
+    "MASK_EXTS",
     "AugmentParams",
     "DataError",
     "FolderDataset",
     "SegmentationSource",
     "SyntheticDataset",
     "check_cols",
+    "check_mask_values",
     "draw_augment",
     "global_size",
+    "image_header",
+    "index_folder",
     "load_strip",
     "make_batch",
     "make_dp_sampler",
+    "mask_header",
+    "read_image",
+    "read_mask",
     "strip_bounds",
     "synthetic_class_names",
     "synthetic_sample",

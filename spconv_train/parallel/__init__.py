@@ -1,12 +1,21 @@
 """Spatial (width) parallelism for NCHW models on DTensor ``Shard(3)``.
 
-Public API::
+Using it::
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))  # or ("dp", "sp")
-    model = parallelize(model, mesh)
+    model = parallelize(model, mesh)  # options: save_windows_by_reference, allow_gather
     x = distribute_tensor(img, mesh, [Shard(3)])
     y = model(x)                      # DTensor, Shard(3); y.full_tensor() == model(img)
+    runtime_of(model).stats           # halo seconds / bytes / messages, gathers
 
+Extending it (``docs/extending.md``): ``register_handler(fn)`` routes a torch function or
+Tensor method to your handler; inside it ``spatial_layout`` reads the layout, ``enter`` /
+``leave`` go to the local strip and back, ``plan_window`` + ``gather_window`` (or
+``ExchangePlan`` + ``gather_columns``) fetch a halo, ``sum_grad_over(param,
+layout.grad_groups)`` completes a parameter gradient, and ``current_runtime()`` gives the
+options and statistics. ``register_spatial_module`` swaps a module class in ``parallelize``.
+
+Every name in ``__all__`` is public and documented; ``parallel._x`` modules are not.
 This package depends only on torch.
 """
 
@@ -27,12 +36,13 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _reduce,
     _slicing,
 )
+from ._comm_audit import CommAudit
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
-from ._halo import HALO_SECONDS, gather_columns, sum_grad_over
+from ._halo import gather_columns, sum_grad_over
 from ._interpolate import SpatialUpsample, spatial_interpolate
-from ._mode import SpatialMode, refuse_function, register_function, register_handler
+from ._mode import SpatialMode, refuse_handler, register_handler
 from ._norm import (
     SpatialBatchNorm2d,
     SpatialGroupNorm,
@@ -53,13 +63,27 @@ from ._pool import (
     spatial_avg_pool2d,
     spatial_max_pool2d,
 )
+from ._registry import HandlerRegistry
+from ._runtime import SpatialOptions, SpatialRuntime, SpatialStats, current_runtime, runtime_of
+from ._sharding import (
+    SpatialLayout,
+    block_slices,
+    enter,
+    leave,
+    mesh_coords,
+    run_unsharded,
+    sharded_dim,
+    sharding_mesh_dims,
+    spatial_layout,
+)
 from ._window import WindowPlan, gather_window, plan_window
 
 __all__ = [
+    "CommAudit",
     "DTensor",
     "DeviceMesh",
     "ExchangePlan",
-    "HALO_SECONDS",
+    "HandlerRegistry",
     "Partial",
     "Replicate",
     "Shard",
@@ -69,36 +93,49 @@ __all__ = [
     "SpatialBatchNorm2d",
     "SpatialConv2d",
     "SpatialConvTranspose2d",
-    "SpatialUpsample",
     "SpatialGroupNorm",
     "SpatialInstanceNorm2d",
+    "SpatialLayout",
     "SpatialMaxPool2d",
-    "SpatialSyncBatchNorm",
     "SpatialMode",
+    "SpatialOptions",
+    "SpatialRuntime",
     "SpatialShardingError",
+    "SpatialStats",
+    "SpatialSyncBatchNorm",
+    "SpatialUpsample",
     "WindowPlan",
     "all_shard_bounds",
+    "block_slices",
+    "current_runtime",
     "distribute_tensor",
+    "enter",
     "gather_columns",
     "gather_window",
     "init_device_mesh",
+    "leave",
+    "mesh_coords",
     "parallelize",
     "plan_window",
-    "refuse_function",
+    "refuse_handler",
     "refuse_module",
-    "register_function",
     "register_handler",
     "register_spatial_module",
+    "run_unsharded",
+    "runtime_of",
     "shard_bounds",
+    "sharded_dim",
+    "sharding_mesh_dims",
     "spatial_adaptive_avg_pool2d",
     "spatial_adaptive_max_pool2d",
     "spatial_avg_pool2d",
     "spatial_batch_norm",
     "spatial_conv2d",
     "spatial_conv_transpose2d",
-    "spatial_interpolate",
     "spatial_group_norm",
     "spatial_instance_norm",
+    "spatial_interpolate",
+    "spatial_layout",
     "spatial_max_pool2d",
     "sum_grad_over",
 ]

@@ -13,17 +13,44 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._halo import sum_grad_over
-from ._mode import register_function
+from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._window import gather_window, plan_window, saving_plain_window
 
 
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def conv2d_pads(padding, kernel: tuple[int, int], dilation: tuple[int, int]):
+    """``(top, bottom, left, right)`` of a ``Conv2d``/``F.conv2d`` ``padding`` given as an int,
+    a pair, ``'valid'`` or ``'same'`` (one more on the bottom/right for even kernels, as
+    PyTorch does)."""
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0, 0, 0)
+        if padding != "same":
+            raise ValueError(f"conv2d: padding {padding!r} is not 'same', 'valid' or a number")
+        th, tw = (d * (k - 1) for d, k in zip(dilation, kernel, strict=True))
+        return th // 2, th - th // 2, tw // 2, tw - tw // 2
+    ph, pw = _pair(padding)
+    return ph, ph, pw, pw
+
+
 def conv_padding(conv: nn.Conv2d) -> tuple[int, int, int, int]:
-    """``(top, bottom, left, right)`` padding of a ``Conv2d``, whatever form it was given in
-    (``'same'`` with an even kernel pads one more on the bottom/right, as PyTorch does)."""
-    wl, wr, ht, hb = conv._reversed_padding_repeated_twice
-    return ht, hb, wl, wr
+    """``(top, bottom, left, right)`` padding a ``Conv2d`` applies *now*.
+
+    Read from the live ``padding``/``dilation``/``kernel_size`` attributes, as
+    ``nn.Conv2d._conv_forward`` does for zero padding: code that edits a layer after
+    construction (smp's ``make_dilated``) changes them, while the cached
+    ``_reversed_padding_repeated_twice`` keeps the constructor's values. The other padding
+    modes *do* use that cache in ``nn.Conv2d`` (it pads with ``F.pad`` first), so they read
+    it too: the sharded layer computes exactly what the single-device layer computes."""
+    if conv.padding_mode != "zeros":
+        wl, wr, ht, hb = conv._reversed_padding_repeated_twice
+        return ht, hb, wl, wr
+    return conv2d_pads(conv.padding, _pair(conv.kernel_size), _pair(conv.dilation))
 
 
 def spatial_conv2d(
@@ -52,7 +79,7 @@ def spatial_conv2d(
         return run_unsharded(x, layout, conv, weight, bias)
     kh, kw = weight.shape[-2:]
     wp = plan_window(
-        what, x.shape[3], layout.sp_size, kw, stride[1], dilation[1], pl, pr, padding_mode
+        what, x.shape[layout.dim], layout.sp_size, kw, stride[1], dilation[1], pl, pr, padding_mode
     )
     rank = layout.sp_rank
     local = enter(x)
@@ -91,30 +118,18 @@ class SpatialConv2d(nn.Conv2d):
             x,
             self.weight,
             self.bias,
-            self.stride,
+            _pair(self.stride),
             conv_padding(self),
-            self.dilation,
+            _pair(self.dilation),
             self.groups,
             self.padding_mode,
             what=f"{self.spatial_name or '<module>'} (Conv2d({self.extra_repr()}))",
         )
 
 
-def _pair(v) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
-
-
-@register_function("conv2d")
+@register_handler(F.conv2d)  # torch.conv2d is the same object
 def _functional_conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     """``F.conv2d`` called from model code on a width-sharded input."""
     stride, dilation = _pair(stride), _pair(dilation)
-    if isinstance(padding, str):
-        if padding == "valid":
-            pads = (0, 0, 0, 0)
-        else:  # 'same': one more on the bottom/right for even kernels, as PyTorch does
-            tot = [d * (k - 1) for d, k in zip(dilation, weight.shape[-2:], strict=True)]
-            pads = (tot[0] // 2, tot[0] - tot[0] // 2, tot[1] // 2, tot[1] - tot[1] // 2)
-    else:
-        ph, pw = _pair(padding)
-        pads = (ph, ph, pw, pw)
+    pads = conv2d_pads(padding, tuple(weight.shape[-2:]), dilation)
     return spatial_conv2d(input, weight, bias, stride, pads, dilation, groups, what="F.conv2d")

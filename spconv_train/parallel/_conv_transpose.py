@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
-from ._mode import register_function
+from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._window import saving_window_by_reference
@@ -135,7 +135,14 @@ def spatial_conv_transpose2d(
         )
     kw = weight.shape[-1]
     tp = plan_conv_transpose(
-        what, x.shape[3], layout.sp_size, kw, stride[1], dilation[1], padding[1], output_padding[1]
+        what,
+        x.shape[layout.dim],
+        layout.sp_size,
+        kw,
+        stride[1],
+        dilation[1],
+        padding[1],
+        output_padding[1],
     )
     rank = layout.sp_rank
     local = enter(x)
@@ -210,7 +217,7 @@ def _pair(v) -> tuple[int, int]:
     return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
-@register_function("conv_transpose2d")
+@register_handler(F.conv_transpose2d)  # torch.conv_transpose2d is the same object
 def _functional_conv_transpose2d(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ):

@@ -7,7 +7,7 @@ every implicit redistribution DTensor decides on is checked here: one that moves
 ``Shard`` of a non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes
 of it) raises ``SpatialShardingError`` naming the op, the module path and the way out;
 with ``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is
-logged and counted instead. Explicit ``redistribute()`` / ``full_tensor()`` calls in user
+logged and counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` / ``full_tensor()`` calls in user
 code are not implicit and stay allowed.
 
 This is the project's only use of DTensor dispatch internals: DTensor's dispatcher reports
@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 
 from ._geometry import SpatialShardingError
+from ._runtime import current_runtime
 
 log = logging.getLogger("spconv_train.parallel")
 
@@ -112,6 +113,9 @@ def _observe(cls, src_spec, dst_spec, message):
                 f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
             )
         GATHER_EVENTS.append(event)
+        stats = current_runtime().stats
+        stats.gathers += 1
+        stats.gathered_ops[op] = stats.gathered_ops.get(op, 0) + 1
         log.warning("allowed gather of a sharded activation in %s: %s", where, op)
     return _original(cls, src_spec, dst_spec, message)
 

@@ -1,12 +1,13 @@
 """Halo arithmetic along the width: who owns which columns, and which columns a window op reads.
 
-Everything here works in *global* column indices (see ``shared/DESIGN.md`` §3). Nothing
+Everything here works in *global* column indices (see ``docs/halo.md``). Nothing
 here communicates: every rank can compute every other rank's plan, which is what lets the
 exchange post matching sends and receives without a metadata round trip.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 Interval = tuple[int, int]
@@ -70,26 +71,41 @@ class ExchangePlan:
     needed: tuple[tuple[Interval, ...], ...]
     wrap: bool = False
 
+    # Plans are cached (plan_window & co.) and reused by every step: the pieces and sends
+    # of every rank are computed once per plan, not on each exchange.
+    @functools.cached_property
+    def _pieces(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        return tuple(
+            tuple(
+                (owner, max(lo, a), min(hi, b))
+                for lo, hi in self.needed[rank]
+                for owner, (a, b) in enumerate(self.owned)
+                if max(lo, a) < min(hi, b)
+            )
+            for rank in range(len(self.owned))
+        )
+
+    @functools.cached_property
+    def _sends(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        return tuple(
+            tuple(
+                (q, s, e)
+                for q in range(len(self.owned))
+                if q != rank
+                for owner, s, e in self._pieces[q]
+                if owner == rank
+            )
+            for rank in range(len(self.owned))
+        )
+
     def pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """``(owner, start, stop)`` pieces that make up ``rank``'s needed columns, in order."""
-        out = []
-        for lo, hi in self.needed[rank]:
-            for owner, (a, b) in enumerate(self.owned):
-                s, e = max(lo, a), min(hi, b)
-                if s < e:
-                    out.append((owner, s, e))
-        return out
+        return list(self._pieces[rank])
 
     def sends(self, rank: int) -> list[tuple[int, int, int]]:
         """``(receiver, start, stop)`` pieces that ``rank`` owns and others need, ordered by
         receiver and then by the receiver's piece order (so P2P messages match up)."""
-        return [
-            (q, s, e)
-            for q in range(len(self.owned))
-            if q != rank
-            for owner, s, e in self.pieces(q)
-            if owner == rank
-        ]
+        return list(self._sends[rank])
 
     def check_neighbours(self, what: str) -> None:
         """Raise unless every piece comes from the rank itself or a neighbouring rank."""

@@ -20,19 +20,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._geometry import ExchangePlan
-
-#: Seconds spent inside halo exchanges (forward and backward) in this process; the trainer
-#: reads and resets it to log communication time.
-HALO_SECONDS = [0.0]
+from ._runtime import SpatialStats, current_runtime
 
 
 def _p2p(
-    group: dist.ProcessGroup, sends: list[tuple[int, Tensor]], recvs: list[tuple[int, Tensor]]
+    group: dist.ProcessGroup,
+    sends: list[tuple[int, Tensor]],
+    recvs: list[tuple[int, Tensor]],
+    stats: SpatialStats,
 ) -> None:
     """Post every send and receive together and wait for all of them.
 
     Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
-    posting order, which both sides derive from the same ``ExchangePlan``.
+    posting order, which both sides derive from the same ``ExchangePlan``. Time, sent bytes
+    and messages are added to ``stats`` (the runtime's, captured in the forward).
     """
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
@@ -41,7 +42,9 @@ def _p2p(
     start = time.perf_counter()
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    HALO_SECONDS[0] += time.perf_counter() - start
+    stats.halo_seconds += time.perf_counter() - start
+    stats.halo_bytes += sum(t.numel() * t.element_size() for _, t in sends)
+    stats.halo_messages += len(sends)
 
 
 def _column_slice(x: Tensor, start: int, stop: int) -> Tensor:
@@ -56,6 +59,8 @@ class _GatherColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, plan, rank, group, pad_lo=0, pad_hi=0, value=0.0):
         ctx.plan, ctx.rank, ctx.group, ctx.pad_lo = plan, rank, group, pad_lo
+        # The backward runs after the model's forward returned: keep the runtime's stats.
+        ctx.stats = stats = current_runtime().stats
         ctx.local_shape = local.shape
         a = plan.owned[rank][0]
         pieces = plan.pieces(rank)
@@ -80,7 +85,7 @@ class _GatherColumns(torch.autograd.Function):
         sends = [
             (q, _column_slice(local, s - a, e - a).contiguous()) for q, s, e in plan.sends(rank)
         ]
-        _p2p(group, sends, recvs)
+        _p2p(group, sends, recvs, stats)
         for dst, buf in arrivals:
             dst.copy_(buf)
         return out
@@ -112,7 +117,7 @@ class _GatherColumns(torch.autograd.Function):
         ]
         # ... and the gradients of the columns it gave arrive here, to be added to its own.
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
-        _p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs])
+        _p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats)
         for _, buf, s, e in recvs:
             _column_slice(grad_local, s - a, e - a).add_(buf)
         return grad_local, None, None, None, None, None, None

@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor, Partial
 
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
-from ._mode import _HANDLERS, register_function
+from ._mode import register_handler
 from ._parallelize import register_spatial_module
+from ._runtime import current_runtime
 from ._sharding import enter, leave, spatial_layout, width_sharded_placements
 
 MODES = ("nearest", "nearest-exact", "bilinear")
@@ -283,7 +284,7 @@ def spatial_interpolate(
 
 def _area(x, out_hw: tuple[int, int], what: str):
     """``mode='area'`` is ``adaptive_avg_pool2d`` in torch: use its spatial handler if any."""
-    handler = _HANDLERS.get(id(torch.nn.functional.adaptive_avg_pool2d))
+    handler = current_runtime().registry.handler(torch.nn.functional.adaptive_avg_pool2d)
     if handler is None:
         raise SpatialShardingError(
             f"{what}: interpolate mode='area' is adaptive_avg_pool2d, which has no spatial "
@@ -327,7 +328,7 @@ class SpatialUpsamplingBilinear2d(_SpatialUpsampleMixin, nn.UpsamplingBilinear2d
     """``nn.UpsamplingBilinear2d`` on a width-sharded DTensor (see ``SpatialUpsample``)."""
 
 
-@register_function("interpolate")
+@register_handler(torch.nn.functional.interpolate)
 def _functional_interpolate(
     input,
     size=None,

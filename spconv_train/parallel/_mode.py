@@ -1,15 +1,15 @@
-"""Route functional calls on width-sharded DTensors to spatial implementations.
+"""Route torch calls on width-sharded DTensors to spatial handlers.
 
-Model code often calls ``F.interpolate``, ``F.adaptive_avg_pool2d``, ``F.conv2d`` directly
-(torchvision's segmentation heads do). While a parallelized model runs, ``SpatialMode`` (a
-``TorchFunctionMode``) sees every such call: when a DTensor is among the arguments it runs
-the registered spatial handler; ops registered as *refused* raise a clear error, because
+Model code often calls ``F.interpolate``, ``F.adaptive_avg_pool2d``, ``F.conv2d`` or Tensor
+methods like ``x.mean((2, 3))`` directly (torchvision's and timm's blocks do). While a
+parallelized model runs, ``SpatialMode`` (a ``TorchFunctionMode``) sees every such call:
+when a DTensor is among the arguments it runs the handler the runtime's registry holds for
+that function object; functions registered as *refused* raise a clear error, because
 DTensor's own handling of them on ``Shard(3)`` either gathers the whole activation or is
-silently wrong (see ``shared/DESIGN.md`` §2). Everything else passes through unchanged.
+silently wrong (see ``docs/halo.md``). Everything else passes through unchanged.
 
-Handlers are registered by op name (``register_function``), so each op module declares its
-own; the functional namespaces searched are ``torch``, ``torch.nn.functional`` and
-``torch._C._nn`` (checked against torch 2.14).
+``register_handler(*functions)`` is THE registration API: each op module declares its own
+handlers, keyed by the function objects (``_registry.py``).
 """
 
 from __future__ import annotations
@@ -22,57 +22,26 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ._geometry import SpatialShardingError
-
-_NAMESPACES = (F, torch, torch._C._nn)
-_HANDLERS: dict[int, Callable] = {}
-_REFUSED: dict[int, str] = {}
-_NAMES: dict[int, str] = {}
-
-
-def _functions(name: str) -> list:
-    found = [getattr(ns, name) for ns in _NAMESPACES if hasattr(ns, name)]
-    if not found:
-        raise KeyError(f"no torch function named {name!r}")
-    return found
-
-
-def register_function(*names: str) -> Callable[[Callable], Callable]:
-    """Decorator: run ``handler(*args, **kwargs)`` instead of the torch function(s) ``names``
-    whenever a DTensor is among the arguments while a parallelized model runs."""
-
-    def deco(handler: Callable) -> Callable:
-        for name in names:
-            for fn in _functions(name):
-                _HANDLERS[id(fn)] = handler
-                _NAMES[id(fn)] = name
-                _REFUSED.pop(id(fn), None)
-        return handler
-
-    return deco
+from ._registry import DEFAULT_REGISTRY
+from ._runtime import SpatialRuntime, activate, current_runtime
 
 
 def register_handler(*functions: Callable) -> Callable[[Callable], Callable]:
     """Decorator keyed by the function objects themselves (``torch.Tensor.mean``,
     ``F.pad``, ``torch.Tensor.__getitem__``, ...): run ``handler(*args, **kwargs)`` instead
     whenever a DTensor is among the arguments while a parallelized model runs. Tensor
-    methods reach ``SpatialMode`` as the unbound method objects of ``torch.Tensor``."""
+    methods reach ``SpatialMode`` as the unbound method objects of ``torch.Tensor``.
 
-    def deco(handler: Callable) -> Callable:
-        for fn in functions:
-            _HANDLERS[id(fn)] = handler
-            _NAMES[id(fn)] = getattr(fn, "__name__", repr(fn))
-            _REFUSED.pop(id(fn), None)
-        return handler
-
-    return deco
+    The handler receives the call's arguments unchanged (plain tensors and DTensors alike)
+    and must return what the function returns. Registers for every model; a runtime's own
+    ``runtime.registry.register(...)`` registers for one model only."""
+    return DEFAULT_REGISTRY.register(*functions)
 
 
-def refuse_function(name: str, reason: str) -> None:
-    """Make ``name`` raise on width-sharded DTensors (unless a handler is registered)."""
-    for fn in _functions(name):
-        if id(fn) not in _HANDLERS:
-            _REFUSED[id(fn)] = reason
-            _NAMES[id(fn)] = name
+def refuse_handler(*functions: Callable, reason: str) -> None:
+    """Make ``functions`` raise ``SpatialShardingError`` with ``reason`` on width-sharded
+    DTensors (functions that have a handler keep it)."""
+    DEFAULT_REGISTRY.refuse(*functions, reason=reason)
 
 
 def _has_dtensor(args, kwargs) -> bool:
@@ -85,23 +54,50 @@ def _has_dtensor(args, kwargs) -> bool:
 
 
 class SpatialMode(TorchFunctionMode):
-    """Active while a parallelized model runs its forward (``parallelize`` installs it)."""
+    """Active while a parallelized model runs its forward (``parallelize`` installs it);
+    makes ``runtime`` current and dispatches to its registry."""
+
+    def __init__(self, runtime: SpatialRuntime | None = None) -> None:
+        super().__init__()
+        self.runtime = runtime or current_runtime()
+        self._active = None
+
+    def __enter__(self):
+        self._active = activate(self.runtime)
+        self._active.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._active.__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = id(func)
-        if (key in _HANDLERS or key in _REFUSED) and _has_dtensor(args, kwargs):
-            if key in _HANDLERS:
-                return _HANDLERS[key](*args, **kwargs)
+        entry = self.runtime.registry.lookup(func)
+        if entry is not None and _has_dtensor(args, kwargs):
+            if entry.handler is not None:
+                return entry.handler(*args, **kwargs)
             raise SpatialShardingError(
-                f"torch.nn.functional.{_NAMES[key]} is not supported on a width-sharded "
-                f"DTensor: {_REFUSED[key]}"
+                f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
         return func(*args, **kwargs)
 
 
+def _named(name: str) -> list[Callable]:
+    """The distinct ``F``/``torch``/``torch._C._nn`` functions called ``name`` (only to build
+    the default refusal table below)."""
+    found = {}
+    for ns in (F, torch, torch._C._nn):
+        fn = getattr(ns, name, None)
+        if fn is not None:
+            found[id(fn)] = fn
+    return list(found.values())
+
+
 # Ops that DTensor would run by gathering the width or that would be wrong on strips; each
-# op module replaces its entries with a handler.
+# op module registers a handler for those it implements.
 for _name in (
     "conv1d",
     "conv3d",
@@ -134,9 +130,9 @@ for _name in (
     "nll_loss",
     "embedding",
 ):
-    refuse_function(
-        _name,
-        "no spatial implementation (it would gather the whole image or mix strips wrongly). "
-        "Use a supported layer, or run this part of the model on a gathered tensor explicitly "
-        "(x.full_tensor()).",
+    refuse_handler(
+        *_named(_name),
+        reason="no spatial implementation (it would gather the whole image or mix strips "
+        "wrongly). Use a supported layer, or run this part of the model on a gathered tensor "
+        "explicitly (x.full_tensor()).",
     )

@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from ._halo import sum_grad_over
-from ._mode import register_function
+from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 
@@ -314,36 +314,68 @@ class SpatialInstanceNorm2d(nn.InstanceNorm2d):
         return spatial_instance_norm(x, rm, rv, w, b, batch_stats, momentum, self.eps, _label(self))
 
 
-# The functional handlers. The names also cover ``torch.batch_norm`` / ``torch.instance_norm``
-# whose argument order differs (weight and bias first, plus a required ``cudnn_enabled``): a
-# ninth argument tells them apart.
-def _bind(args: tuple, kwargs: dict, flag: str) -> dict:
-    """Arguments of an ``F.*_norm`` or ``torch.*_norm`` call as keywords of ``spatial_*``."""
-    stats = ("running_mean", "running_var")
-    if "cudnn_enabled" in kwargs or len(args) + len(kwargs) == 9:
-        names = ("input", "weight", "bias", *stats, flag, "momentum", "eps", "cudnn_enabled")
-    else:
-        names = ("input", *stats, "weight", "bias", flag, "momentum", "eps")
-    bound = {**dict(zip(names, args, strict=False)), **kwargs}
-    bound.pop("cudnn_enabled", None)
-    bound["x"] = bound.pop("input")
-    return bound
+# The functional handlers: ``F.*_norm`` and ``torch.*_norm`` are different functions with
+# different argument orders (weight and bias first, plus a required ``cudnn_enabled``), so
+# each gets its own handler.
+@register_handler(F.batch_norm)
+def _functional_batch_norm(
+    input,
+    running_mean,
+    running_var,
+    weight=None,
+    bias=None,
+    training=False,
+    momentum=0.1,
+    eps=1e-5,
+):
+    """``F.batch_norm`` on a width-sharded input."""
+    args = (running_mean, running_var, weight, bias, training, momentum, eps)
+    return spatial_batch_norm(input, *args, what="F.batch_norm")
 
 
-@register_function("batch_norm")
-def _functional_batch_norm(*args, **kwargs):
-    """``F.batch_norm`` (or ``torch.batch_norm``) on a width-sharded input."""
-    return spatial_batch_norm(**_bind(args, kwargs, "training"), what="F.batch_norm")
+@register_handler(torch.batch_norm)
+def _torch_batch_norm(
+    input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
+):
+    """``torch.batch_norm`` on a width-sharded input."""
+    args = (running_mean, running_var, weight, bias, training, momentum, eps)
+    return spatial_batch_norm(input, *args, what="torch.batch_norm")
 
 
-@register_function("instance_norm")
-def _functional_instance_norm(*args, **kwargs):
-    """``F.instance_norm`` (or ``torch.instance_norm``) on a width-sharded input."""
-    bound = _bind(args, kwargs, "use_input_stats")
-    return spatial_instance_norm(**bound, what="F.instance_norm")
+@register_handler(F.instance_norm)
+def _functional_instance_norm(
+    input,
+    running_mean=None,
+    running_var=None,
+    weight=None,
+    bias=None,
+    use_input_stats=True,
+    momentum=0.1,
+    eps=1e-5,
+):
+    """``F.instance_norm`` on a width-sharded input."""
+    args = (running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+    return spatial_instance_norm(input, *args, what="F.instance_norm")
 
 
-@register_function("group_norm")
+@register_handler(torch.instance_norm)
+def _torch_instance_norm(
+    input,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    use_input_stats,
+    momentum,
+    eps,
+    cudnn_enabled,
+):
+    """``torch.instance_norm`` on a width-sharded input."""
+    args = (running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+    return spatial_instance_norm(input, *args, what="torch.instance_norm")
+
+
+@register_handler(F.group_norm, torch.group_norm)  # same leading arguments
 def _functional_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
     """``F.group_norm`` (or ``torch.group_norm``) on a width-sharded input."""
     return spatial_group_norm(input, num_groups, weight, bias, eps, "F.group_norm")

@@ -3,8 +3,10 @@
 The model code stays single-device. ``parallelize`` turns every supported spatial module
 into its spatial subclass *in place* (parameters, buffers, hooks and ``state_dict`` keys are
 untouched, and ``print(model)`` shows what will run sharded), refuses modules it cannot run
-with one error listing every offending module path, and makes the model's forward run under
-``SpatialMode`` so functional calls in model code are handled too.
+with one error listing every offending module path -- *before* it changes anything, so a
+refused model is left exactly as it was -- and makes the model's forward run under
+``SpatialMode`` with the model's ``SpatialRuntime`` so functional calls in model code are
+handled too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._mode import SpatialMode
+from ._runtime import SpatialOptions, SpatialRuntime
 
 _SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
 _REFUSED_MODULES: dict[type[nn.Module], str] = {
@@ -53,10 +56,12 @@ def refuse_module(base: type[nn.Module], reason: str) -> None:
 
 
 class _SpatialRoot:
-    """Mixin for the parallelized root module: its forward runs under ``SpatialMode``."""
+    """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
+    the model's runtime."""
 
     def forward(self, *args, **kwargs):
-        with SpatialMode(), gather_guard(getattr(self, "spatial_allow_gather", False)):
+        runtime = self.spatial_runtime
+        with SpatialMode(runtime), gather_guard(runtime.options.allow_gather):
             return super().forward(*args, **kwargs)
 
 
@@ -72,36 +77,50 @@ def _sp_mesh_dim(mesh: DeviceMesh) -> int:
     return names.index("sp")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, allow_gather: bool = False) -> nn.Module:
+def _refusals(model: nn.Module) -> list[str]:
+    """One line per module ``parallelize`` cannot run width-sharded."""
+    return [
+        f"  {path or '<root>'} ({type(m).__name__}): {_REFUSED_MODULES[type(m)]}"
+        for path, m in model.named_modules()
+        if type(m) in _REFUSED_MODULES
+    ]
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     """Make ``model`` run width-sharded over the ``"sp"`` dimension of ``mesh``.
 
-    Swaps supported layers in place and returns the same model object. Feed it a DTensor
-    with placement ``Shard(3)`` (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh); its output
-    equals the single-device output and, after ``backward``, every rank holds the
-    single-device parameter gradients. Raises ``SpatialShardingError`` naming every module
-    that cannot run width-sharded. An op that would make DTensor gather the width-sharded
-    activation raises ``SpatialShardingError`` at the first forward unless ``allow_gather``
-    (then it is logged and counted in ``GATHER_EVENTS``).
+    Swaps supported layers in place and returns the same model object, with a new
+    ``SpatialRuntime`` attached (``runtime_of(model)``: options and statistics). Feed it a
+    DTensor with placement ``Shard(3)`` (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh);
+    its output equals the single-device output and, after ``backward``, every rank holds
+    the single-device parameter gradients.
+
+    ``options`` are ``SpatialOptions`` fields: ``save_windows_by_reference`` (default True:
+    conv windows cost ~1/N of one device's activation memory), ``allow_gather`` (default
+    False: an op that would make DTensor move a width-sharded activation between ranks
+    raises ``SpatialShardingError`` naming the op and module; True: logged and counted in
+    the runtime's ``stats.gathers``). Raises
+    ``SpatialShardingError`` naming every module that cannot run width-sharded, before
+    changing anything; ``TypeError`` for an unknown option.
     """
+    opts = SpatialOptions.from_kwargs("parallelize", **options)
     _sp_mesh_dim(mesh)
-    problems = []
-    for path, module in model.named_modules():
-        kind = type(module)
-        if kind in _SPATIAL_MODULES:
-            module.__class__ = _SPATIAL_MODULES[kind]
-            module.spatial_name = path or type(model).__name__
-        elif kind in _REFUSED_MODULES:
-            problems.append(f"  {path or '<root>'} ({kind.__name__}): {_REFUSED_MODULES[kind]}")
+    problems = _refusals(model)
     if problems:
         raise SpatialShardingError(
             "parallelize: these modules cannot run on a width-sharded image:\n"
             + "\n".join(problems)
             + "\nReplace them in the model, or keep them out of the sharded part."
         )
+    for path, module in model.named_modules():
+        kind = type(module)
+        if kind in _SPATIAL_MODULES:
+            module.__class__ = _SPATIAL_MODULES[kind]
+            module.spatial_name = path or type(model).__name__
     if not isinstance(model, _SpatialRoot):
         root = type(model)
         model.__class__ = type(f"Spatial{root.__name__}", (_SpatialRoot, root), {})
     model.spatial_mesh = mesh
-    model.spatial_allow_gather = allow_gather
+    model.spatial_runtime = SpatialRuntime(mesh, opts)
     track_module_paths(model)
     return model

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ._geometry import SpatialShardingError
-from ._mode import register_function
+from ._mode import register_handler
+from ._registry import function_name
+from ._sharding import sharded_dim
 
 _ELEMENTWISE = (
     "relu",
@@ -56,17 +58,19 @@ def _local(x: DTensor, what: str) -> torch.Tensor:
     return x.to_local()
 
 
-def _make_local_handler(name: str):
-    fn = getattr(F, name)
+def _make_local_handler(fn):
+    """Handler running ``fn`` on the local strip. ``F`` functions take an ``inplace`` flag
+    that is cleared; the ``torch``/``torch._C._nn`` functions of the same name take none."""
     try:
         sig = inspect.signature(fn)
-    except ValueError:  # a builtin (e.g. gelu): no in-place flag to clear
+    except ValueError:  # a builtin (torch.relu, torch._C._nn.elu ...): no in-place flag
         sig = None
+    what = function_name(fn)
 
     def handler(input, *args, **kwargs):
         if not isinstance(input, DTensor):
             return fn(input, *args, **kwargs)
-        local = _local(input, f"F.{name}")
+        local = _local(input, what)
         if sig is None:
             return _wrap(input, fn(local, *args, **kwargs))
         bound = sig.bind(input, *args, **kwargs)
@@ -75,12 +79,16 @@ def _make_local_handler(name: str):
         bound.arguments["input"] = local
         return _wrap(input, fn(*bound.args, **bound.kwargs))
 
-    handler.__name__ = f"spatial_{name}"
+    handler.__name__ = f"spatial_{fn.__name__}"
     return handler
 
 
 for _name in _ELEMENTWISE:
-    register_function(_name)(_make_local_handler(_name))
+    # F.<name> and the torch / torch._C._nn function of that name, each with its own handler
+    for _ns in (F, torch, torch._C._nn):
+        _fn = getattr(_ns, _name, None)
+        if _fn is not None:
+            register_handler(_fn)(_make_local_handler(_fn))
 
 
 def _step_seed() -> int:
@@ -92,7 +100,7 @@ def _batch_part(x: DTensor) -> int:
     """Index of this rank's part of the batch (0 without data parallelism)."""
     part = 0
     for i, pl in enumerate(x.placements):
-        if pl.is_shard() and pl.dim == 0:
+        if sharded_dim(pl) == 0:
             part = part * x.device_mesh.size(i) + x.device_mesh.get_local_rank(i)
     return part
 
@@ -117,13 +125,13 @@ def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
     return _wrap(input, local * keep.to(local.dtype) / (1.0 - p))
 
 
-@register_function("dropout")
+@register_handler(F.dropout, torch.dropout)  # same leading arguments
 def _dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
     """Element-wise dropout of the local strip with a per-rank mask (see module docstring)."""
     return _drop(input, p, training, inplace, channels_only=False)
 
 
-@register_function("dropout2d")
+@register_handler(F.dropout2d)
 def _dropout2d(input, p: float = 0.5, training: bool = True, inplace: bool = False):
     """Channel dropout: one mask per (sample, channel), identical on every strip of an image."""
     return _drop(input, p, training, inplace, channels_only=True)

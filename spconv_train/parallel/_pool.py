@@ -26,10 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _mode
 from ._geometry import ExchangePlan, all_shard_bounds, check_strips, window_out_size
 from ._halo import gather_columns
-from ._mode import register_function
+from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
 from ._window import gather_window, plan_window, saving_plain_window
@@ -77,7 +76,7 @@ def spatial_max_pool2d(
         out = run_unsharded(x, layout, lambda t: F.max_pool2d(t, *args, True)[0])
         idx = F.max_pool2d(x.to_local().detach(), *args, True)[1]
         return out, leave(idx, layout, tuple(out.shape))
-    width, rank = x.shape[3], layout.sp_rank
+    width, rank = x.shape[layout.dim], layout.sp_rank
     wp, _ = _pool_plan(what, width, layout.sp_size, kw, sw, dw, pw, ceil_mode)
     local = enter(x)
     win = gather_window(local, wp, rank, layout.sp_group, "zeros", float("-inf"))
@@ -120,7 +119,7 @@ def spatial_avg_pool2d(
     if not layout.width_sharded:
         pool_args = (*args, (ph, pw), ceil_mode, count_include_pad, divisor_override)
         return run_unsharded(x, layout, lambda t: F.avg_pool2d(t, *pool_args))
-    height, width, rank = x.shape[2], x.shape[3], layout.sp_rank
+    height, width, rank = x.shape[2], x.shape[layout.dim], layout.sp_rank
     wp, pad_hi = _pool_plan(what, width, layout.sp_size, kw, sw, 1, pw, ceil_mode)
     win = gather_window(enter(x), wp, rank, layout.sp_group, "zeros", 0.0)
     # In the window every width-padding column is an ordinary zero column, so the local op's
@@ -233,7 +232,7 @@ def _adaptive_pool2d(x: DTensor, output_size, kind: str, return_indices: bool, w
         out = run_unsharded(x, layout, lambda t: pool(t, (oh, ow), True)[0])
         idx = pool(x.to_local().detach(), (oh, ow), True)[1]
         return out, leave(idx, layout, tuple(out.shape))
-    n, rank, group, width = layout.sp_size, layout.sp_rank, layout.sp_group, x.shape[3]
+    n, rank, group, width = layout.sp_size, layout.sp_rank, layout.sp_group, x.shape[layout.dim]
     local = enter(x)
     # A global pool (one output column) is Replicate even on one rank, so that flatten +
     # Linear heads see the same layout at every world size.
@@ -341,29 +340,34 @@ class SpatialAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
         return spatial_adaptive_max_pool2d(x, size, ri, what=_what(self))
 
 
-def _register(name: str, fn, pair_after: int = 0) -> None:
-    """Route the torch function(s) ``name`` to ``fn``. ``pair_after`` marks a
-    ``*_with_indices`` function: it returns (values, indices) whatever its ``return_indices``
-    (the positional after the first ``pair_after``) says."""
-    what = "F." + name.removesuffix("_with_indices")
+def _register(fn, *functions, pair_after: int = 0) -> None:
+    """Route ``functions`` to ``fn``. ``pair_after`` marks functions that always return
+    ``(values, indices)``: only their first ``pair_after`` positionals are geometry (the
+    ``*_with_indices`` forms carry a ``return_indices`` after them that they ignore)."""
+    what = "F." + functions[0].__name__.removesuffix("_with_indices")
 
     def handler(*args, **kwargs):
         if pair_after:
-            args, kwargs = args[:pair_after], {**kwargs, "return_indices": True}
+            args = args[:pair_after]
+            kwargs = {k: v for k, v in kwargs.items() if k != "return_indices"}
+            kwargs["return_indices"] = True
         return fn(*args, what=what, **kwargs)
 
-    register_function(name)(handler)
+    register_handler(*functions)(handler)
 
 
 # F.max_pool2d and F.adaptive_max_pool2d dispatch on return_indices: SpatialMode sees the
-# dispatcher itself (-> tensor or pair) or the *_with_indices function (-> always a pair).
-_register("max_pool2d", spatial_max_pool2d)
-_register("max_pool2d_with_indices", spatial_max_pool2d, 6)
-_register("avg_pool2d", spatial_avg_pool2d)
-_register("adaptive_avg_pool2d", spatial_adaptive_avg_pool2d)
-_register("adaptive_max_pool2d", spatial_adaptive_max_pool2d)
-_register("adaptive_max_pool2d_with_indices", spatial_adaptive_max_pool2d, 2)
-# torch._C._nn.adaptive_max_pool2d shares the name but always returns (values, indices).
-_mode._HANDLERS[id(torch._C._nn.adaptive_max_pool2d)] = _mode._HANDLERS[
-    id(F.adaptive_max_pool2d_with_indices)
-]
+# dispatcher itself (-> tensor or pair) or a function that always returns a pair
+# (F.*_with_indices, and torch._C._nn.adaptive_max_pool2d despite its name).
+_nn = torch._C._nn
+_register(spatial_max_pool2d, F.max_pool2d, torch.max_pool2d)
+_register(spatial_max_pool2d, F.max_pool2d_with_indices, _nn.max_pool2d_with_indices, pair_after=6)
+_register(spatial_avg_pool2d, F.avg_pool2d)  # torch._C._nn.avg_pool2d is the same object
+_register(spatial_adaptive_avg_pool2d, F.adaptive_avg_pool2d, _nn.adaptive_avg_pool2d)
+_register(spatial_adaptive_max_pool2d, F.adaptive_max_pool2d)
+_register(
+    spatial_adaptive_max_pool2d,
+    F.adaptive_max_pool2d_with_indices,
+    _nn.adaptive_max_pool2d,
+    pair_after=2,
+)

@@ -15,20 +15,67 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._geometry import SpatialShardingError
+from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 
-WIDTH_DIM = 3
+#: Tensor dimensions a spatial op accepts as sharded data today: the width of NCHW. Op code
+#: never uses this directly; it asks the layout (``layout.dim``), so sharding H and W
+#: together, or 3-D volumes, changes what ``spatial_layout`` records, not the ops.
+SPATIAL_DIMS = (3,)
 
 
-def _is_width_shard(p) -> bool:
-    return isinstance(p, Shard) and p.dim in (WIDTH_DIM, -1)
+def sharded_dim(placement) -> int | None:
+    """The tensor dimension ``placement`` splits across the ranks of its mesh dimension, or
+    ``None`` (``Replicate``, ``Partial``).
+
+    THE test for "is this sharded?": a ``_StridedShard`` (what ``x.flatten(2)`` of a
+    ``Shard(3)`` tensor becomes) splits its data too, but in torch 2.14 it is not a ``Shard``
+    subclass and its ``is_shard()`` is False; treating it as replicated silently drops the
+    sum of parameter gradients over the ranks."""
+    if placement.is_shard() or isinstance(placement, _StridedShard):
+        return placement.dim
+    return None
+
+
+def sharding_mesh_dims(placements) -> tuple[int, ...]:
+    """Mesh dimensions whose placement splits a tensor dimension (see ``sharded_dim``)."""
+    return tuple(i for i, p in enumerate(placements) if sharded_dim(p) is not None)
+
+
+def block_slices(shape: tuple[int, ...], placements, coords) -> tuple[slice, ...]:
+    """Slices of a global tensor of ``shape`` that the rank at mesh ``coords`` (one
+    ``(mesh dim size, index)`` per mesh dimension) holds under ``placements``: DTensor's
+    chunking (``shard_bounds``), mesh dimensions applied left to right. Raises
+    ``ValueError`` for placements without a simple block (``Partial``, ``_StridedShard``)."""
+    ranges = [[0, n] for n in shape]
+    for p, (size, index) in zip(placements, coords, strict=True):
+        if isinstance(p, Shard):
+            d = p.dim % len(shape)
+            lo, hi = ranges[d]
+            a, b = shard_bounds(hi - lo, size, index)
+            ranges[d] = [lo + a, lo + b]
+        elif not p.is_replicate():
+            raise ValueError(f"a {p} placement has no contiguous block per rank")
+    return tuple(slice(a, b) for a, b in ranges)
+
+
+def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
+    """``(size, index)`` of this rank along every dimension of ``mesh`` (for
+    ``block_slices``)."""
+    return [(mesh.size(i), mesh.get_local_rank(i)) for i in range(mesh.ndim)]
+
+
+def _is_spatial_shard(p, ndim: int) -> bool:
+    return isinstance(p, Shard) and p.dim % ndim in SPATIAL_DIMS
 
 
 @dataclass(frozen=True)
 class SpatialLayout:
-    """The mesh, the spatial mesh dimension and this rank's place in it."""
+    """How a spatial op's input is laid out: the mesh, its placements, the spatial ("sp")
+    mesh dimension, this rank's place in it, and which tensor dimensions hold data split
+    over the sp ranks (``dims``; ``(3,)``, the width of NCHW, today)."""
 
     mesh: DeviceMesh
     placements: tuple
@@ -36,6 +83,14 @@ class SpatialLayout:
     #: False when the width is replicated on the sp dimension (e.g. after global pooling):
     #: every rank holds whole rows, so window ops run the plain local op (``run_unsharded``).
     width_sharded: bool = True
+    #: tensor dimensions sharded as data over the sp mesh dimension
+    dims: tuple[int, ...] = SPATIAL_DIMS
+
+    @property
+    def dim(self) -> int:
+        """The tensor dimension split over the sp ranks (the width, 3, for NCHW)."""
+        (d,) = self.dims
+        return d
 
     @property
     def sp_size(self) -> int:
@@ -52,15 +107,13 @@ class SpatialLayout:
     @property
     def batch_dims(self) -> tuple[int, ...]:
         """Mesh dimensions that shard the batch (data parallel)."""
-        return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Shard))
+        return sharding_mesh_dims(self.placements)
 
     @property
     def grad_groups(self) -> tuple:
         """Groups over which a parameter gradient computed on the local data is a partial sum:
         every mesh dimension that shards the activation (width or batch)."""
-        return tuple(
-            self.mesh.get_group(i) for i, p in enumerate(self.placements) if isinstance(p, Shard)
-        )
+        return tuple(self.mesh.get_group(i) for i in sharding_mesh_dims(self.placements))
 
     @property
     def stat_groups(self) -> tuple:
@@ -77,7 +130,7 @@ def spatial_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
     if x.ndim != 4:
         raise SpatialShardingError(f"{what}: expected an NCHW tensor, got shape {tuple(x.shape)}")
     placements = tuple(x.placements)
-    sp_dims = [i for i, p in enumerate(placements) if _is_width_shard(p)]
+    sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
         sp = names.index("sp") if "sp" in names else 0 if x.device_mesh.ndim == 1 else None
@@ -95,7 +148,8 @@ def spatial_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
             f"spconv-train shards the width over exactly one ('sp')."
         )
     _check_other_dims(placements, sp_dims[0], what)
-    return x, SpatialLayout(x.device_mesh, placements, sp_dims[0])
+    dim = placements[sp_dims[0]].dim % x.ndim
+    return x, SpatialLayout(x.device_mesh, placements, sp_dims[0], dims=(dim,))
 
 
 def _check_other_dims(placements: tuple, sp_dim: int, what: str) -> None:
@@ -106,7 +160,7 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str) -> None:
                 f"dimension {i}; reducing it would move a whole activation. Redistribute to "
                 f"Shard/Replicate explicitly before this layer."
             )
-        if isinstance(p, Shard) and i != sp_dim and p.dim != 0:
+        if sharded_dim(p) not in (None, 0) and i != sp_dim:
             raise SpatialShardingError(
                 f"{what}: mesh dimension {i} shards tensor dim {p.dim}; only the batch (dim 0) "
                 f"may be sharded besides the width."
@@ -116,7 +170,7 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str) -> None:
 def width_sharded_placements(layout: SpatialLayout) -> tuple:
     """``layout``'s placements with the width sharded on the sp dimension."""
     new = list(layout.placements)
-    new[layout.sp_dim] = Shard(WIDTH_DIM)
+    new[layout.sp_dim] = Shard(layout.dim)
     return tuple(new)
 
 

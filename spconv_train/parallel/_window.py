@@ -25,14 +25,9 @@ from ._geometry import (
     window_out_size,
 )
 from ._halo import gather_columns
+from ._runtime import current_runtime
 
 PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
-
-#: Save conv / max-pool windows as (strip reference + halo columns) and rebuild them in the
-#: backward: activation memory per rank = single device / N, for one extra copy of the
-#: window per layer in the backward (about 4 % of a conv step on CPU, docs/benchmarks.md).
-#: Set to False to trade that memory for speed.
-SAVE_WINDOWS_BY_REFERENCE = True
 
 
 @dataclass(frozen=True)
@@ -221,12 +216,13 @@ def saving_window_by_reference(
 
     Without it, a convolution's saved input (strip + halo, a separate buffer) would sit next
     to the strip itself, saved by the op before it: twice the activation memory of one device.
+    A no-op when the current runtime's ``save_windows_by_reference`` option is off.
     """
 
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
     # is internal (checked against torch 2.14; tests/test_conv.py covers the chaining).
-    if not SAVE_WINDOWS_BY_REFERENCE:
+    if not current_runtime().options.save_windows_by_reference:
         yield
         return
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -39,7 +39,7 @@ from typing import Annotated
 
 import typer
 
-from spconv_train.verify._launch import launched_by_torchrun, run_torchrun
+from spconv_train.verify import launched_by_torchrun, run_torchrun
 
 __all__ = [
     "PAD_MULTIPLE",
@@ -119,7 +119,7 @@ def _load_config(kind: str, weights: Path, config_yaml: Path | None, overrides, 
 
 def _collect(inputs: Sequence[str | Path], masks_dir: str | Path | None) -> list[tuple]:
     """``(stem, image path, mask path or None)`` of every input image, sorted."""
-    from spconv_train.data._readers import IMAGE_EXTS, MASK_EXTS, index_folder
+    from spconv_train.data import IMAGE_EXTS, MASK_EXTS, index_folder
 
     found: dict[str, Path] = {}
     for item in map(Path, inputs):

@@ -19,13 +19,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import Shard
 
 from spconv_train.config import validate_for_world
-from spconv_train.data import DataError, strip_bounds
-from spconv_train.data._readers import (
+from spconv_train.data import (
+    DataError,
     check_mask_values,
     image_header,
     mask_header,
     read_image,
     read_mask,
+    strip_bounds,
 )
 from spconv_train.distributed import build_mesh
 from spconv_train.logging import class_colors
@@ -198,7 +199,7 @@ def run_predict(
             f"{weights}: cannot load into the model of the config ({cfg.model.name}, "
             f"{cfg.model.num_classes} classes): {type(exc).__name__}: {exc}"
         ) from exc
-    model = parallelize(model.to(device).eval(), mesh, cfg.parallel.allow_gather)
+    model = parallelize(model.to(device).eval(), mesh, allow_gather=cfg.parallel.allow_gather)
     predictor = _Predictor(cfg, model, mesh["sp"], device)
     with_masks = any(m is not None for _, _, m in images)
     cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)

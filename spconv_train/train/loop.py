@@ -41,7 +41,7 @@ from spconv_train.distributed import (
 )
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
-from spconv_train.parallel import HALO_SECONDS, parallelize
+from spconv_train.parallel import parallelize, runtime_of
 from spconv_train.train.data_feed import (
     MeshCoords,
     TrainFeed,
@@ -55,15 +55,11 @@ from spconv_train.train.optim import (
     build_loss,
     build_optimizer,
     build_scheduler,
-    clip_gradients,
     enable_activation_checkpointing,
 )
+from spconv_train.train.step import TrainingStopped, train_step
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose with a message for the user (exit code 1, no traceback)."""
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -167,8 +163,9 @@ def _log_val(run: _Run, step: int, scores: dict) -> None:
 
 def _rank_stats(run: _Run) -> list[tuple[float, float]]:
     """(peak memory MiB, halo seconds since the last call) of every rank."""
-    mine = (peak_memory_mb(run.info.device), HALO_SECONDS[0])
-    HALO_SECONDS[0] = 0.0
+    halo = runtime_of(run.model).stats
+    mine = (peak_memory_mb(run.info.device), halo.halo_seconds)
+    halo.reset()
     return gather_all(mine)
 
 
@@ -207,7 +204,7 @@ def train(
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
     _prepare_run_dir(cfg, remove, info)
-    model = parallelize(model.to(info.device), mesh, cfg.parallel.allow_gather)
+    model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(model)
     optimizer = build_optimizer(model, cfg.optimizer)
@@ -255,31 +252,25 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     model.train()
     step, scores, last_scores = start, None, {}
     loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
-    HALO_SECONDS[0] = 0.0
+    runtime_of(model).stats.reset()
     logger.progress_start(steps, initial=start)
     batches = iter(feed)
     while step < steps:
         batch = next(batches)
-        with run.autocast():
-            logits = model(batch.image)
-        loss = run.loss_fn(logits, batch.target)
-        value = float(loss.detach())  # the same on every rank (a global mean)
-        if not math.isfinite(value):
-            raise TrainingStopped(
-                f"non-finite loss ({value}) at step {step + 1}; stopping "
-                "without a checkpoint (lower optimizer.lr or check the data)"
-            )
-        loss.backward()
-        grad_norm = clip_gradients(params, cfg.optimizer.grad_clip)
-        if not math.isfinite(grad_norm):
-            raise TrainingStopped(
-                f"non-finite gradient norm ({grad_norm}) at step {step + 1}; "
-                "stopping without a checkpoint"
-            )
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        done = train_step(
+            model,
+            batch.image,
+            batch.target,
+            run.loss_fn,
+            optimizer,
+            scheduler,
+            params=params,
+            grad_clip=cfg.optimizer.grad_clip,
+            step=step,
+            autocast=run.autocast(),
+        )
+        value, grad_norm, lr = done.loss, done.grad_norm, done.lr
+        del done
         step += 1
         loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
         logger.progress_update(step, loss=value, lr=lr)
@@ -303,7 +294,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
         # Validation and checkpoints are not training: keep their time and halo traffic out
         # of the throughput and halo figures of the current logging interval.
-        paused, halo = time.perf_counter(), HALO_SECONDS[0]
+        paused, halo = time.perf_counter(), runtime_of(model).stats.snapshot()
         scores = None
         if step % t.val_every == 0 or step == steps:
             scores = last_scores = validate(run, step)
@@ -314,7 +305,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             metric = None if metric is None or math.isnan(metric) else metric
             ckpt.save(step, model, optimizer, scheduler=scheduler, extra=extra, metric=metric)
         tick += time.perf_counter() - paused
-        HALO_SECONDS[0] = halo
+        runtime_of(model).stats.restore(halo)
     logger.progress_stop()
     return _finish(run, ckpt, last_scores, step)
 

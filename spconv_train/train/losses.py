@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from spconv_train.parallel._geometry import shard_bounds
-from spconv_train.parallel._sharding import enter, spatial_layout
+from spconv_train.parallel import block_slices, enter, mesh_coords, sharded_dim, spatial_layout
 
 __all__ = [
     "LossInfo",
@@ -85,6 +84,8 @@ def _target_placements(like: DTensor) -> tuple:
         return tuple(like.placements)
     out = []
     for p in like.placements:
+        if sharded_dim(p) is not None and not isinstance(p, Shard):
+            raise ValueError(f"logits placed {like.placements}: {p} has no per-pixel target")
         if isinstance(p, Shard):
             d = p.dim % like.ndim
             if d == 1:
@@ -98,19 +99,6 @@ def _target_placements(like: DTensor) -> tuple:
 def _dense_shape(like: Tensor) -> tuple[int, ...]:
     shape = tuple(like.shape)
     return shape if len(shape) == 3 else shape[:1] + shape[2:]
-
-
-def _local_slices(global_shape: tuple, like: DTensor, placements: tuple) -> tuple[slice, ...]:
-    """This rank's part of ``global_shape`` under ``placements`` (DTensor's chunking, mesh
-    dimensions applied left to right)."""
-    ranges = [[0, n] for n in global_shape]
-    mesh = like.device_mesh
-    for i, p in enumerate(placements):
-        if isinstance(p, Shard):
-            lo, hi = ranges[p.dim]
-            a, b = shard_bounds(hi - lo, mesh.size(i), mesh.get_local_rank(i))
-            ranges[p.dim] = [lo + a, lo + b]
-    return tuple(slice(a, b) for a, b in ranges)
 
 
 def local_target(target: Tensor, like: Tensor) -> Tensor:
@@ -138,7 +126,7 @@ def local_target(target: Tensor, like: Tensor) -> Tensor:
     if tuple(target.shape) == lshape:
         return target
     if tuple(target.shape) == gshape:
-        local = target[_local_slices(gshape, like, placements)]
+        local = target[block_slices(gshape, placements, mesh_coords(like.device_mesh))]
         if tuple(local.shape) == lshape:
             return local
     raise ValueError(

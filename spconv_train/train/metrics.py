@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from spconv_train.parallel._sharding import spatial_layout
+from spconv_train.parallel import sharding_mesh_dims, spatial_layout
 
 from .losses import local_target
 
@@ -66,7 +66,7 @@ def metrics_from_confusion(matrix: Tensor) -> dict[str, float | list[float]]:
 def _shard_groups(x: DTensor) -> tuple:
     """Process groups of the mesh dimensions that shard ``x`` (hold different pixels)."""
     mesh = x.device_mesh
-    return tuple(mesh.get_group(i) for i, p in enumerate(x.placements) if isinstance(p, Shard))
+    return tuple(mesh.get_group(i) for i in sharding_mesh_dims(x.placements))
 
 
 class ConfusionMatrix:

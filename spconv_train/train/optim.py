@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from spconv_train.config import Config, OptimizerConfig, ScheduleConfig
-from spconv_train.parallel import SpatialMode
+from spconv_train.parallel import SpatialMode, current_runtime
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
 
 __all__ = [
@@ -136,13 +136,14 @@ def _checkpointed(block: nn.Module):
     """
     forward = block.forward
     in_forward = [False]  # True while the checkpointed call runs during the forward
+    runtime = [None]  # the model's runtime, seen in the forward (options, stats)
 
     def run(*args, **kwargs):
         if in_forward[0]:
             return forward(*args, **kwargs)
         saved = [b.detach().clone() for b in block.buffers()]  # recomputation in backward
         try:
-            with SpatialMode():
+            with SpatialMode(runtime[0]):
                 return forward(*args, **kwargs)
         finally:
             with torch.no_grad():
@@ -152,7 +153,7 @@ def _checkpointed(block: nn.Module):
     def wrapped(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to save or recompute
             return forward(*args, **kwargs)
-        in_forward[0] = True
+        in_forward[0], runtime[0] = True, current_runtime()
         try:
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
         finally:

@@ -34,7 +34,14 @@ if TYPE_CHECKING:
     from ._core import run_verify
     from ._report import VerifyReport
 
-__all__ = ["VerifyReport", "register", "run_verify", "verify_command"]
+__all__ = [
+    "VerifyReport",
+    "launched_by_torchrun",
+    "register",
+    "run_torchrun",
+    "run_verify",
+    "verify_command",
+]
 
 DEFAULT_STEPS = 3
 

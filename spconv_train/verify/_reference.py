@@ -16,29 +16,16 @@ from torch import Tensor, nn
 
 from spconv_train.config import Config
 from spconv_train.data import make_dp_sampler
-from spconv_train.parallel import shard_bounds
+from spconv_train.parallel import block_slices
 from spconv_train.train.data_feed import MeshCoords, load_train_strips
 from spconv_train.train.losses import dice_loss_reference
-from spconv_train.train.optim import build_optimizer, build_scheduler, clip_gradients
+from spconv_train.train.optim import build_optimizer, build_scheduler
+from spconv_train.train.step import train_step
 
 from ._compare import Check, Collector, floors
 from ._sharded import StepRecord, autocast, low
 
 __all__ = ["reference_run"]
-
-
-def _block(shape: tuple[int, ...], placements, coords: list[tuple[int, int]]) -> tuple:
-    """Slices of a global tensor of ``shape`` held by the rank at mesh ``coords``
-    (``(size, index)`` per mesh dimension) under ``placements`` (DTensor chunking)."""
-    ranges = [[0, n] for n in shape]
-    for p, (size, index) in zip(placements, coords, strict=True):
-        if p.is_shard():
-            lo, hi = ranges[p.dim]
-            a, b = shard_bounds(hi - lo, size, index)
-            ranges[p.dim] = [lo + a, lo + b]
-        elif not p.is_replicate():
-            raise ValueError(f"cannot compare a {p} DTensor strip by strip")
-    return tuple(slice(a, b) for a, b in ranges)
 
 
 def _coords_of(mesh, rank: int) -> list[tuple[int, int]]:
@@ -88,9 +75,9 @@ def _send_block(full: Tensor | None, mine: Tensor, placements, mesh, device) -> 
     if rank == 0:
         shape = tuple(full.shape)
         for r in range(1, world):
-            block = full[_block(shape, placements, _coords_of(mesh, r))]
+            block = full[block_slices(shape, placements, _coords_of(mesh, r))]
             dist.send(block.to(device, mine.dtype).contiguous(), dst=r)
-        return full[_block(shape, placements, _coords_of(mesh, 0))]
+        return full[block_slices(shape, placements, _coords_of(mesh, 0))]
     buf = torch.empty(mine.shape, dtype=mine.dtype, device=device)
     dist.recv(buf, src=0)
     return buf
@@ -150,19 +137,27 @@ def reference_run(ref, cfg, mesh, device, source, records, tols, reference, prec
             image, mask = _reference_batch(source, cfg, dp, rec.epoch, rec.position)
             dtype = torch.float64 if precision == "fp64" else image.dtype
             image, mask = image.to(device, dtype), mask.to(device)
-            with autocast(precision, device):
-                logits = ref(image)
-            out = loss_fn(logits, mask)
-            out.backward()
-            loss = float(out.detach())
-            grads = {  # copies: clipping below scales the gradients in place
-                n: None if p.grad is None else p.grad.detach().clone()
-                for n, p in ref.named_parameters()
-                if n in rec.grads
-            }
-            clip_gradients(trainable, cfg.optimizer.grad_clip)
-            optimizer.step()
-            scheduler.step()
+
+            def copy_grads(grads=grads, rec=rec):  # copies: clipping scales them in place
+                for n, p in ref.named_parameters():
+                    if n in rec.grads:
+                        grads[n] = None if p.grad is None else p.grad.detach().clone()
+
+            # the trainer's own step, on one device with the plain loss
+            done = train_step(
+                ref,
+                image,
+                mask,
+                loss_fn,
+                optimizer,
+                scheduler,
+                params=trainable,
+                grad_clip=cfg.optimizer.grad_clip,
+                step=step - 1,
+                autocast=autocast(precision, device),
+                after_backward=copy_grads,
+            )
+            logits, loss = done.logits, done.loss
             params = {n: p.detach() for n, p in ref.named_parameters()}
             buffers = dict(ref.named_buffers())
         if reference == "rank0":
@@ -185,9 +180,9 @@ def reference_run(ref, cfg, mesh, device, source, records, tols, reference, prec
                 buffers or None, {n: t.shape for n, t in rec.buffers.items()}, device
             )
         else:
-            image = image[_block(tuple(image.shape), rec.input_placements, me)]
+            image = image[block_slices(tuple(image.shape), rec.input_placements, me)]
             if rec.placements:
-                logits = logits[_block(tuple(logits.shape), rec.placements, me)]
+                logits = logits[block_slices(tuple(logits.shape), rec.placements, me)]
         col = Collector(step, tols, floors(precision))
         col.add("input", "input", rec.input, image)
         col.add("loss", "loss", torch.tensor(rec.loss), torch.tensor(loss))
@@ -199,6 +194,4 @@ def reference_run(ref, cfg, mesh, device, source, records, tols, reference, prec
         for n in rec.buffers:
             col.add("buffer", n, rec.buffers[n], buffers.get(n))
         checks += col.reduce(device)
-        if ref is not None:
-            optimizer.zero_grad(set_to_none=True)
     return checks

@@ -1,9 +1,11 @@
 """Phase 1 of ``run_verify``: the sharded training steps, recorded for the comparison.
 
 The model is the ``parallelize``d copy, fed by the trainer's own ``TrainFeed`` (each rank
-loads only its strip), with the trainer's loss, clipping, optimizer and schedule. Every step
-runs under ``CommAudit``; its input strip, logits strip, gradients (before clipping),
-parameters after the optimizer step and buffers are copied to the CPU.
+loads only its strip), with the trainer's loss, clipping, optimizer and schedule, and every
+step is the trainer's own ``train_step`` (so ``verify`` checks the code ``run`` executes,
+not a copy of it). Every step runs under ``CommAudit``; its input strip, logits strip,
+gradients (before clipping), parameters after the optimizer step and buffers are copied to
+the CPU.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from spconv_train.config import Config
-from spconv_train.parallel import HALO_SECONDS
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel import CommAudit, runtime_of
 from spconv_train.train.data_feed import TrainFeed, to_dtensor
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
-from spconv_train.train.optim import build_loss, build_optimizer, build_scheduler, clip_gradients
+from spconv_train.train.optim import build_loss, build_optimizer, build_scheduler
+from spconv_train.train.step import train_step
 
 __all__ = ["StepRecord", "autocast", "low", "sharded_run"]
 
@@ -104,19 +106,29 @@ def sharded_run(
                 batch.image.placements,
                 tuple(batch.image.shape),
             )
-        HALO_SECONDS[0] = 0.0
-        with CommAudit() as audit:
-            with autocast(precision, device):
-                logits = model(batch.image)
-            loss = loss_fn(logits, batch.target)
-            loss.backward()
+        halo = runtime_of(model).stats
+        halo.reset()
+
+        def record_grads(rec=rec):
             rec.grads = {n: None if p.grad is None else _cpu(p.grad) for n, p in named}
-            clip_gradients([p for _, p in named], cfg.optimizer.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+
+        with CommAudit() as audit:
+            done = train_step(
+                model,
+                batch.image,
+                batch.target,
+                loss_fn,
+                optimizer,
+                scheduler,
+                params=[p for _, p in named],
+                grad_clip=cfg.optimizer.grad_clip,
+                step=step,
+                autocast=autocast(precision, device),
+                after_backward=record_grads,
+            )
+        logits = done.logits
         shape = tuple(batch.image.shape)
-        rec.loss = float(loss.detach())
+        rec.loss = done.loss
         rec.input = _cpu(batch.image.to_local())
         rec.input_placements = tuple(batch.image.placements)
         if isinstance(logits, DTensor):
@@ -134,6 +146,6 @@ def sharded_run(
             f"step {step + 1} rank {dist.get_rank()}: {r.op} of shape {r.shape} ({r.numel:,} el.)"
             for r in audit.activation_sized(threshold, shapes)
         ]
-        comms.append((audit.summary(), HALO_SECONDS[0], flagged))
-        del logits, loss, batch
+        comms.append((audit.summary(), halo.halo_seconds, flagged))
+        del logits, done, batch
     return records, comms, shape

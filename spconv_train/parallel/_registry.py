@@ -1,0 +1,98 @@
+"""Handler registry keyed by the function object itself.
+
+A key is the very object model code calls: ``torch.nn.functional.conv2d``,
+``torch.batch_norm`` (a different object from ``F.batch_norm`` with a different signature,
+so it gets its own handler), ``torch._C._nn.adaptive_max_pool2d`` (always returns a pair,
+unlike ``F.adaptive_max_pool2d``), or an unbound Tensor method such as
+``torch.Tensor.mean`` (that is what ``__torch_function__`` receives for ``x.mean()``).
+No names, no argument counting: each function object says what it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the registry holds for one function: a handler, or a refusal reason."""
+
+    name: str
+    handler: Callable | None = None
+    refused: str | None = None
+
+
+def function_name(fn: Callable) -> str:
+    """A readable name for a torch function or Tensor method (``F.pad``, ``Tensor.mean``)."""
+    qual = getattr(fn, "__qualname__", "") or ""
+    name = getattr(fn, "__name__", None) or repr(fn)
+    module = getattr(fn, "__module__", None) or ""
+    if qual.startswith(("TensorBase.", "Tensor.")):
+        return f"Tensor.{name}"
+    if module.endswith("nn.functional"):
+        return f"F.{name}"
+    if module.startswith("torch._C._nn"):
+        return f"torch._C._nn.{name}"
+    return f"torch.{name}" if module.startswith("torch") or not module else f"{module}.{name}"
+
+
+class HandlerRegistry:
+    """Function object -> ``Entry``; lookups fall back to ``parent``."""
+
+    def __init__(self, parent: HandlerRegistry | None = None) -> None:
+        self.parent = parent
+        self._entries: dict[int, tuple[Callable, Entry]] = {}
+
+    def __deepcopy__(self, memo) -> HandlerRegistry:
+        # A deep-copied model gets its own entries but shares the parent (the default
+        # registry, where every op module registers).
+        new = HandlerRegistry(self.parent)
+        new._entries = dict(self._entries)
+        return new
+
+    def register(self, *functions: Callable) -> Callable[[Callable], Callable]:
+        """Decorator: run ``handler(*args, **kwargs)`` instead of each of ``functions``
+        whenever a DTensor is among the arguments while a parallelized model runs."""
+        if not functions or not all(callable(f) for f in functions):
+            raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
+
+        def deco(handler: Callable) -> Callable:
+            for fn in functions:
+                # The function object is kept alive with its id, so the id cannot be reused.
+                self._entries[id(fn)] = (fn, Entry(function_name(fn), handler=handler))
+            return handler
+
+        return deco
+
+    def refuse(self, *functions: Callable, reason: str, keep_handlers: bool = True) -> None:
+        """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
+        DTensors. A function that already has a handler keeps it unless not
+        ``keep_handlers``."""
+        for fn in functions:
+            old = self.lookup(fn)
+            if keep_handlers and old is not None and old.handler is not None:
+                continue
+            self._entries[id(fn)] = (fn, Entry(function_name(fn), refused=reason))
+
+    def lookup(self, fn: Callable) -> Entry | None:
+        """The entry for ``fn`` here or in a parent registry (``None`` if there is none)."""
+        found = self._entries.get(id(fn))
+        if found is not None:
+            return found[1]
+        return self.parent.lookup(fn) if self.parent is not None else None
+
+    def handler(self, fn: Callable) -> Callable | None:
+        """The handler registered for ``fn`` (``None`` if it is refused or unknown)."""
+        entry = self.lookup(fn)
+        return entry.handler if entry is not None else None
+
+    def functions(self) -> list[Callable]:
+        """Every function with an entry, this registry's and its parents'."""
+        mine = [fn for fn, _ in self._entries.values()]
+        theirs = self.parent.functions() if self.parent is not None else []
+        return mine + [fn for fn in theirs if id(fn) not in self._entries]
+
+
+#: The registry every op module registers into at import (``register_handler``).
+DEFAULT_REGISTRY = HandlerRegistry()

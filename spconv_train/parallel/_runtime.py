@@ -1,0 +1,133 @@
+"""The spatial runtime: options, statistics and handler registry of one parallelized model.
+
+``parallelize(model, mesh, **options)`` creates a ``SpatialRuntime`` and attaches it to the
+model (``runtime_of(model)``). While the model's forward runs, the runtime is *current*
+(``current_runtime()``): op code reads its options there (e.g. whether conv windows are
+saved by reference) and the halo exchange adds its time and bytes to its ``stats``. Ops
+called outside a parallelized model (a spatial function called directly, a test) see a
+process-wide default runtime with default options.
+
+Backward passes run after the forward has returned, so code that must account work to a
+runtime in the backward captures ``current_runtime()`` in the forward (``_halo.py`` keeps it
+on the autograd context).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ._registry import DEFAULT_REGISTRY, HandlerRegistry
+
+
+@dataclass(frozen=True)
+class SpatialOptions:
+    """Behaviour switches of a runtime (``parallelize`` keyword arguments)."""
+
+    #: Save conv / max-pool windows as (strip reference + halo columns) and rebuild them in
+    #: the backward: activation memory per rank = single device / N, for one extra copy of
+    #: the window per layer in the backward (about 4 % of a conv step on CPU,
+    #: docs/benchmarks.md). False trades that memory for speed.
+    save_windows_by_reference: bool = True
+    #: Let an op that would move a whole width-sharded activation between ranks do so
+    #: (counted in ``SpatialStats.gathers``, logged) instead of raising.
+    allow_gather: bool = False
+
+    @classmethod
+    def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:
+        """Options from keyword arguments; an unknown name raises ``TypeError`` naming the
+        valid ones (a typo must not silently fall back to a default)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{where}: unknown option(s) {unknown}; valid: {sorted(known)}")
+        return cls(**kwargs)
+
+
+@dataclass
+class SpatialStats:
+    """What the runtime measured since the last ``reset``: halo exchanges (forward and
+    backward) and, with ``allow_gather``, the activation gathers it let through."""
+
+    halo_seconds: float = 0.0
+    halo_bytes: int = 0
+    halo_messages: int = 0
+    gathers: int = 0
+    #: op name -> count of let-through gathers (filled by the no-silent-gather guard)
+    gathered_ops: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.halo_seconds, self.halo_bytes, self.halo_messages, self.gathers = 0.0, 0, 0, 0
+        self.gathered_ops = {}
+
+    def snapshot(self) -> SpatialStats:
+        """A copy (to read counters, then ``restore`` them after excluded work)."""
+        return dataclasses.replace(self, gathered_ops=dict(self.gathered_ops))
+
+    def restore(self, saved: SpatialStats) -> None:
+        """Set every counter back to ``saved``'s values."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(saved, f.name))
+        self.gathered_ops = dict(saved.gathered_ops)
+
+
+class SpatialRuntime:
+    """Options, statistics and handler registry shared by the ops of one model.
+
+    ``registry`` starts as a child of the default registry (the handlers every op module
+    registers with ``register_handler``): handlers registered on it apply to this model only.
+    """
+
+    def __init__(self, mesh=None, options: SpatialOptions | None = None) -> None:
+        self.mesh = mesh
+        self.options = options or SpatialOptions()
+        self.stats = SpatialStats()
+        self.registry = HandlerRegistry(parent=DEFAULT_REGISTRY)
+
+    def __deepcopy__(self, memo) -> SpatialRuntime:
+        # A deep-copied model (e.g. a reference copy) gets its own statistics and registry
+        # entries; the mesh (process groups) and the immutable options are shared.
+        new = SpatialRuntime(self.mesh, self.options)
+        new.registry = copy.deepcopy(self.registry, memo)
+        return new
+
+    def __repr__(self) -> str:
+        return f"SpatialRuntime(options={self.options}, stats={self.stats})"
+
+
+_DEFAULT_RUNTIME = SpatialRuntime()
+_ACTIVE: list[SpatialRuntime] = []
+
+
+def current_runtime() -> SpatialRuntime:
+    """The runtime of the parallelized model whose forward is running (the process-wide
+    default runtime outside one)."""
+    return _ACTIVE[-1] if _ACTIVE else _DEFAULT_RUNTIME
+
+
+@contextlib.contextmanager
+def activate(runtime: SpatialRuntime) -> Iterator[SpatialRuntime]:
+    """Make ``runtime`` current inside the ``with`` block (nests)."""
+    _ACTIVE.append(runtime)
+    try:
+        yield runtime
+    finally:
+        _ACTIVE.pop()
+
+
+def runtime_of(model: nn.Module) -> SpatialRuntime:
+    """The runtime ``parallelize`` attached to ``model``; raises ``ValueError`` for a model
+    that was not parallelized."""
+    runtime = getattr(model, "spatial_runtime", None)
+    if not isinstance(runtime, SpatialRuntime):
+        raise ValueError(
+            f"{type(model).__name__} was not parallelized: call "
+            f"spconv_train.parallel.parallelize(model, mesh) first"
+        )
+    return runtime
