@@ -7,8 +7,8 @@ every implicit redistribution DTensor decides on is checked here: one that moves
 ``Shard`` of a non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes
 of it) raises ``SpatialShardingError`` naming the op, the module path and the way out;
 with ``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is
-logged and counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` / ``full_tensor()`` calls in user
-code are not implicit and stay allowed.
+logged and counted (the runtime's ``stats.gathers``) instead. Explicit
+``redistribute()`` / ``full_tensor()`` calls in user code are not implicit and stay allowed.
 
 This is the project's only use of DTensor dispatch internals: DTensor's dispatcher reports
 every implicit redistribution to ``ExplicitRedistributionContext.observe_redistribution``
