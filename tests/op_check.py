@@ -3,10 +3,12 @@ that no activation moved by gather (``CommAudit``), in fp64."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from spconv_train.parallel import SpatialMode
+from spconv_train.parallel import SpatialMode, parallelize
 from spconv_train.parallel._comm_audit import CommAudit
 from tests.reference import check_close, full, seeded
 
@@ -17,7 +19,9 @@ def _first(y):
     return y[0] if isinstance(y, (tuple, list)) else y
 
 
-def check_fn(fn, x: torch.Tensor, dmesh, placements, label: str, failures: list[str], tol=TOL):
+def check_fn(
+    fn, x: torch.Tensor, dmesh, placements, label, failures, tol=TOL, param_shapes=frozenset()
+):
     """Run ``fn`` on ``x`` and on ``x`` distributed with ``placements`` (under
     ``SpatialMode``), backward a seeded upstream gradient through both, and append every
     mismatch (output, input gradient, output placements not plain, a gather-like collective)
@@ -43,6 +47,21 @@ def check_fn(fn, x: torch.Tensor, dmesh, placements, label: str, failures: list[
         check_close(f"{label} output[{i}]", full(o), r, tol, failures)
     check_close(f"{label} input grad", xs.grad, xr.grad, tol, failures)
     # an activation moved (tiny gathers of per-sample statistics are not flagged)
-    moved = audit.activation_sized(max(8, xs.to_local().numel() // 4))
+    moved = audit.activation_sized(max(8, xs.to_local().numel() // 4), param_shapes)
     if moved:
         failures.append(f"{label}: activation-sized collectives {moved}")
+
+
+def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures, tol=TOL):
+    """``check_fn`` for a module: the plain copy against a ``parallelize``d copy, and every
+    parameter gradient too."""
+    ref = copy.deepcopy(model)
+    par = parallelize(copy.deepcopy(model), dmesh)
+    shapes = {tuple(p.shape) for p in par.parameters()}
+
+    def run(t):
+        return (par if isinstance(t, DTensor) else ref)(t)
+
+    check_fn(run, x, dmesh, placements, label, failures, tol, shapes)
+    for (name, p), pr in zip(par.named_parameters(), ref.parameters(), strict=True):
+        check_close(f"{label} {name}.grad", p.grad, pr.grad, tol, failures)

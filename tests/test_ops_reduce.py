@@ -1,9 +1,11 @@
 """Reductions and statistics (sum, mean, amax, amin, var, std; functions and Tensor methods)
-over H, W, C or all dims of a width-sharded DTensor: exact in fp64, no activation gather."""
+and softmax / log_softmax / cumsum over H, W, C or all dims of a width-sharded DTensor:
+exact in fp64, no activation gather."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from tests.dist_harness import mesh
@@ -26,6 +28,11 @@ CASES = {
     "var unbiased false": lambda x: x.var(False),
     "var w biased": lambda x: x.var(3, False, True),
     "se block": lambda x: x * torch.sigmoid(x.mean((2, 3), keepdim=True)),
+    "softmax w": lambda x: torch.softmax(x, -1),
+    "log_softmax w": lambda x: F.log_softmax(x, dim=3),
+    "softmax c method": lambda x: x.softmax(1),
+    "cumsum w": lambda x: torch.cumsum(x, 3),
+    "cumsum h method": lambda x: x.cumsum(-2),
 }
 
 
@@ -46,7 +53,7 @@ def reduce_checks(shape: tuple[int, ...], width: int, names: tuple[str, ...]) ->
 
 def test_reductions_exact_without_gather(dist_pool):
     # every case at 3 ranks (uneven strips), a few at 1, 2 and on a (dp, sp) mesh
-    few = ("mean hw keepdim", "amax all", "std hw", "var w biased", "se block")
+    few = ("mean hw keepdim", "amax all", "std hw", "se block", "softmax w", "cumsum w")
     runs = ((3, (3,), 10, tuple(CASES)), (1, (1,), 7, few), (2, (2,), 9, few), (4, (2, 2), 11, few))
     for world, shape, width, names in runs:
         for failures in dist_pool.run(world, reduce_checks, shape, width, names):

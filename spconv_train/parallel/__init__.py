@@ -34,6 +34,7 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _pointwise,
     _pool,
     _reduce,
+    _scan,
     _slicing,
 )
 from ._comm_audit import CommAudit
