@@ -114,3 +114,21 @@ def test_encoder_weights_only_from_a_local_file(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
     with pytest.raises(FileNotFoundError, match="never download"):
         create_model("smp.Unet", num_classes=2, encoder_weights="imagenet", **kw)
+
+
+def test_smp_model_and_allow_gather_from_the_config():
+    from spconv_train.config import load_config
+    from spconv_train.train.loop import build_model
+
+    cfg = load_config(
+        None,
+        [
+            "model.name=smp.Unet",
+            "model.kwargs={encoder_name: resnet18, encoder_depth: 3, decoder_channels: [16, 8, 4]}",
+            "parallel.allow_gather=true",
+        ],
+    )
+    assert cfg.parallel.allow_gather is True
+    model = build_model(cfg)
+    assert type(model).__name__ == "Unet"
+    assert model(torch.zeros(1, 3, 32, 32)).shape == (1, cfg.model.num_classes, 32, 32)
