@@ -121,6 +121,9 @@ class ParallelConfig:
     naming the step and the collective it is stuck in (exit code 4): a rank that hangs or
     was stopped must not hang the job forever. Make it longer than the slowest phase.
     null: the SPCONV_TIMEOUT_S environment variable, else 600."""
+    allow_gather: bool = False
+    """Let an op without a spatial implementation gather the width-sharded activation
+    through DTensor (logged and counted) instead of refusing it (the default)."""
 
 
 @dataclass

@@ -6,7 +6,7 @@ works right after ``import spconv_train.models``. Parallelism is applied elsewhe
 """
 
 # Imported for their side effect: each module registers its models on import.
-from spconv_train.models import torchvision_models, unet  # noqa: F401
+from spconv_train.models import smp_models, torchvision_models, unet  # noqa: F401
 from spconv_train.models.registry import (
     UnknownModelError,
     WeightsLoadError,

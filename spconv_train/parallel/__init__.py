@@ -22,7 +22,21 @@ This package depends only on torch.
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from . import _conv, _conv_transpose, _interpolate, _linear, _norm, _pointwise, _pool  # noqa: F401
+from . import (  # noqa: F401  (op modules register their handlers on import)
+    _broadcast,
+    _channels,
+    _conv,
+    _conv_transpose,
+    _interpolate,
+    _linear,
+    _norm,
+    _pad,
+    _pointwise,
+    _pool,
+    _reduce,
+    _scan,
+    _slicing,
+)
 from ._comm_audit import CommAudit
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d

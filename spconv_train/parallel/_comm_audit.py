@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
@@ -60,6 +61,10 @@ class CommAudit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            # A DTensor op: let DTensor run it, so the collectives it issues inside (its
+            # redistributions) come back here as plain-tensor ops and are counted too.
+            return NotImplemented
         if func.namespace in _NAMESPACES:
             name = func.__name__.split(".")[0]
             if name not in _SKIP:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._mode import SpatialMode
 from ._runtime import SpatialOptions, SpatialRuntime
@@ -59,7 +60,8 @@ class _SpatialRoot:
     the model's runtime."""
 
     def forward(self, *args, **kwargs):
-        with SpatialMode(self.spatial_runtime):
+        runtime = self.spatial_runtime
+        with SpatialMode(runtime), gather_guard(runtime.options.allow_gather):
             return super().forward(*args, **kwargs)
 
 
@@ -95,7 +97,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
 
     ``options`` are ``SpatialOptions`` fields: ``save_windows_by_reference`` (default True:
     conv windows cost ~1/N of one device's activation memory), ``allow_gather`` (default
-    False: an op that would move a whole activation between ranks raises). Raises
+    False: an op that would make DTensor move a width-sharded activation between ranks
+    raises ``SpatialShardingError`` naming the op and module; True: logged and counted in
+    the runtime's ``stats.gathers``). Raises
     ``SpatialShardingError`` naming every module that cannot run width-sharded, before
     changing anything; ``TypeError`` for an unknown option.
     """
@@ -118,4 +122,5 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
         model.__class__ = type(f"Spatial{root.__name__}", (_SpatialRoot, root), {})
     model.spatial_mesh = mesh
     model.spatial_runtime = SpatialRuntime(mesh, opts)
+    track_module_paths(model)
     return model

@@ -218,7 +218,7 @@ def run_predict(
             f"{weights}: cannot load into the model of the config ({cfg.model.name}, "
             f"{cfg.model.num_classes} classes): {type(exc).__name__}: {exc}"
         ) from exc
-    model = parallelize(model.to(device).eval(), mesh)
+    model = parallelize(model.to(device).eval(), mesh, allow_gather=cfg.parallel.allow_gather)
     predictor = _Predictor(cfg, model, mesh["sp"], device)
     with_masks = any(m is not None for _, _, m in images)
     cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)

@@ -252,7 +252,7 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     dp, sp = validate_for_world(cfg, info.world_size)
     mesh = build_mesh(dp, sp, info.device.type)
     run_dir = Path(cfg.run_dir)
-    model = parallelize(model.to(info.device), mesh)
+    model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), mesh["sp"], info.device)
     _prepare_run_dir(cfg, remove, info, job)  # after every check: --overwrite deletes here
     if cfg.training.activation_checkpointing:

@@ -141,7 +141,7 @@ def run_verify(
     source, _, _ = build_sources(cfg)
     runs_ref = reference == "all" or rank == 0
     ref = copy.deepcopy(model) if runs_ref else None  # stays on the CPU during phase 1
-    sharded = parallelize(model.to(device), mesh)
+    sharded = parallelize(model.to(device), mesh, allow_gather=cfg.parallel.allow_gather)
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(sharded)
     _reset_peak(device)

@@ -1,0 +1,137 @@
+"""segmentation_models_pytorch (smp) architectures in the registry: ``smp.<Arch>``.
+
+``model.name: smp.Unet`` (or ``smp.FPN``, ``smp.DeepLabV3Plus``, ``smp.UPerNet``, ...) with
+``model.kwargs`` passed to ``smp.create_model`` (``encoder_name``, ``encoder_depth``,
+``decoder_channels``, ...). Nothing is ever downloaded: the encoder is built with
+``encoder_weights=None``; ``model.kwargs.encoder_weights: path/to/encoder.pt`` loads a
+local state dict into the encoder (``model.weights`` loads a whole model, as for every
+model). smp and timm are an optional dependency (``pip install .[smp]``, which
+``make install`` does); the error says so when they are missing.
+
+Encoders built on global self-attention (Mix Transformer ``mit_b*``, ViT/Swin-style timm
+encoders) are refused here: every output pixel reads every pixel of the image, which a
+width-sharded run could only do by gathering the whole activation on every rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spconv_train.models.registry import WeightsLoadError, register_model
+
+ARCHITECTURES = (
+    "Unet",
+    "UnetPlusPlus",
+    "FPN",
+    "PSPNet",
+    "DeepLabV3",
+    "DeepLabV3Plus",
+    "Linknet",
+    "MAnet",
+    "PAN",
+    "UPerNet",
+    "Segformer",
+    "DPT",
+)
+#: Encoder name prefixes built on global self-attention (refused, see the module docstring).
+GLOBAL_ATTENTION_ENCODERS = ("mit_", "tu-vit", "tu-deit", "tu-swin", "tu-mvit", "tu-eva", "tu-beit")
+#: Architectures whose *decoder* attends over all pixels.
+GLOBAL_ATTENTION_ARCHS = {
+    "MAnet": "its position-attention block (flatten every pixel, matmul)",
+    "DPT": "it needs a ViT encoder",
+}
+
+
+def _smp():
+    try:
+        import segmentation_models_pytorch as smp
+    except ImportError as exc:  # pragma: no cover - the extra is installed by make install
+        raise ImportError(
+            "smp models need segmentation_models_pytorch and timm: pip install '.[smp]' "
+            "(make install does it)"
+        ) from exc
+    return smp
+
+
+def _check_encoder(arch: str, encoder: str) -> None:
+    why = GLOBAL_ATTENTION_ARCHS.get(arch)
+    if encoder.startswith(GLOBAL_ATTENTION_ENCODERS):
+        why = f"encoder {encoder!r} uses global self-attention"
+    if why:
+        raise ValueError(
+            f"model smp.{arch}: {why}: every output pixel reads every pixel of the image, so "
+            f"a width-sharded run would have to gather the whole activation on every rank. "
+            f"Use a convolutional encoder (model.kwargs.encoder_name: resnet34, "
+            f"efficientnet-b0, tu-convnext_atto, ...) or another architecture."
+        )
+
+
+def _load_encoder(model: nn.Module, path: str | Path) -> None:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"model.kwargs.encoder_weights: {str(path)!r} is not a file. smp models never "
+            f"download weights: give a local state-dict file of the encoder (or null)."
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = state.get("model", state) if isinstance(state, dict) else state
+        model.encoder.load_state_dict(state, strict=True)
+    except Exception as exc:
+        raise WeightsLoadError(f"could not load encoder weights {str(path)!r}: {exc}") from exc
+
+
+def _pixel_mlp_class(base: type) -> type:
+    """smp Segformer's ``MLP`` (``flatten(2).transpose(1, 2)`` -> ``Linear`` -> back) as the
+    same per-pixel ``Linear`` on a channels-last view: identical values and parameters, but
+    no flattening of the sharded width into the pixel axis (which a width-sharded run could
+    only follow by moving the activation)."""
+
+    class PixelMLP(base):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    PixelMLP.__name__ = PixelMLP.__qualname__ = f"Pixel{base.__name__}"
+    return PixelMLP
+
+
+def _channels_last_mlps(model: nn.Module) -> None:
+    try:
+        from segmentation_models_pytorch.decoders.segformer.decoder import MLP
+    except ImportError:  # pragma: no cover - other smp versions
+        return
+    pixel = _pixel_mlp_class(MLP)
+    for module in model.modules():
+        if type(module) is MLP:
+            module.__class__ = pixel
+
+
+def _builder(arch: str):
+    def build(*, num_classes: int, in_channels: int = 3, **kwargs) -> nn.Module:
+        encoder = kwargs.pop("encoder_name", "resnet34")
+        weights = kwargs.pop("encoder_weights", None)
+        _check_encoder(arch, encoder)
+        smp = _smp()
+        model = smp.create_model(
+            arch,
+            encoder_name=encoder,
+            encoder_weights=None,  # never download
+            in_channels=in_channels,
+            classes=num_classes,
+            **kwargs,
+        )
+        _channels_last_mlps(model)
+        if weights is not None:
+            _load_encoder(model, weights)
+        return model
+
+    build.__name__ = f"smp_{arch}"
+    build.__doc__ = f"smp.{arch} (``model.kwargs`` go to ``smp.create_model``)."
+    return build
+
+
+for _arch in ARCHITECTURES:
+    register_model(f"smp.{_arch}")(_builder(_arch))

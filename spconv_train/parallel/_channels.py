@@ -1,0 +1,159 @@
+"""Ops over channels (or other unsharded dims) on a sharded DTensor, run per strip:
+``F.layer_norm`` over trailing unsharded dims (channels-last LayerNorm after a permute, as in
+timm's ``LayerNorm2d`` / ConvNeXt), ``F.prelu``, ``chunk``/``split`` along an unsharded
+dim, and ``pixel_shuffle`` / ``pixel_unshuffle`` (which move columns between strips).
+
+Normalising over C (or applying a per-channel slope) is per pixel, so it is exact on each
+strip; the weight and bias gradients are partial sums over the strip, completed over the
+mesh dimensions that shard the activation (``sum_grad_over``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from ._broadcast import _local_part
+from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._geometry import ExchangePlan, all_shard_bounds
+from ._halo import gather_columns, sum_grad_over
+from ._mode import register_handler
+from ._parallelize import register_spatial_module
+from ._sharding import enter, leave, spatial_layout
+from ._window import gather_window, plan_window
+
+
+def _groups(x: DTensor) -> tuple:
+    return tuple(x.device_mesh.get_group(i) for i in sharded_dims(x).values())
+
+
+@register_handler(F.layer_norm, torch.layer_norm)
+def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
+    """``F.layer_norm`` over trailing dims that are not sharded: local on each strip."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    if not handled(input) or any(d >= input.ndim - k for d in sharded_dims(input)):
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)  # DTensor's rules
+    g = _groups(input)
+    out = F.layer_norm(
+        input.to_local(), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
+    )
+    return wrap(out, input, input.placements, input.shape)
+
+
+@register_handler(F.prelu, torch.prelu)
+def spatial_prelu(input, weight):
+    """``F.prelu`` (one slope per channel, dim 1, or one for all): local on each strip.
+    DTensor has no sharding rule for its backward (``_prelu_kernel_backward``)."""
+    if not handled(input) or (input.ndim > 1 and 1 in sharded_dims(input)):
+        return F.prelu(input, weight)
+    out = F.prelu(input.to_local(), sum_grad_over(weight, _groups(input)))
+    return wrap(out, input, input.placements, input.shape)
+
+
+@register_spatial_module(nn.PReLU)
+class SpatialPReLU(nn.PReLU):
+    """``nn.PReLU`` (calls ``F.prelu``, handled above; the swap makes it visible)."""
+
+
+def _pieces(func, x, arg, dim, **kwargs):
+    d = norm_dim(dim, x.ndim)
+    if not handled(x) or d in sharded_dims(x):
+        return func(x, arg, dim, **kwargs)
+    metas = func(torch.empty(x.shape, device="meta"), arg, d)
+    locals_ = func(x.to_local(), arg, d)
+    return tuple(wrap(t, x, x.placements, m.shape) for t, m in zip(locals_, metas, strict=True))
+
+
+@register_handler(torch.chunk, Tensor.chunk)
+def spatial_chunk(input, chunks, dim=0):
+    """``chunk`` along an unsharded dim (e.g. channels): local, same placements."""
+    return _pieces(torch.chunk, input, chunks, dim)
+
+
+@register_handler(torch.split, Tensor.split)
+def spatial_split(tensor, split_size_or_sections, dim=0):
+    """``split`` along an unsharded dim (e.g. channels): local, same placements."""
+    return _pieces(torch.split, tensor, split_size_or_sections, dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _shuffle_plan(width: int, parts: int, r: int) -> ExchangePlan:
+    """Input columns each rank needs for its chunk of the ``width * r`` shuffled columns."""
+    owned = all_shard_bounds(width, parts)
+    needed = tuple(
+        ((o0 // r, -(-o1 // r)),) if o1 > o0 else ()
+        for o0, o1 in all_shard_bounds(width * r, parts)
+    )
+    return ExchangePlan(width, tuple(owned), needed)
+
+
+@register_handler(F.pixel_shuffle, torch.pixel_shuffle)
+def spatial_pixel_shuffle(input, upscale_factor):
+    """``pixel_shuffle``: output column ``j`` comes from input column ``j // r``; each rank
+    fetches the input columns of its output chunk (P2P) and shuffles locally."""
+    if not handled(input) or input.ndim != 4:
+        return F.pixel_shuffle(input, upscale_factor)
+    x, layout = spatial_layout(input, "F.pixel_shuffle")
+    r = int(upscale_factor)
+    shape = F.pixel_shuffle(torch.empty(x.shape, device="meta"), r).shape
+    if not layout.width_sharded:
+        return leave(F.pixel_shuffle(enter(x), r), layout, tuple(shape))
+    plan = _shuffle_plan(x.shape[3], layout.sp_size, r)
+    g = gather_columns(enter(x), plan, layout.sp_rank, layout.sp_group)
+    o0, o1 = all_shard_bounds(x.shape[3] * r, layout.sp_size)[layout.sp_rank]
+    out = F.pixel_shuffle(g, r)
+    out = out.narrow(-1, o0 - (o0 // r) * r, o1 - o0) if o1 > o0 else out.narrow(-1, 0, 0)
+    return leave(out, layout, tuple(shape))
+
+
+@register_handler(F.pixel_unshuffle, torch.pixel_unshuffle)
+def spatial_pixel_unshuffle(input, downscale_factor):
+    """``pixel_unshuffle``: a window op of kernel = stride = r along the width."""
+    if not handled(input) or input.ndim != 4:
+        return F.pixel_unshuffle(input, downscale_factor)
+    x, layout = spatial_layout(input, "F.pixel_unshuffle")
+    r = int(downscale_factor)
+    shape = F.pixel_unshuffle(torch.empty(x.shape, device="meta"), r).shape
+    if not layout.width_sharded:
+        return leave(F.pixel_unshuffle(enter(x), r), layout, tuple(shape))
+    wp = plan_window("F.pixel_unshuffle", x.shape[3], layout.sp_size, r, r, 1, 0, 0)
+    win = gather_window(enter(x), wp, layout.sp_rank, layout.sp_group)
+    return leave(F.pixel_unshuffle(win, r), layout, tuple(shape))
+
+
+@register_spatial_module(nn.PixelShuffle)
+class SpatialPixelShuffle(nn.PixelShuffle):
+    """``nn.PixelShuffle`` (calls ``F.pixel_shuffle``, handled above)."""
+
+
+@register_spatial_module(nn.PixelUnshuffle)
+class SpatialPixelUnshuffle(nn.PixelUnshuffle):
+    """``nn.PixelUnshuffle`` (calls ``F.pixel_unshuffle``, handled above)."""
+
+
+@register_handler(torch.cat, torch.concat, torch.concatenate)
+def spatial_cat(tensors, dim=0, **kwargs):
+    """``torch.cat`` along an unsharded dim (skips on channels): local, same placements.
+    Plain tensors among them (e.g. timm encoders' empty dummy features) are global values:
+    each rank takes the part that meets its strip."""
+    first = next((t for t in tensors if isinstance(t, DTensor)), None)
+    d = norm_dim(kwargs.pop("axis", dim), first.ndim) if first is not None else dim
+    ok = (
+        first is not None
+        and not kwargs
+        and handled(first)
+        and d not in sharded_dims(first)
+        and all(
+            not isinstance(t, DTensor) or (handled(t) and t.placements == first.placements)
+            for t in tensors
+        )
+    )
+    if not ok:
+        return torch.cat(tensors, dim, **kwargs)
+    parts = [t.to_local() if isinstance(t, DTensor) else _local_part(t, first) for t in tensors]
+    shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
+    return wrap(torch.cat(parts, d), first, first.placements, shape)

@@ -1,0 +1,151 @@
+"""Reductions and statistics over any dimensions of a sharded DTensor: ``sum``, ``mean``,
+``amax``, ``amin``, ``var``, ``std`` (functions and Tensor methods, any ``dim``/``keepdim``).
+
+timm's squeeze-excitation blocks call ``x.mean((2, 3), keepdim=True)`` on the activation;
+DTensor would answer with a ``Partial`` (or all-to-all the activation first). Here each rank
+reduces its own part and small all-reduces of the per-part results (sums, maxima, element
+counts; variances in two passes: global mean, then squared deviations) over the mesh
+dimensions that shard a reduced dimension give the exact value, replicated there. A
+reduction that keeps the sharded dims (over C, say) is purely local and stays sharded.
+
+Gradients: sums go through ``_SumReplicated`` (identity backward: the replicated output's
+gradient reaches every rank whole); ``amax``/``amin`` spread the gradient evenly over all
+elements equal to the extreme value on every rank, as torch does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._mode import register_handler
+from ._pool import _SumReplicated
+
+
+def _dims(dim, ndim: int) -> tuple[int, ...]:
+    if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
+        return tuple(range(ndim))
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(sorted({norm_dim(int(d), ndim) for d in dims}))
+
+
+def _sum_over(t: Tensor, groups: list) -> Tensor:
+    for g in groups:
+        if dist.get_world_size(g) > 1:
+            t = _SumReplicated.apply(t, g)
+    return t
+
+
+def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
+    out = []
+    for p in x.placements:
+        if isinstance(p, Shard):
+            d = norm_dim(p.dim, x.ndim)
+            if d in dims:
+                out.append(Replicate())
+            else:
+                out.append(Shard(d if keepdim else d - sum(1 for r in dims if r < d)))
+        else:
+            out.append(p)
+    return out
+
+
+def _extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
+    """amax/amin with torch's gradient: spread evenly over every element equal to the
+    extreme value (on every rank)."""
+    ext = torch.amax if kind == "max" else torch.amin
+    fill = float("-inf") if kind == "max" else float("inf")
+    if local.numel():
+        m = ext(local.detach(), dims, keepdim=True)
+    else:  # an empty strip holds no candidate
+        m = local.detach().sum(dims, keepdim=True).fill_(fill)
+    for g in groups:
+        dist.all_reduce(m, dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN, group=g)
+    hit = local.detach() == m
+    count = hit.sum(dims, keepdim=True).to(local.dtype)
+    for g in groups:
+        dist.all_reduce(count, group=g)
+    part = torch.where(hit, local, torch.zeros((), dtype=local.dtype)).sum(dims, keepdim=True)
+    return _sum_over(part / count, groups)
+
+
+def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
+    """``kind`` in sum, mean, amax, amin, var, std over ``dim`` of a sharded DTensor, exact
+    and differentiable. ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
+    dims = _dims(dim, x.ndim)
+    where = sharded_dims(x)
+    groups = [x.device_mesh.get_group(where[d]) for d in dims if d in where]
+    local = x.to_local()
+    count = math.prod(x.shape[d] for d in dims)
+    if kind in ("sum", "mean"):
+        out = _sum_over(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
+        out = out / count if kind == "mean" else out
+    elif kind in ("amax", "amin"):
+        out = _extreme(local, dims, groups, kind[1:])
+    else:
+        # The mean's own gradient contribution is zero (deviations sum to zero), so it
+        # is detached: each rank would only see its part of that zero sum.
+        mean = _sum_over(local.detach().sum(dims, keepdim=True), groups) / count
+        sq = _sum_over((local - mean).square().sum(dims, keepdim=True), groups)
+        out = sq / (count - opts.get("correction", 1))
+        out = out.sqrt() if kind == "std" else out
+    if not keepdim:
+        out = out.squeeze(dims) if dims else out
+    shape = [n for d, n in enumerate(x.shape) if keepdim or d not in dims]
+    if keepdim:
+        shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+    return wrap(out, x, _out_placements(x, dims, keepdim), shape)
+
+
+def _fallback(func, args, kwargs):
+    # Not a plain Shard/Replicate DTensor: DTensor's own rules (the no-gather guard watches).
+    return func(*args, **kwargs)
+
+
+def _sum_like(kind: str, func):
+    def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
+        if not handled(input) or out is not None:
+            kw = {"dtype": dtype} if dtype is not None else {}
+            return _fallback(func, (input, *(() if dim is None else (dim, keepdim))), kw)
+        return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
+
+    return handler
+
+
+def _extreme_like(kind: str, func):
+    def handler(input, dim=(), keepdim=False, *, out=None):
+        if not handled(input) or out is not None:
+            return _fallback(func, (input, dim, keepdim), {})
+        return reduce_sharded(input, kind, dim, keepdim)
+
+    return handler
+
+
+def _var_like(kind: str, func):
+    def handler(input, dim=None, unbiased=None, keepdim=False, *, correction=None, out=None):
+        if isinstance(dim, bool):  # the x.var(unbiased) overload
+            dim, unbiased = None, dim
+        if correction is None:
+            correction = 0 if unbiased is False else 1
+        if not handled(input) or out is not None:
+            return _fallback(func, (input, dim), {"correction": correction, "keepdim": keepdim})
+        return reduce_sharded(input, kind, dim, keepdim, correction=correction)
+
+    return handler
+
+
+for _kind, _make in (
+    ("sum", _sum_like),
+    ("mean", _sum_like),
+    ("amax", _extreme_like),
+    ("amin", _extreme_like),
+    ("var", _var_like),
+    ("std", _var_like),
+):
+    for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
+        register_handler(_fn)(_make(_kind, _fn))

@@ -1,0 +1,67 @@
+"""Check a function on a sharded DTensor against the plain op: value, input gradient, and
+that no activation moved by gather (``CommAudit``), in fp64."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from spconv_train.parallel import SpatialMode, parallelize
+from spconv_train.parallel._comm_audit import CommAudit
+from tests.reference import check_close, full, seeded
+
+TOL = 1e-10
+
+
+def _first(y):
+    return y[0] if isinstance(y, (tuple, list)) else y
+
+
+def check_fn(
+    fn, x: torch.Tensor, dmesh, placements, label, failures, tol=TOL, param_shapes=frozenset()
+):
+    """Run ``fn`` on ``x`` and on ``x`` distributed with ``placements`` (under
+    ``SpatialMode``), backward a seeded upstream gradient through both, and append every
+    mismatch (output, input gradient, output placements not plain, a gather-like collective)
+    to ``failures``. Tuple outputs: every element is compared, the first is differentiated."""
+    xr = x.clone().requires_grad_()
+    yr = fn(xr)
+    shape = _first(yr).shape
+    g = seeded(99, max(shape.numel(), 1), dtype=x.dtype)[: shape.numel()].reshape(shape)
+    _first(yr).backward(g)
+    xs = distribute_tensor(x.clone(), dmesh, placements).requires_grad_()
+    with CommAudit() as audit, SpatialMode():
+        ys = fn(xs)
+    outs = ys if isinstance(ys, (tuple, list)) else (ys,)
+    if not all(isinstance(o, DTensor) for o in outs):
+        failures.append(f"{label}: output is not a DTensor")
+        return
+    gs = distribute_tensor(g, dmesh, outs[0].placements)
+    with CommAudit() as back:
+        outs[0].backward(gs)
+    audit.records += back.records
+    refs = yr if isinstance(yr, (tuple, list)) else (yr,)
+    for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
+        check_close(f"{label} output[{i}]", full(o), r, tol, failures)
+    check_close(f"{label} input grad", xs.grad, xr.grad, tol, failures)
+    # an activation moved (tiny gathers of per-sample statistics are not flagged)
+    moved = audit.activation_sized(max(8, xs.to_local().numel() // 4), param_shapes)
+    if moved:
+        failures.append(f"{label}: activation-sized collectives {moved}")
+
+
+def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures, tol=TOL):
+    """``check_fn`` for a module: the plain copy against a ``parallelize``d copy, and every
+    parameter gradient too."""
+    ref = copy.deepcopy(model)
+    par = parallelize(copy.deepcopy(model), dmesh)
+    shapes = {tuple(p.shape) for p in par.parameters()}
+
+    def run(t):
+        return (par if isinstance(t, DTensor) else ref)(t)
+
+    check_fn(run, x, dmesh, placements, label, failures, tol, shapes)
+    for (name, p), pr in zip(par.named_parameters(), ref.parameters(), strict=True):
+        check_close(f"{label} {name}.grad", p.grad, pr.grad, tol, failures)
