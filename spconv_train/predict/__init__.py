@@ -175,10 +175,16 @@ def predict_command(
     masks_dir: str | Path | None = None,
     overrides: Sequence[str] = (),
     config_path: str | Path | None = None,
+    *,
+    band_rows: int | None = None,
+    approximate: bool = False,
+    probabilities: bool = False,
 ) -> int:
     """Run ``spconv-train predict``; returns the exit code (0 done, 1 crash, 2 bad input,
     config, checkpoint or an image that cannot be split). Under torchrun every rank takes
-    part; otherwise ``nproc`` (default 1) local ranks are started through torchrun."""
+    part; otherwise ``nproc`` (default 1) local ranks are started through torchrun.
+    ``band_rows`` (None = auto, 0 = whole image), ``approximate`` and ``probabilities``
+    control band-streamed prediction of big images (see docs/wsi.md)."""
     from spconv_train.config import ConfigError, validate_for_world
     from spconv_train.data import DataError
     from spconv_train.parallel import SpatialShardingError
@@ -202,14 +208,19 @@ def predict_command(
         args += ["--config", str(config_path)] if config_path else []
         for text in overrides:
             args += ["--set", text]
+        args += ["--band-rows", str(band_rows)] if band_rows is not None else []
+        args += ["--approximate"] if approximate else []
+        args += ["--probabilities"] if probabilities else []
         return run_torchrun(nproc, "predict", args)
     from spconv_train.distributed import init_distributed, shutdown
 
     try:
         init_distributed(cfg.parallel.backend)
         from ._run import run_predict
+        from ._streamed import StreamOptions
 
-        run_predict(cfg, kind, weights, images, out_dir, class_names=names)
+        stream = StreamOptions(band_rows, approximate, probabilities)
+        run_predict(cfg, kind, weights, images, out_dir, class_names=names, stream=stream)
     except (PredictError, ConfigError, DataError, SpatialShardingError) as exc:
         _error(str(exc))
         return 2
@@ -279,6 +290,33 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--config", help="Use this YAML config instead of the saved one."),
         ] = None,
+        band_rows: Annotated[
+            int | None,
+            typer.Option(
+                "--band-rows",
+                min=0,
+                help="Predict big images in bands of N output rows (plus context rows the "
+                "tool derives from the network), written to tiled TIFFs; 0 = whole image "
+                "at once. Default: automatic (bands when one rank's strip exceeds ~4 Mpx).",
+                show_default=False,
+            ),
+        ] = None,
+        approximate: Annotated[
+            bool,
+            typer.Option(
+                "--approximate",
+                help="Stream bands even where that cannot equal whole-image inference "
+                "(global pooling, e.g. DeepLabV3/LR-ASPP; heights off the stride grid).",
+            ),
+        ] = False,
+        probabilities: Annotated[
+            bool,
+            typer.Option(
+                "--probabilities",
+                help="Also write OUT/<stem>_probabilities.tif (H x W x classes, softmax x 255); "
+                "outputs are then tiled TIFFs.",
+            ),
+        ] = False,
     ) -> None:
         """Segment full-resolution images with a trained model, sharded over the ranks.
 
@@ -295,4 +333,17 @@ def register(app: typer.Typer) -> None:
             from torch.distributed.elastic.multiprocessing.errors import record
 
             command = record(predict_command)
-        raise SystemExit(command(checkpoint, inputs, out, nproc, masks, overrides or (), config))
+        raise SystemExit(
+            command(
+                checkpoint,
+                inputs,
+                out,
+                nproc,
+                masks,
+                overrides or (),
+                config,
+                band_rows=band_rows,
+                approximate=approximate,
+                probabilities=probabilities,
+            )
+        )

@@ -35,6 +35,9 @@ from spconv_train.train.loop import build_model
 from spconv_train.train.metrics import ConfusionMatrix
 
 from . import PAD_MULTIPLE, PredictError
+from ._bands import read_rows_cols
+from ._receptive import analyse
+from ._streamed import StreamOptions, choose_rows, predict_streamed
 
 #: Errors every rank re-raises (by type and message) when one image fails on some rank.
 _SHARED_ERRORS = {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
@@ -54,25 +57,58 @@ def _overlay(image, pred, colors, alpha: float = 0.5):
 class _Predictor:
     """One image at a time on this rank's strip (see the module docstring)."""
 
-    def __init__(self, cfg, model, sp_mesh, device) -> None:
+    def __init__(self, cfg, model, sp_mesh, device, stream=None, out_dir=None, console=None):
 
         self.cfg, self.model, self.mesh, self.device = cfg, model, sp_mesh, device
         self.sp, self.rank = sp_mesh.size(), sp_mesh.get_local_rank()
         self.colors = torch.tensor(class_colors(cfg.model.num_classes), dtype=torch.float32)
+        self.stream, self.out_dir = stream or StreamOptions(band_rows=0), out_dir
+        self.console = console
+
+    def logits(self, path: Path, h: int, w: int, c: int, width: int, rows=None):
+        """(logits strip [K, rows, n] on the CPU, image strip [C, rows, n], (a, b)) of the
+        image padded to ``width`` columns, cropped back to the original ``w``; ``rows``
+        (default all) is the row range read and predicted (a band)."""
+        a, b = strip_bounds(width, self.sp, self.rank)
+        ra, rb = min(a, w), min(b, w)
+        r0, r1 = rows or (0, h)
+        image = read_image(path, (ra, rb)) if rows is None else read_rows_cols(path, rows, (ra, rb))
+        padded = F.pad(image, (0, (b - a) - (rb - ra)))
+        shape = (1, c, r1 - r0, width)
+        x = to_dtensor(padded[None].to(self.device), self.mesh, [Shard(3)], shape)
+        bf16 = self.cfg.training.precision == "bf16"
+        with torch.no_grad(), torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
+            logits = self.model(x)
+        return logits.to_local()[0, :, :, : rb - ra].cpu(), image, (ra, rb)
 
     def forward(self, path: Path, h: int, w: int, c: int, width: int):
         """(prediction strip uint8 [H, n], image strip [C, H, n], (a, b)) for the image
         padded to ``width`` columns, cropped back to the original ``w``."""
-        a, b = strip_bounds(width, self.sp, self.rank)
-        ra, rb = min(a, w), min(b, w)
-        image = read_image(path, (ra, rb))
-        padded = F.pad(image, (0, (b - a) - (rb - ra)))
-        x = to_dtensor(padded[None].to(self.device), self.mesh, [Shard(3)], (1, c, h, width))
-        bf16 = self.cfg.training.precision == "bf16"
-        with torch.no_grad(), torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
-            logits = self.model(x)
-        pred = logits.to_local()[0].argmax(0)[:, : rb - ra].cpu()
-        return pred, image, (ra, rb)
+        logits, image, cols = self.logits(path, h, w, c, width)
+        return logits.argmax(0), image, cols
+
+    def overlay(self, image, pred):
+        """uint8 RGB overlay of an image strip and its predicted classes."""
+        return _overlay(image, pred, self.colors)
+
+    def _padded(self, run, path: Path, w: int):
+        """``run(width)`` at the image's width, else (a strip too narrow for the network)
+        at the width padded to a multiple of ``PAD_MULTIPLE * sp``; (result, width)."""
+        try:
+            return run(w), w
+        except SpatialShardingError as first:
+            step = PAD_MULTIPLE * self.sp
+            width = math.ceil(w / step) * step
+            if width == w:
+                raise
+            try:
+                return run(width), width
+            except SpatialShardingError as exc:
+                raise SpatialShardingError(
+                    f"{path}: width {w} cannot be split over sp={self.sp} ranks for this "
+                    f"model, not even padded to {width} columns ({exc}); use fewer ranks "
+                    f"(--nproc) or --set parallel.sp=<smaller>. Unpadded: {first}"
+                ) from exc
 
     def __call__(self, stem: str, path: Path, mask_path: Path | None, cm) -> tuple:
 
@@ -83,22 +119,22 @@ class _Predictor:
             )
         if mask_path is not None and mask_header(mask_path)[:2] != (h, w):
             raise PredictError(f"{mask_path}: mask size differs from image {path.name} ({h}x{w})")
-        width = w
-        try:
-            pred, image, cols = self.forward(path, h, w, c, w)
-        except SpatialShardingError as first:
-            step = PAD_MULTIPLE * self.sp
-            width = math.ceil(w / step) * step
-            if width == w:
-                raise
-            try:
-                pred, image, cols = self.forward(path, h, w, c, width)
-            except SpatialShardingError as exc:
-                raise SpatialShardingError(
-                    f"{path}: width {w} cannot be split over sp={self.sp} ranks for this "
-                    f"model, not even padded to {width} columns ({exc}); use fewer ranks "
-                    f"(--nproc) or --set parallel.sp=<smaller>. Unpadded: {first}"
-                ) from exc
+        choice = choose_rows(self, self.stream, h, w, self.console)
+        if choice is not None:  # big image (or --probabilities): tiled TIFFs, band by band
+            rows, plan = choice
+
+            def run(width: int) -> list[str]:
+                args = (path, h, w, c, width)
+                probs = self.stream.probabilities
+                return predict_streamed(
+                    self, stem, args, mask_path, cm, rows, plan, self.out_dir, probs
+                )
+
+            names, width = self._padded(run, path, w)
+            return stem, self.rank, None, names, (w, width)
+        (pred, image, cols), width = self._padded(
+            lambda width: self.forward(path, h, w, c, width), path, w
+        )
         if mask_path is not None:
             mask = read_mask(mask_path, cols)
             k, ignore = self.cfg.model.num_classes, self.cfg.data.ignore_index
@@ -168,11 +204,13 @@ def run_predict(
     *,
     class_names: list[str] | None = None,
     console=None,
+    stream: StreamOptions | None = None,
 ) -> dict | None:
     """Predict ``images`` (from ``_collect``) with the model of ``cfg`` and the checkpoint
     ``weights`` (``kind`` ``"dcp"`` or ``"export"``), inside an initialised process group
     (collective). Rank 0 writes the PNGs and, with masks, ``metrics.json``; returns the
-    metrics dict (rank 0, masks given) or None."""
+    metrics dict (rank 0, masks given) or None. ``stream`` (default: automatic bands for
+    big images) selects band-streamed prediction to tiled TIFFs (see ``_streamed``)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
@@ -198,15 +236,20 @@ def run_predict(
             f"{weights}: cannot load into the model of the config ({cfg.model.name}, "
             f"{cfg.model.num_classes} classes): {type(exc).__name__}: {exc}"
         ) from exc
-    model = parallelize(model.to(device).eval(), mesh)
-    predictor = _Predictor(cfg, model, mesh["sp"], device)
+    model = model.to(device).eval()
+    stream = stream or StreamOptions()
+    if stream.band_rows != 0:  # the band plan comes from the plain network
+        stream = dataclasses.replace(stream, plan=analyse(model, cfg.model.in_channels))
+    model = parallelize(model, mesh)
+    out_dir = Path(out_dir)
+    console = console or Console()
+    predictor = _Predictor(cfg, model, mesh["sp"], device, stream, out_dir, console)
     with_masks = any(m is not None for _, _, m in images)
     cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)
-    out_dir = Path(out_dir)
     main = dist.get_rank() == 0
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-    console = console or Console()
+    dist.barrier()  # streamed images are written by each replica's first rank
     padded = []
     for first in range(0, len(images), dp):
         mine = first + coords.dp_rank
@@ -232,9 +275,13 @@ def run_predict(
         if main:
             strips: dict[str, list] = {}
             for stem, rank, pred, overlay, (w, width) in (p for p in gathered if p is not None):
-                strips.setdefault(stem, []).append((rank, pred, overlay))
                 if width != w and rank == 0:
                     padded.append(f"{stem}: width {w} padded to {width}")
+                if pred is None:  # streamed: written already by its replica's first rank
+                    if overlay:
+                        console.print(f"{stem}: {w} columns -> {out_dir}: {', '.join(overlay)}")
+                    continue
+                strips.setdefault(stem, []).append((rank, pred, overlay))
             for stem, parts in strips.items():
                 h, w = _write(out_dir, stem, parts)
                 console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
