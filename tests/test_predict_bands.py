@@ -158,7 +158,7 @@ def test_unet_bands_equal_whole_image(dist_pool, unet, unet_files, tmp_path, wor
     )
     bands = dist_pool.run(
         world, predict_pool, weights, [images], str(tmp_path / "b"), masks,
-        band_rows=20, probabilities=True,
+        band_rows=32, probabilities=True,
     )  # fmt: skip
     assert whole[0][0] == "ok" and bands[0][0] == "ok", (whole[0], bands[0])
     assert bands[0][1]["confusion_matrix"] == whole[0][1]["confusion_matrix"]
@@ -177,10 +177,24 @@ def test_unet_bands_equal_whole_image(dist_pool, unet, unet_files, tmp_path, wor
         assert overlay.size == streamed.shape[::-1]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_fcn_bands_equal_whole_image(dist_pool, tmp_path, world):
-    """FCN-ResNet50 (stride 8, a margin of ~250 rows): 4 bands of a 560-row image."""
-    weights, model = _export(tmp_path / "fcn.pt", FCN)
+@pytest.fixture(scope="module")
+def fcn(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("fcn") / "fcn.pt", FCN)
+
+
+def test_fcn_bands_equal_whole_image_one_device(fcn):
+    """FCN-ResNet50 (stride 8, a margin of ~250 rows) on one device: 4 bands of a 560-row
+    probe column equal its whole-image forward (``check_plan`` is exactly that)."""
+    plan = analyse(fcn[1], 3)
+    assert plan.exact and plan.stride == 8 and 200 <= plan.margin <= 300
+    assert check_plan(fcn[1], plan, 560, 160, 3) <= CHECK_RTOL
+    assert check_plan(fcn[1], StreamPlan(8, 96), 560, 160, 3) > CHECK_RTOL
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fcn_bands_equal_whole_image(dist_pool, fcn, tmp_path, world):
+    """FCN-ResNet50 sharded: 4 bands of a 560-row image equal the whole-image PNG."""
+    weights, model = fcn
     image = _image(tmp_path / "fcn.npy", 560, 96, 3)
     whole = dist_pool.run(
         world, predict_pool, weights, [str(image)], str(tmp_path / "w"), band_rows=0
@@ -191,7 +205,7 @@ def test_fcn_bands_equal_whole_image(dist_pool, tmp_path, world):
     assert whole[0][0] == "ok" and bands[0][0] == "ok", (whole[0], bands[0])
     streamed = _tiled(tmp_path / "b" / "fcn.tif")
     np.testing.assert_array_equal(streamed, np.array(Image.open(tmp_path / "w" / "fcn.png")))
-    if world == 1:  # the whole-image PNG equals one device at every world (test_predict)
+    if world == 2:  # the whole-image PNG equals one device at every world (test_predict)
         _assert_argmax(streamed, _reference(model, image), "fcn")
 
 
@@ -219,11 +233,11 @@ def test_fallbacks_to_whole_image(dist_pool, unet, tmp_path):
     assert status == "ok" and "streaming anyway" in text and (tmp_path / "a" / "lr.tif").is_file()
 
     weights, model = unet
-    odd = str(_image(tmp_path / "odd.npy", 83, 40, 5))  # 83 is no multiple of the stride 4
+    odd = str(_image(tmp_path / "odd.npy", 163, 40, 5))  # 163 is no multiple of the stride 4
     status, _, text = dist_pool.run(
         2, predict_pool, weights, [odd], str(tmp_path / "o"), band_rows=16
     )[0]
-    assert status == "ok" and "not exact at height 83" in text and "multiples of 4" in text
+    assert status == "ok" and "not exact at height 163" in text and "multiples of 4" in text
     _assert_argmax(_tiled(tmp_path / "o" / "odd.tif"), _reference(model, Path(odd)), "odd")
 
 
