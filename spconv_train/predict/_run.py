@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from . import PAD_MULTIPLE, PredictError
 from ._bands import read_rows_cols
 from ._receptive import analyse
 from ._streamed import StreamOptions, choose_rows, predict_streamed
+from ._writers import write_rank_stats
 
 #: Errors every rank re-raises (by type and message) when one image fails on some rank.
 _SHARED_ERRORS = {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
@@ -64,6 +66,7 @@ class _Predictor:
         self.colors = torch.tensor(class_colors(cfg.model.num_classes), dtype=torch.float32)
         self.stream, self.out_dir = stream or StreamOptions(band_rows=0), out_dir
         self.console = console
+        self.timing = {"read_s": 0.0, "forward_s": 0.0}  # this rank's, for the benchmark
 
     def logits(self, path: Path, h: int, w: int, c: int, width: int, rows=None):
         """(logits strip [K, rows, n] on the CPU, image strip [C, rows, n], (a, b)) of the
@@ -72,13 +75,17 @@ class _Predictor:
         a, b = strip_bounds(width, self.sp, self.rank)
         ra, rb = min(a, w), min(b, w)
         r0, r1 = rows or (0, h)
+        start = time.perf_counter()
         image = read_image(path, (ra, rb)) if rows is None else read_rows_cols(path, rows, (ra, rb))
+        self.timing["read_s"] += time.perf_counter() - start
         padded = F.pad(image, (0, (b - a) - (rb - ra)))
         shape = (1, c, r1 - r0, width)
         x = to_dtensor(padded[None].to(self.device), self.mesh, [Shard(3)], shape)
         bf16 = self.cfg.training.precision == "bf16"
+        start = time.perf_counter()
         with torch.no_grad(), torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
             logits = self.model(x)
+        self.timing["forward_s"] += time.perf_counter() - start
         return logits.to_local()[0, :, :, : rb - ra].cpu(), image, (ra, rb)
 
     def forward(self, path: Path, h: int, w: int, c: int, width: int):
@@ -287,6 +294,7 @@ def run_predict(
                 console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
     for line in padded:
         console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")
+    write_rank_stats(predictor.timing)
     if not with_masks:
         return None
     cm.reduce(mesh)  # every rank counted different pixels

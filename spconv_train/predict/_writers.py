@@ -17,7 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["OVERLAY_MAX_SIDE", "OverlayCanvas", "TiledTiffWriter", "overlay_factor"]
+__all__ = [
+    "OVERLAY_MAX_SIDE",
+    "OverlayCanvas",
+    "TiledTiffWriter",
+    "overlay_factor",
+    "write_rank_stats",
+]
 
 #: Overlays of bigger images are written downsampled so that their longest side is at most
 #: this many pixels (a PNG a viewer can open).
@@ -130,3 +136,22 @@ class OverlayCanvas:
         from PIL import Image
 
         Image.fromarray(self.pixels).save(path)
+
+
+def write_rank_stats(timing: dict) -> None:
+    """With ``SPCONV_PREDICT_STATS=DIR`` set (``scripts/bench_predict.py`` does), write this
+    rank's peak RSS and read / forward seconds to ``DIR/rank<R>.json``."""
+    import json
+    import os
+    import resource
+    import sys
+
+    folder = os.environ.get("SPCONV_PREDICT_STATS")
+    if not folder:
+        return
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    rank = int(os.environ.get("RANK", "0"))
+    stats = {"rank": rank, "peak_rss_mb": round(peak_mb, 1), **timing}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(stats) + "\n", encoding="utf-8")
