@@ -130,15 +130,15 @@ class _Predictor:
         if choice is not None:  # big image (or --probabilities): tiled TIFFs, band by band
             rows, plan = choice
 
-            def run(width: int) -> list[str]:
+            def run(width: int) -> str:
                 args = (path, h, w, c, width)
                 probs = self.stream.probabilities
                 return predict_streamed(
                     self, stem, args, mask_path, cm, rows, plan, self.out_dir, probs
                 )
 
-            names, width = self._padded(run, path, w)
-            return stem, self.rank, None, names, (w, width)
+            summary, width = self._padded(run, path, w)
+            return stem, self.rank, None, summary, (w, width)
         (pred, image, cols), width = self._padded(
             lambda width: self.forward(path, h, w, c, width), path, w
         )
@@ -285,8 +285,8 @@ def run_predict(
                 if width != w and rank == 0:
                     padded.append(f"{stem}: width {w} padded to {width}")
                 if pred is None:  # streamed: written already by its replica's first rank
-                    if overlay:
-                        console.print(f"{stem}: {w} columns -> {out_dir}: {', '.join(overlay)}")
+                    if overlay:  # the replica leader's summary line
+                        console.print(f"{stem}: {overlay}")
                     continue
                 strips.setdefault(stem, []).append((rank, pred, overlay))
             for stem, parts in strips.items():

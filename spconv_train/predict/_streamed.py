@@ -130,11 +130,12 @@ def _band_piece(predictor, args, band: Band, mask_path, cm, factor: int, probs: 
 
 def predict_streamed(
     predictor, stem: str, args: tuple, mask_path, cm, rows: int, plan, out_dir: Path, probs: bool
-) -> list[str]:
+) -> str:
     """Predict the image ``args = (path, h, w, c, width)`` band by band (``rows`` kept rows
     per band, 0 = one band); the group's first rank writes ``<stem>.tif`` (class indices),
     ``<stem>_probabilities.tif`` (``[H, W, K]`` uint8, softmax x 255) with ``probs``, and
-    ``<stem>_overlay.png`` (downsampled when big). Returns the written file names."""
+    ``<stem>_overlay.png`` (downsampled when big). Returns a one-line summary on that rank
+    ("" on the others)."""
     _, h, w, _, _ = args
     bands = band_layout(h, rows, plan) if rows else [Band((0, h), (0, h))]
     factor = overlay_factor(h, w)
@@ -166,11 +167,14 @@ def predict_streamed(
             writer.abort()
         raise
     if not lead:
-        return []
+        return ""
     for writer in writers:
         writer.close()
     canvas.save(out_dir / f"{stem}_overlay.png")
     names = [wr.path.name for wr in writers] + [f"{stem}_overlay.png"]
     if factor > 1:
         names[-1] += f" (1/{factor} scale)"
-    return names
+    how = "whole" if len(bands) == 1 else f"{len(bands)} bands of {rows} rows"
+    if len(bands) > 1:
+        how += f" (+{plan.margin} context rows each side)"
+    return f"{h}x{w}, {how} -> {out_dir}: {', '.join(names)}"
