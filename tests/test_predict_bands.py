@@ -288,3 +288,23 @@ def test_tiled_writer_round_trip(tmp_path):
     short.put(want[:5, :10])
     with pytest.raises(ValueError, match="5 rows written, expected 10"):
         short.close()
+
+
+def test_cli_options_reach_the_ranks(unet, tmp_path, monkeypatch):
+    """``--band-rows``, ``--approximate`` and ``--probabilities`` are documented and passed
+    on to the torchrun ranks."""
+    from typer.testing import CliRunner
+
+    import spconv_train.predict as predict
+    from spconv_train.cli import app
+
+    result = CliRunner().invoke(app, ["predict", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for word in ("--band-rows", "--approximate", "--probabilities"):
+        assert word in result.output
+    seen = []
+    monkeypatch.setattr(predict, "run_torchrun", lambda n, cmd, args: seen.append(args) or 0)
+    image = str(_image(tmp_path / "x.npy", 32, 32, 6))
+    kw = {"band_rows": 64, "approximate": True, "probabilities": True}
+    assert predict.predict_command(unet[0], [image], tmp_path / "o", 2, **kw) == 0
+    assert seen[0][-4:] == ["--band-rows", "64", "--approximate", "--probabilities"]
