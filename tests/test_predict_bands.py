@@ -162,6 +162,7 @@ def test_unet_bands_equal_whole_image(dist_pool, unet, unet_files, tmp_path, wor
     )  # fmt: skip
     assert whole[0][0] == "ok" and bands[0][0] == "ok", (whole[0], bands[0])
     assert bands[0][1]["confusion_matrix"] == whole[0][1]["confusion_matrix"]
+    assert "tall: 168x52, 6 bands of 32 rows" in bands[0][2]
     for stem, suffix in (("tall", ".npy"), ("wide", ".png")):
         streamed = _tiled(tmp_path / "b" / f"{stem}.tif")
         np.testing.assert_array_equal(
@@ -179,7 +180,11 @@ def test_unet_bands_equal_whole_image(dist_pool, unet, unet_files, tmp_path, wor
 
 @pytest.fixture(scope="module")
 def fcn(tmp_path_factory):
-    return _export(tmp_path_factory.mktemp("fcn") / "fcn.pt", FCN)
+    """FCN-ResNet50 exported, a 560-row test image and its single-device logits."""
+    root = tmp_path_factory.mktemp("fcn")
+    weights, model = _export(root / "fcn.pt", FCN)
+    image = _image(root / "fcn.npy", 560, 96, 3)
+    return weights, model, image, _reference(model, image)
 
 
 def test_fcn_bands_equal_whole_image_one_device(fcn):
@@ -193,20 +198,13 @@ def test_fcn_bands_equal_whole_image_one_device(fcn):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fcn_bands_equal_whole_image(dist_pool, fcn, tmp_path, world):
-    """FCN-ResNet50 sharded: 4 bands of a 560-row image equal the whole-image PNG."""
-    weights, model = fcn
-    image = _image(tmp_path / "fcn.npy", 560, 96, 3)
-    whole = dist_pool.run(
-        world, predict_pool, weights, [str(image)], str(tmp_path / "w"), band_rows=0
-    )
-    bands = dist_pool.run(
-        world, predict_pool, weights, [str(image)], str(tmp_path / "b"), band_rows=160
-    )
-    assert whole[0][0] == "ok" and bands[0][0] == "ok", (whole[0], bands[0])
-    streamed = _tiled(tmp_path / "b" / "fcn.tif")
-    np.testing.assert_array_equal(streamed, np.array(Image.open(tmp_path / "w" / "fcn.png")))
-    if world == 2:  # the whole-image PNG equals one device at every world (test_predict)
-        _assert_argmax(streamed, _reference(model, image), "fcn")
+    """FCN-ResNet50 sharded: the 4 bands of a 560-row image equal the single-device
+    whole-image arg-max (which the whole-image sharded predict equals: test_predict)."""
+    weights, _, image, logits = fcn
+    bands = dist_pool.run(world, predict_pool, weights, [str(image)], str(tmp_path), band_rows=160)
+    assert bands[0][0] == "ok", bands[0]
+    assert "4 bands of 160 rows" in bands[0][2]
+    _assert_argmax(_tiled(tmp_path / "fcn.tif"), logits, f"fcn at {world} ranks")
 
 
 # --- what cannot be streamed exactly falls back to the whole image ---------------------------
