@@ -1,8 +1,8 @@
 """Benchmark: band-streamed ``spconv-train predict`` on big images, 1 and 2 ranks.
 
-Generates test images of growing size (square, ``--sizes`` in megapixels, 10**6 pixels;
-uint8 RGB with seeded blobs), exports the default model (``configs/unet.yaml``, randomly
-initialised, seeded) once, and runs the real command ``python -m spconv_train predict
+Generates test images of growing size (``--sizes``: squares of N megapixels, 10**6
+pixels, or ``ROWSxCOLS``; uint8 RGB noise with discs), exports the default model
+(``configs/unet.yaml``, randomly initialised, seeded) once, and runs the real command ``python -m spconv_train predict
 model.pt IMAGE --out ... --nproc N --band-rows auto`` for every size and rank count. Each
 rank writes its peak RSS and its read / forward seconds (``SPCONV_PREDICT_STATS``); the
 table shows the largest peak RSS over the ranks, the image megapixels per second of
@@ -37,9 +37,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _side(mpx: float, multiple: int = 32) -> int:
-    """Side of a square image of ``mpx`` megapixels, a multiple of ``multiple``."""
-    return max(multiple, round(math.sqrt(mpx * 1e6) / multiple) * multiple)
+def _shape(size: str, multiple: int = 32) -> tuple[int, int]:
+    """``(H, W)`` of ``size``: ``"16"`` = a square of 16 megapixels (sides a multiple of
+    ``multiple``), ``"768x32768"`` = 768 rows of 32768 columns."""
+    if "x" in size:
+        h, w = (int(v) for v in size.split("x"))
+        return h, w
+    side = max(multiple, round(math.sqrt(float(size) * 1e6) / multiple) * multiple)
+    return side, side
 
 
 def _rows(h: int, w: int, start: int, stop: int) -> np.ndarray:
@@ -54,26 +59,26 @@ def _rows(h: int, w: int, start: int, stop: int) -> np.ndarray:
     return band
 
 
-def make_image(path: Path, side: int, fmt: str, rows_per_write: int = 512) -> None:
-    """Write the ``side x side`` test image to ``path`` band by band."""
+def make_image(path: Path, h: int, w: int, fmt: str, rows_per_write: int = 512) -> None:
+    """Write the ``h x w`` test image to ``path`` band by band."""
     if fmt == "npy":
-        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(side, side, 3))
-        for r in range(0, side, rows_per_write):
-            arr[r : r + rows_per_write] = _rows(side, side, r, min(side, r + rows_per_write))
+        arr = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(h, w, 3))
+        for r in range(0, h, rows_per_write):
+            arr[r : r + rows_per_write] = _rows(h, w, r, min(h, r + rows_per_write))
         arr.flush()
         del arr
         return
     import tifffile
 
     def tiles():
-        for r in range(0, side, 512):
-            band = _rows(side, side, r, min(side, r + 512))
-            for c in range(0, side, 512):
+        for r in range(0, h, 512):
+            band = _rows(h, w, r, min(h, r + 512))
+            for c in range(0, w, 512):
                 yield band[:, c : c + 512]
 
     tifffile.imwrite(
-        path, data=tiles(), shape=(side, side, 3), dtype=np.uint8, tile=(512, 512),
-        compression="zlib", photometric="rgb", bigtiff=side * side * 3 > 2**31, maxworkers=1,
+        path, data=tiles(), shape=(h, w, 3), dtype=np.uint8, tile=(512, 512),
+        compression="zlib", photometric="rgb", bigtiff=h * w * 3 > 2**31, maxworkers=1,
     )  # fmt: skip
 
 
@@ -111,7 +116,9 @@ def run_one(model: Path, image: Path, out: Path, nproc: int, band_rows: str, tim
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=float, nargs="+", default=[4, 16], help="megapixels")
+    p.add_argument(
+        "--sizes", nargs="+", default=["4", "16"], help="megapixels (square) or ROWSxCOLS"
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--format", choices=("npy", "tif"), default="npy")
     p.add_argument("--band-rows", default="auto", help="'auto' or N (0 = whole image)")
@@ -127,22 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     model = args.work / "model.pt"
     export_model(model, args.config, args.sets)
     rows = []
-    for mpx in args.sizes:
-        side = _side(mpx)
-        image = args.work / f"image_{side}.{args.format}"
+    for size in args.sizes:
+        h, w = _shape(size)
+        image = args.work / f"image_{h}x{w}.{args.format}"
         start = time.perf_counter()
-        make_image(image, side, args.format)
-        print(f"# {side}x{side} ({side * side / 1e6:.0f} Mpx) written in "
+        make_image(image, h, w, args.format)
+        print(f"# {h}x{w} ({h * w / 1e6:.0f} Mpx) written in "
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
         for n in args.ranks:
-            out = args.work / f"out_{side}_{n}"
+            out = args.work / f"out_{h}x{w}_{n}"
             wall, ranks, tail = run_one(model, image, out, n, args.band_rows, args.timeout)
             row = {
-                "mpx": side * side / 1e6,
-                "side": side,
+                "mpx": h * w / 1e6,
+                "shape": f"{h}x{w}",
                 "ranks": n,
                 "peak_rss_gb": max(r["peak_rss_mb"] for r in ranks) / 1024,
-                "mpx_s": side * side / 1e6 / wall,
+                "mpx_s": h * w / 1e6 / wall,
                 "wall_s": wall,
                 "read_s": max(r["read_s"] for r in ranks),
                 "forward_s": max(r["forward_s"] for r in ranks),
@@ -161,7 +168,7 @@ def _print(rows: list[dict], args) -> None:
     head = ["image", "ranks", "peak RSS / rank", "Mpx/s", "wall", "read / rank", "forward / rank"]
     lines = [
         [
-            f"{r['side']}x{r['side']} ({r['mpx']:.0f} Mpx)",
+            f"{r['shape']} ({r['mpx']:.0f} Mpx)",
             str(r["ranks"]),
             f"{r['peak_rss_gb']:.2f} GB",
             f"{r['mpx_s']:.2f}",
