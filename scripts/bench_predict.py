@@ -2,12 +2,12 @@
 
 Generates test images of growing size (``--sizes``: squares of N megapixels, 10**6
 pixels, or ``ROWSxCOLS``; uint8 RGB noise with discs), exports the default model
-(``configs/unet.yaml``, randomly initialised, seeded) once, and runs the real command ``python -m spconv_train predict
-model.pt IMAGE --out ... --nproc N --band-rows auto`` for every size and rank count. Each
-rank writes its peak RSS and its read / forward seconds (``SPCONV_PREDICT_STATS``); the
-table shows the largest peak RSS over the ranks, the image megapixels per second of
-wall time (whole command: start-up, the band plan's probe, reads, forward, TIFF writing)
-and the read time per rank.
+(``configs/unet.yaml``, randomly initialised, seeded) once, and runs the real command
+``python -m spconv_train predict model.pt IMAGE --out ... --nproc N`` (automatic bands)
+for every size and rank count. Each rank writes its peak RSS and its read / forward
+seconds (``SPCONV_PREDICT_STATS``); the table shows the largest peak RSS over the ranks,
+the image megapixels per second of wall time (whole command: start-up, the band plan's
+probe, reads, forward, TIFF writing) and the read time per rank.
 
 Images are written band by band (no image is ever held whole): ``--format npy`` (a
 memory-mapped array, read by region) or ``tif`` (tiled, zlib-compressed; its region read
