@@ -23,6 +23,11 @@ from an unpadded single-device run; the summary names every padded image. If the
 width fails too (a strip narrower than a layer's halo), the error says so and suggests
 fewer ranks.
 
+Big images (``--band-rows``, automatic by default) are predicted in row bands with
+context rows derived from the network, exactly equal to whole-image inference, and
+written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
+``_writers``; docs/wsi.md).
+
 Checkpoints: a run folder (its best, else latest checkpoint), a ``step-N`` checkpoint
 folder (both use the run's ``config.yaml``), or an exported ``.pt`` holding
 ``{"model", "config"}``; ``--config`` replaces the saved config.
