@@ -27,8 +27,8 @@ __all__ = [
     "read_rows_cols",
 ]
 
-#: Input pixels per rank per band that ``--band-rows auto`` aims at (margins included):
-#: about 0.6 GB of activations with the default U-Net in fp32 on CPU.
+#: Input pixels per rank per band that automatic bands aim at (margins included): about
+#: 3.5 GB peak RSS per rank with the default U-Net in fp32 on CPU (docs/benchmarks.md).
 BAND_PIXELS = 4 * 2**20
 
 
