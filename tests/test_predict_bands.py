@@ -158,11 +158,11 @@ def test_unet_bands_equal_whole_image(dist_pool, unet, unet_files, tmp_path, wor
     )
     bands = dist_pool.run(
         world, predict_pool, weights, [images], str(tmp_path / "b"), masks,
-        band_rows=32, probabilities=True,
+        band_rows=48, probabilities=True,
     )  # fmt: skip
     assert whole[0][0] == "ok" and bands[0][0] == "ok", (whole[0], bands[0])
     assert bands[0][1]["confusion_matrix"] == whole[0][1]["confusion_matrix"]
-    assert "tall: 168x52, 6 bands of 32 rows" in bands[0][2]
+    assert "tall: 168x52, 4 bands of 48 rows" in bands[0][2]
     for stem, suffix in (("tall", ".npy"), ("wide", ".png")):
         streamed = _tiled(tmp_path / "b" / f"{stem}.tif")
         np.testing.assert_array_equal(
