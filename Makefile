@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory verify predict clean
+.PHONY: install run data test lint bench bench-conv bench-memory bench-predict verify predict clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -47,6 +47,11 @@ bench-conv: install
 
 bench-memory: install
 	$(PY) scripts/bench_memory.py
+
+# Band-streamed predict of big generated images at 1 and 2 ranks (peak RSS per rank, Mpx/s).
+# Bigger sizes: make bench-predict ARGS="--sizes 16 100 400 1000 --ranks 2 --markdown"
+bench-predict: install
+	$(PY) scripts/bench_predict.py $(ARGS)
 
 clean:
 	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info

@@ -12,12 +12,13 @@ from ._readers import (  # public names for predict (the readers stay in _reader
     index_folder,
     mask_header,
     read_image,
+    read_image_raw,
     read_mask,
 )
 from .base import DataError, SegmentationSource, check_cols
 from .folder import FolderDataset
 from .normalize import normalize_image
-from .scan import normalization_range
+from .scan import image_range, normalization_range
 from .strips import make_batch, make_dp_sampler, strip_bounds
 from .synthetic import synthetic_class_names, synthetic_sample, write_synthetic_dataset
 from .synthetic_dataset import SyntheticDataset
@@ -42,9 +43,11 @@ __all__ = [
     "make_batch",
     "make_dp_sampler",
     "mask_header",
+    "image_range",
     "normalization_range",
     "normalize_image",
     "read_image",
+    "read_image_raw",
     "read_mask",
     "read_region",
     "strip_bounds",

@@ -23,6 +23,11 @@ from an unpadded single-device run; the summary names every padded image. If the
 width fails too (a strip narrower than a layer's halo), the error says so and suggests
 fewer ranks.
 
+Big images (``--band-rows``, automatic by default) are predicted in row bands with
+context rows derived from the network, exactly equal to whole-image inference, and
+written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
+``_writers``; docs/wsi.md).
+
 Checkpoints: a run folder (its best, else latest checkpoint), a ``step-N`` checkpoint
 folder (both use the run's ``config.yaml``), or an exported ``.pt`` holding
 ``{"model", "config"}``; ``--config`` replaces the saved config.
@@ -219,10 +224,16 @@ def predict_command(
     masks_dir: str | Path | None = None,
     overrides: Sequence[str] = (),
     config_path: str | Path | None = None,
+    *,
+    band_rows: int | None = None,
+    approximate: bool = False,
+    probabilities: bool = False,
 ) -> int:
     """Run ``spconv-train predict``; returns the exit code (0 done, 1 crash, 2 bad input,
     config, checkpoint or an image that cannot be split). Under torchrun every rank takes
-    part; otherwise ``nproc`` (default 1) local ranks are started through torchrun."""
+    part; otherwise ``nproc`` (default 1) local ranks are started through torchrun.
+    ``band_rows`` (None = auto, 0 = whole image), ``approximate`` and ``probabilities``
+    control band-streamed prediction of big images (see docs/wsi.md)."""
     from spconv_train.config import ConfigError, validate_for_world
     from spconv_train.data import DataError
     from spconv_train.parallel import SpatialShardingError
@@ -246,14 +257,19 @@ def predict_command(
         args += ["--config", str(config_path)] if config_path else []
         for text in overrides:
             args += ["--set", text]
+        args += ["--band-rows", str(band_rows)] if band_rows is not None else []
+        args += ["--approximate"] if approximate else []
+        args += ["--probabilities"] if probabilities else []
         return run_torchrun(nproc, "predict", args)
     from spconv_train.distributed import init_distributed, shutdown
 
     try:
         init_distributed(cfg.parallel.backend)
         from ._run import run_predict
+        from ._streamed import StreamOptions
 
-        run_predict(cfg, kind, weights, images, out_dir, class_names=names)
+        stream = StreamOptions(band_rows, approximate, probabilities)
+        run_predict(cfg, kind, weights, images, out_dir, class_names=names, stream=stream)
     except (PredictError, ConfigError, DataError, SpatialShardingError) as exc:
         _error(str(exc))
         return 2
@@ -323,6 +339,33 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--config", help="Use this YAML config instead of the saved one."),
         ] = None,
+        band_rows: Annotated[
+            int | None,
+            typer.Option(
+                "--band-rows",
+                min=0,
+                help="Predict big images in bands of N output rows (plus context rows the "
+                "tool derives from the network), written to tiled TIFFs; 0 = whole image "
+                "at once. Default: automatic (bands when one rank's strip exceeds ~4 Mpx).",
+                show_default=False,
+            ),
+        ] = None,
+        approximate: Annotated[
+            bool,
+            typer.Option(
+                "--approximate",
+                help="Stream bands even where that cannot equal whole-image inference "
+                "(global pooling, e.g. DeepLabV3/LR-ASPP; heights off the stride grid).",
+            ),
+        ] = False,
+        probabilities: Annotated[
+            bool,
+            typer.Option(
+                "--probabilities",
+                help="Also write OUT/<stem>_probabilities.tif (H x W x classes, softmax x 255); "
+                "outputs are then tiled TIFFs.",
+            ),
+        ] = False,
     ) -> None:
         """Segment full-resolution images with a trained model, sharded over the ranks.
 
@@ -339,4 +382,17 @@ def register(app: typer.Typer) -> None:
             from torch.distributed.elastic.multiprocessing.errors import record
 
             command = record(predict_command)
-        raise SystemExit(command(checkpoint, inputs, out, nproc, masks, overrides or (), config))
+        raise SystemExit(
+            command(
+                checkpoint,
+                inputs,
+                out,
+                nproc,
+                masks,
+                overrides or (),
+                config,
+                band_rows=band_rows,
+                approximate=approximate,
+                probabilities=probabilities,
+            )
+        )

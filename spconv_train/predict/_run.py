@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,11 @@ from spconv_train.data import (
     DataError,
     check_mask_values,
     image_header,
+    image_range,
     mask_header,
-    read_image,
+    normalization_range,
+    normalize_image,
+    read_image_raw,
     read_mask,
     strip_bounds,
 )
@@ -37,6 +41,12 @@ from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.val_check import is_geometry_error
 
 from . import PAD_MULTIPLE, ImagesFailed, PredictError, load_export
+from ._receptive import analyse
+from ._streamed import StreamOptions, choose_rows, predict_streamed
+from ._writers import write_rank_stats
+
+#: ``data.normalize`` of an overlay: stretch the display range to [0, 1].
+MINMAX = {"mode": "minmax"}
 
 #: Errors every rank re-raises (by type and message) when one image fails on some rank.
 _SHARED_ERRORS = {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
@@ -56,25 +66,79 @@ def _overlay(image, pred, colors, alpha: float = 0.5):
 class _Predictor:
     """One image at a time on this rank's strip (see the module docstring)."""
 
-    def __init__(self, cfg, model, sp_mesh, device) -> None:
+    def __init__(self, cfg, model, sp_mesh, device, stream=None, out_dir=None, console=None):
 
         self.cfg, self.model, self.mesh, self.device = cfg, model, sp_mesh, device
         self.sp, self.rank = sp_mesh.size(), sp_mesh.get_local_rank()
         self.colors = torch.tensor(class_colors(cfg.model.num_classes), dtype=torch.float32)
+        self.stream, self.out_dir = stream or StreamOptions(band_rows=0), out_dir
+        self.console = console
+        self.timing = {"read_s": 0.0, "forward_s": 0.0}  # this rank's, for the benchmark
+        d = cfg.data
+        self.read = {"level": d.level, "max_pixels": d.max_image_pixels}
+        # Per image: the whole image's normalisation statistics (as in training) and the
+        # display range of its overlay (the same on every rank: no seams between strips).
+        self.stats = self.display = None
+
+    def _image_ranges(self, path: Path) -> None:
+        norm = self.cfg.data.normalize
+        self.stats = normalization_range(path, norm, **self.read)
+        if norm.mode in ("minmax", "percentile"):  # the input is contrast-stretched already
+            self.display = None
+        else:  # auto-contrast the overlay: 0.5-99.5 percentiles of the whole image
+            self.display = image_range([path], "percentile", [0.5, 99.5], **self.read)
+
+    def logits(self, path: Path, h: int, w: int, c: int, width: int, rows=None):
+        """(logits strip [K, rows, n] on the CPU, display image strip [C, rows, n] in [0, 1]
+        for the overlay, (a, b)) of the
+        image padded to ``width`` columns, cropped back to the original ``w``; ``rows``
+        (default all) is the row range read and predicted (a band)."""
+        a, b = strip_bounds(width, self.sp, self.rank)
+        ra, rb = min(a, w), min(b, w)
+        r0, r1 = rows or (0, h)
+        start = time.perf_counter()
+        raw = read_image_raw(path, (ra, rb), rows, **self.read)
+        image = normalize_image(raw, self.cfg.data.normalize, self.stats)
+        shown = image if self.display is None else normalize_image(raw, MINMAX, self.display)
+        self.timing["read_s"] += time.perf_counter() - start
+        padded = F.pad(image, (0, (b - a) - (rb - ra)))
+        shape = (1, c, r1 - r0, width)
+        x = to_dtensor(padded[None].to(self.device), self.mesh, [Shard(3)], shape)
+        bf16 = self.cfg.training.precision == "bf16"
+        start = time.perf_counter()
+        with torch.no_grad(), torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
+            logits = self.model(x)
+        self.timing["forward_s"] += time.perf_counter() - start
+        return logits.to_local()[0, :, :, : rb - ra].cpu(), shown, (ra, rb)
 
     def forward(self, path: Path, h: int, w: int, c: int, width: int):
         """(prediction strip uint8 [H, n], image strip [C, H, n], (a, b)) for the image
         padded to ``width`` columns, cropped back to the original ``w``."""
-        a, b = strip_bounds(width, self.sp, self.rank)
-        ra, rb = min(a, w), min(b, w)
-        image = read_image(path, (ra, rb))
-        padded = F.pad(image, (0, (b - a) - (rb - ra)))
-        x = to_dtensor(padded[None].to(self.device), self.mesh, [Shard(3)], (1, c, h, width))
-        bf16 = self.cfg.training.precision == "bf16"
-        with torch.no_grad(), torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
-            logits = self.model(x)
-        pred = logits.to_local()[0].argmax(0)[:, : rb - ra].cpu()
-        return pred, image, (ra, rb)
+        logits, image, cols = self.logits(path, h, w, c, width)
+        return logits.argmax(0), image, cols
+
+    def overlay(self, image, pred):
+        """uint8 RGB overlay of an image strip and its predicted classes."""
+        return _overlay(image, pred, self.colors)
+
+    def _padded(self, run, path: Path, h: int, w: int):
+        """``run(width)`` at the image's width, else (a strip too narrow for the network)
+        at the width padded to a multiple of ``PAD_MULTIPLE * sp``; (result, width)."""
+        try:
+            return run(w), w
+        except (SpatialShardingError, RuntimeError) as first:
+            if not self._too_narrow(first):
+                raise
+            step = PAD_MULTIPLE * self.sp
+            width = math.ceil(w / step) * step
+            if width == w:
+                raise self._narrow_error(path, h, w, first, None) from first
+            try:
+                return run(width), width
+            except (SpatialShardingError, RuntimeError) as exc:
+                if not self._too_narrow(exc):
+                    raise
+                raise self._narrow_error(path, h, w, first, (width, exc)) from exc
 
     def _too_narrow(self, exc: Exception) -> bool:
         """Whether the forward failed on the image's geometry, so padding may help and
@@ -95,31 +159,32 @@ class _Predictor:
 
     def __call__(self, stem: str, path: Path, mask_path: Path | None, cm) -> tuple:
 
-        h, w, c = image_header(path)
+        h, w, c = image_header(path, **self.read)
+        self._image_ranges(path)
         if c != self.cfg.model.in_channels:
             raise PredictError(
                 f"{path}: {c} channels, the model takes {self.cfg.model.in_channels}"
             )
-        if mask_path is not None and mask_header(mask_path)[:2] != (h, w):
+        if mask_path is not None and mask_header(mask_path, **self.read)[:2] != (h, w):
             raise PredictError(f"{mask_path}: mask size differs from image {path.name} ({h}x{w})")
-        width = w
-        try:
-            pred, image, cols = self.forward(path, h, w, c, w)
-        except (SpatialShardingError, RuntimeError) as first:
-            if not self._too_narrow(first):
-                raise
-            step = PAD_MULTIPLE * self.sp
-            width = math.ceil(w / step) * step
-            if width == w:
-                raise self._narrow_error(path, h, w, first, None) from first
-            try:
-                pred, image, cols = self.forward(path, h, w, c, width)
-            except (SpatialShardingError, RuntimeError) as exc:
-                if not self._too_narrow(exc):
-                    raise
-                raise self._narrow_error(path, h, w, first, (width, exc)) from exc
+        choice = choose_rows(self, self.stream, h, w, self.console)
+        if choice is not None:  # big image (or --probabilities): tiled TIFFs, band by band
+            rows, plan = choice
+
+            def run(width: int) -> str:
+                args = (path, h, w, c, width)
+                probs = self.stream.probabilities
+                return predict_streamed(
+                    self, stem, args, mask_path, cm, rows, plan, self.out_dir, probs
+                )
+
+            summary, width = self._padded(run, path, h, w)
+            return stem, self.rank, None, summary, (w, width)
+        (pred, image, cols), width = self._padded(
+            lambda width: self.forward(path, h, w, c, width), path, h, w
+        )
         if mask_path is not None:
-            mask = read_mask(mask_path, cols)
+            mask = read_mask(mask_path, cols, **self.read)
             k, ignore = self.cfg.model.num_classes, self.cfg.data.ignore_index
             check_mask_values(mask, mask_path, k, ignore, col_offset=cols[0])
             cm.update(pred[None].to(cm.local.device), mask[None].to(cm.local.device))
@@ -187,11 +252,13 @@ def run_predict(
     *,
     class_names: list[str] | None = None,
     console=None,
+    stream: StreamOptions | None = None,
 ) -> dict | None:
     """Predict ``images`` (from ``_collect``) with the model of ``cfg`` and the checkpoint
     ``weights`` (``kind`` ``"dcp"`` or ``"export"``), inside an initialised process group
     (collective). Rank 0 writes the PNGs and, with masks, ``metrics.json``; returns the
-    metrics dict (rank 0, masks given) or None."""
+    metrics dict (rank 0, masks given) or None. ``stream`` (default: automatic bands for
+    big images) selects band-streamed prediction to tiled TIFFs (see ``_streamed``)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
@@ -218,15 +285,20 @@ def run_predict(
             f"{weights}: cannot load into the model of the config ({cfg.model.name}, "
             f"{cfg.model.num_classes} classes): {type(exc).__name__}: {exc}"
         ) from exc
-    model = parallelize(model.to(device).eval(), mesh, allow_gather=cfg.parallel.allow_gather)
-    predictor = _Predictor(cfg, model, mesh["sp"], device)
+    model = model.to(device).eval()
+    stream = stream or StreamOptions()
+    if stream.band_rows != 0:  # the band plan comes from the plain network
+        stream = dataclasses.replace(stream, plan=analyse(model, cfg.model.in_channels))
+    model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
+    out_dir = Path(out_dir)
+    console = console or Console()
+    predictor = _Predictor(cfg, model, mesh["sp"], device, stream, out_dir, console)
     with_masks = any(m is not None for _, _, m in images)
     cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)
-    out_dir = Path(out_dir)
     main = dist.get_rank() == 0
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-    console = console or Console()
+    dist.barrier()  # streamed images are written by each replica's first rank
     padded, failed = [], {}  # failed: {stem: message}, the same on every rank
     for first in range(0, len(images), dp):
         mine = first + coords.dp_rank
@@ -259,14 +331,19 @@ def run_predict(
             for stem, rank, pred, overlay, (w, width) in ok:
                 if stem in now:  # failed on another rank of its replica: no partial image
                     continue
-                strips.setdefault(stem, []).append((rank, pred, overlay))
                 if width != w and rank == 0:
                     padded.append(f"{stem}: width {w} padded to {width}")
+                if pred is None:  # streamed: written already by its replica's first rank
+                    if overlay:  # the replica leader's summary line
+                        console.print(f"{stem}: {overlay}")
+                    continue
+                strips.setdefault(stem, []).append((rank, pred, overlay))
             for stem, parts in strips.items():
                 h, w = _write(out_dir, stem, parts)
                 console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
     for line in padded:
         console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")
+    write_rank_stats(predictor.timing)
     result = None
     if with_masks:
         names = class_names or [f"class_{i}" for i in range(cfg.model.num_classes)]
