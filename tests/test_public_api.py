@@ -189,3 +189,12 @@ def test_parallelize_options_are_checked():
     twin = copy.deepcopy(par)
     assert runtime_of(twin) is not runtime_of(par)
     assert runtime_of(twin).registry.handler(F.local_response_norm) is spatial_lrn
+    # a handler registered on one model's runtime stays with that model
+
+    def mine(x):
+        return x
+
+    runtime_of(par).registry.register(torch.tanh)(mine)
+    assert runtime_of(par).registry.handler(torch.tanh) is mine
+    assert runtime_of(twin).registry.handler(torch.tanh) is None
+    assert current_runtime().registry.handler(torch.tanh) is None

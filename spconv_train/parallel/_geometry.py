@@ -129,7 +129,7 @@ def check_strips(what: str, width: int, parts: int, kind: str = "input") -> list
     bounds = all_shard_bounds(width, parts)
     empty = [r for r, (a, b) in enumerate(bounds) if a == b]
     if empty:
-        per = -(-width // parts)
+        per = shard_bounds(width, parts, 0)[1]  # the first (widest) strip
         raise SpatialShardingError(
             f"{what}: the {kind} width {width} split over {parts} spatial ranks "
             f"({per} columns per strip, DTensor chunking) leaves rank(s) {empty} with an empty "

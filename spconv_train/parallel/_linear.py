@@ -1,9 +1,12 @@
 """``F.linear`` on a DTensor whose last dimension is not sharded.
 
 Classification heads run a ``Linear`` on globally pooled features (``Replicate`` on the sp
-dimension, possibly ``Shard(0)`` on dp). DTensor refuses to mix its DTensor input with the
-plain parameters, so the plain op runs on the local tensor and the weight gradient is
-summed over the batch-sharded mesh dimensions (on the width it is already complete).
+dimension, possibly ``Shard(0)`` on dp); token heads (smp Segformer) run it on
+``x.flatten(2).transpose(1, 2)`` of a width-sharded map, whose pixels are split over the sp
+ranks as a ``_StridedShard``. DTensor refuses to mix its DTensor input with the plain
+parameters, so the plain op runs on the local tensor (rows are independent) and the weight
+gradient is summed over every mesh dimension whose placement splits the rows
+(``sharding_mesh_dims``: ``Shard`` and ``_StridedShard`` alike).
 """
 
 from __future__ import annotations
