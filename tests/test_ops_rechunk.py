@@ -58,11 +58,13 @@ def dp_checks() -> list[str]:
 
 
 def test_pad_slice_flip_roll_exact_without_gather(dist_pool):
-    # every case at 3 ranks (uneven strips), and at 4 ranks with a 1-column strip
-    # (13 = 4+4+4+1: thinner than the reflect/replicate pads, so owners beyond the
-    # neighbour send); a few at 1 and 2 ranks and on a (dp, sp) mesh
+    # every case at 3 ranks (uneven strips); at 4 ranks with a 1-column strip (13 = 4+4+4+1:
+    # thinner than the reflect/replicate pads, so owners beyond the neighbour send) the
+    # cases that move columns far; a few at 1 and 2 ranks and on a (dp, sp) mesh
     few = ("pad reflect", "pad circular", "slice ::2", "flip w", "roll w")
-    runs = ((3, 11, tuple(CASES)), (4, 13, tuple(CASES)), (1, 9, few), (2, 9, few))
+    thin = ("pad reflect", "pad replicate", "pad circular", "ReflectionPad2d", "slice ::2")
+    thin += ("centre crop", "flip w", "roll w")
+    runs = ((3, 11, tuple(CASES)), (4, 13, thin), (1, 9, few), (2, 9, few))
     for world, width, names in runs:
         for failures in dist_pool.run(world, rechunk_checks, world, width, names):
             assert not failures, failures
