@@ -319,9 +319,9 @@ import os
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
     from pathlib import Path
 
-    import spconv_train.train.loop as loop
+    import spconv_train.train.step as step_module
 
-    calls, clip = [0], loop.clip_gradients
+    calls, clip = [0], step_module.clip_gradients
 
     def failing_clip(*args, **kwargs):
         calls[0] += 1
@@ -334,7 +334,7 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
             raise RuntimeError("injected failure on rank 1")
         return clip(*args, **kwargs)
 
-    loop.clip_gradients = failing_clip
+    step_module.clip_gradients = failing_clip
 """
 
 

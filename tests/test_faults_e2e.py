@@ -52,15 +52,15 @@ if fault == "config_rank1" and rank == "1":
     loop.build_model = failing_build
 if os.environ.get("SPCONV_TEST_STEP_DELAY"):
     # Pace the steps so that a signal sent after step 2 lands in the middle of the run.
-    import spconv_train.train.loop as loop
+    import spconv_train.train.step as step_module
 
-    delay, clip = float(os.environ["SPCONV_TEST_STEP_DELAY"]), loop.clip_gradients
+    delay, clip = float(os.environ["SPCONV_TEST_STEP_DELAY"]), step_module.clip_gradients
 
     def slow_clip(*args, **kwargs):
         time.sleep(delay)
         return clip(*args, **kwargs)
 
-    loop.clip_gradients = slow_clip
+    step_module.clip_gradients = slow_clip
 """
 
 

@@ -25,7 +25,10 @@ class DataError(Exception):
     def __init__(self, message: str, *, path: str | None = None, reason: str | None = None):
         super().__init__(message)
         self.path = path
-        self.reason = reason if reason is not None else message
+        if reason is None:  # "the message without the file name": drop a "<path>: " prefix
+            prefix = f"{path}: "
+            reason = message[len(prefix) :] if path and message.startswith(prefix) else message
+        self.reason = reason
 
 
 def bad_file(path: object, reason: str) -> DataError:

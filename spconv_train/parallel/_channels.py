@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ._broadcast import _local_part
 from ._dims import handled, norm_dim, sharded_dims, wrap
-from ._geometry import ExchangePlan, all_shard_bounds
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
@@ -35,8 +35,16 @@ def _groups(x: DTensor) -> tuple:
 def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
     """``F.layer_norm`` over trailing dims that are not sharded: local on each strip."""
     k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-    if not handled(input) or any(d >= input.ndim - k for d in sharded_dims(input)):
+    if not handled(input):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)  # DTensor's rules
+    across = [d for d in sharded_dims(input) if d >= input.ndim - k]
+    if across:  # statistics over a sharded (image) dim: DTensor would gather or fail
+        raise SpatialShardingError(
+            f"F.layer_norm over the sharded dim(s) {across} of a {tuple(input.shape)} "
+            "activation is not supported (statistics across the image width); normalise "
+            "over the channels (channels-last LayerNorm, GroupNorm) or gather explicitly "
+            "with x.full_tensor()"
+        )
     g = _groups(input)
     out = F.layer_norm(
         input.to_local(), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
