@@ -26,6 +26,7 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _broadcast,
     _channels,
     _conv,
+    _conv3d,
     _conv_transpose,
     _interpolate,
     _linear,
@@ -39,6 +40,7 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
 )
 from ._comm_audit import CommAudit
 from ._conv import SpatialConv2d, spatial_conv2d
+from ._conv3d import SpatialConv3d, spatial_conv3d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
@@ -93,6 +95,7 @@ __all__ = [
     "SpatialAvgPool2d",
     "SpatialBatchNorm2d",
     "SpatialConv2d",
+    "SpatialConv3d",
     "SpatialConvTranspose2d",
     "SpatialGroupNorm",
     "SpatialInstanceNorm2d",
@@ -132,6 +135,7 @@ __all__ = [
     "spatial_avg_pool2d",
     "spatial_batch_norm",
     "spatial_conv2d",
+    "spatial_conv3d",
     "spatial_conv_transpose2d",
     "spatial_group_norm",
     "spatial_instance_norm",
