@@ -28,6 +28,7 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _conv,
     _conv3d,
     _conv_transpose,
+    _conv_transpose3d,
     _interpolate,
     _linear,
     _norm,
@@ -44,6 +45,7 @@ from ._comm_audit import CommAudit
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv3d import SpatialConv3d, spatial_conv3d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
+from ._conv_transpose3d import SpatialConvTranspose3d, spatial_conv_transpose3d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import SpatialUpsample, spatial_interpolate
@@ -99,6 +101,7 @@ __all__ = [
     "SpatialConv2d",
     "SpatialConv3d",
     "SpatialConvTranspose2d",
+    "SpatialConvTranspose3d",
     "SpatialGroupNorm",
     "SpatialInstanceNorm2d",
     "SpatialLayout",
@@ -139,6 +142,7 @@ __all__ = [
     "spatial_conv2d",
     "spatial_conv3d",
     "spatial_conv_transpose2d",
+    "spatial_conv_transpose3d",
     "spatial_group_norm",
     "spatial_instance_norm",
     "spatial_interpolate",

@@ -18,12 +18,7 @@ from ._geometry import SpatialShardingError
 from ._parallelize import register_spatial_module
 from ._pool import _counts, _pool_plan, _register, _what
 from ._sharding import run_unsharded
-from ._volume import gather_volume_window, leave_window, triple, volume_layout
-
-
-def _local(v: tuple, i: int) -> tuple:
-    """``v`` with spatial index ``i`` (the sharded dim) set to 0."""
-    return tuple(0 if j == i else a for j, a in enumerate(v))
+from ._volume import gather_volume_window, leave_window, triple, unsharded, volume_layout
 
 
 def spatial_max_pool3d(
@@ -53,7 +48,7 @@ def spatial_max_pool3d(
     i = d - 2
     wp, _ = _pool_plan(what, x.shape[d], layout.sp_size, k[i], s[i], dil[i], p[i], ceil_mode)
     win = gather_volume_window(x, layout, wp, "zeros", float("-inf"))
-    out = F.max_pool3d(win, k, s, _local(p, i), dil, ceil_mode)
+    out = F.max_pool3d(win, k, s, unsharded(p, i), dil, ceil_mode)
     return leave_window(out, x, layout, wp)
 
 
@@ -83,9 +78,9 @@ def spatial_avg_pool3d(
     # Width-padding planes are ordinary zeros in the window: the local divisor is right
     # unless padding must not be counted or a ceil window overhangs (see _pool.py).
     if divisor_override or (pad_hi == p[i] and (count_include_pad or p[i] == 0)):
-        out = F.avg_pool3d(win, k, s, _local(p, i), *args)
+        out = F.avg_pool3d(win, k, s, unsharded(p, i), *args)
         return leave_window(out, x, layout, wp)
-    sums = F.avg_pool3d(win, k, s, _local(p, i), ceil_mode, True, 1)
+    sums = F.avg_pool3d(win, k, s, unsharded(p, i), ceil_mode, True, 1)
     factors = []
     for j in range(3):
         if j == i:

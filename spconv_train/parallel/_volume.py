@@ -24,6 +24,12 @@ def triple(v) -> Triple:
     return (int(v),) * 3 if isinstance(v, int) else tuple(int(a) for a in v)  # type: ignore[return-value]
 
 
+def unsharded(v: tuple, i: int) -> tuple:
+    """``v`` (one value per spatial dim D, H, W) with entry ``i`` (the sharded dim) set to
+    0: the padding the local op applies once the sharded dim's halo is in the window."""
+    return tuple(0 if j == i else a for j, a in enumerate(v))
+
+
 def volume_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
     """``spatial_layout`` for an NCDHW volume; ``layout.dim`` is 2, 3 or 4 (when sharded)."""
     return spatial_layout(x, what, ndim=5)
