@@ -99,3 +99,17 @@ def unet3d_too_thin(world: int) -> str:
 def test_unet3d_too_thin_volume_is_refused_clearly(dist_pool):
     msg = dist_pool.run(3, unet3d_too_thin, 3)[0]
     assert "MaxPool3d" in msg and "parallel.sp" in msg, msg
+
+
+def unet3d_dp_sp(world: int) -> list[str]:
+    """(dp, sp) = (2, 2) mesh, batch 3 (uneven batch shards), volume sharded over W."""
+    failures: list[str] = []
+    x = seeded(11, 3, 1, 4, 6, 10, dtype=torch.float64)
+    dmesh = mesh((2, 2))
+    check_module(_model().double(), x, dmesh, [Shard(0), Shard(4)], "unet3d dp x sp", failures)
+    return failures
+
+
+def test_unet3d_on_dp_sp_mesh(dist_pool):
+    failures = dist_pool.run(4, unet3d_dp_sp, 4)[0]
+    assert not failures, "\n".join(failures)
