@@ -146,6 +146,7 @@ def spatial_layout(x: DTensor, what: str, ndim: int = 4) -> tuple[DTensor, Spati
             f"{what}: input placements {placements} have no Shard(3) (width) dimension. "
             f"Distribute the image with distribute_tensor(img, mesh, [Shard(3)]) "
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
+            + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
     if len(sp_dims) > 1:
         raise SpatialShardingError(
