@@ -6,7 +6,7 @@ works right after ``import spconv_train.models``. Parallelism is applied elsewhe
 """
 
 # Imported for their side effect: each module registers its models on import.
-from spconv_train.models import smp_models, torchvision_models, unet  # noqa: F401
+from spconv_train.models import smp_models, torchvision_models, unet, unet3d  # noqa: F401
 from spconv_train.models.registry import (
     UnknownModelError,
     WeightsLoadError,
@@ -15,9 +15,11 @@ from spconv_train.models.registry import (
     register_model,
 )
 from spconv_train.models.unet import UNet
+from spconv_train.models.unet3d import UNet3D
 
 __all__ = [
     "UNet",
+    "UNet3D",
     "UnknownModelError",
     "WeightsLoadError",
     "create_model",

@@ -31,10 +31,18 @@ UpMode = Literal["transpose", "bilinear"]
 _NORMS = ("batch", "group", "none")
 _UP_MODES = ("transpose", "bilinear")
 
+#: Layers per number of spatial dims: 2 (images, NCHW) or 3 (volumes, NCDHW, ``unet3d``).
+_LAYERS = {
+    2: dict(conv=nn.Conv2d, bn=nn.BatchNorm2d, pool=nn.MaxPool2d, up=nn.ConvTranspose2d),
+    3: dict(conv=nn.Conv3d, bn=nn.BatchNorm3d, pool=nn.MaxPool3d, up=nn.ConvTranspose3d),
+}
+#: The interpolation mode "bilinear" means for each number of spatial dims.
+_LINEAR = {2: "bilinear", 3: "trilinear"}
 
-def _make_norm(norm: Norm, channels: int, groups: int) -> nn.Module:
+
+def _make_norm(norm: Norm, channels: int, groups: int, dims: int = 2) -> nn.Module:
     if norm == "batch":
-        return nn.BatchNorm2d(channels)
+        return _LAYERS[dims]["bn"](channels)
     if norm == "group":
         if channels % groups:
             raise ValueError(
@@ -46,32 +54,44 @@ def _make_norm(norm: Norm, channels: int, groups: int) -> nn.Module:
 
 
 class DoubleConv(nn.Sequential):
-    """Two ``3x3 conv -> norm -> ReLU`` blocks; keeps the spatial size (padding=1)."""
+    """Two ``3x3 conv -> norm -> ReLU`` blocks; keeps the spatial size (padding=1).
+    ``dims=3``: the same with 3x3x3 convolutions on volumes."""
 
     def __init__(
-        self, in_channels: int, out_channels: int, norm: Norm = "batch", groups: int = 8
+        self,
+        in_channels: int,
+        out_channels: int,
+        norm: Norm = "batch",
+        groups: int = 8,
+        dims: int = 2,
     ) -> None:
         # A conv directly followed by a norm does not need a bias: the norm re-centres it.
         bias = norm == "none"
+        conv = _LAYERS[dims]["conv"]
         super().__init__(
-            nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=bias),
-            _make_norm(norm, out_channels, groups),
+            conv(in_channels, out_channels, kernel_size=3, padding=1, bias=bias),
+            _make_norm(norm, out_channels, groups, dims),
             nn.ReLU(inplace=True),
-            nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1, bias=bias),
-            _make_norm(norm, out_channels, groups),
+            conv(out_channels, out_channels, kernel_size=3, padding=1, bias=bias),
+            _make_norm(norm, out_channels, groups, dims),
             nn.ReLU(inplace=True),
         )
 
 
 class Down(nn.Sequential):
-    """Halve the spatial size with ``MaxPool2d(2)``, then :class:`DoubleConv`."""
+    """Halve the spatial size with ``MaxPool2d(2)`` (``MaxPool3d``), then :class:`DoubleConv`."""
 
     def __init__(
-        self, in_channels: int, out_channels: int, norm: Norm = "batch", groups: int = 8
+        self,
+        in_channels: int,
+        out_channels: int,
+        norm: Norm = "batch",
+        groups: int = 8,
+        dims: int = 2,
     ) -> None:
         super().__init__(
-            nn.MaxPool2d(2),
-            DoubleConv(in_channels, out_channels, norm, groups),
+            _LAYERS[dims]["pool"](2),
+            DoubleConv(in_channels, out_channels, norm, groups, dims),
         )
 
 
@@ -89,25 +109,25 @@ class Up(nn.Module):
         norm: Norm = "batch",
         up: UpMode = "transpose",
         groups: int = 8,
+        dims: int = 2,
     ) -> None:
         super().__init__()
+        layers, self.mode = _LAYERS[dims], _LINEAR[dims]
         if up == "transpose":
-            self.up: nn.Module = nn.ConvTranspose2d(
-                in_channels, out_channels, kernel_size=2, stride=2
-            )
+            self.up: nn.Module = layers["up"](in_channels, out_channels, kernel_size=2, stride=2)
         else:
             # Parameter-free resize, then a 1x1 conv to reduce the channels.
             self.up = nn.Sequential(
-                nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
-                nn.Conv2d(in_channels, out_channels, kernel_size=1),
+                nn.Upsample(scale_factor=2, mode=self.mode, align_corners=False),
+                layers["conv"](in_channels, out_channels, kernel_size=1),
             )
-        self.conv = DoubleConv(2 * out_channels, out_channels, norm, groups)
+        self.conv = DoubleConv(2 * out_channels, out_channels, norm, groups, dims)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         x = self.up(x)
-        if x.shape[-2:] != skip.shape[-2:]:
+        if x.shape[2:] != skip.shape[2:]:
             # Only for sizes not divisible by 2 ** (depth - 1): pooling floored an odd size.
-            x = F.interpolate(x, size=skip.shape[-2:], mode="bilinear", align_corners=False)
+            x = F.interpolate(x, size=skip.shape[2:], mode=self.mode, align_corners=False)
         return self.conv(torch.cat([skip, x], dim=1))
 
 
@@ -124,6 +144,9 @@ class UNet(nn.Module):
         up: ``"transpose"`` (ConvTranspose2d k=2 s=2) or ``"bilinear"`` (Upsample + 1x1 conv).
         group_norm_groups: groups for ``norm="group"``; must divide ``base_width``.
     """
+
+    #: 2: images (NCHW); 3: volumes (NCDHW), see ``unet3d.UNet3D``.
+    spatial_dims: int = 2
 
     def __init__(
         self,
@@ -144,17 +167,18 @@ class UNet(nn.Module):
             raise ValueError(f"up must be one of {_UP_MODES}, got {up!r}")
 
         widths = [base_width * 2**i for i in range(depth)]
-        g = group_norm_groups
-        self.inc = DoubleConv(in_channels, widths[0], norm, g)
+        g, dims = group_norm_groups, self.spatial_dims
+        self.inc = DoubleConv(in_channels, widths[0], norm, g, dims)
         self.downs = nn.ModuleList(
-            Down(c_in, c_out, norm, g) for c_in, c_out in zip(widths[:-1], widths[1:], strict=True)
+            Down(c_in, c_out, norm, g, dims)
+            for c_in, c_out in zip(widths[:-1], widths[1:], strict=True)
         )
         # Decoder runs from the bottleneck back up, so pair the widths in reverse.
         self.ups = nn.ModuleList(
-            Up(c_in, c_out, norm, up, g)
+            Up(c_in, c_out, norm, up, g, dims)
             for c_in, c_out in zip(widths[:0:-1], widths[-2::-1], strict=True)
         )
-        self.head = nn.Conv2d(widths[0], num_classes, kernel_size=1)
+        self.head = _LAYERS[dims]["conv"](widths[0], num_classes, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map ``N x in_channels x H x W`` to logits ``N x num_classes x H x W``."""

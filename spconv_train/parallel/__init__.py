@@ -26,20 +26,26 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _broadcast,
     _channels,
     _conv,
+    _conv3d,
     _conv_transpose,
+    _conv_transpose3d,
     _interpolate,
     _linear,
     _norm,
+    _norm3d,
     _pad,
     _pointwise,
     _pool,
+    _pool3d,
     _reduce,
     _scan,
     _slicing,
 )
 from ._comm_audit import CommAudit
 from ._conv import SpatialConv2d, spatial_conv2d
+from ._conv3d import SpatialConv3d, spatial_conv3d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
+from ._conv_transpose3d import SpatialConvTranspose3d, spatial_conv_transpose3d
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import SpatialUpsample, spatial_interpolate
@@ -93,7 +99,9 @@ __all__ = [
     "SpatialAvgPool2d",
     "SpatialBatchNorm2d",
     "SpatialConv2d",
+    "SpatialConv3d",
     "SpatialConvTranspose2d",
+    "SpatialConvTranspose3d",
     "SpatialGroupNorm",
     "SpatialInstanceNorm2d",
     "SpatialLayout",
@@ -132,7 +140,9 @@ __all__ = [
     "spatial_avg_pool2d",
     "spatial_batch_norm",
     "spatial_conv2d",
+    "spatial_conv3d",
     "spatial_conv_transpose2d",
+    "spatial_conv_transpose3d",
     "spatial_group_norm",
     "spatial_instance_norm",
     "spatial_interpolate",

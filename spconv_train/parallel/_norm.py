@@ -130,17 +130,30 @@ def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
             raise ValueError(f"{what}: {name} has {t.numel()} elements for {c} channels")
 
 
+def _layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
+    """``spatial_layout`` of an NCHW image or an NCDHW volume (``_volume.py``)."""
+    return spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4)
+
+
+def _as_nchw(shape) -> tuple[int, int, int, int]:
+    """``(N, C, H, W)``, or ``(N, C, D*H, W)`` for a volume: statistics only count elements."""
+    return (*shape[:2], shape[2] * shape[3], shape[4]) if len(shape) == 5 else tuple(shape)
+
+
 def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, eps: float):
     """Normalise the local strip of ``x`` with global statistics ``cells``; returns the
     output DTensor and the statistics (mean, biased variance)."""
     local = enter(x)
+    shape = local.shape
+    if local.ndim == 5:  # a volume: the same statistics on a 4-D view of its block
+        local = local.reshape(_as_nchw(shape))
     mean, var = _moments(local.detach(), cells)
     invstd = torch.rsqrt(var + eps)
     groups = layout.grad_groups
     y = _Normalize.apply(
         local, sum_grad_over(weight, groups), sum_grad_over(bias, groups), mean, invstd, cells
     )
-    return leave(y, layout, tuple(x.shape)), mean, var
+    return leave(y.reshape(shape), layout, tuple(x.shape)), mean, var
 
 
 def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> DTensor:
@@ -170,8 +183,8 @@ def spatial_batch_norm(
     """``F.batch_norm`` of a width-sharded DTensor: in training, statistics over the whole
     global batch and image (reduced over the width and data-parallel ranks) and the running
     statistics updated in place exactly as torch does, identically on every rank."""
-    x, layout = spatial_layout(x, what)
-    n, c, h, w = x.shape
+    x, layout = _layout(x, what)
+    n, c, h, w = _as_nchw(x.shape)
     _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
     if not training:
         return _normalize_with(x, layout, running_mean, running_var, weight, bias, eps)
@@ -197,8 +210,8 @@ def spatial_group_norm(
 ) -> DTensor:
     """``F.group_norm`` of a width-sharded DTensor: per sample and group, statistics over
     its channels and the whole image (reduced over the spatial group only)."""
-    x, layout = spatial_layout(x, what)
-    n, c, h, w = x.shape
+    x, layout = _layout(x, what)
+    n, c, h, w = _as_nchw(x.shape)
     if c % num_groups:
         raise RuntimeError(
             f"{what}: Expected number of channels in input to be divisible by num_groups, "
@@ -226,8 +239,8 @@ def spatial_instance_norm(
     """``F.instance_norm`` of a width-sharded DTensor: per sample and channel, statistics
     over the whole image. Running statistics (when given) are updated like torch's: with the
     batch average of the per-sample mean and unbiased variance, over the global batch."""
-    x, layout = spatial_layout(x, what)
-    n, c, h, w = x.shape
+    x, layout = _layout(x, what)
+    n, c, h, w = _as_nchw(x.shape)
     _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
     if not use_input_stats:
         return _normalize_with(x, layout, running_mean, running_var, weight, bias, eps)

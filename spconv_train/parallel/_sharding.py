@@ -24,6 +24,9 @@ from ._halo import sum_grad_over
 #: never uses this directly; it asks the layout (``layout.dim``), so sharding H and W
 #: together, or 3-D volumes, changes what ``spatial_layout`` records, not the ops.
 SPATIAL_DIMS = (3,)
+#: Per tensor rank: the tensor dims that may be the (one) sharded spatial dim. NCHW: the width;
+#: NCDHW volumes (``_volume.py``): any one of D, H, W.
+SPATIAL_DIMS_BY_NDIM = {4: SPATIAL_DIMS, 5: (2, 3, 4)}
 
 
 def sharded_dim(placement) -> int | None:
@@ -68,7 +71,7 @@ def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
 
 
 def _is_spatial_shard(p, ndim: int) -> bool:
-    return isinstance(p, Shard) and p.dim % ndim in SPATIAL_DIMS
+    return isinstance(p, Shard) and p.dim % ndim in SPATIAL_DIMS_BY_NDIM.get(ndim, ())
 
 
 @dataclass(frozen=True)
@@ -121,14 +124,16 @@ class SpatialLayout:
         return self.grad_groups
 
 
-def spatial_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
+def spatial_layout(x: DTensor, what: str, ndim: int = 4) -> tuple[DTensor, SpatialLayout]:
     """Check ``x`` is laid out for a spatial op and return it with its layout.
 
     An input whose width is replicated on the sp dimension (e.g. after a global pooling)
     gets a layout with ``width_sharded=False``: ops then run the plain local op
-    (``run_unsharded``). Anything else that is not width-sharded is refused clearly."""
-    if x.ndim != 4:
-        raise SpatialShardingError(f"{what}: expected an NCHW tensor, got shape {tuple(x.shape)}")
+    (``run_unsharded``). Anything else that is not width-sharded is refused clearly.
+    ``ndim=5``: an NCDHW volume with one of D, H, W sharded (``layout.dim`` says which)."""
+    if x.ndim != ndim:
+        kind = "an NCDHW volume" if ndim == 5 else "an NCHW tensor"
+        raise SpatialShardingError(f"{what}: expected {kind}, got shape {tuple(x.shape)}")
     placements = tuple(x.placements)
     sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
     if not sp_dims:
@@ -141,6 +146,7 @@ def spatial_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
             f"{what}: input placements {placements} have no Shard(3) (width) dimension. "
             f"Distribute the image with distribute_tensor(img, mesh, [Shard(3)]) "
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
+            + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
     if len(sp_dims) > 1:
         raise SpatialShardingError(
