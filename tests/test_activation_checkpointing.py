@@ -45,9 +45,9 @@ class LiveBytes(TorchDispatchMode):
 def checkpoint_compare(world: int) -> dict:
     dmesh = mesh(world)
     torch.manual_seed(0)
-    ref = create_model("unet", num_classes=3, depth=3, base_width=4, norm="batch")
-    x = seeded(1, 1, 3, 16, 64)
-    target = seeded(2, 1, 3, 16, 64)
+    ref = create_model("unet", num_classes=3, depth=3, base_width=8, norm="batch")
+    x = seeded(1, 1, 3, 32, 128)
+    target = seeded(2, 1, 3, 32, 128)
     ((ref(x) - target) ** 2).mean().backward()
     live, failures = {}, []
     for ck in (False, True):
