@@ -5,41 +5,16 @@ kept alive after the forward shrink to <= 0.4x, and the gradients (reduced by th
 from __future__ import annotations
 
 import copy
-import weakref
 
 import torch
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
+from spconv_train.parallel._live_bytes import LiveBytes
 from spconv_train.train.optim import enable_activation_checkpointing
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensors created while active that are still alive when asked: after a
-    forward, the activations autograd keeps for the backward (plus the output)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[weakref.ref, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor:  # plain local tensors (a DTensor's is seen too)
-                try:
-                    st = t.untyped_storage()
-                    self.refs[st.data_ptr()] = (weakref.ref(t), st.nbytes())
-                except RuntimeError:  # no storage (e.g. a meta/functional tensor)
-                    pass
-        return out
-
-    def live(self) -> int:
-        return sum(n for ref, n in self.refs.values() if ref() is not None)
 
 
 def checkpoint_compare(world: int) -> dict:

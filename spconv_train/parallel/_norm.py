@@ -9,8 +9,9 @@ norm: per sample, reduced over the spatial group only. Variances are two-pass (g
 then squared deviations from it), so large means cost no digits. The backward is the
 analytic one with its two sums reduced the same way. Batch norm's affine gradients travel
 in that same all-reduce (its groups are the gradient groups), so they are reduced once; group
-and instance norm's are local partial sums completed by ``sum_grad_over``. Running statistics follow torch exactly and are
-identical on every rank (all compute them from the same reduced sums).
+and instance norm's (on a (dp, sp) mesh) are local partial sums completed by
+``sum_grad_over``. Running statistics follow torch exactly and are identical on every rank
+(all compute them from the same reduced sums).
 """
 
 from __future__ import annotations
