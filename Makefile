@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory verify predict clean
+.PHONY: install run data test lint bench bench-conv bench-memory bench-step verify predict clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -40,13 +40,16 @@ predict: install
 	$(PY) -m spconv_train predict runs/unet data/synthetic/images/val \
 		--masks data/synthetic/masks/val --out runs/unet/predictions --nproc $(NPROC) $(ARGS)
 
-bench: bench-conv bench-memory
+bench: bench-conv bench-memory bench-step
 
 bench-conv: install
 	$(PY) scripts/bench_conv.py
 
 bench-memory: install
 	$(PY) scripts/bench_memory.py
+
+bench-step: install
+	$(PY) scripts/bench_step.py
 
 clean:
 	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info
