@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory bench-predict verify predict clean
+.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step verify predict clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -40,7 +40,7 @@ predict: install
 	$(PY) -m spconv_train predict runs/unet data/synthetic/images/val \
 		--masks data/synthetic/masks/val --out runs/unet/predictions --nproc $(NPROC) $(ARGS)
 
-bench: bench-conv bench-memory
+bench: bench-conv bench-memory bench-step
 
 bench-conv: install
 	$(PY) scripts/bench_conv.py
@@ -52,6 +52,9 @@ bench-memory: install
 # Bigger sizes: make bench-predict ARGS="--sizes 16 100 400 1000 --ranks 2 --markdown"
 bench-predict: install
 	$(PY) scripts/bench_predict.py $(ARGS)
+
+bench-step: install
+	$(PY) scripts/bench_step.py
 
 clean:
 	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info

@@ -7,9 +7,11 @@ values. Batch norm: one statistic per channel over the global batch and image, r
 ``layout.stat_groups`` (width and data parallel, like SyncBatchNorm); group and instance
 norm: per sample, reduced over the spatial group only. Variances are two-pass (global mean,
 then squared deviations from it), so large means cost no digits. The backward is the
-analytic one with its two sums reduced the same way; affine gradients are local partial
-sums completed by ``sum_grad_over``. Running statistics follow torch exactly and are
-identical on every rank (all compute them from the same reduced sums).
+analytic one with its two sums reduced the same way. Batch norm's affine gradients travel
+in that same all-reduce (its groups are the gradient groups), so they are reduced once; group
+and instance norm's (on a (dp, sp) mesh) are local partial sums completed by
+``sum_grad_over``. Running statistics follow torch exactly and are identical on every rank
+(all compute them from the same reduced sums).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class _Normalize(torch.autograd.Function):
     sums reduced like them. Only ``x`` is saved, as in torch's own batch norm."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, cells: _Cells):
+    def forward(ctx, x, weight, bias, mean, invstd, cells: _Cells, reduce_affine=False):
         scale = cells.spread(invstd)
         if weight is not None:
             scale = scale * weight
@@ -93,7 +95,7 @@ class _Normalize(torch.autograd.Function):
         if bias is not None:
             y.add_(_hw(bias[None]))
         ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.cells = cells
+        ctx.cells, ctx.reduce_affine = cells, reduce_affine
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y.to(x.dtype)
 
@@ -108,20 +110,36 @@ class _Normalize(torch.autograd.Function):
         s1 = g.sum((2, 3))  # local sum of dy per (sample, channel)
         s2 = (g * xmu).sum((2, 3))  # local sum of dy * (x - mean)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            w = weight if weight is not None else torch.ones_like(s[0])
-            # Sums of d(xhat) and d(xhat) * (x - mean) over each statistic, globally.
-            red = torch.stack([cells.collect(s1 * w), cells.collect(s2 * w)])
-            red = _all_reduce(red.contiguous(), cells.groups) / cells.count
-            a, b = cells.spread(red[0]), cells.spread(red[1])
-            # dx = invstd * (w*dy - mean(w*dy) - xhat * mean(w*dy * xhat))
-            dx = xmu.mul_(_hw(-s.pow(3) * b)).addcmul_(g, _hw(s * w)).sub_(_hw(s * a))
-            dx = dx.to(x.dtype)
-        if weight is not None and ctx.needs_input_grad[1]:
-            dw = (s2 * s).sum(0).to(weight.dtype)  # partial: sum_grad_over completes it
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = s1.sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        want_dx = ctx.needs_input_grad[0]
+        want_dw = weight is not None and ctx.needs_input_grad[1]
+        want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        w = weight if weight is not None else torch.ones_like(s[0])
+        # Local partial sums, all-reduced together in one call: the sums of d(xhat) and
+        # d(xhat) * (x - mean) per statistic (for dx) and, with ``reduce_affine``, the affine
+        # gradients (otherwise ``sum_grad_over`` completes them).
+        parts = [cells.collect(s1 * w), cells.collect(s2 * w)] if want_dx else []
+        local_dw = (s2 * s).sum(0) if want_dw else None
+        local_db = s1.sum(0) if want_db else None
+        shared = [t for t in (local_dw, local_db) if t is not None and ctx.reduce_affine]
+        flat = [t.reshape(-1) for t in parts + shared]
+        if flat:
+            red = _all_reduce(torch.cat(flat), cells.groups)
+            sizes = [t.numel() for t in flat]
+            pieces = list(red.split(sizes))
+            if want_dx:
+                a = cells.spread(pieces.pop(0).view_as(parts[0]) / cells.count)
+                b = cells.spread(pieces.pop(0).view_as(parts[1]) / cells.count)
+                # dx = invstd * (w*dy - mean(w*dy) - xhat * mean(w*dy * xhat))
+                dx = xmu.mul_(_hw(-s.pow(3) * b)).addcmul_(g, _hw(s * w)).sub_(_hw(s * a))
+                dx = dx.to(x.dtype)
+            if ctx.reduce_affine:
+                local_dw = pieces.pop(0) if want_dw else None
+                local_db = pieces.pop(0) if want_db else None
+        if want_dw:
+            dw = local_dw.to(weight.dtype)
+        if want_db:
+            db = local_db.to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None, None
 
 
 def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
@@ -150,9 +168,11 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     mean, var = _moments(local.detach(), cells)
     invstd = torch.rsqrt(var + eps)
     groups = layout.grad_groups
-    y = _Normalize.apply(
-        local, sum_grad_over(weight, groups), sum_grad_over(bias, groups), mean, invstd, cells
-    )
+    if cells.groups == groups:  # batch norm: the affine gradients ride on the stats' reduce
+        y = _Normalize.apply(local, weight, bias, mean, invstd, cells, True)
+    else:
+        w, b = sum_grad_over(weight, groups), sum_grad_over(bias, groups)
+        y = _Normalize.apply(local, w, b, mean, invstd, cells)
     return leave(y.reshape(shape), layout, tuple(x.shape)), mean, var
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -59,6 +60,9 @@ class _SpatialRoot:
     """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
     the model's runtime."""
 
+    # Dynamo cannot trace into the SpatialMode entry (its torch-function mode stack asserts):
+    # under torch.compile the spatial forward runs eagerly (a graph break), unchanged.
+    @torch._dynamo.disable
     def forward(self, *args, **kwargs):
         runtime = self.spatial_runtime
         with SpatialMode(runtime), gather_guard(runtime.options.allow_gather):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ._grad_reduce import GradReducer
 from ._registry import DEFAULT_REGISTRY, HandlerRegistry
 
 
@@ -89,6 +90,8 @@ class SpatialRuntime:
         self.options = options or SpatialOptions()
         self.stats = SpatialStats()
         self.registry = HandlerRegistry(parent=DEFAULT_REGISTRY)
+        #: sums the partial parameter gradients over the sharding groups (``sum_grad_over``)
+        self.grad_reducer = GradReducer()
 
     def __deepcopy__(self, memo) -> SpatialRuntime:
         # A deep-copied model (e.g. a reference copy) gets its own statistics and registry

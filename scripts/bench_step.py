@@ -1,0 +1,160 @@
+"""Benchmark: one training step (forward, cross-entropy, backward with the bucketed gradient
+reduction, SGD step) of registry models at 1, 2 (and 4) spatial ranks, with and without
+activation checkpointing and ``torch.compile``.
+
+Per case: median seconds per step (max over ranks), parallel efficiency against one rank
+(``t1 / (N * tN)``), activations left alive by the forward (``LiveBytes``, MiB per rank)
+and the growth of the peak RSS (CPU) or the CUDA allocator peak. One rank runs the
+parallelized model on a one-rank mesh (the layers then cost what plain layers cost).
+A case that fails (e.g. compile) is reported with its error instead of a time.
+
+Usage: ``python scripts/bench_step.py [--models unet lraspp_mobilenet_v3_large --worlds 1 2
+--height 256 --width 1024 --checkpointing off on --compile off on]`` (``make bench-step``);
+``--markdown`` prints a table for ``docs/benchmarks.md``. On a loaded machine the times are
+meaningless: note the load (``uptime``) beside the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_conv import _current_mib, _peak_mib, _time_steps, init_worker  # noqa: E402
+
+from spconv_train.distributed import free_port  # noqa: E402
+
+
+def _build(name: str, args):
+    from spconv_train.models import create_model
+
+    torch.manual_seed(0)
+    if name == "unet":
+        return create_model("unet", num_classes=4, depth=args.depth, base_width=args.base_width)
+    return create_model(name, num_classes=4)
+
+
+def _worker(rank, world, port, name, ck, comp, args, queue) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from spconv_train.parallel import parallelize
+    from spconv_train.parallel._live_bytes import LiveBytes
+    from spconv_train.train import cross_entropy
+    from spconv_train.train.optim import enable_activation_checkpointing
+
+    dev = args.device
+    mesh = init_worker(rank, world, port, args)
+    try:
+        model = parallelize(_build(name, args).to(dev), mesh)
+        if ck:
+            enable_activation_checkpointing(model)
+        run = torch.compile(model, backend=args.compile_backend) if comp else model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        img = torch.randn(1, 3, args.height, args.width, generator=g).to(dev)
+        target = torch.randint(0, 4, (1, args.height, args.width), generator=g).to(dev)
+        x = distribute_tensor(img, mesh, [Shard(3)], src_data_rank=None)
+        tgt = distribute_tensor(target, mesh, [Shard(2)], src_data_rank=None).to_local()
+
+        def step() -> None:
+            cross_entropy(run(x), tgt).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        step()  # first step: compiles when asked
+        first = time.perf_counter() - t0
+        base = _current_mib(dev)
+        sec = _time_steps(step, args.iters, 0, dev)
+        meter = LiveBytes()
+        with meter:
+            loss = cross_entropy(run(x), tgt)
+        live = meter.live() / 2**20
+        loss.backward()
+        queue.put((rank, None, sec, first, live, _peak_mib(dev) - base))
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        queue.put((rank, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", 0, 0, 0, 0))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_case(world: int, name: str, ck: bool, comp: bool, args):
+    """(error or None, seconds, first-step seconds, live MiB, peak MiB): max over ranks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, name, ck, comp, args, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    res = [queue.get(timeout=7200) for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [r[1] for r in res if r[1]]
+    if errors:
+        return errors[0], 0.0, 0.0, 0.0, 0.0
+    return None, *(max(r[i] for r in res) for i in range(2, 6))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["unet", "lraspp_mobilenet_v3_large"])
+    ap.add_argument("--height", type=int, default=256)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--base-width", type=int, default=16)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"])
+    ap.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"])
+    ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args(argv)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"training step on 1x3x{args.height}x{args.width}, {args.device}, {args.threads} "
+        f"thread(s)/process; {platform.machine()}, {os.cpu_count()} cores, load {load:.1f}, "
+        f"torch {torch.__version__}",
+        file=sys.stderr,
+    )
+    header = ("model", "ranks", "ckpt", "compile", "s/step", "efficiency", "first step s")
+    header += ("live act. MiB/rank", "peak MiB/rank" if args.device == "cuda" else "peak RSS +MiB")
+    rows = []
+    for name in args.models:
+        for ck in (c == "on" for c in args.checkpointing):
+            for comp in (c == "on" for c in args.compile):
+                single = None
+                for world in args.worlds:
+                    err, sec, first, live, peak = run_case(world, name, ck, comp, args)
+                    flags = ("on" if ck else "off", "on" if comp else "off")
+                    if err:
+                        rows.append((name, world, *flags, "fails", err, "-", "-", "-"))
+                        continue
+                    single = sec if world == 1 else single
+                    eff = f"{single / (world * sec):.2f}" if single else "-"
+                    row = (name, world, *flags, f"{sec:.3f}", eff, f"{first:.1f}")
+                    rows.append((*row, f"{live:.0f}", f"{peak:.0f}"))
+                    print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for r in rows:
+            print("| " + " | ".join(map(str, r)) + " |")
+    else:
+        for r in (header, *rows):
+            print("  ".join(f"{c!s:>12}" for c in r))
+
+
+if __name__ == "__main__":
+    main()

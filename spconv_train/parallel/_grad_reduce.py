@@ -1,0 +1,175 @@
+"""Bucketed, asynchronous reduction of parameter gradients over the sharding groups.
+
+A parameter that meets the local strip of a sharded activation gets a *partial* gradient on
+every rank (its strip's, and its local batch's on a data-parallel dimension); the sum over
+the groups sharding the activation is the single-device gradient (docs/design.md, "Exact
+semantics"). ``sum_grad_over`` marks such a parameter in the forward; this reducer, owned by
+the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
+
+- a tensor hook on the parameter receives this backward's gradient (all uses of a shared
+  weight already summed by autograd), copies it into a flat bucket and keeps it out of
+  ``.grad`` (so gradients accumulated by earlier backwards are never summed again);
+- buckets (about ``bucket_bytes``, parameters in reverse forward order, which is roughly the
+  order their gradients arrive) are all-reduced asynchronously as soon as they are full, in
+  bucket order on every rank (collectives must match), while the backward goes on;
+- at the end of the backward (an autograd engine callback, so a plain ``loss.backward()``
+  works) the remaining buckets are sent (a parameter that got no gradient this time adds
+  zeros), every reduction is waited on and the sums are added to ``.grad``.
+
+One all-reduce per bucket and group instead of one per parameter and use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+#: Default bucket size (DDP's default).
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class _Bucket:
+    """Parameters whose gradients are reduced together in one flat buffer."""
+
+    groups: tuple
+    params: list[Tensor]
+    offsets: list[int]
+    buffer: Tensor
+    ready: int = 0
+    work: object = None
+    got: set = field(default_factory=set)
+
+
+def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Bucket]:
+    """Buckets for ``entries`` (parameter, groups) in the given order; a bucket holds one
+    dtype/device/groups combination and closes once it reaches ``bucket_bytes``."""
+    buckets: list[_Bucket] = []
+    open_: dict[tuple, tuple[list, int]] = {}
+
+    def close(key: tuple) -> None:
+        params, size = open_.pop(key)
+        offsets, at = [], 0
+        for p in params:
+            offsets.append(at)
+            at += p.numel()
+        buffer = params[0].new_empty(at)
+        buckets.append(_Bucket(key[0], params, offsets, buffer))
+
+    for param, groups in entries:
+        key = (groups, param.dtype, param.device)
+        params, size = open_.get(key, ([], 0))
+        params.append(param)
+        open_[key] = (params, size + param.numel() * param.element_size())
+        if open_[key][1] >= bucket_bytes:
+            close(key)
+    for key in list(open_):
+        close(key)
+    return buckets
+
+
+def _reducing_groups(groups: tuple) -> tuple:
+    return tuple(g for g in groups if dist.get_world_size(g) > 1)
+
+
+class GradReducer:
+    """Sums the gradients of marked parameters over their groups at the end of each backward
+    (see the module docstring). Created by ``parallelize`` (one per ``SpatialRuntime``)."""
+
+    def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.bucket_bytes = bucket_bytes
+        #: id -> (parameter, groups), in the order the forward first used them
+        self._pending: dict[int, tuple[Tensor, tuple]] = {}
+        self._hooked: dict[int, object] = {}
+        self._layouts: dict[tuple, list[_Bucket]] = {}
+        self._buckets: list[_Bucket] | None = None  # the running backward's, else None
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self._next = 0
+
+    def mark(self, param: Tensor, groups: tuple) -> None:
+        """Have ``param``'s gradient of the next backward summed over ``groups``."""
+        groups = _reducing_groups(groups)
+        if not groups or self._buckets is not None:
+            # One-rank groups need nothing; a mark inside a backward comes from activation
+            # checkpointing recomputing the forward, whose parameters are already marked.
+            return
+        key = id(param)
+        known = self._pending.get(key)
+        if known is not None:
+            if known[1] != groups:
+                raise ValueError(
+                    "sum_grad_over: one parameter meets activations sharded over different "
+                    "process groups in one step; its gradient cannot be summed exactly"
+                )
+            return
+        self._pending[key] = (param, groups)
+        if key not in self._hooked:
+            self._hooked[key] = param.register_hook(lambda g, key=key: self._on_grad(key, g))
+
+    def _start(self) -> None:
+        entries = list(reversed(self._pending.values()))
+        sig = tuple((id(p), g) for p, g in entries)
+        buckets = self._layouts.get(sig)
+        if buckets is None:
+            if len(self._layouts) > 8:  # a model whose graph changes every step
+                self._layouts.clear()
+            buckets = self._layouts[sig] = _layout(entries, self.bucket_bytes)
+        for b in buckets:
+            b.ready, b.work, b.got = 0, None, set()
+        self._buckets, self._next = buckets, 0
+        self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _on_grad(self, key: int, grad: Tensor) -> Tensor | None:
+        if key not in self._pending:
+            return None  # used outside a sharded op this time: nothing to sum
+        if self._buckets is None:
+            self._start()
+        bucket, i = self._slot[key]
+        param = bucket.params[i]
+        bucket.buffer.narrow(0, bucket.offsets[i], param.numel()).copy_(grad.reshape(-1))
+        bucket.got.add(i)
+        bucket.ready += 1
+        self._launch(full_only=True)
+        # The local partial gradient must not reach .grad: the sum is added at the end.
+        return torch.zeros_like(grad)
+
+    def _launch(self, full_only: bool) -> None:
+        """Start the all-reduce of buckets in bucket order (the same order on every rank)."""
+        buckets = self._buckets
+        while self._next < len(buckets):
+            b = buckets[self._next]
+            if full_only and b.ready < len(b.params):
+                return
+            for i, p in enumerate(b.params):
+                if i not in b.got:  # no gradient this backward: it contributes zeros
+                    b.buffer.narrow(0, b.offsets[i], p.numel()).zero_()
+            b.work = dist.all_reduce(b.buffer, group=b.groups[0], async_op=True)
+            self._next += 1
+
+    def _finish(self) -> None:
+        """End of the backward: reduce what is left, wait, add the sums to ``.grad``."""
+        buckets = self._buckets
+        try:
+            self._launch(full_only=False)
+            for b in buckets:
+                b.work.wait()
+            # Further groups (a (dp, sp) mesh): the same buffers, one group after another.
+            for b in buckets:
+                for group in b.groups[1:]:
+                    dist.all_reduce(b.buffer, group=group)
+            for b in buckets:
+                for i, p in enumerate(b.params):
+                    total = b.buffer.narrow(0, b.offsets[i], p.numel()).view_as(p)
+                    if p.grad is None:
+                        p.grad = total.clone()
+                    else:
+                        p.grad.add_(total)
+        finally:
+            self._buckets, self._slot = None, {}
+            self._pending.clear()
+            for b in buckets:
+                b.work, b.got = None, set()

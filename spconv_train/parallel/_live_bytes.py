@@ -1,0 +1,39 @@
+"""``LiveBytes``: how much activation memory a forward leaves alive for its backward.
+
+Counted exactly, independent of the allocator: the distinct storages of the plain tensors
+created while the meter is active that are still referenced when ``live()`` is asked
+(after a forward: what autograd saved, plus the output). Activation checkpointing shows
+up here (recomputed tensors are freed after the forward), where a saved-tensor hook placed
+outside the checkpointed blocks would not see them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveBytes(TorchDispatchMode):
+    """Dispatch mode recording every op output; ``live()`` sums those still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[weakref.ref, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if type(t) is torch.Tensor:  # plain local tensors (a DTensor's local is seen too)
+                try:
+                    st = t.untyped_storage()
+                    self.refs[st.data_ptr()] = (weakref.ref(t), st.nbytes())
+                except RuntimeError:  # no storage (e.g. a meta or functional tensor)
+                    pass
+        return out
+
+    def live(self) -> int:
+        """Bytes of the recorded storages whose tensor is still alive."""
+        return sum(n for ref, n in self.refs.values() if ref() is not None)
