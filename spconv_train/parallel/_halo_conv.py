@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ._halo import post_p2p
 from ._runtime import current_runtime
@@ -114,6 +115,7 @@ class _HaloConv2d(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the halo sends are not differentiable: refuse double backward
     def backward(ctx, grad_out):
         local, weight, *halo_bufs = ctx.saved_tensors
         wp, split, rank, group, geo, stats, halo_starts, has_bias = ctx.meta
