@@ -15,6 +15,7 @@ the strip (by reference: the op before usually saved it anyway), the thin halos,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +39,24 @@ class SplitPlan:
     edges: tuple[tuple[int, int, int, int], ...]
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_split(
     wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
 ) -> SplitPlan | None:
-    """The split for ``rank``, or ``None`` when no output column is interior (a strip
-    narrower than the kernel's reach): the caller then convolves a gathered window."""
+    """The split for ``rank``, or ``None`` when some rank has no interior output column (a
+    strip narrower than the kernel's reach): every rank then convolves a gathered window.
+
+    The choice is the same on every rank: the two paths order their halo messages and the
+    weight-gradient all-reduce differently in the backward, and a mix would deadlock."""
+    splits = [
+        _split_one(wp, r, kernel, stride, dilation, pad_lo) for r in range(len(wp.out_bounds))
+    ]
+    return None if any(sp is None for sp in splits) else splits[rank]
+
+
+def _split_one(
+    wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
+) -> SplitPlan | None:
     a, b = wp.exchange.owned[rank]
     o0, o1 = wp.out_bounds[rank]
     reach = dilation * (kernel - 1)
