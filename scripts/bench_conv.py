@@ -5,12 +5,21 @@ on a ``1 x C x H x W`` image, one thread per process, gloo on CPU (NCCL on GPU w
 ``--device cuda``), for several world sizes. Rows:
 
 - ``one process``: the plain convolution on the whole image (world size 1);
-- ``halo (spconv)``: ``parallelize`` + ``Shard(3)`` input (this project);
+- ``halo (spconv)``: ``parallelize`` + ``Shard(3)`` input (this project): interior from the
+  strip in place, thin edge windows, exchange overlapped with the interior;
+- ``halo window``: the same with ``split_halo_conv=False`` (a padded window gathered first,
+  exchange not overlapped): the previous scheme, and the reference for the hidden fraction;
+- ``physicsnemo``: NVIDIA PhysicsNeMo's ``ShardTensor`` halo convolution, only when
+  ``physicsnemo`` is importable (not a dependency, see docs/benchmarks.md to install it);
 - ``dtensor native``: ``nn.Conv2d`` applied to the ``Shard(3)`` DTensor as is (PyTorch's own
   DTensor convolution; its result is checked and flagged when wrong);
 - ``dtensor gather``: gather the image (``full_tensor``), convolve, re-shard: the only
   correct DTensor route;
 - ``floor (no comm)``: every rank convolves its own strip with no communication at all.
+
+Variants run in fresh processes, interleaved over ``--rounds`` rounds (medians), so a load
+change on a shared machine hits every variant alike. The halo rows note the exchange time the
+rank was blocked on per step; ``hidden`` = 1 - blocked(halo) / blocked(halo window).
 
 Usage: ``python scripts/bench_conv.py [--channels 32 --height 512 --width 2048 --worlds 1 2 4]``
 (``make bench-conv``). Prints a table; ``--markdown`` prints it as Markdown for
@@ -85,7 +94,16 @@ def init_worker(rank: int, world: int, port: int, args):
     return init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
 
 
-VARIANTS = ("one process", "floor (no comm)", "halo (spconv)", "dtensor gather", "dtensor native")
+VARIANTS = (
+    "one process",
+    "floor (no comm)",
+    "halo (spconv)",
+    "halo window",
+    "physicsnemo",
+    "dtensor gather",
+    "dtensor native",
+)
+HALO_VARIANTS = ("halo (spconv)", "halo window")
 
 
 def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
@@ -114,13 +132,22 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
         def step():
             conv(strip.detach().requires_grad_()).sum().backward()
 
-    elif variant == "halo (spconv)":
+    elif variant in HALO_VARIANTS:
         model = parallelize(
-            nn.Sequential(conv), mesh, save_windows_by_reference=not args.copy_windows
+            nn.Sequential(conv),
+            mesh,
+            save_windows_by_reference=not args.copy_windows,
+            split_halo_conv=variant == "halo (spconv)",
         )
+        stats = model.spatial_runtime.stats
 
         def step():
             model(x_dt.detach().requires_grad_()).sum().backward()
+
+    elif variant == "physicsnemo":
+        from _bench_physicsnemo import physicsnemo_step
+
+        step = physicsnemo_step(conv, img, mesh)
 
     elif variant == "dtensor gather":
 
@@ -158,6 +185,10 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
     except Exception as exc:  # noqa: BLE001 - the parent must not wait forever
         queue.put((rank, None, f"failed: {exc}"))
         raise
+    if variant in HALO_VARIANTS:
+        stats.reset()
+        step()
+        note = f"{stats.halo_seconds * 1e3:.2f}"  # ms blocked on the exchange in one step
     queue.put((rank, (sec, _peak_mib(device) - base), note))
     dist.destroy_process_group()
 
@@ -180,7 +211,36 @@ def run_variant(world: int, variant: str, args) -> tuple[float, float, str]:
         return float("nan"), float("nan"), results[0][2]
     sec = max(r[1][0] for r in results)
     mem = max(r[1][1] for r in results)
+    if variant in HALO_VARIANTS:  # ms blocked on the exchange: the worst rank
+        return sec, mem, max(float(r[2]) for r in results)
     return sec, mem, results[0][2]
+
+
+def _median_run(runs: list) -> tuple[float, float, object]:
+    """Median time, median peak memory and the note (median when numeric) of the rounds."""
+    notes = [r[2] for r in runs]
+    numeric = all(isinstance(n, float) for n in notes)
+    return (
+        statistics.median(r[0] for r in runs),
+        statistics.median(r[1] for r in runs),
+        statistics.median(notes) if numeric else notes[0],
+    )
+
+
+def _runs_at(world: int, variant: str) -> bool:
+    """One process only at 1 rank; the sharded variants at more (the halo conv at 1 too)."""
+    if world == 1:
+        return variant in ("one process", "halo (spconv)")
+    return variant != "one process"
+
+
+def _physicsnemo_importable() -> bool:
+    try:
+        import physicsnemo  # noqa: F401
+    except ImportError:
+        print("  physicsnemo not importable: no PhysicsNeMo row", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,6 +259,10 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="save halo windows as copies (faster, more memory) instead of by reference",
     )
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
+    ap.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, metavar="VARIANT"
+    )
     args = ap.parse_args(argv)
 
     print(
@@ -208,22 +272,36 @@ def main(argv: list[str] | None = None) -> None:
         f"{os.cpu_count()} cores, torch {torch.__version__}",
         file=sys.stderr,
     )
+    wanted = [v for v in args.variants if v != "physicsnemo" or _physicsnemo_importable()]
+    runs: dict[tuple[int, str], list] = {}
+    for rnd in range(args.rounds):  # interleaved: every variant once per round
+        for world in args.worlds:
+            for variant in VARIANTS:
+                if variant not in wanted or not _runs_at(world, variant):
+                    continue
+                res = run_variant(world, variant, args)
+                runs.setdefault((world, variant), []).append(res)
+                print(
+                    f"  round {rnd} {world} rank(s) {variant}: {res[0] * 1e3:.1f} ms",
+                    file=sys.stderr,
+                )
     table = []
-    single = None
-    for world in args.worlds:
-        floor = None
-        for variant in VARIANTS:
-            if (variant == "one process") != (world == 1) and variant != "halo (spconv)":
-                continue  # one process only at world 1; the others only sharded (and halo at 1)
-            sec, mem, note = run_variant(world, variant, args)
-            if variant == "one process":
-                single = sec
-            if variant == "floor (no comm)":
-                floor = sec
-            if variant == "halo (spconv)" and floor:
-                note = f"{sec / floor:.2f}x floor"
-            print(f"  measured {world} rank(s) {variant}: {sec * 1e3:.1f} ms", file=sys.stderr)
-            table.append((world, variant, sec * 1e3, mem, single and single / sec, note))
+    med = {k: _median_run(v) for k, v in runs.items()}
+    for (world, variant), (sec, mem, note) in med.items():
+        base = med.get((world, "floor (no comm)"), med.get((1, "one process")))
+        single = med.get((1, "one process"), (None,))[0]
+        if variant in HALO_VARIANTS:
+            blocked = note
+            ref = "floor" if world > 1 else "plain"
+            note = f"{sec / base[0]:.2f}x {ref}, {blocked:.1f} ms blocked"
+            window = med.get((world, "halo window"))
+            if variant == "halo (spconv)" and window and window[2] > 0:
+                note += f" ({1 - blocked / window[2]:.0%} hidden)"
+            if world == 1 and base:
+                note += f", peak {mem / base[1]:.2f}x plain"
+        elif variant == "physicsnemo" and base:
+            note = f"{sec / base[0]:.2f}x floor"
+        table.append((world, variant, sec * 1e3, mem, single and single / sec, note))
     mem_label = "peak MiB/rank" if args.device == "cuda" else "peak RSS MiB/rank"
     header = ("ranks", "variant", "ms/step", mem_label, "speed-up vs 1 proc", "note")
     if args.markdown:

@@ -13,8 +13,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._halo import sum_grad_over
+from ._halo_conv import halo_conv2d, plan_split
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
+from ._runtime import current_runtime
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._window import gather_window, plan_window, saving_plain_window
 
@@ -69,10 +71,14 @@ def spatial_conv2d(
     are summed over the ranks holding other strips (and other batch parts)."""
     x, layout = spatial_layout(x, what)
     pt, pb, pl, pr = padding
-    if not layout.width_sharded:
+    if not layout.width_sharded or layout.sp_size == 1:
+        # Whole rows on every rank (one spatial rank included): the plain layer, at its cost.
         mode = "constant" if padding_mode == "zeros" else padding_mode
+        inside = padding_mode == "zeros" and pt == pb and pl == pr
 
         def conv(t, w, b):
+            if inside:
+                return F.conv2d(t, w, b, stride, (pt, pl), dilation, groups)
             t = F.pad(t, (pl, pr, pt, pb), mode=mode) if any(padding) else t
             return F.conv2d(t, w, b, stride, 0, dilation, groups)
 
@@ -85,6 +91,15 @@ def spatial_conv2d(
     local = enter(x)
     # Zero height padding is cheapest inside the convolution itself when it is symmetric.
     conv_pad_h = pt if padding_mode == "zeros" and pt == pb else 0
+    split = None
+    if padding_mode == "zeros" and pt == pb and current_runtime().options.split_halo_conv:
+        split = plan_split(wp, rank, kw, stride[1], dilation[1], pl)
+    if split is not None:
+        # No window copy: interior from the strip itself, edges from thin windows (overlapped).
+        w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
+        group = layout.sp_group
+        out = halo_conv2d(local, w, b, wp, split, rank, group, stride, pt, dilation, groups)
+        return leave(out, layout, (x.shape[0], out.shape[1], out.shape[2], wp.out_width))
     pad_h = (0, 0) if conv_pad_h or (pt == 0 and pb == 0) else (pt, pb)
     window = gather_window(local, wp, rank, layout.sp_group, padding_mode, 0.0, pad_h)
     groups_ = layout.grad_groups

@@ -23,28 +23,73 @@ from ._geometry import ExchangePlan
 from ._runtime import SpatialStats, current_runtime
 
 
+class PendingExchange:
+    """Sends and receives posted with ``batch_isend_irecv``, not waited on yet: compute
+    that does not need the halo runs in between (``post_p2p`` ... ``wait``)."""
+
+    def __init__(self, works: list, stats: SpatialStats, probe: Tensor | None, posted_s: float):
+        self.works, self.stats, self.probe = works, stats, probe
+        stats.halo_seconds += posted_s
+
+    def wait(self) -> None:
+        """Block until every posted message is done; add the time blocked to the stats.
+
+        On CUDA the time is GPU time between events around the wait (the compute stream
+        stalled on the halo), settled lazily when ``halo_seconds`` is read: a host timer
+        would only measure NCCL's enqueue. On CPU it is host wall time."""
+        if not self.works:
+            return
+        if self.probe is not None and self.probe.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for work in self.works:
+                work.wait()
+            end.record()
+            self.stats._pending.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            for work in self.works:
+                work.wait()
+            self.stats.halo_seconds += time.perf_counter() - t0
+        self.works = []
+
+
+def post_p2p(
+    group: dist.ProcessGroup,
+    sends: list[tuple[int, Tensor]],
+    recvs: list[tuple[int, Tensor]],
+    stats: SpatialStats,
+) -> PendingExchange:
+    """Post every send and receive together (``batch_isend_irecv``); ``wait()`` on the result
+    before reading a receive buffer or writing a send buffer.
+
+    Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
+    posting order, which both sides derive from the same ``ExchangePlan``. Sent bytes and
+    messages are added to ``stats`` (the runtime's, captured in the forward), and so is the
+    time spent posting and, in ``wait``, blocked.
+    """
+    ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
+    ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
+    if not ops:
+        return PendingExchange([], stats, None, 0.0)
+    start = time.perf_counter()
+    works = dist.batch_isend_irecv(ops)
+    probe = (recvs or sends)[0][1]
+    posted = 0.0 if probe.is_cuda else time.perf_counter() - start
+    stats.halo_bytes += sum(t.numel() * t.element_size() for _, t in sends)
+    stats.halo_messages += len(sends)
+    return PendingExchange(works, stats, probe, posted)
+
+
 def _p2p(
     group: dist.ProcessGroup,
     sends: list[tuple[int, Tensor]],
     recvs: list[tuple[int, Tensor]],
     stats: SpatialStats,
 ) -> None:
-    """Post every send and receive together and wait for all of them.
-
-    Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
-    posting order, which both sides derive from the same ``ExchangePlan``. Time, sent bytes
-    and messages are added to ``stats`` (the runtime's, captured in the forward).
-    """
-    ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
-    ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
-    if not ops:
-        return
-    start = time.perf_counter()
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    stats.halo_seconds += time.perf_counter() - start
-    stats.halo_bytes += sum(t.numel() * t.element_size() for _, t in sends)
-    stats.halo_messages += len(sends)
+    """``post_p2p`` and wait at once."""
+    post_p2p(group, sends, recvs, stats).wait()
 
 
 def _column_slice(x: Tensor, start: int, stop: int) -> Tensor:

@@ -38,6 +38,10 @@ class SpatialOptions:
     #: Let an op that would move a whole width-sharded activation between ranks do so
     #: (counted in ``SpatialStats.gathers``, logged) instead of raising.
     allow_gather: bool = False
+    #: Zero-padded convs: convolve the strip in place for the interior output columns and
+    #: thin halo windows for the edges, with the halo exchange overlapped with the interior
+    #: (``_halo_conv.py``). False: gather a padded window first (exchange not overlapped).
+    split_halo_conv: bool = True
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:
@@ -55,12 +59,30 @@ class SpatialStats:
     """What the runtime measured since the last ``reset``: halo exchanges (forward and
     backward) and, with ``allow_gather``, the activation gathers it let through."""
 
-    halo_seconds: float = 0.0
+    #: seconds blocked on the halo exchange (read ``halo_seconds``; CUDA event pairs still
+    #: pending on the GPU are in ``_pending`` and settled when it is read)
+    _halo_seconds: float = 0.0
     halo_bytes: int = 0
     halo_messages: int = 0
     gathers: int = 0
     #: op name -> count of let-through gathers (filled by the no-silent-gather guard)
     gathered_ops: dict[str, int] = field(default_factory=dict)
+    #: (start, end) CUDA events of exchanges not yet settled into ``halo_seconds``
+    _pending: list = field(default_factory=list, repr=False)
+
+    @property
+    def halo_seconds(self) -> float:
+        """Seconds the halo exchange kept this rank waiting: host wall time on CPU, GPU time
+        between CUDA events on CUDA (host timers would only measure NCCL's enqueue)."""
+        if self._pending:
+            self._pending[-1][1].synchronize()
+            self._halo_seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1e3
+            self._pending = []
+        return self._halo_seconds
+
+    @halo_seconds.setter
+    def halo_seconds(self, value: float) -> None:
+        self._pending, self._halo_seconds = [], float(value)
 
     def reset(self) -> None:
         """Zero every counter."""
@@ -69,13 +91,14 @@ class SpatialStats:
 
     def snapshot(self) -> SpatialStats:
         """A copy (to read counters, then ``restore`` them after excluded work)."""
-        return dataclasses.replace(self, gathered_ops=dict(self.gathered_ops))
+        _ = self.halo_seconds  # settle pending CUDA events first
+        return dataclasses.replace(self, gathered_ops=dict(self.gathered_ops), _pending=[])
 
     def restore(self, saved: SpatialStats) -> None:
         """Set every counter back to ``saved``'s values."""
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(saved, f.name))
-        self.gathered_ops = dict(saved.gathered_ops)
+        self.gathered_ops, self._pending = dict(saved.gathered_ops), list(saved._pending)
 
 
 class SpatialRuntime:

@@ -1,0 +1,209 @@
+"""Width-sharded zero-padded convolution without a padded copy of the strip, overlapped.
+
+Output columns of a rank split in three: the *interior* ones, whose receptive field lies
+inside the local strip, are a convolution of the strip itself (width padding 0, a view of
+the strip, no copy); the few columns on each side read halo columns or the image-edge
+padding and are convolved from *thin* windows (halo + a few strip columns + zeros). The
+halo exchange is posted before the interior convolution and waited on after it, so the
+messages travel while the big convolution runs.
+
+The backward mirrors it in one autograd node: the edge gradients first (thin), then the
+halo gradients are posted back to their owners, the interior's input and weight gradients
+are computed while they travel, and the arrivals are added last. Saved for the backward:
+the strip (by reference: the op before usually saved it anyway), the thin halos, the weight.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._halo import post_p2p
+from ._runtime import current_runtime
+from ._window import WindowPlan
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Interior/edge split of one rank's output columns (all indices local to the rank)."""
+
+    #: interior outputs [i0, i1) of the rank's output strip, read strip columns [c0, c1)
+    interior: tuple[int, int]
+    strip_cols: tuple[int, int]
+    #: per edge (left, right): (first output, output count, global input column lo, hi)
+    edges: tuple[tuple[int, int, int, int], ...]
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_split(
+    wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
+) -> SplitPlan | None:
+    """The split for ``rank``, or ``None`` when some rank has no interior output column (a
+    strip narrower than the kernel's reach): every rank then convolves a gathered window.
+
+    The choice is the same on every rank: the two paths order their halo messages and the
+    weight-gradient all-reduce differently in the backward, and a mix would deadlock."""
+    splits = [
+        _split_one(wp, r, kernel, stride, dilation, pad_lo) for r in range(len(wp.out_bounds))
+    ]
+    return None if any(sp is None for sp in splits) else splits[rank]
+
+
+def _split_one(
+    wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
+) -> SplitPlan | None:
+    a, b = wp.exchange.owned[rank]
+    o0, o1 = wp.out_bounds[rank]
+    reach = dilation * (kernel - 1)
+    # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
+    i0 = max(o0, -(-(a + pad_lo) // stride))
+    i1 = min(o1, (b + pad_lo - reach - 1) // stride + 1)
+    if i1 <= i0:
+        return None
+    edges = []
+    for p, q in ((o0, i0), (i1, o1)):
+        if q > p:
+            lo = p * stride - pad_lo
+            edges.append((p - o0, q - p, lo, (q - 1) * stride - pad_lo + reach + 1))
+    c0 = i0 * stride - pad_lo - a
+    c1 = (i1 - 1) * stride - pad_lo + reach + 1 - a
+    return SplitPlan((i0 - o0, i1 - o0), (c0, c1), tuple(edges))
+
+
+def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tensor) -> Tensor:
+    """Global input columns ``[lo, hi)`` as a new tensor: zeros outside the ``sources``
+    (``(first global column, columns)`` pairs: the strip and the received halos)."""
+    out = like.new_zeros((*like.shape[:-1], hi - lo))
+    for start, cols in sources:
+        s, e = max(lo, start), min(hi, start + cols.shape[-1])
+        if s < e:
+            out.narrow(-1, s - lo, e - s).copy_(cols.narrow(-1, s - start, e - s))
+    return out
+
+
+def _add_thin_grad(lo: int, grad: Tensor, start: int, target: Tensor) -> None:
+    """Add the part of window gradient ``grad`` (global columns from ``lo``) that falls on
+    ``target`` (global columns from ``start``) into ``target``."""
+    s, e = max(lo, start), min(lo + grad.shape[-1], start + target.shape[-1])
+    if s < e:
+        target.narrow(-1, s - start, e - s).add_(grad.narrow(-1, s - lo, e - s))
+
+
+class _HaloConv2d(torch.autograd.Function):
+    """``F.conv2d`` of the width-sharded strip ``local`` (zero padding), split as described
+    in the module docstring. ``geo`` = (stride, pad_h, dilation, groups)."""
+
+    @staticmethod
+    def forward(ctx, local, weight, bias, wp, split, rank, group, geo):
+        stride, pad_h, dilation, groups = geo
+        stats = current_runtime().stats
+        ex, a = wp.exchange, wp.exchange.owned[rank][0]
+        halos = [
+            (s, local.new_empty((*local.shape[:-1], e - s)))
+            for q, s, e in ex.pieces(rank)
+            if q != rank
+        ]
+        sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in ex.sends(rank)]
+        peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
+        recvs = list(zip(peers, [h for _, h in halos], strict=True))
+        pending = post_p2p(group, sends, recvs, stats)
+        c0, c1 = split.strip_cols
+        conv = (stride, (pad_h, 0), dilation, groups)
+        inner = F.conv2d(local.narrow(-1, c0, c1 - c0), weight, bias, *conv)
+        pending.wait()
+        sources = [(a, local), *halos]
+        left, right = [], []
+        for first, _, lo, hi in split.edges:
+            edge = F.conv2d(_thin_window(lo, hi, sources, local), weight, bias, *conv)
+            (left if first < split.interior[0] else right).append(edge)
+        # One output buffer by concatenation: the interior result is written once more
+        # (a copy of the output, not of the input window).
+        out = torch.cat([*left, inner, *right], dim=-1) if left or right else inner
+        ctx.save_for_backward(local, weight, *(h for _, h in halos))
+        ctx.meta = (wp, split, rank, group, geo, stats, [s for s, _ in halos], bias is not None)
+        return out
+
+    @staticmethod
+    @once_differentiable  # the halo sends are not differentiable: refuse double backward
+    def backward(ctx, grad_out):
+        local, weight, *halo_bufs = ctx.saved_tensors
+        wp, split, rank, group, geo, stats, halo_starts, has_bias = ctx.meta
+        stride, pad_h, dilation, groups = geo
+        ex, a = wp.exchange, wp.exchange.owned[rank][0]
+        halos = list(zip(halo_starts, halo_bufs, strict=True))
+        need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = has_bias and ctx.needs_input_grad[2]
+        mask = [need_in, need_w, need_b]
+        bias_sizes = [weight.shape[0]] if has_bias else None
+
+        def conv_bwd(g, x):
+            return torch.ops.aten.convolution_backward(
+                g.contiguous(),
+                x,
+                weight,
+                bias_sizes,
+                list(stride),
+                [pad_h, 0],
+                list(dilation),
+                False,
+                [0, 0],
+                groups,
+                mask,
+            )
+
+        gw = gb = None
+        edge_grads = []
+        # Edges first: their input gradients hold the halo gradients to send back.
+        for first, count, lo, hi in split.edges:
+            window = _thin_window(lo, hi, [(a, local), *halos], local)
+            gi, gwe, gbe = conv_bwd(grad_out.narrow(-1, first, count), window)
+            edge_grads.append((lo, gi))
+            gw = gwe if gw is None else gw + gwe
+            gb = gbe if gb is None else gb + gbe
+        pending = None
+        recvs = []
+        if need_in:
+            sends = []
+            for start, buf in halos:
+                g = buf.new_zeros(buf.shape)
+                for lo, gi in edge_grads:
+                    _add_thin_grad(lo, gi, start, g)
+                sends.append(g)
+            peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
+            recvs = [(s, local.new_empty((*local.shape[:-1], e - s))) for _, s, e in ex.sends(rank)]
+            pending = post_p2p(
+                group,
+                list(zip(peers, sends, strict=True)),
+                [(q, buf) for (q, _, _), (_, buf) in zip(ex.sends(rank), recvs, strict=True)],
+                stats,
+            )
+        # The interior (the big one) while the halo gradients travel.
+        i0, i1 = split.interior
+        c0, c1 = split.strip_cols
+        gi, gwi, gbi = conv_bwd(grad_out.narrow(-1, i0, i1 - i0), local.narrow(-1, c0, c1 - c0))
+        gw = gwi if gw is None else (gw + gwi if gwi is not None else gw)
+        gb = gbi if gb is None else (gb + gbi if gbi is not None else gb)
+        grad_local = None
+        if need_in:
+            if c0 == 0 and c1 == local.shape[-1]:
+                grad_local = gi
+            else:
+                grad_local = local.new_zeros(local.shape)
+                grad_local.narrow(-1, c0, c1 - c0).copy_(gi)
+            for lo, g in edge_grads:
+                _add_thin_grad(lo, g, a, grad_local)
+            pending.wait()
+            for s, buf in recvs:
+                _add_thin_grad(s, buf, a, grad_local)
+        return grad_local, gw, gb, None, None, None, None, None
+
+
+def halo_conv2d(local, weight, bias, wp, split, rank, group, stride, pad_h, dilation, groups):
+    """The rank's output strip of a zero-padded width-sharded convolution (see module doc)."""
+    geo = (tuple(stride), pad_h, tuple(dilation), groups)
+    return _HaloConv2d.apply(local, weight, bias, wp, split, rank, group, geo)
