@@ -181,6 +181,30 @@ def spatial_conv_transpose2d(
     return leave(y, layout, (x.shape[0], y.shape[1], y.shape[2], tp.out_width))
 
 
+def transposed_forward(module, input: DTensor, output_size, dims: int, fn) -> Tensor:
+    """The forward of a spatial ``ConvTranspose{dims}d`` module on a sharded DTensor:
+    ``output_padding`` from the global shape (as torch does), then ``fn`` (the spatial
+    functional of that dimensionality)."""
+    name = f"ConvTranspose{dims}d"
+    if module.padding_mode != "zeros":
+        raise ValueError(f"Only `zeros` padding mode is supported for {name}")
+    output_padding = module._output_padding(
+        input, output_size, module.stride, module.padding, module.kernel_size, dims,
+        module.dilation,
+    )  # fmt: skip
+    return fn(
+        input,
+        module.weight,
+        module.bias,
+        module.stride,
+        module.padding,
+        tuple(output_padding),
+        module.groups,
+        module.dilation,
+        what=f"{module.spatial_name or '<module>'} ({name}({module.extra_repr()}))",
+    )
+
+
 @register_spatial_module(nn.ConvTranspose2d)
 class SpatialConvTranspose2d(nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` that runs width-sharded on a ``Shard(3)`` DTensor input.
@@ -195,22 +219,7 @@ class SpatialConvTranspose2d(nn.ConvTranspose2d):
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         if not isinstance(input, DTensor):
             return super().forward(input, output_size)
-        if self.padding_mode != "zeros":
-            raise ValueError("Only `zeros` padding mode is supported for ConvTranspose2d")
-        output_padding = self._output_padding(
-            input, output_size, self.stride, self.padding, self.kernel_size, 2, self.dilation
-        )
-        return spatial_conv_transpose2d(
-            input,
-            self.weight,
-            self.bias,
-            self.stride,
-            self.padding,
-            tuple(output_padding),
-            self.groups,
-            self.dilation,
-            what=f"{self.spatial_name or '<module>'} (ConvTranspose2d({self.extra_repr()}))",
-        )
+        return transposed_forward(self, input, output_size, 2, spatial_conv_transpose2d)
 
 
 def _pair(v) -> tuple[int, int]:

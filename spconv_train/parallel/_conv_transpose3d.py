@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ._conv_transpose import _place, plan_conv_transpose
+from ._conv_transpose import _place, plan_conv_transpose, transposed_forward
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
@@ -79,22 +79,7 @@ class SpatialConvTranspose3d(nn.ConvTranspose3d):
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         if not isinstance(input, DTensor):
             return super().forward(input, output_size)
-        if self.padding_mode != "zeros":
-            raise ValueError("Only `zeros` padding mode is supported for ConvTranspose3d")
-        output_padding = self._output_padding(
-            input, output_size, self.stride, self.padding, self.kernel_size, 3, self.dilation
-        )
-        return spatial_conv_transpose3d(
-            input,
-            self.weight,
-            self.bias,
-            self.stride,
-            self.padding,
-            tuple(output_padding),
-            self.groups,
-            self.dilation,
-            what=f"{self.spatial_name or '<module>'} (ConvTranspose3d({self.extra_repr()}))",
-        )
+        return transposed_forward(self, input, output_size, 3, spatial_conv_transpose3d)
 
 
 @register_handler(F.conv_transpose3d)
