@@ -55,7 +55,9 @@ def pointwise_checks(shape: tuple[int, ...]) -> list[str]:
     for label, model in (("activations", Activations()), ("pooled head", PooledHead())):
         for kind in ("shard", "replicate"):
             x = seeded(3, 4, 3, 6, 23)
-            compare_module(model, x, dmesh, placements, kind, f"{label} {kind}", failures)
+            # fp32: a bias gradient sums every pixel's term, in an order that depends on the
+            # strips (the split convolution adds interior and edge columns separately).
+            compare_module(model, x, dmesh, placements, kind, f"{label} {kind}", failures, tol=3e-5)
     return failures
 
 

@@ -8,6 +8,7 @@ it fail; one real ``spconv-train verify --nproc 2`` goes through torchrun.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -80,15 +81,44 @@ def _drop_one_halo_column(original):
     return broken
 
 
-def verify_with_broken_halo(overrides: list[str]) -> dict:
+def _zero_first_received_column(original):
+    """The split halo convolution's exchange (``post_p2p``): the first column received
+    from a neighbour is zeroed once it has arrived."""
+
+    def broken(group, sends, recvs, stats):
+        pending = original(group, sends, recvs, stats)
+        if recvs:
+            wait = pending.wait
+
+            def wait_and_break() -> None:
+                wait()
+                recvs[0][1][..., 0] = 0
+
+            pending.wait = wait_and_break
+        return pending
+
+    return broken
+
+
+@contextlib.contextmanager
+def broken_halo():
+    """Every halo path drops one received column: the window exchange (pools, transposed
+    and non-zero-padded convs) and the split convolution's exchange."""
+    import spconv_train.parallel._halo_conv as halo_conv
     import spconv_train.parallel._window as window
 
-    original = window.gather_columns
-    window.gather_columns = _drop_one_halo_column(original)
+    originals = window.gather_columns, halo_conv.post_p2p
+    window.gather_columns = _drop_one_halo_column(originals[0])
+    halo_conv.post_p2p = _zero_first_received_column(originals[1])
     try:
-        return _verify(overrides, steps=1)
+        yield
     finally:
-        window.gather_columns = original
+        window.gather_columns, halo_conv.post_p2p = originals
+
+
+def verify_with_broken_halo(overrides: list[str]) -> dict:
+    with broken_halo():
+        return _verify(overrides, steps=1)
 
 
 def _failed(report: dict) -> str:

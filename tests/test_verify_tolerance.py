@@ -14,7 +14,7 @@ import math
 import torch
 
 from spconv_train.verify._compare import SPREAD_FACTOR, Check, Collector, floors, resolve_tolerances
-from tests.test_verify import TINY, _drop_one_halo_column, _failed, verify_cases
+from tests.test_verify import TINY, _failed, broken_halo, verify_cases
 
 
 def test_spread_criterion():
@@ -43,17 +43,11 @@ def test_spread_criterion():
 def verify_config_mode_and_broken_halo(overrides: list[str], steps: int) -> list[dict]:
     """A correct and a broken-halo run in the training precision (fp32), and the correct
     one with a user tolerance (which alone decides then)."""
-    import spconv_train.parallel._window as window
-
     config = {"steps": steps, "dtype": "config"}
     user = {"steps": 1, "dtype": "config", "tolerances": {"rtol": 1e-7, "atol": None}}
     reports = verify_cases([(overrides, config), (overrides, user)])
-    original = window.gather_columns
-    window.gather_columns = _drop_one_halo_column(original)
-    try:
+    with broken_halo():
         reports += verify_cases([(overrides, {"steps": 1, "dtype": "config"})])
-    finally:
-        window.gather_columns = original
     return reports
 
 

@@ -206,4 +206,13 @@ class _HaloConv2d(torch.autograd.Function):
 def halo_conv2d(local, weight, bias, wp, split, rank, group, stride, pad_h, dilation, groups):
     """The rank's output strip of a zero-padded width-sharded convolution (see module doc)."""
     geo = (tuple(stride), pad_h, tuple(dilation), groups)
-    return _HaloConv2d.apply(local, weight, bias, wp, split, rank, group, geo)
+    device = local.device.type
+    if not torch.is_autocast_enabled(device):
+        return _HaloConv2d.apply(local, weight, bias, wp, split, rank, group, geo)
+    # Under autocast a convolution runs in the autocast dtype: cast here, outside the
+    # autograd function (its backward runs without autocast, so inputs, weight and saved
+    # tensors must already agree), as autocast would cast them for F.conv2d.
+    low = torch.get_autocast_dtype(device)
+    args = (local.to(low), weight.to(low), None if bias is None else bias.to(low))
+    with torch.autocast(device, enabled=False):
+        return _HaloConv2d.apply(*args, wp, split, rank, group, geo)
