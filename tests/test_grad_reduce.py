@@ -19,8 +19,9 @@ from tests.reference import check_close, seeded
 
 
 class _Net(nn.Module):
-    """A conv used twice (shared weight), batch norm, group norm, an unused parameter and a
-    head that only some steps use."""
+    """A conv used twice (shared weight), batch norm, group norm, an unused parameter, a
+    head that only some steps use and a branch computed but off the way to the loss (its
+    gradient stays None on one device, so it must sharded too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -31,11 +32,13 @@ class _Net(nn.Module):
         self.head = nn.Conv2d(6, 2, 1)
         self.extra = nn.Conv2d(6, 2, 1)  # used only when asked
         self.unused = nn.Parameter(torch.ones(4))
+        self.dead = nn.Conv2d(6, 2, 1)  # run, output discarded
 
     def forward(self, x, use_extra: bool = False):
         h = torch.relu(self.bn(self.stem(x)))
         h = self.shared(torch.relu(self.shared(h)))  # the same weight twice
         h = self.gn(h)
+        self.dead(h)
         out = self.head(h)
         return out + self.extra(h) if use_extra else out
 
@@ -105,7 +108,8 @@ def test_layout_buckets_by_size_and_groups():
     assert [[id(p) for p in bk.params] for bk in buckets] == [[id(a)], [id(b)], [id(c)]]
     buckets = _layout([(a, ("g",)), (b, ("g",)), (c, ("g",))], bucket_bytes=10**6)
     assert [len(bk.params) for bk in buckets] == [2, 1]
-    assert buckets[0].offsets == [0, 10] and buckets[0].buffer.numel() == 20
+    assert buckets[0].offsets == [0, 10] and buckets[0].flags_at == 20
+    assert buckets[0].buffer.numel() == 22  # the gradients, then one flag per parameter
 
 
 def test_reducer_ignores_one_rank_groups():

@@ -14,7 +14,9 @@ the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
   bucket order on every rank (collectives must match), while the backward goes on;
 - at the end of the backward (an autograd engine callback, so a plain ``loss.backward()``
   works) the remaining buckets are sent (a parameter that got no gradient this time adds
-  zeros), every reduction is waited on and the sums are added to ``.grad``.
+  zeros), every reduction is waited on and the sums are added to ``.grad``; a parameter
+  that no rank got a gradient for (a flag per parameter rides in the bucket) keeps
+  ``.grad`` None, as it would on one device.
 
 One all-reduce per bucket and group instead of one per parameter and use.
 """
@@ -38,7 +40,8 @@ class _Bucket:
     groups: tuple
     params: list[Tensor]
     offsets: list[int]
-    buffer: Tensor
+    buffer: Tensor  # the gradients, then one "had a gradient" flag per parameter
+    flags_at: int
     ready: int = 0
     work: object = None
     got: set = field(default_factory=set)
@@ -56,8 +59,8 @@ def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Buc
         for p in params:
             offsets.append(at)
             at += p.numel()
-        buffer = params[0].new_empty(at)
-        buckets.append(_Bucket(key[0], params, offsets, buffer))
+        buffer = params[0].new_empty(at + len(params))
+        buckets.append(_Bucket(key[0], params, offsets, buffer, at))
 
     for param, groups in entries:
         key = (groups, param.dtype, param.device)
@@ -147,6 +150,7 @@ class GradReducer:
             for i, p in enumerate(b.params):
                 if i not in b.got:  # no gradient this backward: it contributes zeros
                     b.buffer.narrow(0, b.offsets[i], p.numel()).zero_()
+                b.buffer[b.flags_at + i] = 1.0 if i in b.got else 0.0
             b.work = dist.all_reduce(b.buffer, group=b.groups[0], async_op=True)
             self._next += 1
 
@@ -162,7 +166,13 @@ class GradReducer:
                 for group in b.groups[1:]:
                     dist.all_reduce(b.buffer, group=group)
             for b in buckets:
+                # A parameter no rank got a gradient for (used, but not on the way to the
+                # loss) keeps ``.grad`` None, as on one device: zeros would still let an
+                # optimizer decay it and move its moments.
+                had = b.buffer[b.flags_at :].tolist()
                 for i, p in enumerate(b.params):
+                    if had[i] == 0:
+                        continue
                     total = b.buffer.narrow(0, b.offsets[i], p.numel()).view_as(p)
                     if p.grad is None:
                         p.grad = total.clone()
