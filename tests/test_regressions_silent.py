@@ -5,6 +5,8 @@
    over the ranks because ``_StridedShard`` is not a ``Shard``.
 2. A ``Conv2d`` whose ``padding``/``dilation``/``stride`` were edited after construction
    (smp ``make_dilated``): the sharded conv used the constructor's padding.
+3. A model built from a different random state on each rank (no seed before building):
+   every strip ran with other weights. ``parallelize`` now broadcasts rank 0's state.
 """
 
 from __future__ import annotations
@@ -96,3 +98,50 @@ def edited_conv(world: int) -> list[str]:
 def test_conv_with_edited_geometry(dist_pool, world):
     failures = dist_pool.run(world, edited_conv, world)[0]
     assert not failures, "\n".join(failures)
+
+
+class _Net(nn.Module):
+    """Conv + train-mode BatchNorm (a buffer too) + conv: weights, buffers and statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5), nn.ReLU(), nn.Conv2d(5, 2, 3)
+        )
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def unseeded_build(world: int, sync: bool) -> tuple[list[str], float]:
+    """Each rank builds the model from its own seed; the reference is rank 0's model."""
+    torch.manual_seed(0)
+    ref = _Net().double()
+    ref.body[1].running_mean.normal_()  # a buffer that differs too
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(100 + rank)
+    model = _Net().double()
+    if rank == 0:
+        model.load_state_dict(ref.state_dict())
+    else:
+        model.body[1].running_mean.normal_()
+    dmesh = mesh(world)
+    par = parallelize(model, dmesh, sync_state=sync)
+    failures: list[str] = []
+    if sync:
+        for (name, t), tr in zip(par.state_dict().items(), ref.state_dict().values(), strict=True):
+            check_close(name, t, tr, 0.0, failures)
+    x = seeded(1, 2, 3, 6, 5 * world + 2, dtype=torch.float64)
+    ys, yr = par(distribute_tensor(x, dmesh, [Shard(3)])), ref(x)
+    check_close("output", ys, yr, TOL, failures)
+    diff = float((ys.full_tensor() - yr).abs().max())
+    return failures, diff
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parallelize_syncs_state_built_from_other_seeds(dist_pool, world):
+    for failures, _ in dist_pool.run(world, unseeded_build, world, True):
+        assert not failures, "\n".join(failures)
+    # the test can fail: without the broadcast the stitched output is wrong
+    off = dist_pool.run(world, unseeded_build, world, False)
+    assert all(diff > 1e-3 for _, diff in off), off

@@ -25,6 +25,10 @@ CASES = {
         "smp.Unet",
         {"encoder_name": "efficientnet-b0", "decoder_channels": (16, 8, 4)},
     ),
+    "Unet timm efficientnet_b0": (
+        "smp.Unet",
+        {"encoder_name": "tu-efficientnet_b0", "decoder_channels": (16, 8, 4)},
+    ),
     "Unet convnext": (
         "smp.Unet",
         {"encoder_name": "tu-convnext_atto", "encoder_depth": 4, "decoder_channels": (8,) * 4},
@@ -87,7 +91,8 @@ def test_smp_models_match_one_device(dist_pool):
     # uneven strips at every level: 112 = 16 * 7 over 2 ranks; 176 = 16 * 11 over 3
     runs = (
         (2, 112, ("Unet resnet34", "Unet convnext", "PSPNet", "UPerNet")),
-        (3, 176, ("Unet efficientnet-b0", "FPN", "DeepLabV3Plus", "Segformer resnet")),
+        (3, 176, ("Unet efficientnet-b0", "Unet timm efficientnet_b0", "FPN", "DeepLabV3Plus")),
+        (3, 176, ("Segformer resnet",)),
     )
     for world, width, names in runs:
         for name in names:  # one call per model: each stays far inside the harness timeout

@@ -21,6 +21,7 @@ from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._mode import SpatialMode
 from ._runtime import SpatialOptions, SpatialRuntime
+from ._sync import broadcast_model_state
 
 _SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
 _REFUSED_MODULES: dict[type[nn.Module], str] = {
@@ -97,7 +98,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     ``SpatialRuntime`` attached (``runtime_of(model)``: options and statistics). Feed it a
     DTensor with placement ``Shard(3)`` (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh);
     its output equals the single-device output and, after ``backward``, every rank holds
-    the single-device parameter gradients.
+    the single-device parameter gradients. Every rank's parameters and buffers are first
+    set to mesh rank 0's (``sync_state``, default True), so a model built from a different
+    random state on some rank is not silently computed with two sets of weights.
 
     ``options`` are ``SpatialOptions`` fields: ``save_windows_by_reference`` (default True:
     conv windows cost ~1/N of one device's activation memory), ``allow_gather`` (default
@@ -116,6 +119,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
             + "\n".join(problems)
             + "\nReplace them in the model, or keep them out of the sharded part."
         )
+    if opts.sync_state:
+        broadcast_model_state(model, mesh)
     for path, module in model.named_modules():
         kind = type(module)
         if kind in _SPATIAL_MODULES:

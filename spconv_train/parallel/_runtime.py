@@ -42,6 +42,11 @@ class SpatialOptions:
     #: thin halo windows for the edges, with the halo exchange overlapped with the interior
     #: (``_halo_conv.py``). False: gather a padded window first (exchange not overlapped).
     split_halo_conv: bool = True
+    #: Broadcast mesh rank 0's parameters and buffers to every rank when parallelizing (as
+    #: DistributedDataParallel does): a rank that built its model from another random state
+    #: would otherwise compute its strip with other weights, silently. False: the caller
+    #: guarantees identical state (e.g. it loads a checkpoint on every rank afterwards).
+    sync_state: bool = True
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:
