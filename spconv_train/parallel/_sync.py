@@ -52,8 +52,8 @@ def broadcast_model_state(model: nn.Module, mesh: DeviceMesh) -> None:
 
     Broadcasts along each mesh dimension in turn (first rank of each group), so after the
     last one every rank holds the values of the rank at mesh coordinate ``(0, ..., 0)``.
-    A mesh of one rank sends nothing."""
-    if mesh.size() == 1:
+    A mesh of one rank (or no process group at all) sends nothing."""
+    if not dist.is_initialized() or mesh.size() == 1:
         return
     buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for t in _state_tensors(model):
