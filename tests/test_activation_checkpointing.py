@@ -1,5 +1,6 @@
 """Activation checkpointing on a width-sharded U-Net (issue 11 item 4): the activations
-kept alive after the forward shrink to <= 0.4x, and the gradients (reduced by the bucketed
+kept alive after the forward shrink to <= 0.4x (block granularity; layer granularity and
+every-other-block save less), and the gradients (reduced by the bucketed
 ``GradReducer`` while checkpointed blocks are recomputed) still equal one device's."""
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ def checkpoint_compare(world: int) -> dict:
     target = seeded(2, 1, 3, 32, 128)
     ((ref(x) - target) ** 2).mean().backward()
     live, failures = {}, []
-    for ck in (False, True):
+    for ck in (None, ("blocks", 1), ("layers", 1), ("blocks", 2)):
         par = parallelize(copy.deepcopy(ref), dmesh)
         par.zero_grad(set_to_none=True)
         if ck:  # as the training loop does: after parallelize
-            enable_activation_checkpointing(par)
+            enable_activation_checkpointing(par, *ck)
         with LiveBytes() as meter:
             y = par(distribute_tensor(x, dmesh, [Shard(3)]))
             loss = ((y - distribute_tensor(target, dmesh, [Shard(3)])) ** 2).mean()
@@ -37,12 +38,15 @@ def checkpoint_compare(world: int) -> dict:
         loss.backward()
         for (name, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
             check_close(f"checkpointing={ck} {name} grad", p.grad, q.grad, 1e-5, failures)
-    return {"failures": failures, "ratio": live[True] / live[False]}
+    return {"failures": failures, **{k: live[k] / live[None] for k in live if k}}
 
 
 def test_checkpointing_saves_activations_and_keeps_grads_exact(dist_pool):
     for rank, res in enumerate(dist_pool.run(2, checkpoint_compare, 2)):
         assert not res["failures"], f"rank {rank}:\n" + "\n".join(res["failures"])
-        # Alone this measures ~0.39; after other tests in the same workers it read 0.67 once
-        # (see docs/SESSION_NOTES.md): assert a saving here, the 0.4 target is a benchmark.
-        assert res["ratio"] < 0.8, res
+        # 0.36 on this U-Net: the issue-11 target is <= 0.4. (A Python weakref to the output
+        # tensor once made the meter miss storages and read 0.39-0.67 by test order.)
+        assert res[("blocks", 1)] <= 0.4, res
+        # finer or sparser checkpointing keeps more alive, but still saves
+        assert res[("blocks", 1)] < res[("layers", 1)] < 1, res
+        assert res[("blocks", 1)] < res[("blocks", 2)] < 1, res

@@ -169,7 +169,12 @@ class TrainingConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """Compute precision (bf16 autocast; weights and optimizer state stay fp32)."""
     activation_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    """Recompute activations in backward to save memory (about one more forward per step)."""
+    activation_checkpointing_granularity: Literal["blocks", "layers"] = "blocks"
+    """blocks: the model's top-level blocks (U-Net: each down/up stage), the most saved;
+    layers: each block's sub-layers, a smaller recomputation peak, less saved."""
+    activation_checkpointing_every: int = 1
+    """Checkpoint every k-th of those modules only: less recomputation, less saved."""
     seed: int = 0
     """Seed for weights, augmentation and sampling."""
     loss: Literal["ce", "dice", "ce+dice"] = "ce"

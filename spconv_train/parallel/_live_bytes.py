@@ -2,16 +2,18 @@
 
 Counted exactly, independent of the allocator: the distinct storages of the plain tensors
 created while the meter is active that are still referenced when ``live()`` is asked
-(after a forward: what autograd saved, plus the output). Activation checkpointing shows
-up here (recomputed tensors are freed after the forward), where a saved-tensor hook placed
+(after a forward: what autograd saved, plus the output). A storage is alive while any
+tensor uses it, including autograd's saved copies whose Python object is long gone, so
+the meter holds a C++-level weak reference to the *storage* (``StorageWeakRef``), not a
+Python weakref to the tensor object (which dies with its wrapper and undercounted).
+Activation checkpointing shows up here (recomputed tensors are freed after the forward), where a saved-tensor hook placed
 outside the checkpointed blocks would not see them.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -21,7 +23,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.refs: dict[int, tuple[weakref.ref, int]] = {}
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -29,11 +31,11 @@ class LiveBytes(TorchDispatchMode):
             if type(t) is torch.Tensor:  # plain local tensors (a DTensor's local is seen too)
                 try:
                     st = t.untyped_storage()
-                    self.refs[st.data_ptr()] = (weakref.ref(t), st.nbytes())
+                    self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
                 except RuntimeError:  # no storage (e.g. a meta or functional tensor)
                     pass
         return out
 
     def live(self) -> int:
         """Bytes of the recorded storages whose tensor is still alive."""
-        return sum(n for ref, n in self.refs.values() if ref() is not None)
+        return sum(n for ref, n in self.refs.values() if not ref.expired())

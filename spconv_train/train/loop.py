@@ -256,7 +256,11 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), mesh["sp"], info.device)
     _prepare_run_dir(cfg, remove, info, job)  # after every check: --overwrite deletes here
     if cfg.training.activation_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(
+            model,
+            cfg.training.activation_checkpointing_granularity,
+            cfg.training.activation_checkpointing_every,
+        )
     optimizer = build_optimizer(model, cfg.optimizer)
     steps = cfg.training.steps
     scheduler = build_scheduler(optimizer, cfg.schedule, steps, cfg.optimizer.lr)

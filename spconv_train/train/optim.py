@@ -191,32 +191,55 @@ def _checkpointed(block: nn.Module):
     return wrapped
 
 
-def checkpoint_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks whose activations are recomputed: ``model.checkpoint_blocks()`` if the
-    model defines it; otherwise the children with parameters of the first module that has
-    more than one (entries of ModuleList/ModuleDict counted individually), skipping leaves."""
+def _param_children(m: nn.Module) -> list[nn.Module]:
+    """Children of ``m`` that hold parameters (ModuleList/ModuleDict entries individually)."""
+    out = []
+    for c in m.children():
+        if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
+            out += _param_children(c)
+        elif any(True for _ in c.parameters()):
+            out.append(c)
+    return out
+
+
+def _top_blocks(model: nn.Module) -> list[nn.Module]:
     if hasattr(model, "checkpoint_blocks"):
         return list(model.checkpoint_blocks())
-
-    def kids(m: nn.Module) -> list[nn.Module]:
-        out = []
-        for c in m.children():
-            if isinstance(c, (nn.ModuleList, nn.ModuleDict)):
-                out += kids(c)
-            elif any(True for _ in c.parameters()):
-                out.append(c)
-        return out
-
-    node = kids(model)
-    while len(node) == 1 and kids(node[0]):
-        node = kids(node[0])
+    node = _param_children(model)
+    while len(node) == 1 and _param_children(node[0]):
+        node = _param_children(node[0])
     return [m for m in node if any(True for _ in m.children())]
 
 
-def enable_activation_checkpointing(model: nn.Module) -> list[nn.Module]:
-    """Recompute the activations of ``checkpoint_blocks(model)`` in backward (saves memory,
-    costs about one more forward); the results are unchanged. Returns the blocks."""
-    blocks = checkpoint_blocks(model)
+def checkpoint_blocks(
+    model: nn.Module, granularity: str = "blocks", every: int = 1
+) -> list[nn.Module]:
+    """The modules whose activations are recomputed.
+
+    ``granularity="blocks"``: ``model.checkpoint_blocks()`` if the model defines it;
+    otherwise the children with parameters of the first module that has more than one
+    (entries of ModuleList/ModuleDict counted individually), skipping leaves. ``"layers"``:
+    one level finer, each block's children with parameters (a leaf block stays whole):
+    a smaller recomputation peak in the backward, more activations kept. ``every=k`` keeps
+    every k-th of those (the first, the (k+1)-th, ...): less recomputation, less saving.
+    """
+    if granularity not in ("blocks", "layers"):
+        raise ValueError(f"granularity must be 'blocks' or 'layers', got {granularity!r}")
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    blocks = _top_blocks(model)
+    if granularity == "layers":
+        blocks = [c for b in blocks for c in (_param_children(b) or [b])]
+    return blocks[::every]
+
+
+def enable_activation_checkpointing(
+    model: nn.Module, granularity: str = "blocks", every: int = 1
+) -> list[nn.Module]:
+    """Recompute the activations of ``checkpoint_blocks(model, granularity, every)`` in
+    backward (saves memory, costs up to one more forward); the results are unchanged.
+    Returns the modules."""
+    blocks = checkpoint_blocks(model, granularity, every)
     for block in blocks:
         block.forward = _checkpointed(block)
     return blocks

@@ -143,7 +143,11 @@ def run_verify(
     ref = copy.deepcopy(model) if runs_ref else None  # stays on the CPU during phase 1
     sharded = parallelize(model.to(device), mesh, allow_gather=cfg.parallel.allow_gather)
     if cfg.training.activation_checkpointing:
-        enable_activation_checkpointing(sharded)
+        enable_activation_checkpointing(
+            sharded,
+            cfg.training.activation_checkpointing_granularity,
+            cfg.training.activation_checkpointing_every,
+        )
     _reset_peak(device)
     records, comms, shape = sharded_run(
         sharded, cfg, mesh, device, source, steps, precision, keep_optimizer=resync and runs_ref
