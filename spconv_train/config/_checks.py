@@ -53,6 +53,7 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
     "data.val_split": (NON_EMPTY,),
     "data.height": (at_least(1),),
     "data.width": (at_least(1),),
+    "data.depth": (at_least(1),),
     "data.num_train": (at_least(1),),
     "data.num_val": (at_least(1),),
     "data.batch_size": (at_least(1),),
@@ -158,11 +159,35 @@ def _synthetic_size(cfg: Config) -> Problem:
     return None
 
 
+def _volumes(cfg: Config) -> Problem:
+    """Volume-only keys and what volumes do not support (yet)."""
+    data, shard = cfg.data, cfg.parallel.shard_dim
+    if data.kind == "image":
+        if shard != "W":
+            return "parallel.shard_dim", (
+                f"{shard} applies to volumes (data.kind: volume); images are split along W"
+            )
+        return None
+    if data.source == "synthetic" and data.depth is None:
+        return "data.depth", "synthetic volumes need an explicit depth, got null"
+    if list(data.scale) != [1.0, 1.0]:
+        return "data.scale", "rescaling volumes is not supported; use [1.0, 1.0]"
+    if data.normalize.mode != "dtype":
+        return "data.normalize.mode", (
+            f"{data.normalize.mode} is not supported for volumes yet; use dtype "
+            "(uint8 / 255, uint16 / 65535, floats kept)"
+        )
+    if data.split_list is not None:
+        return "data.split_list", "not supported for volumes yet; use separate split folders"
+    return None
+
+
 CROSS_CHECKS: tuple[Callable[[Config], Problem], ...] = (
     _per_class_lengths,
     _ignore_index,
     _min_lr,
     _synthetic_size,
+    _volumes,
     _normalize,
 )
 

@@ -7,6 +7,10 @@ import math
 from ._errors import ConfigError
 from .schema import Config
 
+# parallel.shard_dim -> the data key whose extent is split across the sp ranks, and its unit.
+_SPLIT_KEYS = {"W": "data.width", "H": "data.height", "D": "data.depth"}
+_UNITS = {"W": "columns", "H": "rows", "D": "slices"}
+
 
 def validate_for_world(cfg: Config, world_size: int) -> tuple[int, int]:
     """Resolve the (dp, sp) mesh shape for ``world_size`` ranks, or raise ``ConfigError``.
@@ -25,15 +29,16 @@ def validate_for_world(cfg: Config, world_size: int) -> tuple[int, int]:
             f"sp={sp} does not divide the world size {world_size}; "
             f"use one of {divisors}, or 0 for all ranks",
         )
-    width = cfg.data.width
+    key = _SPLIT_KEYS[cfg.parallel.shard_dim]
+    width = getattr(cfg.data, key.split(".")[1])
     if width is not None:
         strip = math.ceil(width / sp)
         filled = math.ceil(width / strip)
         if filled < sp:
             raise ConfigError(
-                "data.width",
-                f"{width} columns split over sp={sp} ranks in strips of {strip} leave "
-                f"{sp - filled} rank(s) empty; use a width that fills every strip "
+                key,
+                f"{width} {_UNITS[cfg.parallel.shard_dim]} split over sp={sp} ranks in strips of {strip} leave "
+                f"{sp - filled} rank(s) empty; use a size that fills every strip "
                 f"(e.g. a multiple of {sp}) or a smaller parallel.sp",
             )
     return world_size // sp, sp

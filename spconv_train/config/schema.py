@@ -57,6 +57,11 @@ class DataConfig:
 
     source: Literal["synthetic", "folder"] = "synthetic"
     """``synthetic``: generated shapes; ``folder``: images/{split} + masks/{split} under root."""
+    kind: Literal["image", "volume"] = "image"
+    """``image``: 2-D images (NCHW); ``volume``: 3-D volumes (NCDHW) for a 3-D model such as
+    ``unet3d``; folder volumes are ``.npy`` files ``[D, H, W]`` or ``[C, D, H, W]``."""
+    depth: int | None = 32
+    """Volumes only: synthetic volume depth; for folder volumes the crop depth (null: full)."""
     root: str | None = None
     """Dataset folder (required for source=folder): images/{split}/<stem>.<ext> and
     masks/{split}/<stem>.png, matched by stem. Relative paths are relative to the cwd."""
@@ -113,6 +118,9 @@ class ParallelConfig:
     sp: int = 0
     """Spatial-parallel group size: ranks sharing one image. 0 means all ranks; otherwise it
     must divide the world size, and dp = world_size // sp."""
+    shard_dim: Literal["W", "H", "D"] = "W"
+    """The spatial dimension split across the sp ranks: W (images and volumes), H or D
+    (volumes only)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto picks nccl when CUDA is available, else gloo."""
     timeout_s: float | None = None

@@ -24,8 +24,19 @@ from .synthetic import synthetic_class_names, synthetic_sample, write_synthetic_
 from .synthetic_dataset import SyntheticDataset
 from .tiff import read_region
 from .transforms import AugmentParams, draw_augment, global_size, load_strip
+from .volume_folder import VolumeFolder
+from .volumes import (
+    AXES,
+    SyntheticVolumes,
+    VolumeAugment,
+    VolumeSource,
+    draw_volume_augment,
+    load_block,
+    make_volume_batch,
+)
 
 __all__ = [
+    "AXES",
     "IMAGE_EXTS",
     "MASK_EXTS",
     "AugmentParams",
@@ -33,15 +44,22 @@ __all__ = [
     "FolderDataset",
     "SegmentationSource",
     "SyntheticDataset",
+    "SyntheticVolumes",
+    "VolumeAugment",
+    "VolumeFolder",
+    "VolumeSource",
     "check_cols",
     "check_mask_values",
     "draw_augment",
+    "draw_volume_augment",
     "global_size",
     "image_header",
     "index_folder",
+    "load_block",
     "load_strip",
     "make_batch",
     "make_dp_sampler",
+    "make_volume_batch",
     "mask_header",
     "image_range",
     "normalization_range",
