@@ -37,7 +37,8 @@ def validate_for_world(cfg: Config, world_size: int) -> tuple[int, int]:
         if filled < sp:
             raise ConfigError(
                 key,
-                f"{width} {_UNITS[cfg.parallel.shard_dim]} split over sp={sp} ranks in strips of {strip} leave "
+                f"{width} {_UNITS[cfg.parallel.shard_dim]} split over sp={sp} ranks in strips "
+                f"of {strip} leave "
                 f"{sp - filled} rank(s) empty; use a size that fills every strip "
                 f"(e.g. a multiple of {sp}) or a smaller parallel.sp",
             )

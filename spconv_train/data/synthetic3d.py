@@ -22,9 +22,17 @@ from torch import Tensor
 
 from .synthetic import _looks, _mix, _randint, _uniform, synthetic_class_names
 
-__all__ = ["synthetic_volume"]
+__all__ = ["synthetic_volume", "synthetic_volume_class_names"]
 
 _BLOBS = ("ellipsoid", "box", "shell")
+
+
+def synthetic_volume_class_names(num_classes: int) -> list[str]:
+    """Names of the synthetic volume classes: background, the blob kinds, ``long_band``."""
+    names = synthetic_class_names(num_classes)  # checks num_classes >= 2
+    blobs = [_BLOBS[k % len(_BLOBS)] for k in range(num_classes - 2)]
+    blobs = [b if k < len(_BLOBS) else f"{b}_{k // len(_BLOBS) + 1}" for k, b in enumerate(blobs)]
+    return [names[0], *blobs, names[-1]]
 
 
 def _blob(kind: str, g: torch.Generator, grid: tuple[Tensor, Tensor, Tensor]) -> Tensor:
@@ -78,7 +86,7 @@ def synthetic_volume(
             f"need depth, height, width, in_channels >= 1, got {depth}, {height}, {width}, "
             f"{in_channels}"
         )
-    names = synthetic_class_names(num_classes)
+    names = synthetic_volume_class_names(num_classes)
     g = torch.Generator().manual_seed(_mix("synthetic-volume", seed, index))
     extent = (depth, height, width)
     grid = (

@@ -1,4 +1,4 @@
-"""``VolumeFolder``: 3-D image/mask volumes from ``root/images/<split>/`` and ``root/masks/<split>/``.
+"""``VolumeFolder``: 3-D image/mask volumes from ``root/images/<split>/``, ``root/masks/<split>/``.
 
 Pairs are matched by stem. Formats:
 

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from .base import DataError
-from .synthetic import _mix, synthetic_class_names
-from .synthetic3d import synthetic_volume
+from .synthetic import _mix
+from .synthetic3d import synthetic_volume, synthetic_volume_class_names
 
 __all__ = [
     "AXES",
@@ -121,7 +121,9 @@ def draw_volume_augment(
             "data.depth/height/width to at most the smallest volume, or null",
             path=name,
         )
-    start = tuple(int(torch.randint(0, n - c + 1, (), generator=g)) for n, c in zip(size, out))
+    start = tuple(
+        int(torch.randint(0, n - c + 1, (), generator=g)) for n, c in zip(size, out, strict=True)
+    )
     u = torch.rand(2, generator=g).tolist()
     flips = (False, u[0] < vflip, u[1] < hflip)
     return VolumeAugment(start, out, flips)  # type: ignore[arg-type]
@@ -166,7 +168,8 @@ def make_volume_batch(
             f"volumes in one batch must have the same size (DxHxW): {listed}; set a crop "
             "size (data.depth/height/width) or use batch size 1"
         )
-    blocks = [load_block(source, i, a, axis, bounds) for i, a in zip(indices, augments)]
+    pairs = zip(indices, augments, strict=True)
+    blocks = [load_block(source, i, a, axis, bounds) for i, a in pairs]
     return torch.stack([b[0] for b in blocks]), torch.stack([b[1] for b in blocks])
 
 
@@ -190,7 +193,7 @@ class SyntheticVolumes(VolumeSource):
         self.n, self.shape, self.num_classes = n, tuple(size), num_classes
         self.seed, self.in_channels, self.offset = seed, in_channels, offset
         self.ignore_index = ignore_index
-        self.class_names = synthetic_class_names(num_classes)
+        self.class_names = synthetic_volume_class_names(num_classes)
 
     def __len__(self) -> int:
         return self.n

@@ -11,6 +11,7 @@ saved one stopped, on any ``(dp, sp)`` layout.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from spconv_train.data import (
     FolderDataset,
     SegmentationSource,
     SyntheticDataset,
+    VolumeFolder,
+    VolumeSource,
     draw_augment,
     load_strip,
     make_batch,
@@ -36,6 +39,13 @@ from spconv_train.data import (
 from spconv_train.data.prepare import prepare_splits
 from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
+from spconv_train.train.volume_feed import (
+    load_train_blocks,
+    spatial_dim,
+    volume_panel_pieces,
+    volume_sources,
+    volume_val_items,
+)
 
 __all__ = [
     "Batch",
@@ -46,6 +56,7 @@ __all__ = [
     "downsample_strip",
     "gather_panels",
     "load_train_strips",
+    "panel_pieces",
     "to_dtensor",
     "val_items",
 ]
@@ -74,7 +85,9 @@ def build_sources(cfg: Config) -> tuple[SegmentationSource, SegmentationSource, 
     file or ``ConfigError`` naming the key.
     """
     d, m = cfg.data, cfg.model
-    if d.source == "synthetic":
+    if d.kind == "volume":
+        train, val = volume_sources(cfg)
+    elif d.source == "synthetic":
         kw = dict(
             height=d.height,
             width=d.width,
@@ -155,7 +168,9 @@ def load_train_strips(
     source: SegmentationSource, cfg: Config, coords: MeshCoords, epoch: int, indices: list[int]
 ) -> tuple[Tensor, Tensor, tuple[int, int]]:
     """This rank's strips of the samples ``indices`` augmented for ``epoch``, and the global
-    (H, W) of the augmented samples."""
+    (H, W) of the augmented samples ((D, H, W) blocks of volumes: ``load_train_blocks``)."""
+    if isinstance(source, VolumeSource):
+        return load_train_blocks(source, cfg, coords, epoch, indices)
     d = cfg.data
     params = [
         draw_augment(
@@ -294,9 +309,9 @@ class TrainFeed:
         shape = (b * self.coords.dp, c, *hw)
         non_blocking = self.device.type == "cuda"
         local = image.to(self.device, non_blocking=non_blocking)
-        x = to_dtensor(local, self.mesh, [Shard(0), Shard(3)], shape)
+        x = to_dtensor(local, self.mesh, [Shard(0), Shard(spatial_dim(self.cfg))], shape)
         target = mask.to(self.device, non_blocking=non_blocking)
-        return Batch(x, target, shape[0] * hw[0] * hw[1])
+        return Batch(x, target, shape[0] * math.prod(hw))
 
     def pop_skipped(self) -> list[tuple[str, str]]:
         """``(file, reason)`` of the files first skipped since the last call."""
@@ -319,7 +334,7 @@ class TrainFeed:
 
     def __iter__(self) -> Iterator[Batch]:
         # Folder data can fail to load on some rank only; every rank must then agree.
-        agree = isinstance(self.source, FolderDataset)
+        agree = isinstance(self.source, (FolderDataset, VolumeFolder))
         in_a_row = 0
         while True:
             steps = self._epoch_steps()
@@ -363,6 +378,9 @@ def val_items(
     so replicas may see images of different sizes and counts; in eval mode nothing talks
     across replicas until the metrics are reduced.
     """
+    if isinstance(source, VolumeSource):
+        yield from volume_val_items(source, cfg, coords, sp_mesh, device)
+        return
     for index in range(coords.dp_rank, len(source), coords.dp):
         params = AugmentParams.identity(source.size(index))
         h, w = params.out_hw
@@ -379,22 +397,38 @@ def downsample_strip(t: Tensor, col_start: int, factor: int) -> Tensor:
     return t[..., ::factor, (-col_start) % factor :: factor]
 
 
-def gather_panels(pieces: list) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
-    """Collect on rank 0 the downsampled strips ``(index, sp_rank, image, pred, target)`` of
-    every rank (collective) and stitch them along the width, in sp-rank order.
+def panel_pieces(item: ValItem, logits, cfg: Config, sp_rank: int) -> list[tuple]:
+    """This rank's downsampled pieces ``(key, sp_rank, stitch_dim, image, pred, target)``
+    of the validation panels of ``item`` for ``gather_panels`` (a volume gives its middle
+    slices: ``volume_panel_pieces``)."""
+    if cfg.data.kind == "volume":
+        return volume_panel_pieces(item, logits, cfg, sp_rank)
+    a, ds = item.cols[0], cfg.logging.image_downsample
+    small = [
+        downsample_strip(t, a, ds).cpu()
+        for t in (item.image.to_local()[0].float(), logits.to_local()[0].argmax(0), item.target[0])
+    ]
+    return [(item.index, sp_rank, -1, *small)]
 
-    Returns ``{index: (image CHW, pred HW, target HW)}`` on rank 0, ``{}`` elsewhere.
+
+def gather_panels(pieces: list) -> dict:
+    """Collect on rank 0 the downsampled pieces ``(key, sp_rank, stitch_dim, image, pred,
+    target)`` of every rank (collective) and stitch them along ``stitch_dim`` (the width of
+    an image), in sp-rank order.
+
+    Returns ``{key: (image CHW, pred HW, target HW)}`` on rank 0, ``{}`` elsewhere.
     """
     rank0 = dist.get_rank() == 0
     gathered = [None] * dist.get_world_size() if rank0 else None
     dist.gather_object(pieces, gathered, dst=0)
     parts: dict[int, list] = {}
     for rank_pieces in gathered or []:
-        for index, sp_rank, *tensors in rank_pieces:
-            parts.setdefault(index, []).append((sp_rank, tensors))
+        for key, sp_rank, dim, *tensors in rank_pieces:
+            parts.setdefault(key, []).append((sp_rank, dim, tensors))
     return {
-        index: tuple(
-            torch.cat([t[i] for _, t in sorted(p, key=lambda q: q[0])], dim=-1) for i in range(3)
+        key: tuple(
+            torch.cat([t[i] for _, _, t in sorted(p, key=lambda q: q[0])], dim=p[0][1])
+            for i in range(3)
         )
-        for index, p in sorted(parts.items())
+        for key, p in sorted(parts.items())
     }

@@ -56,8 +56,8 @@ from spconv_train.train.data_feed import (
     MeshCoords,
     TrainFeed,
     build_sources,
-    downsample_strip,
     gather_panels,
+    panel_pieces,
     val_items,
 )
 from spconv_train.train.determinism import seed_for_step
@@ -148,7 +148,7 @@ class _Run:
 def validate(run: _Run, step: int) -> dict:
     """Metrics over the whole validation set (confusion matrix summed over the mesh)."""
     cfg, model = run.cfg, run.model
-    k, ignore, ds = cfg.model.num_classes, cfg.data.ignore_index, cfg.logging.image_downsample
+    k, ignore = cfg.model.num_classes, cfg.data.ignore_index
     model.eval()
     cm = ConfusionMatrix(k, ignore, device=run.info.device)
     loss_sum, count, pieces = 0.0, 0, []
@@ -161,16 +161,7 @@ def validate(run: _Run, step: int) -> dict:
             loss_sum, count = loss_sum + loss, count + 1
         cm.update(logits, item.target)
         if item.index < cfg.logging.num_val_images:
-            a = item.cols[0]
-            small = [
-                downsample_strip(t, a, ds).cpu()
-                for t in (
-                    item.image.to_local()[0].float(),
-                    logits.to_local()[0].argmax(0),
-                    item.target[0],
-                )
-            ]
-            pieces.append((item.index, run.coords.sp_rank, *small))
+            pieces += panel_pieces(item, logits, cfg, run.coords.sp_rank)
     run.watchdog.beat(f"step {step}: validation metrics (all-reduce over the mesh)")
     cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
     totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=run.info.device)

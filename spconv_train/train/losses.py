@@ -139,8 +139,11 @@ def shard_like(target: Tensor, like: DTensor) -> DTensor:
     """``target`` (local strip, full plain tensor or DTensor) as a DTensor ``[N, H, W]``
     laid out like the logits ``like`` (width ``Shard(2)``, batch ``Shard(0)``); no
     communication unless a DTensor target must be redistributed."""
-    local, (n, h, w) = local_target(target, like), _dense_shape(like)
-    kw = dict(run_check=False, shape=(n, h, w), stride=(h * w, w, 1))
+    local, shape = local_target(target, like), _dense_shape(like)
+    stride = [1]
+    for n in reversed(shape[1:]):
+        stride.insert(0, stride[0] * n)
+    kw = dict(run_check=False, shape=shape, stride=tuple(stride))
     return DTensor.from_local(local, like.device_mesh, _target_placements(like), **kw)
 
 
@@ -153,11 +156,14 @@ class _Strips(NamedTuple):
 
 def _strips(logits: Tensor, target: Tensor, what: str) -> _Strips:
     if isinstance(logits, DTensor):
-        logits, layout = spatial_layout(logits, what)
+        logits, layout = spatial_layout(logits, what, ndim=logits.ndim)  # images or volumes
         local, groups = enter(logits), layout.stat_groups
     else:
-        if logits.ndim != 4:
-            raise ValueError(f"{what}: expected logits [N, K, H, W], got {tuple(logits.shape)}")
+        if logits.ndim not in (4, 5):
+            raise ValueError(
+                f"{what}: expected logits [N, K, H, W] or [N, K, D, H, W], got "
+                f"{tuple(logits.shape)}"
+            )
         local, groups = logits, ()
     if target.is_floating_point():
         raise ValueError(f"{what}: expected integer class-index targets, got {target.dtype}")
@@ -166,6 +172,11 @@ def _strips(logits: Tensor, target: Tensor, what: str) -> _Strips:
         return _Strips(local, t if t.dtype == torch.int64 else t.long(), groups, None)
     except ValueError as exc:
         return _Strips(local, None, groups, f"{what}: {exc}")
+
+
+def _sum_dims(x: Tensor) -> tuple[int, ...]:
+    """Every dimension of logits ``[N, K, ...]`` but the classes (images and volumes)."""
+    return (0, *range(2, x.ndim))
 
 
 def _label_masks(t: Tensor, num_classes: int, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -272,18 +283,18 @@ def dice_loss(
     what = "dice_loss"
     s = _strips(logits, target, what)
     x = _low_precision(s.logits)
-    k = x.shape[1]
+    k, dims = x.shape[1], _sum_dims(x)
     if s.target is None:
-        zero = x.sum((0, 2, 3)) * 0.0  # keeps the graph; the agreed error is raised below
+        zero = x.sum(dims) * 0.0  # keeps the graph; the agreed error is raised below
         inter, psum, count, bad = zero, zero, zero.detach(), 0.0
     else:
         valid, bad_mask = _label_masks(s.target, k, ignore_index)
-        classes = torch.arange(k, device=x.device).view(1, k, 1, 1)
+        classes = torch.arange(k, device=x.device).view(1, k, *[1] * (x.ndim - 2))
         onehot = (s.target.unsqueeze(1) == classes) & valid.unsqueeze(1)
         probs = x.softmax(1) * valid.unsqueeze(1)
-        inter = (probs * onehot).sum((0, 2, 3))
-        psum = probs.sum((0, 2, 3))
-        count = onehot.sum((0, 2, 3))
+        inter = (probs * onehot).sum(dims)
+        psum = probs.sum(dims)
+        count = onehot.sum(dims)
         bad = bad_mask.sum()
     # One all-reduce: [intersections, probability sums, pixel counts, bad labels, misfits].
     flags = _consts(x.device, bad, float(s.target is None))
@@ -306,11 +317,12 @@ def dice_loss_reference(
     reproduces on shards): one-hot targets, ignored pixels removed from every sum."""
     k = logits.shape[1]
     valid = (target != ignore_index).unsqueeze(1)
-    onehot = F.one_hot(target.masked_fill(~valid.squeeze(1), 0), k).permute(0, 3, 1, 2)
+    onehot = F.one_hot(target.masked_fill(~valid.squeeze(1), 0), k).movedim(-1, 1)
     onehot = onehot.to(logits.dtype) * valid
     probs = logits.softmax(1) * valid
-    inter = (probs * onehot).sum((0, 2, 3))
-    card = probs.sum((0, 2, 3)) + onehot.sum((0, 2, 3))
+    dims = _sum_dims(logits)
+    inter = (probs * onehot).sum(dims)
+    card = probs.sum(dims) + onehot.sum(dims)
     dice = (2.0 * inter + smooth) / (card + smooth)
     return 1.0 - (dice if include_background else dice[1:]).mean()
 

@@ -106,17 +106,18 @@ class ConfusionMatrix:
         tensor; ``target`` as in ``losses.py`` (local strip, full tensor or DTensor)."""
         x = logits_or_pred
         if isinstance(x, DTensor):
-            if x.ndim == 4:
-                x, _ = spatial_layout(x, "ConfusionMatrix.update")
+            if x.ndim in (4, 5):  # logits of images or volumes
+                x, _ = spatial_layout(x, "ConfusionMatrix.update", ndim=x.ndim)
             groups = _shard_groups(x)
             if self._groups is not None and self._groups != groups:
                 raise ValueError("ConfusionMatrix.update: inputs laid out on different meshes")
             self._groups = groups
         t = local_target(target, x)
         local = x.to_local() if isinstance(x, DTensor) else x
-        pred = local.argmax(1) if local.ndim == 4 else local
+        logits = local.ndim in (4, 5)  # volume predictions must come as logits
+        pred = local.argmax(1) if logits else local
         k = self.num_classes
-        if local.ndim == 4 and local.shape[1] != k:
+        if logits and local.shape[1] != k:
             raise ValueError(f"ConfusionMatrix: {local.shape[1]} logit channels != {k} classes")
         if self.local.device != t.device:
             self.local, self._invalid = self.local.to(t.device), self._invalid.to(t.device)

@@ -18,6 +18,7 @@ from spconv_train.config import Config
 from spconv_train.data import DataError, SegmentationSource, strip_bounds
 from spconv_train.parallel import SpatialShardingError
 from spconv_train.train.data_feed import MeshCoords, to_dtensor
+from spconv_train.train.volume_feed import spatial_dim
 
 __all__ = ["check_val_sizes", "is_geometry_error"]
 
@@ -51,8 +52,9 @@ def check_val_sizes(
     validation image size other than the training crop (collective over ``sp_mesh``: every
     replica checks every size). Raises ``DataError`` naming the first image of a size
     that cannot run, on every rank together (the geometry is the same on every rank)."""
-    crop = (cfg.data.height, cfg.data.width)
-    sizes: dict[tuple[int, int], int] = {}
+    d, dim = cfg.data, spatial_dim(cfg)  # volumes: (D, H, W) sizes, split along shard_dim
+    crop = (d.depth, d.height, d.width) if d.kind == "volume" else (d.height, d.width)
+    sizes: dict[tuple[int, ...], int] = {}
     for i in range(len(source)):
         sizes.setdefault(source.size(i), i)
     sizes.pop(crop, None)
@@ -61,19 +63,21 @@ def check_val_sizes(
     was_training = model.training
     model.eval()
     try:
-        for (h, w), i in sizes.items():
-            a, b = strip_bounds(w, coords.sp, coords.sp_rank)
-            c = source.channels(i)
-            x = torch.zeros(1, c, h, b - a, device=device)
+        for size, i in sizes.items():
+            a, b = strip_bounds(size[dim - 2], coords.sp, coords.sp_rank)
+            c, block = source.channels(i), list(size)
+            block[dim - 2] = b - a
+            x = torch.zeros(1, c, *block, device=device)
             bf16 = cfg.training.precision == "bf16"  # as validation runs it (memory)
             try:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    model(to_dtensor(x, sp_mesh, [Shard(3)], (1, c, h, w)))
+                    model(to_dtensor(x, sp_mesh, [Shard(dim)], (1, c, *size)))
             except (SpatialShardingError, RuntimeError) as exc:
                 if not is_geometry_error(exc, coords.sp):
                     raise
                 raise DataError(
-                    f"{_file(source, i)}: validation image {h}x{w} (HxW) cannot run through "
+                    f"{_file(source, i)}: validation image {'x'.join(map(str, size))} "
+                    f"({'DxHxW' if len(size) == 3 else 'HxW'}) cannot run through "
                     f"{cfg.model.name} split over parallel.sp={coords.sp} rank(s): {exc}. "
                     "Remove it from the validation split, or use a smaller parallel.sp",
                     path=_file(source, i),
