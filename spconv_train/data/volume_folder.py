@@ -94,7 +94,9 @@ class _TiffStack:
                 f"{self.shape}; save multi-channel volumes as .npy [C, D, H, W]",
             )
 
-    def __getitem__(self, box: tuple[slice, ...]) -> np.ndarray:
+    def __getitem__(self, box) -> np.ndarray:
+        box = tuple(b for b in (box if isinstance(box, tuple) else (box,)) if b is not Ellipsis)
+        box += (slice(None),) * (3 - len(box))
         d, rest = box[0], box[1:]
         pages = list(range(*d.indices(self.shape[0])))
         data = self.tifffile.imread(self.path, key=pages) if pages else None
