@@ -56,8 +56,6 @@ from spconv_train.train.data_feed import (
     MeshCoords,
     TrainFeed,
     build_sources,
-    gather_panels,
-    panel_pieces,
     val_items,
 )
 from spconv_train.train.determinism import seed_for_step
@@ -69,6 +67,7 @@ from spconv_train.train.optim import (
     build_scheduler,
     enable_activation_checkpointing,
 )
+from spconv_train.train.panels import gather_panels, panel_pieces
 from spconv_train.train.preemption import Preempted, StopRequests
 from spconv_train.train.step import TrainingStopped, train_step
 from spconv_train.train.val_check import check_val_sizes
