@@ -57,11 +57,6 @@ class DataConfig:
 
     source: Literal["synthetic", "folder"] = "synthetic"
     """``synthetic``: generated shapes; ``folder``: images/{split} + masks/{split} under root."""
-    kind: Literal["image", "volume"] = "image"
-    """``image``: 2-D images (NCHW); ``volume``: 3-D volumes (NCDHW) for a 3-D model such as
-    ``unet3d``; folder volumes are ``.npy`` files ``[D, H, W]`` or ``[C, D, H, W]``."""
-    depth: int | None = 32
-    """Volumes only: synthetic volume depth; for folder volumes the crop depth (null: full)."""
     root: str | None = None
     """Dataset folder (required for source=folder): images/{split}/<stem>.<ext> and
     masks/{split}/<stem>.png, matched by stem. Relative paths are relative to the cwd."""
@@ -83,6 +78,11 @@ class DataConfig:
     width: int | None = 512
     """Synthetic image width; for folder data the crop width (null: full image). This is
     the dimension split across the sp ranks."""
+    kind: Literal["image", "volume"] = "image"
+    """``image``: 2-D images (NCHW); ``volume``: 3-D volumes (NCDHW) for a 3-D model such as
+    ``unet3d``; folder volumes are ``.npy`` files ``[D, H, W]`` or ``[C, D, H, W]``."""
+    depth: int | None = 32
+    """Volumes only: synthetic volume depth; for folder volumes the crop depth (null: full)."""
     num_train: int = 16
     """Number of synthetic training images."""
     num_val: int = 4

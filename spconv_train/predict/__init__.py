@@ -241,6 +241,8 @@ def predict_command(
     try:
         kind, weights, saved = resolve_checkpoint(checkpoint)
         cfg = _load_config(kind, weights, saved, overrides, config_path)
+        if cfg.data.kind == "volume":  # not yet: refused before any file is read
+            raise ConfigError("data.kind", "predict does not support volumes yet (images only)")
         images = _collect(inputs, masks_dir)
         names = _class_names(cfg, masks_dir)
         nproc = nproc or 1
