@@ -178,3 +178,18 @@ def test_nifti_without_nibabel_says_so(tmp_path):
         (tmp_path / sub / "train" / "ct.nii.gz").write_bytes(b"not really")
     with pytest.raises(DataError, match=r"ct\.nii\.gz: NIfTI volumes need the nibabel package"):
         VolumeFolder(tmp_path, "train", num_classes=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (["data.kind=volume", "model.kwargs={depth: 2, base_width: 2}"], "model.name", "2-D"),
+        (["model.name=unet3d", "model.kwargs={depth: 2, base_width: 2}"], "data.kind", "3-D"),
+    ],
+)
+def test_model_and_data_dimensions_must_agree(overrides, key, words):
+    from spconv_train.train.loop import build_model
+
+    with pytest.raises(ConfigError) as info:
+        build_model(load_config(None, overrides))
+    assert info.value.key == key and words in str(info.value)

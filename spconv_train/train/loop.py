@@ -71,6 +71,7 @@ from spconv_train.train.panels import gather_panels, panel_pieces
 from spconv_train.train.preemption import Preempted, StopRequests
 from spconv_train.train.step import TrainingStopped, train_step
 from spconv_train.train.val_check import check_val_sizes
+from spconv_train.train.volume_feed import check_model_dims
 from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
@@ -87,7 +88,7 @@ def build_model(cfg: Config) -> nn.Module:
     m = cfg.model
     try:
         kw = dict(m.kwargs)
-        return create_model(
+        model = create_model(
             m.name, num_classes=m.num_classes, in_channels=m.in_channels, weights=m.weights, **kw
         )
     except UnknownModelError as exc:
@@ -96,6 +97,8 @@ def build_model(cfg: Config) -> nn.Module:
         raise ConfigError("model.weights", str(exc)) from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError("model.kwargs", str(exc)) from exc
+    check_model_dims(cfg, model)  # volumes need a 3-D model, images a 2-D one
+    return model
 
 
 def _prepare_run_dir(

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from spconv_train.config import Config
+from spconv_train.config import Config, ConfigError
 from spconv_train.data import (
     AXES,
     SyntheticVolumes,
@@ -32,6 +32,7 @@ from spconv_train.data import (
 )
 
 __all__ = [
+    "check_model_dims",
     "load_train_blocks",
     "shard_axis",
     "spatial_dim",
@@ -50,6 +51,23 @@ def spatial_dim(cfg: Config) -> int:
     """The tensor dimension the sp ranks split: 3 (W of NCHW) for images, ``2 + axis``
     for NCDHW volumes."""
     return 2 + shard_axis(cfg) if cfg.data.kind == "volume" else 3
+
+
+def check_model_dims(cfg: Config, model) -> None:
+    """A 3-D model (``spatial_dims = 3``, e.g. ``unet3d``) for volumes, a 2-D one for images;
+    otherwise ``ConfigError`` before anything runs. Models without the attribute are 2-D."""
+    dims = getattr(model, "spatial_dims", 2)
+    if cfg.data.kind == "volume" and dims != 3:
+        raise ConfigError(
+            "model.name",
+            f"{cfg.model.name} is a 2-D model but data.kind is volume; use a 3-D model "
+            "such as unet3d",
+        )
+    if cfg.data.kind == "image" and dims == 3:
+        raise ConfigError(
+            "data.kind",
+            f"is image but {cfg.model.name} is a 3-D model; set data.kind: volume",
+        )
 
 
 def volume_sources(cfg: Config) -> tuple[VolumeSource, VolumeSource]:
