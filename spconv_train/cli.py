@@ -263,13 +263,38 @@ def make_data(
     fmt: Annotated[
         Literal["png", "tif", "npy"], typer.Option("--format", help="Image file format.")
     ] = "png",
+    depth: Annotated[
+        int | None, typer.Option(min=1, help="Write 3-D volumes of this depth (.npy).")
+    ] = None,
 ) -> None:
     """Write a synthetic dataset to disk in the folder layout.
 
     OUT gets images/{train,val}, masks/{train,val} (class-index
-    PNGs) and classes.txt, ready for data.source=folder.
+    PNGs) and classes.txt, ready for data.source=folder. With --depth: volumes
+    (.npy images and masks) for data.kind=volume.
     """
     from spconv_train.data import write_synthetic_dataset
+
+    if depth is not None:  # volumes: .npy only
+        from spconv_train.data.synthetic3d import write_synthetic_volumes
+
+        size = (depth, height, width)
+        root = write_synthetic_volumes(
+            out,
+            num_train=num_train,
+            num_val=num_val,
+            size=size,
+            num_classes=classes,
+            seed=seed,
+            in_channels=channels,
+        )
+        typer.echo(f"wrote {num_train} train + {num_val} val volumes {size} (DxHxW) to {root}")
+        typer.echo(
+            f"train on it: spconv-train run configs/unet3d.yaml --set data.source=folder "
+            f"--set data.root={root} --set model.num_classes={classes} "
+            f"--set model.in_channels={channels}"
+        )
+        return
 
     root = write_synthetic_dataset(
         out,

@@ -193,3 +193,18 @@ def test_model_and_data_dimensions_must_agree(overrides, key, words):
     with pytest.raises(ConfigError) as info:
         build_model(load_config(None, overrides))
     assert info.value.key == key and words in str(info.value)
+
+
+def test_make_data_writes_a_volume_folder(tmp_path):
+    args = ["make-data", str(tmp_path), "--num-train", "2", "--num-val", "1", "--depth", "4"]
+    args += ["--height", "6", "--width", "8", "--channels", "1", "--classes", "3"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    train = VolumeFolder(tmp_path, "train", num_classes=3)
+    val = VolumeFolder(tmp_path, "val", num_classes=3)
+    assert (len(train), len(val)) == (2, 1) and train.size(1) == (4, 6, 8)
+    assert train.class_names == ["background", "ellipsoid", "long_band"]
+    image, mask = val[0]
+    want_image, want_mask = synthetic_volume(2, depth=4, height=6, width=8, num_classes=3)
+    assert torch.equal(mask, want_mask)
+    assert torch.allclose(image, want_image, atol=0.5 / 255 + 1e-6)  # quantized to 8 bits

@@ -15,14 +15,16 @@ rank and every run.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .synthetic import _looks, _mix, _randint, _uniform, synthetic_class_names
 
-__all__ = ["synthetic_volume", "synthetic_volume_class_names"]
+__all__ = ["synthetic_volume", "synthetic_volume_class_names", "write_synthetic_volumes"]
 
 _BLOBS = ("ellipsoid", "box", "shell")
 
@@ -123,3 +125,39 @@ def synthetic_volume(
     image = image * _uniform(g, 0.85, 1.1) + 0.12 * (smooth - 0.5)
     image = image + 0.04 * torch.randn(in_channels, *extent, generator=g)
     return image.clamp_(0.0, 1.0).contiguous(), mask
+
+
+def write_synthetic_volumes(
+    root: str | Path,
+    *,
+    num_train: int,
+    num_val: int,
+    size: tuple[int, int, int],
+    num_classes: int,
+    seed: int = 0,
+    in_channels: int = 1,
+) -> Path:
+    """Write synthetic volumes in the layout ``VolumeFolder`` reads: ``images/{split}/NNNN.npy``
+    (uint8 ``[D, H, W]``, or ``[C, D, H, W]`` for several channels), ``masks/{split}/NNNN.npy``
+    (uint8 ``[D, H, W]``) and ``classes.txt``. Val volumes follow the train ones (as
+    ``write_synthetic_dataset`` does for images). Returns the root."""
+    root = Path(root)
+    depth, height, width = size
+    for split, count, offset in (("train", num_train, 0), ("val", num_val, num_train)):
+        for sub in ("images", "masks"):
+            (root / sub / split).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            image, mask = synthetic_volume(
+                offset + i,
+                depth=depth,
+                height=height,
+                width=width,
+                num_classes=num_classes,
+                seed=seed,
+                in_channels=in_channels,
+            )
+            data = (image * 255.0).round().to(torch.uint8).numpy()
+            np.save(root / "images" / split / f"{i:04d}.npy", data[0] if in_channels == 1 else data)
+            np.save(root / "masks" / split / f"{i:04d}.npy", mask.to(torch.uint8).numpy())
+    (root / "classes.txt").write_text("\n".join(synthetic_volume_class_names(num_classes)) + "\n")
+    return root
