@@ -6,7 +6,8 @@ it into a DTensor of the global shape (``[Shard(0), Shard(3)]``) without communi
 The target stays the plain local mask strip (what ``losses.py`` expects). Sample order and
 augmentation depend only on ``(seed, epoch, index)`` and the global position in the epoch
 (``determinism.py``), so a feed restored from ``state_dict`` continues exactly where the
-saved one stopped, on any ``(dp, sp)`` layout.
+saved one stopped, on any ``(dp, sp)`` layout. Volumes (``data.kind: volume``) take the same
+path with blocks along ``parallel.shard_dim`` (``volume_feed.py``).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def to_dtensor(local: Tensor, mesh: DeviceMesh, placements: list, shape: tuple) 
 class Batch:
     """One training step's input on this rank."""
 
-    image: DTensor  # global [B * dp, C, H, W], placements [Shard(0), Shard(3)]
+    image: DTensor  # global [B * dp, C, H, W], [Shard(0), Shard(3)] (volumes: 5-D, Shard(2+axis))
     target: Tensor  # local mask strip [B, H, w]
     pixels: int  # pixels of the global batch (for throughput)
 
