@@ -47,20 +47,22 @@ def interpolate3d_grid(world: int) -> list[str]:
     dmesh = mesh(world)
     failures: list[str] = []
     for j, (label, kw) in enumerate(_interp_cases().items()):
-        for dim in (2, 3, 4):
-            x = _volume(j, world, dim, extra=1 + j % 2)
-            check_fn(
-                lambda t, kw=kw: F.interpolate(t, **kw),
-                x,
-                dmesh,
-                [Shard(dim)],
-                f"interpolate {label} Shard({dim}) {tuple(x.shape)}",
-                failures,
-            )
+        # one sharded dim per case, rotating with the world size: the 2-4 rank tests
+        # together shard every case along D, H and W
+        dim = (j + world) % 3 + 2
+        x = _volume(j, world, dim, extra=1 + j % 2)
+        check_fn(
+            lambda t, kw=kw: F.interpolate(t, **kw),
+            x,
+            dmesh,
+            [Shard(dim)],
+            f"interpolate {label} Shard({dim}) {tuple(x.shape)}",
+            failures,
+        )
     return failures
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_interpolate3d_matches_single_device(dist_pool, world):
     failures = dist_pool.run(world, interpolate3d_grid, world)[0]
     assert not failures, "\n".join(failures)
@@ -81,4 +83,51 @@ def upsample3d_modules(world: int) -> list[str]:
 
 def test_upsample3d_modules(dist_pool):
     failures = dist_pool.run(3, upsample3d_modules, 3)[0]
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- F.pad and *Pad3d
+
+
+def _pad_cases() -> dict:
+    return {
+        "constant 1.5": dict(pad=(1, 2, 0, 1, 2, 1), value=1.5),
+        "constant negative": dict(pad=(-1, 2, 1, -2, -1, 3)),
+        "constant W only": dict(pad=(2, -1)),
+        "constant C too": dict(pad=(1, 0, 0, 1, 1, 0, 1, 2), value=-2.0),
+        "reflect": dict(pad=(2, 1, 1, 2, 2, 1), mode="reflect"),
+        "replicate": dict(pad=(1, 3, 2, 0, 3, 1), mode="replicate"),
+        "circular": dict(pad=(2, 1, 1, 2, 1, 2), mode="circular"),
+        "circular negative": dict(pad=(-1, 2, 2, -1, 1, -1), mode="circular"),
+    }
+
+
+def _pad_modules() -> list[nn.Module]:
+    return [
+        nn.ZeroPad3d((1, 2, 0, 1, 2, 0)),
+        nn.ConstantPad3d(2, 0.5),
+        nn.ReflectionPad3d((1, 2, 2, 1, 1, 2)),
+        nn.ReplicationPad3d((2, 0, 1, 1, 0, 2)),
+        nn.CircularPad3d(1),
+    ]
+
+
+def pad3d_grid(world: int) -> list[str]:
+    dmesh = mesh(world)
+    failures: list[str] = []
+    for j, (label, kw) in enumerate(_pad_cases().items()):
+        dim = (j + world) % 3 + 2
+        x = _volume(20 + j, world, dim, extra=1 + j % 2)
+        fn = lambda t, kw=kw: F.pad(t, **kw)  # noqa: E731
+        check_fn(fn, x, dmesh, [Shard(dim)], f"F.pad {label} Shard({dim})", failures)
+    for j, m in enumerate(_pad_modules()):
+        dim = (j + world + 1) % 3 + 2
+        x = _volume(40 + j, world, dim)
+        check_module(nn.Sequential(m), x, dmesh, [Shard(dim)], f"{m} Shard({dim})", failures)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pad3d_matches_single_device(dist_pool, world):
+    failures = dist_pool.run(world, pad3d_grid, world)[0]
     assert not failures, "\n".join(failures)
