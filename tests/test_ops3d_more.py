@@ -47,22 +47,20 @@ def interpolate3d_grid(world: int) -> list[str]:
     dmesh = mesh(world)
     failures: list[str] = []
     for j, (label, kw) in enumerate(_interp_cases().items()):
-        # one sharded dim per case, rotating with the world size: the 2-4 rank tests
-        # together shard every case along D, H and W
-        dim = (j + world) % 3 + 2
-        x = _volume(j, world, dim, extra=1 + j % 2)
-        check_fn(
-            lambda t, kw=kw: F.interpolate(t, **kw),
-            x,
-            dmesh,
-            [Shard(dim)],
-            f"interpolate {label} Shard({dim}) {tuple(x.shape)}",
-            failures,
-        )
+        for dim in (2, 3, 4):
+            x = _volume(j, world, dim, extra=1 + (j + dim) % 2)
+            check_fn(
+                lambda t, kw=kw: F.interpolate(t, **kw),
+                x,
+                dmesh,
+                [Shard(dim)],
+                f"interpolate {label} Shard({dim}) {tuple(x.shape)}",
+                failures,
+            )
     return failures
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_interpolate3d_matches_single_device(dist_pool, world):
     failures = dist_pool.run(world, interpolate3d_grid, world)[0]
     assert not failures, "\n".join(failures)
@@ -116,10 +114,10 @@ def pad3d_grid(world: int) -> list[str]:
     dmesh = mesh(world)
     failures: list[str] = []
     for j, (label, kw) in enumerate(_pad_cases().items()):
-        dim = (j + world) % 3 + 2
-        x = _volume(20 + j, world, dim, extra=1 + j % 2)
-        fn = lambda t, kw=kw: F.pad(t, **kw)  # noqa: E731
-        check_fn(fn, x, dmesh, [Shard(dim)], f"F.pad {label} Shard({dim})", failures)
+        for dim in (2, 3, 4):
+            x = _volume(20 + j, world, dim, extra=1 + (j + dim) % 2)
+            fn = lambda t, kw=kw: F.pad(t, **kw)  # noqa: E731
+            check_fn(fn, x, dmesh, [Shard(dim)], f"F.pad {label} Shard({dim})", failures)
     for j, m in enumerate(_pad_modules()):
         dim = (j + world + 1) % 3 + 2
         x = _volume(40 + j, world, dim)
