@@ -129,3 +129,51 @@ def pad3d_grid(world: int) -> list[str]:
 def test_pad3d_matches_single_device(dist_pool, world):
     failures = dist_pool.run(world, pad3d_grid, world)[0]
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- adaptive 3-D pools
+
+
+def _adaptive_cases() -> dict:
+    avg, mx = F.adaptive_avg_pool3d, F.adaptive_max_pool3d
+    return {
+        "avg 1 (global)": (avg, 1),
+        "avg (3, 2, 4)": (avg, (3, 2, 4)),
+        "avg (None, 3, 2)": (avg, (None, 3, 2)),
+        "avg (2, 2, 2)": (avg, 2),  # fewer output planes than ranks at 3: a rank gets none
+        "avg (5, 4, 3)": (avg, (5, 4, 3)),
+        "max 1 (global)": (mx, 1),
+        "max (3, 2, 4)": (mx, (3, 2, 4)),
+        "max (2, None, 3)": (mx, (2, None, 3)),
+        "max (5, 4, 3)": (mx, (5, 4, 3)),
+    }
+
+
+def adaptive3d_grid(world: int) -> list[str]:
+    dmesh = mesh(world)
+    failures: list[str] = []
+    for j, (label, (pool, size)) in enumerate(_adaptive_cases().items()):
+        if size == 2 and world == 4:
+            continue  # refused (below): a window reads planes beyond the neighbours
+        for dim in (2, 3, 4):
+            x = _volume(60 + j, world, dim, extra=1 + (j + dim) % 2)
+            fn = lambda t, pool=pool, size=size: pool(t, size)  # noqa: E731
+            check_fn(fn, x, dmesh, [Shard(dim)], f"{label} Shard({dim}) {tuple(x.shape)}", failures)
+    for j, m in enumerate((nn.AdaptiveAvgPool3d((2, 3, 1)), nn.AdaptiveMaxPool3d(1))):
+        dim = (j + world) % 3 + 2
+        x = _volume(80 + j, world, dim)
+        check_module(nn.Sequential(m), x, dmesh, [Shard(dim)], f"{m} Shard({dim})", failures)
+    xs = distribute_tensor(_volume(0, world, 3), dmesh, [Shard(3)])
+    with pytest.raises(SpatialShardingError, match="return_indices"), SpatialMode():
+        F.adaptive_max_pool3d(xs, 2, return_indices=True)
+    if world == 4:  # 13 planes over 4 ranks pooled to 2: rank 1's window reaches rank 3
+        with pytest.raises(SpatialShardingError, match="adaptive_avg_pool3d.*neighbouring"):
+            with SpatialMode():
+                F.adaptive_avg_pool3d(xs, 2)
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_adaptive_pool3d_matches_single_device(dist_pool, world):
+    failures = dist_pool.run(world, adaptive3d_grid, world)[0]
+    assert not failures, "\n".join(failures)
