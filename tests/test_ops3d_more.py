@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.models import create_model
-from spconv_train.parallel import SpatialMode, SpatialShardingError, parallelize
+from spconv_train.parallel import SpatialMode, SpatialShardingError
 from tests.dist_harness import mesh
 from tests.op_check import check_fn, check_module
 from tests.reference import seeded
@@ -167,13 +167,37 @@ def adaptive3d_grid(world: int) -> list[str]:
     with pytest.raises(SpatialShardingError, match="return_indices"), SpatialMode():
         F.adaptive_max_pool3d(xs, 2, return_indices=True)
     if world == 4:  # 13 planes over 4 ranks pooled to 2: rank 1's window reaches rank 3
-        with pytest.raises(SpatialShardingError, match="adaptive_avg_pool3d.*neighbouring"):
-            with SpatialMode():
-                F.adaptive_avg_pool3d(xs, 2)
+        refused = pytest.raises(SpatialShardingError, match="adaptive_avg_pool3d.*neighbouring")
+        with refused, SpatialMode():
+            F.adaptive_avg_pool3d(xs, 2)
     return failures
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_adaptive_pool3d_matches_single_device(dist_pool, world):
     failures = dist_pool.run(world, adaptive3d_grid, world)[0]
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- unet3d, trilinear up
+
+
+def unet3d_trilinear(world: int, dim: int, size: int) -> list[str]:
+    """``unet3d(up="bilinear")`` (trilinear ``nn.Upsample``, and an ``F.interpolate`` to the
+    skip's size when ``size`` is odd) sharded along ``dim`` equals one device."""
+    torch.manual_seed(0)
+    opts = dict(depth=2, base_width=4, norm="group", group_norm_groups=2, up="bilinear")
+    model = create_model("unet3d", num_classes=3, in_channels=1, **opts).double()
+    shape = [4, 6, 6]
+    shape[dim - 2] = size
+    x = seeded(12, 1, 1, *shape, dtype=torch.float64)
+    failures: list[str] = []
+    label = f"unet3d up=bilinear Shard({dim}) {tuple(x.shape)} world={world}"
+    check_module(model, x, mesh(world), [Shard(dim)], label, failures)
+    return failures
+
+
+@pytest.mark.parametrize("world,dim,size", [(2, 2, 9), (3, 4, 12), (2, 3, 10)])
+def test_unet3d_trilinear_matches_single_device(dist_pool, world, dim, size):
+    failures = dist_pool.run(world, unet3d_trilinear, world, dim, size)[0]
     assert not failures, "\n".join(failures)
