@@ -73,9 +73,11 @@ def upsample3d_modules(world: int) -> list[str]:
     x = _volume(5, world, 4)
     for m in (nn.Upsample(scale_factor=2, mode="trilinear"), nn.Upsample(size=(3, 8, 5))):
         check_module(nn.Sequential(m), x, dmesh, [Shard(4)], f"{m} Shard(4)", failures)
+    area = lambda t: F.interpolate(t, size=(3, 2, 4), mode="area")  # noqa: E731
+    check_fn(area, x, dmesh, [Shard(4)], "interpolate area Shard(4)", failures)
     xs = distribute_tensor(x, dmesh, [Shard(4)])
-    with pytest.raises(SpatialShardingError, match="area"), SpatialMode():
-        F.interpolate(xs, scale_factor=2, mode="area")
+    with pytest.raises(SpatialShardingError, match="bicubic"), SpatialMode():
+        F.interpolate(xs, scale_factor=2, mode="bicubic")
     return failures
 
 

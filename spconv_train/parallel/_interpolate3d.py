@@ -1,5 +1,6 @@
 """``F.interpolate`` / ``nn.Upsample`` on an NCDHW volume sharded along one of D, H, W
-("nearest", "nearest-exact", "trilinear" with ``align_corners`` either way).
+("nearest", "nearest-exact", "trilinear" with ``align_corners`` either way; "area" is
+``adaptive_avg_pool3d``, as in torch).
 
 The 2-D code (``_interpolate.py``) does the work: a resize is an index table plus weights per
 dimension computed from the *global* sizes with ATen's arithmetic (``resize_table``), and a
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ._adaptive3d import spatial_adaptive_avg_pool3d
 from ._geometry import SpatialShardingError
 from ._halo import gather_columns
 from ._interpolate import _apply, _local_table, plan_resize
@@ -45,10 +47,14 @@ def spatial_interpolate3d(
 ) -> DTensor:
     """``F.interpolate`` of a volume sharded along D, H or W; same values and input gradient
     as on the whole volume. The output keeps the input's placements."""
+    if mode == "area" and not antialias:  # torch runs it as adaptive_avg_pool3d
+        probe = torch.empty(x.shape, device="meta")
+        args = (size, scale_factor, mode, align_corners, recompute_scale_factor)
+        return spatial_adaptive_avg_pool3d(x, F.interpolate(probe, *args).shape[2:], what)
     if mode not in MODES3D or antialias:
         raise SpatialShardingError(
             f"{what}: interpolate mode={mode!r}{' with antialias' if antialias else ''} is not "
-            f"supported on a sharded volume (supported: {', '.join(MODES3D)}). Use one of "
+            f"supported on a sharded volume (supported: {', '.join(MODES3D)}, area). Use one of "
             f"those, or gather explicitly (x.full_tensor())."
         )
     args = (size, scale_factor, mode, align_corners, recompute_scale_factor)
