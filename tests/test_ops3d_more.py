@@ -73,6 +73,13 @@ def upsample3d_modules(world: int) -> list[str]:
     x = _volume(5, world, 4)
     for m in (nn.Upsample(scale_factor=2, mode="trilinear"), nn.Upsample(size=(3, 8, 5))):
         check_module(nn.Sequential(m), x, dmesh, [Shard(4)], f"{m} Shard(4)", failures)
+
+    # pooled to one plane along W (Replicate on sp), then resized and padded locally
+    def pooled(t):
+        y = F.interpolate(F.adaptive_avg_pool3d(t, (2, 2, 1)), scale_factor=2, mode="trilinear")
+        return F.pad(y, (1, 1, 0, 1, 1, 0), mode="replicate")
+
+    check_fn(pooled, x, dmesh, [Shard(4)], "global pool + interpolate + pad", failures)
     area = lambda t: F.interpolate(t, size=(3, 2, 4), mode="area")  # noqa: E731
     check_fn(area, x, dmesh, [Shard(4)], "interpolate area Shard(4)", failures)
     xs = distribute_tensor(x, dmesh, [Shard(4)])
