@@ -210,3 +210,24 @@ def unet3d_trilinear(world: int, dim: int, size: int) -> list[str]:
 def test_unet3d_trilinear_matches_single_device(dist_pool, world, dim, size):
     failures = dist_pool.run(world, unet3d_trilinear, world, dim, size)[0]
     assert not failures, "\n".join(failures)
+
+
+def dp_sp_ops3d(world: int) -> list[str]:
+    """The new ops on a (dp, sp) = (2, 2) mesh, batch 3 (uneven batch shards), over D."""
+    failures: list[str] = []
+    dmesh = mesh((2, 2))
+    x = seeded(13, 3, 2, 7, 4, 5, dtype=torch.float64)
+    fns = {
+        "trilinear": lambda t: F.interpolate(t, scale_factor=(1.5, 2, 1), mode="trilinear"),
+        "reflect pad": lambda t: F.pad(t, (1, 0, 2, 1, 2, 2), mode="reflect"),
+        "adaptive max": lambda t: F.adaptive_max_pool3d(t, (3, 2, 2)),
+        "adaptive avg 1": lambda t: F.adaptive_avg_pool3d(t, 1),
+    }
+    for label, fn in fns.items():
+        check_fn(fn, x, dmesh, [Shard(0), Shard(2)], f"dp x sp {label}", failures)
+    return failures
+
+
+def test_ops3d_more_on_dp_sp_mesh(dist_pool):
+    failures = dist_pool.run(4, dp_sp_ops3d, 4)[0]
+    assert not failures, "\n".join(failures)
