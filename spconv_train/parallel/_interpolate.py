@@ -228,6 +228,11 @@ def spatial_interpolate(
     tensor. Supports "nearest", "nearest-exact" and "bilinear" (align_corners either way),
     ``size`` or ``scale_factor`` and ``recompute_scale_factor``; "area" runs through the
     registered spatial ``adaptive_avg_pool2d`` if there is one (exactly what torch does)."""
+    if x.ndim == 5:  # NCDHW volume: _interpolate3d.py
+        from ._interpolate3d import spatial_interpolate3d
+
+        args = (size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
+        return spatial_interpolate3d(x, *args, what=what)
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
         out_hw, _ = resize_sizes(

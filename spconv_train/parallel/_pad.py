@@ -41,6 +41,10 @@ def width_segments(width: int, left: int, right: int, mode: str) -> list:
 @register_handler(F.pad, torch._C._nn.pad)
 def spatial_pad(input, pad, mode: str = "constant", value=None):
     """``F.pad`` on a width-sharded DTensor (exact, differentiable, neighbour traffic)."""
+    if handled(input) and input.ndim == 5:  # NCDHW volume: _pad3d.py
+        from ._pad3d import spatial_pad3d
+
+        return spatial_pad3d(input, pad, mode, value)
     if not handled(input) or input.ndim != 4:
         return F.pad(input, pad, mode, value)
     pad = [int(p) for p in pad]

@@ -120,3 +120,5 @@ class SpatialAvgPool3d(nn.AvgPool3d):
 # torch.max_pool3d is a separate object. F.avg_pool3d is torch._C._nn.avg_pool3d.
 _register(spatial_max_pool3d, F.max_pool3d, torch.max_pool3d)
 _register(spatial_avg_pool3d, F.avg_pool3d)
+
+from . import _adaptive3d  # noqa: E402, F401  (registers the adaptive 3-D pools)
