@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step verify predict clean
+.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step bench-tiles physicsnemo verify predict clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -55,6 +55,15 @@ bench-predict: install
 
 bench-step: install
 	$(PY) scripts/bench_step.py
+
+# Strips vs H x W tiles (halo bytes, step time) and the 3-D U-Net's activations per rank.
+bench-tiles: install
+	$(PY) scripts/bench_tiles.py $(ARGS)
+
+# NVIDIA PhysicsNeMo (not a dependency) into .physicsnemo, for bench_conv's comparison row:
+# PYTHONPATH=.:.physicsnemo .venv/bin/python scripts/bench_conv.py
+physicsnemo: install
+	bash scripts/install_physicsnemo.sh .physicsnemo
 
 clean:
 	rm -rf .venv runs .pytest_cache .ruff_cache *.egg-info
