@@ -141,3 +141,63 @@ def refusals(world: int) -> list[str]:
 def test_unsupported_ops_refuse_tiles(dist_pool):
     failures = dist_pool.run(4, refusals, 4)[0]
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------- pools, norms, ConvTranspose2d, resize
+
+
+def _tile_ops(world: int) -> list[tuple[str, nn.Module, tuple[int, int]]]:
+    """(label, module, (H, W)) of the pooling / norm / transposed conv / resize grid on
+    tiles of ``world`` ranks: sizes uneven over 2 parts, tiles wider than every halo."""
+    from tests.test_pool import _window_configs
+
+    ops = []
+    for i, (cls, cfg) in enumerate(_window_configs()[:: 3 if world == 2 else 4]):
+        m = cls(**cfg)
+        pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
+        k, s, p, d = (
+            pair(getattr(m, a, 1)) for a in ("kernel_size", "stride", "padding", "dilation")
+        )
+        h = _size(2, k[0], s[0], d[0], p[0]) + i % 2
+        ops.append((f"{cls.__name__}({cfg})", m, (h, _size(2, k[1], s[1], d[1], p[1]))))
+    ops += [
+        ("BatchNorm2d", nn.BatchNorm2d(4), (7, 9)),
+        ("GroupNorm", nn.GroupNorm(2, 4), (7, 9)),
+        ("InstanceNorm2d", nn.InstanceNorm2d(4, affine=True, track_running_stats=True), (7, 9)),
+    ]
+    for cfg in (
+        dict(kernel_size=2, stride=2),
+        dict(kernel_size=3, stride=2, padding=1, output_padding=1),
+        dict(kernel_size=(3, 4), stride=(2, 3), padding=(1, 2), output_padding=(1, 2)),
+        dict(kernel_size=5, stride=1, padding=2, dilation=2, groups=2),
+        dict(kernel_size=3, stride=3, padding=2, bias=False),
+    ):
+        ops.append((f"ConvTranspose2d({cfg})", nn.ConvTranspose2d(4, 6, **cfg), (7, 9)))
+    for cfg in (
+        dict(scale_factor=2, mode="nearest"),
+        dict(scale_factor=2, mode="bilinear", align_corners=False),
+        dict(scale_factor=(1.5, 2.5), mode="bilinear", align_corners=True),
+        dict(scale_factor=0.5, mode="nearest-exact"),
+        dict(size=(11, 13), mode="bilinear", align_corners=False),
+        dict(scale_factor=1.5, mode="nearest", recompute_scale_factor=True),
+    ):
+        ops.append((f"Upsample({cfg})", nn.Upsample(**cfg), (7, 9)))
+    return ops
+
+
+def ops_tiles(world: int) -> list[str]:
+    failures: list[str] = []
+    for dmesh, pl, label in tile_meshes(world):
+        batch = 2 if "dp" in dmesh.mesh_dim_names else 1
+        for i, (name, module, (h, w)) in enumerate(_tile_ops(world)):
+            torch.manual_seed(i)
+            module = module.double()
+            x = seeded(3000 + i, batch, 4, h, w, dtype=torch.float64)
+            check_module(module, x, dmesh, pl, f"{label} {name} {h}x{w}", failures)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pool_norm_convt_resize_on_tiles(dist_pool, world):
+    failures = dist_pool.run(world, ops_tiles, world)[0]
+    assert not failures, "\n".join(failures)
