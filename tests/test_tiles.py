@@ -201,3 +201,58 @@ def ops_tiles(world: int) -> list[str]:
 def test_pool_norm_convt_resize_on_tiles(dist_pool, world):
     failures = dist_pool.run(world, ops_tiles, world)[0]
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- models
+
+
+def unet_tiles(shape: tuple[int, ...], up: str, steps: int = 2) -> list[str]:
+    """The project's U-Net on tiles equals one device in fp64: logits, loss, every parameter
+    gradient, and the parameters after ``steps`` SGD steps."""
+    import copy
+
+    from spconv_train.models import create_model
+    from spconv_train.parallel import parallelize
+    from spconv_train.train import cross_entropy
+    from tests.reference import check_close
+
+    names = ("dp", "sp_h", "sp_w") if len(shape) == 3 else ("sp_h", "sp_w")
+    dmesh = mesh(shape, names)
+    pl = [Shard(0), Shard(2), Shard(3)] if len(shape) == 3 else [Shard(2), Shard(3)]
+    torch.manual_seed(0)
+    ref = create_model("unet", num_classes=3, depth=2, base_width=4, up=up).double()
+    par = parallelize(copy.deepcopy(ref), dmesh)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
+    opt_p = torch.optim.SGD(par.parameters(), lr=0.01, momentum=0.9)
+    batch, (h, w) = 2, (18, 21)
+    x = seeded(1, batch, 3, h, w, dtype=torch.float64)
+    target = torch.randint(0, 3, (batch, h, w), generator=torch.Generator().manual_seed(2))
+    target[:, :2, :5] = 255
+    failures: list[str] = []
+    for step in range(steps):
+        out_r = ref(x)
+        loss_r = F.cross_entropy(out_r, target, ignore_index=255)
+        out_p = par(distribute_tensor(x, dmesh, pl))
+        loss_p = cross_entropy(out_p, target, ignore_index=255)
+        for opt, loss in ((opt_r, loss_r), (opt_p, loss_p)):
+            opt.zero_grad()
+            loss.backward()
+        label = f"unet({up}) {shape} step {step}"
+        check_close(f"{label} logits", out_p, out_r, 1e-9, failures)
+        check_close(f"{label} loss", loss_p, loss_r, 1e-9, failures)
+        for (n, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
+            check_close(f"{label} {n}.grad", p.grad, q.grad, 1e-8, failures, 1e-9)
+        opt_r.step()
+        opt_p.step()
+    for (n, b), c in zip(par.named_buffers(), ref.buffers(), strict=True):
+        if b.is_floating_point():
+            check_close(f"unet {shape} buffer {n}", b, c, 1e-8, failures, 1e-9)
+    return failures[:20]
+
+
+@pytest.mark.parametrize(
+    "shape,up", [((2, 2), "transpose"), ((2, 1, 2), "bilinear")], ids=["2x2", "dp2x1x2"]
+)
+def test_unet_on_tiles_matches_single_device(dist_pool, shape, up):
+    for rank, failures in enumerate(dist_pool.run(4, unet_tiles, shape, up)):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)

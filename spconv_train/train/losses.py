@@ -153,7 +153,7 @@ class _Strips(NamedTuple):
 
 def _strips(logits: Tensor, target: Tensor, what: str) -> _Strips:
     if isinstance(logits, DTensor):
-        logits, layout = spatial_layout(logits, what)
+        logits, layout = spatial_layout(logits, what, tiles=True)
         local, groups = enter(logits), layout.stat_groups
     else:
         if logits.ndim != 4:
