@@ -212,7 +212,7 @@ def unet_tiles(shape: tuple[int, ...], up: str, steps: int = 2) -> list[str]:
     import copy
 
     from spconv_train.models import create_model
-    from spconv_train.parallel import parallelize
+    from spconv_train.parallel import CommAudit, parallelize
     from spconv_train.train import cross_entropy
     from tests.reference import check_close
 
@@ -232,11 +232,17 @@ def unet_tiles(shape: tuple[int, ...], up: str, steps: int = 2) -> list[str]:
     for step in range(steps):
         out_r = ref(x)
         loss_r = F.cross_entropy(out_r, target, ignore_index=255)
-        out_p = par(distribute_tensor(x, dmesh, pl))
-        loss_p = cross_entropy(out_p, target, ignore_index=255)
-        for opt, loss in ((opt_r, loss_r), (opt_p, loss_p)):
-            opt.zero_grad()
-            loss.backward()
+        xs = distribute_tensor(x, dmesh, pl)
+        opt_r.zero_grad()
+        opt_p.zero_grad()
+        loss_r.backward()
+        with CommAudit() as audit:  # halo exchanges and small reductions only
+            out_p = par(xs)
+            loss_p = cross_entropy(out_p, target, ignore_index=255)
+            loss_p.backward()
+        shapes = {tuple(p.shape) for p in par.parameters()}
+        moved = audit.activation_sized(max(1, xs.to_local()[0].numel() // 4), shapes)
+        failures += [f"step {step}: activation-sized {r.op} {r.shape}" for r in moved]
         label = f"unet({up}) {shape} step {step}"
         check_close(f"{label} logits", out_p, out_r, 1e-9, failures)
         check_close(f"{label} loss", loss_p, loss_r, 1e-9, failures)
