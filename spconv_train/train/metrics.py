@@ -107,7 +107,7 @@ class ConfusionMatrix:
         x = logits_or_pred
         if isinstance(x, DTensor):
             if x.ndim == 4:
-                x, _ = spatial_layout(x, "ConfusionMatrix.update")
+                x, _ = spatial_layout(x, "ConfusionMatrix.update", tiles=True)
             groups = _shard_groups(x)
             if self._groups is not None and self._groups != groups:
                 raise ValueError("ConfusionMatrix.update: inputs laid out on different meshes")
