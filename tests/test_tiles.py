@@ -184,13 +184,32 @@ def _tile_ops(world: int) -> list[tuple[str, nn.Module, tuple[int, int]]]:
         dict(scale_factor=1.5, mode="nearest", recompute_scale_factor=True),
     ):
         ops.append((f"Upsample({cfg})", nn.Upsample(**cfg), (7, 9)))
+    ops += [(f"pooled branch {o}", _PooledBranch(o), (13, 15)) for o in (1, (2, 3))]
     return ops
+
+
+class _PooledBranch(nn.Module):
+    """DeepLabV3's ASPP pooling branch and its concat: adaptive average pooling (Replicate
+    on the tile mesh), 1x1 conv + BatchNorm on the pooled map, bilinear resize back onto the
+    tiles, concat with the input, 3x3 conv."""
+
+    def __init__(self, size) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(size)
+        # no conv bias: BatchNorm cancels it, its gradient is rounding noise around 0
+        self.conv, self.bn = nn.Conv2d(4, 3, 1, bias=False), nn.BatchNorm2d(3)
+        self.mix = nn.Conv2d(7, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(self.pool(x))))
+        y = F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        return self.mix(torch.cat([x, y], 1))
 
 
 def ops_tiles(world: int) -> list[str]:
     failures: list[str] = []
     for dmesh, pl, label in tile_meshes(world):
-        batch = 2 if "dp" in dmesh.mesh_dim_names else 1
+        batch = 2  # BatchNorm on a pooled 1x1 map needs more than one sample
         for i, (name, module, (h, w)) in enumerate(_tile_ops(world)):
             torch.manual_seed(i)
             module = module.double()

@@ -256,6 +256,11 @@ def spatial_interpolate(
         from ._tiles_ops import tile_interpolate  # imports this module
 
         return tile_interpolate(x, layout, (out_h, out_w), (scale_h, scale_w), mode, align, what)
+    if not layout.width_sharded and "sp_h" in (layout.mesh.mesh_dim_names or ()):
+        from ._tiles_ops import tile_interpolate_replicated
+
+        args = ((out_h, out_w), (scale_h, scale_w), mode, align, what)
+        return tile_interpolate_replicated(x, layout, *args)
     double = x.dtype == torch.float64
     sharded = layout.width_sharded
     rp = plan_resize(what, w, out_w, layout.sp_size, mode, align, scale_w, double, sharded)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._conv_transpose import _place, plan_conv_transpose
+from ._geometry import all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import _apply, _local_table, plan_resize
-from ._pool import _counts
+from ._pool import _counts, _segment_sums, _SumReplicated, adaptive_bounds
 from ._sharding import SpatialLayout, enter, leave
 from ._tiles import along, axis_of, ceil_geom, tile_shape, tile_window
 
@@ -148,3 +149,70 @@ def tile_interpolate(x: DTensor, layout, out_hw, scales, mode: str, align: bool,
         if table is not None:
             y = _apply(y, d, table)
     return leave(y, layout, (x.shape[0], x.shape[1], *out_hw))
+
+
+def tile_mesh_dims(layout: SpatialLayout) -> tuple[int, int] | None:
+    """``(sp_h, sp_w)`` mesh dims of a tile mesh, or ``None`` (a strip mesh)."""
+    names = layout.mesh.mesh_dim_names or ()
+    if "sp_h" in names and "sp_w" in names:
+        return names.index("sp_h"), names.index("sp_w")
+    return None
+
+
+def _tiled_layout(layout: SpatialLayout, mh: int, mw: int) -> SpatialLayout:
+    """``layout`` (spatially replicated) with H sharded over ``mh`` and W over ``mw``."""
+    pl = list(layout.placements)
+    pl[mh], pl[mw] = Shard(2), Shard(3)
+    return SpatialLayout(layout.mesh, tuple(pl), mw, dims=(3,), axes=((2, mh), (3, mw)))
+
+
+def tile_interpolate_replicated(x, layout, out_hw, scales, mode: str, align: bool, what: str):
+    """``F.interpolate`` of a spatially replicated input (e.g. DeepLabV3's pooled branch) on
+    a tile mesh, straight into this rank's output tile. Each rank's input gradient is only
+    its tile's part of the sum: labelled ``Partial`` on both spatial mesh dims."""
+    mh, mw = tile_mesh_dims(layout)
+    grad_pl = list(layout.placements)
+    grad_pl[mh] = grad_pl[mw] = Partial()
+    y = enter(x, tuple(grad_pl))
+    double = x.dtype == torch.float64
+    for d, m, n_out, scale in ((3, mw, out_hw[1], scales[1]), (2, mh, out_hw[0], scales[0])):
+        parts, rank = layout.mesh.size(m), layout.mesh.get_local_rank(m)
+        rp = plan_resize(what, x.shape[d], n_out, parts, mode, align, scale, double, False)
+        needed = rp.exchange.needed[rank]
+        lo, hi = needed[0] if needed else (0, 0)
+        y = y.narrow(d, lo, hi - lo)
+        o0, o1 = rp.out_bounds[rank]
+        key = (mode, x.shape[d], n_out, align, scale, o0, o1, rp.starts[rank], x.dtype, y.device)
+        table = _local_table(*key)
+        if table is not None:
+            y = _apply(y, d, table)
+    return leave(y, _tiled_layout(layout, mh, mw), (x.shape[0], x.shape[1], *out_hw))
+
+
+def tile_adaptive_avg_pool2d(x: DTensor, layout: SpatialLayout, oh: int, ow: int) -> DTensor:
+    """``F.adaptive_avg_pool2d`` of a tiled DTensor: each rank sums its own pixels of every
+    output cell's window (global PyTorch windows), divides by the global window sizes, and
+    an all-reduce over the spatial mesh dims adds the parts. The output is ``Replicate`` on
+    them (meant for global / small pooling, as in DeepLabV3 and LR-ASPP: the all-reduce is
+    output-sized)."""
+    t = enter(x)
+    lens = []
+    for d, n_out in ((3, ow), (2, oh)):
+        ax = axis_of(layout, d)
+        parts, rank = (ax[0], ax[1]) if ax else (1, 0)
+        a, b = all_shard_bounds(x.shape[d], parts)[rank]
+        win = adaptive_bounds(x.shape[d], n_out)
+        segs = tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
+        if b == a:  # an empty tile: one zero row/column keeps the local sums defined
+            t = along(t, d, lambda m: F.pad(m, (0, 1)))
+        t = along(t, d, lambda m, segs=segs: _segment_sums(m, segs))
+        lens.append(torch.tensor([e - s for s, e in win], dtype=t.dtype, device=t.device))
+    t = t / (lens[1].view(-1, 1) * lens[0].view(1, -1))
+    for _, m in layout.axes:
+        if layout.mesh.size(m) > 1:
+            t = _SumReplicated.apply(t, layout.mesh.get_group(m))
+    pl = list(layout.placements)
+    for _, m in layout.axes:
+        pl[m] = Replicate()
+    rep = SpatialLayout(layout.mesh, tuple(pl), layout.sp_dim)
+    return leave(t, rep, (x.shape[0], x.shape[1], oh, ow))
