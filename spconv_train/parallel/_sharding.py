@@ -2,7 +2,9 @@
 
 A spatial op receives a DTensor whose placements hold exactly one ``Shard(3)`` (the spatial,
 "sp" mesh dimension); other mesh dimensions may be ``Shard(0)`` (data parallel: each rank a
-different part of the batch) or ``Replicate``. ``SpatialLayout`` reads that off the input,
+different part of the batch) or ``Replicate``. H x W tiles (``Shard(2)`` and ``Shard(3)`` on
+a ``(sp_h, sp_w)`` mesh, ``_tiles.py``) are read into ``SpatialLayout.axes`` for the ops that
+handle them (``spatial_layout(..., tiles=True)``). ``SpatialLayout`` reads that off the input,
 ``enter`` hands the local strip to local code (differentiably), and ``leave`` wraps the
 local result back into a DTensor with the global shape.
 """
