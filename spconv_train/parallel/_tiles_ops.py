@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._conv_transpose import _place, plan_conv_transpose
-from ._geometry import all_shard_bounds
+from ._geometry import SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import _apply, _local_table, plan_resize
 from ._pool import _counts, _segment_sums, _SumReplicated, adaptive_bounds
@@ -189,12 +189,26 @@ def tile_interpolate_replicated(x, layout, out_hw, scales, mode: str, align: boo
     return leave(y, _tiled_layout(layout, mh, mw), (x.shape[0], x.shape[1], *out_hw))
 
 
-def tile_adaptive_avg_pool2d(x: DTensor, layout: SpatialLayout, oh: int, ow: int) -> DTensor:
+def tile_adaptive_avg_pool2d(
+    x: DTensor, layout: SpatialLayout, oh: int, ow: int, what: str
+) -> DTensor:
     """``F.adaptive_avg_pool2d`` of a tiled DTensor: each rank sums its own pixels of every
     output cell's window (global PyTorch windows), divides by the global window sizes, and
     an all-reduce over the spatial mesh dims adds the parts. The output is ``Replicate`` on
     them (meant for global / small pooling, as in DeepLabV3 and LR-ASPP: the all-reduce is
-    output-sized)."""
+    output-sized). Refused when the output exceeds a quarter of the smallest tile: that
+    all-reduce and the replicated output would cost an activation."""
+    smallest = 1
+    for d in (2, 3):
+        ax = axis_of(layout, d)
+        bounds = all_shard_bounds(x.shape[d], ax[0] if ax else 1)
+        smallest *= min(b - a for a, b in bounds)
+    if 4 * oh * ow > smallest:
+        raise SpatialShardingError(
+            f"{what}: pooling to {oh}x{ow} on H x W tiles would all-reduce and replicate an "
+            f"output larger than a quarter of a tile; tiles support global and small adaptive "
+            f"average pooling only. Use width strips for this layer's model, or a smaller output."
+        )
     t = enter(x)
     lens = []
     for d, n_out in ((3, ow), (2, oh)):
