@@ -229,10 +229,18 @@ def test_pool_norm_convt_resize_on_tiles(dist_pool, world):
 
 
 def model_tiles(
-    name: str, shape: tuple[int, ...], kwargs: dict, hw: tuple[int, int], steps: int = 2
+    name: str,
+    shape: tuple[int, ...],
+    kwargs: dict,
+    hw: tuple[int, int],
+    steps: int = 2,
+    tol: float = 1e-8,
 ) -> list[str]:
     """A registry model on tiles equals one device in fp64: logits, loss, every parameter
-    gradient, the buffers and the parameters after ``steps`` SGD steps."""
+    gradient, the buffers and the parameters after ``steps`` SGD steps. Gradients and
+    buffers are measured against a floor of 1e-3 of their largest value when ``tol`` is
+    looser than 1e-8 (mathematically zero BatchNorm quantities are rounding noise, as in
+    ``tests/test_models_sharded.py``)."""
     import copy
 
     from spconv_train.models import create_model
@@ -279,12 +287,18 @@ def model_tiles(
         check_close(f"{label} logits", out_p, out_r, 1e-9, failures)
         check_close(f"{label} loss", loss_p, loss_r, 1e-9, failures)
         for (n, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
-            check_close(f"{label} {n}.grad", p.grad, q.grad, 1e-8, failures, 1e-9)
+            floor = (
+                1e-9
+                if tol <= 1e-8
+                else 1e-3 * max(r.grad.abs().max().item() for r in ref.parameters())
+            )
+            check_close(f"{label} {n}.grad", p.grad, q.grad, tol, failures, floor)
         opt_r.step()
         opt_p.step()
     for (n, b), c in zip(par.named_buffers(), ref.buffers(), strict=True):
         if b.is_floating_point():
-            check_close(f"{name} {shape} buffer {n}", b, c, 1e-8, failures, 1e-9)
+            floor = 1e-9 if tol <= 1e-8 else 1e-3 * c.abs().max().item()
+            check_close(f"{name} {shape} buffer {n}", b, c, tol, failures, floor)
     return failures[:20]
 
 
@@ -299,10 +313,20 @@ def test_unet_on_tiles_matches_single_device(dist_pool, shape, up):
 
 @pytest.mark.skipif(
     os.environ.get("SPCONV_SLOW_TESTS") != "1",
-    reason="fcn_resnet50 on a 2x2 tile mesh takes ~80 s on 2 cores: set SPCONV_SLOW_TESTS=1",
+    reason="torchvision models on a 2x2 tile mesh take ~80 s each on 2 cores: set "
+    "SPCONV_SLOW_TESTS=1",
 )
-def test_fcn_on_tiles_matches_single_device(dist_pool):
-    # 66 x 70: the 1/8-resolution tiles (5 and 4 rows) still hold layer4's dilation-4 halo
-    args = ("fcn_resnet50", (2, 2), {}, (66, 70), 1)
+@pytest.mark.parametrize(
+    "name,hw",
+    [
+        # the 1/8-resolution tiles (5 and 4 rows) still hold layer4's dilation-4 halo
+        ("fcn_resnet50", (66, 70)),
+        # the 1/16-resolution tiles hold the dilated 5x5 depthwise halo; global pooling (SE
+        # blocks, the LR-ASPP head) and the resize of the pooled map onto the tiles
+        ("lraspp_mobilenet_v3_large", (132, 136)),
+    ],
+)
+def test_torchvision_on_tiles_matches_single_device(dist_pool, name, hw):
+    args = (name, (2, 2), {}, hw, 1, 1e-6)  # fp64, 1e-6 as tests/test_models_sharded.py
     for rank, failures in enumerate(dist_pool.run(4, model_tiles, *args)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
