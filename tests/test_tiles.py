@@ -186,7 +186,21 @@ def _tile_ops(world: int) -> list[tuple[str, nn.Module, tuple[int, int]]]:
     ):
         ops.append((f"Upsample({cfg})", nn.Upsample(**cfg), (7, 9)))
     ops += [(f"pooled branch {o}", _PooledBranch(o), (13, 15)) for o in (1, (2, 3))]
+    ops.append(("timm-style SE block + softmax over W", _SqueezeExcite(), (7, 9)))
     return ops
+
+
+class _SqueezeExcite(nn.Module):
+    """timm's squeeze-excitation (``x.mean((2, 3), keepdim=True)``, a 1x1 conv on the
+    replicated result, the broadcast product with the tiles), then a softmax along W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        y = x * torch.sigmoid(self.fc(x.mean((2, 3), keepdim=True)))
+        return torch.softmax(y, dim=3)
 
 
 class _PooledBranch(nn.Module):
@@ -295,10 +309,14 @@ def model_tiles(
             check_close(f"{label} {n}.grad", p.grad, q.grad, tol, failures, floor)
         opt_r.step()
         opt_p.step()
-    for (n, b), c in zip(par.named_buffers(), ref.buffers(), strict=True):
-        if b.is_floating_point():
-            floor = 1e-9 if tol <= 1e-8 else 1e-3 * c.abs().max().item()
-            check_close(f"{name} {shape} buffer {n}", b, c, tol, failures, floor)
+    buffers = [
+        (n, b, c)
+        for (n, b), c in zip(par.named_buffers(), ref.buffers(), strict=True)
+        if b.is_floating_point()
+    ]
+    floor = 1e-9 if tol <= 1e-8 else 1e-3 * max(c.abs().max().item() for _, _, c in buffers)
+    for n, b, c in buffers:
+        check_close(f"{name} {shape} buffer {n}", b, c, tol, failures, floor)
     return failures[:20]
 
 
