@@ -187,6 +187,9 @@ def _tile_ops(world: int) -> list[tuple[str, nn.Module, tuple[int, int]]]:
         ops.append((f"Upsample({cfg})", nn.Upsample(**cfg), (7, 9)))
     ops += [(f"pooled branch {o}", _PooledBranch(o), (13, 15)) for o in (1, (2, 3))]
     ops.append(("timm-style SE block + softmax over W", _SqueezeExcite(), (7, 9)))
+    for cfg in (dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), dict(kernel_size=2)):
+        pool = nn.MaxPool2d(**cfg, dilation=1, return_indices=True)
+        ops.append((f"MaxPool2d({cfg}) global indices", pool, (9, 11)))
     return ops
 
 
