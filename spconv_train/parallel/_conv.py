@@ -69,7 +69,13 @@ def spatial_conv2d(
     """2-D convolution of a width-sharded DTensor ``x``; same result as ``F.conv2d`` on the
     whole tensor. ``padding`` is ``(top, bottom, left, right)``. Weight and bias gradients
     are summed over the ranks holding other strips (and other batch parts)."""
-    x, layout = spatial_layout(x, what)
+    x, layout = spatial_layout(x, what, tiles=True)
+    if layout.is_tile:
+        from ._tiles_ops import tile_conv2d  # the tile ops build on this module's siblings
+
+        return tile_conv2d(
+            x, layout, weight, bias, stride, padding, dilation, groups, padding_mode, what
+        )
     pt, pb, pl, pr = padding
     if not layout.width_sharded or layout.sp_size == 1:
         # Whole rows on every rank (one spatial rank included): the plain layer, at its cost.

@@ -122,7 +122,12 @@ def spatial_conv_transpose2d(
     """2-D transposed convolution of a width-sharded DTensor ``x``; same result as
     ``F.conv_transpose2d`` on the whole tensor. Weight and bias gradients are summed over the
     ranks holding other strips (and other batch parts)."""
-    x, layout = spatial_layout(x, what)
+    x, layout = spatial_layout(x, what, tiles=True)
+    if layout.is_tile:
+        from ._tiles_ops import tile_conv_transpose2d  # imports this module
+
+        args = (weight, bias, stride, padding, output_padding, groups, dilation, what)
+        return tile_conv_transpose2d(x, layout, *args)
     if not layout.width_sharded:
         return run_unsharded(
             x,

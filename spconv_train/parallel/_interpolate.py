@@ -245,7 +245,7 @@ def spatial_interpolate(
             f"supported on a width-sharded image (supported: {', '.join(MODES)}, and 'area' "
             f"via adaptive_avg_pool2d). Use one of those, or gather explicitly (x.full_tensor())."
         )
-    x, layout = spatial_layout(x, what)
+    x, layout = spatial_layout(x, what, tiles=True)
     align = bool(align_corners) if mode == "bilinear" else False
     if mode == "bilinear" and align_corners is None:
         align_corners = False
@@ -257,6 +257,15 @@ def spatial_interpolate(
         raise SpatialShardingError(
             f"{what}: output size {(out_h, out_w)} of input {(h, w)} is empty; torch rejects it."
         )
+    if layout.is_tile:
+        from ._tiles_ops import tile_interpolate  # imports this module
+
+        return tile_interpolate(x, layout, (out_h, out_w), (scale_h, scale_w), mode, align, what)
+    if not layout.width_sharded and "sp_h" in (layout.mesh.mesh_dim_names or ()):
+        from ._tiles_ops import tile_interpolate_replicated
+
+        args = ((out_h, out_w), (scale_h, scale_w), mode, align, what)
+        return tile_interpolate_replicated(x, layout, *args)
     double = x.dtype == torch.float64
     sharded = layout.width_sharded
     rp = plan_resize(what, w, out_w, layout.sp_size, mode, align, scale_w, double, sharded)

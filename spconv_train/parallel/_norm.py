@@ -150,7 +150,7 @@ def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
 
 def _layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
     """``spatial_layout`` of an NCHW image or an NCDHW volume (``_volume.py``)."""
-    return spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4)
+    return spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
 
 
 def _as_nchw(shape) -> tuple[int, int, int, int]:
@@ -241,7 +241,7 @@ def spatial_group_norm(
     count = c // num_groups * h * w
     if n * count == 1:
         raise ValueError(f"{what}: Expected more than 1 value per channel, got {list(x.shape)}")
-    cells = _Cells("group", c, num_groups, count, (layout.sp_group,))
+    cells = _Cells("group", c, num_groups, count, layout.spatial_groups)
     return _normalize(x, layout, cells, weight, bias, eps)[0]
 
 
@@ -267,12 +267,14 @@ def spatial_instance_norm(
     count = h * w
     if count == 1:
         raise ValueError(f"{what}: Expected more than 1 spatial element, got {list(x.shape)}")
-    cells = _Cells("instance", c, c, count, (layout.sp_group,))
+    cells = _Cells("instance", c, c, count, layout.spatial_groups)
     y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
     if running_mean is not None or running_var is not None:
         # Every rank of the spatial group holds the same per-sample statistics: average them
         # over the global batch by summing over the local samples and the batch-sharded dims.
-        dp = tuple(layout.mesh.get_group(i) for i in layout.batch_dims if i != layout.sp_dim)
+        dp = tuple(
+            layout.mesh.get_group(i) for i in layout.batch_dims if i not in layout.spatial_mesh_dims
+        )
         avg = torch.stack([mean.sum(0), (var * (count / (count - 1))).sum(0)])
         avg = _all_reduce(avg.contiguous(), dp) / n
         _update(running_mean, avg[0], momentum)

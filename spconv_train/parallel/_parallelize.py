@@ -74,10 +74,12 @@ def _sp_mesh_dim(mesh: DeviceMesh) -> int:
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
         return 0
+    if names and "sp_h" in names and "sp_w" in names:  # H x W tiles (_tiles.py)
+        return names.index("sp_w")
     if not names or "sp" not in names:
         raise SpatialShardingError(
             f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
-            f"(e.g. ('dp', 'sp')), got {names}"
+            f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles, got {names}"
         )
     return names.index("sp")
 

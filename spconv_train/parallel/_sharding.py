@@ -2,7 +2,9 @@
 
 A spatial op receives a DTensor whose placements hold exactly one ``Shard(3)`` (the spatial,
 "sp" mesh dimension); other mesh dimensions may be ``Shard(0)`` (data parallel: each rank a
-different part of the batch) or ``Replicate``. ``SpatialLayout`` reads that off the input,
+different part of the batch) or ``Replicate``. H x W tiles (``Shard(2)`` and ``Shard(3)`` on
+a ``(sp_h, sp_w)`` mesh, ``_tiles.py``) are read into ``SpatialLayout.axes`` for the ops that
+handle them (``spatial_layout(..., tiles=True)``). ``SpatialLayout`` reads that off the input,
 ``enter`` hands the local strip to local code (differentiably), and ``leave`` wraps the
 local result back into a DTensor with the global shape.
 """
@@ -24,9 +26,9 @@ from ._halo import sum_grad_over
 #: never uses this directly; it asks the layout (``layout.dim``), so sharding H and W
 #: together, or 3-D volumes, changes what ``spatial_layout`` records, not the ops.
 SPATIAL_DIMS = (3,)
-#: Per tensor rank: the tensor dims that may be the (one) sharded spatial dim. NCHW: the width;
-#: NCDHW volumes (``_volume.py``): any one of D, H, W.
-SPATIAL_DIMS_BY_NDIM = {4: SPATIAL_DIMS, 5: (2, 3, 4)}
+#: Per tensor rank: the tensor dims that may be sharded spatial dims. NCHW: the width (strips),
+#: or H and W (tiles, ``_tiles.py``); NCDHW volumes (``_volume.py``): any one of D, H, W.
+SPATIAL_DIMS_BY_NDIM = {4: (2, 3), 5: (2, 3, 4)}
 
 
 def sharded_dim(placement) -> int | None:
@@ -88,12 +90,30 @@ class SpatialLayout:
     width_sharded: bool = True
     #: tensor dimensions sharded as data over the sp mesh dimension
     dims: tuple[int, ...] = SPATIAL_DIMS
+    #: H x W tiles (``_tiles.py``): ``(tensor dim, mesh dim)`` of every sharded spatial dim,
+    #: empty for a one-dim layout (then ``dims`` over ``sp_dim``).
+    axes: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def is_tile(self) -> bool:
+        """True for an image sharded over a 2-D spatial mesh (or along H): see ``_tiles.py``."""
+        return bool(self.axes)
 
     @property
     def dim(self) -> int:
         """The tensor dimension split over the sp ranks (the width, 3, for NCHW)."""
         (d,) = self.dims
         return d
+
+    @property
+    def spatial_mesh_dims(self) -> tuple[int, ...]:
+        """Mesh dimensions that split the image (one for strips, one per axis for tiles)."""
+        return tuple(m for _, m in self.axes) if self.axes else (self.sp_dim,)
+
+    @property
+    def spatial_groups(self) -> tuple:
+        """Groups holding the other parts of one image (statistics per sample reduce here)."""
+        return tuple(self.mesh.get_group(m) for m in self.spatial_mesh_dims)
 
     @property
     def sp_size(self) -> int:
@@ -124,13 +144,18 @@ class SpatialLayout:
         return self.grad_groups
 
 
-def spatial_layout(x: DTensor, what: str, ndim: int = 4) -> tuple[DTensor, SpatialLayout]:
+def spatial_layout(
+    x: DTensor, what: str, ndim: int = 4, tiles: bool = False
+) -> tuple[DTensor, SpatialLayout]:
     """Check ``x`` is laid out for a spatial op and return it with its layout.
 
     An input whose width is replicated on the sp dimension (e.g. after a global pooling)
     gets a layout with ``width_sharded=False``: ops then run the plain local op
     (``run_unsharded``). Anything else that is not width-sharded is refused clearly.
-    ``ndim=5``: an NCDHW volume with one of D, H, W sharded (``layout.dim`` says which)."""
+    ``ndim=5``: an NCDHW volume with one of D, H, W sharded (``layout.dim`` says which).
+    An NCHW image sharded along H (``[Shard(2), Shard(3)]`` on a ``(sp_h, sp_w)`` mesh) is a
+    tile layout (``layout.axes``): only ops that handle tiles pass ``tiles=True``; every other
+    op refuses it here, naming itself."""
     if x.ndim != ndim:
         kind = "an NCDHW volume" if ndim == 5 else "an NCHW tensor"
         raise SpatialShardingError(f"{what}: expected {kind}, got shape {tuple(x.shape)}")
@@ -138,8 +163,14 @@ def spatial_layout(x: DTensor, what: str, ndim: int = 4) -> tuple[DTensor, Spati
     sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
-        sp = names.index("sp") if "sp" in names else 0 if x.device_mesh.ndim == 1 else None
-        if sp is not None and isinstance(placements[sp], Replicate):
+        sp = next((names.index(n) for n in ("sp", "sp_w") if n in names), None)
+        sp = 0 if sp is None and x.device_mesh.ndim == 1 else sp
+        tile_mesh = "sp_h" in names and isinstance(placements[names.index("sp_h")], Replicate)
+        if (
+            sp is not None
+            and isinstance(placements[sp], Replicate)
+            and ("sp_h" not in names or tile_mesh)
+        ):
             _check_other_dims(placements, sp, what)
             return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
         raise SpatialShardingError(
@@ -148,6 +179,8 @@ def spatial_layout(x: DTensor, what: str, ndim: int = 4) -> tuple[DTensor, Spati
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
+    if ndim == 4 and (len(sp_dims) > 1 or placements[sp_dims[0]].dim % ndim == 2):
+        return _tile_layout(x, placements, sp_dims, what, tiles)
     if len(sp_dims) > 1:
         raise SpatialShardingError(
             f"{what}: the width is sharded over several mesh dimensions {placements}; "
@@ -158,7 +191,26 @@ def spatial_layout(x: DTensor, what: str, ndim: int = 4) -> tuple[DTensor, Spati
     return x, SpatialLayout(x.device_mesh, placements, sp_dims[0], dims=(dim,))
 
 
-def _check_other_dims(placements: tuple, sp_dim: int, what: str) -> None:
+def _tile_layout(x: DTensor, placements: tuple, sp_dims: list, what: str, tiles: bool):
+    """The layout of an NCHW image sharded along H (and W) over several mesh dims."""
+    dims = [placements[m].dim % x.ndim for m in sp_dims]
+    if len(set(dims)) != len(dims):
+        raise SpatialShardingError(
+            f"{what}: placements {placements} shard one image dimension over several mesh "
+            f"dimensions; shard H and W over one mesh dimension each ([Shard(2), Shard(3)])."
+        )
+    if not tiles:
+        raise SpatialShardingError(
+            f"{what}: is not supported on H x W tiles (placements {placements}) yet. Shard "
+            f"the width only (mesh ('sp',) or ('dp', 'sp'), [Shard(3)]), see docs/tiles.md."
+        )
+    for i in sp_dims:
+        _check_other_dims(placements, i, what, allowed=sp_dims)
+    axes = tuple(sorted(zip(dims, sp_dims, strict=True)))
+    return x, SpatialLayout(x.device_mesh, placements, axes[-1][1], dims=(axes[-1][0],), axes=axes)
+
+
+def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> None:
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
             raise SpatialShardingError(
@@ -166,7 +218,7 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str) -> None:
                 f"dimension {i}; reducing it would move a whole activation. Redistribute to "
                 f"Shard/Replicate explicitly before this layer."
             )
-        if sharded_dim(p) not in (None, 0) and i != sp_dim:
+        if sharded_dim(p) not in (None, 0) and i != sp_dim and i not in allowed:
             raise SpatialShardingError(
                 f"{what}: mesh dimension {i} shards tensor dim {p.dim}; only the batch (dim 0) "
                 f"may be sharded besides the width."

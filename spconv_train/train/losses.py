@@ -156,7 +156,7 @@ class _Strips(NamedTuple):
 
 def _strips(logits: Tensor, target: Tensor, what: str) -> _Strips:
     if isinstance(logits, DTensor):
-        logits, layout = spatial_layout(logits, what, ndim=logits.ndim)  # images or volumes
+        logits, layout = spatial_layout(logits, what, ndim=logits.ndim, tiles=True)
         local, groups = enter(logits), layout.stat_groups
     else:
         if logits.ndim not in (4, 5):

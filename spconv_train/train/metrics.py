@@ -106,8 +106,8 @@ class ConfusionMatrix:
         tensor; ``target`` as in ``losses.py`` (local strip, full tensor or DTensor)."""
         x = logits_or_pred
         if isinstance(x, DTensor):
-            if x.ndim in (4, 5):  # logits of images or volumes
-                x, _ = spatial_layout(x, "ConfusionMatrix.update", ndim=x.ndim)
+            if x.ndim in (4, 5):  # logits of images (strips or tiles) or volumes
+                x, _ = spatial_layout(x, "ConfusionMatrix.update", ndim=x.ndim, tiles=True)
             groups = _shard_groups(x)
             if self._groups is not None and self._groups != groups:
                 raise ValueError("ConfusionMatrix.update: inputs laid out on different meshes")
