@@ -168,6 +168,11 @@ class _GatherColumns(torch.autograd.Function):
         return grad_local, None, None, None, None, None, None
 
 
+# Under torch.compile the exchange is a graph break and the local ops between exchanges are
+# compiled. Dynamo must not trace into the exchange's autograd.Function: it breaks at the
+# P2P calls inside it and inductor then fails on the half-traced Function ("'NoneType' has
+# no attribute 'item'"; torch 2.14.1). tests/test_compile.py checks both.
+@torch._dynamo.disable
 def gather_columns(
     local: Tensor,
     plan: ExchangePlan,

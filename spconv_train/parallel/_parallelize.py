@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,13 +60,13 @@ class _SpatialRoot:
     """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
     the model's runtime."""
 
-    # Dynamo cannot trace into the SpatialMode entry (its torch-function mode stack asserts):
-    # under torch.compile the spatial forward runs eagerly (a graph break), unchanged.
-    @torch._dynamo.disable
+    # Under torch.compile (torch 2.14) Dynamo traces through the SpatialMode entry and the
+    # spatial handlers: the local ops are compiled, the halo exchanges and collectives are
+    # graph breaks (``gather_columns`` is excluded from tracing, see _halo.py).
     def forward(self, *args, **kwargs):
         runtime = self.spatial_runtime
         with SpatialMode(runtime), gather_guard(runtime.options.allow_gather):
-            return super().forward(*args, **kwargs)
+            return super(_SpatialRoot, self).forward(*args, **kwargs)
 
 
 def _sp_mesh_dim(mesh: DeviceMesh) -> int:
