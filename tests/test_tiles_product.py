@@ -125,19 +125,21 @@ def test_feed_loads_tiles_on_a_dp_tile_mesh(dist_pool) -> None:
     torch.testing.assert_close(out[0]["batch"], out[3]["batch"])  # one global batch
 
 
-def test_verify_on_tiles(dist_pool) -> None:
-    uneven = ["data.height=34", "data.width=66", "data.vflip=0.5"]
-    cases = [
-        (VERIFY_TINY + uneven + ["parallel.sp=[2, 2]"], {"steps": 2}),
-        (VERIFY_TINY + ["parallel.sp=[1, 2]"], {"steps": 1}),  # (dp, sp_h, sp_w) = (2, 1, 2)
-    ]
-    reports = dist_pool.run(4, verify_cases, cases)[0]
-    for report in reports:
-        assert report["passed"], _failed(report)
-        assert not report["activation_sized_collectives"]
-        assert max(c["max_rel_err"] for c in report["checks"]) < 1e-10
-    assert [r["mesh"] for r in reports] == [{"dp": 1, "sp": 4}, {"dp": 2, "sp": 2}]
-    assert reports[1]["batch_shape"] == [2, 3, 32, 64]
+def test_verify_on_a_2x2_grid(dist_pool) -> None:
+    overrides = VERIFY_TINY + ["data.height=34", "data.width=66", "data.vflip=0.5"]
+    report = dist_pool.run(4, verify_cases, [(overrides + ["parallel.sp=[2, 2]"], {"steps": 1})])
+    report = report[0][0]
+    assert report["passed"], _failed(report)
+    assert not report["activation_sized_collectives"]
+    assert max(c["max_rel_err"] for c in report["checks"]) < 1e-10
+    assert report["mesh"] == {"dp": 1, "sp": 4}
+
+
+def test_verify_on_a_dp_tile_mesh(dist_pool) -> None:
+    cases = [(VERIFY_TINY + ["parallel.sp=[1, 2]"], {"steps": 2})]  # (dp, sp_h, sp_w) = (2, 1, 2)
+    report = dist_pool.run(4, verify_cases, cases)[0][0]
+    assert report["passed"], _failed(report)
+    assert report["mesh"] == {"dp": 2, "sp": 2} and report["batch_shape"] == [2, 3, 32, 64]
 
 
 # --- torchrun: strips -> tiles ----------------------------------------------------------------
