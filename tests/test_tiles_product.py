@@ -56,6 +56,16 @@ def test_grid_config_errors_name_the_key(overrides, words) -> None:
     assert info.value.key == "parallel.sp" and words in str(info.value)
 
 
+def test_show_config_prints_the_tiles() -> None:
+    from tests.test_cli import UNET, invoke
+
+    result = invoke("show-config", UNET, "--set", "parallel.sp=[2, 2]", "--world-size", "8")
+    assert result.exit_code == 0, result.output
+    assert "dp=2 x sp=4 (2x2 tiles)" in result.output
+    bad = invoke("show-config", UNET, "--set", "parallel.sp=[2, 2]", "--world-size", "6")
+    assert bad.exit_code == 2 and "parallel.sp" in bad.output
+
+
 # --- data: a tile of the augmented sample equals the slice of the whole ----------------------
 
 
