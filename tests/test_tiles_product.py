@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from spconv_train.config import ConfigError, load_config, spatial_grid, validate_for_world
-from spconv_train.data import SyntheticDataset, draw_augment, load_strip, strip_bounds
+from spconv_train.data import DataError, SyntheticDataset, draw_augment, load_strip, strip_bounds
 from tests.test_train_e2e import TINY, ok, read_metrics, torchrun
 from tests.test_verify import TINY as VERIFY_TINY
 from tests.test_verify import _failed, verify_cases
@@ -150,6 +150,36 @@ def test_verify_on_a_dp_tile_mesh(dist_pool) -> None:
     report = dist_pool.run(4, verify_cases, cases)[0][0]
     assert report["passed"], _failed(report)
     assert report["mesh"] == {"dp": 2, "sp": 2} and report["batch_shape"] == [2, 3, 32, 64]
+
+
+def _short_val_check(height: int) -> tuple[str, str | None]:
+    """``check_val_sizes`` on a 2x2 grid, validation images ``height`` x 64 rows."""
+    from spconv_train.distributed import build_mesh, spatial_mesh
+    from spconv_train.parallel import parallelize
+    from spconv_train.train.data_feed import MeshCoords
+    from spconv_train.train.loop import build_model
+    from spconv_train.train.val_check import check_val_sizes
+
+    sets = ["model.num_classes=3", "model.kwargs={depth: 3, base_width: 4}", "parallel.sp=[2, 2]"]
+    cfg = load_config(None, [*sets, "data.height=32", "data.width=64"])
+    source = SyntheticDataset(1, height=height, width=64, num_classes=3)
+    mesh = build_mesh(1, 4, "cpu", (2, 2))
+    torch.manual_seed(0)
+    model = parallelize(build_model(cfg), mesh)
+    try:
+        coords, cpu = MeshCoords.of(mesh), torch.device("cpu")
+        check_val_sizes(model, source, cfg, coords, spatial_mesh(mesh), cpu)
+    except DataError as exc:
+        return "error", str(exc)
+    return "ok", None
+
+
+def test_validation_image_too_short_for_the_tiles_is_reported_up_front(dist_pool) -> None:
+    for status, message in dist_pool.run(4, _short_val_check, 4):
+        assert status == "error", message
+        assert "validation image 4x64 (HxW) cannot run through unet" in message
+        assert "parallel.sp=[2, 2]" in message and "fewer tile rows" in message
+    assert dist_pool.run(4, _short_val_check, 24)[0] == ("ok", None)
 
 
 # --- torchrun: strips -> tiles ----------------------------------------------------------------

@@ -79,11 +79,14 @@ def check_val_sizes(
             except (SpatialShardingError, RuntimeError) as exc:
                 if not is_geometry_error(exc, coords.sp):
                     raise
+                grid = f"[{coords.sp_h}, {coords.sp // coords.sp_h}]"
+                split = grid if coords.tiled else coords.sp
                 raise DataError(
                     f"{_file(source, i)}: validation image {'x'.join(map(str, size))} "
                     f"({'DxHxW' if len(size) == 3 else 'HxW'}) cannot run through "
-                    f"{cfg.model.name} split over parallel.sp={coords.sp} rank(s): {exc}. "
-                    "Remove it from the validation split, or use a smaller parallel.sp",
+                    f"{cfg.model.name} split over parallel.sp={split} rank(s): {exc}. "
+                    "Remove it from the validation split, or use a smaller parallel.sp"
+                    + (" (fewer tile rows for a short image)" if coords.tiled else ""),
                     path=_file(source, i),
                 ) from exc
     finally:
