@@ -41,6 +41,7 @@ from spconv_train.config import (
     ConfigError,
     config_to_dict,
     load_config,
+    spatial_grid,
     validate_for_world,
 )
 from spconv_train.run_folder import RUN_FILES, StartPlan, finish_job, job_id, plan_start
@@ -197,7 +198,10 @@ def _train(cfg: Config, plan: StartPlan) -> None:
         if isinstance(exc, ConfigError | DataError):
             _rank_failure(str(exc), 2)
         if isinstance(exc, SpatialShardingError):
-            hint = "\n(check data.width and parallel.sp: every strip must be wider than the halos)"
+            hint = (
+                "\n(check data.width (data.height for tiles) and parallel.sp: every strip or "
+                "tile must be wider and taller than the halos)"
+            )
             _rank_failure(str(exc) + hint, 2)
         if isinstance(exc, TrainingStopped):
             _rank_failure(str(exc), 1)
@@ -247,7 +251,9 @@ def show_config(
             dp, sp = validate_for_world(cfg, world_size)
         except ConfigError as exc:
             fail(str(exc))
-        typer.echo(f"# mesh for {world_size} rank(s): dp={dp} x sp={sp}")
+        grid = spatial_grid(cfg)
+        tiles = f" ({grid[0]}x{grid[1]} tiles)" if grid else ""
+        typer.echo(f"# mesh for {world_size} rank(s): dp={dp} x sp={sp}{tiles}")
 
 
 @app.command("make-data")

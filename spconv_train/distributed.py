@@ -39,6 +39,7 @@ __all__ = [
     "restart_count",
     "seed_everything",
     "shutdown",
+    "spatial_mesh",
 ]
 
 TIMEOUT_ENV = "SPCONV_TIMEOUT_S"
@@ -185,15 +186,29 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> D
     )
 
 
-def build_mesh(dp: int, sp: int, device_type: str) -> DeviceMesh:
-    """The 2-D ``("dp", "sp")`` mesh (``dp`` may be 1).
+def build_mesh(
+    dp: int, sp: int, device_type: str, grid: tuple[int, int] | None = None
+) -> DeviceMesh:
+    """The 2-D ``("dp", "sp")`` mesh (``dp`` may be 1), or with ``grid = (p, q)`` (p * q == sp)
+    the 3-D ``("dp", "sp_h", "sp_w")`` mesh of H x W tiles.
 
     Consecutive ranks share one image (rank ``r`` is ``sp`` rank ``r % sp`` of replica
-    ``r // sp``), so halo traffic stays between neighbouring ranks, usually on one node.
+    ``r // sp``; tiles are numbered row by row), so halo traffic stays between
+    neighbouring ranks, usually on one node.
     """
     if dp * sp != dist.get_world_size():
         raise ValueError(f"mesh {dp}x{sp} does not match world size {dist.get_world_size()}")
-    return init_device_mesh(device_type, (dp, sp), mesh_dim_names=("dp", "sp"))
+    if grid is None:
+        return init_device_mesh(device_type, (dp, sp), mesh_dim_names=("dp", "sp"))
+    if grid[0] * grid[1] != sp:
+        raise ValueError(f"grid {grid[0]}x{grid[1]} does not hold sp={sp} ranks")
+    return init_device_mesh(device_type, (dp, *grid), mesh_dim_names=("dp", "sp_h", "sp_w"))
+
+
+def spatial_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The spatial sub-mesh of a ``build_mesh`` mesh: ``("sp",)`` or ``("sp_h", "sp_w")``."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["sp_h", "sp_w"] if "sp_h" in names else mesh["sp"]
 
 
 def shutdown(*, barrier: bool = False, failed: bool = False) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import pickle
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -371,7 +372,7 @@ def test_schema_types_are_supported() -> None:
             return all(isinstance(a, str) for a in args)
         if origin in (list, dict):
             return True
-        if args and type(None) in args:
+        if args and (type(None) in args or origin is types.UnionType):  # X | None, int | list
             return all(supported(a) for a in args if a is not type(None))
         return tp in simple or dataclasses.is_dataclass(tp)
 

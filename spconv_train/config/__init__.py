@@ -9,7 +9,7 @@ process group is touched::
 
 from ._errors import ConfigError
 from ._io import config_to_dict, dump_config, load_config
-from ._mesh import data_width_per_rank, validate_for_world
+from ._mesh import data_width_per_rank, spatial_grid, validate_for_world
 from ._resume import RESUME_POLICY, changed_settings, check_resume_changes, resume_policy
 from .schema import (
     CheckpointConfig,
@@ -42,5 +42,6 @@ __all__ = [
     "dump_config",
     "load_config",
     "resume_policy",
+    "spatial_grid",
     "validate_for_world",
 ]

@@ -1,7 +1,8 @@
 """Build the typed ``Config`` from plain YAML data, driven by the dataclass field types.
 
 Supported field types: nested dataclasses (sections), ``bool``, ``int``, ``float``,
-``str``, ``Literal[...]`` of strings, ``list[X]``, ``dict[str, Any]`` and ``X | None``.
+``str``, ``Literal[...]`` of strings, ``list[X]``, ``dict[str, Any]``, ``X | None`` and a
+scalar-or-list union such as ``int | list[int]`` (a YAML list takes the list arm).
 Adding a field to ``schema.py`` needs no code here; a range rule goes in ``_checks.py``.
 """
 
@@ -49,14 +50,23 @@ def _is_optional(tp: Any) -> bool:
 
 
 def _strip_optional(tp: Any) -> Any:
-    (inner,) = [a for a in typing.get_args(tp) if a is not _NONE_TYPE]
-    return inner
+    arms = _union_arms(tp)
+    return arms[0] if len(arms) == 1 else Union[arms]  # noqa: UP007 (a runtime union)
+
+
+def _union_arms(tp: Any) -> tuple[Any, ...]:
+    """The arms of a union without ``None`` (empty for a non-union type)."""
+    if typing.get_origin(tp) not in (Union, types.UnionType):
+        return ()
+    return tuple(a for a in typing.get_args(tp) if a is not _NONE_TYPE)
 
 
 def describe(tp: Any) -> str:
     """Human description of a field type, completing "expected ..."."""
     if _is_optional(tp):
         return f"{describe(_strip_optional(tp))} or null"
+    if len(_union_arms(tp)) > 1:
+        return " or ".join(describe(a) for a in _union_arms(tp))
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
@@ -88,6 +98,12 @@ def _convert(value: Any, tp: Any, key: str, where: str = "", declared: Any = Non
     if _is_optional(tp):
         inner = _strip_optional(tp)
         return None if value is None else _convert(value, inner, key, where, declared)
+    if len(_union_arms(tp)) > 1:
+        # scalar-or-list: a list goes to the list arm, anything else to the first scalar arm
+        arms = _union_arms(tp)
+        is_list = isinstance(value, (list, tuple))
+        arm = next((a for a in arms if (typing.get_origin(a) is list) == is_list), arms[0])
+        return _convert(value, arm, key, where, declared)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if is_dataclass(tp):
         # An empty section (all keys commented out) loads as null: it means "defaults".

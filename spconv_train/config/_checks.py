@@ -74,7 +74,12 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
     "data.normalize.std": (
         Check(lambda v: all(x > 0 and math.isfinite(x) for x in v), "positive numbers"),
     ),
-    "parallel.sp": (at_least(0),),
+    "parallel.sp": (
+        Check(
+            lambda v: v >= 0 if isinstance(v, int) else len(v) == 2 and min(v) >= 1,
+            "an integer >= 0 or a grid [p, q] of two integers >= 1 (rows x columns of tiles)",
+        ),
+    ),
     "parallel.timeout_s": (POSITIVE,),
     "optimizer.lr": (POSITIVE,),
     "optimizer.weight_decay": (at_least(0),),
@@ -163,6 +168,11 @@ def _synthetic_size(cfg: Config) -> Problem:
 def _volumes(cfg: Config) -> Problem:
     """Volume-only keys and what volumes do not support (yet)."""
     data, shard = cfg.data, cfg.parallel.shard_dim
+    if isinstance(cfg.parallel.sp, list) and (data.kind == "volume" or shard != "W"):
+        return "parallel.sp", (
+            f"a grid {cfg.parallel.sp} splits 2-D images into H x W tiles; volumes split one "
+            "dim (parallel.shard_dim): use an integer"
+        )
     if data.kind == "image":
         if shard != "W":
             return "parallel.shard_dim", (

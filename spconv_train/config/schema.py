@@ -115,9 +115,11 @@ class DataConfig:
 class ParallelConfig:
     """The (dp, sp) device mesh."""
 
-    sp: int = 0
-    """Spatial-parallel group size: ranks sharing one image. 0 means all ranks; otherwise it
-    must divide the world size, and dp = world_size // sp."""
+    sp: int | list[int] = 0
+    """Spatial-parallel group size: ranks sharing one image. An integer splits the width into
+    that many strips (0 means all ranks); otherwise it must divide the world size, and
+    dp = world_size // sp. A grid ``[p, q]`` splits 2-D images into p x q tiles (p along the
+    height, q along the width; dp = world_size // (p * q)); see docs/tiles.md."""
     shard_dim: Literal["W", "H", "D"] = "W"
     """The spatial dimension split across the sp ranks: W (images and volumes), H or D
     (volumes only)."""

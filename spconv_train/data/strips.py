@@ -40,14 +40,17 @@ def make_batch(
     params_list: list[AugmentParams],
     *,
     ignore_index: int | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Stack the strips ``cols`` of the augmented samples ``indices``.
+    """Stack the strips ``cols`` (tiles ``rows`` x ``cols``) of the augmented samples
+    ``indices``.
 
     All samples must have the same augmented (global) size, so that one ``cols`` range
     means the same thing for each; otherwise a ``DataError`` names the samples.
 
     Returns:
-        images float32 ``[B, C, H, b - a]`` and masks int64 ``[B, H, b - a]``.
+        images float32 ``[B, C, H, b - a]`` and masks int64 ``[B, H, b - a]`` (``H``: the
+        tile's rows when ``rows`` is given).
     """
     if len(indices) != len(params_list):
         raise ValueError(f"{len(indices)} indices but {len(params_list)} augmentation params")
@@ -67,7 +70,7 @@ def make_batch(
         listed = ", ".join(f"{source.name(i)}: {source.channels(i)}" for i in indices)
         raise DataError(f"samples in one batch have different channel counts ({listed})")
     strips = [
-        load_strip(source, i, cols, p, ignore_index=ignore_index)
+        load_strip(source, i, cols, p, ignore_index=ignore_index, rows=rows)
         for i, p in zip(indices, params_list, strict=True)
     ]
     return torch.stack([s[0] for s in strips]), torch.stack([s[1] for s in strips])

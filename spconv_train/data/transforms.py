@@ -222,10 +222,12 @@ def load_strip(
     params: AugmentParams,
     *,
     ignore_index: int | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Columns ``[a, b)`` of sample ``index`` augmented with ``params``.
+    """Columns ``[a, b)`` (and rows ``rows``: an H x W tile) of sample ``index`` augmented
+    with ``params``.
 
-    Equal to augmenting the whole sample and slicing, for any split of the columns.
+    Equal to augmenting the whole sample and slicing, for any split of the columns and rows.
     Without resizing only the needed source columns are read; with resizing, the source
     columns the output columns' filter taps touch.
 
@@ -235,24 +237,27 @@ def load_strip(
         cols: ``(a, b)`` in output (augmented) coordinates, ``0 <= a <= b <= out_w``.
         params: from ``draw_augment`` (or ``AugmentParams.identity``).
         ignore_index: mask value for padding; default ``source.ignore_index``.
+        rows: ``(r, s)`` in output coordinates (None: every row).
 
     Returns:
-        image float32 ``[C, out_h, b - a]`` and mask int64 ``[out_h, b - a]``.
+        image float32 ``[C, s - r, b - a]`` and mask int64 ``[s - r, b - a]``.
     """
     out_h, out_w = global_size(source, index, params)
     a, b = check_cols(cols, out_w, source.name(index))
+    ra, rb = check_cols(rows, out_h, f"{source.name(index)} (rows)")
     pad = source.ignore_index if ignore_index is None else ignore_index
     hs, ws = params.scaled_hw
     # Output column j shows window column out_w-1-j when flipped: [a, b) -> [out_w-b, out_w-a).
     ca, cb = (out_w - b, out_w - a) if params.hflip else (a, b)
+    ta, tb = (out_h - rb, out_h - ra) if params.vflip else (ra, rb)  # the same for rows
     # The part of the window that lies on the resized image (the rest is padding).
     s0, s1 = max(params.left + ca, 0), min(params.left + cb, ws)
-    r0, r1 = max(params.top, 0), min(params.top + out_h, hs)
-    image = torch.zeros(source.channels(index), out_h, b - a)
-    mask = torch.full((out_h, b - a), pad, dtype=torch.int64)
+    r0, r1 = max(params.top + ta, 0), min(params.top + tb, hs)
+    image = torch.zeros(source.channels(index), rb - ra, b - a)
+    mask = torch.full((rb - ra, b - a), pad, dtype=torch.int64)
     if s0 < s1 and r0 < r1:
         part_image, part_mask = _scaled_region(source, index, params, (r0, r1), (s0, s1))
-        y, x = r0 - params.top, s0 - params.left - ca
+        y, x = r0 - params.top - ta, s0 - params.left - ca
         image[:, y : y + r1 - r0, x : x + s1 - s0] = part_image
         mask[y : y + r1 - r0, x : x + s1 - s0] = part_mask
     if params.hflip:

@@ -243,6 +243,12 @@ def predict_command(
         cfg = _load_config(kind, weights, saved, overrides, config_path)
         if cfg.data.kind == "volume":  # not yet: refused before any file is read
             raise ConfigError("data.kind", "predict does not support volumes yet (images only)")
+        if not isinstance(cfg.parallel.sp, int):  # not yet: prediction runs on width strips
+            raise ConfigError(
+                "parallel.sp",
+                "predict splits images into width strips, not H x W tiles: give an integer "
+                "(e.g. --set parallel.sp=0, the default)",
+            )
         images = _collect(inputs, masks_dir)
         names = _class_names(cfg, masks_dir)
         nproc = nproc or 1

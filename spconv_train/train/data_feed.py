@@ -6,7 +6,9 @@ it into a DTensor of the global shape (``[Shard(0), Shard(3)]``) without communi
 The target stays the plain local mask strip (what ``losses.py`` expects). Sample order and
 augmentation depend only on ``(seed, epoch, index)`` and the global position in the epoch
 (``determinism.py``), so a feed restored from ``state_dict`` continues exactly where the
-saved one stopped, on any ``(dp, sp)`` layout. Volumes (``data.kind: volume``) take the same
+saved one stopped, on any ``(dp, sp)`` layout. On an H x W tile mesh (``parallel.sp: [p, q]``)
+every rank loads only its tile (rows too) and the batch is ``[Shard(0), Shard(2), Shard(3)]``
+(``MeshCoords.rows`` / ``cols``). Volumes (``data.kind: volume``) take the same
 path with blocks along ``parallel.shard_dim`` (``volume_feed.py``).
 """
 
@@ -62,17 +64,41 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MeshCoords:
-    """This rank's place on the ``("dp", "sp")`` mesh."""
+    """This rank's place on the ``("dp", "sp")`` mesh, or on the ``("dp", "sp_h", "sp_w")``
+    mesh of H x W tiles (then ``sp`` counts all spatial ranks, ``sp_rank`` numbers them row
+    by row, and ``sp_h`` is the number of tile rows)."""
 
     dp: int
     sp: int
     dp_rank: int
     sp_rank: int
+    sp_h: int = 1
+    """Rows of tiles (1 for width strips)."""
+    tiled: bool = False
+    """Whether images are split over an ``("sp_h", "sp_w")`` mesh (``[Shard(2), Shard(3)]``)."""
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshCoords:
-        """Read the coordinates off a 2-D ``("dp", "sp")`` mesh."""
-        return cls(mesh.size(0), mesh.size(1), mesh.get_local_rank(0), mesh.get_local_rank(1))
+        """Read the coordinates off a ``build_mesh`` mesh (2-D strips or 3-D tiles)."""
+        if mesh.ndim == 2:
+            return cls(mesh.size(0), mesh.size(1), mesh.get_local_rank(0), mesh.get_local_rank(1))
+        h, w = mesh.size(1), mesh.size(2)
+        sp_rank = mesh.get_local_rank(1) * w + mesh.get_local_rank(2)
+        return cls(mesh.size(0), h * w, mesh.get_local_rank(0), sp_rank, h, tiled=True)
+
+    @property
+    def spatial_placements(self) -> list:
+        """Placements of an image on the spatial sub-mesh: ``[Shard(3)]`` or H and W."""
+        return [Shard(2), Shard(3)] if self.tiled else [Shard(3)]
+
+    def rows(self, height: int) -> tuple[int, int]:
+        """This rank's rows ``[r, s)`` of an image ``height`` rows high (all, for strips)."""
+        return strip_bounds(height, self.sp_h, self.sp_rank // (self.sp // self.sp_h))
+
+    def cols(self, width: int) -> tuple[int, int]:
+        """This rank's columns ``[a, b)`` of an image ``width`` columns wide."""
+        sp_w = self.sp // self.sp_h
+        return strip_bounds(width, sp_w, self.sp_rank % sp_w)
 
 
 def build_sources(cfg: Config) -> tuple[SegmentationSource, SegmentationSource, list[str]]:
@@ -184,8 +210,10 @@ def load_train_strips(
         for i in indices
     ]
     hw = params[0].out_hw
-    cols = strip_bounds(hw[1], coords.sp, coords.sp_rank)
-    image, mask = make_batch(source, indices, cols, params, ignore_index=d.ignore_index)
+    rows = coords.rows(hw[0]) if coords.tiled else None  # tiles: only this rank's rows
+    image, mask = make_batch(
+        source, indices, coords.cols(hw[1]), params, ignore_index=d.ignore_index, rows=rows
+    )
     return image, mask, hw
 
 
@@ -307,7 +335,8 @@ class TrainFeed:
         shape = (b * self.coords.dp, c, *hw)
         non_blocking = self.device.type == "cuda"
         local = image.to(self.device, non_blocking=non_blocking)
-        x = to_dtensor(local, self.mesh, [Shard(0), Shard(spatial_dim(self.cfg))], shape)
+        spatial = [Shard(2), Shard(3)] if self.coords.tiled else [Shard(spatial_dim(self.cfg))]
+        x = to_dtensor(local, self.mesh, [Shard(0), *spatial], shape)
         target = mask.to(self.device, non_blocking=non_blocking)
         return Batch(x, target, shape[0] * math.prod(hw))
 
@@ -358,9 +387,10 @@ class ValItem:
     """One validation image on this rank (a batch of one per data-parallel replica)."""
 
     index: int  # sample index in the val source
-    image: DTensor  # [1, C, H, W] on the sp sub-mesh, Shard(3)
-    target: Tensor  # local mask strip [1, H, w]
+    image: DTensor  # [1, C, H, W] on the sp sub-mesh, Shard(3) (tiles: Shard(2), Shard(3))
+    target: Tensor  # local mask strip [1, H, w] (tiles: [1, h, w])
     cols: tuple[int, int]  # this rank's global columns [a, b)
+    rows: tuple[int, int] | None = None  # tiles: this rank's global rows [r, s)
 
 
 def val_items(
@@ -382,14 +412,17 @@ def val_items(
     for index in range(coords.dp_rank, len(source), coords.dp):
         params = AugmentParams.identity(source.size(index))
         h, w = params.out_hw
-        cols = strip_bounds(w, coords.sp, coords.sp_rank)
-        image, mask = load_strip(source, index, cols, params, ignore_index=cfg.data.ignore_index)
-        x = to_dtensor(image[None].to(device), sp_mesh, [Shard(3)], (1, image.shape[0], h, w))
-        yield ValItem(index, x, mask[None].to(device), cols)
+        cols, rows = coords.cols(w), coords.rows(h) if coords.tiled else None
+        image, mask = load_strip(
+            source, index, cols, params, ignore_index=cfg.data.ignore_index, rows=rows
+        )
+        shape = (1, image.shape[0], h, w)
+        x = to_dtensor(image[None].to(device), sp_mesh, coords.spatial_placements, shape)
+        yield ValItem(index, x, mask[None].to(device), cols, rows)
 
 
-def downsample_strip(t: Tensor, col_start: int, factor: int) -> Tensor:
-    """Keep rows ``0, f, 2f, ...`` and the GLOBAL columns ``0, f, 2f, ...`` of a strip that
-    starts at global column ``col_start``: concatenating the strips of all ranks gives
-    exactly ``full[..., ::f, ::f]``, so only small tensors ever travel."""
-    return t[..., ::factor, (-col_start) % factor :: factor]
+def downsample_strip(t: Tensor, col_start: int, factor: int, row_start: int = 0) -> Tensor:
+    """Keep the GLOBAL rows and columns ``0, f, 2f, ...`` of a strip (or tile) that starts at
+    global column ``col_start`` (and row ``row_start``): concatenating the pieces of all
+    ranks gives exactly ``full[..., ::f, ::f]``, so only small tensors ever travel."""
+    return t[..., (-row_start) % factor :: factor, (-col_start) % factor :: factor]

@@ -28,6 +28,7 @@ from spconv_train.config import (
     ConfigError,
     config_to_dict,
     dump_config,
+    spatial_grid,
     validate_for_world,
 )
 from spconv_train.data import SegmentationSource
@@ -41,6 +42,7 @@ from spconv_train.distributed import (
     init_distributed,
     peak_memory_mb,
     seed_everything,
+    spatial_mesh,
 )
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
@@ -136,7 +138,7 @@ class _Run:
     skipped: list = field(default_factory=list)  # SkipRecord of every skipped file
 
     def __post_init__(self) -> None:
-        self.sp_mesh = self.mesh["sp"]  # validation images live on the spatial group only
+        self.sp_mesh = spatial_mesh(self.mesh)  # validation images live on the spatial group
         self.coords = MeshCoords.of(self.mesh)
         self.loss_fn = build_loss(self.cfg, self.info.device)
 
@@ -243,10 +245,10 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     info = init_distributed(cfg.parallel.backend, process_group_timeout(watchdog.timeout_s))
     watchdog.beat("set-up: mesh, run folder and resume (barriers, checkpoint-load collectives)")
     dp, sp = validate_for_world(cfg, info.world_size)
-    mesh = build_mesh(dp, sp, info.device.type)
+    mesh = build_mesh(dp, sp, info.device.type, spatial_grid(cfg))
     run_dir = Path(cfg.run_dir)
     model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
-    check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), mesh["sp"], info.device)
+    check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device)
     _prepare_run_dir(cfg, remove, info, job)  # after every check: --overwrite deletes here
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(
@@ -294,8 +296,10 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     where = f"resumed from {latest}" if latest is not None else "fresh start"
+    c = run.coords
+    tiles = f" ({c.sp_h}x{c.sp // c.sp_h} tiles)" if c.tiled else ""
     logger.info(
-        f"spconv-train: {info.world_size} rank(s), mesh dp={run.coords.dp} x sp={run.coords.sp}, "
+        f"spconv-train: {info.world_size} rank(s), mesh dp={c.dp} x sp={c.sp}{tiles}, "
         f"{info.backend} on {info.device.type}; {cfg.model.name} ({n_params:,} "
         f"params); {where}; run dir {cfg.run_dir}"
     )

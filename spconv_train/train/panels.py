@@ -23,17 +23,34 @@ def panel_pieces(item: ValItem, logits, cfg: Config, sp_rank: int) -> list[tuple
     if cfg.data.kind == "volume":
         return volume_panel_pieces(item, logits, cfg, sp_rank)
     a, ds = item.cols[0], cfg.logging.image_downsample
+    r = item.rows[0] if item.rows is not None else 0
     small = [
-        downsample_strip(t, a, ds).cpu()
+        downsample_strip(t, a, ds, r).cpu()
         for t in (item.image.to_local()[0].float(), logits.to_local()[0].argmax(0), item.target[0])
     ]
+    if item.rows is not None:  # a tile: stitched by its (first row, first column)
+        return [(item.index, (r, a), None, *small)]
     return [(item.index, sp_rank, -1, *small)]
+
+
+def _stitch(parts: list, i: int) -> torch.Tensor:
+    """Tensor ``i`` of the pieces ``(order, dim, tensors)`` of one panel, stitched: along
+    ``dim`` in order, or (``dim`` None: tiles keyed by their first (row, column)) row of
+    tiles by row of tiles."""
+    parts = sorted(parts, key=lambda q: q[0])
+    if parts[0][1] is not None:
+        return torch.cat([t[i] for _, _, t in parts], dim=parts[0][1])
+    rows: dict[int, list] = {}
+    for (r, _), _, t in parts:
+        rows.setdefault(r, []).append(t[i])
+    return torch.cat([torch.cat(row, dim=-1) for _, row in sorted(rows.items())], dim=-2)
 
 
 def gather_panels(pieces: list) -> dict:
     """Collect on rank 0 the downsampled pieces ``(key, sp_rank, stitch_dim, image, pred,
     target)`` of every rank (collective) and stitch them along ``stitch_dim`` (the width of
-    an image), in sp-rank order.
+    an image), in sp-rank order (tiles: ``stitch_dim`` None, ``sp_rank`` the tile's first
+    (row, column), stitched in two dims).
 
     Returns ``{key: (image CHW, pred HW, target HW)}`` on rank 0, ``{}`` elsewhere.
     """
@@ -44,10 +61,4 @@ def gather_panels(pieces: list) -> dict:
     for rank_pieces in gathered or []:
         for key, sp_rank, dim, *tensors in rank_pieces:
             parts.setdefault(key, []).append((sp_rank, dim, tensors))
-    return {
-        key: tuple(
-            torch.cat([t[i] for _, _, t in sorted(p, key=lambda q: q[0])], dim=p[0][1])
-            for i in range(3)
-        )
-        for key, p in sorted(parts.items())
-    }
+    return {key: tuple(_stitch(p, i) for i in range(3)) for key, p in sorted(parts.items())}

@@ -64,22 +64,29 @@ def check_val_sizes(
     model.eval()
     try:
         for size, i in sizes.items():
-            a, b = strip_bounds(size[dim - 2], coords.sp, coords.sp_rank)
-            c, block = source.channels(i), list(size)
-            block[dim - 2] = b - a
+            c, block, placements = source.channels(i), list(size), [Shard(dim)]
+            if coords.tiled:  # an H x W tile
+                (r, s), (a, b) = coords.rows(size[0]), coords.cols(size[1])
+                block, placements = [s - r, b - a], coords.spatial_placements
+            else:
+                a, b = strip_bounds(size[dim - 2], coords.sp, coords.sp_rank)
+                block[dim - 2] = b - a
             x = torch.zeros(1, c, *block, device=device)
             bf16 = cfg.training.precision == "bf16"  # as validation runs it (memory)
             try:
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                    model(to_dtensor(x, sp_mesh, [Shard(dim)], (1, c, *size)))
+                    model(to_dtensor(x, sp_mesh, placements, (1, c, *size)))
             except (SpatialShardingError, RuntimeError) as exc:
                 if not is_geometry_error(exc, coords.sp):
                     raise
+                grid = f"[{coords.sp_h}, {coords.sp // coords.sp_h}]"
+                split = grid if coords.tiled else coords.sp
                 raise DataError(
                     f"{_file(source, i)}: validation image {'x'.join(map(str, size))} "
                     f"({'DxHxW' if len(size) == 3 else 'HxW'}) cannot run through "
-                    f"{cfg.model.name} split over parallel.sp={coords.sp} rank(s): {exc}. "
-                    "Remove it from the validation split, or use a smaller parallel.sp",
+                    f"{cfg.model.name} split over parallel.sp={split} rank(s): {exc}. "
+                    "Remove it from the validation split, or use a smaller parallel.sp"
+                    + (" (fewer tile rows for a short image)" if coords.tiled else ""),
                     path=_file(source, i),
                 ) from exc
     finally:

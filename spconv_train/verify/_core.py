@@ -33,7 +33,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
-from spconv_train.config import Config, validate_for_world
+from spconv_train.config import Config, spatial_grid, validate_for_world
 from spconv_train.distributed import build_mesh, gather_all, peak_memory_mb, seed_everything
 from spconv_train.parallel import parallelize
 from spconv_train.train.data_feed import build_sources
@@ -132,7 +132,7 @@ def run_verify(
     # In the training precision the one-device rounding noise is measured (a float64 copy
     # of the reference), unless the user set the tolerances: then those alone decide.
     noise = precision != "fp64" and not _user_tolerances(tolerances)
-    mesh = build_mesh(dp, sp, device.type)
+    mesh = build_mesh(dp, sp, device.type, spatial_grid(cfg))
     seed_everything(cfg.training.seed)  # the same initial weights on every rank
     model = build_model(cfg)
     if precision == "fp64":
