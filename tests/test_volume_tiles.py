@@ -114,9 +114,10 @@ def test_unsupported_ops_refuse_volume_tiles(dist_pool):
     assert not failures, "\n".join(failures)
 
 
-def unet3d_on_tiles(key: str, steps: int = 2) -> list[str]:
+def unet3d_on_tiles(key: str, up: str, size: tuple[int, int, int], steps: int = 2) -> list[str]:
     """``unet3d`` on a tile mesh equals one device: logits, every parameter gradient, the
-    parameters after ``steps`` SGD steps and the BatchNorm buffers."""
+    parameters after ``steps`` SGD steps and the BatchNorm buffers. ``size`` (D, H, W) not
+    divisible by 2 resizes the up-sampled map to the skip (trilinear ``F.interpolate``)."""
     from spconv_train.models import create_model
     from spconv_train.parallel import CommAudit
     from spconv_train.train import cross_entropy
@@ -124,12 +125,12 @@ def unet3d_on_tiles(key: str, steps: int = 2) -> list[str]:
     shape, names, pl = VOLUME_MESHES[key]
     dmesh = mesh(shape, names)
     torch.manual_seed(0)
-    opts = dict(depth=2, base_width=4, group_norm_groups=2)
+    opts = dict(depth=2, base_width=4, up=up)
     ref = create_model("unet3d", num_classes=3, in_channels=1, **opts).double()
     par = parallelize(copy.deepcopy(ref), dmesh)
     opt_r, opt_p = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, par))
-    x = seeded(1, 2, 1, 8, 12, 14, dtype=torch.float64)
-    target = torch.randint(0, 3, (2, 8, 12, 14), generator=torch.Generator().manual_seed(2))
+    x = seeded(1, 2, 1, *size, dtype=torch.float64)
+    target = torch.randint(0, 3, (2, *size), generator=torch.Generator().manual_seed(2))
     failures: list[str] = []
     for step in range(steps):
         opt_r.zero_grad()
@@ -160,7 +161,9 @@ def unet3d_on_tiles(key: str, steps: int = 2) -> list[str]:
     return failures[:20]
 
 
-@pytest.mark.parametrize("key", ["hw", "dp-dh"])
-def test_unet3d_on_volume_tiles_matches_single_device(dist_pool, key):
-    for rank, failures in enumerate(dist_pool.run(4, unet3d_on_tiles, key)):
+@pytest.mark.parametrize(
+    "key,up,size", [("hw", "transpose", (8, 12, 14)), ("dp-dh", "bilinear", (8, 13, 14))]
+)
+def test_unet3d_on_volume_tiles_matches_single_device(dist_pool, key, up, size):
+    for rank, failures in enumerate(dist_pool.run(4, unet3d_on_tiles, key, up, size)):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
