@@ -9,11 +9,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialMode, SpatialShardingError, parallelize
+from spconv_train.parallel._sharding import block_slices, mesh_coords, spatial_layout
+from spconv_train.parallel._tiles import tile_window
 from tests.dist_harness import mesh
 from tests.op_check import check_module
 from tests.reference import check_close, seeded
@@ -25,6 +28,48 @@ VOLUME_MESHES = {
     "dhw": ((1, 2, 2), ("sp_d", "sp_h", "sp_w"), [Shard(2), Shard(3), Shard(4)]),
     "dp-dh": ((2, 1, 2), ("dp", "sp_d", "sp_h"), [Shard(0), Shard(2), Shard(3)]),
 }
+
+
+def corner_exchange_3d(key: str) -> list[str]:
+    """The 3-D window (halos along every sharded dim, edges and corners, edge padding)
+    equals the padded global volume's slice, and its backward is the exchange's adjoint:
+    <E x, y> == <x, E^T y> summed over the ranks."""
+    shape, names, pl = VOLUME_MESHES[key]
+    dmesh = mesh(shape, names)
+    full = seeded(7, 2, 3, 7, 9, 11, dtype=torch.float64)
+    failures = []
+    for mode, geoms in (
+        ("zeros", {2: (3, 1, 1, 1, 1), 3: (5, 1, 1, 2, 2), 4: (3, 1, 1, 1, 1)}),
+        ("zeros", {2: (4, 2, 1, 2, 1), 3: (3, 2, 1, 0, 2), 4: (3, 1, 2, 2, 2)}),
+        ("reflect", {2: (3, 1, 1, 1, 1), 3: (3, 1, 1, 1, 1), 4: (5, 1, 1, 2, 2)}),
+        ("circular", {2: (3, 1, 1, 1, 1), 3: (5, 1, 1, 2, 2), 4: (3, 1, 1, 1, 1)}),
+    ):
+        x = distribute_tensor(full, dmesh, pl)
+        _, layout = spatial_layout(x, "test", ndim=5, tiles=True)
+        local = x.to_local().detach().requires_grad_()
+        tw = tile_window(local, tuple(x.shape), layout, "test", geoms, mode)
+        pads = [a for d in (4, 3, 2) for a in geoms[d][3:]]
+        padded = F.pad(full, pads, mode="constant" if mode == "zeros" else mode)
+        box = [block_slices(full.shape, pl, mesh_coords(dmesh))[0], slice(None)]
+        for d in (2, 3, 4):
+            a = tw.starts[d] + geoms[d][3]
+            box.append(slice(a, a + tw.window.shape[d]))
+        if not torch.equal(tw.window.detach(), padded[tuple(box)]):
+            failures.append(f"{key} {mode} {geoms}: window differs from the padded volume")
+        y = seeded(100 + dist.get_rank(), *tw.window.shape, dtype=torch.float64)
+        (tw.window * y).sum().backward()
+        dots = torch.stack([(tw.window.detach() * y).sum(), (local.detach() * local.grad).sum()])
+        dist.all_reduce(dots)
+        if abs(dots[0] - dots[1]) > 1e-10 * abs(dots[0]):
+            failures.append(f"{key} {mode} {geoms}: <Ex,y> {dots[0]} != <x,E'y> {dots[1]}")
+    return failures
+
+
+def test_corner_exchange_3d_and_adjoint(dist_pool):
+    failures = []
+    for key in ("dw", "dhw"):
+        failures += dist_pool.run(4, corner_exchange_3d, key)[0]
+    assert not failures, "\n".join(failures)
 
 
 def _ops() -> list[tuple[str, nn.Module]]:
