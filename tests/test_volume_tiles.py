@@ -112,7 +112,24 @@ def _ops() -> list[tuple[str, nn.Module]]:
         dict(scale_factor=0.5, mode="nearest-exact"),
     ):
         ops.append((f"Upsample({c})", nn.Upsample(**c)))
+    ops += [
+        ("AdaptiveAvgPool3d(1)", nn.AdaptiveAvgPool3d(1)),
+        ("AdaptiveAvgPool3d((1, 2, 1))", nn.AdaptiveAvgPool3d((1, 2, 1))),
+        ("3-D squeeze-excitation", _SqueezeExcite3d()),
+    ]
     return ops
+
+
+class _SqueezeExcite3d(nn.Module):
+    """Global average pooling (``Replicate`` on the spatial mesh dims), a 1x1x1 conv on the
+    pooled map, and its sigmoid broadcast onto the tiles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Conv3d(4, 4, 1)
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.fc(F.adaptive_avg_pool3d(x, 1)))
 
 
 def ops_on_volume_tiles(key: str) -> list[str]:
@@ -138,7 +155,8 @@ def refusals(key: str) -> list[str]:
     dmesh = mesh(shape, names)
     xs = distribute_tensor(seeded(5, 2, 4, 7, 9, 11, dtype=torch.float64), dmesh, pl)
     cases = {
-        "adaptive_avg_pool3d": lambda t: F.adaptive_avg_pool3d(t, 1),
+        "adaptive_max_pool3d": lambda t: F.adaptive_max_pool3d(t, 1),
+        "adaptive_avg_pool3d": lambda t: F.adaptive_avg_pool3d(t, (3, 4, 5)),  # too big
         "pad": lambda t: F.pad(t, (1, 1, 1, 1, 1, 1)),
         "max_pool3d": lambda t: F.max_pool3d(t, 2, return_indices=True),
     }

@@ -217,39 +217,46 @@ def tile_interpolate_replicated(x, layout, out_hw, scales, mode: str, align: boo
     return leave(y, _tiled_layout(layout, mh, mw), (x.shape[0], x.shape[1], *out_hw))
 
 
-def tile_adaptive_avg_pool2d(
-    x: DTensor, layout: SpatialLayout, oh: int, ow: int, what: str
+def tile_adaptive_avg_pool(
+    x: DTensor, layout: SpatialLayout, out_sizes: tuple[int, ...], what: str
 ) -> DTensor:
-    """``F.adaptive_avg_pool2d`` of a tiled DTensor: each rank sums its own pixels of every
-    output cell's window (global PyTorch windows), divides by the global window sizes, and
-    an all-reduce over the spatial mesh dims adds the parts. The output is ``Replicate`` on
-    them (meant for global / small pooling, as in DeepLabV3 and LR-ASPP: the all-reduce is
+    """``F.adaptive_avg_pool2d`` / ``F.adaptive_avg_pool3d`` of a tiled DTensor (one output
+    size per spatial dim): each rank sums its own elements of every output cell's window
+    (global PyTorch windows), divides by the global window sizes, and an all-reduce over the
+    spatial mesh dims adds the parts. The output is ``Replicate`` on them (meant for global /
+    small pooling, as in DeepLabV3, LR-ASPP and squeeze-excitation: the all-reduce is
     output-sized). Refused when the output exceeds a quarter of the smallest tile: that
     all-reduce and the replicated output would cost an activation."""
-    smallest = 1
-    for d in (2, 3):
+    smallest, cells = 1, 1
+    for d in range(2, x.ndim):
         ax = axis_of(layout, d)
         bounds = all_shard_bounds(x.shape[d], ax[0] if ax else 1)
         smallest *= min(b - a for a, b in bounds)
-    if 4 * oh * ow > smallest:
+        cells *= out_sizes[d - 2]
+    if 4 * cells > smallest:
+        size = "x".join(str(o) for o in out_sizes)
         raise SpatialShardingError(
-            f"{what}: pooling to {oh}x{ow} on H x W tiles would all-reduce and replicate an "
-            f"output larger than a quarter of a tile; tiles support global and small adaptive "
-            f"average pooling only. Use width strips for this layer's model, or a smaller output."
+            f"{what}: pooling to {size} on tiles would all-reduce and replicate an output "
+            f"larger than a quarter of a tile; tiles support global and small adaptive "
+            f"average pooling only. Shard one spatial dim for this layer's model, or use a "
+            f"smaller output."
         )
     t = enter(x)
-    lens = []
-    for d, n_out in ((3, ow), (2, oh)):
+    div = torch.ones((), dtype=t.dtype, device=t.device)
+    for d in range(x.ndim - 1, 1, -1):
         ax = axis_of(layout, d)
         parts, rank = (ax[0], ax[1]) if ax else (1, 0)
         a, b = all_shard_bounds(x.shape[d], parts)[rank]
-        win = adaptive_bounds(x.shape[d], n_out)
+        win = adaptive_bounds(x.shape[d], out_sizes[d - 2])
         segs = tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
         if b == a:  # an empty tile: one zero row/column keeps the local sums defined
             t = along(t, d, lambda m: F.pad(m, (0, 1)))
         t = along(t, d, lambda m, segs=segs: _segment_sums(m, segs))
-        lens.append(torch.tensor([e - s for s, e in win], dtype=t.dtype, device=t.device))
-    t = t / (lens[1].view(-1, 1) * lens[0].view(1, -1))
+        view = [1] * (x.ndim - 2)
+        view[d - 2] = -1
+        lens = torch.tensor([e - s for s, e in win], dtype=t.dtype, device=t.device)
+        div = div * lens.view(view)
+    t = t / div
     for _, m in layout.axes:
         if layout.mesh.size(m) > 1:
             t = _SumReplicated.apply(t, layout.mesh.get_group(m))
@@ -257,4 +264,4 @@ def tile_adaptive_avg_pool2d(
     for _, m in layout.axes:
         pl[m] = Replicate()
     rep = SpatialLayout(layout.mesh, tuple(pl), layout.sp_dim)
-    return leave(t, rep, (x.shape[0], x.shape[1], oh, ow))
+    return leave(t, rep, (x.shape[0], x.shape[1], *out_sizes))
