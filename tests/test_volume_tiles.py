@@ -18,7 +18,7 @@ from spconv_train.parallel import SpatialMode, SpatialShardingError, parallelize
 from spconv_train.parallel._sharding import block_slices, mesh_coords, spatial_layout
 from spconv_train.parallel._tiles import tile_window
 from tests.dist_harness import mesh
-from tests.op_check import check_module
+from tests.op_check import check_fn, check_module
 from tests.reference import check_close, seeded
 
 #: (mesh shape, mesh dim names, placements): every pair of D, H, W, all three, and with "dp"
@@ -149,6 +149,29 @@ def test_ops_on_volume_tiles_match_single_device(dist_pool, key):
     assert not failures, "\n".join(failures)
 
 
+def pad_on_volume_tiles(key: str) -> list[str]:
+    """``F.pad`` (every mode, cropping, channel padding) and the 3-D padding modules."""
+    from tests.test_ops3d_more import _pad_cases, _pad_modules
+
+    shape, names, pl = VOLUME_MESHES[key]
+    dmesh = mesh(shape, names)
+    failures: list[str] = []
+    for j, (label, kw) in enumerate(_pad_cases().items()):
+        x = seeded(20 + j, 2, 3, 7, 9, 11, dtype=torch.float64)
+        fn = lambda t, kw=kw: F.pad(t, **kw)  # noqa: E731
+        check_fn(fn, x, dmesh, pl, f"{key} F.pad {label}", failures)
+    for j, m in enumerate(_pad_modules()):
+        x = seeded(40 + j, 2, 3, 7, 9, 11, dtype=torch.float64)
+        check_module(nn.Sequential(m), x, dmesh, pl, f"{key} {m}", failures)
+    return failures
+
+
+@pytest.mark.parametrize("key", ["dw", "dhw"])
+def test_pad_on_volume_tiles_matches_single_device(dist_pool, key):
+    failures = dist_pool.run(4, pad_on_volume_tiles, key)[0]
+    assert not failures, "\n".join(failures)
+
+
 def refusals(key: str) -> list[str]:
     """What is not written for multi-dim volumes refuses, naming the op."""
     shape, names, pl = VOLUME_MESHES[key]
@@ -157,7 +180,6 @@ def refusals(key: str) -> list[str]:
     cases = {
         "adaptive_max_pool3d": lambda t: F.adaptive_max_pool3d(t, 1),
         "adaptive_avg_pool3d": lambda t: F.adaptive_avg_pool3d(t, (3, 4, 5)),  # too big
-        "pad": lambda t: F.pad(t, (1, 1, 1, 1, 1, 1)),
         "max_pool3d": lambda t: F.max_pool3d(t, 2, return_indices=True),
     }
     failures = []
