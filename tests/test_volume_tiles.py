@@ -136,7 +136,9 @@ def ops_on_volume_tiles(key: str) -> list[str]:
     shape, names, pl = VOLUME_MESHES[key]
     dmesh = mesh(shape, names)
     failures: list[str] = []
-    for i, (name, module) in enumerate(_ops()):
+    # every op on the two 2 x 2 meshes; alternate ops on the two others (suite time)
+    step, first = (1, 0) if key in ("hw", "dw") else (2, int(key == "dp-dh"))
+    for i, (name, module) in list(enumerate(_ops()))[first::step]:
         torch.manual_seed(i)
         x = seeded(4000 + i, 2, 4, 7, 9, 11, dtype=torch.float64)
         check_module(module.double(), x, dmesh, pl, f"{key} {name}", failures)
