@@ -116,8 +116,27 @@ def _ops() -> list[tuple[str, nn.Module]]:
         ("AdaptiveAvgPool3d(1)", nn.AdaptiveAvgPool3d(1)),
         ("AdaptiveAvgPool3d((1, 2, 1))", nn.AdaptiveAvgPool3d((1, 2, 1))),
         ("3-D squeeze-excitation", _SqueezeExcite3d()),
+        ("3-D pooled branch", _PooledBranch3d()),
     ]
     return ops
+
+
+class _PooledBranch3d(nn.Module):
+    """DeepLabV3's ASPP pooling branch on a volume: adaptive average pooling (``Replicate``
+    on the tile mesh), 1x1x1 conv + BatchNorm on the pooled map, trilinear resize back onto
+    the tiles, concat with the input, 3x3x3 conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool3d((1, 2, 2))
+        # no conv bias: BatchNorm cancels it, its gradient is rounding noise around 0
+        self.conv, self.bn = nn.Conv3d(4, 3, 1, bias=False), nn.BatchNorm3d(3)
+        self.mix = nn.Conv3d(7, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(self.pool(x))))
+        y = F.interpolate(y, size=x.shape[-3:], mode="trilinear", align_corners=False)
+        return self.mix(torch.cat([x, y], 1))
 
 
 class _SqueezeExcite3d(nn.Module):

@@ -64,11 +64,16 @@ def spatial_interpolate3d(
     probe = torch.empty(x.shape, device="meta")
     out_shape = tuple(F.interpolate(probe, *(meta if mode == "trilinear" else args)).shape)
     x, layout = volume_layout(x, what, tiles=True)
-    if not layout.width_sharded:
-        return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
     table_mode = "bilinear" if mode == "trilinear" else mode  # the same 1-D linear table
     align = bool(align_corners) if mode == "trilinear" else False
     scales = _scales(size, scale_factor, recompute_scale_factor)
+    if not layout.width_sharded:
+        from ._tiles_ops import tile_interpolate_replicated, tile_mesh_axes
+
+        if tile_mesh_axes(layout, 5):  # a pooled map resized back onto the tiles
+            args = (out_shape[2:], scales, table_mode, align, what)
+            return tile_interpolate_replicated(x, layout, *args)
+        return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
     if layout.is_tile:  # two or three of D, H, W sharded
         from ._tiles_ops import tile_interpolate
 

@@ -20,7 +20,7 @@ from ._geometry import SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import _apply, _local_table, plan_resize
 from ._pool import _counts, _segment_sums, _SumReplicated, adaptive_bounds
-from ._sharding import SpatialLayout, enter, leave
+from ._sharding import TILE_MESH_NAMES, SpatialLayout, enter, leave
 from ._tiles import along, axis_of, ceil_geom, tile_shape, tile_window
 
 #: the local op per tensor rank: NCHW images, NCDHW volumes
@@ -179,42 +179,50 @@ def tile_interpolate(x: DTensor, layout, out_sizes, scales, mode: str, align: bo
     return leave(y, layout, (x.shape[0], x.shape[1], *out_sizes))
 
 
-def tile_mesh_dims(layout: SpatialLayout) -> tuple[int, int] | None:
-    """``(sp_h, sp_w)`` mesh dims of a tile mesh, or ``None`` (a strip mesh)."""
+def tile_mesh_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...] | None:
+    """``(tensor dim, mesh dim)`` of every spatial dim a tile mesh splits, read off its
+    names (``sp_d`` -> D, ``sp_h`` -> H, ``sp_w`` -> W of an ``ndim``-D tensor), or ``None``
+    for a strip mesh (fewer than two of those names)."""
     names = layout.mesh.mesh_dim_names or ()
-    if "sp_h" in names and "sp_w" in names:
-        return names.index("sp_h"), names.index("sp_w")
-    return None
+    axes = tuple(
+        (i + ndim - 3, names.index(n))
+        for i, n in enumerate(TILE_MESH_NAMES)
+        if n in names and i + ndim - 3 >= 2
+    )
+    return axes if len(axes) > 1 else None
 
 
-def _tiled_layout(layout: SpatialLayout, mh: int, mw: int) -> SpatialLayout:
-    """``layout`` (spatially replicated) with H sharded over ``mh`` and W over ``mw``."""
-    pl = list(layout.placements)
-    pl[mh], pl[mw] = Shard(2), Shard(3)
-    return SpatialLayout(layout.mesh, tuple(pl), mw, dims=(3,), axes=((2, mh), (3, mw)))
-
-
-def tile_interpolate_replicated(x, layout, out_hw, scales, mode: str, align: bool, what: str):
+def tile_interpolate_replicated(x, layout, out_sizes, scales, mode: str, align: bool, what: str):
     """``F.interpolate`` of a spatially replicated input (e.g. DeepLabV3's pooled branch) on
-    a tile mesh, straight into this rank's output tile. Each rank's input gradient is only
-    its tile's part of the sum: labelled ``Partial`` on both spatial mesh dims."""
-    mh, mw = tile_mesh_dims(layout)
+    a tile mesh, straight into this rank's output tile (image or volume). Each rank's input
+    gradient is only its tile's part of the sum: labelled ``Partial`` on the spatial mesh
+    dims."""
+    axes = tile_mesh_axes(layout, x.ndim)
+    mesh, by_dim = layout.mesh, dict(axes)
     grad_pl = list(layout.placements)
-    grad_pl[mh] = grad_pl[mw] = Partial()
+    for _, m in axes:
+        grad_pl[m] = Partial()
     y = enter(x, tuple(grad_pl))
     double = x.dtype == torch.float64
-    for d, m, n_out, scale in ((3, mw, out_hw[1], scales[1]), (2, mh, out_hw[0], scales[0])):
-        parts, rank = layout.mesh.size(m), layout.mesh.get_local_rank(m)
-        rp = plan_resize(what, x.shape[d], n_out, parts, mode, align, scale, double, False)
-        needed = rp.exchange.needed[rank]
-        lo, hi = needed[0] if needed else (0, 0)
-        y = y.narrow(d, lo, hi - lo)
-        o0, o1 = rp.out_bounds[rank]
-        key = (mode, x.shape[d], n_out, align, scale, o0, o1, rp.starts[rank], x.dtype, y.device)
+    for d in range(x.ndim - 1, 1, -1):
+        n_out, scale = out_sizes[d - 2], scales[d - 2]
+        o0, o1, start = 0, n_out, 0
+        if d in by_dim:
+            parts, rank = mesh.size(by_dim[d]), mesh.get_local_rank(by_dim[d])
+            rp = plan_resize(what, x.shape[d], n_out, parts, mode, align, scale, double, False)
+            needed = rp.exchange.needed[rank]
+            lo, hi = needed[0] if needed else (0, 0)
+            y = y.narrow(d, lo, hi - lo)
+            (o0, o1), start = rp.out_bounds[rank], rp.starts[rank]
+        key = (mode, x.shape[d], n_out, align, scale, o0, o1, start, x.dtype, y.device)
         table = _local_table(*key)
         if table is not None:
             y = _apply(y, d, table)
-    return leave(y, _tiled_layout(layout, mh, mw), (x.shape[0], x.shape[1], *out_hw))
+    pl = list(layout.placements)
+    for d, m in axes:
+        pl[m] = Shard(d)
+    tiled = SpatialLayout(mesh, tuple(pl), axes[-1][1], dims=(axes[-1][0],), axes=axes)
+    return leave(y, tiled, (x.shape[0], x.shape[1], *out_sizes))
 
 
 def tile_adaptive_avg_pool(
