@@ -71,9 +71,9 @@ def spatial_conv2d(
     are summed over the ranks holding other strips (and other batch parts)."""
     x, layout = spatial_layout(x, what, tiles=True)
     if layout.is_tile:
-        from ._tiles_ops import tile_conv2d  # the tile ops build on this module's siblings
+        from ._tiles_ops import tile_conv  # the tile ops build on this module's siblings
 
-        return tile_conv2d(
+        return tile_conv(
             x, layout, weight, bias, stride, padding, dilation, groups, padding_mode, what
         )
     pt, pb, pl, pr = padding

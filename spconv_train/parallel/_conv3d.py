@@ -66,7 +66,13 @@ def spatial_conv3d(
     ``F.conv3d`` on the whole volume. ``padding`` is ``((lo, hi),) * 3`` for D, H, W. Weight
     and bias gradients are summed over the spatial (and batch) ranks."""
     stride, dilation = triple(stride), triple(dilation)
-    x, layout = volume_layout(x, what)
+    x, layout = volume_layout(x, what, tiles=True)
+    if layout.is_tile:  # two or three of D, H, W sharded
+        from ._tiles_ops import tile_conv  # imports the 2-D ops' modules
+
+        flat = tuple(a for pair in padding for a in pair)
+        args = (stride, flat, dilation, groups, padding_mode, what)
+        return tile_conv(x, layout, weight, bias, *args)
     mode = "constant" if padding_mode == "zeros" else padding_mode
     if not layout.width_sharded:
 

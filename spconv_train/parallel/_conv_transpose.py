@@ -124,10 +124,10 @@ def spatial_conv_transpose2d(
     ranks holding other strips (and other batch parts)."""
     x, layout = spatial_layout(x, what, tiles=True)
     if layout.is_tile:
-        from ._tiles_ops import tile_conv_transpose2d  # imports this module
+        from ._tiles_ops import tile_conv_transpose  # imports this module
 
         args = (weight, bias, stride, padding, output_padding, groups, dilation, what)
-        return tile_conv_transpose2d(x, layout, *args)
+        return tile_conv_transpose(x, layout, *args)
     if not layout.width_sharded:
         return run_unsharded(
             x,

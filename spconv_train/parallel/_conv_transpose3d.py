@@ -34,7 +34,11 @@ def spatial_conv_transpose3d(
     """``F.conv_transpose3d`` of a sharded volume; weight and bias gradients are summed over
     the spatial (and batch) ranks."""
     s, p, op, dil = triple(stride), triple(padding), triple(output_padding), triple(dilation)
-    x, layout = volume_layout(x, what)
+    x, layout = volume_layout(x, what, tiles=True)
+    if layout.is_tile:
+        from ._tiles_ops import tile_conv_transpose
+
+        return tile_conv_transpose(x, layout, weight, bias, s, p, op, groups, dil, what)
     if not layout.width_sharded:
 
         def conv(t, w, b):

@@ -63,12 +63,22 @@ def spatial_interpolate3d(
     meta = (size, scale_factor, "nearest", None, recompute_scale_factor)
     probe = torch.empty(x.shape, device="meta")
     out_shape = tuple(F.interpolate(probe, *(meta if mode == "trilinear" else args)).shape)
-    x, layout = volume_layout(x, what)
-    if not layout.width_sharded:
-        return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
+    x, layout = volume_layout(x, what, tiles=True)
     table_mode = "bilinear" if mode == "trilinear" else mode  # the same 1-D linear table
     align = bool(align_corners) if mode == "trilinear" else False
     scales = _scales(size, scale_factor, recompute_scale_factor)
+    if not layout.width_sharded:
+        from ._tiles_ops import tile_interpolate_replicated, tile_mesh_axes
+
+        if tile_mesh_axes(layout, 5):  # a pooled map resized back onto the tiles
+            args = (out_shape[2:], scales, table_mode, align, what)
+            return tile_interpolate_replicated(x, layout, *args)
+        return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
+    if layout.is_tile:  # two or three of D, H, W sharded
+        from ._tiles_ops import tile_interpolate
+
+        args = (out_shape[2:], scales, table_mode, align, what)
+        return tile_interpolate(x, layout, *args)
     double = x.dtype == torch.float64
     d, rank = layout.dim, layout.sp_rank
     n_in, n_out, scale = x.shape[d], out_shape[d], scales[d - 2]

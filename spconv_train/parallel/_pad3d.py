@@ -23,7 +23,8 @@ from ._volume import volume_layout
 
 
 def spatial_pad3d(input: DTensor, pad, mode: str = "constant", value=None) -> DTensor:
-    """``F.pad`` of a volume sharded along D, H or W (exact, differentiable, neighbour
+    """``F.pad`` of a volume sharded along D, H or W, or along several of them (each
+    sharded dim re-chunked over its own mesh dim in turn; exact, differentiable, neighbour
     traffic only). Same arguments as ``F.pad``."""
     pad = [int(p) for p in pad]
     # torch's own checks and output shape, computing nothing
@@ -32,19 +33,24 @@ def spatial_pad3d(input: DTensor, pad, mode: str = "constant", value=None) -> DT
         raise SpatialShardingError(
             "F.pad: padding the batch dimension of a batch-sharded tensor is not supported"
         )
-    x, layout = volume_layout(input, "F.pad")
+    x, layout = volume_layout(input, "F.pad", tiles=True)
     local = enter(x)
     rest = list(pad)
-    if layout.width_sharded:
-        d = layout.dim
+    if layout.is_tile:  # two or three of D, H, W: each sharded dim in turn (separable)
+        m = layout.mesh
+        axes = [(d, m.size(k), m.get_local_rank(k), m.get_group(k)) for d, k in layout.axes]
+    elif layout.width_sharded:
+        axes = [(layout.dim, layout.sp_size, layout.sp_rank, layout.sp_group)]
+    else:
+        axes = []
+    for d, parts, rank, group in axes:
         i = 2 * (4 - d)  # F.pad lists the last dim first
         lo, hi = (pad[i], pad[i + 1]) if len(pad) > i else (0, 0)
         if lo or hi:
             segments = tuple(width_segments(x.shape[d], lo, hi, mode))
-            plan = plan_remap(x.shape[d], layout.sp_size, segments)
+            plan = plan_remap(x.shape[d], parts, segments)
             v = 0.0 if value is None else float(value)
-            moved = _pick(local.movedim(d, -1), plan, layout.sp_rank, layout.sp_group, v)
-            local = moved.movedim(-1, d)
+            local = _pick(local.movedim(d, -1), plan, rank, group, v).movedim(-1, d)
             rest[i] = rest[i + 1] = 0
     if any(rest):
         local = F.pad(local, rest, mode, value) if mode == "constant" else F.pad(local, rest, mode)

@@ -20,6 +20,7 @@ from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._mode import SpatialMode
 from ._runtime import SpatialOptions, SpatialRuntime
+from ._sharding import TILE_MESH_NAMES
 from ._sync import broadcast_model_state
 
 _SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
@@ -66,19 +67,21 @@ class _SpatialRoot:
     def forward(self, *args, **kwargs):
         runtime = self.spatial_runtime
         with SpatialMode(runtime), gather_guard(runtime.options.allow_gather):
-            return super(_SpatialRoot, self).forward(*args, **kwargs)
+            return super().forward(*args, **kwargs)
 
 
 def _sp_mesh_dim(mesh: DeviceMesh) -> int:
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
         return 0
-    if names and "sp_h" in names and "sp_w" in names:  # H x W tiles (_tiles.py)
-        return names.index("sp_w")
+    tile_dims = [names.index(n) for n in TILE_MESH_NAMES if names and n in names]
+    if len(tile_dims) > 1:  # H x W tiles (_tiles.py), volumes over 2-3 of D, H, W
+        return tile_dims[-1]
     if not names or "sp" not in names:
         raise SpatialShardingError(
             f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
-            f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles, got {names}"
+            f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
+            f"'sp_h', 'sp_w' for volumes), got {names}"
         )
     return names.index("sp")
 

@@ -70,10 +70,10 @@ def spatial_max_pool2d(
     F.max_pool2d(meta, (kh, kw), (sh, sw), (ph, pw), (dh, dw), ceil_mode, return_indices)
     x, layout = spatial_layout(x, what, tiles=True)
     if layout.is_tile:
-        from ._tiles_ops import tile_max_pool2d  # imports this module
+        from ._tiles_ops import tile_max_pool  # imports this module
 
         args = ((kh, kw), (sh, sw), (ph, pw), (dh, dw), ceil_mode, return_indices, what)
-        return tile_max_pool2d(x, layout, *args)
+        return tile_max_pool(x, layout, *args)
     if not layout.width_sharded:
         args = ((kh, kw), (sh, sw), (ph, pw), (dh, dw), ceil_mode)
         if not return_indices:
@@ -122,10 +122,10 @@ def spatial_avg_pool2d(
     F.avg_pool2d(meta, *args, (ph, pw), ceil_mode, count_include_pad, divisor_override)
     x, layout = spatial_layout(x, what, tiles=True)
     if layout.is_tile:
-        from ._tiles_ops import tile_avg_pool2d  # imports this module
+        from ._tiles_ops import tile_avg_pool  # imports this module
 
         args = ((kh, kw), (sh, sw), (ph, pw), ceil_mode, count_include_pad, divisor_override)
-        return tile_avg_pool2d(x, layout, *args, what)
+        return tile_avg_pool(x, layout, *args, what)
     if not layout.width_sharded:
         pool_args = (*args, (ph, pw), ceil_mode, count_include_pad, divisor_override)
         return run_unsharded(x, layout, lambda t: F.avg_pool2d(t, *pool_args))
@@ -236,9 +236,9 @@ def _adaptive_pool2d(x: DTensor, output_size, kind: str, return_indices: bool, w
         raise ValueError(f"{what}: output size must be positive, got {output_size}")
     x, layout = spatial_layout(x, what, tiles=kind == "avg")
     if layout.is_tile:
-        from ._tiles_ops import tile_adaptive_avg_pool2d  # imports this module
+        from ._tiles_ops import tile_adaptive_avg_pool  # imports this module
 
-        return tile_adaptive_avg_pool2d(x, layout, oh, ow, what)
+        return tile_adaptive_avg_pool(x, layout, (oh, ow), what)
     if not layout.width_sharded:
         pool = F.adaptive_avg_pool2d if kind == "avg" else F.adaptive_max_pool2d
         if not return_indices:

@@ -41,7 +41,11 @@ def spatial_max_pool3d(
             f"{what}: return_indices is not supported on a sharded volume (no MaxUnpool3d "
             f"either); use the values only"
         )
-    x, layout = volume_layout(x, what)
+    x, layout = volume_layout(x, what, tiles=True)
+    if layout.is_tile:
+        from ._tiles_ops import tile_max_pool
+
+        return tile_max_pool(x, layout, k, s, p, dil, ceil_mode, False, what)
     if not layout.width_sharded:
         return run_unsharded(x, layout, lambda t: F.max_pool3d(t, k, s, p, dil, ceil_mode))
     d = layout.dim
@@ -68,7 +72,11 @@ def spatial_avg_pool3d(
     s = triple(stride) if stride else k
     args = (ceil_mode, count_include_pad, divisor_override)
     F.avg_pool3d(torch.empty(x.shape, device="meta"), k, s, p, *args)
-    x, layout = volume_layout(x, what)
+    x, layout = volume_layout(x, what, tiles=True)
+    if layout.is_tile:
+        from ._tiles_ops import tile_avg_pool
+
+        return tile_avg_pool(x, layout, k, s, p, *args, what)
     if not layout.width_sharded:
         return run_unsharded(x, layout, lambda t: F.avg_pool3d(t, k, s, p, *args))
     d = layout.dim
@@ -119,6 +127,10 @@ class SpatialAvgPool3d(nn.AvgPool3d):
 # F.max_pool3d dispatches on return_indices (SpatialMode sees the dispatcher itself);
 # torch.max_pool3d is a separate object. F.avg_pool3d is torch._C._nn.avg_pool3d.
 _register(spatial_max_pool3d, F.max_pool3d, torch.max_pool3d)
+# the always-a-pair forms (F.max_pool3d(..., return_indices=True) calls one of them): routed
+# so that they refuse clearly instead of running through DTensor's gathering fallback
+_nn = torch._C._nn
+_register(spatial_max_pool3d, F.max_pool3d_with_indices, _nn.max_pool3d_with_indices, pair_after=6)
 _register(spatial_avg_pool3d, F.avg_pool3d)
 
 from . import _adaptive3d  # noqa: E402, F401  (registers the adaptive 3-D pools)

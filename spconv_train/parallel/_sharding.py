@@ -29,6 +29,10 @@ SPATIAL_DIMS = (3,)
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCHW: the width (strips),
 #: or H and W (tiles, ``_tiles.py``); NCDHW volumes (``_volume.py``): any one of D, H, W.
 SPATIAL_DIMS_BY_NDIM = {4: (2, 3), 5: (2, 3, 4)}
+#: Mesh dim names of a multi-dim spatial mesh: images ``(sp_h, sp_w)``; volumes any two or
+#: three of ``(sp_d, sp_h, sp_w)`` (``sp_d`` shards D, ``sp_h`` H, ``sp_w`` W), optionally
+#: after a ``dp`` dim. The layout itself is read off the placements, not the names.
+TILE_MESH_NAMES = ("sp_d", "sp_h", "sp_w")
 
 
 def sharded_dim(placement) -> int | None:
@@ -163,14 +167,13 @@ def spatial_layout(
     sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
-        sp = next((names.index(n) for n in ("sp", "sp_w") if n in names), None)
+        sp = next((names.index(n) for n in ("sp", *TILE_MESH_NAMES[::-1]) if n in names), None)
         sp = 0 if sp is None and x.device_mesh.ndim == 1 else sp
-        tile_mesh = "sp_h" in names and isinstance(placements[names.index("sp_h")], Replicate)
-        if (
-            sp is not None
-            and isinstance(placements[sp], Replicate)
-            and ("sp_h" not in names or tile_mesh)
-        ):
+        # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
+        tiles_replicated = all(
+            isinstance(placements[names.index(n)], Replicate) for n in TILE_MESH_NAMES if n in names
+        )
+        if sp is not None and isinstance(placements[sp], Replicate) and tiles_replicated:
             _check_other_dims(placements, sp, what)
             return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
         raise SpatialShardingError(
@@ -179,7 +182,7 @@ def spatial_layout(
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
-    if ndim == 4 and (len(sp_dims) > 1 or placements[sp_dims[0]].dim % ndim == 2):
+    if len(sp_dims) > 1 or (ndim == 4 and placements[sp_dims[0]].dim % ndim == 2):
         return _tile_layout(x, placements, sp_dims, what, tiles)
     if len(sp_dims) > 1:
         raise SpatialShardingError(
@@ -192,7 +195,8 @@ def spatial_layout(
 
 
 def _tile_layout(x: DTensor, placements: tuple, sp_dims: list, what: str, tiles: bool):
-    """The layout of an NCHW image sharded along H (and W) over several mesh dims."""
+    """The layout of an NCHW image sharded along H (and W), or of an NCDHW volume sharded
+    along two or three of D, H, W, over one mesh dim each (``layout.axes``)."""
     dims = [placements[m].dim % x.ndim for m in sp_dims]
     if len(set(dims)) != len(dims):
         raise SpatialShardingError(
@@ -200,6 +204,12 @@ def _tile_layout(x: DTensor, placements: tuple, sp_dims: list, what: str, tiles:
             f"dimensions; shard H and W over one mesh dimension each ([Shard(2), Shard(3)])."
         )
     if not tiles:
+        if x.ndim == 5:
+            raise SpatialShardingError(
+                f"{what}: is not supported on a volume sharded over several dims (placements "
+                f"{placements}) yet. Shard one of D, H, W only (mesh ('sp',) or ('dp', 'sp'), "
+                f"[Shard(2)], [Shard(3)] or [Shard(4)]), see docs/volumes.md."
+            )
         raise SpatialShardingError(
             f"{what}: is not supported on H x W tiles (placements {placements}) yet. Shard "
             f"the width only (mesh ('sp',) or ('dp', 'sp'), [Shard(3)]), see docs/tiles.md."

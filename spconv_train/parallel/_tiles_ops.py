@@ -1,10 +1,11 @@
-"""Window ops on H x W tiles (``_tiles.py``): convolution, pooling, transposed convolution
-and resizing of an NCHW image sharded along H and W.
+"""Window ops on tiles (``_tiles.py``): convolution, pooling, transposed convolution and
+resizing of an NCHW image sharded along H and W, or of an NCDHW volume sharded along two or
+three of D, H, W (the same code: every loop runs over the input's spatial dims).
 
 Each op is its strip version composed over the sharded dims: the one-dim plan of every
 sharded dim (``plan_window``, ``plan_conv_transpose``, ``plan_resize``), the exchange along W
 first and then along H on the W result (corners included), and the unchanged local op. The
-strip ops dispatch here when their input's layout ``is_tile``.
+strip and volume ops dispatch here when their input's layout ``is_tile``.
 """
 
 from __future__ import annotations
@@ -19,74 +20,96 @@ from ._geometry import SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import _apply, _local_table, plan_resize
 from ._pool import _counts, _segment_sums, _SumReplicated, adaptive_bounds
-from ._sharding import SpatialLayout, enter, leave
+from ._sharding import TILE_MESH_NAMES, SpatialLayout, enter, leave
 from ._tiles import along, axis_of, ceil_geom, tile_shape, tile_window
 
+#: the local op per tensor rank: NCHW images, NCDHW volumes
+_CONV = {4: F.conv2d, 5: F.conv3d}
+_CONV_T = {4: F.conv_transpose2d, 5: F.conv_transpose3d}
+_MAX = {4: F.max_pool2d, 5: F.max_pool3d}
+_AVG = {4: F.avg_pool2d, 5: F.avg_pool3d}
 
-def tile_conv2d(
+
+def _geoms(x: DTensor, fn) -> dict:
+    """``{tensor dim: fn(dim, j)}`` over the spatial dims of ``x`` (``j`` counts from 0)."""
+    return {i: fn(i, i - 2) for i in range(2, x.ndim)}
+
+
+def tile_conv(
     x: DTensor,
     layout: SpatialLayout,
     weight: Tensor,
     bias: Tensor | None,
-    stride: tuple[int, int],
-    padding: tuple[int, int, int, int],
-    dilation: tuple[int, int],
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
     groups: int,
     padding_mode: str,
     what: str,
 ) -> DTensor:
-    """``F.conv2d`` of a tiled DTensor (``padding`` is ``(top, bottom, left, right)``)."""
-    (kh, kw), (pt, pb, pl, pr) = weight.shape[-2:], padding
-    geoms = {2: (kh, stride[0], dilation[0], pt, pb), 3: (kw, stride[1], dilation[1], pl, pr)}
-    tw = tile_window(enter(x), tuple(x.shape), layout, what, geoms, padding_mode)
+    """``F.conv2d`` / ``F.conv3d`` of a tiled DTensor. ``padding`` is ``(lo, hi)`` per
+    spatial dim, flattened: ``(top, bottom, left, right)`` for an image, ``(front, back,
+    top, bottom, left, right)`` for a volume."""
+    k = weight.shape
+
+    def geom(i, j):
+        return k[i], stride[j], dilation[j], padding[2 * j], padding[2 * j + 1]
+
+    tw = tile_window(enter(x), tuple(x.shape), layout, what, _geoms(x, geom), padding_mode)
     w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
-    out = F.conv2d(tw.window, w, b, stride, 0, dilation, groups)
+    out = _CONV[x.ndim](tw.window, w, b, stride, 0, dilation, groups)
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
 
 
-def tile_max_pool2d(x: DTensor, layout, k, s, p, d, ceil_mode: bool, return_indices: bool, what):
-    """``F.max_pool2d`` of a tiled DTensor; indices are global into the flattened ``H*W``."""
-    geoms = {
-        i: ceil_geom(x.shape[i], k[j], s[j], d[j], p[j], ceil_mode) for j, i in ((0, 2), (1, 3))
-    }
+def tile_max_pool(x: DTensor, layout, k, s, p, d, ceil_mode: bool, return_indices: bool, what):
+    """``F.max_pool2d`` / ``F.max_pool3d`` of a tiled DTensor; indices (images only) are
+    global into the flattened ``H*W``."""
+    geoms = _geoms(x, lambda i, j: ceil_geom(x.shape[i], k[j], s[j], d[j], p[j], ceil_mode))
     tw = tile_window(enter(x), tuple(x.shape), layout, what, geoms, "zeros", float("-inf"))
-    out, idx = F.max_pool2d(tw.window, k, s, 0, d, False, True)
+    out, idx = _MAX[x.ndim](tw.window, k, s, 0, d, False, True)
     shape = tile_shape(tuple(x.shape), out, tw)
     if not return_indices:
         return leave(out, layout, shape)
+    if x.ndim != 4:  # the 3-D callers refuse return_indices before this
+        raise SpatialShardingError(f"{what}: return_indices is not supported on volumes")
     ww = tw.window.shape[-1]
     idx = (idx // ww + tw.starts[2]) * x.shape[3] + idx % ww + tw.starts[3]
     return leave(out, layout, shape), leave(idx, layout, shape)
 
 
-def tile_avg_pool2d(x: DTensor, layout, k, s, p, ceil_mode, include_pad, divisor, what: str):
-    """``F.avg_pool2d`` of a tiled DTensor: window sums over a zero-padded window, divided
-    by PyTorch's divisor computed from global positions (``_pool._counts``)."""
-    geoms = {i: ceil_geom(x.shape[i], k[j], s[j], 1, p[j], ceil_mode) for j, i in ((0, 2), (1, 3))}
+def tile_avg_pool(x: DTensor, layout, k, s, p, ceil_mode, include_pad, divisor, what: str):
+    """``F.avg_pool2d`` / ``F.avg_pool3d`` of a tiled DTensor: window sums over a
+    zero-padded window, divided by PyTorch's divisor computed from global positions
+    (``_pool._counts``, one factor per spatial dim)."""
+    geoms = _geoms(x, lambda i, j: ceil_geom(x.shape[i], k[j], s[j], 1, p[j], ceil_mode))
     tw = tile_window(enter(x), tuple(x.shape), layout, what, geoms, "zeros", 0.0)
+    pool = _AVG[x.ndim]
     if divisor:
-        out = F.avg_pool2d(tw.window, k, s, 0, False, True, divisor)
+        out = pool(tw.window, k, s, 0, False, True, divisor)
     else:
-        sums = F.avg_pool2d(tw.window, k, s, 0, False, True, 1)
-        fh, fw = (
-            _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
-            for j, i in ((0, 2), (1, 3))
-        )
-        div = torch.tensor([[a * b for b in fw] for a in fh], dtype=sums.dtype)
+        sums = pool(tw.window, k, s, 0, False, True, 1)
+        div = torch.ones((), dtype=sums.dtype)
+        for i in range(2, x.ndim):  # the outer product of the per-dim counts
+            j = i - 2
+            f = _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
+            view = [1] * (x.ndim - 2)
+            view[j] = -1
+            div = div * torch.tensor(f, dtype=sums.dtype).view(view)
         out = sums / div.to(sums.device)
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
 
 
-def tile_conv_transpose2d(
+def tile_conv_transpose(
     x: DTensor, layout, weight, bias, stride, padding, output_padding, groups, dilation, what
 ) -> DTensor:
-    """``F.conv_transpose2d`` of a tiled DTensor: per sharded dim, fetch the input rows or
-    columns that reach this rank's outputs (W, then H on the W window), convolve with
-    padding 0 there, place the result on the rank's output range, add the bias last."""
+    """``F.conv_transpose2d`` / ``F.conv_transpose3d`` of a tiled DTensor: per sharded dim,
+    fetch the input rows or columns that reach this rank's outputs (W, then H on the W
+    window, then D), convolve with padding 0 there, place the result on the rank's output
+    range, add the bias last."""
     t = enter(x)
     pads, out_pads, shape = list(padding), list(output_padding), list(x.shape)
     placed = []
-    for d in (3, 2):
+    for d in range(x.ndim - 1, 1, -1):
         ax = axis_of(layout, d)
         if ax is None:
             continue
@@ -111,25 +134,30 @@ def tile_conv_transpose2d(
         pads[j], out_pads[j], shape[d] = 0, 0, tp.out_width
         placed.append((d, lo * stride[j] - padding[j], *tp.out_bounds[rank]))
     w = sum_grad_over(weight, layout.grad_groups)
-    y = F.conv_transpose2d(t, w, None, stride, tuple(pads), tuple(out_pads), groups, dilation)
+    conv = _CONV_T[x.ndim]
+    y = conv(t, w, None, stride, tuple(pads), tuple(out_pads), groups, dilation)
     for d, start, o0, o1 in placed:
         y = along(y, d, lambda m, start=start, o0=o0, o1=o1: _place(m, start, o0, o1))
     if bias is not None:
-        y = y + sum_grad_over(bias, layout.grad_groups).view(1, -1, 1, 1)
+        b = sum_grad_over(bias, layout.grad_groups)
+        y = y + b.view(1, -1, *([1] * (x.ndim - 2)))
     shape[1] = y.shape[1]
-    for d in (2, 3):
+    for d in range(2, x.ndim):
         if axis_of(layout, d) is None:
             shape[d] = y.shape[d]
     return leave(y, layout, tuple(shape))
 
 
-def tile_interpolate(x: DTensor, layout, out_hw, scales, mode: str, align: bool, what: str):
-    """``F.interpolate`` ("nearest", "nearest-exact", "bilinear") of a tiled DTensor: the
-    width is resized first (its input columns fetched over ``sp_w``), then the height of
-    that result (its input rows fetched over ``sp_h``), in the order ATen sums."""
+def tile_interpolate(x: DTensor, layout, out_sizes, scales, mode: str, align: bool, what: str):
+    """``F.interpolate`` of a tiled DTensor (``mode`` "nearest", "nearest-exact" or
+    "bilinear", the 1-D linear table that "trilinear" applies per dim too): the width is
+    resized first (its input columns fetched over ``sp_w``), then the height of that result
+    (its input rows fetched over ``sp_h``), then the depth, in the order ATen sums.
+    ``out_sizes`` and ``scales`` have one entry per spatial dim."""
     y = enter(x)
     double = x.dtype == torch.float64
-    for d, n_out, scale in ((3, out_hw[1], scales[1]), (2, out_hw[0], scales[0])):
+    for d in range(x.ndim - 1, 1, -1):
+        n_out, scale = out_sizes[d - 2], scales[d - 2]
         ax = axis_of(layout, d)
         lo, hi, start = 0, n_out, 0
         if ax is not None:
@@ -148,80 +176,95 @@ def tile_interpolate(x: DTensor, layout, out_hw, scales, mode: str, align: bool,
         )
         if table is not None:
             y = _apply(y, d, table)
-    return leave(y, layout, (x.shape[0], x.shape[1], *out_hw))
+    return leave(y, layout, (x.shape[0], x.shape[1], *out_sizes))
 
 
-def tile_mesh_dims(layout: SpatialLayout) -> tuple[int, int] | None:
-    """``(sp_h, sp_w)`` mesh dims of a tile mesh, or ``None`` (a strip mesh)."""
+def tile_mesh_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...] | None:
+    """``(tensor dim, mesh dim)`` of every spatial dim a tile mesh splits, read off its
+    names (``sp_d`` -> D, ``sp_h`` -> H, ``sp_w`` -> W of an ``ndim``-D tensor), or ``None``
+    for a strip mesh (fewer than two of those names)."""
     names = layout.mesh.mesh_dim_names or ()
-    if "sp_h" in names and "sp_w" in names:
-        return names.index("sp_h"), names.index("sp_w")
-    return None
+    axes = tuple(
+        (i + ndim - 3, names.index(n))
+        for i, n in enumerate(TILE_MESH_NAMES)
+        if n in names and i + ndim - 3 >= 2
+    )
+    return axes if len(axes) > 1 else None
 
 
-def _tiled_layout(layout: SpatialLayout, mh: int, mw: int) -> SpatialLayout:
-    """``layout`` (spatially replicated) with H sharded over ``mh`` and W over ``mw``."""
-    pl = list(layout.placements)
-    pl[mh], pl[mw] = Shard(2), Shard(3)
-    return SpatialLayout(layout.mesh, tuple(pl), mw, dims=(3,), axes=((2, mh), (3, mw)))
-
-
-def tile_interpolate_replicated(x, layout, out_hw, scales, mode: str, align: bool, what: str):
+def tile_interpolate_replicated(x, layout, out_sizes, scales, mode: str, align: bool, what: str):
     """``F.interpolate`` of a spatially replicated input (e.g. DeepLabV3's pooled branch) on
-    a tile mesh, straight into this rank's output tile. Each rank's input gradient is only
-    its tile's part of the sum: labelled ``Partial`` on both spatial mesh dims."""
-    mh, mw = tile_mesh_dims(layout)
+    a tile mesh, straight into this rank's output tile (image or volume). Each rank's input
+    gradient is only its tile's part of the sum: labelled ``Partial`` on the spatial mesh
+    dims."""
+    axes = tile_mesh_axes(layout, x.ndim)
+    mesh, by_dim = layout.mesh, dict(axes)
     grad_pl = list(layout.placements)
-    grad_pl[mh] = grad_pl[mw] = Partial()
+    for _, m in axes:
+        grad_pl[m] = Partial()
     y = enter(x, tuple(grad_pl))
     double = x.dtype == torch.float64
-    for d, m, n_out, scale in ((3, mw, out_hw[1], scales[1]), (2, mh, out_hw[0], scales[0])):
-        parts, rank = layout.mesh.size(m), layout.mesh.get_local_rank(m)
-        rp = plan_resize(what, x.shape[d], n_out, parts, mode, align, scale, double, False)
-        needed = rp.exchange.needed[rank]
-        lo, hi = needed[0] if needed else (0, 0)
-        y = y.narrow(d, lo, hi - lo)
-        o0, o1 = rp.out_bounds[rank]
-        key = (mode, x.shape[d], n_out, align, scale, o0, o1, rp.starts[rank], x.dtype, y.device)
+    for d in range(x.ndim - 1, 1, -1):
+        n_out, scale = out_sizes[d - 2], scales[d - 2]
+        o0, o1, start = 0, n_out, 0
+        if d in by_dim:
+            parts, rank = mesh.size(by_dim[d]), mesh.get_local_rank(by_dim[d])
+            rp = plan_resize(what, x.shape[d], n_out, parts, mode, align, scale, double, False)
+            needed = rp.exchange.needed[rank]
+            lo, hi = needed[0] if needed else (0, 0)
+            y = y.narrow(d, lo, hi - lo)
+            (o0, o1), start = rp.out_bounds[rank], rp.starts[rank]
+        key = (mode, x.shape[d], n_out, align, scale, o0, o1, start, x.dtype, y.device)
         table = _local_table(*key)
         if table is not None:
             y = _apply(y, d, table)
-    return leave(y, _tiled_layout(layout, mh, mw), (x.shape[0], x.shape[1], *out_hw))
+    pl = list(layout.placements)
+    for d, m in axes:
+        pl[m] = Shard(d)
+    tiled = SpatialLayout(mesh, tuple(pl), axes[-1][1], dims=(axes[-1][0],), axes=axes)
+    return leave(y, tiled, (x.shape[0], x.shape[1], *out_sizes))
 
 
-def tile_adaptive_avg_pool2d(
-    x: DTensor, layout: SpatialLayout, oh: int, ow: int, what: str
+def tile_adaptive_avg_pool(
+    x: DTensor, layout: SpatialLayout, out_sizes: tuple[int, ...], what: str
 ) -> DTensor:
-    """``F.adaptive_avg_pool2d`` of a tiled DTensor: each rank sums its own pixels of every
-    output cell's window (global PyTorch windows), divides by the global window sizes, and
-    an all-reduce over the spatial mesh dims adds the parts. The output is ``Replicate`` on
-    them (meant for global / small pooling, as in DeepLabV3 and LR-ASPP: the all-reduce is
+    """``F.adaptive_avg_pool2d`` / ``F.adaptive_avg_pool3d`` of a tiled DTensor (one output
+    size per spatial dim): each rank sums its own elements of every output cell's window
+    (global PyTorch windows), divides by the global window sizes, and an all-reduce over the
+    spatial mesh dims adds the parts. The output is ``Replicate`` on them (meant for global /
+    small pooling, as in DeepLabV3, LR-ASPP and squeeze-excitation: the all-reduce is
     output-sized). Refused when the output exceeds a quarter of the smallest tile: that
     all-reduce and the replicated output would cost an activation."""
-    smallest = 1
-    for d in (2, 3):
+    smallest, cells = 1, 1
+    for d in range(2, x.ndim):
         ax = axis_of(layout, d)
         bounds = all_shard_bounds(x.shape[d], ax[0] if ax else 1)
         smallest *= min(b - a for a, b in bounds)
-    if 4 * oh * ow > smallest:
+        cells *= out_sizes[d - 2]
+    if 4 * cells > smallest:
+        size = "x".join(str(o) for o in out_sizes)
         raise SpatialShardingError(
-            f"{what}: pooling to {oh}x{ow} on H x W tiles would all-reduce and replicate an "
-            f"output larger than a quarter of a tile; tiles support global and small adaptive "
-            f"average pooling only. Use width strips for this layer's model, or a smaller output."
+            f"{what}: pooling to {size} on tiles would all-reduce and replicate an output "
+            f"larger than a quarter of a tile; tiles support global and small adaptive "
+            f"average pooling only. Shard one spatial dim for this layer's model, or use a "
+            f"smaller output."
         )
     t = enter(x)
-    lens = []
-    for d, n_out in ((3, ow), (2, oh)):
+    div = torch.ones((), dtype=t.dtype, device=t.device)
+    for d in range(x.ndim - 1, 1, -1):
         ax = axis_of(layout, d)
         parts, rank = (ax[0], ax[1]) if ax else (1, 0)
         a, b = all_shard_bounds(x.shape[d], parts)[rank]
-        win = adaptive_bounds(x.shape[d], n_out)
+        win = adaptive_bounds(x.shape[d], out_sizes[d - 2])
         segs = tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
         if b == a:  # an empty tile: one zero row/column keeps the local sums defined
             t = along(t, d, lambda m: F.pad(m, (0, 1)))
         t = along(t, d, lambda m, segs=segs: _segment_sums(m, segs))
-        lens.append(torch.tensor([e - s for s, e in win], dtype=t.dtype, device=t.device))
-    t = t / (lens[1].view(-1, 1) * lens[0].view(1, -1))
+        view = [1] * (x.ndim - 2)
+        view[d - 2] = -1
+        lens = torch.tensor([e - s for s, e in win], dtype=t.dtype, device=t.device)
+        div = div * lens.view(view)
+    t = t / div
     for _, m in layout.axes:
         if layout.mesh.size(m) > 1:
             t = _SumReplicated.apply(t, layout.mesh.get_group(m))
@@ -229,4 +272,4 @@ def tile_adaptive_avg_pool2d(
     for _, m in layout.axes:
         pl[m] = Replicate()
     rep = SpatialLayout(layout.mesh, tuple(pl), layout.sp_dim)
-    return leave(t, rep, (x.shape[0], x.shape[1], oh, ow))
+    return leave(t, rep, (x.shape[0], x.shape[1], *out_sizes))

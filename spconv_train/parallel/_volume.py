@@ -30,9 +30,12 @@ def unsharded(v: tuple, i: int) -> tuple:
     return tuple(0 if j == i else a for j, a in enumerate(v))
 
 
-def volume_layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
-    """``spatial_layout`` for an NCDHW volume; ``layout.dim`` is 2, 3 or 4 (when sharded)."""
-    return spatial_layout(x, what, ndim=5)
+def volume_layout(x: DTensor, what: str, tiles: bool = False) -> tuple[DTensor, SpatialLayout]:
+    """``spatial_layout`` for an NCDHW volume; ``layout.dim`` is 2, 3 or 4 (when sharded).
+    A volume sharded over two or three of D, H, W is a tile layout (``layout.is_tile``):
+    only ops that handle it (``_tiles_ops.py``) pass ``tiles=True``, the others refuse it
+    naming themselves."""
+    return spatial_layout(x, what, ndim=5, tiles=tiles)
 
 
 def gather_volume_window(
