@@ -61,13 +61,30 @@ class _SpatialRoot:
     """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
     the model's runtime."""
 
-    # Under torch.compile (torch 2.14) Dynamo traces through the SpatialMode entry and the
-    # spatial handlers: the local ops are compiled, the halo exchanges and collectives are
-    # graph breaks (``gather_columns`` is excluded from tracing, see _halo.py).
+    # Under torch.compile (torch 2.14) Dynamo traces through the spatial handlers: the local
+    # ops are compiled, the halo exchanges and collectives are graph breaks
+    # (``gather_columns`` is excluded from tracing, see _halo.py). The two contexts are
+    # entered by one opaque object: Dynamo graph-breaks on it and runs the body as a new
+    # frame; two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1"
+    # assertion when a graph break falls inside them.
     def forward(self, *args, **kwargs):
-        runtime = self.spatial_runtime
-        with SpatialMode(runtime), gather_guard(runtime.options.allow_gather):
+        with _SpatialContext(self.spatial_runtime):
             return super().forward(*args, **kwargs)
+
+
+class _SpatialContext:
+    """``SpatialMode(runtime)`` and the no-silent-gather guard, entered together."""
+
+    def __init__(self, runtime: SpatialRuntime) -> None:
+        self.contexts = (SpatialMode(runtime), gather_guard(runtime.options.allow_gather))
+
+    def __enter__(self) -> None:
+        for c in self.contexts:
+            c.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        for c in reversed(self.contexts):
+            c.__exit__(*exc)
 
 
 def _sp_mesh_dim(mesh: DeviceMesh) -> int:
