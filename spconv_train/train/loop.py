@@ -256,8 +256,6 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
             cfg.training.activation_checkpointing_granularity,
             cfg.training.activation_checkpointing_every,
         )
-    if cfg.training.compile:  # in place: parameters and state_dict keys stay the model's
-        model.compile(backend=cfg.training.compile_backend)
     optimizer = build_optimizer(model, cfg.optimizer)
     steps = cfg.training.steps
     scheduler = build_scheduler(optimizer, cfg.schedule, steps, cfg.optimizer.lr)
