@@ -41,8 +41,9 @@ def _conv(cfg: dict, seed: int) -> nn.Conv2d:
     return nn.Conv2d(4, cfg.pop("out_channels", 4), **cfg)
 
 
-def split_grid(world: int) -> tuple[list[str], list[bool]]:
-    """Every case against the single-device conv; also whether the split path ran."""
+def split_grid(world: int) -> tuple[list[str], list[str | None]]:
+    """Every case against the single-device conv; also which path ran: "whole" (the whole
+    strip convolved, halo edges overwritten), "split" (interior + edges) or None (window)."""
     dmesh = mesh(world)
     failures: list[str] = []
     used = []
@@ -53,7 +54,8 @@ def split_grid(world: int) -> tuple[list[str], list[bool]]:
         _, _, pl, pr = conv_padding(conv)
         k, s, d = conv.kernel_size[1], conv.stride[1], conv.dilation[1]
         wp = plan_window("t", width, world, k, s, d, pl, pr)
-        used.append(plan_split(wp, dist_rank(), k, s, d, pl) is not None)
+        plan = plan_split(wp, dist_rank(), k, s, d, pl)
+        used.append(None if plan is None else "whole" if plan.whole_strip else "split")
     return failures, used
 
 
@@ -61,7 +63,7 @@ def dist_rank() -> int:
     return torch.distributed.get_rank()
 
 
-@pytest.mark.parametrize("world", [3])
+@pytest.mark.parametrize("world", [2, 3])
 def test_split_conv_matches_single_device(dist_pool, world):
     results = dist_pool.run(world, split_grid, world)
     failures = [f for fs, _ in results for f in fs]
@@ -69,7 +71,11 @@ def test_split_conv_matches_single_device(dist_pool, world):
     per_rank = [u for _, u in results]
     assert all(u == per_rank[0] for u in per_rank), per_rank  # one path on every rank
     used = per_rank[0]
-    assert used == [True] * 8 + [False, True, False], used  # both paths are exercised
+    # every path is exercised: "same" convs take the whole strip, strided / asymmetric /
+    # unpadded ones the interior + edges split, strips narrower than the reach the window
+    whole, split = "whole", "split"
+    paths = [whole, split, whole, split, split, whole, whole, whole, None, split]
+    assert used == [*paths, None if world == 3 else whole], used
 
 
 def _saved_bytes(fn) -> tuple[object, list[int]]:

@@ -302,6 +302,15 @@ def test_activation_checkpointing_changes_nothing(trained, tmp_path):
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_compile_changes_nothing(trained, tmp_path):
+    sets = ["training.compile=true", "training.compile_backend=eager"]
+    ok(torchrun(tiny_config(tmp_path), "--set", sets[0], "--set", sets[1]))
+    want, got = exported(trained), exported(tmp_path / "run")
+    assert want.keys() == got.keys()  # compiled in place: the same state_dict keys
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_folder_dataset_data_parallel_bf16(tmp_path):
     data = tmp_path / "data"
     args = ["--num-train", "4", "--num-val", "3", "--height", "32", "--width", "64"]

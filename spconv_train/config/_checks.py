@@ -93,6 +93,7 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
     "training.val_every": (at_least(1),),
     "training.log_every": (at_least(1),),
     "training.activation_checkpointing_every": (at_least(1),),
+    "training.compile_backend": (NON_EMPTY,),
     "training.class_weights": (
         Check(lambda v: all(w >= 0 and math.isfinite(w) for w in v), "non-negative weights"),
     ),

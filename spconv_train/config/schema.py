@@ -185,6 +185,11 @@ class TrainingConfig:
     layers: each block's sub-layers, a smaller recomputation peak, less saved."""
     activation_checkpointing_every: int = 1
     """Checkpoint every k-th of those modules only: less recomputation, less saved."""
+    compile: bool = False
+    """torch.compile the model: the local ops between halo exchanges are compiled (the
+    exchanges and collectives are graph breaks); the first steps pay the compilation."""
+    compile_backend: str = "inductor"
+    """torch.compile backend (inductor; aot_eager to debug)."""
     seed: int = 0
     """Seed for weights, augmentation and sampling."""
     loss: Literal["ce", "dice", "ce+dice"] = "ce"

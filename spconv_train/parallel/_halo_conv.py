@@ -7,6 +7,15 @@ padding and are convolved from *thin* windows (halo + a few strip columns + zero
 halo exchange is posted before the interior convolution and waited on after it, so the
 messages travel while the big convolution runs.
 
+For the common "same" convolution (stride 1, zero padding of half the kernel's reach) the
+output strip is the input strip, and the split is cheaper still: the whole strip is
+convolved with the width padding inside the convolution, exactly as the no-communication
+floor does (no input or output copy), and only the few output columns next to a
+neighbour, which read zeros there instead of its halo, are overwritten from thin windows.
+In the backward the whole-strip gradients are complete for the strip's own columns; thin
+windows of the halos alone add the halo columns' input gradient (sent back) and their
+share of the weight gradient.
+
 The backward mirrors it in one autograd node: the edge gradients first (thin), then the
 halo gradients are posted back to their owners, the interior's input and weight gradients
 are computed while they travel, and the arrivals are added last. Saved for the backward:
@@ -15,6 +24,7 @@ the strip (by reference: the op before usually saved it anyway), the thin halos,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -37,6 +47,10 @@ class SplitPlan:
     strip_cols: tuple[int, int]
     #: per edge (left, right): (first output, output count, global input column lo, hi)
     edges: tuple[tuple[int, int, int, int], ...]
+    #: every rank's output strip is its input strip (stride 1, "same" zero padding): the
+    #: whole strip is convolved with the width padding inside the convolution (no copy of
+    #: input or output) and only the edge columns that read halos are corrected
+    whole_strip: bool = False
 
 
 @functools.lru_cache(maxsize=4096)
@@ -51,7 +65,12 @@ def plan_split(
     splits = [
         _split_one(wp, r, kernel, stride, dilation, pad_lo) for r in range(len(wp.out_bounds))
     ]
-    return None if any(sp is None for sp in splits) else splits[rank]
+    if any(sp is None for sp in splits):
+        return None
+    same = stride == 1 and 2 * pad_lo == dilation * (kernel - 1)
+    if same and wp.out_bounds == wp.exchange.owned:
+        return dataclasses.replace(splits[rank], whole_strip=True)
+    return splits[rank]
 
 
 def _split_one(
@@ -94,6 +113,17 @@ def _add_thin_grad(lo: int, grad: Tensor, start: int, target: Tensor) -> None:
         target.narrow(-1, s - start, e - s).add_(grad.narrow(-1, s - lo, e - s))
 
 
+def _reads_halo(lo: int, hi: int, halos: list[tuple[int, Tensor]]) -> bool:
+    """Whether global input columns ``[lo, hi)`` overlap a received halo."""
+    return any(s < hi and lo < s + h.shape[-1] for s, h in halos)
+
+
+def _halo_edges(split: SplitPlan, halos: list[tuple[int, Tensor]]):
+    """The edges whose outputs the whole-strip convolution got wrong: those reading halo
+    columns (an edge at the image border reads zero padding, which the convolution has)."""
+    return [e for e in split.edges if _reads_halo(e[2], e[3], halos)]
+
+
 class _HaloConv2d(torch.autograd.Function):
     """``F.conv2d`` of the width-sharded strip ``local`` (zero padding), split as described
     in the module docstring. ``geo`` = (stride, pad_h, dilation, groups)."""
@@ -112,18 +142,29 @@ class _HaloConv2d(torch.autograd.Function):
         peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
         recvs = list(zip(peers, [h for _, h in halos], strict=True))
         pending = post_p2p(group, sends, recvs, stats)
-        c0, c1 = split.strip_cols
         conv = (stride, (pad_h, 0), dilation, groups)
-        inner = F.conv2d(local.narrow(-1, c0, c1 - c0), weight, bias, *conv)
-        pending.wait()
         sources = [(a, local), *halos]
-        left, right = [], []
-        for first, _, lo, hi in split.edges:
-            edge = F.conv2d(_thin_window(lo, hi, sources, local), weight, bias, *conv)
-            (left if first < split.interior[0] else right).append(edge)
-        # One output buffer by concatenation: the interior result is written once more
-        # (a copy of the output, not of the input window).
-        out = torch.cat([*left, inner, *right], dim=-1) if left or right else inner
+        if split.whole_strip:
+            # The strip with zero width padding inside the convolution (what one device
+            # computes, except that the columns next to a neighbour read zeros instead of
+            # its halo); those few columns are then overwritten from thin windows.
+            pad_w = dilation[1] * (weight.shape[-1] - 1) // 2
+            out = F.conv2d(local, weight, bias, stride, (pad_h, pad_w), dilation, groups)
+            pending.wait()
+            for first, count, lo, hi in _halo_edges(split, halos):
+                window = _thin_window(lo, hi, sources, local)
+                out.narrow(-1, first, count).copy_(F.conv2d(window, weight, bias, *conv))
+        else:
+            c0, c1 = split.strip_cols
+            inner = F.conv2d(local.narrow(-1, c0, c1 - c0), weight, bias, *conv)
+            pending.wait()
+            left, right = [], []
+            for first, _, lo, hi in split.edges:
+                edge = F.conv2d(_thin_window(lo, hi, sources, local), weight, bias, *conv)
+                (left if first < split.interior[0] else right).append(edge)
+            # One output buffer by concatenation: the interior result is written once more
+            # (a copy of the output, not of the input window).
+            out = torch.cat([*left, inner, *right], dim=-1) if left or right else inner
         ctx.save_for_backward(local, weight, *(h for _, h in halos))
         ctx.meta = (wp, split, rank, group, geo, stats, [s for s, _ in halos], bias is not None)
         return out
@@ -138,33 +179,46 @@ class _HaloConv2d(torch.autograd.Function):
         halos = list(zip(halo_starts, halo_bufs, strict=True))
         need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = has_bias and ctx.needs_input_grad[2]
-        mask = [need_in, need_w, need_b]
         bias_sizes = [weight.shape[0]] if has_bias else None
 
-        def conv_bwd(g, x):
+        def conv_bwd(g, x, pad_w=0, mask=(need_in, need_w, need_b)):
             return torch.ops.aten.convolution_backward(
                 g.contiguous(),
                 x,
                 weight,
                 bias_sizes,
                 list(stride),
-                [pad_h, 0],
+                [pad_h, pad_w],
                 list(dilation),
                 False,
                 [0, 0],
                 groups,
-                mask,
+                list(mask),
             )
+
+        def add(x, y):
+            return y if x is None else (x if y is None else x + y)
 
         gw = gb = None
         edge_grads = []
         # Edges first: their input gradients hold the halo gradients to send back.
-        for first, count, lo, hi in split.edges:
-            window = _thin_window(lo, hi, [(a, local), *halos], local)
-            gi, gwe, gbe = conv_bwd(grad_out.narrow(-1, first, count), window)
-            edge_grads.append((lo, gi))
-            gw = gwe if gw is None else gw + gwe
-            gb = gbe if gb is None else gb + gbe
+        if split.whole_strip:
+            # The whole-strip backward below already gives the strip's columns their full
+            # gradient and the bias its; what it lacks is the halo columns' share: the
+            # input gradient sent back, and the weight gradient of the halo values (the
+            # whole-strip convolution saw zeros there). Windows of the halos alone give both.
+            for first, count, lo, hi in _halo_edges(split, halos):
+                window = _thin_window(lo, hi, halos, local)
+                mask = (need_in, need_w, False)
+                gi, gwe, _ = conv_bwd(grad_out.narrow(-1, first, count), window, mask=mask)
+                edge_grads.append((lo, gi))
+                gw = add(gw, gwe)
+        else:
+            for first, count, lo, hi in split.edges:
+                window = _thin_window(lo, hi, [(a, local), *halos], local)
+                gi, gwe, gbe = conv_bwd(grad_out.narrow(-1, first, count), window)
+                edge_grads.append((lo, gi))
+                gw, gb = add(gw, gwe), add(gb, gbe)
         pending = None
         recvs = []
         if need_in:
@@ -183,26 +237,34 @@ class _HaloConv2d(torch.autograd.Function):
                 stats,
             )
         # The interior (the big one) while the halo gradients travel.
-        i0, i1 = split.interior
-        c0, c1 = split.strip_cols
-        gi, gwi, gbi = conv_bwd(grad_out.narrow(-1, i0, i1 - i0), local.narrow(-1, c0, c1 - c0))
-        gw = gwi if gw is None else (gw + gwi if gwi is not None else gw)
-        gb = gbi if gb is None else (gb + gbi if gbi is not None else gb)
-        grad_local = None
+        if split.whole_strip:
+            pad_w = dilation[1] * (weight.shape[-1] - 1) // 2
+            grad_local, gwi, gbi = conv_bwd(grad_out, local, pad_w)
+        else:
+            i0, i1 = split.interior
+            c0, c1 = split.strip_cols
+            gi, gwi, gbi = conv_bwd(grad_out.narrow(-1, i0, i1 - i0), local.narrow(-1, c0, c1 - c0))
+            grad_local = None
+            if need_in:
+                if c0 == 0 and c1 == local.shape[-1]:
+                    grad_local = gi
+                else:
+                    grad_local = local.new_zeros(local.shape)
+                    grad_local.narrow(-1, c0, c1 - c0).copy_(gi)
+                for lo, g in edge_grads:
+                    _add_thin_grad(lo, g, a, grad_local)
+        gw, gb = add(gw, gwi), add(gb, gbi)
         if need_in:
-            if c0 == 0 and c1 == local.shape[-1]:
-                grad_local = gi
-            else:
-                grad_local = local.new_zeros(local.shape)
-                grad_local.narrow(-1, c0, c1 - c0).copy_(gi)
-            for lo, g in edge_grads:
-                _add_thin_grad(lo, g, a, grad_local)
             pending.wait()
             for s, buf in recvs:
                 _add_thin_grad(s, buf, a, grad_local)
         return grad_local, gw, gb, None, None, None, None, None
 
 
+# Not traced by torch.compile, like ``gather_columns``: under ``no_grad`` (validation) Dynamo
+# inlines the autograd function's forward and breaks at the P2P calls inside it; the resumed
+# half of the forward then fails ("'NoneType' has no attribute 'item'", torch 2.14.1).
+@torch._dynamo.disable
 def halo_conv2d(local, weight, bias, wp, split, rank, group, stride, pad_h, dilation, groups):
     """The rank's output strip of a zero-padded width-sharded convolution (see module doc)."""
     geo = (tuple(stride), pad_h, tuple(dilation), groups)

@@ -256,6 +256,11 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
             cfg.training.activation_checkpointing_granularity,
             cfg.training.activation_checkpointing_every,
         )
+    if cfg.training.compile:  # in place: parameters and state_dict keys stay the model's
+        # Static shapes: the halo plans are built from concrete sizes (a symbolic width would
+        # reach them when validation images differ from the training crop); each new image
+        # size compiles once more instead.
+        model.compile(backend=cfg.training.compile_backend, dynamic=False)
     optimizer = build_optimizer(model, cfg.optimizer)
     steps = cfg.training.steps
     scheduler = build_scheduler(optimizer, cfg.schedule, steps, cfg.optimizer.lr)
