@@ -53,16 +53,14 @@ def adaptive_max_on_tiles(world: int) -> list[str]:
         pl = [Shard(0), Shard(2), Shard(3)] if names[0] == "dp" else [Shard(2), Shard(3)]
         # 3 ranks: 17 x 19 (6, 6, 5 rows or 7, 6, 6 columns); 2 x 2: 11 x 13 (6, 5 x 7, 6)
         h, w = (17, 19) if world == 3 else (11, 13)
-        for i, size in enumerate([1, (2, 2), (1, 3), (3, 1), (None, 1)]):
-            if world == 4 and size == (None, 1):
-                continue  # 11 cells: more than a quarter of the smallest 5 x 6 tile
-            for kind, x in _inputs(i, h, w).items():
+        # global, 2 x 2 and 1 x 3 outputs (windows straddle the tiles); ties: quantized
+        # values everywhere, and a constant image for one size
+        for i, size in enumerate([1, (2, 2), (1, 3)]):
+            for kind, x in list(_inputs(i, h, w).items())[: 3 if i == 1 else 2]:
                 label = f"{shape} adaptive_max_pool2d({size}) {kind} {h}x{w}"
                 fn = lambda t, size=size: F.adaptive_max_pool2d(t, size)  # noqa: E731
                 check_fn(fn, x, dmesh, pl, label, failures)
         x = seeded(70, 2, 4, h, w, dtype=torch.float64)
-        pool = nn.AdaptiveMaxPool2d((2, 1))
-        check_module(pool, x, dmesh, pl, f"{shape} nn.AdaptiveMaxPool2d((2, 1))", failures)
         torch.manual_seed(0)
         cbam = _ChannelAttention().double()
         check_module(cbam, x, dmesh, pl, f"{shape} CBAM channel attention", failures)
