@@ -39,10 +39,10 @@ class _ChannelAttention(nn.Module):
         return x * torch.sigmoid(a)
 
 
-def _inputs(i: int, h: int, w: int) -> dict[str, torch.Tensor]:
+def _inputs(i: int, *size: int) -> dict[str, torch.Tensor]:
     """Random values, integers in [-2, 2] (ties inside and across tiles) and a constant
     image (every element of every window ties)."""
-    x = seeded(60 + i, 2, 4, h, w, dtype=torch.float64)
+    x = seeded(60 + i, 2, 4, *size, dtype=torch.float64)
     return {"random": x, "ties": (x * 1.5).round().clamp(-2, 2), "constant": torch.ones_like(x)}
 
 
@@ -75,6 +75,30 @@ def adaptive_max_on_tiles(world: int) -> list[str]:
 @pytest.mark.parametrize("world", [3, 4])
 def test_adaptive_max_pool2d_on_tiles_matches_single_device(dist_pool, world):
     failures = dist_pool.run(world, adaptive_max_on_tiles, world)[0]
+    assert not failures, "\n".join(failures)
+
+
+def adaptive_max_3d_on_volume_tiles() -> list[str]:
+    """The same op on NCDHW volumes split over (sp_d, sp_w) and (sp_d, sp_h, sp_w), 7 x 9 x 11
+    (D 4 + 3, H 5 + 4, W 6 + 5): ties go to the first maximum in (D, H, W) order."""
+    failures: list[str] = []
+    for shape, names, pl in (
+        ((2, 2), ("sp_d", "sp_w"), [Shard(2), Shard(4)]),
+        ((1, 2, 2), ("sp_d", "sp_h", "sp_w"), [Shard(2), Shard(3), Shard(4)]),
+    ):
+        dmesh = mesh(shape, names)
+        for i, size in enumerate([1, (2, 2, 2), (1, 3, 2)]):
+            for kind, x in list(_inputs(i, 7, 9, 11).items())[: 3 if i == 1 else 2]:
+                label = f"{names} adaptive_max_pool3d({size}) {kind}"
+                fn = lambda t, size=size: F.adaptive_max_pool3d(t, size)  # noqa: E731
+                check_fn(fn, x, dmesh, pl, label, failures)
+        x = seeded(71, 2, 4, 7, 9, 11, dtype=torch.float64)
+        check_module(nn.AdaptiveMaxPool3d(2), x, dmesh, pl, f"{names} module", failures)
+    return failures
+
+
+def test_adaptive_max_pool3d_on_volume_tiles_matches_single_device(dist_pool):
+    failures = dist_pool.run(4, adaptive_max_3d_on_volume_tiles)[0]
     assert not failures, "\n".join(failures)
 
 
