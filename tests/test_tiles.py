@@ -128,7 +128,7 @@ def refusals(world: int) -> list[str]:
 
     for name, fn in (
         ("F.pixel_shuffle", lambda t: F.pixel_shuffle(t, 2)),
-        ("adaptive_max_pool2d", lambda t: F.adaptive_max_pool2d(t, 2)),
+        ("adaptive_max_pool2d", lambda t: F.adaptive_max_pool2d(t, 2, return_indices=True)),
         ("adaptive_avg_pool2d", lambda t: F.adaptive_avg_pool2d(t, 4)),  # too large for tiles
     ):
         try:

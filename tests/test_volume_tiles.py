@@ -199,7 +199,7 @@ def refusals(key: str) -> list[str]:
     dmesh = mesh(shape, names)
     xs = distribute_tensor(seeded(5, 2, 4, 7, 9, 11, dtype=torch.float64), dmesh, pl)
     cases = {
-        "adaptive_max_pool3d": lambda t: F.adaptive_max_pool3d(t, 1),
+        "adaptive_max_pool3d": lambda t: F.adaptive_max_pool3d(t, 1, return_indices=True),
         "adaptive_avg_pool3d": lambda t: F.adaptive_avg_pool3d(t, (3, 4, 5)),  # too big
         "max_pool3d": lambda t: F.max_pool3d(t, 2, return_indices=True),
     }

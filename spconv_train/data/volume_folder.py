@@ -7,8 +7,13 @@ Pairs are matched by stem. Formats:
   touches only the pages of its own block.
 * ``.tif`` / ``.tiff``: a multi-page stack, one page per slice (``[D, H, W]``, one
   channel); a rank decodes only the pages of its block's slices.
-* ``.nii`` / ``.nii.gz``: NIfTI through ``nibabel`` when it is installed (the stored array's
-  axes are taken as D, H, W); otherwise refused with a clear message.
+* ``.nii`` / ``.nii.gz``: NIfTI through ``nibabel`` when it is installed, otherwise refused
+  with a clear message. NIfTI voxel axes are (i, j, k) = (x, y, z) (a 4th axis: channels),
+  and nibabel indexes them in that order; here D = k (z, the slice axis), H = j (y),
+  W = i (x) and C = the 4th axis, i.e. every axis reversed (as SimpleITK's
+  ``GetArrayFromImage``, and as a TIFF stack's pages are its z slices). The affine is not
+  applied: volumes are read in stored voxel order (reorient them beforehand, e.g. with
+  ``nibabel.as_closest_canonical``, if they differ). Slope / intercept scaling is applied.
 
 Every pair is checked up front (readable header, image and mask extents equal, integer mask
 with values in ``[0, num_classes)`` or ``ignore_index``, streamed slab by slab); a bad pair
@@ -69,7 +74,7 @@ def _open(path: Path):
                 "NIfTI volumes need the nibabel package, which is not installed "
                 "(pip install nibabel), or convert the volume to .npy",
             )
-        return nib.load(str(path)).dataobj
+        return _NiftiVolume(nib.load(str(path)).dataobj)
     except DataError:
         raise
     except Exception as e:  # a truncated or foreign file: name it
@@ -103,6 +108,30 @@ class _TiffStack:
         if data is None:
             return np.zeros((0, *self.shape[1:]), self.dtype)[(slice(None), *rest)]
         return data.reshape(len(pages), *self.shape[1:])[(slice(None), *rest)]
+
+
+class _NiftiVolume:
+    """A NIfTI image's voxels ``(x, y, z[, c])`` as a ``[D, H, W]`` / ``[C, D, H, W]``
+    array-like (every axis reversed, see the module docstring). Slicing reads only the
+    requested box through nibabel's array proxy (an uncompressed ``.nii`` is memory-mapped;
+    a ``.nii.gz`` is decompressed up to the box)."""
+
+    def __init__(self, proxy) -> None:
+        self.proxy = proxy
+        self.shape = tuple(int(n) for n in proxy.shape[::-1])
+        self.ndim = len(self.shape)
+        scaled = (getattr(proxy, "slope", 1.0), getattr(proxy, "inter", 0.0)) != (1.0, 0.0)
+        # slope / intercept scaling returns floats: report the dtype reads return
+        corner = (slice(0, 1),) * self.ndim
+        self.dtype = np.asarray(proxy[corner]).dtype if scaled else np.dtype(proxy.dtype)
+
+    def __getitem__(self, box) -> np.ndarray:
+        box = box if isinstance(box, tuple) else (box,)
+        if any(b is Ellipsis for b in box):
+            i = next(k for k, b in enumerate(box) if b is Ellipsis)
+            box = (*box[:i], *(slice(None),) * (self.ndim - len(box) + 1), *box[i + 1 :])
+        box += (slice(None),) * (self.ndim - len(box))
+        return np.asarray(self.proxy[box[::-1]]).transpose()
 
 
 def volume_header(path: Path) -> tuple[tuple[int, ...], np.dtype]:

@@ -88,11 +88,11 @@ def _adaptive_pool3d(x: DTensor, output_size, kind: str, return_indices: bool, w
             f"either); use the values only"
         )
     pool = F.adaptive_avg_pool3d if kind == "avg" else F.adaptive_max_pool3d
-    x, layout = volume_layout(x, what, tiles=kind == "avg")
+    x, layout = volume_layout(x, what, tiles=True)
     if layout.is_tile:  # two or three of D, H, W sharded: small outputs, replicated
-        from ._tiles_ops import tile_adaptive_avg_pool
+        from ._tiles_ops import tile_adaptive_pool
 
-        return tile_adaptive_avg_pool(x, layout, tuple(out), what)
+        return tile_adaptive_pool(x, layout, tuple(out), kind, False, what)
     if not layout.width_sharded:
         return run_unsharded(x, layout, lambda t: pool(t, out))
     d, i = layout.dim, layout.dim - 2

@@ -234,11 +234,11 @@ def _adaptive_pool2d(x: DTensor, output_size, kind: str, return_indices: bool, w
     oh, ow = (int(o) if o is not None else n for o, n in zip(size, x.shape[2:], strict=True))
     if oh < 1 or ow < 1:
         raise ValueError(f"{what}: output size must be positive, got {output_size}")
-    x, layout = spatial_layout(x, what, tiles=kind == "avg")
+    x, layout = spatial_layout(x, what, tiles=True)
     if layout.is_tile:
-        from ._tiles_ops import tile_adaptive_avg_pool  # imports this module
+        from ._tiles_ops import tile_adaptive_pool  # imports this module
 
-        return tile_adaptive_avg_pool(x, layout, (oh, ow), what)
+        return tile_adaptive_pool(x, layout, (oh, ow), kind, return_indices, what)
     if not layout.width_sharded:
         pool = F.adaptive_avg_pool2d if kind == "avg" else F.adaptive_max_pool2d
         if not return_indices:

@@ -11,6 +11,7 @@ strip and volume ops dispatch here when their input's layout ``is_tile``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -19,7 +20,7 @@ from ._conv_transpose import _place, plan_conv_transpose
 from ._geometry import SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import _apply, _local_table, plan_resize
-from ._pool import _counts, _segment_sums, _SumReplicated, adaptive_bounds
+from ._pool import _counts, _segment_max, _segment_sums, _SumReplicated, adaptive_bounds
 from ._sharding import TILE_MESH_NAMES, SpatialLayout, enter, leave
 from ._tiles import along, axis_of, ceil_geom, tile_shape, tile_window
 
@@ -225,16 +226,9 @@ def tile_interpolate_replicated(x, layout, out_sizes, scales, mode: str, align: 
     return leave(y, tiled, (x.shape[0], x.shape[1], *out_sizes))
 
 
-def tile_adaptive_avg_pool(
-    x: DTensor, layout: SpatialLayout, out_sizes: tuple[int, ...], what: str
-) -> DTensor:
-    """``F.adaptive_avg_pool2d`` / ``F.adaptive_avg_pool3d`` of a tiled DTensor (one output
-    size per spatial dim): each rank sums its own elements of every output cell's window
-    (global PyTorch windows), divides by the global window sizes, and an all-reduce over the
-    spatial mesh dims adds the parts. The output is ``Replicate`` on them (meant for global /
-    small pooling, as in DeepLabV3, LR-ASPP and squeeze-excitation: the all-reduce is
-    output-sized). Refused when the output exceeds a quarter of the smallest tile: that
-    all-reduce and the replicated output would cost an activation."""
+def _check_small_output(x: DTensor, layout: SpatialLayout, out_sizes, kind: str, what: str):
+    """Refuse an adaptive pool whose output exceeds a quarter of the smallest tile: its
+    all-reduce and replicated output would cost an activation. (So no tile is empty.)"""
     smallest, cells = 1, 1
     for d in range(2, x.ndim):
         ax = axis_of(layout, d)
@@ -246,19 +240,58 @@ def tile_adaptive_avg_pool(
         raise SpatialShardingError(
             f"{what}: pooling to {size} on tiles would all-reduce and replicate an output "
             f"larger than a quarter of a tile; tiles support global and small adaptive "
-            f"average pooling only. Shard one spatial dim for this layer's model, or use a "
+            f"{kind} pooling only. Shard one spatial dim for this layer's model, or use a "
             f"smaller output."
         )
+
+
+def _tile_windows(x: DTensor, layout: SpatialLayout, d: int, out: int):
+    """``(a, b, win, segs)`` of spatial dim ``d``: this rank's input range ``[a, b)``, the
+    global adaptive windows (PyTorch's rule) and each window clipped to the tile, in local
+    indices (empty where the window misses the tile)."""
+    ax = axis_of(layout, d)
+    parts, rank = (ax[0], ax[1]) if ax else (1, 0)
+    a, b = all_shard_bounds(x.shape[d], parts)[rank]
+    win = adaptive_bounds(x.shape[d], out)
+    segs = tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
+    return a, b, win, segs
+
+
+def _replicated(layout: SpatialLayout) -> SpatialLayout:
+    """``layout`` with every spatial mesh dim ``Replicate`` (a dp ``Shard(0)`` kept)."""
+    pl = list(layout.placements)
+    for _, m in layout.axes:
+        pl[m] = Replicate()
+    return SpatialLayout(layout.mesh, tuple(pl), layout.sp_dim)
+
+
+def tile_adaptive_pool(x: DTensor, layout: SpatialLayout, out_sizes, kind, indices, what):
+    """Adaptive ``kind`` ("avg" / "max") pooling of a tiled DTensor; ``return_indices``
+    (``indices``) is refused."""
+    if indices:
+        raise SpatialShardingError(
+            f"{what}: return_indices=True is not supported on tiles (the values are); "
+            f"shard one spatial dim for this layer's model, or use the values only"
+        )
+    pool = tile_adaptive_avg_pool if kind == "avg" else tile_adaptive_max_pool
+    return pool(x, layout, tuple(out_sizes), what)
+
+
+def tile_adaptive_avg_pool(
+    x: DTensor, layout: SpatialLayout, out_sizes: tuple[int, ...], what: str
+) -> DTensor:
+    """``F.adaptive_avg_pool2d`` / ``F.adaptive_avg_pool3d`` of a tiled DTensor (one output
+    size per spatial dim): each rank sums its own elements of every output cell's window
+    (global PyTorch windows), divides by the global window sizes, and an all-reduce over the
+    spatial mesh dims adds the parts. The output is ``Replicate`` on them (meant for global /
+    small pooling, as in DeepLabV3, LR-ASPP and squeeze-excitation: the all-reduce is
+    output-sized). Refused when the output exceeds a quarter of the smallest tile: that
+    all-reduce and the replicated output would cost an activation."""
+    _check_small_output(x, layout, out_sizes, "average", what)
     t = enter(x)
     div = torch.ones((), dtype=t.dtype, device=t.device)
     for d in range(x.ndim - 1, 1, -1):
-        ax = axis_of(layout, d)
-        parts, rank = (ax[0], ax[1]) if ax else (1, 0)
-        a, b = all_shard_bounds(x.shape[d], parts)[rank]
-        win = adaptive_bounds(x.shape[d], out_sizes[d - 2])
-        segs = tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
-        if b == a:  # an empty tile: one zero row/column keeps the local sums defined
-            t = along(t, d, lambda m: F.pad(m, (0, 1)))
+        _, _, win, segs = _tile_windows(x, layout, d, out_sizes[d - 2])
         t = along(t, d, lambda m, segs=segs: _segment_sums(m, segs))
         view = [1] * (x.ndim - 2)
         view[d - 2] = -1
@@ -268,8 +301,41 @@ def tile_adaptive_avg_pool(
     for _, m in layout.axes:
         if layout.mesh.size(m) > 1:
             t = _SumReplicated.apply(t, layout.mesh.get_group(m))
-    pl = list(layout.placements)
-    for _, m in layout.axes:
-        pl[m] = Replicate()
-    rep = SpatialLayout(layout.mesh, tuple(pl), layout.sp_dim)
-    return leave(t, rep, (x.shape[0], x.shape[1], *out_sizes))
+    return leave(t, _replicated(layout), (x.shape[0], x.shape[1], *out_sizes))
+
+
+def tile_adaptive_max_pool(
+    x: DTensor, layout: SpatialLayout, out_sizes: tuple[int, ...], what: str
+) -> DTensor:
+    """``F.adaptive_max_pool2d`` / ``F.adaptive_max_pool3d`` values of a tiled DTensor, for
+    small outputs as the average (``Replicate`` on the spatial mesh dims). Each rank takes
+    the maximum of its own part of every output window and the global flat index of the
+    first element (row-major) that reaches it, reducing W first, then H, then D; an
+    all-reduce MAX over the spatial mesh dims gives the value, an all-reduce MIN of the
+    indices of the ranks holding it picks the first maximum in row-major order, as one
+    device does, and only that rank passes the gradient. So values, gradients and ties
+    equal one device's (NaN inputs are not: torch propagates them)."""
+    _check_small_output(x, layout, out_sizes, "max", what)
+    t, idx, stride = enter(x), None, 1
+    valid = torch.ones((), dtype=torch.bool, device=t.device)
+    for d in range(x.ndim - 1, 1, -1):
+        a, _, _, segs = _tile_windows(x, layout, d, out_sizes[d - 2])
+        m = t.movedim(d, -1)
+        v, arg = _segment_max(m, segs)  # arg: the column of the max (m.shape[-1] if empty)
+        at = arg.clamp(max=m.shape[-1] - 1)
+        inner = 0 if idx is None else idx.movedim(d, -1).gather(-1, at)
+        t, idx = v.movedim(-1, d), (inner + (at + a) * stride).movedim(-1, d)
+        stride *= x.shape[d]
+        view = [1] * (x.ndim - 2)
+        view[d - 2] = -1
+        hit = torch.tensor([e > s for s, e in segs], device=t.device)
+        valid = valid & hit.view(view)
+    best = t.detach().clone()
+    groups = [layout.mesh.get_group(m) for _, m in layout.axes if layout.mesh.size(m) > 1]
+    for group in groups:  # max over the tile mesh: over sp_w, then over sp_h (and sp_d)
+        dist.all_reduce(best, dist.ReduceOp.MAX, group=group)
+    cand = torch.where(valid & (t.detach() == best), idx, torch.iinfo(torch.int64).max)
+    for group in groups:
+        dist.all_reduce(cand, dist.ReduceOp.MIN, group=group)
+    out = torch.where(valid & (idx == cand), t, best)  # only the owner passes the gradient
+    return leave(out, _replicated(layout), (x.shape[0], x.shape[1], *out_sizes))
