@@ -87,7 +87,11 @@ def check_val_sizes(
                     f"({'DxHxW' if len(size) == 3 else 'HxW'}) cannot run through "
                     f"{cfg.model.name} split over parallel.sp={split} rank(s): {exc}. "
                     "Remove it from the validation split, or use a smaller parallel.sp"
-                    + (" (fewer tile rows for a short image)" if coords.tiled else ""),
+                    + (
+                        " (fewer tile rows for a short image)"
+                        if len(size) == 2 and coords.tiled
+                        else ""
+                    ),
                     path=_file(source, i),
                 ) from exc
     finally:
