@@ -7,8 +7,10 @@ a square image at 4 ranks."""
 from __future__ import annotations
 
 import io
+import math
 import os
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -216,3 +218,53 @@ def test_run_square_image_with_sp_0_chooses_2x2_tiles(tmp_path) -> None:
     saved = load_config(tmp_path / "run" / "config.yaml", check_paths=False)
     assert saved.parallel.sp == [2, 2]  # the choice is recorded: a resume reproduces it
     assert [m["step"] for m in read_metrics(tmp_path / "run") if m["split"] == "val"] == [1]
+
+
+# --- blocks of a volume grid --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [("sp_d", "sp_w"), ("sp_h", "sp_w"), ("sp_d", "sp_h", "sp_w")])
+def test_blocks_of_a_volume_grid_stitch_to_the_augmented_volume(names) -> None:
+    """Every rank's ``block_bounds`` / ``load_box`` block of a cropped, flipped volume on a
+    block mesh (ranks numbered row-major, as ``init_device_mesh`` does) equals the slice
+    of the whole augmented volume that DTensor's chunking gives it."""
+    import torch
+    from torch.distributed.tensor import Shard
+
+    from spconv_train.data import SyntheticVolumes, draw_volume_augment, load_box, strip_bounds
+    from spconv_train.train.data_feed import MeshCoords
+    from spconv_train.train.volume_feed import block_bounds
+
+    sizes = {"sp_d": 2, "sp_h": 3, "sp_w": 2}
+    grid = [sizes[n] for n in names]
+    cfg = load_config(None, VOLUME)  # block_bounds reads the layout off the coords alone
+    source = SyntheticVolumes(2, size=(9, 13, 14), num_classes=4, in_channels=2)
+    aug = draw_volume_augment(0, 1, 1, size=(9, 13, 14), crop=(None, 11, 10), hflip=1, vflip=1)
+    image, mask = source[1]
+    box = tuple(slice(s, s + n) for s, n in zip(aug.start, aug.out, strict=True))
+    want_image, want_mask = image[(slice(None), *box)].flip([2, 3]), mask[box].flip([1, 2])
+    ranks = math.prod(grid)
+    for sp_rank in range(ranks):
+        coords = MeshCoords(
+            1,
+            ranks,
+            0,
+            sp_rank,
+            sizes["sp_h"] if "sp_h" in names else 1,
+            tiled=True,
+            sp_d=sizes["sp_d"] if "sp_d" in names else 1,
+            names=names,
+        )
+        back = {"sp_d": 3, "sp_h": 2, "sp_w": 1}
+        assert coords.tile_placements(5) == [Shard(5 - back[n]) for n in names]
+        where = dict(zip(names, np.unravel_index(sp_rank, grid), strict=True))
+        want = tuple(
+            strip_bounds(n, sizes[m], int(where[m])) if m in names else (0, n)
+            for m, n in zip(("sp_d", "sp_h", "sp_w"), aug.out, strict=True)
+        )
+        block = block_bounds(cfg, coords, aug.out)
+        assert block == want, (sp_rank, block, want)
+        got_image, got_mask = load_box(source, 1, aug, block)
+        s = tuple(slice(a, b) for a, b in block)
+        assert torch.equal(got_image, want_image[(slice(None), *s)])
+        assert torch.equal(got_mask, want_mask[s])
