@@ -159,10 +159,6 @@ def test_verify_passes_on_volume_grids_and_an_automatic_image_grid(dist_pool) ->
     assert report["passed"], (report["verdict"], report["failures"][:5])
     assert report["activation_sized_collectives"] == []
     assert report["mesh"] == {"dp": 1, "sp": 4} and report["grid"] == "1x2x2 blocks"
-    # a grid with one split dim runs as strips along it (here D)
-    report = dist_pool.run(2, _verify_one_step, [["parallel.sp=[2, 1, 1]"]])[0][0]
-    assert report["passed"], (report["verdict"], report["failures"][:5])
-    assert report["mesh"] == {"dp": 1, "sp": 2} and report["grid"] == "2x1x1 blocks"
     square = VERIFY_TINY + ["data.height=32", "data.width=32"]  # parallel.sp: 0
     report = dist_pool.run(4, verify_cases, [(square, {"steps": 1})])[0][0]
     assert report["passed"], _failed(report)
