@@ -40,9 +40,9 @@ from spconv_train.config import (
     Config,
     ConfigError,
     config_to_dict,
+    describe_grid,
     load_config,
-    spatial_grid,
-    validate_for_world,
+    resolve_grid,
 )
 from spconv_train.run_folder import RUN_FILES, StartPlan, finish_job, job_id, plan_start
 
@@ -137,7 +137,7 @@ def run(
     from spconv_train.distributed import env_world_size, restart_count
 
     try:
-        validate_for_world(cfg, env_world_size())
+        resolve_grid(cfg, env_world_size())  # parallel.sp: 0 -> the grid, saved and compared
         plan = plan_start(
             cfg, resume=resume, overwrite=overwrite, restarts=restart_count(), job=job_id()
         )
@@ -244,16 +244,17 @@ def show_config(
 ) -> None:
     """Print the resolved, validated config (defaults < YAML < --set) as YAML."""
     cfg = load_or_exit(config, overrides)
+    auto = cfg.parallel.sp == 0
+    if world_size is not None:
+        try:  # resolved first, so the printed config shows the chosen grid
+            dp, sp = resolve_grid(cfg, world_size)
+        except ConfigError as exc:
+            fail(str(exc))
     text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None)
     typer.echo(text.rstrip())
     if world_size is not None:
-        try:
-            dp, sp = validate_for_world(cfg, world_size)
-        except ConfigError as exc:
-            fail(str(exc))
-        grid = spatial_grid(cfg)
-        tiles = f" ({grid[0]}x{grid[1]} tiles)" if grid else ""
-        typer.echo(f"# mesh for {world_size} rank(s): dp={dp} x sp={sp}{tiles}")
+        how = ", chosen by parallel.sp: 0" if auto else ""
+        typer.echo(f"# mesh for {world_size} rank(s): dp={dp} x sp={sp}{describe_grid(cfg)}{how}")
 
 
 @app.command("make-data")

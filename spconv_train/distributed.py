@@ -15,10 +15,12 @@ once, with its rank, instead of a wall of identical messages or a bare gloo erro
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 import resource
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -187,28 +189,35 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> D
 
 
 def build_mesh(
-    dp: int, sp: int, device_type: str, grid: tuple[int, int] | None = None
+    dp: int,
+    sp: int,
+    device_type: str,
+    grid: tuple[int, int] | Mapping[str, int] | None = None,
 ) -> DeviceMesh:
     """The 2-D ``("dp", "sp")`` mesh (``dp`` may be 1), or with ``grid = (p, q)`` (p * q == sp)
-    the 3-D ``("dp", "sp_h", "sp_w")`` mesh of H x W tiles.
+    the 3-D ``("dp", "sp_h", "sp_w")`` mesh of H x W tiles, or with a mapping
+    ``{name: ranks}`` (``config.grid_mesh_dims``: ``sp_d`` / ``sp_h`` / ``sp_w``, product
+    ``sp``) the ``("dp", *names)`` mesh of volume blocks.
 
     Consecutive ranks share one image (rank ``r`` is ``sp`` rank ``r % sp`` of replica
-    ``r // sp``; tiles are numbered row by row), so halo traffic stays between
-    neighbouring ranks, usually on one node.
+    ``r // sp``; tiles and blocks are numbered row-major over the spatial dims), so halo
+    traffic stays between neighbouring ranks, usually on one node.
     """
     if dp * sp != dist.get_world_size():
         raise ValueError(f"mesh {dp}x{sp} does not match world size {dist.get_world_size()}")
     if grid is None:
         return init_device_mesh(device_type, (dp, sp), mesh_dim_names=("dp", "sp"))
-    if grid[0] * grid[1] != sp:
-        raise ValueError(f"grid {grid[0]}x{grid[1]} does not hold sp={sp} ranks")
-    return init_device_mesh(device_type, (dp, *grid), mesh_dim_names=("dp", "sp_h", "sp_w"))
+    dims = dict(grid) if isinstance(grid, Mapping) else {"sp_h": grid[0], "sp_w": grid[1]}
+    if math.prod(dims.values()) != sp:
+        raise ValueError(f"grid {'x'.join(map(str, dims.values()))} does not hold sp={sp} ranks")
+    return init_device_mesh(device_type, (dp, *dims.values()), mesh_dim_names=("dp", *dims.keys()))
 
 
 def spatial_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The spatial sub-mesh of a ``build_mesh`` mesh: ``("sp",)`` or ``("sp_h", "sp_w")``."""
-    names = mesh.mesh_dim_names or ()
-    return mesh["sp_h", "sp_w"] if "sp_h" in names else mesh["sp"]
+    """The spatial sub-mesh of a ``build_mesh`` mesh: ``("sp",)``, ``("sp_h", "sp_w")`` or
+    the volume block dims (every dim but ``"dp"``)."""
+    names = tuple(n for n in mesh.mesh_dim_names or () if n != "dp")
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 
 def shutdown(*, barrier: bool = False, failed: bool = False) -> None:

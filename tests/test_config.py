@@ -342,7 +342,7 @@ def test_validate_for_world(world: int, sp: int) -> None:
 
 def test_validate_for_world_width() -> None:
     # torch.chunk semantics: 6 columns over 4 ranks -> strips of 2, the 4th rank gets none.
-    cfg = load_config(None, ["data.width=6"])
+    cfg = load_config(None, ["data.width=6", "parallel.sp=4"])  # (0 would choose 4x1 tiles)
     with pytest.raises(ConfigError) as info:
         validate_for_world(cfg, 4)
     assert info.value.key == "data.width" and "1 rank(s) empty" in str(info.value)

@@ -344,7 +344,7 @@ def test_image_too_narrow_for_the_network_exits_2_naming_the_layer(tmp_path):
     # 3 columns over 2 ranks pass the config check (strips of 2 and 1) but the first
     # max-pool leaves one output column: rank 1 would get none. Found at the first forward,
     # on every rank together; torchrun itself then exits 1.
-    proc = torchrun(tiny_config(tmp_path), "--set", "data.width=3")
+    proc = torchrun(tiny_config(tmp_path), "--set", "data.width=3", "--set", "parallel.sp=2")
     assert proc.returncode != 0
     assert "exitcode  : 2" in proc.stderr
     assert "downs.0.0 (MaxPool2d" in proc.stderr and "parallel.sp" in proc.stderr

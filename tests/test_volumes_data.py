@@ -49,7 +49,10 @@ def test_config_errors_name_the_key(overrides, key, words):
 def test_config_defaults_and_split_extent_check():
     cfg = load_config(None, [])
     assert (cfg.data.kind, cfg.parallel.shard_dim) == ("image", "W")  # 2-D unchanged
-    cfg = load_config(None, [*VOLUME, "parallel.shard_dim=D", "data.depth=3"])
+    # depth 1: no pooling (unet3d's deeper levels must fill every rank too: test_grid_auto)
+    cfg = load_config(
+        None, [*VOLUME, "parallel.shard_dim=D", "data.depth=3", "model.kwargs={depth: 1}"]
+    )
     assert validate_for_world(cfg, 2) == (1, 2)
     with pytest.raises(ConfigError) as info:  # 3 slices over 4 ranks leave one empty
         validate_for_world(cfg, 4)

@@ -8,8 +8,17 @@ process group is touched::
 """
 
 from ._errors import ConfigError
+from ._grid import choose_grid
 from ._io import config_to_dict, dump_config, load_config
-from ._mesh import data_width_per_rank, spatial_grid, validate_for_world
+from ._mesh import (
+    data_width_per_rank,
+    describe_grid,
+    grid_mesh_dims,
+    resolve_grid,
+    spatial_grid,
+    split_dim,
+    validate_for_world,
+)
 from ._resume import RESUME_POLICY, changed_settings, check_resume_changes, resume_policy
 from .schema import (
     CheckpointConfig,
@@ -37,11 +46,16 @@ __all__ = [
     "TrainingConfig",
     "changed_settings",
     "check_resume_changes",
+    "choose_grid",
     "config_to_dict",
     "data_width_per_rank",
+    "describe_grid",
     "dump_config",
+    "grid_mesh_dims",
     "load_config",
+    "resolve_grid",
     "resume_policy",
     "spatial_grid",
+    "split_dim",
     "validate_for_world",
 ]

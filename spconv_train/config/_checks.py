@@ -76,8 +76,9 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
     ),
     "parallel.sp": (
         Check(
-            lambda v: v >= 0 if isinstance(v, int) else len(v) == 2 and min(v) >= 1,
-            "an integer >= 0 or a grid [p, q] of two integers >= 1 (rows x columns of tiles)",
+            lambda v: v >= 0 if isinstance(v, int) else len(v) in (2, 3) and min(v) >= 1,
+            "an integer >= 0 (0: automatic), a grid [p, q] of two integers >= 1 (rows x "
+            "columns of tiles) or, for volumes, [d, h, w] (ranks along D, H, W)",
         ),
     ),
     "parallel.timeout_s": (POSITIVE,),
@@ -168,10 +169,17 @@ def _synthetic_size(cfg: Config) -> Problem:
 def _volumes(cfg: Config) -> Problem:
     """Volume-only keys and what volumes do not support (yet)."""
     data, shard = cfg.data, cfg.parallel.shard_dim
-    if isinstance(cfg.parallel.sp, list) and (data.kind == "volume" or shard != "W"):
+    grid = cfg.parallel.sp if isinstance(cfg.parallel.sp, list) else None
+    if grid is not None and len(grid) != (3 if data.kind == "volume" else 2):
         return "parallel.sp", (
-            f"a grid {cfg.parallel.sp} splits 2-D images into H x W tiles; volumes split one "
-            "dim (parallel.shard_dim): use an integer"
+            f"a grid {grid} does not fit data.kind: {data.kind}: [p, q] splits 2-D images "
+            "into H x W tiles; volumes split one dim (parallel.shard_dim, with an integer) "
+            "or take [d, h, w] (ranks along D, H, W)"
+        )
+    if grid is not None and shard != "W":
+        return "parallel.shard_dim", (
+            f"{shard} conflicts with the grid parallel.sp={grid}, which names the split dims "
+            "itself; leave parallel.shard_dim at W"
         )
     if data.kind == "image":
         if shard != "W":

@@ -117,12 +117,17 @@ class ParallelConfig:
 
     sp: int | list[int] = 0
     """Spatial-parallel group size: ranks sharing one image. An integer splits the width into
-    that many strips (0 means all ranks); otherwise it must divide the world size, and
-    dp = world_size // sp. A grid ``[p, q]`` splits 2-D images into p x q tiles (p along the
-    height, q along the width; dp = world_size // (p * q)); see docs/tiles.md."""
+    that many strips; it must divide the world size, and dp = world_size // sp. 0 means
+    all ranks (dp = 1), laid out automatically: the most square tile (most cubic block for
+    volumes) for data.height x data.width (x data.depth), strips when that is a strip or a
+    size is null; the choice is saved in the run's config.yaml. A grid ``[p, q]`` splits
+    2-D images into p x q tiles (p along the height, q along the width; dp = world_size //
+    (p * q)); see docs/tiles.md. Volumes take ``[d, h, w]`` (ranks along D, H, W; 1: not
+    split); see docs/volumes.md."""
     shard_dim: Literal["W", "H", "D"] = "W"
-    """The spatial dimension split across the sp ranks: W (images and volumes), H or D
-    (volumes only)."""
+    """The spatial dimension split across the sp ranks when parallel.sp is an integer: W
+    (images and volumes), H or D (volumes only; with sp 0 it pins the split to that dim
+    instead of the automatic choice)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend; auto picks nccl when CUDA is available, else gloo."""
     timeout_s: float | None = None

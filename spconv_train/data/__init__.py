@@ -27,16 +27,19 @@ from .transforms import AugmentParams, draw_augment, global_size, load_strip
 from .volume_folder import VolumeFolder
 from .volumes import (
     AXES,
+    Box,
     SyntheticVolumes,
     VolumeAugment,
     VolumeSource,
     draw_volume_augment,
     load_block,
+    load_box,
     make_volume_batch,
 )
 
 __all__ = [
     "AXES",
+    "Box",
     "IMAGE_EXTS",
     "MASK_EXTS",
     "AugmentParams",
@@ -56,6 +59,7 @@ __all__ = [
     "image_header",
     "index_folder",
     "load_block",
+    "load_box",
     "load_strip",
     "make_batch",
     "make_dp_sampler",

@@ -1,11 +1,12 @@
 """3-D volumes: the source interface, augmentation in global coordinates, per-rank blocks.
 
 A volume sample is an image ``[C, D, H, W]`` with a class-index mask ``[D, H, W]``. One
-spatial dimension (``axis`` 0, 1, 2 = D, H, W) is split across the sp ranks like DTensor's
-``Shard`` (``strip_bounds``); each rank reads only its own block ``[a, b)`` of it, through
-``VolumeSource.read`` on a box in source coordinates. Crops and flips are drawn from
-``(seed, epoch, index)`` alone, so every rank of a replica draws the same, and the block of
-the augmented volume maps back to one box of the stored one (a flip mirrors the range).
+spatial dimension (``axis`` 0, 1, 2 = D, H, W), or several, is split across the sp ranks
+like DTensor's ``Shard`` (``strip_bounds``); each rank reads only its own block (``[a, b)``
+along each axis), through ``VolumeSource.read`` on a box in source coordinates. Crops and
+flips are drawn from ``(seed, epoch, index)`` alone, so every rank of a replica draws the
+same, and the block of the augmented volume maps back to one box of the stored one (a flip
+mirrors the range).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ __all__ = [
     "VolumeSource",
     "draw_volume_augment",
     "load_block",
+    "load_box",
     "make_volume_batch",
 ]
 
 AXES = ("D", "H", "W")
-"""Spatial axes of a volume; ``parallel.shard_dim`` names one (tensor dim ``2 + index``)."""
+"""Spatial axes of a volume (tensor dim ``2 + index``); ``parallel.shard_dim`` names one."""
 
 Box = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
 """Half-open ``(start, stop)`` ranges along D, H, W."""
@@ -129,14 +131,12 @@ def draw_volume_augment(
     return VolumeAugment(start, out, flips)  # type: ignore[arg-type]
 
 
-def load_block(
-    source: VolumeSource, i: int, aug: VolumeAugment, axis: int, bounds: tuple[int, int]
-) -> tuple[Tensor, Tensor]:
-    """Block ``[a, b)`` along ``axis`` (0, 1, 2 = D, H, W) of the augmented volume ``i``:
-    image ``[C, ...]`` and mask. Reads only the matching box of the stored volume."""
+def load_box(source: VolumeSource, i: int, aug: VolumeAugment, block: Box) -> tuple[Tensor, Tensor]:
+    """The block ``block`` (``[a, b)`` along D, H, W) of the augmented volume ``i``: image
+    ``[C, ...]`` and mask. Reads only the matching box of the stored volume (a flip
+    mirrors the range)."""
     box = []
-    for k, (lo, n, flip) in enumerate(zip(aug.start, aug.out, aug.flips, strict=True)):
-        a, b = bounds if k == axis else (0, n)
+    for (a, b), lo, n, flip in zip(block, aug.start, aug.out, aug.flips, strict=True):
         box.append((lo + n - b, lo + n - a) if flip else (lo + a, lo + b))
     image, mask = source.read(i, tuple(box))  # type: ignore[arg-type]
     dims = [k for k, flip in enumerate(aug.flips) if flip]
@@ -146,14 +146,20 @@ def load_block(
     return image.contiguous(), mask.contiguous()
 
 
-def make_volume_batch(
-    source: VolumeSource,
-    indices: list[int],
-    augments: list[VolumeAugment],
-    axis: int,
-    bounds: tuple[int, int],
+def load_block(
+    source: VolumeSource, i: int, aug: VolumeAugment, axis: int, bounds: tuple[int, int]
 ) -> tuple[Tensor, Tensor]:
-    """Stack the blocks of volumes ``indices``; they must have one augmented size.
+    """Block ``[a, b)`` along ``axis`` (0, 1, 2 = D, H, W) of the augmented volume ``i``
+    (the whole extent along the other axes): ``load_box`` of a one-dim split."""
+    block = tuple(bounds if k == axis else (0, n) for k, n in enumerate(aug.out))
+    return load_box(source, i, aug, block)  # type: ignore[arg-type]
+
+
+def make_volume_batch(
+    source: VolumeSource, indices: list[int], augments: list[VolumeAugment], block: Box
+) -> tuple[Tensor, Tensor]:
+    """Stack the blocks ``block`` (ranges along D, H, W, ``load_box``) of volumes
+    ``indices``; they must have one augmented size.
 
     Returns:
         images float32 ``[B, C, d, h, w]`` and masks int64 ``[B, d, h, w]``.
@@ -169,7 +175,7 @@ def make_volume_batch(
             "size (data.depth/height/width) or use batch size 1"
         )
     pairs = zip(indices, augments, strict=True)
-    blocks = [load_block(source, i, a, axis, bounds) for i, a in pairs]
+    blocks = [load_box(source, i, a, block) for i, a in pairs]
     return torch.stack([b[0] for b in blocks]), torch.stack([b[1] for b in blocks])
 
 

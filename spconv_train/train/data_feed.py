@@ -9,7 +9,8 @@ augmentation depend only on ``(seed, epoch, index)`` and the global position in 
 saved one stopped, on any ``(dp, sp)`` layout. On an H x W tile mesh (``parallel.sp: [p, q]``)
 every rank loads only its tile (rows too) and the batch is ``[Shard(0), Shard(2), Shard(3)]``
 (``MeshCoords.rows`` / ``cols``). Volumes (``data.kind: volume``) take the same
-path with blocks along ``parallel.shard_dim`` (``volume_feed.py``).
+path with blocks along ``parallel.shard_dim``, or over several dims for a grid
+``parallel.sp: [d, h, w]`` (``volume_feed.py``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
 from spconv_train.train.volume_feed import (
     load_train_blocks,
-    spatial_dim,
+    spatial_placements,
     volume_sources,
     volume_val_items,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "build_sources",
     "downsample_strip",
     "load_train_strips",
+    "make_val_item",
     "to_dtensor",
     "val_items",
 ]
@@ -64,9 +66,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MeshCoords:
-    """This rank's place on the ``("dp", "sp")`` mesh, or on the ``("dp", "sp_h", "sp_w")``
-    mesh of H x W tiles (then ``sp`` counts all spatial ranks, ``sp_rank`` numbers them row
-    by row, and ``sp_h`` is the number of tile rows)."""
+    """This rank's place on the ``("dp", "sp")`` mesh, or on a mesh of tiles or blocks
+    (``("dp", "sp_h", "sp_w")`` for H x W image tiles; two or three of ``sp_d``, ``sp_h``,
+    ``sp_w`` for volume blocks). Then ``sp`` counts all spatial ranks, ``sp_rank`` numbers
+    them row-major over the spatial mesh dims, ``sp_d`` / ``sp_h`` are the ranks along D
+    and H (1 when not split) and ``names`` the spatial mesh dims."""
 
     dp: int
     sp: int
@@ -75,30 +79,60 @@ class MeshCoords:
     sp_h: int = 1
     """Rows of tiles (1 for width strips)."""
     tiled: bool = False
-    """Whether images are split over an ``("sp_h", "sp_w")`` mesh (``[Shard(2), Shard(3)]``)."""
+    """Whether the data is split over a mesh of tiles or blocks (not ``("dp", "sp")``)."""
+    sp_d: int = 1
+    """Ranks along D (volume blocks only)."""
+    names: tuple[str, ...] = ("sp",)
+    """The spatial mesh dims, in mesh order."""
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshCoords:
-        """Read the coordinates off a ``build_mesh`` mesh (2-D strips or 3-D tiles)."""
-        if mesh.ndim == 2:
+        """Read the coordinates off a ``build_mesh`` mesh (strips, tiles or blocks)."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim == 2 and names[1:] in ((), ("sp",)):
             return cls(mesh.size(0), mesh.size(1), mesh.get_local_rank(0), mesh.get_local_rank(1))
-        h, w = mesh.size(1), mesh.size(2)
-        sp_rank = mesh.get_local_rank(1) * w + mesh.get_local_rank(2)
-        return cls(mesh.size(0), h * w, mesh.get_local_rank(0), sp_rank, h, tiled=True)
+        sizes = {names[k]: mesh.size(k) for k in range(1, mesh.ndim)}
+        sp_rank = 0
+        for k in range(1, mesh.ndim):  # row-major, as init_device_mesh numbers the ranks
+            sp_rank = sp_rank * mesh.size(k) + mesh.get_local_rank(k)
+        return cls(
+            mesh.size(0),
+            math.prod(sizes.values()),
+            mesh.get_local_rank(0),
+            sp_rank,
+            sizes.get("sp_h", 1),
+            tiled=True,
+            sp_d=sizes.get("sp_d", 1),
+            names=names[1:],
+        )
 
     @property
     def spatial_placements(self) -> list:
         """Placements of an image on the spatial sub-mesh: ``[Shard(3)]`` or H and W."""
-        return [Shard(2), Shard(3)] if self.tiled else [Shard(3)]
+        return self.tile_placements(4) if self.tiled else [Shard(3)]
+
+    def tile_placements(self, ndim: int) -> list:
+        """Placements on the spatial sub-mesh of tiles or blocks of an ``ndim``-dim tensor:
+        ``sp_w`` shards its last dim, ``sp_h`` the one before, ``sp_d`` the one before that."""
+        back = {"sp_d": 3, "sp_h": 2, "sp_w": 1}
+        return [Shard(ndim - back[name]) for name in self.names]
+
+    @property
+    def _sp_w(self) -> int:
+        return self.sp // (self.sp_d * self.sp_h)
+
+    def planes(self, depth: int) -> tuple[int, int]:
+        """This rank's slices ``[a, b)`` of a volume ``depth`` slices deep (all, unless
+        blocks split D)."""
+        return strip_bounds(depth, self.sp_d, self.sp_rank // (self.sp_h * self._sp_w))
 
     def rows(self, height: int) -> tuple[int, int]:
         """This rank's rows ``[r, s)`` of an image ``height`` rows high (all, for strips)."""
-        return strip_bounds(height, self.sp_h, self.sp_rank // (self.sp // self.sp_h))
+        return strip_bounds(height, self.sp_h, (self.sp_rank // self._sp_w) % self.sp_h)
 
     def cols(self, width: int) -> tuple[int, int]:
         """This rank's columns ``[a, b)`` of an image ``width`` columns wide."""
-        sp_w = self.sp // self.sp_h
-        return strip_bounds(width, sp_w, self.sp_rank % sp_w)
+        return strip_bounds(width, self._sp_w, self.sp_rank % self._sp_w)
 
 
 def build_sources(cfg: Config) -> tuple[SegmentationSource, SegmentationSource, list[str]]:
@@ -335,7 +369,7 @@ class TrainFeed:
         shape = (b * self.coords.dp, c, *hw)
         non_blocking = self.device.type == "cuda"
         local = image.to(self.device, non_blocking=non_blocking)
-        spatial = [Shard(2), Shard(3)] if self.coords.tiled else [Shard(spatial_dim(self.cfg))]
+        spatial = spatial_placements(self.cfg, self.coords)
         x = to_dtensor(local, self.mesh, [Shard(0), *spatial], shape)
         target = mask.to(self.device, non_blocking=non_blocking)
         return Batch(x, target, shape[0] * math.prod(hw))
@@ -389,8 +423,9 @@ class ValItem:
     index: int  # sample index in the val source
     image: DTensor  # [1, C, H, W] on the sp sub-mesh, Shard(3) (tiles: Shard(2), Shard(3))
     target: Tensor  # local mask strip [1, H, w] (tiles: [1, h, w])
-    cols: tuple[int, int]  # this rank's global columns [a, b)
+    cols: tuple[int, int]  # this rank's global columns [a, b) (volumes: along the split dim)
     rows: tuple[int, int] | None = None  # tiles: this rank's global rows [r, s)
+    block: tuple | None = None  # volumes: this rank's ((D), (H), (W)) ranges [a, b)
 
 
 def val_items(
@@ -416,9 +451,26 @@ def val_items(
         image, mask = load_strip(
             source, index, cols, params, ignore_index=cfg.data.ignore_index, rows=rows
         )
-        shape = (1, image.shape[0], h, w)
-        x = to_dtensor(image[None].to(device), sp_mesh, coords.spatial_placements, shape)
-        yield ValItem(index, x, mask[None].to(device), cols, rows)
+        placements = coords.spatial_placements
+        yield make_val_item(index, image, mask, (h, w), sp_mesh, placements, device, cols, rows)
+
+
+def make_val_item(
+    index: int,
+    image: Tensor,
+    mask: Tensor,
+    size: tuple[int, ...],
+    sp_mesh: DeviceMesh,
+    placements: list,
+    device: torch.device,
+    *where,
+) -> ValItem:
+    """This rank's piece ``image`` ``[C, ...]`` / ``mask`` of validation sample ``index``
+    (global spatial ``size``) as a ``ValItem`` (a DTensor on ``sp_mesh``, no communication);
+    ``where``: the piece's ``cols, rows, block``."""
+    shape = (1, image.shape[0], *size)
+    x = to_dtensor(image[None].to(device), sp_mesh, placements, shape)
+    return ValItem(index, x, mask[None].to(device), *where)
 
 
 def downsample_strip(t: Tensor, col_start: int, factor: int, row_start: int = 0) -> Tensor:

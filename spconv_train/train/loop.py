@@ -27,9 +27,10 @@ from spconv_train.config import (
     Config,
     ConfigError,
     config_to_dict,
+    describe_grid,
     dump_config,
-    spatial_grid,
-    validate_for_world,
+    grid_mesh_dims,
+    resolve_grid,
 )
 from spconv_train.data import SegmentationSource
 from spconv_train.distributed import (
@@ -244,8 +245,8 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     train_source, val_source, class_names = build_sources(cfg)
     info = init_distributed(cfg.parallel.backend, process_group_timeout(watchdog.timeout_s))
     watchdog.beat("set-up: mesh, run folder and resume (barriers, checkpoint-load collectives)")
-    dp, sp = validate_for_world(cfg, info.world_size)
-    mesh = build_mesh(dp, sp, info.device.type, spatial_grid(cfg))
+    dp, sp = resolve_grid(cfg, info.world_size)  # parallel.sp: 0 -> the chosen grid
+    mesh = build_mesh(dp, sp, info.device.type, grid_mesh_dims(cfg))
     run_dir = Path(cfg.run_dir)
     model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device)
@@ -300,9 +301,9 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
     n_params = sum(p.numel() for p in params)
     where = f"resumed from {latest}" if latest is not None else "fresh start"
     c = run.coords
-    tiles = f" ({c.sp_h}x{c.sp // c.sp_h} tiles)" if c.tiled else ""
     logger.info(
-        f"spconv-train: {info.world_size} rank(s), mesh dp={c.dp} x sp={c.sp}{tiles}, "
+        f"spconv-train: {info.world_size} rank(s), mesh dp={c.dp} x sp={c.sp}"
+        f"{describe_grid(cfg)}, "
         f"{info.backend} on {info.device.type}; {cfg.model.name} ({n_params:,} "
         f"params); {where}; run dir {cfg.run_dir}"
     )

@@ -12,13 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from spconv_train.config import Config
 from spconv_train.data import DataError, SegmentationSource, strip_bounds
 from spconv_train.parallel import SpatialShardingError
 from spconv_train.train.data_feed import MeshCoords, to_dtensor
-from spconv_train.train.volume_feed import spatial_dim
+from spconv_train.train.volume_feed import block_bounds, spatial_placements
 
 __all__ = ["check_val_sizes", "is_geometry_error"]
 
@@ -52,7 +51,8 @@ def check_val_sizes(
     validation image size other than the training crop (collective over ``sp_mesh``: every
     replica checks every size). Raises ``DataError`` naming the first image of a size
     that cannot run, on every rank together (the geometry is the same on every rank)."""
-    d, dim = cfg.data, spatial_dim(cfg)  # volumes: (D, H, W) sizes, split along shard_dim
+    d = cfg.data
+    placements = spatial_placements(cfg, coords)
     crop = (d.depth, d.height, d.width) if d.kind == "volume" else (d.height, d.width)
     sizes: dict[tuple[int, ...], int] = {}
     for i in range(len(source)):
@@ -64,13 +64,15 @@ def check_val_sizes(
     model.eval()
     try:
         for size, i in sizes.items():
-            c, block, placements = source.channels(i), list(size), [Shard(dim)]
-            if coords.tiled:  # an H x W tile
+            c = source.channels(i)
+            if d.kind == "volume":  # a block along one or several dims
+                block = [b - a for a, b in block_bounds(cfg, coords, size)]
+            elif coords.tiled:  # an H x W tile
                 (r, s), (a, b) = coords.rows(size[0]), coords.cols(size[1])
-                block, placements = [s - r, b - a], coords.spatial_placements
+                block = [s - r, b - a]
             else:
-                a, b = strip_bounds(size[dim - 2], coords.sp, coords.sp_rank)
-                block[dim - 2] = b - a
+                a, b = strip_bounds(size[1], coords.sp, coords.sp_rank)
+                block = [size[0], b - a]
             x = torch.zeros(1, c, *block, device=device)
             bf16 = cfg.training.precision == "bf16"  # as validation runs it (memory)
             try:
@@ -79,14 +81,17 @@ def check_val_sizes(
             except (SpatialShardingError, RuntimeError) as exc:
                 if not is_geometry_error(exc, coords.sp):
                     raise
-                grid = f"[{coords.sp_h}, {coords.sp // coords.sp_h}]"
-                split = grid if coords.tiled else coords.sp
+                split = cfg.parallel.sp if coords.tiled else coords.sp
                 raise DataError(
                     f"{_file(source, i)}: validation image {'x'.join(map(str, size))} "
                     f"({'DxHxW' if len(size) == 3 else 'HxW'}) cannot run through "
                     f"{cfg.model.name} split over parallel.sp={split} rank(s): {exc}. "
                     "Remove it from the validation split, or use a smaller parallel.sp"
-                    + (" (fewer tile rows for a short image)" if coords.tiled else ""),
+                    + (
+                        " (fewer tile rows for a short image)"
+                        if len(size) == 2 and coords.tiled
+                        else ""
+                    ),
                     path=_file(source, i),
                 ) from exc
     finally:

@@ -3,10 +3,11 @@ items and TensorBoard slices.
 
 The training feed itself is ``data_feed.TrainFeed`` (sample order, resume position, skip
 handling are the same for images and volumes); what differs is dispatched here: the block
-a rank loads (``load_train_blocks``, the dimension ``parallel.shard_dim`` split like
-DTensor's ``Shard``), the DTensor placement (``Shard(2 + axis)``) and the panels logged for
-validation: the middle slices through the two axes that are not split (each rank cuts its
-own block of the slice, rank 0 stitches them along the split axis).
+a rank loads (``load_train_blocks``: the dimension ``parallel.shard_dim`` split like
+DTensor's ``Shard``, or for a grid ``parallel.sp: [d, h, w]`` each split dim over its mesh
+dim, ``block_bounds``), the DTensor placements (``spatial_placements``) and the panels
+logged for validation: the middle slices through the axes that are not split (each rank
+cuts its own piece of a slice, rank 0 stitches them).
 """
 
 from __future__ import annotations
@@ -18,24 +19,27 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from spconv_train.config import Config, ConfigError
+from spconv_train.config import Config, ConfigError, grid_mesh_dims, spatial_grid, split_dim
 from spconv_train.data import (
     AXES,
+    Box,
     SyntheticVolumes,
     VolumeAugment,
     VolumeFolder,
     VolumeSource,
     draw_volume_augment,
-    load_block,
+    load_box,
     make_volume_batch,
     strip_bounds,
 )
 
 __all__ = [
+    "block_bounds",
     "check_model_dims",
     "load_train_blocks",
     "shard_axis",
     "spatial_dim",
+    "spatial_placements",
     "volume_panel_pieces",
     "volume_sources",
     "volume_val_items",
@@ -43,14 +47,36 @@ __all__ = [
 
 
 def shard_axis(cfg: Config) -> int:
-    """The split axis of a volume: 0, 1, 2 for ``parallel.shard_dim`` D, H, W."""
-    return AXES.index(cfg.parallel.shard_dim)
+    """The split axis of a volume split along one dim: 0, 1, 2 for D, H, W
+    (``parallel.shard_dim``, or the one dim a grid ``[d, h, w]`` splits)."""
+    return AXES.index(split_dim(cfg))
 
 
 def spatial_dim(cfg: Config) -> int:
-    """The tensor dimension the sp ranks split: 3 (W of NCHW) for images, ``2 + axis``
-    for NCDHW volumes."""
+    """The tensor dimension the sp ranks split along one dim: 3 (W of NCHW) for images,
+    ``2 + axis`` for NCDHW volumes."""
     return 2 + shard_axis(cfg) if cfg.data.kind == "volume" else 3
+
+
+def spatial_placements(cfg: Config, coords) -> list:
+    """Placements of a sample on the spatial sub-mesh (``coords``: ``MeshCoords``): image
+    strips ``[Shard(3)]``, tiles ``[Shard(2), Shard(3)]``; volumes ``[Shard(2 + axis)]``,
+    or one ``Shard`` per mesh dim of a block mesh."""
+    if cfg.data.kind != "volume":
+        return coords.spatial_placements
+    return coords.tile_placements(5) if coords.tiled else [Shard(spatial_dim(cfg))]
+
+
+def block_bounds(cfg: Config, coords, size: tuple[int, int, int]) -> Box:
+    """This rank's ranges ``[a, b)`` along D, H, W of a volume of ``size`` (DTensor's
+    chunking along every split dim; the whole extent along the others)."""
+    if coords.tiled:
+        return (coords.planes(size[0]), coords.rows(size[1]), coords.cols(size[2]))
+    axis = shard_axis(cfg)
+    return tuple(  # type: ignore[return-value]
+        strip_bounds(n, coords.sp, coords.sp_rank) if k == axis else (0, n)
+        for k, n in enumerate(size)
+    )
 
 
 def check_model_dims(cfg: Config, model) -> None:
@@ -112,9 +138,8 @@ def load_train_blocks(
         )
         for i in indices
     ]
-    axis, size = shard_axis(cfg), augments[0].out
-    bounds = strip_bounds(size[axis], coords.sp, coords.sp_rank)
-    image, mask = make_volume_batch(source, indices, augments, axis, bounds)
+    size = augments[0].out  # make_volume_batch checks that every volume has it
+    image, mask = make_volume_batch(source, indices, augments, block_bounds(cfg, coords, size))
     return image, mask, size
 
 
@@ -122,27 +147,39 @@ def volume_val_items(
     source: VolumeSource, cfg: Config, coords, sp_mesh: DeviceMesh, device: torch.device
 ) -> Iterator:
     """Every validation volume once, un-augmented: volume ``i`` on replica ``i % dp``
-    (``val_items`` for volumes; ``ValItem.cols`` is the block along the split axis)."""
-    from spconv_train.train.data_feed import ValItem, to_dtensor  # noqa: PLC0415 (cycle)
+    (``val_items`` for volumes; ``ValItem.block`` is this rank's box, ``ValItem.cols`` its
+    range along the split dim of a one-dim split)."""
+    from spconv_train.train.data_feed import make_val_item  # noqa: PLC0415 (cycle)
 
-    axis = shard_axis(cfg)
+    placements = spatial_placements(cfg, coords)
     for index in range(coords.dp_rank, len(source), coords.dp):
         size = source.size(index)
-        bounds = strip_bounds(size[axis], coords.sp, coords.sp_rank)
-        image, mask = load_block(source, index, VolumeAugment.identity(size), axis, bounds)
-        shape = (1, image.shape[0], *size)
-        x = to_dtensor(image[None].to(device), sp_mesh, [Shard(2 + axis)], shape)
-        yield ValItem(index, x, mask[None].to(device), bounds)
+        block = block_bounds(cfg, coords, size)
+        image, mask = load_box(source, index, VolumeAugment.identity(size), block)
+        cols = block[2] if coords.tiled else block[shard_axis(cfg)]
+        yield make_val_item(
+            index, image, mask, size, sp_mesh, placements, device, cols, None, block
+        )
+
+
+def _cut_axes(cfg: Config) -> list[int]:
+    """The axes to slice a volume through for its panels: those not split (each slice then
+    holds a piece of every rank), or all three when at most one axis is unsplit."""
+    grid = spatial_grid(cfg) if grid_mesh_dims(cfg) else None
+    split = [k for k, n in enumerate(grid) if n > 1] if grid else [shard_axis(cfg)]
+    whole = [k for k in range(3) if k not in split]
+    return whole if len(whole) >= 2 else [0, 1, 2]
 
 
 def volume_panel_pieces(item, logits, cfg: Config, sp_rank: int) -> list[tuple]:
-    """This rank's pieces of the middle slices of a validation volume through the axes
-    that are not split: ``(key, sp_rank, stitch_dim, image, pred, target)`` with image
-    ``[C, r, c]`` and the labels ``[r, c]``, downsampled by ``logging.image_downsample`` in
-    global coordinates (``gather_panels`` stitches them along ``stitch_dim``)."""
+    """This rank's pieces of the middle slices of a validation volume (``_cut_axes``):
+    ``(key, (row, col), None, image, pred, target)`` with image ``[C, r, c]`` and the labels
+    ``[r, c]``, downsampled by ``logging.image_downsample`` in global coordinates, keyed by
+    the piece's first global (row, column) of the slice (``gather_panels`` stitches them as
+    tiles). A rank whose block does not hold the middle slice gives no piece of it."""
     from spconv_train.train.data_feed import downsample_strip  # noqa: PLC0415 (cycle)
 
-    axis, ds, a = shard_axis(cfg), cfg.logging.image_downsample, item.cols[0]
+    ds, block = cfg.logging.image_downsample, item.block
     size = tuple(item.image.shape[2:])
     volumes = (
         item.image.to_local()[0].float(),  # [C, d, h, w]
@@ -150,19 +187,14 @@ def volume_panel_pieces(item, logits, cfg: Config, sp_rank: int) -> list[tuple]:
         item.target[0],
     )
     pieces = []
-    for cut in (k for k in range(3) if k != axis):
+    for cut in _cut_axes(cfg):
         middle = size[cut] // 2
-        # Without the cut axis, the split axis is the slice's columns (the later of the
-        # two remaining axes) or its rows.
-        stitch = -1 if axis == max(k for k in range(3) if k != cut) else -2
-        slices = []
-        for v in volumes:
-            plane = v.select(v.ndim - 3 + cut, middle)
-            if stitch == -2:  # downsample the split rows in global coordinates
-                plane = downsample_strip(plane.transpose(-1, -2), a, ds).transpose(-1, -2)
-            else:
-                plane = downsample_strip(plane, a, ds)
-            slices.append(plane.contiguous().cpu())
-        key = f"{item.index}_{AXES[cut]}{middle}"
-        pieces.append((key, sp_rank, stitch, *slices))
+        (a, b), (r, c) = block[cut], (block[k][0] for k in range(3) if k != cut)
+        if not a <= middle < b:
+            continue
+        slices = [
+            downsample_strip(v.select(v.ndim - 3 + cut, middle - a), c, ds, r).contiguous().cpu()
+            for v in volumes
+        ]
+        pieces.append((f"{item.index}_{AXES[cut]}{middle}", (r, c), None, *slices))
     return pieces

@@ -20,6 +20,7 @@ This module imports no torch at import time (the CLI imports it for ``--help``).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -143,7 +144,8 @@ def verify_command(
         precision = "fp64" if dtype == "float64" else cfg.training.precision
         resolve_tolerances(precision, {"rtol": rtol, "atol": atol})
         if not launched_by_torchrun():
-            nproc = nproc or max(cfg.parallel.sp, 2)
+            sp = cfg.parallel.sp  # a grid [p, q] / [d, h, w] holds their product
+            nproc = nproc or max(sp if isinstance(sp, int) else math.prod(sp), 2)
             validate_for_world(cfg, nproc)
     except (ConfigError, ValueError) as exc:
         _error(str(exc))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch import nn
 
-from spconv_train.config import Config, spatial_grid, validate_for_world
+from spconv_train.config import Config, describe_grid, grid_mesh_dims, resolve_grid
 from spconv_train.distributed import build_mesh, gather_all, peak_memory_mb, seed_everything
 from spconv_train.parallel import parallelize
 from spconv_train.train.data_feed import build_sources
@@ -126,13 +126,13 @@ def run_verify(
         raise ValueError(f"dtype must be 'float64' or 'config', got {dtype!r}")
     cfg, device = config, _device()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp, sp = validate_for_world(cfg, world)
+    dp, sp = resolve_grid(cfg, world)  # parallel.sp: 0 -> the chosen grid
     precision = "fp64" if dtype == "float64" else cfg.training.precision
     tols = resolve_tolerances(precision, tolerances)
     # In the training precision the one-device rounding noise is measured (a float64 copy
     # of the reference), unless the user set the tolerances: then those alone decide.
     noise = precision != "fp64" and not _user_tolerances(tolerances)
-    mesh = build_mesh(dp, sp, device.type, spatial_grid(cfg))
+    mesh = build_mesh(dp, sp, device.type, grid_mesh_dims(cfg))
     seed_everything(cfg.training.seed)  # the same initial weights on every rank
     model = build_model(cfg)
     if precision == "fp64":
@@ -204,6 +204,7 @@ def run_verify(
         world_size=world,
         dp=dp,
         sp=sp,
+        grid=describe_grid(cfg),
         model=cfg.model.name,
         precision=precision,
         batch_shape=shape,

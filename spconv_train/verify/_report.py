@@ -62,6 +62,8 @@ class VerifyReport:
     memory: list[dict] = field(default_factory=list)
     comms: list[dict] = field(default_factory=list)
     flagged: list[str] = field(default_factory=list)
+    grid: str = ""
+    """The spatial layout for messages (``" (2x2 tiles)"``; empty for strips)."""
 
     @property
     def failed_checks(self) -> list[Check]:
@@ -75,7 +77,7 @@ class VerifyReport:
 
     def verdict(self) -> str:
         """The one-line verdict."""
-        where = f"{self.model}, {self.world_size} rank(s) (dp={self.dp} x sp={self.sp})"
+        where = f"{self.model}, {self.world_size} rank(s) (dp={self.dp} x sp={self.sp}{self.grid})"
         if self.passed:
             return (
                 f"PASS: sharded training equals one device within tolerance: {len(self.checks)} "
@@ -104,6 +106,7 @@ class VerifyReport:
             "steps": self.steps,
             "world_size": self.world_size,
             "mesh": {"dp": self.dp, "sp": self.sp},
+            "grid": self.grid.strip(" ()"),
             "precision": self.precision,
             "batch_shape": list(self.batch_shape),
             "reference": self.reference,
