@@ -50,6 +50,7 @@ __all__ = [
     "PAD_MULTIPLE",
     "ImagesFailed",
     "PredictError",
+    "any_size",
     "load_export",
     "predict_command",
     "register",
@@ -166,25 +167,49 @@ def _load_config(kind: str, weights: Path, config_yaml: Path | None, overrides, 
     raise PredictError(f"{weights}: no saved config found; pass --config CONFIG")
 
 
-def _collect(inputs: Sequence[str | Path], masks_dir: str | Path | None) -> list[tuple]:
-    """``(stem, image path, mask path or None)`` of every input image, sorted."""
+def any_size(cfg):
+    """``cfg`` without the training crop size (``data.depth/height/width`` null): predict
+    takes every image or volume at its own size."""
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, depth=None, height=None, width=None)
+    )
+
+
+def _finder(volumes: bool):
+    """(index of a folder: ``(folder, "image" | "mask") -> {stem: path}``, stem of a file)
+    for images or, with ``volumes``, 3-D volumes (``.npy``, TIFF stacks, NIfTI)."""
+    if volumes:
+        from spconv_train.data.volume_folder import _index, _stem
+
+        return _index, _stem
     from spconv_train.data import IMAGE_EXTS, MASK_EXTS, index_folder
 
+    exts = {"image": IMAGE_EXTS, "mask": MASK_EXTS}
+    return (lambda folder, what: index_folder(folder, exts[what], what)), (lambda p: p.stem)
+
+
+def _collect(
+    inputs: Sequence[str | Path], masks_dir: str | Path | None, volumes: bool = False
+) -> list[tuple]:
+    """``(stem, image path, mask path or None)`` of every input image (or, with
+    ``volumes``, every input volume), sorted."""
+    index, stem_of = _finder(volumes)
     found: dict[str, Path] = {}
     for item in map(Path, inputs):
         if item.is_dir():
-            files = list(index_folder(item, IMAGE_EXTS, "image").values())
+            files = list(index(item, "image").values())
         elif item.is_file():
             files = [item]
         else:
             raise PredictError(f"{item}: no such file or folder")
         for f in files:
-            if f.stem in found and found[f.stem] != f:
-                raise PredictError(f"two inputs share the stem {f.stem!r}: {found[f.stem]}, {f}")
-            found[f.stem] = f
+            stem = stem_of(f)
+            if stem in found and found[stem] != f:
+                raise PredictError(f"two inputs share the stem {stem!r}: {found[stem]}, {f}")
+            found[stem] = f
     if not found:
-        raise PredictError("no input images found")
-    masks = index_folder(Path(masks_dir), MASK_EXTS, "mask") if masks_dir else None
+        raise PredictError(f"no input {'volumes' if volumes else 'images'} found")
+    masks = index(Path(masks_dir), "mask") if masks_dir else None
     if masks is not None:
         missing = sorted(s for s in found if s not in masks)
         if missing:
@@ -203,8 +228,10 @@ def _class_names(cfg, masks_dir) -> list[str]:
             return names
     if cfg.data.source == "synthetic" and k >= 2:
         from spconv_train.data import synthetic_class_names
+        from spconv_train.data.synthetic3d import synthetic_volume_class_names
 
-        return synthetic_class_names(k)
+        volume = cfg.data.kind == "volume"
+        return (synthetic_volume_class_names if volume else synthetic_class_names)(k)
     return [f"class_{i}" for i in range(k)]
 
 
@@ -241,21 +268,17 @@ def predict_command(
     try:
         kind, weights, saved = resolve_checkpoint(checkpoint)
         cfg = _load_config(kind, weights, saved, overrides, config_path)
-        if cfg.data.kind == "volume":  # not yet: refused before any file is read
-            raise ConfigError("data.kind", "predict does not support volumes yet (images only)")
-        if not isinstance(cfg.parallel.sp, int):  # not yet: prediction runs on width strips
-            raise ConfigError(
-                "parallel.sp",
-                "predict splits images into width strips, not H x W tiles: give an integer "
-                "(e.g. --set parallel.sp=0, the default)",
+        volumes = cfg.data.kind == "volume"
+        if volumes and band_rows:  # before any file is read
+            raise PredictError(
+                f"--band-rows {band_rows}: volumes are predicted whole (each rank holds its "
+                "block of every volume); leave --band-rows out or give 0"
             )
-        images = _collect(inputs, masks_dir)
+        images = _collect(inputs, masks_dir, volumes)
         names = _class_names(cfg, masks_dir)
         nproc = nproc or 1
         if not launched_by_torchrun():
-            validate_for_world(
-                dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, width=None)), nproc
-            )
+            validate_for_world(any_size(cfg), nproc)
     except (PredictError, ConfigError, DataError) as exc:
         _error(str(exc))
         return 2
