@@ -28,6 +28,12 @@ context rows derived from the network, exactly equal to whole-image inference, a
 written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
 ``_writers``; docs/wsi.md).
 
+H x W tiles: with ``--set parallel.sp=[p, q]`` every image (and every band) is split into
+p x q tiles instead of strips; each rank reads only its tile (``_layout``). Volumes (a
+config with ``data.kind: volume``): every volume is split along ``parallel.shard_dim``,
+each rank reads only its block, and ``<stem>.npy`` label volumes are written
+(``_volumes``; docs/volumes.md).
+
 Checkpoints: a run folder (its best, else latest checkpoint), a ``step-N`` checkpoint
 folder (both use the run's ``config.yaml``), or an exported ``.pt`` holding
 ``{"model", "config"}``; ``--config`` replaces the saved config.
@@ -45,6 +51,9 @@ from typing import Annotated
 import typer
 
 from spconv_train.verify import launched_by_torchrun, run_torchrun
+
+from ._errors import ImagesFailed, PredictError
+from ._inputs import _class_names, _collect
 
 __all__ = [
     "PAD_MULTIPLE",
@@ -69,26 +78,6 @@ def __getattr__(name: str):
 
         return run_predict
     raise AttributeError(name)
-
-
-class PredictError(Exception):
-    """Bad input for predict (checkpoint, images, masks); exit code 2."""
-
-
-class ImagesFailed(PredictError):
-    """Some images could not be predicted (the others were written); exit code 2.
-
-    Attributes:
-        failed: ``{stem: message}`` of every failed image.
-        total: number of input images.
-    """
-
-    def __init__(self, failed: dict[str, str], total: int) -> None:
-        self.failed, self.total = dict(failed), total
-        lines = "\n".join(f"  {stem}: {message}" for stem, message in self.failed.items())
-        super().__init__(
-            f"{len(self.failed)} of {total} image(s) failed (the others were written):\n{lines}"
-        )
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[str, Path, Path | None]:
@@ -175,66 +164,6 @@ def any_size(cfg):
     )
 
 
-def _finder(volumes: bool):
-    """(index of a folder: ``(folder, "image" | "mask") -> {stem: path}``, stem of a file)
-    for images or, with ``volumes``, 3-D volumes (``.npy``, TIFF stacks, NIfTI)."""
-    if volumes:
-        from spconv_train.data.volume_folder import _index, _stem
-
-        return _index, _stem
-    from spconv_train.data import IMAGE_EXTS, MASK_EXTS, index_folder
-
-    exts = {"image": IMAGE_EXTS, "mask": MASK_EXTS}
-    return (lambda folder, what: index_folder(folder, exts[what], what)), (lambda p: p.stem)
-
-
-def _collect(
-    inputs: Sequence[str | Path], masks_dir: str | Path | None, volumes: bool = False
-) -> list[tuple]:
-    """``(stem, image path, mask path or None)`` of every input image (or, with
-    ``volumes``, every input volume), sorted."""
-    index, stem_of = _finder(volumes)
-    found: dict[str, Path] = {}
-    for item in map(Path, inputs):
-        if item.is_dir():
-            files = list(index(item, "image").values())
-        elif item.is_file():
-            files = [item]
-        else:
-            raise PredictError(f"{item}: no such file or folder")
-        for f in files:
-            stem = stem_of(f)
-            if stem in found and found[stem] != f:
-                raise PredictError(f"two inputs share the stem {stem!r}: {found[stem]}, {f}")
-            found[stem] = f
-    if not found:
-        raise PredictError(f"no input {'volumes' if volumes else 'images'} found")
-    masks = index(Path(masks_dir), "mask") if masks_dir else None
-    if masks is not None:
-        missing = sorted(s for s in found if s not in masks)
-        if missing:
-            raise PredictError(f"{masks_dir}: no mask for {', '.join(missing[:10])}")
-    return [(s, found[s], masks[s] if masks else None) for s in sorted(found)]
-
-
-def _class_names(cfg, masks_dir) -> list[str]:
-    k = cfg.model.num_classes
-    if cfg.data.class_names:
-        return list(cfg.data.class_names)
-    for root in [Path(masks_dir).parent.parent] if masks_dir else []:
-        f = root / "classes.txt"
-        names = f.read_text().split() if f.is_file() else []
-        if len(names) == k:
-            return names
-    if cfg.data.source == "synthetic" and k >= 2:
-        from spconv_train.data import synthetic_class_names
-        from spconv_train.data.synthetic3d import synthetic_volume_class_names
-
-        volume = cfg.data.kind == "volume"
-        return (synthetic_volume_class_names if volume else synthetic_class_names)(k)
-    return [f"class_{i}" for i in range(k)]
-
-
 def _error(message: str) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -274,11 +203,11 @@ def predict_command(
                 f"--band-rows {band_rows}: volumes are predicted whole (each rank holds its "
                 "block of every volume); leave --band-rows out or give 0"
             )
+        nproc = nproc or 1
+        if not launched_by_torchrun():  # the mesh fits the ranks, before any file is read
+            validate_for_world(any_size(cfg), nproc)
         images = _collect(inputs, masks_dir, volumes)
         names = _class_names(cfg, masks_dir)
-        nproc = nproc or 1
-        if not launched_by_torchrun():
-            validate_for_world(any_size(cfg), nproc)
     except (PredictError, ConfigError, DataError) as exc:
         _error(str(exc))
         return 2
@@ -398,11 +327,13 @@ def register(app: typer.Typer) -> None:
             ),
         ] = False,
     ) -> None:
-        """Segment full-resolution images with a trained model, sharded over the ranks.
+        """Segment full-resolution images (or volumes) with a trained model, sharded over
+        the ranks.
 
-        Each rank reads and computes only its column strip of every image;
-        rank 0 writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png.
-        Images too narrow to split are padded on the right and cropped back.
+        Each rank reads and computes only its column strip of every image (its tile with
+        --set "parallel.sp=[p, q]"; its block of a volume on a volume config); rank 0
+        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (volumes:
+        OUT/<stem>.npy). Images too narrow to split are padded on the right and cropped back.
 
         [bold]spconv-train predict runs/unet images/ --out preds --nproc 2[/]
 
