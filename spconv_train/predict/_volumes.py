@@ -62,7 +62,9 @@ class VolumePredictor:
     def __init__(self, cfg, model, space, device, stream, out_dir: Path, console) -> None:
         self.cfg, self.model, self.space, self.device = cfg, model, space, device
         self.sp, self.rank = space.size, space.rank
-        self.axis = shard_axis(cfg)  # 0, 1, 2 = D, H, W
+        axis = shard_axis(cfg)  # 0, 1, 2 = D, H, W
+        # (axis, ranks) of every split axis, in mesh-dim order (ranks numbered row-major)
+        self.splits = [(axis, self.sp)]
         self.probabilities, self.out_dir = stream.probabilities, out_dir
         self.timing = {"read_s": 0.0, "forward_s": 0.0}
 
@@ -83,12 +85,20 @@ class VolumePredictor:
             )
         return size, c  # type: ignore[return-value]
 
+    def _box(self, size: tuple[int, int, int]) -> tuple[tuple[int, int], ...]:
+        """This rank's ranges ``[a, b)`` along D, H, W (DTensor's chunking along the split
+        axis)."""
+        ((axis, parts),) = self.splits
+        return tuple(
+            strip_bounds(n, parts, self.rank) if k == axis else (0, n) for k, n in enumerate(size)
+        )
+
     def _logits(self, path: Path, size, c: int, box) -> torch.Tensor:
         """Logits ``[K, d, h, w]`` of this rank's block ``box`` (on the CPU)."""
         start = time.perf_counter()
         block = read_box(path, box)
         self.timing["read_s"] += time.perf_counter() - start
-        placements = [Shard(2 + self.axis)]
+        placements = [Shard(2 + axis) for axis, _ in self.splits]
         x = to_dtensor(block[None].to(self.device), self.space.mesh, placements, (1, c, *size))
         bf16 = self.cfg.training.precision == "bf16"
         start = time.perf_counter()
@@ -100,7 +110,7 @@ class VolumePredictor:
     def _too_small(self, path: Path, size, why) -> SpatialShardingError:
         """The failure of a volume too small for the model over these ranks (``why``: the
         cause, e.g. the layer's error)."""
-        dim = AXES[self.axis]
+        dim = "/".join(AXES[axis] for axis, _ in self.splits)
         fix = f"the volume may be smaller than the model's down-sampling needs along {dim}"
         if self.sp > 1:
             fix = (
@@ -115,13 +125,13 @@ class VolumePredictor:
 
     def __call__(self, stem: str, path: Path, mask_path: Path | None, cm) -> tuple:
         size, c = self._sizes(path, mask_path)
-        n = size[self.axis]
-        if math.ceil(n / math.ceil(n / self.sp)) < self.sp:  # the same on every rank
-            unit = ("slices", "rows", "columns")[self.axis]
-            why = f"{n} {unit} over {self.sp} ranks leave a rank without any"
-            raise self._too_small(path, size, why)
-        bounds = strip_bounds(n, self.sp, self.rank)
-        box = tuple(bounds if k == self.axis else (0, n) for k, n in enumerate(size))
+        for axis, parts in self.splits:  # known from the header: the same on every rank
+            n = size[axis]
+            if math.ceil(n / math.ceil(n / parts)) < parts:
+                unit = ("slices", "rows", "columns")[axis]
+                why = f"{n} {unit} over {parts} ranks leave a rank without any"
+                raise self._too_small(path, size, why)
+        box = self._box(size)
         try:
             logits = self._logits(path, size, c, box)
         except (SpatialShardingError, RuntimeError) as exc:
@@ -157,12 +167,13 @@ class VolumePredictor:
         return cls.numpy().astype(dtype), probs
 
     def _write(self, stem: str, size, parts: list) -> str:
-        """Stitch the blocks along the split axis and write the ``.npy`` outputs."""
-        counts, axes = (self.sp,), (self.axis,)
+        """Stitch the blocks along the split axes and write the ``.npy`` outputs."""
+        axes, counts = zip(*self.splits, strict=True)
         names = [f"{stem}.npy"]
         np.save(self.out_dir / names[0], stitch([p[0] for p in parts], counts, axes))
         if self.probabilities:
             names.append(f"{stem}_probabilities.npy")
             np.save(self.out_dir / names[1], stitch([p[1] for p in parts], counts, axes))
-        split = f"split along {AXES[self.axis]} over {self.sp} rank(s)"
+        along = " x ".join(f"{AXES[axis]}" for axis in axes)
+        split = f"split along {along} over {'x'.join(map(str, counts))} rank(s)"
         return f"{'x'.join(map(str, size))} (DxHxW), {split} -> {', '.join(names)}"
