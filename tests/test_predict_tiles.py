@@ -81,9 +81,9 @@ def tiles_case(tmp_path_factory):
     masks.mkdir()
     _image(images / "odd.npy", 70, 45, 0)  # tiles of 35 x 23 / 22 columns on 2 x 2
     _image(images / "small.png", 40, 64, 1)
-    _image(images / "tall.npy", 168, 52, 2)  # banded: 168 = 42 x the stride 4
+    _image(images / "tall.npy", 120, 52, 2)  # banded: 120 = 30 x the stride 4
     rng = np.random.default_rng(3)
-    for stem, (h, w) in (("odd", (70, 45)), ("small", (40, 64)), ("tall", (168, 52))):
+    for stem, (h, w) in (("odd", (70, 45)), ("small", (40, 64)), ("tall", (120, 52))):
         mask = rng.integers(0, 3, (h, w)).astype(np.uint8)
         mask[:3, :5] = 255  # ignored pixels
         np.save(masks / f"{stem}.npy", mask)
@@ -92,13 +92,17 @@ def tiles_case(tmp_path_factory):
     return root, weights, logits
 
 
-def _check_images(out: Path, case, metrics: dict, label: str, banded: bool = False) -> None:
-    """Every written mask equals the single-device arg-max; ``metrics.json`` counts them."""
+def _check_images(out: Path, case, result, stems: list[str], label: str) -> None:
+    """Every written mask (``.png`` whole, ``.tif`` banded) equals the single-device
+    arg-max; ``metrics.json`` counts them."""
     root, _, logits = case
+    status, metrics, _ = result
+    assert status == "ok", metrics
     pairs = []
-    for stem, want in logits.items():
-        saved = _tiled(out / f"{stem}.tif") if banded else np.array(Image.open(out / f"{stem}.png"))
-        _assert_argmax(saved, want, f"{stem} on {label}")
+    for stem in stems:
+        png = out / f"{stem}.png"
+        saved = np.array(Image.open(png)) if png.is_file() else _tiled(out / f"{stem}.tif")
+        _assert_argmax(saved, logits[stem], f"{stem} on {label}")
         assert Image.open(out / f"{stem}_overlay.png").size == saved.shape[::-1]
         pairs.append((saved, np.load(root / "masks" / f"{stem}.npy")))
     assert metrics["confusion_matrix"] == _counted(pairs), label
@@ -106,39 +110,41 @@ def _check_images(out: Path, case, metrics: dict, label: str, banded: bool = Fal
 
 
 def test_tiles_2x2_equal_one_device(dist_pool, tiles_case, tmp_path):
-    """A 2 x 2 grid, whole images and 16-row bands (+ probabilities): each rank reads and
-    predicts its tile of every band; the stitched outputs equal one device's."""
+    """A 2 x 2 grid: whole images (PNG outputs stitched from the tiles) and 24-row bands
+    with probabilities (each rank reads and predicts its tile of every band; TIFFs)."""
     root, weights, logits = tiles_case
-    images, masks = str(root / "images"), str(root / "masks")
-    grid = ["parallel.sp=[2, 2]"]
-    whole = dist_pool.run(4, predict_sets, weights, [images], str(tmp_path / "w"), masks, grid,
-                          band_rows=0)  # fmt: skip
-    assert whole[0][0] == "ok", whole[0]
-    assert all(r == ("ok", None, "") for r in whole[1:])  # only rank 0 writes or prints
-    _check_images(tmp_path / "w", tiles_case, whole[0][1], "2x2 tiles")
-    bands = dist_pool.run(4, predict_sets, weights, [images], str(tmp_path / "b"), masks, grid,
-                          band_rows=16, probabilities=True)  # fmt: skip
-    assert bands[0][0] == "ok", bands[0]
-    assert "tall: 168x52, 11 bands of 16 rows" in bands[0][2], bands[0][2]
-    _check_images(tmp_path / "b", tiles_case, bands[0][1], "2x2 tiles, bands", banded=True)
+    images, masks, grid = root / "images", str(root / "masks"), ["parallel.sp=[2, 2]"]
+    whole = [str(images / "odd.npy"), str(images / "small.png")]
+    run = dist_pool.run(
+        4, predict_sets, weights, whole, str(tmp_path / "w"), masks, grid, band_rows=0
+    )
+    assert all(r == ("ok", None, "") for r in run[1:]), run  # only rank 0 writes or prints
+    _check_images(tmp_path / "w", tiles_case, run[0], ["odd", "small"], "2x2 tiles")
+    tall = [str(images / "tall.npy")]
+    out, stream = str(tmp_path / "b"), {"band_rows": 24, "probabilities": True}
+    run = dist_pool.run(4, predict_sets, weights, tall, out, masks, grid, **stream)
+    assert "tall: 120x52, 5 bands of 24 rows" in run[0][2], run[0]
+    _check_images(tmp_path / "b", tiles_case, run[0], ["tall"], "2x2 tiles, bands")
     probs = _tiled(tmp_path / "b" / "tall_probabilities.tif")
     want = (logits["tall"].softmax(0) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-    assert probs.shape == (168, 52, 3) and np.abs(probs.astype(int) - want).max() <= 1
+    assert probs.shape == (120, 52, 3) and np.abs(probs.astype(int) - want).max() <= 1
 
 
 def test_tiles_1x3_and_3x1_equal_one_device(dist_pool, tiles_case, tmp_path):
-    """Three tile columns (whole images) and three tile rows (8-row bands: most bands leave
+    """Three tile columns (whole image) and three tile rows (16-row bands: most bands leave
     some tile rows without kept rows) at 3 ranks."""
     root, weights, _ = tiles_case
-    images, masks = str(root / "images"), str(root / "masks")
-    run = dist_pool.run(3, predict_sets, weights, [images], str(tmp_path / "c"), masks,
-                        ["parallel.sp=[1, 3]"], band_rows=0)  # fmt: skip
-    assert run[0][0] == "ok", run[0]
-    _check_images(tmp_path / "c", tiles_case, run[0][1], "1x3 tiles")
-    run = dist_pool.run(3, predict_sets, weights, [images], str(tmp_path / "r"), masks,
-                        ["parallel.sp=[3, 1]"], band_rows=8)  # fmt: skip
-    assert run[0][0] == "ok", run[0]
-    _check_images(tmp_path / "r", tiles_case, run[0][1], "3x1 tiles, bands", banded=True)
+    images, masks = root / "images", str(root / "masks")
+    small, tall = [str(images / "small.png")], [str(images / "tall.npy")]
+    cols = ["parallel.sp=[1, 3]"]
+    run = dist_pool.run(3, predict_sets, weights, small, str(tmp_path / "c"), masks, cols)
+    _check_images(tmp_path / "c", tiles_case, run[0], ["small"], "1x3 tiles")
+    rows = ["parallel.sp=[3, 1]"]
+    run = dist_pool.run(
+        3, predict_sets, weights, tall, str(tmp_path / "r"), masks, rows, band_rows=16
+    )
+    assert "tall: 120x52, 8 bands of 16 rows" in run[0][2], run[0]
+    _check_images(tmp_path / "r", tiles_case, run[0], ["tall"], "3x1 tiles, bands")
 
 
 def test_tiles_too_small_are_named(dist_pool, tiles_case, tmp_path):
@@ -159,34 +165,58 @@ def test_tiles_too_small_are_named(dist_pool, tiles_case, tmp_path):
 # --- volumes --------------------------------------------------------------------------------
 
 
-def _volume(rng, shape: tuple[int, ...]) -> np.ndarray:
-    """uint8 noise with bright boxes (so that the classes vary)."""
-    vol = rng.integers(0, 80, shape).astype(np.uint8)
-    for _ in range(4):
-        lo = [int(rng.integers(0, n - 2)) for n in shape]
-        vol[tuple(slice(a, a + 4) for a in lo)] = 230
-    return vol
+def _export_volume_model(path: Path) -> tuple[str, torch.nn.Module]:
+    """The seeded 3-D U-Net of ``VOLUME`` trained 15 AdamW steps on two synthetic volumes
+    (class-weighted, so that it predicts more than background), with BatchNorm running
+    statistics of those volumes, in eval mode, exported to ``path``."""
+    from spconv_train.checkpoint import CheckpointManager
+    from spconv_train.config import config_to_dict, load_config
+    from spconv_train.data import SyntheticVolumes
+    from spconv_train.train.loop import build_model
+
+    cfg = load_config(None, VOLUME)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    data = SyntheticVolumes(2, size=(8, 16, 16), num_classes=3, seed=5)
+    x, y = (torch.stack(t) for t in zip(data[0], data[1], strict=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    weight = torch.tensor([0.1, 1.0, 1.0])
+    for _ in range(15):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y, weight, ignore_index=255).backward()
+        optimizer.step()
+    with torch.no_grad():  # running statistics = the training volumes' batch statistics
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.momentum = None
+                m.reset_running_stats()
+        model(x)
+    CheckpointManager.export(model, path, config=config_to_dict(cfg))
+    return str(path), model.eval()
 
 
 @pytest.fixture(scope="module")
 def volume_case(tmp_path_factory):
     """The exported 3-D U-Net (depth 2), a ``.npy`` volume with a mask, a TIFF stack, and
     their single-device logits."""
+    from spconv_train.data import SyntheticVolumes
     from spconv_train.data.volume_folder import volume_header
     from spconv_train.predict._volumes import read_box
 
     root = tmp_path_factory.mktemp("volumes")
-    weights, model = _export(root / "unet3d.pt", VOLUME)
+    weights, model = _export_volume_model(root / "unet3d.pt")
     images, masks = root / "images", root / "masks"
     images.mkdir()
     masks.mkdir()
-    rng = np.random.default_rng(0)
-    np.save(images / "ct.npy", _volume(rng, (10, 12, 14)))  # D over 3: 4, 4, 2
-    tifffile.imwrite(images / "stack.tif", _volume(rng, (12, 10, 16)))
-    mask = rng.integers(0, 3, (10, 12, 14)).astype(np.uint8)
-    mask[0, :2] = 255
+    # synthetic volumes (float32) of uneven sizes, as .npy and as a TIFF stack
+    ct = SyntheticVolumes(1, size=(10, 12, 14), num_classes=3, seed=1)[0]
+    stack = SyntheticVolumes(1, size=(12, 10, 16), num_classes=3, seed=2)[0]
+    np.save(images / "ct.npy", ct[0][0].numpy())  # D over 3 ranks: 4, 4, 2 slices
+    tifffile.imwrite(images / "stack.tif", stack[0][0].numpy())
+    mask = ct[1].numpy().astype(np.uint8)
+    mask[0, :2] = 255  # ignored voxels
     np.save(masks / "ct.npy", mask)
-    np.save(masks / "stack.npy", rng.integers(0, 3, (12, 10, 16)).astype(np.uint8))
+    np.save(masks / "stack.npy", stack[1].numpy().astype(np.uint8))
     logits = {}
     for path in sorted(images.iterdir()):
         x = read_box(path, tuple((0, n) for n in volume_header(path)[0]))
@@ -249,4 +279,5 @@ def test_refusals_name_the_key_or_option(volume_case, tiles_case, tmp_path):
     result = runner.invoke(app, ["predict", image_weights, image, *out, *grid, "--nproc", "2"])
     assert result.exit_code == 2 and "parallel.sp: a grid 2x2 = 4 ranks" in result.output
     missing = runner.invoke(app, ["predict", vol_weights, str(tmp_path / "none"), *out])
-    assert missing.exit_code == 2 and "no such file or folder" in missing.output
+    said = " ".join(missing.output.split())  # the console wraps long lines
+    assert missing.exit_code == 2 and "none: no such file or folder" in said
