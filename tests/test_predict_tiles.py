@@ -111,7 +111,8 @@ def _check_images(out: Path, case, result, stems: list[str], label: str) -> None
 
 def test_tiles_2x2_equal_one_device(dist_pool, tiles_case, tmp_path):
     """A 2 x 2 grid: whole images (PNG outputs stitched from the tiles) and 24-row bands
-    with probabilities (each rank reads and predicts its tile of every band; TIFFs)."""
+    with probabilities (each rank reads and predicts its tile of every band; TIFFs); and
+    two replicas of 1 x 2 tiles at 4 ranks."""
     root, weights, logits = tiles_case
     images, masks, grid = root / "images", str(root / "masks"), ["parallel.sp=[2, 2]"]
     whole = [str(images / "odd.npy"), str(images / "small.png")]
@@ -120,6 +121,10 @@ def test_tiles_2x2_equal_one_device(dist_pool, tiles_case, tmp_path):
     )
     assert all(r == ("ok", None, "") for r in run[1:]), run  # only rank 0 writes or prints
     _check_images(tmp_path / "w", tiles_case, run[0], ["odd", "small"], "2x2 tiles")
+    # (dp, sp_h, sp_w) = (2, 1, 2): two replicas, one image each, a group per replica
+    dp = ["parallel.sp=[1, 2]"]
+    run = dist_pool.run(4, predict_sets, weights, whole, str(tmp_path / "d"), masks, dp)
+    _check_images(tmp_path / "d", tiles_case, run[0], ["odd", "small"], "dp 2 x 1x2 tiles")
     tall = [str(images / "tall.npy")]
     out, stream = str(tmp_path / "b"), {"band_rows": 24, "probabilities": True}
     run = dist_pool.run(4, predict_sets, weights, tall, out, masks, grid, **stream)
