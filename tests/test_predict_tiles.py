@@ -1,7 +1,8 @@
 """``predict`` on H x W tiles and on volumes (issue 12, item 3): equal to one device.
 
 Tiles: a seeded U-Net predicts images on a 2 x 2 grid (whole and in row bands, with class
-probabilities), on a 1 x 3 grid and on a 3 x 1 grid (banded); every written mask must
+probabilities), on two replicas of 1 x 2 tiles, on a 1 x 3 grid and on a 3 x 1 grid
+(banded); every written mask must
 equal the single-device arg-max pixel for pixel and ``metrics.json`` must count the
 written masks. Volumes: a seeded 3-D U-Net predicts ``.npy`` volumes and a TIFF stack
 split along D over 3 ranks and along W over 2 ranks (uneven blocks); the written ``.npy``
