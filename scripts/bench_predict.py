@@ -95,8 +95,9 @@ def export_model(path: Path, config: str, sets: list[str]) -> None:
     CheckpointManager.export(build_model(cfg).eval(), path, config=config_to_dict(cfg))
 
 
-def run_one(model: Path, image: Path, out: Path, nproc: int, band_rows: str, timeout: int):
-    """One ``predict`` command; (wall seconds, per-rank stats, command output tail)."""
+def run_one(model: Path, image: Path, out: Path, nproc: int, band_rows: str, timeout: int, sets=()):
+    """One ``predict`` command (``sets``: its ``--set`` overrides); (wall seconds, per-rank
+    stats, command output tail)."""
     stats = out / "stats"
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPCONV_PREDICT_STATS": str(stats)}
@@ -104,6 +105,7 @@ def run_one(model: Path, image: Path, out: Path, nproc: int, band_rows: str, tim
     cmd = [sys.executable, "-m", "spconv_train", "predict", str(model), str(image)]
     cmd += ["--out", str(out), "--nproc", str(nproc)]
     cmd += [] if band_rows == "auto" else ["--band-rows", band_rows]
+    cmd += [word for text in sets for word in ("--set", text)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     wall = time.perf_counter() - start
@@ -124,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--band-rows", default="auto", help="'auto' or N (0 = whole image)")
     p.add_argument("--config", default=str(REPO / "configs" / "unet.yaml"))
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--predict-set",
+        dest="predict_sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override for the predict command, e.g. 'parallel.sp=[2, 2]' (H x W tiles)",
+    )
     p.add_argument("--work", type=Path, default=REPO / "runs" / "bench_predict")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per predict command")
     p.add_argument("--keep", action="store_true", help="keep the images and predictions")
@@ -143,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
         for n in args.ranks:
             out = args.work / f"out_{h}x{w}_{n}"
-            wall, ranks, tail = run_one(model, image, out, n, args.band_rows, args.timeout)
+            wall, ranks, tail = run_one(
+                model, image, out, n, args.band_rows, args.timeout, args.predict_sets
+            )
             row = {
                 "mpx": h * w / 1e6,
                 "shape": f"{h}x{w}",

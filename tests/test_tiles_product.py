@@ -219,13 +219,13 @@ def test_run_resumes_strip_checkpoint_on_a_tile_grid(tmp_path) -> None:
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     panel = acc.Images("val/panel_0")[-1]  # stitched from 2x2 tiles, downsampled by 2
     assert (panel.height, panel.width) == (17, 3 * 33 + 2 * 2)
-    # predict runs on strips: the saved grid is replaced by parallel.sp=0, an explicit one
-    # is refused naming the key (before any image is read)
+    # predict takes an explicit grid (tests/test_predict_tiles.py); one that does not fit
+    # the ranks is refused naming the key (before any image is read)
     from typer.testing import CliRunner
 
     from spconv_train.cli import app
 
     args = ["predict", str(run_dir / "model.pt"), str(tmp_path / "none.png")]
-    args += ["--out", str(tmp_path / "pred"), "--set", "parallel.sp=[2, 2]"]
+    args += ["--out", str(tmp_path / "pred"), "--set", "parallel.sp=[2, 2]", "--nproc", "2"]
     result = CliRunner().invoke(app, args)
-    assert result.exit_code == 2 and "parallel.sp: predict splits" in result.output, result.output
+    assert result.exit_code == 2 and "parallel.sp: a grid 2x2" in result.output, result.output

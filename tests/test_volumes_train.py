@@ -159,10 +159,11 @@ def test_run_unet3d_config_under_torchrun(tmp_path):
     assert set(panels) == {"val/panel_0_D4", "val/panel_0_H4"}, set(panels)
     for p in panels.values():
         assert (p.height, p.width) == (8, 3 * 16 + 2 * 2)
-    # predict does not take volumes yet: refused clearly, exit 2
+    # predict takes volumes (tests/test_predict_tiles.py) but not in bands: refused, exit 2
     from typer.testing import CliRunner
 
     from spconv_train.cli import app
 
-    refused = CliRunner().invoke(app, ["predict", str(run_dir), str(tmp_path), "--out", "x"])
-    assert refused.exit_code == 2 and "does not support volumes" in refused.output
+    args = ["predict", str(run_dir), str(tmp_path), "--out", "x", "--band-rows", "8"]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "volumes are predicted whole" in refused.output

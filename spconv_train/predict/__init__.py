@@ -28,6 +28,12 @@ context rows derived from the network, exactly equal to whole-image inference, a
 written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
 ``_writers``; docs/wsi.md).
 
+H x W tiles: with ``--set parallel.sp=[p, q]`` every image (and every band) is split into
+p x q tiles instead of strips; each rank reads only its tile (``_layout``). Volumes (a
+config with ``data.kind: volume``): every volume is split along ``parallel.shard_dim``,
+each rank reads only its block, and ``<stem>.npy`` label volumes are written
+(``_volumes``; docs/volumes.md).
+
 Checkpoints: a run folder (its best, else latest checkpoint), a ``step-N`` checkpoint
 folder (both use the run's ``config.yaml``), or an exported ``.pt`` holding
 ``{"model", "config"}``; ``--config`` replaces the saved config.
@@ -46,10 +52,14 @@ import typer
 
 from spconv_train.verify import launched_by_torchrun, run_torchrun
 
+from ._errors import ImagesFailed, PredictError
+from ._inputs import _class_names, _collect
+
 __all__ = [
     "PAD_MULTIPLE",
     "ImagesFailed",
     "PredictError",
+    "any_size",
     "load_export",
     "predict_command",
     "register",
@@ -68,26 +78,6 @@ def __getattr__(name: str):
 
         return run_predict
     raise AttributeError(name)
-
-
-class PredictError(Exception):
-    """Bad input for predict (checkpoint, images, masks); exit code 2."""
-
-
-class ImagesFailed(PredictError):
-    """Some images could not be predicted (the others were written); exit code 2.
-
-    Attributes:
-        failed: ``{stem: message}`` of every failed image.
-        total: number of input images.
-    """
-
-    def __init__(self, failed: dict[str, str], total: int) -> None:
-        self.failed, self.total = dict(failed), total
-        lines = "\n".join(f"  {stem}: {message}" for stem, message in self.failed.items())
-        super().__init__(
-            f"{len(self.failed)} of {total} image(s) failed (the others were written):\n{lines}"
-        )
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[str, Path, Path | None]:
@@ -166,46 +156,12 @@ def _load_config(kind: str, weights: Path, config_yaml: Path | None, overrides, 
     raise PredictError(f"{weights}: no saved config found; pass --config CONFIG")
 
 
-def _collect(inputs: Sequence[str | Path], masks_dir: str | Path | None) -> list[tuple]:
-    """``(stem, image path, mask path or None)`` of every input image, sorted."""
-    from spconv_train.data import IMAGE_EXTS, MASK_EXTS, index_folder
-
-    found: dict[str, Path] = {}
-    for item in map(Path, inputs):
-        if item.is_dir():
-            files = list(index_folder(item, IMAGE_EXTS, "image").values())
-        elif item.is_file():
-            files = [item]
-        else:
-            raise PredictError(f"{item}: no such file or folder")
-        for f in files:
-            if f.stem in found and found[f.stem] != f:
-                raise PredictError(f"two inputs share the stem {f.stem!r}: {found[f.stem]}, {f}")
-            found[f.stem] = f
-    if not found:
-        raise PredictError("no input images found")
-    masks = index_folder(Path(masks_dir), MASK_EXTS, "mask") if masks_dir else None
-    if masks is not None:
-        missing = sorted(s for s in found if s not in masks)
-        if missing:
-            raise PredictError(f"{masks_dir}: no mask for {', '.join(missing[:10])}")
-    return [(s, found[s], masks[s] if masks else None) for s in sorted(found)]
-
-
-def _class_names(cfg, masks_dir) -> list[str]:
-    k = cfg.model.num_classes
-    if cfg.data.class_names:
-        return list(cfg.data.class_names)
-    for root in [Path(masks_dir).parent.parent] if masks_dir else []:
-        f = root / "classes.txt"
-        names = f.read_text().split() if f.is_file() else []
-        if len(names) == k:
-            return names
-    if cfg.data.source == "synthetic" and k >= 2:
-        from spconv_train.data import synthetic_class_names
-
-        return synthetic_class_names(k)
-    return [f"class_{i}" for i in range(k)]
+def any_size(cfg):
+    """``cfg`` without the training crop size (``data.depth/height/width`` null): predict
+    takes every image or volume at its own size."""
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, depth=None, height=None, width=None)
+    )
 
 
 def _error(message: str) -> None:
@@ -241,21 +197,17 @@ def predict_command(
     try:
         kind, weights, saved = resolve_checkpoint(checkpoint)
         cfg = _load_config(kind, weights, saved, overrides, config_path)
-        if cfg.data.kind == "volume":  # not yet: refused before any file is read
-            raise ConfigError("data.kind", "predict does not support volumes yet (images only)")
-        if not isinstance(cfg.parallel.sp, int):  # not yet: prediction runs on width strips
-            raise ConfigError(
-                "parallel.sp",
-                "predict splits images into width strips, not H x W tiles: give an integer "
-                "(e.g. --set parallel.sp=0, the default)",
+        volumes = cfg.data.kind == "volume"
+        if volumes and band_rows:  # before any file is read
+            raise PredictError(
+                f"--band-rows {band_rows}: volumes are predicted whole (each rank holds its "
+                "block of every volume); leave --band-rows out or give 0"
             )
-        images = _collect(inputs, masks_dir)
-        names = _class_names(cfg, masks_dir)
         nproc = nproc or 1
-        if not launched_by_torchrun():
-            validate_for_world(
-                dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, width=None)), nproc
-            )
+        if not launched_by_torchrun():  # the mesh fits the ranks, before any file is read
+            validate_for_world(any_size(cfg), nproc)
+        images = _collect(inputs, masks_dir, volumes)
+        names = _class_names(cfg, masks_dir)
     except (PredictError, ConfigError, DataError) as exc:
         _error(str(exc))
         return 2
@@ -375,11 +327,13 @@ def register(app: typer.Typer) -> None:
             ),
         ] = False,
     ) -> None:
-        """Segment full-resolution images with a trained model, sharded over the ranks.
+        """Segment full-resolution images (or volumes) with a trained model, sharded over
+        the ranks.
 
-        Each rank reads and computes only its column strip of every image;
-        rank 0 writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png.
-        Images too narrow to split are padded on the right and cropped back.
+        Each rank reads and computes only its column strip of every image (its tile with
+        --set "parallel.sp=[p, q]"; its block of a volume on a volume config); rank 0
+        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (volumes:
+        OUT/<stem>.npy). Images too narrow to split are padded on the right and cropped back.
 
         [bold]spconv-train predict runs/unet images/ --out preds --nproc 2[/]
 

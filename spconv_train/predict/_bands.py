@@ -51,15 +51,18 @@ def band_layout(height: int, band_rows: int, plan) -> list[Band]:
     ]
 
 
-def auto_band_rows(height: int, width: int, sp: int, plan, budget: int = BAND_PIXELS) -> int:
+def auto_band_rows(
+    height: int, width: int, sp: int, plan, budget: int = BAND_PIXELS, *, row_parts: int = 1
+) -> int:
     """Band height for ``--band-rows auto``: 0 (the whole image at once) when one rank's
-    strip fits in ``budget`` pixels, else the kept rows that, with both margins, fill
-    about ``budget`` pixels of a strip (at least two margins, so the context read per
-    band stays at most half the band)."""
+    piece fits in ``budget`` pixels, else the kept rows that, with both margins, fill
+    about ``budget`` pixels of a piece (at least two margins, so the context read per
+    band stays at most half the band). ``sp`` ranks split the width; on H x W tiles
+    ``row_parts`` tile rows split each band's rows too."""
     strip = -(-width // sp)
-    if height * strip <= budget:
+    if -(-height // row_parts) * strip <= budget:
         return 0
-    rows = budget // strip - 2 * plan.margin
+    rows = budget * row_parts // strip - 2 * plan.margin
     rows = max(rows - rows % plan.stride, 2 * plan.margin, plan.stride)
     return 0 if rows >= height else rows
 

@@ -17,9 +17,8 @@ from PIL import Image
 from rich.console import Console
 from rich.table import Table
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import Shard
 
-from spconv_train.config import validate_for_world
+from spconv_train.config import grid_mesh_dims, validate_for_world
 from spconv_train.data import (
     DataError,
     check_mask_values,
@@ -30,7 +29,6 @@ from spconv_train.data import (
     normalize_image,
     read_image_raw,
     read_mask,
-    strip_bounds,
 )
 from spconv_train.distributed import build_mesh
 from spconv_train.logging import class_colors
@@ -40,7 +38,8 @@ from spconv_train.train.loop import build_model
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.val_check import is_geometry_error
 
-from . import PAD_MULTIPLE, ImagesFailed, PredictError, load_export
+from . import PAD_MULTIPLE, ImagesFailed, PredictError, any_size, load_export
+from ._layout import SpatialGroup
 from ._receptive import analyse
 from ._streamed import StreamOptions, choose_rows, predict_streamed
 from ._writers import write_rank_stats
@@ -64,12 +63,12 @@ def _overlay(image, pred, colors, alpha: float = 0.5):
 
 
 class _Predictor:
-    """One image at a time on this rank's strip (see the module docstring)."""
+    """One image at a time on this rank's strip or tile (see the module docstring)."""
 
-    def __init__(self, cfg, model, sp_mesh, device, stream=None, out_dir=None, console=None):
+    def __init__(self, cfg, model, space, device, stream=None, out_dir=None, console=None):
 
-        self.cfg, self.model, self.mesh, self.device = cfg, model, sp_mesh, device
-        self.sp, self.rank = sp_mesh.size(), sp_mesh.get_local_rank()
+        self.cfg, self.model, self.space, self.device = cfg, model, space, device
+        self.sp, self.rank = space.size, space.rank
         self.colors = torch.tensor(class_colors(cfg.model.num_classes), dtype=torch.float32)
         self.stream, self.out_dir = stream or StreamOptions(band_rows=0), out_dir
         self.console = console
@@ -89,33 +88,34 @@ class _Predictor:
             self.display = image_range([path], "percentile", [0.5, 99.5], **self.read)
 
     def logits(self, path: Path, h: int, w: int, c: int, width: int, rows=None):
-        """(logits strip [K, rows, n] on the CPU, display image strip [C, rows, n] in [0, 1]
-        for the overlay, (a, b)) of the
-        image padded to ``width`` columns, cropped back to the original ``w``; ``rows``
-        (default all) is the row range read and predicted (a band)."""
-        a, b = strip_bounds(width, self.sp, self.rank)
+        """(logits piece [K, m, n] on the CPU, display image piece [C, m, n] in [0, 1] for
+        the overlay, its columns (a, b), its rows (r, s)) of the image padded to ``width``
+        columns, cropped back to the original ``w``; ``rows`` (default all) is the row range
+        read and predicted (a band), of which a tile holds its share."""
+        a, b = self.space.cols(width)
         ra, rb = min(a, w), min(b, w)
         r0, r1 = rows or (0, h)
+        t0, t1 = (r0 + t for t in self.space.rows(r1 - r0))
         start = time.perf_counter()
-        raw = read_image_raw(path, (ra, rb), rows, **self.read)
+        raw = read_image_raw(path, (ra, rb), (t0, t1), **self.read)
         image = normalize_image(raw, self.cfg.data.normalize, self.stats)
         shown = image if self.display is None else normalize_image(raw, MINMAX, self.display)
         self.timing["read_s"] += time.perf_counter() - start
         padded = F.pad(image, (0, (b - a) - (rb - ra)))
         shape = (1, c, r1 - r0, width)
-        x = to_dtensor(padded[None].to(self.device), self.mesh, [Shard(3)], shape)
+        x = to_dtensor(padded[None].to(self.device), self.space.mesh, self.space.placements, shape)
         bf16 = self.cfg.training.precision == "bf16"
         start = time.perf_counter()
         with torch.no_grad(), torch.autocast(self.device.type, torch.bfloat16, enabled=bf16):
             logits = self.model(x)
         self.timing["forward_s"] += time.perf_counter() - start
-        return logits.to_local()[0, :, :, : rb - ra].cpu(), shown, (ra, rb)
+        return logits.to_local()[0, :, :, : rb - ra].cpu(), shown, (ra, rb), (t0, t1)
 
     def forward(self, path: Path, h: int, w: int, c: int, width: int):
-        """(prediction strip uint8 [H, n], image strip [C, H, n], (a, b)) for the image
+        """(prediction piece [m, n], image piece [C, m, n], (a, b), (r, s)) for the image
         padded to ``width`` columns, cropped back to the original ``w``."""
-        logits, image, cols = self.logits(path, h, w, c, width)
-        return logits.argmax(0), image, cols
+        logits, image, cols, rows = self.logits(path, h, w, c, width)
+        return logits.argmax(0), image, cols, rows
 
     def overlay(self, image, pred):
         """uint8 RGB overlay of an image strip and its predicted classes."""
@@ -129,7 +129,7 @@ class _Predictor:
         except (SpatialShardingError, RuntimeError) as first:
             if not self._too_narrow(first):
                 raise
-            step = PAD_MULTIPLE * self.sp
+            step = PAD_MULTIPLE * self.space.grid[1]  # ranks along the width
             width = math.ceil(w / step) * step
             if width == w:
                 raise self._narrow_error(path, h, w, first, None) from first
@@ -152,9 +152,11 @@ class _Predictor:
         fix = "the image may be smaller than the model's down-sampling needs (height or width)"
         if self.sp > 1:
             fix = "use fewer ranks (--nproc) or --set parallel.sp=<smaller>, or " + fix
+        p, q = self.space.grid
+        over = f"a grid of {p}x{q} tiles" if self.space.coords.tiled else f"sp={self.sp} rank(s)"
         return SpatialShardingError(
-            f"{path}: image {h}x{w} (HxW) cannot be run by this model over sp={self.sp} "
-            f"rank(s){tried}; {fix}. Unpadded: {first}"
+            f"{path}: image {h}x{w} (HxW) cannot be run by this model over {over}{tried}; "
+            f"{fix}. Unpadded: {first}"
         )
 
     def __call__(self, stem: str, path: Path, mask_path: Path | None, cm) -> tuple:
@@ -180,23 +182,23 @@ class _Predictor:
 
             summary, width = self._padded(run, path, h, w)
             return stem, self.rank, None, summary, (w, width)
-        (pred, image, cols), width = self._padded(
+        (pred, image, cols, rows), width = self._padded(
             lambda width: self.forward(path, h, w, c, width), path, h, w
         )
         if mask_path is not None:
-            mask = read_mask(mask_path, cols, **self.read)
+            mask = read_mask(mask_path, cols, rows, **self.read)
             k, ignore = self.cfg.model.num_classes, self.cfg.data.ignore_index
-            check_mask_values(mask, mask_path, k, ignore, col_offset=cols[0])
+            check_mask_values(mask, mask_path, k, ignore, col_offset=cols[0], row_offset=rows[0])
             cm.update(pred[None].to(cm.local.device), mask[None].to(cm.local.device))
         small = pred.to(torch.uint8 if self.cfg.model.num_classes <= 256 else torch.int32)
         return stem, self.rank, small, _overlay(image, pred, self.colors), (w, width)
 
 
-def _write(out_dir: Path, stem: str, parts: list[tuple]) -> tuple[int, int]:
-    """Stitch the strips of one image (in sp-rank order) and write its two PNGs."""
+def _write(out_dir: Path, stem: str, parts: list[tuple], space: SpatialGroup) -> tuple[int, int]:
+    """Stitch the strips or tiles of one image (by sp rank) and write its two PNGs."""
     parts.sort(key=lambda q: q[0])
-    pred = torch.cat([q[1] for q in parts], dim=-1).numpy()
-    overlay = torch.cat([q[2] for q in parts], dim=-1).permute(1, 2, 0).numpy()
+    pred = space.stitch_image([q[1].numpy() for q in parts])
+    overlay = space.stitch_image([q[2].permute(1, 2, 0).numpy() for q in parts])
     mask = (
         Image.fromarray(pred)
         if pred.dtype == np.uint8
@@ -264,9 +266,9 @@ def run_predict(
         if dist.get_backend() == "nccl"
         else torch.device("cpu")
     )
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, width=None))
+    cfg = any_size(cfg)
     dp, sp = validate_for_world(cfg, dist.get_world_size())
-    mesh = build_mesh(dp, sp, device.type)
+    mesh = build_mesh(dp, sp, device.type, grid_mesh_dims(cfg))
     coords = MeshCoords.of(mesh)
     model = build_model(
         dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=None))
@@ -287,12 +289,21 @@ def run_predict(
         ) from exc
     model = model.to(device).eval()
     stream = stream or StreamOptions()
-    if stream.band_rows != 0:  # the band plan comes from the plain network
+    volumes = cfg.data.kind == "volume"
+    if volumes:  # predicted whole, block by block (no bands)
+        stream = dataclasses.replace(stream, band_rows=0)
+    elif stream.band_rows != 0:  # the band plan comes from the plain network
         stream = dataclasses.replace(stream, plan=analyse(model, cfg.model.in_channels))
     model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
     out_dir = Path(out_dir)
     console = console or Console()
-    predictor = _Predictor(cfg, model, mesh["sp"], device, stream, out_dir, console)
+    space = SpatialGroup.of(mesh)
+    if volumes:
+        from ._volumes import VolumePredictor
+
+        predictor = VolumePredictor(cfg, model, space, device, stream, out_dir, console)
+    else:
+        predictor = _Predictor(cfg, model, space, device, stream, out_dir, console)
     with_masks = any(m is not None for _, _, m in images)
     cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)
     main = dist.get_rank() == 0
@@ -339,7 +350,7 @@ def run_predict(
                     continue
                 strips.setdefault(stem, []).append((rank, pred, overlay))
             for stem, parts in strips.items():
-                h, w = _write(out_dir, stem, parts)
+                h, w = _write(out_dir, stem, parts, predictor.space)
                 console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
     for line in padded:
         console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")

@@ -44,7 +44,7 @@ def _checked(predictor, plan: StreamPlan, h: int, rows: int) -> StreamPlan | Non
     c = predictor.cfg.model.in_channels
     for candidate in (plan, plan.widened()):
         err = torch.tensor([check_plan(predictor.model, candidate, h, rows, c)])
-        dist.all_reduce(err, dist.ReduceOp.MAX, group=predictor.mesh.get_group())
+        dist.all_reduce(err, dist.ReduceOp.MAX, group=predictor.space.group)
         if float(err) <= CHECK_RTOL:
             return candidate
     return None
@@ -56,7 +56,8 @@ def choose_rows(predictor, opts: StreamOptions, h: int, w: int, console) -> tupl
     Prints why an image that should be streamed is predicted whole."""
     wanted = opts.band_rows
     if wanted is None and opts.plan is not None:
-        wanted = auto_band_rows(h, w, predictor.sp, opts.plan)
+        p, q = predictor.space.grid
+        wanted = auto_band_rows(h, w, q, opts.plan, row_parts=p)
     banded = bool(wanted) and wanted < h
     if not banded:
         return (0, None) if opts.probabilities else None
@@ -90,7 +91,7 @@ def _gather(predictor, piece, failure) -> list | None:
     when any rank failed."""
     from ._run import _SHARED_ERRORS
 
-    group = predictor.mesh.get_group()
+    group = predictor.space.group
     lead = dist.get_global_rank(group, 0)
     parts = [None] * predictor.sp if predictor.rank == 0 else None
     dist.gather_object(piece, parts, dst=lead, group=group)
@@ -105,19 +106,22 @@ def _gather(predictor, piece, failure) -> list | None:
 
 
 def _band_piece(predictor, args, band: Band, mask_path, cm, factor: int, probs: bool):
-    """This rank's share of one band: (classes [n_rows, n], probabilities or None,
-    sampled overlay [rows/f, cols/f, 3])."""
-    (i0, _), (r0, r1) = band.read, band.rows
-    logits, image, (ra, rb) = predictor.logits(*args, rows=band.read)
-    logits, image = logits[:, r0 - i0 : r1 - i0], image[:, r0 - i0 : r1 - i0]
+    """This rank's share of one band's kept rows (all of them on a strip, those of its
+    tile on a tile; possibly none): (classes [m, n], probabilities or None, sampled
+    overlay [m/f, n/f, 3])."""
+    r0, r1 = band.rows
+    logits, image, (ra, rb), (t0, t1) = predictor.logits(*args, rows=band.read)
+    k0 = min(max(r0, t0), t1)  # the kept rows [k0, k1) of this rank's rows [t0, t1)
+    k1 = max(min(r1, t1), k0)
+    logits, image = logits[:, k0 - t0 : k1 - t0], image[:, k0 - t0 : k1 - t0]
     cls = logits.argmax(0)
-    if mask_path is not None:
-        mask = read_mask_rows_cols(mask_path, (r0, r1), (ra, rb), **predictor.read)
+    if mask_path is not None and k1 > k0:
+        mask = read_mask_rows_cols(mask_path, (k0, k1), (ra, rb), **predictor.read)
         cfg = predictor.cfg
         k, ignore = cfg.model.num_classes, cfg.data.ignore_index
-        check_mask_values(mask, mask_path, k, ignore, col_offset=ra)
+        check_mask_values(mask, mask_path, k, ignore, col_offset=ra, row_offset=k0)
         cm.update(cls[None].to(cm.local.device), mask[None].to(cm.local.device))
-    rows = torch.arange(-(-r0 // factor) * factor, r1, factor) - r0
+    rows = torch.arange(-(-k0 // factor) * factor, k1, factor) - k0
     cols = torch.arange(-(-ra // factor) * factor, rb, factor) - ra
     sampled = predictor.overlay(image[:, rows][:, :, cols], cls[rows][:, cols])
     prob = None
@@ -158,10 +162,11 @@ def predict_streamed(
                 failure, piece = exc, {"error": type(exc).__name__, "message": str(exc)}
             parts = _gather(predictor, piece, failure)
             if lead:
-                writers[0].put(np.concatenate([p[0] for p in parts], axis=1)[:, :w])
+                stitch = predictor.space.stitch_image
+                writers[0].put(stitch([p[0] for p in parts])[:, :w])
                 if probs:
-                    writers[1].put(np.concatenate([p[1] for p in parts], axis=1)[:, :w])
-                canvas.put(band.rows, np.concatenate([p[2] for p in parts], axis=1))
+                    writers[1].put(stitch([p[1] for p in parts])[:, :w])
+                canvas.put(band.rows, stitch([p[2] for p in parts]))
     except BaseException:
         for writer in writers:
             writer.abort()
