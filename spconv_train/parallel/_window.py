@@ -265,6 +265,10 @@ def saving_window_by_reference(
     return saving_steps_by_reference(window, local, (step,), value)
 
 
+def _shares(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 @contextlib.contextmanager
 def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
     """``saving_window_by_reference`` for a window built from ``local`` by the exchanges
@@ -273,8 +277,8 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
     # is internal (checked against torch 2.14; tests/test_conv.py covers the chaining).
-    if not current_runtime().options.save_windows_by_reference:
-        yield
+    if not current_runtime().options.save_windows_by_reference or _shares(window, local):
+        yield  # a view of the local tensor is no copy: nothing to save differently
         return
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer else (None, None)
