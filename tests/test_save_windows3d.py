@@ -30,8 +30,8 @@ from tests.reference import check_close, seeded
 
 #: (mesh shape, mesh dim names, placements, global shape) of the layouts checked at 4 ranks
 LAYOUTS = {
-    "volume D": ((4,), ("sp",), [Shard(2)], (2, 3, 13, 5, 6)),
-    "volume W": ((4,), ("sp",), [Shard(4)], (2, 3, 5, 6, 13)),
+    "volume D": ((4,), ("sp",), [Shard(2)], (2, 3, 15, 5, 6)),
+    "volume W": ((4,), ("sp",), [Shard(4)], (2, 3, 5, 6, 15)),
     "image tiles": ((2, 2), ("sp_h", "sp_w"), [Shard(2), Shard(3)], (2, 3, 9, 11)),
     "volume tiles hw": ((2, 2), ("sp_h", "sp_w"), [Shard(3), Shard(4)], (2, 3, 5, 9, 11)),
     "volume tiles dhw": (

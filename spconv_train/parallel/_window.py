@@ -283,10 +283,14 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer else (None, None)
     key = (window.data_ptr(), window.shape, window.stride())
+    # Every saved tensor keeps its pack hook alive until the backward frees it (torch's
+    # PySavedVariableHooks): a closure over the window would keep the very copy this
+    # avoids. The hook reads the tensors from ``held``, emptied when the op has run.
+    held = [window, local, steps]
 
     def pack(t: Tensor):
-        if (t.data_ptr(), t.shape, t.stride()) == key:
-            return _WindowRecipe(window, local, steps, value, outer)
+        if held and (t.data_ptr(), t.shape, t.stride()) == key:
+            return _WindowRecipe(*held[:2], held[2], value, outer)
         return ("outer", outer_pack(t)) if outer_pack else t
 
     def unpack(saved):
@@ -296,5 +300,9 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
             return outer_unpack(saved[1])
         return saved
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    del window, local, steps
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        held.clear()
