@@ -89,9 +89,11 @@ def test_window_recipe_rebuilds_the_window(dist_pool, key):
 
 def unet3d_memory(world: int, names, pl, size) -> dict:
     """``unet3d`` (depth 2, BatchNorm, transposed up-sampling) with window saving by
-    reference on and off: live bytes after the forward per rank, and every mismatch
-    against one device (fp64: logits, loss, input gradient, parameter gradients)."""
+    reference on and off (and on under activation checkpointing): live bytes after the
+    forward per rank, and every mismatch against one device (fp64: logits, loss, input
+    gradient, parameter gradients)."""
     from spconv_train.train import cross_entropy
+    from spconv_train.train.optim import enable_activation_checkpointing
 
     shape = (world,) if len(names) == 1 else tuple(2 if n != "sp_d" else 1 for n in names)
     dmesh = mesh(shape, names)
@@ -106,16 +108,19 @@ def unet3d_memory(world: int, names, pl, size) -> dict:
     loss_r = F.cross_entropy(out_r, target)
     loss_r.backward()
     res: dict = {"plain": plain, "failures": []}
-    for by_ref in (True, False):
+    # with activation checkpointing too: the recipe chains to its saved-tensor hooks
+    for by_ref, ck in ((True, None), (False, None), (True, ("blocks", 1))):
         par = parallelize(copy.deepcopy(ref), dmesh, save_windows_by_reference=by_ref)
         par.zero_grad(set_to_none=True)
+        if ck:
+            enable_activation_checkpointing(par, *ck)
         xs = distribute_tensor(x, dmesh, pl).requires_grad_()
         with LiveBytes() as meter:
             out_p = par(xs)
-        res[by_ref] = meter.live()
+        res[ck or by_ref] = meter.live()
         loss_p = cross_entropy(out_p, target)
         loss_p.backward()
-        label, failures = f"by_ref={by_ref} {names} {pl}", res["failures"]
+        label, failures = f"by_ref={by_ref} checkpointing={ck} {names} {pl}", res["failures"]
         check_close(f"{label} logits", out_p, out_r, 1e-10, failures)
         check_close(f"{label} loss", loss_p, loss_r, 1e-10, failures)
         check_close(f"{label} input grad", xs.grad, xr.grad, 1e-9, failures)
