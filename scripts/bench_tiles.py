@@ -9,10 +9,13 @@
    strips cost ~ 2H and p x q tiles ~ 2H/p + 2W/q (corners are second order); the modelled
    rows scale the measured 4-rank strip bytes by that perimeter ratio.
 2. **Saved activations of the 3-D U-Net** per rank at 1, 2 and 4 ranks, volume split over
-   D and over W: ``LiveBytes`` after the forward (exact, allocator independent), against
-   the target of <= 1.1x (one rank's) / N.
+   D and over W, and over H x W (2 x 2) at 4 ranks: ``LiveBytes`` after the forward (exact,
+   allocator independent), against the target of <= 1.1x (one rank's) / N; the plain
+   single-device model's bytes for reference. ``--save-windows off`` measures without
+   window saving by reference.
 
-Usage: ``python scripts/bench_tiles.py [--markdown]`` (CPU, gloo, 1 thread per process).
+Usage: ``python scripts/bench_tiles.py [--markdown] [--part halo|volume]
+[--save-windows on|off]`` (CPU, gloo, 1 thread per process).
 """
 
 from __future__ import annotations
@@ -78,10 +81,16 @@ def _volume_case(world: int, dim: int, args) -> dict:
 
     torch.manual_seed(0)
     model = create_model("unet3d", num_classes=3, in_channels=1, depth=2, base_width=4)
-    model = parallelize(model, _mesh((world,)))
     d = args.volume
     vol = torch.randn(1, 1, d, d, d, generator=torch.Generator().manual_seed(2))
-    x = distribute_tensor(vol, model.spatial_mesh, [Shard(dim)])
+    if dim == "plain":  # the single-device model, not parallelized: the reference
+        x = vol
+    else:  # dim 2 (D) or 4 (W) over ("sp",), or "hw": H x W tiles over a 2 x 2 mesh
+        by_ref = args.save_windows == "on"
+        mesh = _mesh((2, 2) if dim == "hw" else (world,))
+        model = parallelize(model, mesh, save_windows_by_reference=by_ref)
+        pl = [Shard(3), Shard(4)] if dim == "hw" else [Shard(dim)]
+        x = distribute_tensor(vol, mesh, pl)
     with LiveBytes() as meter:
         y = model(x)
     live = meter.live()
@@ -149,11 +158,13 @@ def _volume_table(args) -> list[str]:
         "| split | ranks | live act. MiB / rank (max) | x (one rank / N) |",
         "|---|---|---|---|",
     ]
+    plain = _run(1, ("volume", "plain"), args)[0]["live"]
     one = _run(1, ("volume", 4), args)[0]["live"]
-    for dim, name in [(2, "D"), (4, "W")]:
-        for world in (1, 2, 4):
+    for dim, name, worlds in [(2, "D", (1, 2, 4)), (4, "W", (1, 2, 4)), ("hw", "H x W", (4,))]:
+        for world in worlds:
             live = one if world == 1 else max(r["live"] for r in _run(world, ("volume", dim), args))
             rows.append(f"| {name} | {world} | {live / 2**20:.1f} | {live / (one / world):.2f} |")
+    rows.append(f"| one device, plain model | 1 | {plain / 2**20:.1f} | {plain / one:.2f} |")
     return rows
 
 
@@ -166,12 +177,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--volume", type=int, default=32, help="3-D U-Net volume edge (D=H=W)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    ap.add_argument(
+        "--part", choices=("all", "halo", "volume"), default="all", help="which table(s)"
+    )
+    ap.add_argument(
+        "--save-windows",
+        choices=("on", "off"),
+        default="on",
+        help="3-D U-Net: parallelize(save_windows_by_reference=...)",
+    )
     args = ap.parse_args(argv)
     print(
         f"2-D U-Net depth {args.depth}, base width {args.base_width}, 1x3x{args.height}x"
         f"{args.width}; 3-D U-Net depth 2, base width 4, 1x1x{args.volume}^3; CPU, gloo"
     )
-    for table in (_halo_table(args), _volume_table(args)):
+    parts = {"halo": _halo_table, "volume": _volume_table}
+    for name, table_of in parts.items():
+        if args.part not in ("all", name):
+            continue
+        table = table_of(args)
         print("\n".join(table) if args.markdown else "\n".join(r.replace("|", " ") for r in table))
         print()
 

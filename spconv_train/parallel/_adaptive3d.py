@@ -20,18 +20,18 @@ reduces the sharded dim by windows of planes, as ``_pool.py`` does for the width
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
+from ._geometry import SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._parallelize import register_spatial_module
 from ._pool import (
+    _adaptive_exchange,
+    _own_segments,
     _register,
     _segment_max,
     _segment_sums,
@@ -49,21 +49,6 @@ def _out_size(output_size, shape) -> tuple[int, int, int]:
     if len(size) != 3:
         raise ValueError(f"adaptive 3-D pool: output_size {output_size} must give 3 sizes")
     return tuple(int(o) if o is not None else n for o, n in zip(size, shape, strict=True))  # type: ignore[return-value]
-
-
-@functools.lru_cache(maxsize=1024)
-def _plane_exchange(what: str, size: int, out: int, parts: int) -> ExchangePlan:
-    """Planes each rank gathers for its chunk of ``out`` adaptive output planes (DTensor
-    chunking; a rank may get none when ``out < parts``). Raises ``SpatialShardingError``
-    (naming ``what``) when a window reads planes beyond the neighbouring blocks."""
-    owned = check_strips(what, size, parts, "input")
-    needed = tuple(
-        (((o0 * size) // out, -(-(o1 * size) // out)),) if o0 < o1 else ()
-        for o0, o1 in all_shard_bounds(out, parts)
-    )
-    plan = ExchangePlan(size, tuple(owned), needed)
-    plan.check_neighbours(what)
-    return plan
 
 
 def _reduce_planes(t: Tensor, segs, lens: list[int], kind: str) -> Tensor:
@@ -108,7 +93,7 @@ def _adaptive_pool3d(x: DTensor, output_size, kind: str, return_indices: bool, w
     keep[i] = local.shape[d]
     pooled = pool(local, keep).movedim(d, -1)  # local dims pooled, planes kept (last)
     if halo:
-        plan = _plane_exchange(what, size, o, n)
+        plan = _adaptive_exchange(what, size, o, n)
         g = gather_columns(pooled, plan, rank, group)
         start = plan.needed[rank][0][0] if plan.needed[rank] else 0
         o0, o1 = all_shard_bounds(o, n)[rank]
@@ -118,7 +103,7 @@ def _adaptive_pool3d(x: DTensor, output_size, kind: str, return_indices: bool, w
         return leave(v.movedim(-1, d), layout, tuple(shape))
     # Reduce path: partial results over this rank's own planes for every output plane.
     win = adaptive_bounds(size, o)
-    segs = tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
+    segs = _own_segments(win, a, b)
     v = _reduce_planes(pooled, segs, [e - s for s, e in win], kind)
     sp, pl = layout.sp_dim, layout.placements
     rep = SpatialLayout(layout.mesh, (*pl[:sp], Replicate(), *pl[sp + 1 :]), sp)

@@ -20,6 +20,7 @@ from ._volume import (
     gather_volume_window,
     leave_window,
     pad_local_dims,
+    saving_volume_window,
     triple,
     volume_layout,
 )
@@ -74,9 +75,13 @@ def spatial_conv3d(
         args = (stride, flat, dilation, groups, padding_mode, what)
         return tile_conv(x, layout, weight, bias, *args)
     mode = "constant" if padding_mode == "zeros" else padding_mode
-    if not layout.width_sharded:
+    symmetric_zeros = padding_mode == "zeros" and all(a == b for a, b in padding)
+    if not layout.width_sharded or layout.sp_size == 1:
+        # Whole planes on every rank (one spatial rank included): the plain op, at its cost.
 
         def conv(t, w, b):
+            if symmetric_zeros:  # padded inside the convolution: no padded copy to keep
+                return F.conv3d(t, w, b, stride, tuple(a for a, _ in padding), dilation, groups)
             t = pad_local_dims(t, padding, -1, mode)
             return F.conv3d(t, w, b, stride, 0, dilation, groups)
 
@@ -99,7 +104,9 @@ def spatial_conv3d(
         win = pad_local_dims(win, padding, d, mode)
     groups_ = layout.grad_groups
     w, b = sum_grad_over(weight, groups_), sum_grad_over(bias, groups_)
-    out = F.conv3d(win, w, b, stride, tuple(conv_pad), dilation, groups)
+    # Save the block by reference + thin halo planes, not the window copy (memory ~1/N).
+    with saving_volume_window(win, x, layout, wp, mode):
+        out = F.conv3d(win, w, b, stride, tuple(conv_pad), dilation, groups)
     o0, o1 = wp.out_bounds[layout.sp_rank]
     assert out.shape[d] == o1 - o0, (what, out.shape, wp.out_bounds)
     return leave_window(out, x, layout, wp)

@@ -8,6 +8,9 @@ or zero-pad to this rank's output planes, add the bias last.
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -18,6 +21,7 @@ from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, run_unsharded
 from ._volume import leave_window, triple, unsharded, volume_layout
+from ._window import WindowStep, saving_steps_by_reference
 
 
 def spatial_conv_transpose3d(
@@ -63,9 +67,14 @@ def spatial_conv_transpose3d(
         window = F.pad(window, (0, 1))
     groups_ = layout.grad_groups
     w = sum_grad_over(weight, groups_)
-    y = F.conv_transpose3d(
-        window.movedim(-1, d), w, None, s, unsharded(p, i), unsharded(op, i), groups, dil
-    )
+    window = window.movedim(-1, d)
+    # Save the block by reference + thin halo planes rather than a copy of it (memory ~1/N).
+    saving = contextlib.nullcontext()
+    if hi > lo and layout.sp_size > 1 and torch.is_grad_enabled():
+        step = WindowStep(d, tp.exchange, rank, 0, 0, window)
+        saving = saving_steps_by_reference(window, local.movedim(-1, d), (step,))
+    with saving:
+        y = F.conv_transpose3d(window, w, None, s, unsharded(p, i), unsharded(op, i), groups, dil)
     o0, o1 = tp.out_bounds[rank]
     y = _place(y.movedim(d, -1), lo * s[i] - p[i], o0, o1).movedim(-1, d)
     if bias is not None:

@@ -157,13 +157,24 @@ def adaptive_bounds(size: int, out: int, lo: int = 0, hi: int | None = None) -> 
 
 @functools.lru_cache(maxsize=1024)
 def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
-    """Columns each rank gathers to compute its chunk of ``out`` adaptive output columns."""
+    """Columns (or a volume's planes) each rank gathers to compute its chunk of ``out``
+    adaptive outputs (DTensor chunking; none for a rank that gets no output when ``out <
+    parts``). Raises ``SpatialShardingError`` (naming ``what``) when a window reads columns
+    beyond the neighbouring strips."""
     owned = check_strips(what, width, parts, "input")
-    bounds = all_shard_bounds(out, parts)
-    needed = tuple((((o0 * width) // out, -(-(o1 * width) // out)),) for o0, o1 in bounds)
+    needed = tuple(
+        (((o0 * width) // out, -(-(o1 * width) // out)),) if o0 < o1 else ()
+        for o0, o1 in all_shard_bounds(out, parts)
+    )
     plan = ExchangePlan(width, tuple(owned), needed)
     plan.check_neighbours(what)
     return plan
+
+
+def _own_segments(win: Segments, a: int, b: int) -> Segments:
+    """The parts of the global segments ``win`` inside a rank's columns ``[a, b)``, in
+    local indices (an empty ``(i, i)`` where a segment misses them)."""
+    return tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
 
 
 def _segment_sums(g: Tensor, segs: Segments) -> Tensor:
@@ -265,7 +276,7 @@ def _adaptive_pool2d(x: DTensor, output_size, kind: str, return_indices: bool, w
     # Reduce path: partial results over this rank's own columns for every output column.
     a, b = all_shard_bounds(width, n)[rank]
     win = adaptive_bounds(width, ow)
-    segs = tuple((min(max(s, a), b) - a, max(min(e, b), a) - a) for s, e in win)
+    segs = _own_segments(win, a, b)
     if b == a:  # empty strip: one neutral column keeps the local ops well defined
         local = F.pad(local, (0, 1), value=0.0 if kind == "avg" else float("-inf"))
     v, row, col = _adaptive_local(local, oh, segs, [e - s for s, e in win], kind)

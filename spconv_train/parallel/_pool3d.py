@@ -18,7 +18,14 @@ from ._geometry import SpatialShardingError
 from ._parallelize import register_spatial_module
 from ._pool import _counts, _pool_plan, _register, _what
 from ._sharding import run_unsharded
-from ._volume import gather_volume_window, leave_window, triple, unsharded, volume_layout
+from ._volume import (
+    gather_volume_window,
+    leave_window,
+    saving_volume_window,
+    triple,
+    unsharded,
+    volume_layout,
+)
 
 
 def spatial_max_pool3d(
@@ -52,7 +59,8 @@ def spatial_max_pool3d(
     i = d - 2
     wp, _ = _pool_plan(what, x.shape[d], layout.sp_size, k[i], s[i], dil[i], p[i], ceil_mode)
     win = gather_volume_window(x, layout, wp, "zeros", float("-inf"))
-    out = F.max_pool3d(win, k, s, unsharded(p, i), dil, ceil_mode)
+    with saving_volume_window(win, x, layout, wp, "zeros", float("-inf")):
+        out = F.max_pool3d(win, k, s, unsharded(p, i), dil, ceil_mode)
     return leave_window(out, x, layout, wp)
 
 

@@ -15,15 +15,17 @@ inside its exchange and the unsharded ones locally equals padding all at once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._geometry import window_out_size
 from ._sharding import SpatialLayout
-from ._window import gather_window, plan_window
+from ._window import WindowStep, gather_window, plan_window, saving_steps_by_reference
 
 #: one spatial dim's window geometry: kernel, stride, dilation, padding before, padding after
 Geom = tuple[int, int, int, int, int]
@@ -61,6 +63,10 @@ class TileWindow:
     out_ranges: dict[int, tuple[int, int]]
     #: global input index of the window's first element per spatial dim (may be negative)
     starts: dict[int, int]
+    #: the exchanges that built ``window`` from the local tile, in order (W, then H, then D)
+    steps: tuple[WindowStep, ...] = ()
+    #: ``window`` is not just the chain of ``steps`` (padded locally afterwards, or cropped)
+    reshaped: bool = True
 
 
 def tile_window(
@@ -71,13 +77,16 @@ def tile_window(
     geoms: dict[int, Geom],
     mode: str = "zeros",
     value: float = 0.0,
+    pad_local: bool = True,
 ) -> TileWindow:
     """This rank's window (halos and corners fetched, every image edge padded in ``mode``)
     for a window op of geometry ``geoms`` (one per spatial tensor dim of the global
     ``shape``). The local op then runs with padding 0 and ``ceil_mode`` off. Differentiable.
+    ``pad_local=False`` leaves the padding of the dims no mesh dim shards to the local op.
     Raises ``SpatialShardingError`` (naming ``what``) for tiles narrower than the halo."""
     t = local
     sizes, ranges, starts = {}, {}, {}
+    steps, cropped = [], False
     for d in sorted(geoms, reverse=True):  # W first, then H including the W halo: corners
         k, s, dil, lo, hi = geoms[d]
         ax = axis_of(layout, d)
@@ -90,18 +99,32 @@ def tile_window(
         t = along(
             t, d, lambda m, wp=wp, rank=rank, group=group: _gather(m, wp, rank, group, mode, value)
         )
+        pl, pr, cl, cr = wp.edges[rank]
+        steps.append(WindowStep(d, wp.exchange, rank, pl, pr, t))
+        cropped = cropped or bool(cl or cr)
         o0, o1 = wp.out_bounds[rank]
         sizes[d], ranges[d], starts[d] = wp.out_width, (o0, o1), o0 * s - lo
     pads: list[int] = []
     for d in range(t.ndim - 1, 1, -1):  # F.pad lists the last dim first
-        local_pad = d in geoms and axis_of(layout, d) is None
+        local_pad = pad_local and d in geoms and axis_of(layout, d) is None
         pads += list(geoms[d][3:5]) if local_pad else [0, 0]
     if any(pads):
         if mode in ("zeros", "constant"):
             t = F.pad(t, pads, mode="constant", value=value)
         else:
             t = F.pad(t, pads, mode=mode)
-    return TileWindow(t, sizes, ranges, starts)
+    reshaped = cropped or any(pads) or mode not in ("zeros", "constant")
+    return TileWindow(t, sizes, ranges, starts, tuple(steps), reshaped)
+
+
+def saving_tile_window(tw: TileWindow, local: Tensor, value: float = 0.0):
+    """While active, an op that saves ``tw.window`` for its backward keeps the local tile by
+    reference plus the thin halo slabs of every exchange (edges and corners) instead of the
+    window copy, and rebuilds the window in the backward (``_window.saving_steps_by_reference``).
+    A no-op context for a window padded locally, cropped or built in a non-constant mode."""
+    if tw.reshaped or not tw.steps or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    return saving_steps_by_reference(tw.window, local, tw.steps, value)
 
 
 def _gather(m: Tensor, wp, rank: int, group, mode: str, value: float) -> Tensor:

@@ -10,6 +10,8 @@ strip and volume ops dispatch here when their input's layout ``is_tile``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,7 +24,8 @@ from ._halo import gather_columns, sum_grad_over
 from ._interpolate import _apply, _local_table, plan_resize
 from ._pool import _counts, _segment_max, _segment_sums, _SumReplicated, adaptive_bounds
 from ._sharding import TILE_MESH_NAMES, SpatialLayout, enter, leave
-from ._tiles import along, axis_of, ceil_geom, tile_shape, tile_window
+from ._tiles import along, axis_of, ceil_geom, saving_tile_window, tile_shape, tile_window
+from ._window import WindowStep, saving_steps_by_reference
 
 #: the local op per tensor rank: NCHW images, NCDHW volumes
 _CONV = {4: F.conv2d, 5: F.conv3d}
@@ -56,9 +59,17 @@ def tile_conv(
     def geom(i, j):
         return k[i], stride[j], dilation[j], padding[2 * j], padding[2 * j + 1]
 
-    tw = tile_window(enter(x), tuple(x.shape), layout, what, _geoms(x, geom), padding_mode)
+    # Symmetric zero padding of the dims no mesh dim shards is cheapest inside the conv
+    # itself; the window is then just the exchanges' result and is saved by reference.
+    unsplit = [j for j in range(x.ndim - 2) if axis_of(layout, j + 2) is None]
+    inside = padding_mode == "zeros" and all(padding[2 * j] == padding[2 * j + 1] for j in unsplit)
+    conv_pad = tuple(padding[2 * j] if inside and j in unsplit else 0 for j in range(x.ndim - 2))
+    local = enter(x)
+    geoms = _geoms(x, geom)
+    tw = tile_window(local, tuple(x.shape), layout, what, geoms, padding_mode, pad_local=not inside)
     w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
-    out = _CONV[x.ndim](tw.window, w, b, stride, 0, dilation, groups)
+    with saving_tile_window(tw, local):
+        out = _CONV[x.ndim](tw.window, w, b, stride, conv_pad, dilation, groups)
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
 
 
@@ -66,8 +77,10 @@ def tile_max_pool(x: DTensor, layout, k, s, p, d, ceil_mode: bool, return_indice
     """``F.max_pool2d`` / ``F.max_pool3d`` of a tiled DTensor; indices (images only) are
     global into the flattened ``H*W``."""
     geoms = _geoms(x, lambda i, j: ceil_geom(x.shape[i], k[j], s[j], d[j], p[j], ceil_mode))
-    tw = tile_window(enter(x), tuple(x.shape), layout, what, geoms, "zeros", float("-inf"))
-    out, idx = _MAX[x.ndim](tw.window, k, s, 0, d, False, True)
+    local = enter(x)
+    tw = tile_window(local, tuple(x.shape), layout, what, geoms, "zeros", float("-inf"))
+    with saving_tile_window(tw, local, float("-inf")):
+        out, idx = _MAX[x.ndim](tw.window, k, s, 0, d, False, True)
     shape = tile_shape(tuple(x.shape), out, tw)
     if not return_indices:
         return leave(out, layout, shape)
@@ -107,9 +120,9 @@ def tile_conv_transpose(
     fetch the input rows or columns that reach this rank's outputs (W, then H on the W
     window, then D), convolve with padding 0 there, place the result on the rank's output
     range, add the bias last."""
-    t = enter(x)
+    t = local = enter(x)
     pads, out_pads, shape = list(padding), list(output_padding), list(x.shape)
-    placed = []
+    placed, steps, fetched = [], [], True
     for d in range(x.ndim - 1, 1, -1):
         ax = axis_of(layout, d)
         if ax is None:
@@ -121,7 +134,7 @@ def tile_conv_transpose(
         )
         lo, hi = tp.windows[rank]
         if parts == 1 and not tp.exchange.needed[0]:
-            t = t.narrow(d, 0, 0)
+            t, fetched = t.narrow(d, 0, 0), False
         else:  # every rank takes part: others may need its rows even if it needs none
             t = along(
                 t,
@@ -130,13 +143,19 @@ def tile_conv_transpose(
                     m, tp.exchange, rank, group
                 ),
             )
+            steps.append(WindowStep(d, tp.exchange, rank, 0, 0, t))
         if hi <= lo:  # no input reaches this rank: one zero row keeps the graph (see strips)
-            t = along(t, d, lambda m: F.pad(m, (0, 1)))
+            t, fetched = along(t, d, lambda m: F.pad(m, (0, 1))), False
         pads[j], out_pads[j], shape[d] = 0, 0, tp.out_width
         placed.append((d, lo * stride[j] - padding[j], *tp.out_bounds[rank]))
     w = sum_grad_over(weight, layout.grad_groups)
     conv = _CONV_T[x.ndim]
-    y = conv(t, w, None, stride, tuple(pads), tuple(out_pads), groups, dilation)
+    # Save the tile by reference + the thin halo slabs, not the window copy (as tile_conv).
+    saving = contextlib.nullcontext()
+    if fetched and steps and torch.is_grad_enabled():
+        saving = saving_steps_by_reference(t, local, tuple(steps))
+    with saving:
+        y = conv(t, w, None, stride, tuple(pads), tuple(out_pads), groups, dilation)
     for d, start, o0, o1 in placed:
         y = along(y, d, lambda m, start=start, o0=o0, o1=o1: _place(m, start, o0, o1))
     if bias is not None:

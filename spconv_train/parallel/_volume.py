@@ -9,12 +9,14 @@ applied as usual (``pad_local_dims``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
-from ._window import WindowPlan, gather_window
+from ._window import WindowPlan, gather_window, saving_plain_window
 
 Triple = tuple[int, int, int]
 
@@ -52,6 +54,24 @@ def gather_volume_window(
         local = local.flatten(1, 2)
     win = gather_window(local, wp, layout.sp_rank, layout.sp_group, mode, value)
     return win.reshape(*shape[:-1], win.shape[-1]).movedim(-1, d)
+
+
+def saving_volume_window(
+    win: Tensor,
+    x: DTensor,
+    layout: SpatialLayout,
+    wp: WindowPlan,
+    mode: str = "zeros",
+    value: float = 0.0,
+):
+    """While active, an op that saves ``win`` (from ``gather_volume_window``, used as is) for
+    its backward keeps the local block by reference plus the thin halo planes instead of the
+    window copy, and rebuilds the window in the backward (as the strip ops do,
+    ``_window.saving_window_by_reference``). A no-op context for the reflect, replicate and
+    circular modes (their padding is not a constant) or a window padded further."""
+    if mode not in ("zeros", "constant"):
+        return contextlib.nullcontext()
+    return saving_plain_window(win, enter(x), wp, layout.sp_rank, value, layout.dim)
 
 
 def pad_local_dims(

@@ -146,37 +146,65 @@ def gather_window(
     return g
 
 
-def saving_plain_window(window: Tensor, local: Tensor, wp: WindowPlan, rank: int, value=0.0):
-    """``saving_window_by_reference`` for a window from ``gather_window`` in a constant mode
-    with no height padding and no crop (a no-op context otherwise, or without autograd)."""
+def saving_plain_window(
+    window: Tensor, local: Tensor, wp: WindowPlan, rank: int, value=0.0, dim: int = -1
+):
+    """``saving_window_by_reference`` for a window from ``gather_window`` (along tensor dim
+    ``dim``) in a constant mode with no other padding and no crop (a no-op context
+    otherwise, or without autograd)."""
     pl, pr, cl, cr = wp.edges[rank]
-    if cl or cr or not torch.is_grad_enabled() or window.shape[-2] != local.shape[-2]:
+    dim %= window.dim()
+    pairs = zip(window.shape, local.shape, strict=True)
+    padded = any(n != m for i, (n, m) in enumerate(pairs) if i != dim)  # e.g. pad_h
+    if cl or cr or padded or not torch.is_grad_enabled():
         return contextlib.nullcontext()
-    return saving_window_by_reference(window, local, wp.exchange, rank, pl, pr, value)
+    step = WindowStep(dim, wp.exchange, rank, pl, pr, window)
+    return saving_steps_by_reference(window, local, (step,), value)
+
+
+@dataclass(frozen=True)
+class WindowStep:
+    """One exchange that built (part of) a window: along tensor dim ``dim``, ``exchange``'s
+    pieces for ``rank`` between ``pad_lo`` and ``pad_hi`` elements of edge padding.
+    ``result`` is the tensor it produced (its halo pieces are copied when the window is
+    saved). A window fetched along several dims (a tile: W, then H on the W window, then D)
+    is the chain of its steps, in order."""
+
+    dim: int
+    exchange: ExchangePlan
+    rank: int
+    pad_lo: int
+    pad_hi: int
+    result: Tensor
 
 
 class _WindowRecipe:
-    """How to rebuild a padded window from the local strip (kept by reference: usually the
-    op before saved it anyway) and thin copies of the halo columns. Both go through the
-    hooks that were active before (``outer``), so a memory meter, offloading or activation
-    checkpointing sees exactly what is kept."""
+    """How to rebuild a padded window from the local strip or tile (kept by reference:
+    usually the op before saved it anyway) and thin copies of the halos of every step.
+    Both go through the hooks that were active before (``outer``), so a memory meter,
+    offloading or activation checkpointing sees exactly what is kept."""
 
-    def __init__(self, window: Tensor, local: Tensor, exchange, rank, pl, pr, value, outer):
-        a = exchange.owned[rank][0]
-        self.shape, self.value, self.outer = window.shape, value, outer
+    def __init__(self, window: Tensor, local: Tensor, steps, value, outer):
+        self.shape, self.stride = window.shape, window.stride()
+        self.value, self.outer = value, outer
         self.version = local._version
         self.local = outer[0](local) if outer else local
-        self.parts: list[tuple[str, object]] = [("pad", pl)] if pl else []
-        offset = pl
-        for owner, s, e in exchange.pieces(rank):
-            if owner == rank:
-                self.parts.append(("own", (s - a, e - s)))
-            else:  # a received halo: a few columns, copied
-                halo = window.narrow(-1, offset, e - s).clone()
-                self.parts.append(("halo", outer[0](halo) if outer else halo))
-            offset += e - s
-        if pr:
-            self.parts.append(("pad", pr))
+        #: per step: (dim, parts); a part is ("pad", n), ("own", (start, n)) or ("halo", t)
+        self.levels: list[tuple[int, list[tuple[str, object]]]] = []
+        for st in steps:
+            a = st.exchange.owned[st.rank][0]
+            parts: list[tuple[str, object]] = [("pad", st.pad_lo)] if st.pad_lo else []
+            offset = st.pad_lo
+            for owner, s, e in st.exchange.pieces(st.rank):
+                if owner == st.rank:
+                    parts.append(("own", (s - a, e - s)))
+                else:  # a received halo: a few planes, copied (edges and corners included)
+                    halo = st.result.narrow(st.dim, offset, e - s).clone()
+                    parts.append(("halo", outer[0](halo) if outer else halo))
+                offset += e - s
+            if st.pad_hi:
+                parts.append(("pad", st.pad_hi))
+            self.levels.append((st.dim, parts))
 
     def _get(self, packed) -> Tensor:
         return self.outer[1](packed) if self.outer else packed
@@ -188,24 +216,39 @@ class _WindowRecipe:
                 "a tensor a width-sharded layer saved for backward was modified in place "
                 "after the forward; make that operation out of place"
             )
-        out = local.new_empty(self.shape)
-        offset = 0
-        for kind, item in self.parts:
-            if kind == "pad":
-                out.narrow(-1, offset, item).fill_(self.value)
-                offset += item
-            elif kind == "own":
-                start, width = item
-                out.narrow(-1, offset, width).copy_(local.narrow(-1, start, width))
-                offset += width
-            else:
-                halo = self._get(item)
-                out.narrow(-1, offset, halo.shape[-1]).copy_(halo)
-                offset += halo.shape[-1]
+        # The window's own layout (a volume's window is a permuted view of its buffer).
+        out = torch.empty_strided(self.shape, self.stride, dtype=local.dtype, device=local.device)
+        self._fill(out, len(self.levels) - 1, local, {})
         return out
 
+    def _fill(self, out: Tensor, level: int, local: Tensor, cuts: dict) -> None:
+        """Write step ``level``'s result into ``out``, restricted to ``cuts`` (``{dim:
+        (start, n)}`` along the dims of the later steps, in local coordinates)."""
+        if level < 0:
+            out.copy_(_cut(local, cuts))
+            return
+        dim, parts = self.levels[level]
+        offset = 0
+        for kind, item in parts:
+            if kind == "pad":
+                out.narrow(dim, offset, item).fill_(self.value)
+                offset += item
+            elif kind == "own":
+                start, n = item
+                self._fill(out.narrow(dim, offset, n), level - 1, local, {**cuts, dim: item})
+                offset += n
+            else:
+                halo = _cut(self._get(item), cuts)
+                out.narrow(dim, offset, halo.shape[dim]).copy_(halo)
+                offset += halo.shape[dim]
 
-@contextlib.contextmanager
+
+def _cut(t: Tensor, cuts: dict) -> Tensor:
+    for dim, (start, n) in cuts.items():
+        t = t.narrow(dim, start, n)
+    return t
+
+
 def saving_window_by_reference(
     window: Tensor, local: Tensor, exchange, rank: int, pad_lo=0, pad_hi=0, value=0.0
 ):
@@ -218,19 +261,36 @@ def saving_window_by_reference(
     to the strip itself, saved by the op before it: twice the activation memory of one device.
     A no-op when the current runtime's ``save_windows_by_reference`` option is off.
     """
+    step = WindowStep(window.dim() - 1, exchange, rank, pad_lo, pad_hi, window)
+    return saving_steps_by_reference(window, local, (step,), value)
+
+
+def _shares(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@contextlib.contextmanager
+def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
+    """``saving_window_by_reference`` for a window built from ``local`` by the exchanges
+    ``steps`` (``WindowStep``, in order; one per sharded dim of a tile or volume)."""
 
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
     # is internal (checked against torch 2.14; tests/test_conv.py covers the chaining).
-    if not current_runtime().options.save_windows_by_reference:
-        yield
+    if not current_runtime().options.save_windows_by_reference or _shares(window, local):
+        yield  # a view of the local tensor is no copy: nothing to save differently
         return
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer else (None, None)
+    key = (window.data_ptr(), window.shape, window.stride())
+    # Every saved tensor keeps its pack hook alive until the backward frees it (torch's
+    # PySavedVariableHooks): a closure over the window would keep the very copy this
+    # avoids. The hook reads the tensors from ``held``, emptied when the op has run.
+    held = [window, local, steps]
 
     def pack(t: Tensor):
-        if t.data_ptr() == window.data_ptr() and t.shape == window.shape and t.dim() == 4:
-            return _WindowRecipe(window, local, exchange, rank, pad_lo, pad_hi, value, outer)
+        if held and (t.data_ptr(), t.shape, t.stride()) == key:
+            return _WindowRecipe(*held[:2], held[2], value, outer)
         return ("outer", outer_pack(t)) if outer_pack else t
 
     def unpack(saved):
@@ -240,5 +300,9 @@ def saving_window_by_reference(
             return outer_unpack(saved[1])
         return saved
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+    del window, local, steps
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        held.clear()
