@@ -5,7 +5,8 @@ circular), negative (cropping) and zero amounts; ``nn.ZeroPad2d``, ``ConstantPad
 The width part is a re-chunk (``_rechunk``): the padded width is chunked afresh, so columns
 move to the rank that owns them in the output; reflect/replicate read the edge ranks' own
 columns (or a thin strip's neighbours), circular the wrap-around pair. The height (and, for
-constant padding, channel) part is local on every strip.
+constant padding, channel) part is local on every strip. H x W tiles take the per-dim
+path of ``_pad3d.py`` (each sharded dim re-chunked over its mesh dim in turn).
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def spatial_pad(input, pad, mode: str = "constant", value=None):
         raise SpatialShardingError(
             "F.pad: padding the batch dimension of a batch-sharded tensor is not supported"
         )
-    x, layout = spatial_layout(input, "F.pad")
+    x, layout = spatial_layout(input, "F.pad", tiles=True)
+    if layout.is_tile:  # H x W tiles: each sharded dim re-chunked in turn (separable)
+        from ._pad3d import spatial_pad3d
+
+        return spatial_pad3d(input, pad, mode, value)
     v = 0.0 if value is None else float(value)
     if pad[0] or pad[1]:
         x = remap_width(x, width_segments(x.shape[3], pad[0], pad[1], mode), v, "F.pad")

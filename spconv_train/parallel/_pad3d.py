@@ -18,33 +18,38 @@ from ._dims import sharded_dims
 from ._geometry import SpatialShardingError
 from ._pad import width_segments
 from ._rechunk import _pick, plan_remap
-from ._sharding import enter, leave
+from ._sharding import enter, leave, spatial_layout
+from ._tiles import sharded_axes
 from ._volume import volume_layout
 
 
 def spatial_pad3d(input: DTensor, pad, mode: str = "constant", value=None) -> DTensor:
-    """``F.pad`` of a volume sharded along D, H or W, or along several of them (each
-    sharded dim re-chunked over its own mesh dim in turn; exact, differentiable, neighbour
-    traffic only). Same arguments as ``F.pad``."""
+    """``F.pad`` of a volume sharded along D, H or W, or along several of them, or of an
+    image split into H x W tiles (each sharded dim re-chunked over its own mesh dim in
+    turn; exact, differentiable, neighbour traffic only). Same arguments as ``F.pad``."""
     pad = [int(p) for p in pad]
+    ndim = input.ndim
     # torch's own checks and output shape, computing nothing
     shape = tuple(F.pad(torch.empty(input.shape, device="meta"), pad, mode, value).shape)
-    if len(pad) > 8 and any(pad[8:]) and 0 in sharded_dims(input):
+    batch = 2 * (ndim - 1)  # F.pad's entries from here on pad the batch dim
+    if len(pad) > batch and any(pad[batch:]) and 0 in sharded_dims(input):
         raise SpatialShardingError(
             "F.pad: padding the batch dimension of a batch-sharded tensor is not supported"
         )
-    x, layout = volume_layout(input, "F.pad", tiles=True)
+    if ndim == 5:
+        x, layout = volume_layout(input, "F.pad", tiles=True)
+    else:
+        x, layout = spatial_layout(input, "F.pad", tiles=True)
     local = enter(x)
     rest = list(pad)
     if layout.is_tile:  # two or three of D, H, W: each sharded dim in turn (separable)
-        m = layout.mesh
-        axes = [(d, m.size(k), m.get_local_rank(k), m.get_group(k)) for d, k in layout.axes]
+        axes = sharded_axes(layout)
     elif layout.width_sharded:
         axes = [(layout.dim, layout.sp_size, layout.sp_rank, layout.sp_group)]
     else:
         axes = []
     for d, parts, rank, group in axes:
-        i = 2 * (4 - d)  # F.pad lists the last dim first
+        i = 2 * (ndim - 1 - d)  # F.pad lists the last dim first
         lo, hi = (pad[i], pad[i + 1]) if len(pad) > i else (0, 0)
         if lo or hi:
             segments = tuple(width_segments(x.shape[d], lo, hi, mode))

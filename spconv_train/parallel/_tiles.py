@@ -40,6 +40,12 @@ def axis_of(layout: SpatialLayout, d: int) -> tuple[int, int, object] | None:
     return None
 
 
+def sharded_axes(layout: SpatialLayout) -> list[tuple[int, int, int, object]]:
+    """``(tensor dim, parts, rank, group)`` of every sharded spatial dim of a tile layout,
+    in tensor-dim order (for ops that are separable per dim: one 1-D step per dim)."""
+    return [(d, *axis_of(layout, d)) for d, _ in layout.axes]
+
+
 def along(t: Tensor, d: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn`` applied to ``t`` with dim ``d`` moved last (a view), the result moved back."""
     return fn(t.movedim(d, -1)).movedim(-1, d)
