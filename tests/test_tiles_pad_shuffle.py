@@ -1,8 +1,9 @@
-"""``F.pad`` (every mode, growing and cropping), ``pixel_shuffle`` and ``pixel_unshuffle`` on
-H x W tiles (issue 12 item 1: every op that runs on a strip runs on a tile): each sharded
-dim is re-chunked (pad, shuffle) or windowed (unshuffle) over its own mesh dim in turn,
-against one device in fp64 (forward and input gradient, no activation-sized collective),
-on 2 x 2, (dp, sp_h, sp_w) = (2, 1, 2), (3, 1) and (1, 3) meshes with uneven sizes."""
+"""``F.pad`` (every mode, growing and cropping), ``pixel_shuffle``, ``pixel_unshuffle``,
+slicing / centre crops, ``flip`` and ``roll`` on H x W tiles (issue 12 item 1: every op
+that runs on a strip runs on a tile): each sharded dim is re-chunked (pad, shuffle,
+slicing, flip, roll) or windowed (unshuffle) over its own mesh dim in turn, against one
+device in fp64 (forward and input gradient, no activation-sized collective), on 2 x 2,
+(dp, sp_h, sp_w) = (2, 1, 2), (3, 1) and (1, 3) meshes with uneven sizes."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ def pad_and_shuffle(world: int) -> list[str]:
         check_fn(lambda t: F.pixel_shuffle(t, 3), x, dmesh, pl, f"{key} shuffle 3", failures)
         x = seeded(712, 2, 3, 18, 22, dtype=torch.float64)
         check_fn(lambda t: F.pixel_unshuffle(t, 2), x, dmesh, pl, f"{key} unshuffle", failures)
+        rechunks = [
+            ("centre crop", lambda t: t[:, :, 2:-3, 3:-2]),
+            ("strided slice", lambda t: t[..., 1:12:2, ::3]),
+            ("slice H, int C", lambda t: t[:, 1, 4:]),
+            ("flip H W", lambda t: torch.flip(t, [2, 3])),
+            ("flip H", lambda t: t.flip(-2)),
+            ("roll H W", lambda t: torch.roll(t, (5, -4), (2, 3))),
+        ]
+        for i, (label, fn) in enumerate(rechunks):
+            x = seeded(720 + i, 2, 3, 13, 17, dtype=torch.float64)
+            check_fn(fn, x, dmesh, pl, f"{key} {label}", failures)
         torch.manual_seed(3)
         block = nn.Sequential(  # a sub-pixel upsampler: conv, shuffle, pad, conv
             nn.Conv2d(3, 12, 3, padding=1),

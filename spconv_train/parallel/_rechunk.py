@@ -1,7 +1,8 @@
 """Re-chunk along the width: build a new width-sharded tensor whose every column is a copy of
 some input column (or a fill value), with point-to-point traffic only.
 
-Padding, cropping, slicing (``x[..., a:b:s]``), ``flip`` and ``roll`` along W all change
+Padding, cropping, slicing (``x[..., a:b:s]``), ``flip`` and ``roll`` along W (or along H
+of H x W tiles, ``remap_dim``) all change
 which global column each output column reads and, since DTensor chunks the *new* width
 afresh, which rank owns it. A map is given as a few ``Segment``s (runs of output columns:
 a fill, or input columns ``start, start + step, ...``; step 0 repeats one column, step -1
@@ -105,14 +106,28 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
 def remap_width(x: DTensor, segments, value: float = 0.0, what: str = "re-chunk") -> DTensor:
     """The width-sharded DTensor whose columns ``segments`` describe (see ``Segment``),
     with ``value`` in fill columns; a width-replicated input is remapped locally."""
-    x, layout = spatial_layout(x, what)
+    return remap_dim(x, 3, segments, value, what)
+
+
+def remap_dim(x: DTensor, d: int, segments, value: float = 0.0, what: str = "re-chunk") -> DTensor:
+    """``remap_width`` along tensor dim ``d`` of an NCHW image: the width of strips, or H or
+    W of H x W tiles (re-chunked over the mesh dim that shards it; the other sharded dim is
+    untouched); a dim that is not sharded is remapped locally."""
+    x, layout = spatial_layout(x, what, tiles=True)
     segments = tuple(segments)
-    if not layout.width_sharded:
-        plan = plan_remap(x.shape[3], 1, segments)
-        return leave(_pick(enter(x), plan, 0, None, value), layout, (*x.shape[:3], plan.out_width))
-    plan = plan_remap(x.shape[3], layout.sp_size, segments)
-    out = _pick(enter(x), plan, layout.sp_rank, layout.sp_group, value)
-    return leave(out, layout, (*x.shape[:3], plan.out_width))
+    if layout.is_tile:
+        from ._tiles import axis_of  # _tiles builds on this module's siblings
+
+        axis = axis_of(layout, d)
+    else:
+        axis = (layout.sp_size, layout.sp_rank, layout.sp_group)
+        axis = axis if layout.width_sharded and d == 3 else None
+    parts, rank, group = axis or (1, 0, None)
+    plan = plan_remap(x.shape[d], parts, segments)
+    out = _pick(enter(x).movedim(d, -1), plan, rank, group, value).movedim(-1, d)
+    shape = list(x.shape)
+    shape[d] = plan.out_width
+    return leave(out, layout, tuple(shape))
 
 
 def _pick(local: torch.Tensor, plan: RemapPlan, rank: int, group, value: float):

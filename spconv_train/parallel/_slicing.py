@@ -1,9 +1,10 @@
-"""Slicing (``x[..., a:b:s]``, centre crops), ``flip`` and ``roll`` on a width-sharded DTensor.
+"""Slicing (``x[..., a:b:s]``, centre crops), ``flip`` and ``roll`` on a sharded DTensor.
 
-Along the width each is a re-chunk (``_rechunk``): neighbour/owner point-to-point traffic,
-never a gather. Along the other dimensions the op runs on each strip as is (the batch only
-when it is not sharded). Index forms handled: ints, slices (step > 0), ``...``; anything
-else (tensor or boolean indices, ``None``) goes to DTensor's own rules.
+Along the width of strips (and along H or W of H x W tiles) each is a re-chunk
+(``_rechunk``): neighbour/owner point-to-point traffic, never a gather. Along the other
+dimensions the op runs on each strip as is (the batch only when it is not sharded). Index
+forms handled: ints, slices (step > 0), ``...``; anything else (tensor or boolean indices,
+``None``) goes to DTensor's own rules.
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ._dims import handled, norm_dim, sharded_dims, wrap
 from ._mode import register_handler
-from ._rechunk import Segment, cols, remap_width
-
-_WIDTH = 3
+from ._rechunk import Segment, cols, remap_dim
 
 
 def _meta_shape(x: DTensor, fn) -> tuple[int, ...]:
@@ -54,22 +53,37 @@ def _fallback(func, *args, **kwargs):
     return func(*args, **kwargs)
 
 
+def _remapped(x: DTensor, dims) -> list[int]:
+    """The sharded dims among ``dims`` that a re-chunk handles: W of strips, H and W of
+    H x W tiles (NCHW images only)."""
+    where = sharded_dims(x)
+    return [d for d in dims if d in where and d >= 2 and x.ndim == 4]
+
+
+def _unhandled(x: DTensor, dims) -> bool:
+    """Whether the op touches a sharded dim that no re-chunk handles (the batch, a
+    volume's): then DTensor's own rules run, watched by the no-gather guard."""
+    where, remapped = sharded_dims(x), _remapped(x, dims)
+    return any(d in where and d not in remapped for d in dims)
+
+
 @register_handler(torch.Tensor.__getitem__)
 def spatial_getitem(x, index):
-    """``x[index]`` with basic indexing; a slice of the width re-chunks the strips."""
+    """``x[index]`` with basic indexing; a slice of a sharded spatial dim (the width of
+    strips, H or W of tiles) re-chunks it."""
     items = _expand_index(index, x.ndim) if handled(x) else None
-    where = sharded_dims(x) if items is not None else {}
+    touched = [] if items is None else [d for d, i in enumerate(items) if i != slice(None)]
     if (
         items is None
-        or any(d != _WIDTH and items[d] != slice(None) for d in where)
-        or (_WIDTH in where and (x.ndim != 4 or not isinstance(items[_WIDTH], slice)))
+        or _unhandled(x, touched)
+        or any(not isinstance(items[d], slice) for d in _remapped(x, touched))
     ):
         return _fallback(torch.Tensor.__getitem__, x, index)
-    if _WIDTH in where and items[_WIDTH] != slice(None):
-        start, stop, step = items[_WIDTH].indices(x.shape[_WIDTH])
+    for d in _remapped(x, touched):
+        start, stop, step = items[d].indices(x.shape[d])
         n = len(range(start, stop, step))
-        x = remap_width(x, [cols(start, n, step)] if n else [], what="slicing x[..., a:b:s]")
-        items = (*items[:_WIDTH], slice(None))
+        x = remap_dim(x, d, [cols(start, n, step)] if n else [], what="slicing x[..., a:b:s]")
+        items = (*items[:d], slice(None), *items[d + 1 :])
     if all(i == slice(None) for i in items):
         return x
     removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))
@@ -88,13 +102,12 @@ def spatial_flip(x, *dims, **kwargs):
     if not handled(x) or x.ndim != 4:
         return _fallback(torch.flip, x, given)
     wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)]
-    where = sharded_dims(x)
-    if any(d in where and d != _WIDTH for d in wanted):
+    if _unhandled(x, wanted):
         return _fallback(torch.flip, x, wanted)
-    if _WIDTH in wanted and _WIDTH in where:
-        w = x.shape[_WIDTH]
-        x = remap_width(x, [cols(w - 1, w, -1)], what="torch.flip")
-        wanted = [d for d in wanted if d != _WIDTH]
+    for d in _remapped(x, wanted):
+        n = x.shape[d]
+        x = remap_dim(x, d, [cols(n - 1, n, -1)], what="torch.flip")
+        wanted = [k for k in wanted if k != d]
     return _run_local(x, lambda t: torch.flip(t, wanted)) if wanted else x
 
 
@@ -104,16 +117,16 @@ def spatial_roll(x, shifts, dims=None):
     if dims is None or not handled(x) or x.ndim != 4:
         return _fallback(torch.roll, x, shifts, dims)
     shifts_l, dims_l = _dims_list(shifts), [norm_dim(d, 4) for d in _dims_list(dims)]
-    where = sharded_dims(x)
-    if len(shifts_l) != len(dims_l) or any(d in where and d != _WIDTH for d in dims_l):
+    if len(shifts_l) != len(dims_l) or _unhandled(x, dims_l):
         return _fallback(torch.roll, x, shifts, dims)
+    remapped = _remapped(x, dims_l)
     local_s, local_d = [], []
     for s, d in zip(shifts_l, dims_l, strict=True):
-        if d == _WIDTH and _WIDTH in where:
-            w = x.shape[_WIDTH]
+        if d in remapped:
+            w = x.shape[d]
             k = s % w
             segs: list[Segment] = [cols(w - k, k), cols(0, w - k)]
-            x = remap_width(x, [g for g in segs if g.length], what="torch.roll")
+            x = remap_dim(x, d, [g for g in segs if g.length], what="torch.roll")
         else:
             local_s.append(s)
             local_d.append(d)
