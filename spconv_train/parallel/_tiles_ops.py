@@ -285,15 +285,11 @@ def _replicated(layout: SpatialLayout) -> SpatialLayout:
 
 
 def tile_adaptive_pool(x: DTensor, layout: SpatialLayout, out_sizes, kind, indices, what):
-    """Adaptive ``kind`` ("avg" / "max") pooling of a tiled DTensor; ``return_indices``
-    (``indices``) is refused."""
-    if indices:
-        raise SpatialShardingError(
-            f"{what}: return_indices=True is not supported on tiles (the values are); "
-            f"shard one spatial dim for this layer's model, or use the values only"
-        )
-    pool = tile_adaptive_avg_pool if kind == "avg" else tile_adaptive_max_pool
-    return pool(x, layout, tuple(out_sizes), what)
+    """Adaptive ``kind`` ("avg" / "max") pooling of a tiled DTensor; with ``indices`` (max
+    only, as torch) also the global flat indices of the maxima."""
+    if kind == "avg":
+        return tile_adaptive_avg_pool(x, layout, tuple(out_sizes), what)
+    return tile_adaptive_max_pool(x, layout, tuple(out_sizes), what, indices)
 
 
 def tile_adaptive_avg_pool(
@@ -324,8 +320,12 @@ def tile_adaptive_avg_pool(
 
 
 def tile_adaptive_max_pool(
-    x: DTensor, layout: SpatialLayout, out_sizes: tuple[int, ...], what: str
-) -> DTensor:
+    x: DTensor,
+    layout: SpatialLayout,
+    out_sizes: tuple[int, ...],
+    what: str,
+    return_indices: bool = False,
+):
     """``F.adaptive_max_pool2d`` / ``F.adaptive_max_pool3d`` values of a tiled DTensor, for
     small outputs as the average (``Replicate`` on the spatial mesh dims). Each rank takes
     the maximum of its own part of every output window and the global flat index of the
@@ -333,7 +333,9 @@ def tile_adaptive_max_pool(
     all-reduce MAX over the spatial mesh dims gives the value, an all-reduce MIN of the
     indices of the ranks holding it picks the first maximum in row-major order, as one
     device does, and only that rank passes the gradient. So values, gradients and ties
-    equal one device's (NaN inputs are not: torch propagates them)."""
+    equal one device's (NaN inputs are not: torch propagates them). ``return_indices``: the
+    winning global flat index too (into the flattened spatial dims, as torch's), replicated
+    like the values."""
     _check_small_output(x, layout, out_sizes, "max", what)
     t, idx, stride = enter(x), None, 1
     valid = torch.ones((), dtype=torch.bool, device=t.device)
@@ -357,4 +359,6 @@ def tile_adaptive_max_pool(
     for group in groups:
         dist.all_reduce(cand, dist.ReduceOp.MIN, group=group)
     out = torch.where(valid & (idx == cand), t, best)  # only the owner passes the gradient
-    return leave(out, _replicated(layout), (x.shape[0], x.shape[1], *out_sizes))
+    shape = (x.shape[0], x.shape[1], *out_sizes)
+    values = leave(out, _replicated(layout), shape)
+    return (values, leave(cand, _replicated(layout), shape)) if return_indices else values
