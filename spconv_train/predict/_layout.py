@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spconv_train.distributed import spatial_mesh
-from spconv_train.train.data_feed import MeshCoords
+from spconv_train.train.mesh_coords import MeshCoords
 
 __all__ = ["SpatialGroup", "stitch"]
 

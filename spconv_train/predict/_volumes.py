@@ -28,7 +28,7 @@ from spconv_train.data.base import bad_file
 from spconv_train.data.normalize import scale_by_dtype
 from spconv_train.data.volume_folder import _open, volume_header
 from spconv_train.parallel import SpatialShardingError
-from spconv_train.train.data_feed import to_dtensor
+from spconv_train.train.mesh_coords import to_dtensor
 from spconv_train.train.val_check import is_geometry_error
 from spconv_train.train.volume_feed import block_bounds, shard_axis
 

@@ -55,13 +55,9 @@ from spconv_train.train.bad_samples import (
     skipped_summary,
     upfront_skips,
 )
-from spconv_train.train.data_feed import (
-    MeshCoords,
-    TrainFeed,
-    build_sources,
-    val_items,
-)
+from spconv_train.train.data_feed import TrainFeed, build_sources, val_items
 from spconv_train.train.determinism import seed_for_step
+from spconv_train.train.mesh_coords import MeshCoords
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.optim import (
     apply_hyperparameters,

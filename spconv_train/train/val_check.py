@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spconv_train.config import Config
 from spconv_train.data import DataError, SegmentationSource, strip_bounds
 from spconv_train.parallel import SpatialShardingError
-from spconv_train.train.data_feed import MeshCoords, to_dtensor
+from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.volume_feed import block_bounds, spatial_placements
 
 __all__ = ["check_val_sizes", "is_geometry_error"]

@@ -19,8 +19,9 @@ from torch import Tensor, nn
 from spconv_train.config import Config
 from spconv_train.data import make_dp_sampler
 from spconv_train.parallel import block_slices
-from spconv_train.train.data_feed import MeshCoords, load_train_strips
+from spconv_train.train.data_feed import load_train_strips
 from spconv_train.train.losses import dice_loss_reference
+from spconv_train.train.mesh_coords import MeshCoords
 from spconv_train.train.optim import build_optimizer, build_scheduler
 from spconv_train.train.step import train_step
 

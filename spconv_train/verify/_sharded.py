@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from spconv_train.config import Config
 from spconv_train.parallel import CommAudit, runtime_of
-from spconv_train.train.data_feed import TrainFeed, to_dtensor
+from spconv_train.train.data_feed import TrainFeed
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
+from spconv_train.train.mesh_coords import to_dtensor
 from spconv_train.train.optim import build_loss, build_optimizer, build_scheduler
 from spconv_train.train.step import train_step
 
