@@ -8,7 +8,7 @@ process group is touched::
 """
 
 from ._errors import ConfigError
-from ._grid import choose_grid
+from ._grid import choose_grid, empty_ranks
 from ._io import config_to_dict, dump_config, load_config
 from ._mesh import (
     data_width_per_rank,
@@ -47,6 +47,7 @@ __all__ = [
     "changed_settings",
     "check_resume_changes",
     "choose_grid",
+    "empty_ranks",
     "config_to_dict",
     "data_width_per_rank",
     "describe_grid",

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._compile import not_traced
 from ._geometry import ExchangePlan
 from ._runtime import SpatialStats, current_runtime
 
@@ -168,11 +169,7 @@ class _GatherColumns(torch.autograd.Function):
         return grad_local, None, None, None, None, None, None
 
 
-# Under torch.compile the exchange is a graph break and the local ops between exchanges are
-# compiled. Dynamo must not trace into the exchange's autograd.Function: it breaks at the
-# P2P calls inside it and inductor then fails on the half-traced Function ("'NoneType' has
-# no attribute 'item'"; torch 2.14.1). tests/test_compile.py checks both.
-@torch._dynamo.disable
+@not_traced  # an exchange inside an autograd function (see _compile.py)
 def gather_columns(
     local: Tensor,
     plan: ExchangePlan,

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ._compile import not_traced
 from ._halo import post_p2p
 from ._runtime import current_runtime
 from ._window import WindowPlan
@@ -113,6 +114,11 @@ def _add_thin_grad(lo: int, grad: Tensor, start: int, target: Tensor) -> None:
         target.narrow(-1, s - start, e - s).add_(grad.narrow(-1, s - lo, e - s))
 
 
+def _same_pad(weight: Tensor, dilation) -> int:
+    """The width padding of a "same" convolution (``SplitPlan.whole_strip``)."""
+    return dilation[1] * (weight.shape[-1] - 1) // 2
+
+
 def _reads_halo(lo: int, hi: int, halos: list[tuple[int, Tensor]]) -> bool:
     """Whether global input columns ``[lo, hi)`` overlap a received halo."""
     return any(s < hi and lo < s + h.shape[-1] for s, h in halos)
@@ -148,7 +154,7 @@ class _HaloConv2d(torch.autograd.Function):
             # The strip with zero width padding inside the convolution (what one device
             # computes, except that the columns next to a neighbour read zeros instead of
             # its halo); those few columns are then overwritten from thin windows.
-            pad_w = dilation[1] * (weight.shape[-1] - 1) // 2
+            pad_w = _same_pad(weight, dilation)
             out = F.conv2d(local, weight, bias, stride, (pad_h, pad_w), dilation, groups)
             pending.wait()
             for first, count, lo, hi in _halo_edges(split, halos):
@@ -238,8 +244,7 @@ class _HaloConv2d(torch.autograd.Function):
             )
         # The interior (the big one) while the halo gradients travel.
         if split.whole_strip:
-            pad_w = dilation[1] * (weight.shape[-1] - 1) // 2
-            grad_local, gwi, gbi = conv_bwd(grad_out, local, pad_w)
+            grad_local, gwi, gbi = conv_bwd(grad_out, local, _same_pad(weight, dilation))
         else:
             i0, i1 = split.interior
             c0, c1 = split.strip_cols
@@ -261,10 +266,7 @@ class _HaloConv2d(torch.autograd.Function):
         return grad_local, gw, gb, None, None, None, None, None
 
 
-# Not traced by torch.compile, like ``gather_columns``: under ``no_grad`` (validation) Dynamo
-# inlines the autograd function's forward and breaks at the P2P calls inside it; the resumed
-# half of the forward then fails ("'NoneType' has no attribute 'item'", torch 2.14.1).
-@torch._dynamo.disable
+@not_traced  # an exchange inside an autograd function (see _compile.py)
 def halo_conv2d(local, weight, bias, wp, split, rank, group, stride, pad_h, dilation, groups):
     """The rank's output strip of a zero-padded width-sharded convolution (see module doc)."""
     geo = (tuple(stride), pad_h, tuple(dilation), groups)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
+from ._compile import not_traced
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
@@ -158,11 +159,7 @@ def _as_nchw(shape) -> tuple[int, int, int, int]:
     return (*shape[:2], shape[2] * shape[3], shape[4]) if len(shape) == 5 else tuple(shape)
 
 
-# Not traced by torch.compile: Dynamo would inline ``_Normalize`` and differentiate its
-# decomposed forward instead of running its one-pass backward (measured: +0.18 s per step of
-# a U-Net at 256x1024 on CPU, torch 2.14.1); the statistics' all-reduces are collectives
-# anyway, so the normalisation is a graph break either way.
-@torch._dynamo.disable
+@not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
 def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, eps: float):
     """Normalise the local strip of ``x`` with global statistics ``cells``; returns the
     output DTensor and the statistics (mean, biased variance)."""

@@ -14,7 +14,6 @@ while writing it.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from torch.distributed.tensor import Shard
 
-from spconv_train.config import grid_mesh_dims
+from spconv_train.config import empty_ranks, grid_mesh_dims
 from spconv_train.data import AXES, DataError, check_mask_values
 from spconv_train.data.base import bad_file
 from spconv_train.data.normalize import scale_by_dtype
@@ -129,7 +128,7 @@ class VolumePredictor:
         size, c = self._sizes(path, mask_path)
         for axis, parts in self.splits:  # known from the header: the same on every rank
             n = size[axis]
-            if math.ceil(n / math.ceil(n / parts)) < parts:
+            if empty_ranks(n, parts)[1]:
                 unit = ("slices", "rows", "columns")[axis]
                 why = f"{n} {unit} over {parts} ranks leave a rank without any"
                 raise self._too_small(path, size, why)
