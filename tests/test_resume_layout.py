@@ -42,6 +42,7 @@ def run_recorded(root: str, name: str, sp: int, steps: int, resume: bool) -> lis
     """``train()`` on this worker group; returns this rank's per-step records
     ``(step, rng seed, epoch, indices, cols, global width)``."""
     from spconv_train.config import load_config
+    from spconv_train.data import strip_bounds
     from spconv_train.train import data_feed, loop
 
     run_dir = Path(root) / name
@@ -55,7 +56,7 @@ def run_recorded(root: str, name: str, sp: int, steps: int, resume: bool) -> lis
 
     def recording(source, cfg_, coords, epoch, indices):
         image, mask, hw = real(source, cfg_, coords, epoch, indices)
-        cols = data_feed.strip_bounds(hw[1], coords.sp, coords.sp_rank)
+        cols = strip_bounds(hw[1], coords.sp, coords.sp_rank)
         records.append((torch.initial_seed(), epoch, list(indices), cols, hw[1]))
         return image, mask, hw
 
