@@ -26,7 +26,7 @@ from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
 
 
-def register_handler(*functions: Callable) -> Callable[[Callable], Callable]:
+def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Callable], Callable]:
     """Decorator keyed by the function objects themselves (``torch.Tensor.mean``,
     ``F.pad``, ``torch.Tensor.__getitem__``, ...): run ``handler(*args, **kwargs)`` instead
     whenever a DTensor is among the arguments while a parallelized model runs. Tensor
@@ -34,8 +34,10 @@ def register_handler(*functions: Callable) -> Callable[[Callable], Callable]:
 
     The handler receives the call's arguments unchanged (plain tensors and DTensors alike)
     and must return what the function returns. Registers for every model; a runtime's own
-    ``runtime.registry.register(...)`` registers for one model only."""
-    return DEFAULT_REGISTRY.register(*functions)
+    ``runtime.registry.register(...)`` registers for one model only. Under ``torch.compile``
+    the handler runs eagerly (a graph break) unless ``traced=True``, meant for handlers made
+    only of local element-wise ops, which the compiler may then fuse."""
+    return DEFAULT_REGISTRY.register(*functions, traced=traced)
 
 
 def refuse_handler(*functions: Callable, reason: str) -> None:
@@ -78,7 +80,7 @@ class SpatialMode(TorchFunctionMode):
         entry = self.runtime.registry.lookup(func)
         if entry is not None and _has_dtensor(args, kwargs):
             if entry.handler is not None:
-                return entry.handler(*args, **kwargs)
+                return entry.run(*args, **kwargs)
             raise SpatialShardingError(
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )

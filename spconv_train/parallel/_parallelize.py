@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ._compile import not_traced
 from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._mode import SpatialMode
@@ -44,6 +45,11 @@ def register_spatial_module(base: type[nn.Module]) -> Callable[[type], type]:
     def deco(cls: type) -> type:
         if not issubclass(cls, base):
             raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
+        # Under torch.compile a spatial layer runs eagerly, one graph break around it: its
+        # exchanges and collectives break the graph anyway, and traced, its Python (plans,
+        # labels, saved-tensor hooks) would make Dynamo guard on names, sizes and data
+        # pointers and recompile for every layer (see _compile.py).
+        cls.forward = not_traced(cls.forward)
         _SPATIAL_MODULES[base] = cls
         _REFUSED_MODULES.pop(base, None)
         return cls

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ._compile import run_elementwise
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._registry import function_name
@@ -72,12 +73,12 @@ def _make_local_handler(fn):
             return fn(input, *args, **kwargs)
         local = _local(input, what)
         if sig is None:
-            return _wrap(input, fn(local, *args, **kwargs))
+            return _wrap(input, run_elementwise(fn, local, *args, **kwargs))
         bound = sig.bind(input, *args, **kwargs)
         if "inplace" in sig.parameters:
             bound.arguments["inplace"] = False
         bound.arguments["input"] = local
-        return _wrap(input, fn(*bound.args, **bound.kwargs))
+        return _wrap(input, run_elementwise(fn, *bound.args, **bound.kwargs))
 
     handler.__name__ = f"spatial_{fn.__name__}"
     return handler
@@ -88,7 +89,7 @@ for _name in _ELEMENTWISE:
     for _ns in (F, torch, torch._C._nn):
         _fn = getattr(_ns, _name, None)
         if _fn is not None:
-            register_handler(_fn)(_make_local_handler(_fn))
+            register_handler(_fn, traced=True)(_make_local_handler(_fn))
 
 
 def _step_seed() -> int:

@@ -11,7 +11,9 @@ No names, no argument counting: each function object says what it is.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from ._compile import not_traced
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,10 @@ class Entry:
     name: str
     handler: Callable | None = None
     refused: str | None = None
+    #: what ``SpatialMode`` calls: the handler itself when it is ``traced`` (element-wise
+    #: local ops that ``torch.compile`` may fuse), otherwise the handler run eagerly under
+    #: ``torch.compile`` (its exchanges, collectives and plan lookups are no graph material)
+    run: Callable | None = field(default=None, compare=False, repr=False)
 
 
 def function_name(fn: Callable) -> str:
@@ -51,16 +57,25 @@ class HandlerRegistry:
         new._entries = dict(self._entries)
         return new
 
-    def register(self, *functions: Callable) -> Callable[[Callable], Callable]:
+    def register(
+        self, *functions: Callable, traced: bool = False
+    ) -> Callable[[Callable], Callable]:
         """Decorator: run ``handler(*args, **kwargs)`` instead of each of ``functions``
-        whenever a DTensor is among the arguments while a parallelized model runs."""
+        whenever a DTensor is among the arguments while a parallelized model runs.
+
+        Under ``torch.compile`` the handler runs eagerly (a graph break around it) unless
+        ``traced``: only handlers made of plain local tensor ops (element-wise activations)
+        should be traced; anything with an exchange, a collective or a cached plan is not
+        graph material (Dynamo would guard on its Python state and recompile)."""
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
 
         def deco(handler: Callable) -> Callable:
+            run = handler if traced else not_traced(handler)
             for fn in functions:
                 # The function object is kept alive with its id, so the id cannot be reused.
-                self._entries[id(fn)] = (fn, Entry(function_name(fn), handler=handler))
+                entry = Entry(function_name(fn), handler=handler, run=run)
+                self._entries[id(fn)] = (fn, entry)
             return handler
 
         return deco
