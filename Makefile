@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step bench-tiles physicsnemo verify predict clean
+.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step bench-compile bench-tiles physicsnemo verify predict clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -55,6 +55,9 @@ bench-predict: install
 
 bench-step: install
 	$(PY) scripts/bench_step.py
+
+bench-compile: install
+	$(PY) scripts/bench_compile.py $(ARGS)
 
 # Strips vs H x W tiles (halo bytes, step time) and the 3-D U-Net's activations per rank.
 bench-tiles: install
