@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError
 from spconv_train.parallel._sharding import block_slices, mesh_coords, spatial_layout
 from spconv_train.parallel._tiles import tile_window
-from tests.dist_harness import mesh
+from tests.meshes import each_mesh, mesh_and_placements
 from tests.op_check import check_module
 from tests.reference import seeded
 from tests.test_conv import _conv_configs
@@ -29,11 +29,7 @@ TILE_MESHES = {
 
 def tile_meshes(world: int):
     """``(mesh, placements, label)`` of every tile mesh of this world size."""
-    out = []
-    for shape, names in TILE_MESHES[world]:
-        pl = [Shard(0), Shard(2), Shard(3)] if names[0] == "dp" else [Shard(2), Shard(3)]
-        out.append((mesh(shape, names), pl, f"mesh {shape}"))
-    return out
+    return list(each_mesh(TILE_MESHES[world]))
 
 
 def _size(parts: int, k: int, s: int, d: int, pad: int) -> int:
@@ -264,8 +260,7 @@ def model_tiles(
     from tests.reference import check_close
 
     names = ("dp", "sp_h", "sp_w") if len(shape) == 3 else ("sp_h", "sp_w")
-    dmesh = mesh(shape, names)
-    pl = [Shard(0), Shard(2), Shard(3)] if len(shape) == 3 else [Shard(2), Shard(3)]
+    dmesh, pl = mesh_and_placements(shape, names)
     torch.manual_seed(0)
     ref = create_model(name, num_classes=3, **kwargs).double()
     for m in ref.modules():  # per-tile dropout masks cannot equal one device's
