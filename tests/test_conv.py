@@ -63,9 +63,11 @@ def conv_grid(world: int, grad_kind: str) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+# 2 and 3 ranks (uneven widths) run the code paths 4 ranks would; a Partial upstream
+# gradient runs at 2 ranks in test_conv_grad_placements (suite time)
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_conv_grid_matches_single_device(dist_pool, world):
-    grad_kinds = {1: "shard", 2: "shard", 3: "replicate", 4: "partial"}
+    grad_kinds = {1: "shard", 2: "shard", 3: "replicate"}
     failures = dist_pool.run(world, conv_grid, world, grad_kinds[world])[0]
     assert not failures, "\n".join(failures)
 

@@ -1,7 +1,7 @@
 """Every registry model, width-sharded, equals the single-device model (issue 3).
 
-Output, loss and every parameter gradient match one device; three optimizer steps keep the
-parameters matched; one training step moves no activation-sized tensor through a
+Output, loss and every parameter gradient match one device; two optimizer steps keep the
+parameters matched; the first training step moves no activation-sized tensor through a
 collective (only halo exchanges and small reductions).
 
 Precision: the U-Net is compared in fp32 (relative 1e-4). The torchvision backbones
@@ -17,6 +17,7 @@ is measured against a floor of 1e-3 of that kind's largest value in the model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -45,6 +46,9 @@ SIZES = {
     "deeplabv3_mobilenet_v3_large": (32, 1745),
     "lraspp_mobilenet_v3_large": (32, 250),
 }
+# At 2 ranks the ASPP halo (36 columns at 1/8 resp. 1/16 resolution) fits narrower images:
+# 75 columns there, strips of 38 and 37 (suite time)
+SIZES_AT_2 = {"deeplabv3_resnet50": (16, 600), "deeplabv3_mobilenet_v3_large": (32, 1201)}
 KWARGS = {"unet": dict(depth=3, base_width=8)}
 
 
@@ -63,8 +67,8 @@ def _build(name: str):
     return model
 
 
-def _data(name: str, batch: int):
-    h, w = SIZES[name]
+def _data(name: str, batch: int, sp: int = 3):
+    h, w = SIZES_AT_2.get(name, SIZES[name]) if sp == 2 else SIZES[name]
     x = seeded(1, batch, 3, h, w, dtype=_dtype(name))
     g = torch.Generator().manual_seed(2)
     target = torch.randint(0, NUM_CLASSES, (batch, h, w), generator=g)
@@ -72,26 +76,32 @@ def _data(name: str, batch: int):
     return x, target
 
 
-def compare_training(name: str, shape: tuple[int, ...], steps: int = 3) -> list[str]:
-    """Train ``steps`` SGD steps on one device and sharded; compare every step."""
+def compare_training(name: str, shape: tuple[int, ...], steps: int = 2) -> list[str]:
+    """Train ``steps`` SGD steps on one device and sharded; compare every step. The first
+    sharded step runs under ``CommAudit``: activation-sized collectives are failures."""
     dmesh = mesh(shape)
     placements = [Shard(3)] if len(shape) == 1 else [Shard(0), Shard(3)]
     ref = _build(name)
     par = parallelize(copy.deepcopy(ref), dmesh)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
     opt_p = torch.optim.SGD(par.parameters(), lr=0.01, momentum=0.9)
-    x, target = _data(name, 2 if len(shape) == 1 else 4)
+    x, target = _data(name, 2 if len(shape) == 1 else 4, shape[-1])
     tol = TOL[_dtype(name)]
     failures: list[str] = []
     for step in range(steps):
         out_r = ref(x)
         loss_r = torch.nn.functional.cross_entropy(out_r, target, ignore_index=255)
-        out_p = par(distribute_tensor(x, dmesh, placements, src_data_rank=None))
+        xs = distribute_tensor(x, dmesh, placements, src_data_rank=None)
         tgt = distribute_tensor(target, dmesh, [Shard(0), Shard(2)][-len(shape) :])
-        loss_p = cross_entropy(out_p, tgt.to_local(), ignore_index=255)
-        for opt, loss in ((opt_r, loss_r), (opt_p, loss_p)):
-            opt.zero_grad()
-            loss.backward()
+        opt_r.zero_grad()
+        loss_r.backward()
+        opt_p.zero_grad()
+        with CommAudit() if step == 0 else contextlib.nullcontext() as audit:
+            out_p = par(xs)
+            loss_p = cross_entropy(out_p, tgt.to_local(), ignore_index=255)
+            loss_p.backward()
+        if step == 0:
+            failures += audit_failures(audit, par, xs)
         label = f"{name} {shape} step {step}"
         check_close(f"{label} logits", out_p, out_r, tol, failures)
         check_close(f"{label} loss", loss_p, loss_r, tol, failures)
@@ -116,8 +126,12 @@ def compare_training(name: str, shape: tuple[int, ...], steps: int = 3) -> list[
     return failures[:20]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("name", BUILTIN_MODELS)
+# Every model at 2 and 3 ranks, except fcn_resnet50 at 2: its dilated ResNet-50 backbone
+# runs at 2 ranks in deeplabv3_resnet50, its FCN head at 3 (suite time).
+MODEL_WORLDS = [(n, w) for n in BUILTIN_MODELS for w in (2, 3) if (n, w) != ("fcn_resnet50", 2)]
+
+
+@pytest.mark.parametrize("name,world", MODEL_WORLDS)
 def test_registry_model_matches_single_device(dist_pool, name, world):
     failures = dist_pool.run(world, compare_training, name, (world,))[0]
     assert not failures, "\n".join(failures)
@@ -128,26 +142,15 @@ def test_unet_on_dp_sp_mesh(dist_pool):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
 
 
-def audit_training_step(name: str) -> list[str]:
-    """One sharded training step; return the collectives that moved activation-sized data."""
-    dmesh = mesh(2)
-    model = parallelize(_build(name), dmesh)
-    x, target = _data(name, 2)
-    xs = distribute_tensor(x, dmesh, [Shard(3)], src_data_rank=None)
-    tgt = distribute_tensor(target, dmesh, [Shard(2)], src_data_rank=None).to_local()
-    with CommAudit() as audit:
-        loss = cross_entropy(model(xs), tgt, ignore_index=255)
-        loss.backward()
+def audit_failures(audit: CommAudit, model, xs) -> list[str]:
+    """The activation-sized collectives of a sharded training step (halo exchanges must
+    have run; only they and small reductions may move data)."""
     shapes = {tuple(p.shape) for p in model.parameters()}
     # Smallest activation strip worth flagging: a quarter of one image's input strip.
     threshold = max(1, xs.to_local()[0].numel() // 4)
-    summary = audit.summary()
-    bad = [f"{r.op} {r.shape}" for r in audit.activation_sized(threshold, shapes)]
-    assert summary.get("p2p", {}).get("count", 0) > 0, "no halo exchange recorded"
+    bad = [
+        f"gathered activations: {r.op} {r.shape}" for r in audit.activation_sized(threshold, shapes)
+    ]
+    if audit.summary().get("p2p", {}).get("count", 0) == 0:
+        bad.append("no halo exchange recorded")
     return bad
-
-
-@pytest.mark.parametrize("name", BUILTIN_MODELS)
-def test_no_activation_sized_collectives(dist_pool, name):
-    bad = dist_pool.run(2, audit_training_step, name)[0]
-    assert not bad, f"{name} gathered activations: {bad}"

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError
 from spconv_train.parallel._sharding import block_slices, mesh_coords, spatial_layout
 from spconv_train.parallel._tiles import tile_window
-from tests.dist_harness import mesh
+from tests.meshes import each_mesh, mesh_and_placements
 from tests.op_check import check_module
 from tests.reference import seeded
 from tests.test_conv import _conv_configs
@@ -29,11 +29,7 @@ TILE_MESHES = {
 
 def tile_meshes(world: int):
     """``(mesh, placements, label)`` of every tile mesh of this world size."""
-    out = []
-    for shape, names in TILE_MESHES[world]:
-        pl = [Shard(0), Shard(2), Shard(3)] if names[0] == "dp" else [Shard(2), Shard(3)]
-        out.append((mesh(shape, names), pl, f"mesh {shape}"))
-    return out
+    return list(each_mesh(TILE_MESHES[world]))
 
 
 def _size(parts: int, k: int, s: int, d: int, pad: int) -> int:
@@ -226,7 +222,9 @@ def ops_tiles(world: int) -> list[str]:
     failures: list[str] = []
     for dmesh, pl, label in tile_meshes(world):
         batch = 2  # BatchNorm on a pooled 1x1 map needs more than one sample
-        for i, (name, module, (h, w)) in enumerate(_tile_ops(world)):
+        ops = list(enumerate(_tile_ops(world)))
+        # every op on the (2, 2) mesh; alternate ops on (dp, sp_h, sp_w) (suite time)
+        for i, (name, module, (h, w)) in ops[:: 2 if "dp" in dmesh.mesh_dim_names else 1]:
             torch.manual_seed(i)
             module = module.double()
             x = seeded(3000 + i, batch, 4, h, w, dtype=torch.float64)
@@ -264,8 +262,7 @@ def model_tiles(
     from tests.reference import check_close
 
     names = ("dp", "sp_h", "sp_w") if len(shape) == 3 else ("sp_h", "sp_w")
-    dmesh = mesh(shape, names)
-    pl = [Shard(0), Shard(2), Shard(3)] if len(shape) == 3 else [Shard(2), Shard(3)]
+    dmesh, pl = mesh_and_placements(shape, names)
     torch.manual_seed(0)
     ref = create_model(name, num_classes=3, **kwargs).double()
     for m in ref.modules():  # per-tile dropout masks cannot equal one device's

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard
 
-from tests.dist_harness import mesh
+from tests.meshes import mesh_and_placements
 from tests.op_check import check_module
 from tests.reference import seeded
 from tests.test_tiles import model_tiles
@@ -57,8 +56,7 @@ def _ops() -> list[tuple[str, nn.Module]]:
 
 def ops_on_3_tiles(key: str) -> list[str]:
     shape, names = MESHES[key]
-    dmesh = mesh(shape, names)
-    pl = [Shard(0), Shard(2), Shard(3)] if names[0] == "dp" else [Shard(2), Shard(3)]
+    dmesh, pl = mesh_and_placements(shape, names)
     failures: list[str] = []
     ops = _ops() if key != "dp (1, 3, 1)" else _ops()[::2]  # suite time: alternate ops
     for i, (name, module) in enumerate(ops):

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialMode, SpatialShardingError
 from tests.dist_harness import mesh
+from tests.meshes import each_mesh
 from tests.op_check import check_fn, check_module
 from tests.reference import seeded
 
@@ -49,9 +50,7 @@ def _inputs(i: int, *size: int) -> dict[str, torch.Tensor]:
 
 def adaptive_max_on_tiles(world: int) -> list[str]:
     failures: list[str] = []
-    for shape, names in MESHES[world]:
-        dmesh = mesh(shape, names)
-        pl = [Shard(0), Shard(2), Shard(3)] if names[0] == "dp" else [Shard(2), Shard(3)]
+    for dmesh, pl, shape in each_mesh(MESHES[world]):
         # 3 ranks: 17 x 19 (6, 6, 5 rows or 7, 6, 6 columns); 2 x 2: 11 x 13 (6, 5 x 7, 6)
         h, w = (17, 19) if world == 3 else (11, 13)
         # global, 2 x 2 and 1 x 3 outputs (windows straddle the tiles); ties: quantized
@@ -68,7 +67,7 @@ def adaptive_max_on_tiles(world: int) -> list[str]:
         check_module(cbam, x, dmesh, pl, f"{shape} CBAM channel attention", failures)
         with SpatialMode():
             y = F.adaptive_max_pool2d(distribute_tensor(x, dmesh, pl), 2)
-        want = [Shard(0), Replicate(), Replicate()] if names[0] == "dp" else [Replicate()] * 2
+        want = [Shard(0), Replicate(), Replicate()] if len(pl) == 3 else [Replicate()] * 2
         if list(y.placements) != want:
             failures.append(f"{shape}: output placements {y.placements}, expected {want}")
     return failures
@@ -84,11 +83,8 @@ def adaptive_max_3d_on_volume_tiles() -> list[str]:
     """The same op on NCDHW volumes split over (sp_d, sp_w) and (sp_d, sp_h, sp_w), 7 x 9 x 11
     (D 4 + 3, H 5 + 4, W 6 + 5): ties go to the first maximum in (D, H, W) order."""
     failures: list[str] = []
-    for shape, names, pl in (
-        ((2, 2), ("sp_d", "sp_w"), [Shard(2), Shard(4)]),
-        ((1, 2, 2), ("sp_d", "sp_h", "sp_w"), [Shard(2), Shard(3), Shard(4)]),
-    ):
-        dmesh = mesh(shape, names)
+    specs = [((2, 2), ("sp_d", "sp_w")), ((1, 2, 2), ("sp_d", "sp_h", "sp_w"))]
+    for dmesh, pl, names in each_mesh(specs, ndim=5):
         for i, size in enumerate([1, (2, 2, 2), (1, 3, 2)]):
             for kind, x in list(_inputs(i, 7, 9, 11).items())[: 3 if i == 1 else 2]:
                 label = f"{names} adaptive_max_pool3d({size}) {kind}"

@@ -11,9 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
 
-from tests.dist_harness import mesh
+from tests.meshes import each_mesh
 from tests.op_check import check_fn, check_module
 from tests.reference import seeded
 
@@ -33,10 +32,7 @@ PADS = [
 
 def pad_and_shuffle(world: int) -> list[str]:
     failures: list[str] = []
-    for shape, names in MESHES[world]:
-        dmesh = mesh(shape, names)
-        pl = [Shard(0), Shard(2), Shard(3)] if names[0] == "dp" else [Shard(2), Shard(3)]
-        key = "x".join(map(str, shape))
+    for dmesh, pl, key in each_mesh(MESHES[world]):
         for i, (label, pad, mode) in enumerate(PADS):
             x = seeded(700 + i, 2, 3, 13, 17, dtype=torch.float64)
             value = 0.5 if "value" in label else None

@@ -12,30 +12,34 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from spconv_train.parallel import SpatialMode, SpatialShardingError, parallelize
 from spconv_train.parallel._sharding import block_slices, mesh_coords, spatial_layout
 from spconv_train.parallel._tiles import tile_window
-from tests.dist_harness import mesh
+from tests.meshes import mesh_and_placements
 from tests.op_check import check_fn, check_module
 from tests.reference import check_close, seeded
 
-#: (mesh shape, mesh dim names, placements): every pair of D, H, W, all three, and with "dp"
+#: (mesh shape, mesh dim names): every pair of D, H, W, all three, and with "dp"
 VOLUME_MESHES = {
-    "hw": ((2, 2), ("sp_h", "sp_w"), [Shard(3), Shard(4)]),
-    "dw": ((2, 2), ("sp_d", "sp_w"), [Shard(2), Shard(4)]),
-    "dhw": ((1, 2, 2), ("sp_d", "sp_h", "sp_w"), [Shard(2), Shard(3), Shard(4)]),
-    "dp-dh": ((2, 1, 2), ("dp", "sp_d", "sp_h"), [Shard(0), Shard(2), Shard(3)]),
+    "hw": ((2, 2), ("sp_h", "sp_w")),
+    "dw": ((2, 2), ("sp_d", "sp_w")),
+    "dhw": ((1, 2, 2), ("sp_d", "sp_h", "sp_w")),
+    "dp-dh": ((2, 1, 2), ("dp", "sp_d", "sp_h")),
 }
+
+
+def volume_mesh(key: str):
+    """``(mesh, placements)`` of ``VOLUME_MESHES[key]`` for NCDHW volumes."""
+    return mesh_and_placements(*VOLUME_MESHES[key], ndim=5)
 
 
 def corner_exchange_3d(key: str) -> list[str]:
     """The 3-D window (halos along every sharded dim, edges and corners, edge padding)
     equals the padded global volume's slice, and its backward is the exchange's adjoint:
     <E x, y> == <x, E^T y> summed over the ranks."""
-    shape, names, pl = VOLUME_MESHES[key]
-    dmesh = mesh(shape, names)
+    dmesh, pl = volume_mesh(key)
     full = seeded(7, 2, 3, 7, 9, 11, dtype=torch.float64)
     failures = []
     for mode, geoms in (
@@ -152,8 +156,7 @@ class _SqueezeExcite3d(nn.Module):
 
 
 def ops_on_volume_tiles(key: str) -> list[str]:
-    shape, names, pl = VOLUME_MESHES[key]
-    dmesh = mesh(shape, names)
+    dmesh, pl = volume_mesh(key)
     failures: list[str] = []
     # every op on the two 2 x 2 meshes; alternate ops on the two others (suite time)
     step, first = (1, 0) if key in ("hw", "dw") else (2, int(key == "dp-dh"))
@@ -174,8 +177,7 @@ def pad_on_volume_tiles(key: str) -> list[str]:
     """``F.pad`` (every mode, cropping, channel padding) and the 3-D padding modules."""
     from tests.test_ops3d_more import _pad_cases, _pad_modules
 
-    shape, names, pl = VOLUME_MESHES[key]
-    dmesh = mesh(shape, names)
+    dmesh, pl = volume_mesh(key)
     failures: list[str] = []
     for j, (label, kw) in enumerate(_pad_cases().items()):
         x = seeded(20 + j, 2, 3, 7, 9, 11, dtype=torch.float64)
@@ -195,8 +197,7 @@ def test_pad_on_volume_tiles_matches_single_device(dist_pool, key):
 
 def refusals(key: str) -> list[str]:
     """What is not written for multi-dim volumes refuses, naming the op."""
-    shape, names, pl = VOLUME_MESHES[key]
-    dmesh = mesh(shape, names)
+    dmesh, pl = volume_mesh(key)
     xs = distribute_tensor(seeded(5, 2, 4, 7, 9, 11, dtype=torch.float64), dmesh, pl)
     cases = {
         "adaptive_max_pool3d": lambda t: F.adaptive_max_pool3d(t, 1, return_indices=True),
@@ -228,8 +229,7 @@ def unet3d_on_tiles(key: str, up: str, size: tuple[int, int, int], steps: int = 
     from spconv_train.parallel import CommAudit
     from spconv_train.train import cross_entropy
 
-    shape, names, pl = VOLUME_MESHES[key]
-    dmesh = mesh(shape, names)
+    dmesh, pl = volume_mesh(key)
     torch.manual_seed(0)
     opts = dict(depth=2, base_width=4, up=up)
     ref = create_model("unet3d", num_classes=3, in_channels=1, **opts).double()
