@@ -17,6 +17,7 @@ from ._readers import (  # public names for predict (the readers stay in _reader
 )
 from .base import DataError, SegmentationSource, check_cols
 from .folder import FolderDataset
+from .grid import stitch_grid
 from .normalize import normalize_image
 from .scan import image_range, normalization_range
 from .strips import make_batch, make_dp_sampler, strip_bounds
@@ -72,6 +73,7 @@ __all__ = [
     "read_image_raw",
     "read_mask",
     "read_region",
+    "stitch_grid",
     "strip_bounds",
     "synthetic_class_names",
     "synthetic_sample",

@@ -4,8 +4,8 @@
 ``("sp",)`` mesh, or H x W tiles on the ``("sp_h", "sp_w")`` mesh of ``parallel.sp: [p, q]``
 (tiles numbered row by row, as ``build_mesh`` numbers its ranks). ``SpatialGroup`` holds a
 rank's coordinates in that group and one process group over all of its ranks (for the
-small gathers of 1-byte class indices to the group's first rank); ``stitch`` puts pieces
-gathered in that order back together.
+small gathers of 1-byte class indices to the group's first rank); ``stitch_image`` puts
+pieces gathered in that order back together (``spconv_train.data.stitch_grid``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import numpy as np
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from spconv_train.data import stitch_grid
 from spconv_train.distributed import spatial_mesh
 from spconv_train.train.mesh_coords import MeshCoords
 
-__all__ = ["SpatialGroup", "stitch"]
+__all__ = ["SpatialGroup"]
 
 
 @dataclass(frozen=True)
@@ -84,14 +85,4 @@ class SpatialGroup:
     def stitch_image(self, parts: Sequence[np.ndarray], row_axis: int = 0) -> np.ndarray:
         """Stitch the group's pieces of an image (in group order; columns on the axis after
         ``row_axis``) back together."""
-        return stitch(parts, self.grid, (row_axis, row_axis + 1))
-
-
-def stitch(parts: Sequence[np.ndarray], counts: Sequence[int], axes: Sequence[int]) -> np.ndarray:
-    """Concatenate ``parts``, the blocks of a grid of ``counts`` blocks listed in row-major
-    order (the last grid dim fastest), along ``axes`` (one array axis per grid dim)."""
-    if len(counts) == 1:
-        return np.concatenate(list(parts), axis=axes[0])
-    n = len(parts) // counts[0]
-    rows = [stitch(parts[i * n : (i + 1) * n], counts[1:], axes[1:]) for i in range(counts[0])]
-    return np.concatenate(rows, axis=axes[0])
+        return stitch_grid(parts, self.grid, (row_axis, row_axis + 1))

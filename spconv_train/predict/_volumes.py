@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from spconv_train.config import empty_ranks, grid_mesh_dims
-from spconv_train.data import AXES, DataError, check_mask_values
+from spconv_train.data import AXES, DataError, check_mask_values, stitch_grid
 from spconv_train.data.base import bad_file
 from spconv_train.data.normalize import scale_by_dtype
 from spconv_train.data.volume_folder import _open, volume_header
@@ -32,7 +32,6 @@ from spconv_train.train.val_check import is_geometry_error
 from spconv_train.train.volume_feed import block_bounds, shard_axis
 
 from . import PredictError
-from ._layout import stitch
 from ._streamed import _gather
 
 __all__ = ["VolumePredictor", "read_box"]
@@ -171,10 +170,10 @@ class VolumePredictor:
         """Stitch the blocks along the split axes and write the ``.npy`` outputs."""
         axes, counts = zip(*self.splits, strict=True)
         names = [f"{stem}.npy"]
-        np.save(self.out_dir / names[0], stitch([p[0] for p in parts], counts, axes))
+        np.save(self.out_dir / names[0], stitch_grid([p[0] for p in parts], counts, axes))
         if self.probabilities:
             names.append(f"{stem}_probabilities.npy")
-            np.save(self.out_dir / names[1], stitch([p[1] for p in parts], counts, axes))
+            np.save(self.out_dir / names[1], stitch_grid([p[1] for p in parts], counts, axes))
         along = " x ".join(f"{AXES[axis]}" for axis in axes)
         split = f"split along {along} over {'x'.join(map(str, counts))} rank(s)"
         return f"{'x'.join(map(str, size))} (DxHxW), {split} -> {', '.join(names)}"

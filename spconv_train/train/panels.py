@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from spconv_train.config import Config
+from spconv_train.data import stitch_grid
 from spconv_train.train.data_feed import ValItem, downsample_strip
 from spconv_train.train.volume_feed import volume_panel_pieces
 
@@ -35,15 +36,14 @@ def panel_pieces(item: ValItem, logits, cfg: Config, sp_rank: int) -> list[tuple
 
 def _stitch(parts: list, i: int) -> torch.Tensor:
     """Tensor ``i`` of the pieces ``(order, dim, tensors)`` of one panel, stitched: along
-    ``dim`` in order, or (``dim`` None: tiles keyed by their first (row, column)) row of
-    tiles by row of tiles."""
+    ``dim`` in order, or (``dim`` None: tiles keyed by their first (row, column)) as a grid
+    of tiles (sorting the keys lists the tiles row by row)."""
     parts = sorted(parts, key=lambda q: q[0])
+    pieces = [t[i] for _, _, t in parts]
     if parts[0][1] is not None:
-        return torch.cat([t[i] for _, _, t in parts], dim=parts[0][1])
-    rows: dict[int, list] = {}
-    for (r, _), _, t in parts:
-        rows.setdefault(r, []).append(t[i])
-    return torch.cat([torch.cat(row, dim=-1) for _, row in sorted(rows.items())], dim=-2)
+        return stitch_grid(pieces, (len(pieces),), (parts[0][1],))
+    rows = len({r for (r, _), _, _ in parts})
+    return stitch_grid(pieces, (rows, len(pieces) // rows), (-2, -1))
 
 
 def gather_panels(pieces: list) -> dict:
