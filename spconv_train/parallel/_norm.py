@@ -100,10 +100,11 @@ def _merge_moments(count: Tensor, mean: Tensor, m2: Tensor, group) -> tuple[Tens
     summed (the same few values an all-gather would move, as a reduction of statistics, the
     kind of collective the communication audit expects from a norm layer)."""
     parts = torch.stack([count, mean, m2])
-    slots = parts.new_zeros((dist.get_world_size(group), *parts.shape))
-    slots[dist.get_rank(group)] = parts
+    ranks = dist.get_world_size(group)
+    slots = parts.new_zeros(ranks * parts.numel())  # flat: statistics, not a spatial map
+    slots.view(ranks, -1)[dist.get_rank(group)] = parts.reshape(-1)
     dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=group)
-    c, mu, m = slots.unbind(1)  # each (ranks, *statistics)
+    c, mu, m = slots.view(ranks, *parts.shape).unbind(1)  # each (ranks, *statistics)
     total = c.sum(0)
     merged = (c * mu).sum(0) / total.clamp_min(1)
     return total, merged, m.sum(0) + (c * (mu - merged).square()).sum(0)
