@@ -25,21 +25,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import init_worker  # noqa: E402
-
-from spconv_train.distributed import free_port  # noqa: E402
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # a step ends when the slowest rank does
-    return dt.item()
+from bench_conv import _time_steps, init_worker, spawn_ranks  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
@@ -63,27 +51,21 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     def step(run):
         return lambda: cross_entropy(run(x), tgt).backward()
 
-    first = _timed(step(compiled))
-    _timed(step(eager))
+    def timed(run) -> float:  # one step, max over ranks
+        return _time_steps(step(run), 1, 0, args.device)
+
+    first = timed(compiled)
+    timed(eager)
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(args.rounds):
-        times["eager"].append(_timed(step(eager)))
-        times["compiled"].append(_timed(step(compiled)))
+        times["eager"].append(timed(eager))
+        times["compiled"].append(timed(compiled))
     queue.put({k: statistics.median(v) for k, v in times.items()} | {"first": first})
     dist.destroy_process_group()
 
 
 def run_world(world: int, args) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = [queue.get(timeout=3600) for _ in procs]
-    for p in procs:
-        p.join()
-    return res[0]  # every rank reports the same maxima
+    return spawn_ranks(_worker, world, args, timeout=3600)[0]  # every rank: the same maxima
 
 
 def kernel_rows(device: str, n: int = 1 << 20) -> list[tuple]:

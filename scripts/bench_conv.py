@@ -193,20 +193,25 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
     dist.destroy_process_group()
 
 
-def run_variant(world: int, variant: str, args) -> tuple[float, float, str]:
-    """(seconds per step, peak extra MiB on the worst rank, note) of one variant."""
+def spawn_ranks(target, world: int, *args, timeout: float = 7200) -> list:
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` fresh processes (one
+    process group on a free port) and return what each put on ``queue``, in arrival order.
+    Every benchmark script starts its ranks through this."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, variant, args, queue))
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=3600) for _ in procs]
+    results = [queue.get(timeout=timeout) for _ in procs]
     for p in procs:
         p.join()
+    return results
+
+
+def run_variant(world: int, variant: str, args) -> tuple[float, float, str]:
+    """(seconds per step, peak extra MiB on the worst rank, note) of one variant."""
+    results = spawn_ranks(_worker, world, variant, args)
     if any(r[1] is None for r in results):
         return float("nan"), float("nan"), results[0][2]
     sec = max(r[1][0] for r in results)

@@ -25,12 +25,9 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import _current_mib, _peak_mib, init_worker  # noqa: E402
-
-from spconv_train.distributed import free_port  # noqa: E402
+from bench_conv import _current_mib, _peak_mib, init_worker, spawn_ranks  # noqa: E402
 
 
 class SavedBytes:
@@ -94,15 +91,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 
 def run_world(world: int, args) -> tuple[float, float, float]:
     """(max activation MiB, max peak MiB, seconds) over the ranks of one run."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = [queue.get(timeout=7200) for _ in procs]
-    for p in procs:
-        p.join()
+    res = spawn_ranks(_worker, world, args)
     return max(r[1] for r in res), max(r[2] for r in res), max(r[3] for r in res)
 
 

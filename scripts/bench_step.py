@@ -24,12 +24,15 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import _current_mib, _peak_mib, _time_steps, init_worker  # noqa: E402
-
-from spconv_train.distributed import free_port  # noqa: E402
+from bench_conv import (  # noqa: E402
+    _current_mib,
+    _peak_mib,
+    _time_steps,
+    init_worker,
+    spawn_ranks,
+)
 
 
 def _build(name: str, args):
@@ -87,18 +90,7 @@ def _worker(rank, world, port, name, ck, comp, args, queue) -> None:
 
 def run_case(world: int, name: str, ck: bool, comp: bool, args):
     """(error or None, seconds, first-step seconds, live MiB, peak MiB): max over ranks."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, name, ck, comp, args, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    res = [queue.get(timeout=7200) for _ in procs]
-    for p in procs:
-        p.join()
+    res = spawn_ranks(_worker, world, name, ck, comp, args)
     errors = [r[1] for r in res if r[1]]
     if errors:
         return errors[0], 0.0, 0.0, 0.0, 0.0

@@ -29,10 +29,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from spconv_train.distributed import free_port  # noqa: E402
+from bench_conv import spawn_ranks  # noqa: E402
 
 
 def _mesh(grid: tuple[int, ...]):
@@ -116,17 +115,7 @@ def _worker(rank, world, port, job, args, queue) -> None:
 
 
 def _run(world: int, job, args) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, job, args, queue)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    res = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
+    res = dict(spawn_ranks(_worker, world, job, args, timeout=3600))
     return [res[r] for r in range(world)]
 
 
