@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         if variant in HALO_VARIANTS:
             blocked = note
             ref = "floor" if world > 1 else "plain"
-            note = f"{sec / base[0]:.2f}x {ref}, {blocked:.1f} ms blocked"
+            note = f"{sec / base[0]:.2f}x {ref}, " if base else ""  # no baseline row asked
+            note += f"{blocked:.1f} ms blocked"
             window = med.get((world, "halo window"))
             if variant == "halo (spconv)" and window and window[2] > 0:
                 note += f" ({1 - blocked / window[2]:.0%} hidden)"
