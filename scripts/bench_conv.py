@@ -20,6 +20,8 @@ on a ``1 x C x H x W`` image, one thread per process, gloo on CPU (NCCL on GPU w
 Variants run in fresh processes, interleaved over ``--rounds`` rounds (medians), so a load
 change on a shared machine hits every variant alike. The halo rows note the exchange time the
 rank was blocked on per step; ``hidden`` = 1 - blocked(halo) / blocked(halo window).
+On CPU every rank tunes glibc's malloc as a run does; ``SPCONV_MALLOC_TUNING=0`` in the
+environment measures without it (spconv_train/cpu_malloc.py, docs/benchmarks.md).
 
 Usage: ``python scripts/bench_conv.py [--channels 32 --height 512 --width 2048 --worlds 1 2 4]``
 (``make bench-conv``). Prints a table; ``--markdown`` prints it as Markdown for
@@ -78,12 +80,17 @@ def _time_steps(fn, iters: int, warmup: int, device: str) -> float:
 
 
 def init_worker(rank: int, world: int, port: int, args):
-    """Threads, device, process group (NCCL on CUDA, gloo on CPU) and a 1-D "sp" mesh."""
+    """Threads, device, process group (NCCL on CUDA, gloo on CPU) and a 1-D "sp" mesh.
+    On CPU, malloc is tuned as ``spconv-train run`` tunes it (``SPCONV_MALLOC_TUNING=0``
+    measures without: spconv_train/cpu_malloc.py)."""
+    from spconv_train.cpu_malloc import tune_cpu_allocator
     from spconv_train.parallel import init_device_mesh
 
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
+    else:
+        tune_cpu_allocator()
     dist.init_process_group(
         "nccl" if args.device == "cuda" else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .cpu_malloc import tune_cpu_allocator
+
 __all__ = [
     "DistInfo",
     "build_mesh",
@@ -151,7 +153,8 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> D
     Under torchrun the ``env://`` rendezvous is used (a fresh store prefix after a restart);
     otherwise a world-size-1 group on a free localhost port. ``nccl`` needs CUDA: each rank
     uses ``cuda:LOCAL_RANK``. ``timeout_s``: the group's collective timeout (None:
-    ``default_timeout_s()``).
+    ``default_timeout_s()``). On CPU, glibc's malloc thresholds are fixed first
+    (``cpu_malloc.tune_cpu_allocator``).
     """
     backend = resolve_backend(backend)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -164,6 +167,8 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> D
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        # CPU tensors come from malloc: keep a step's pages for the next (cpu_malloc.py).
+        tune_cpu_allocator()
     if not dist.is_initialized():
         seconds = default_timeout_s() if timeout_s is None else timeout_s
         kwargs = {"backend": backend, "timeout": timedelta(seconds=seconds)}
