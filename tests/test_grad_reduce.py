@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from spconv_train.parallel import CommAudit, parallelize
+from spconv_train.parallel import CommAudit, _grad_reduce, parallelize
 from spconv_train.parallel._grad_reduce import GradReducer, _layout
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
@@ -53,7 +53,13 @@ def _randomized(seed: int) -> _Net:
     return net
 
 
-def grads_compare(shape: tuple[int, ...]) -> dict:
+def grads_compare(shape: tuple[int, ...], exchange_bytes: int | None = None) -> dict:
+    if exchange_bytes is not None:  # a pool worker: restored below
+        saved, _grad_reduce.EXCHANGE_SUM_BYTES = _grad_reduce.EXCHANGE_SUM_BYTES, exchange_bytes
+        try:
+            return grads_compare(shape)
+        finally:
+            _grad_reduce.EXCHANGE_SUM_BYTES = saved
     dmesh = mesh(shape)
     placements = [Shard(3)] if len(shape) == 1 else [Shard(0), Shard(3)]
     batch = 2 if len(shape) == 1 else 2 * shape[0]
@@ -81,15 +87,24 @@ def grads_compare(shape: tuple[int, ...]) -> dict:
         y_par.to_local().sum().backward()
     reduces = audit.summary().get("reduce", {}).get("count", 0)
     n_params = sum(1 for _ in par.parameters())
-    return {"failures": failures, "reduces": reduces, "params": n_params}
+    # The summed gradients, bit for bit (every rank must hold the same ones).
+    bits = [p.grad.double().flatten().tolist() for p in par.parameters() if p.grad is not None]
+    return {"failures": failures, "reduces": reduces, "params": n_params, "bits": bits}
 
 
-@pytest.mark.parametrize("shape", [(1,), (2,), (2, 2)], ids=str)
-def test_bucketed_grads_match_single_device(dist_pool, shape):
+@pytest.mark.parametrize(
+    "shape,exchange_bytes",
+    # exchange_bytes 0: every bucket takes gloo's all-reduce instead of the exchange sum.
+    [((1,), None), ((2,), None), ((2, 2), None), ((3,), None), ((3,), 0)],
+    ids=str,
+)
+def test_bucketed_grads_match_single_device(dist_pool, shape, exchange_bytes):
     world = 1
     for n in shape:
         world *= n
-    for rank, res in enumerate(dist_pool.run(world, grads_compare, shape)):
+    results = dist_pool.run(world, grads_compare, shape, exchange_bytes)
+    assert all(r["bits"] == results[0]["bits"] for r in results), "ranks disagree on grads"
+    for rank, res in enumerate(results):
         assert not res["failures"], f"rank {rank}:\n" + "\n".join(res["failures"])
         if world > 1:
             # Per step: one batch-norm statistics reduce in forward (x2: mean, variance) and

@@ -11,6 +11,7 @@ point-to-point halo traffic and plain ``dist.all_reduce`` calls.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
 
@@ -55,12 +56,26 @@ class CommRecord:
 class CommAudit(TorchDispatchMode):
     """Record c10d ops while active (``with CommAudit() as audit: ...``)."""
 
+    #: the audits now active (innermost last), and how deep ``counted_as_reduce`` is
+    _active: list[CommAudit] = []
+    _inside_reduce = 0
+
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CommRecord] = []
 
+    def __enter__(self):
+        CommAudit._active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        CommAudit._active.remove(self)
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if CommAudit._inside_reduce:
+            return func(*args, **kwargs)  # counted once, as the reduce it implements
         if any(issubclass(t, DTensor) for t in types):
             # A DTensor op: let DTensor run it, so the collectives it issues inside (its
             # redistributions) come back here as plain-tensor ops and are counted too.
@@ -116,3 +131,18 @@ class CommAudit(TorchDispatchMode):
                 or (r.kind == "reduce" and r.shape not in param_shapes and spatial(r.shape))
             )
         ]
+
+
+@contextlib.contextmanager
+def counted_as_reduce(tensor: torch.Tensor):
+    """The c10d ops issued inside (a sum done with point-to-point messages, say) count as
+    one ``reduce`` of ``tensor`` to every active ``CommAudit``."""
+    for audit in CommAudit._active:
+        audit.records.append(
+            CommRecord("exchange_sum", "reduce", tensor.numel(), tuple(tensor.shape))
+        )
+    CommAudit._inside_reduce += 1
+    try:
+        yield
+    finally:
+        CommAudit._inside_reduce -= 1
