@@ -29,6 +29,8 @@ CASES = [
     (dict(kernel_size=7, padding=3), 21),  # strips of 7-11 columns: a thin interior
     (dict(kernel_size=5, padding=2, dilation=2), 15),  # reach 8 > strip: window path
     (dict(kernel_size=3, padding=0), 18),  # no padding: edges read halos only
+    (dict(kernel_size=3, padding=1, stride=(2, 1)), 20),  # height stride, whole strip
+    (dict(kernel_size=(5, 3), padding=(4, 2), dilation=(2, 2), groups=4), 19),  # depthwise
     # strips 4, 4, 2: the last rank has no interior, so all ranks take the window path
     # (a mix of paths deadlocked in the backward: halo p2p vs weight all-reduce order)
     (dict(kernel_size=3, padding=1), 10),
@@ -74,7 +76,7 @@ def test_split_conv_matches_single_device(dist_pool, world):
     # every path is exercised: "same" convs take the whole strip, strided / asymmetric /
     # unpadded ones the interior + edges split, strips narrower than the reach the window
     whole, split = "whole", "split"
-    paths = [whole, split, whole, split, split, whole, whole, whole, None, split]
+    paths = [whole, split, whole, split, split, whole, whole, whole, None, split, whole, whole]
     assert used == [*paths, None if world == 3 else whole], used
 
 
