@@ -114,6 +114,41 @@ def test_bucketed_grads_match_single_device(dist_pool, shape, exchange_bytes):
             assert res["reduces"] < res["params"], res
 
 
+def exchange_beside_halo(order_by_rank: tuple[str, str]) -> list[float]:
+    """Post a gradient exchange and a halo-style message (tag 0) in ``order_by_rank[rank]``
+    order ("gh": gradients first), then wait on both; return the summed buffer."""
+    import torch.distributed as dist
+
+    from spconv_train.parallel._grad_reduce import _ExchangeSum
+    from spconv_train.parallel._halo import post_p2p
+    from spconv_train.parallel._runtime import SpatialStats
+
+    rank = dist.get_rank()
+    peer = 1 - rank
+    buf = seeded(70 + rank, 5)
+    halo_out, halo_in = seeded(80 + rank, 3), torch.empty(3)
+
+    def halo():
+        return post_p2p(dist.group.WORLD, [(peer, halo_out)], [(peer, halo_in)], SpatialStats())
+
+    if order_by_rank[rank] == "gh":
+        pending = [_ExchangeSum(buf, dist.group.WORLD), halo()]
+    else:
+        pending = [halo(), _ExchangeSum(buf, dist.group.WORLD)]
+    for p in reversed(pending):
+        p.wait()
+    assert torch.equal(halo_in, seeded(80 + peer, 3))
+    return buf.tolist()
+
+
+def test_gradient_exchange_never_matches_halo_messages(dist_pool):
+    """A bucket posted before a halo exchange on one rank and after it on the other (its
+    gradient hook fires elsewhere in the backward there) still pairs with its own kind."""
+    results = dist_pool.run(2, exchange_beside_halo, ("gh", "hg"), timeout=60)
+    expected = (seeded(70, 5) + seeded(71, 5)).tolist()
+    assert results == [expected, expected]
+
+
 def test_layout_buckets_by_size_and_groups():
     """Buckets close at the size limit, keep one group/dtype each, and list parameters in
     the given order."""

@@ -41,6 +41,13 @@ BUCKET_BYTES = 25 * 2**20
 #: A CPU bucket is summed by exchange when it sends at most this many bytes per rank
 #: (its size times the other ranks); larger ones take gloo's (bandwidth-optimal) ring.
 EXCHANGE_SUM_BYTES = 2**20
+#: The exchange's messages carry their own tag. Gloo matches point-to-point messages per
+#: (peer, tag) in posting order, and a bucket is posted from a gradient hook, whose place
+#: among the halo exchanges of the backward can differ between ranks (a rank at the image
+#: border runs other autograd nodes than a middle one). On the halos' tag 0, a bucket and a
+#: halo message were matched with each other: a 3-rank DeepLabV3 step hung in CI. Buckets
+#: are posted in bucket order on every rank, so on their own tag they always match.
+EXCHANGE_SUM_TAG = 0x5C0A
 
 
 class _ExchangeSum:
@@ -53,12 +60,12 @@ class _ExchangeSum:
         self.mine = buffer.clone()  # the send buffer must not change while in flight
         self.parts = [self.mine if q == me else torch.empty_like(buffer) for q in range(ranks)]
         ops = [
-            dist.P2POp(dist.irecv, t, group=group, group_peer=q)
+            dist.P2POp(dist.irecv, t, group=group, group_peer=q, tag=EXCHANGE_SUM_TAG)
             for q, t in enumerate(self.parts)
             if q != me
         ]
         ops += [
-            dist.P2POp(dist.isend, self.mine, group=group, group_peer=q)
+            dist.P2POp(dist.isend, self.mine, group=group, group_peer=q, tag=EXCHANGE_SUM_TAG)
             for q in range(ranks)
             if q != me
         ]
