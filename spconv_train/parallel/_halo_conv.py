@@ -203,22 +203,24 @@ class _HaloConv2d(torch.autograd.Function):
         peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
         recvs = list(zip(peers, [h for _, h in halos], strict=True))
         pending = post_p2p(group, sends, recvs, stats)
-        conv = (stride, (pad_h, 0), dilation, groups)
-        sources = [(a, local), *halos]
+        corrections = []  # (first, count, halo index, taps, folded weight): reused backward
         if split.whole_strip:
             # The strip with zero width padding inside the convolution (what one device
             # computes, except that the columns next to a neighbour read zeros instead of
-            # its halo); those few columns are then overwritten from thin windows.
+            # its halo); the halo's share of those few columns is then added.
             pad_w = _same_pad(weight, dilation)
             out = F.conv2d(local, weight, bias, stride, (pad_h, pad_w), dilation, groups)
             pending.wait()
             for first, count, i, taps in _halo_corrections(split, halos, a, weight, dilation):
                 halo = halos[i][1]
                 w1 = _folded_weight(weight, taps, count, halo.shape[-1])
+                corrections.append((first, count, i, taps, w1))
                 y = F.conv1d(_fold(halo), w1, None, stride[0], pad_h, dilation[0], groups)
                 y = y.view(y.shape[0], -1, count, y.shape[-1]).permute(0, 1, 3, 2)
                 out.narrow(-1, first, count).add_(y)
         else:
+            conv = (stride, (pad_h, 0), dilation, groups)
+            sources = [(a, local), *halos]
             c0, c1 = split.strip_cols
             inner = F.conv2d(local.narrow(-1, c0, c1 - c0), weight, bias, *conv)
             pending.wait()
@@ -231,6 +233,7 @@ class _HaloConv2d(torch.autograd.Function):
             out = torch.cat([*left, inner, *right], dim=-1) if left or right else inner
         ctx.save_for_backward(local, weight, *(h for _, h in halos))
         ctx.meta = (wp, split, rank, group, geo, stats, [s for s, _ in halos], bias is not None)
+        ctx.corrections = corrections
         return out
 
     @staticmethod
@@ -271,10 +274,9 @@ class _HaloConv2d(torch.autograd.Function):
             # gradient and the bias its; what it lacks is the halo columns' share: the
             # input gradient sent back, and the weight gradient of the halo values (the
             # whole-strip convolution saw zeros there). The folded corrections give both.
-            for first, count, i, taps in _halo_corrections(split, halos, a, weight, dilation):
+            for first, count, i, taps, w1 in ctx.corrections:
                 hs, halo = halos[i]
                 n, c, h, width = halo.shape
-                w1 = _folded_weight(weight, taps, count, width)
                 g = grad_out.narrow(-1, first, count).permute(0, 1, 3, 2)
                 gx, gw1, _ = torch.ops.aten.convolution_backward(
                     g.reshape(n, -1, g.shape[-1]),
