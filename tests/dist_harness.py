@@ -12,8 +12,12 @@ process group timeout guards against hangs.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
+import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -32,6 +36,9 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
     torch.set_num_threads(1)
     os.environ["SPCONV_TEST_WORKER"] = "1"
+    # A hung rank is asked for its Python stacks (every thread) before it is killed, so a
+    # hang in CI names the line it waits on.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -84,21 +91,44 @@ class _Group:
             q.put((fn, args, kwargs))
         out: dict[int, object] = {}
         errors: dict[int, str] = {}
-        for _ in range(self.world):
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world:
             try:
-                rank, ok, value = self.results.get(timeout=timeout)
+                rank, ok, value = self.results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(self.world)) - set(out) - set(errors))
-                errors[-1] = f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
-                break
+                dead = {r: self.procs[r].exitcode for r in missing if not self.procs[r].is_alive()}
+                if dead:
+                    # A killed worker (e.g. by the kernel's OOM killer: exit code -9) never
+                    # answers; its peers would wait for the process group timeout.
+                    errors[-1] = (
+                        f"ranks {sorted(dead)} died (exit codes {dead}; -9: killed, "
+                        "e.g. out of memory)"
+                    )
+                    break
+                if time.monotonic() > deadline:
+                    errors[-1] = (
+                        f"ranks {missing} did not finish within {timeout:.0f} s (hang?); "
+                        "their stacks are in the captured stderr"
+                    )
+                    self.dump_stacks(missing)
+                    break
+                continue
             (out if ok else errors)[rank] = value
         if errors:
-            first = min(errors)
+            report = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
             raise AssertionError(
-                f"{fn.__name__} failed on rank(s) {sorted(errors)} of {self.world}:\n"
-                f"{errors[first]}"
+                f"{fn.__name__} failed on rank(s) {sorted(errors)} of {self.world}:\n{report}"
             )
         return [out[r] for r in range(self.world)]
+
+    def dump_stacks(self, ranks: list[int]) -> None:
+        """Ask the given ranks to print every thread's Python stack to stderr."""
+        for r in ranks:
+            pid = self.procs[r].pid
+            if pid is not None and self.procs[r].is_alive():
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(2)
 
     def close(self, force: bool = False) -> None:
         if not force:

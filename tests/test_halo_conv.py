@@ -31,6 +31,9 @@ CASES = [
     (dict(kernel_size=3, padding=0), 18),  # no padding: edges read halos only
     (dict(kernel_size=3, padding=1, stride=(2, 1)), 20),  # height stride, whole strip
     (dict(kernel_size=(5, 3), padding=(4, 2), dilation=(2, 2), groups=4), 19),  # depthwise
+    # large dilations (ASPP-like): halo runs of 6 columns; two taps per halo for the 5-wide
+    (dict(kernel_size=3, padding=6, dilation=6), 42),
+    (dict(kernel_size=5, padding=6, dilation=3), 45),
     # strips 4, 4, 2: the last rank has no interior, so all ranks take the window path
     # (a mix of paths deadlocked in the backward: halo p2p vs weight all-reduce order)
     (dict(kernel_size=3, padding=1), 10),
@@ -77,7 +80,34 @@ def test_split_conv_matches_single_device(dist_pool, world):
     # unpadded ones the interior + edges split, strips narrower than the reach the window
     whole, split = "whole", "split"
     paths = [whole, split, whole, split, split, whole, whole, whole, None, split, whole, whole]
+    paths += [whole, whole]
     assert used == [*paths, None if world == 3 else whole], used
+
+
+def conv_flops(world: int, dilation: int) -> tuple[int, int]:
+    """FLOPs (forward + backward) of the rank's sharded "same" conv, and of the plain conv
+    of its strip alone."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dmesh = mesh(world)
+    conv = nn.Conv2d(16, 16, 3, padding=dilation, dilation=dilation)
+    model = parallelize(nn.Sequential(conv), dmesh)
+    x = distribute_tensor(seeded(5, 2, 16, 6, 30 * world), dmesh, [Shard(3)]).requires_grad_()
+    counted = []
+    for run in (lambda: model(x), lambda: conv(x.to_local().detach().requires_grad_())):
+        with FlopCounterMode(display=False) as flops:
+            run().sum().backward()
+        counted.append(flops.get_total_flops())
+    return counted[0], counted[1]
+
+
+def test_halo_correction_costs_what_the_halo_reads(dist_pool):
+    """The halo's share of the edge columns costs one column's conv per halo column and
+    tap it meets: at dilation 8 on strips of 30, the middle rank's two halos of 8 columns
+    add 2*8/(30*3) ~ 18 % to the strip's conv. (Folding the halo columns into channels cost
+    ~ 140 %: a weight edge*halo times the kernel's; 1.8 GB per edge in DeepLabV3's ASPP.)"""
+    for sharded, plain in dist_pool.run(3, conv_flops, 3, 8):
+        assert plain < sharded <= 1.2 * plain, (sharded, plain)
 
 
 def _saved_bytes(fn) -> tuple[object, list[int]]:

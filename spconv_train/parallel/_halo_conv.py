@@ -12,10 +12,13 @@ output strip is the input strip, and the split is cheaper still: the whole strip
 convolved with the width padding inside the convolution, exactly as the no-communication
 floor does (no input or output copy), and the few output columns next to a neighbour,
 which read zeros there instead of its halo, get the halo's share added: a convolution of
-the halo columns alone along the height (``_halo_corrections``; halo columns folded into
-channels, one ``conv1d``). In the backward the whole-strip gradients are complete for the
-strip's own columns; the same folded convolution gives the halo columns' input gradient
-(sent back) and their share of the weight gradient.
+the halo columns alone along the height (``_halo_corrections``: per kernel tap, the run of
+halo columns it meets folded into the batch, one ``conv1d`` with that tap's weight). In the
+backward the whole-strip gradients are complete for the strip's own columns; the same
+runs give the halo columns' input gradient (sent back) and their share of the weight
+gradient. (Folding the halo columns into *channels* instead, as the sixth session did,
+builds a weight of size Cout*C*edge*halo*kh: 1.8 GB per edge for DeepLabV3's ASPP
+(dilation 12, 2048 channels) in fp64, which got a CI worker killed for memory.)
 
 The backward mirrors it in one autograd node: the edge gradients first (thin), then the
 halo gradients are posted back to their owners, the interior's input and weight gradients
@@ -121,68 +124,54 @@ def _same_pad(weight: Tensor, dilation) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _halo_taps(
+def _halo_runs(
     first: int, count: int, strip_start: int, pad_w: int, kw: int, dw: int, hs: int, he: int
-) -> tuple[tuple[int, int, int], ...]:
+) -> tuple[tuple[int, int, int, int], ...]:
     """For the edge outputs ``[first, first + count)`` of a whole-strip convolution (output
-    column = strip column; the strip starts at global column ``strip_start``): the
-    ``(output j, halo column h, kernel tap t)`` triples where output ``first + j`` reads
-    column ``h`` of the halo covering global columns ``[hs, he)`` through tap ``t``."""
-    taps = []
-    for j in range(count):
-        for t in range(kw):
-            col = strip_start + first + j - pad_w + t * dw
-            if hs <= col < he:
-                taps.append((j, col - hs, t))
-    return tuple(taps)
+    column = strip column; the strip starts at global column ``strip_start``): the runs
+    ``(kernel tap t, first output column o, first halo column h, length L)`` where outputs
+    ``o .. o+L-1`` read halo columns ``h .. h+L-1`` (of the halo covering global columns
+    ``[hs, he)``) through tap ``t``. Through one tap, consecutive outputs read consecutive
+    columns, so each tap meets a halo in at most one run."""
+    runs = []
+    for t in range(kw):
+        base = strip_start + first - pad_w + t * dw  # global column output ``first`` reads
+        j0, j1 = max(0, hs - base), min(count, he - base)
+        if j1 > j0:
+            runs.append((t, first + j0, base + j0 - hs, j1 - j0))
+    return tuple(runs)
 
 
 def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor, dilation):
-    """``(first, count, halo index, taps)`` of every (edge, halo) pair whose outputs read
-    that halo: what the whole-strip convolution (which saw zeros there) is missing."""
+    """``(halo index, tap, first output, first halo column, length)`` of every run of edge
+    outputs that read a halo: what the whole-strip convolution (which saw zeros there) is
+    missing."""
     kw, dw = weight.shape[-1], dilation[1]
     pad_w = _same_pad(weight, dilation)
     found = []
     for first, count, _, _ in split.edges:
         for i, (hs, h) in enumerate(halos):
-            taps = _halo_taps(first, count, strip_start, pad_w, kw, dw, hs, hs + h.shape[-1])
-            if taps:
-                found.append((first, count, i, taps))
+            for run in _halo_runs(first, count, strip_start, pad_w, kw, dw, hs, hs + h.shape[-1]):
+                found.append((i, *run))
     return found
 
 
-# The halo's share of the edge outputs is a convolution along the height only: fold the
-# few halo columns into channels, (N, C, H, w) -> (N, C*w, H), and the edge outputs into
-# output channels, and a conv1d with a weight built from the kernel's taps computes all of
-# them at once. A thin 2-D convolution would do the same arithmetic, but PyTorch runs it on
-# its slow im2col kernel (inputs under 20480 elements skip oneDNN), ~4x slower here.
+# The halo's share of a run of edge outputs, through one kernel tap, is a convolution
+# along the height only: fold the run's columns into the batch, (N, C, H, L) ->
+# (N*L, C, H), and one conv1d with that tap's weight column computes them all. The cost is
+# what the outputs need (no weight is expanded: a tap's weight is a view). A thin 2-D
+# convolution would do the same arithmetic, but PyTorch runs it on its slow im2col kernel
+# (inputs under 20480 elements skip oneDNN), ~4x slower here.
 
 
-def _fold(halo: Tensor) -> Tensor:
-    n, c, h, w = halo.shape
-    return halo.reshape(n, c, h) if w == 1 else halo.permute(0, 1, 3, 2).reshape(n, c * w, h)
+def _columns_to_batch(x: Tensor) -> Tensor:
+    n, c, h, w = x.shape
+    return x.reshape(n, c, h) if w == 1 else x.permute(0, 3, 1, 2).reshape(n * w, c, h)
 
 
-def _folded_weight(weight: Tensor, taps, count: int, width: int) -> Tensor:
-    """conv1d weight ``(Cout*count, Cin/groups*width, kh)``: output ``(o, j)`` reads input
-    ``(c, h)`` through ``weight[o, c, :, t]`` for each tap ``(j, h, t)``."""
-    co, ci, kh, _ = weight.shape
-    if count == 1 and width == 1 and len(taps) == 1:
-        return weight[..., taps[0][2]]
-    w1 = weight.new_zeros(co, count, ci, width, kh)
-    for j, h, t in taps:
-        w1[:, j, :, h] = weight[..., t]
-    return w1.reshape(co * count, ci * width, kh)
-
-
-def _unfold_weight_grad(gw1: Tensor, weight: Tensor, taps, count: int, width: int) -> Tensor:
-    """The adjoint of ``_folded_weight``: the gradient of ``weight`` from that of ``w1``."""
-    co, ci, kh, _ = weight.shape
-    g5 = gw1.view(co, count, ci, width, kh)
-    gw = weight.new_zeros(weight.shape)
-    for j, h, t in taps:
-        gw[..., t] += g5[:, j, :, h]
-    return gw
+def _batch_to_columns(y: Tensor, n: int) -> Tensor:
+    """The inverse of ``_columns_to_batch``: ``(N*L, C, H)`` -> ``(N, C, H, L)``."""
+    return y.view(n, -1, *y.shape[1:]).permute(0, 2, 3, 1)
 
 
 class _HaloConv2d(torch.autograd.Function):
@@ -203,7 +192,7 @@ class _HaloConv2d(torch.autograd.Function):
         peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
         recvs = list(zip(peers, [h for _, h in halos], strict=True))
         pending = post_p2p(group, sends, recvs, stats)
-        corrections = []  # (first, count, halo index, taps, folded weight): reused backward
+        corrections = []  # the halo runs (_halo_corrections), reused by the backward
         if split.whole_strip:
             # The strip with zero width padding inside the convolution (what one device
             # computes, except that the columns next to a neighbour read zeros instead of
@@ -211,13 +200,11 @@ class _HaloConv2d(torch.autograd.Function):
             pad_w = _same_pad(weight, dilation)
             out = F.conv2d(local, weight, bias, stride, (pad_h, pad_w), dilation, groups)
             pending.wait()
-            for first, count, i, taps in _halo_corrections(split, halos, a, weight, dilation):
-                halo = halos[i][1]
-                w1 = _folded_weight(weight, taps, count, halo.shape[-1])
-                corrections.append((first, count, i, taps, w1))
-                y = F.conv1d(_fold(halo), w1, None, stride[0], pad_h, dilation[0], groups)
-                y = y.view(y.shape[0], -1, count, y.shape[-1]).permute(0, 1, 3, 2)
-                out.narrow(-1, first, count).add_(y)
+            corrections = _halo_corrections(split, halos, a, weight, dilation)
+            for i, t, o, h, length in corrections:
+                cols = _columns_to_batch(halos[i][1].narrow(-1, h, length))
+                y = F.conv1d(cols, weight[..., t], None, stride[0], pad_h, dilation[0], groups)
+                out.narrow(-1, o, length).add_(_batch_to_columns(y, out.shape[0]))
         else:
             conv = (stride, (pad_h, 0), dilation, groups)
             sources = [(a, local), *halos]
@@ -273,15 +260,15 @@ class _HaloConv2d(torch.autograd.Function):
             # The whole-strip backward below already gives the strip's columns their full
             # gradient and the bias its; what it lacks is the halo columns' share: the
             # input gradient sent back, and the weight gradient of the halo values (the
-            # whole-strip convolution saw zeros there). The folded corrections give both.
-            for first, count, i, taps, w1 in ctx.corrections:
+            # whole-strip convolution saw zeros there). The halo runs give both.
+            for i, t, o, h, length in ctx.corrections:
                 hs, halo = halos[i]
-                n, c, h, width = halo.shape
-                g = grad_out.narrow(-1, first, count).permute(0, 1, 3, 2)
-                gx, gw1, _ = torch.ops.aten.convolution_backward(
-                    g.reshape(n, -1, g.shape[-1]),
-                    _fold(halo),
-                    w1,
+                n = halo.shape[0]
+                g = _columns_to_batch(grad_out.narrow(-1, o, length))
+                gx, gwt, _ = torch.ops.aten.convolution_backward(
+                    g.contiguous(),
+                    _columns_to_batch(halo.narrow(-1, h, length)),
+                    weight[..., t],
                     None,
                     [stride[0]],
                     [pad_h],
@@ -292,9 +279,11 @@ class _HaloConv2d(torch.autograd.Function):
                     [need_in, need_w, False],
                 )
                 if need_in:
-                    edge_grads.append((hs, gx.view(n, c, width, h).permute(0, 1, 3, 2)))
+                    edge_grads.append((hs + h, _batch_to_columns(gx, n)))
                 if need_w:
-                    gw = add(gw, _unfold_weight_grad(gw1, weight, taps, count, width))
+                    if gw is None:
+                        gw = weight.new_zeros(weight.shape)
+                    gw[..., t] += gwt
         else:
             for first, count, lo, hi in split.edges:
                 window = _thin_window(lo, hi, [(a, local), *halos], local)
