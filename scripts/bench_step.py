@@ -44,7 +44,7 @@ def _build(name: str, args):
     return create_model(name, num_classes=4)
 
 
-def _worker(rank, world, port, name, ck, comp, args, queue) -> None:
+def _worker(rank, world, port, name, ck, comp, args, floor, queue) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from spconv_train.parallel import parallelize
@@ -55,7 +55,10 @@ def _worker(rank, world, port, name, ck, comp, args, queue) -> None:
     dev = args.device
     mesh = init_worker(rank, world, port, args)
     try:
-        model = parallelize(_build(name, args).to(dev), mesh)
+        # floor: the plain model on the rank's strip, no communication at all (what the
+        # ranks' compute alone costs when they share the machine)
+        model = _build(name, args).to(dev)
+        model = model if floor else parallelize(model, mesh)
         if ck:
             enable_activation_checkpointing(model)
         run = torch.compile(model, backend=args.compile_backend) if comp else model
@@ -65,6 +68,7 @@ def _worker(rank, world, port, name, ck, comp, args, queue) -> None:
         target = torch.randint(0, 4, (1, args.height, args.width), generator=g).to(dev)
         x = distribute_tensor(img, mesh, [Shard(3)], src_data_rank=None)
         tgt = distribute_tensor(target, mesh, [Shard(2)], src_data_rank=None).to_local()
+        x = x.to_local() if floor else x
 
         def step() -> None:
             cross_entropy(run(x), tgt).backward()
@@ -88,9 +92,9 @@ def _worker(rank, world, port, name, ck, comp, args, queue) -> None:
         dist.destroy_process_group()
 
 
-def run_case(world: int, name: str, ck: bool, comp: bool, args):
+def run_case(world: int, name: str, ck: bool, comp: bool, args, floor: bool = False):
     """(error or None, seconds, first-step seconds, live MiB, peak MiB): max over ranks."""
-    res = spawn_ranks(_worker, world, name, ck, comp, args)
+    res = spawn_ranks(_worker, world, name, ck, comp, args, floor)
     errors = [r[1] for r in res if r[1]]
     if errors:
         return errors[0], 0.0, 0.0, 0.0, 0.0
@@ -111,6 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run, per world size > 1, the plain model on each rank's strip without any "
+        "communication (the floor; its efficiency column is against one rank too)",
+    )
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -127,15 +137,18 @@ def main(argv: list[str] | None = None) -> None:
         for ck in (c == "on" for c in args.checkpointing):
             for comp in (c == "on" for c in args.compile):
                 single = None
-                for world in args.worlds:
-                    err, sec, first, live, peak = run_case(world, name, ck, comp, args)
+                runs = [(w, False) for w in args.worlds]
+                runs += [(w, True) for w in args.worlds if args.floor and w > 1]
+                for world, floor in runs:
+                    err, sec, first, live, peak = run_case(world, name, ck, comp, args, floor)
                     flags = ("on" if ck else "off", "on" if comp else "off")
+                    label = f"{world} floor" if floor else world
                     if err:
-                        rows.append((name, world, *flags, "fails", err, "-", "-", "-"))
+                        rows.append((name, label, *flags, "fails", err, "-", "-", "-"))
                         continue
                     single = sec if world == 1 else single
                     eff = f"{single / (world * sec):.2f}" if single else "-"
-                    row = (name, world, *flags, f"{sec:.3f}", eff, f"{first:.1f}")
+                    row = (name, label, *flags, f"{sec:.3f}", eff, f"{first:.1f}")
                     rows.append((*row, f"{live:.0f}", f"{peak:.0f}"))
                     print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
     if args.markdown:
