@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from spconv_train.parallel import CommAudit, _grad_reduce, parallelize
+from spconv_train.parallel import CommAudit, _small_sum, parallelize
 from spconv_train.parallel._grad_reduce import GradReducer, _layout
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
@@ -55,11 +55,11 @@ def _randomized(seed: int) -> _Net:
 
 def grads_compare(shape: tuple[int, ...], exchange_bytes: int | None = None) -> dict:
     if exchange_bytes is not None:  # a pool worker: restored below
-        saved, _grad_reduce.EXCHANGE_SUM_BYTES = _grad_reduce.EXCHANGE_SUM_BYTES, exchange_bytes
+        saved, _small_sum.EXCHANGE_SUM_BYTES = _small_sum.EXCHANGE_SUM_BYTES, exchange_bytes
         try:
             return grads_compare(shape)
         finally:
-            _grad_reduce.EXCHANGE_SUM_BYTES = saved
+            _small_sum.EXCHANGE_SUM_BYTES = saved
     dmesh = mesh(shape)
     placements = [Shard(3)] if len(shape) == 1 else [Shard(0), Shard(3)]
     batch = 2 if len(shape) == 1 else 2 * shape[0]
@@ -94,8 +94,9 @@ def grads_compare(shape: tuple[int, ...], exchange_bytes: int | None = None) -> 
 
 @pytest.mark.parametrize(
     "shape,exchange_bytes",
-    # exchange_bytes 0: every bucket takes gloo's all-reduce instead of the exchange sum.
-    [((1,), None), ((2,), None), ((2, 2), None), ((3,), None), ((3,), 2**20)],
+    # exchange_bytes 0: every bucket and norm statistic takes gloo's all-reduce instead of
+    # the exchange sum.
+    [((1,), None), ((2,), None), ((2, 2), None), ((3,), None), ((3,), 0)],
     ids=str,
 )
 def test_bucketed_grads_match_single_device(dist_pool, shape, exchange_bytes):
@@ -114,37 +115,45 @@ def test_bucketed_grads_match_single_device(dist_pool, shape, exchange_bytes):
             assert res["reduces"] < res["params"], res
 
 
-def exchange_beside_halo(order_by_rank: tuple[str, str]) -> list[float]:
-    """Post a gradient exchange and a halo-style message (tag 0) in ``order_by_rank[rank]``
-    order ("gh": gradients first), then wait on both; return the summed buffer."""
+def exchange_beside_other(order_by_rank: tuple[str, str], other: str) -> list[float]:
+    """Post a gradient exchange and another message ("halo": a halo-style message on tag 0,
+    "stats": a norm layer's synchronous statistics sum) in ``order_by_rank[rank]`` order
+    ("gh": gradients first), then wait on both; return the summed buffer."""
     import torch.distributed as dist
 
-    from spconv_train.parallel._grad_reduce import _ExchangeSum
     from spconv_train.parallel._halo import post_p2p
     from spconv_train.parallel._runtime import SpatialStats
+    from spconv_train.parallel._small_sum import ExchangeSum, sum_stats
 
     rank = dist.get_rank()
     peer = 1 - rank
     buf = seeded(70 + rank, 5)
     halo_out, halo_in = seeded(80 + rank, 3), torch.empty(3)
 
-    def halo():
+    def second():
+        if other == "stats":
+            sum_stats(halo_in.copy_(halo_out), dist.group.WORLD)
+            return None
         return post_p2p(dist.group.WORLD, [(peer, halo_out)], [(peer, halo_in)], SpatialStats())
 
     if order_by_rank[rank] == "gh":
-        pending = [_ExchangeSum(buf, dist.group.WORLD), halo()]
+        pending = [ExchangeSum(buf, dist.group.WORLD), second()]
     else:
-        pending = [halo(), _ExchangeSum(buf, dist.group.WORLD)]
+        pending = [second(), ExchangeSum(buf, dist.group.WORLD)]
     for p in reversed(pending):
-        p.wait()
-    assert torch.equal(halo_in, seeded(80 + peer, 3))
+        if p is not None:
+            p.wait()
+    want = seeded(80 + peer, 3)
+    assert torch.equal(halo_in, want if other == "halo" else seeded(80, 3) + seeded(81, 3))
     return buf.tolist()
 
 
-def test_gradient_exchange_never_matches_halo_messages(dist_pool):
-    """A bucket posted before a halo exchange on one rank and after it on the other (its
-    gradient hook fires elsewhere in the backward there) still pairs with its own kind."""
-    results = dist_pool.run(2, exchange_beside_halo, ("gh", "hg"), timeout=60)
+@pytest.mark.parametrize("other", ["halo", "stats"])
+def test_gradient_exchange_never_matches_other_messages(dist_pool, other):
+    """A bucket posted before a halo exchange (or a norm's statistics sum) on one rank and
+    after it on the other (its gradient hook fires elsewhere in the backward there) still
+    pairs with its own kind."""
+    results = dist_pool.run(2, exchange_beside_other, ("gh", "hg"), other, timeout=60)
     expected = (seeded(70, 5) + seeded(71, 5)).tolist()
     assert results == [expected, expected]
 

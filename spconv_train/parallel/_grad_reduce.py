@@ -19,11 +19,9 @@ the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
   ``.grad`` None, as it would on one device.
 
 One all-reduce per bucket and group instead of one per parameter and use. A small bucket
-on CPU (gloo) is summed by one exchange instead (``_ExchangeSum``): every rank sends its
-buffer to every other rank and adds the arrivals in rank order. Gloo's ring all-reduce costs
-two rounds of messages and several thread hand-offs; measured on the 2-core CI machine, its
-tail on a 9 KB buffer was 4-5 ms per step against ~0.2 ms for the exchange
-(docs/benchmarks.md, "Case 1").
+on CPU (gloo) is summed by one exchange instead, on its own message tag
+(``_small_sum.ExchangeSum``): gloo's all-reduce of a 9 KB buffer took 4-5 ms per step on the
+2-core CI machine against ~0.2 ms for the exchange (docs/benchmarks.md, "Case 1").
 """
 
 from __future__ import annotations
@@ -34,63 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._comm_audit import counted_as_reduce
+from ._small_sum import sum_async
 
 #: Default bucket size (DDP's default).
 BUCKET_BYTES = 25 * 2**20
-#: A CPU bucket is summed by exchange when it sends at most this many bytes per rank
-#: (its size times the other ranks); larger ones take gloo's (bandwidth-optimal) ring.
-# Off (0) until the 3-rank DeepLabV3 hang with it on is understood (see SESSION_NOTES).
-EXCHANGE_SUM_BYTES = 0
-#: The exchange's messages carry their own tag. Gloo matches point-to-point messages per
-#: (peer, tag) in posting order, and a bucket is posted from a gradient hook, whose place
-#: among the halo exchanges of the backward can differ between ranks (a rank at the image
-#: border runs other autograd nodes than a middle one). On the halos' tag 0, a bucket and a
-#: halo message were matched with each other: a 3-rank DeepLabV3 step hung in CI. Buckets
-#: are posted in bucket order on every rank, so on their own tag they always match.
-EXCHANGE_SUM_TAG = 0x5C0A
-
-
-class _ExchangeSum:
-    """Sum ``buffer`` over ``group`` by sending it to every other rank: ``wait()`` leaves
-    the sum in ``buffer``, added in rank order, so every rank holds the same bits."""
-
-    def __init__(self, buffer: Tensor, group) -> None:
-        ranks, me = dist.get_world_size(group), dist.get_rank(group)
-        self.buffer, self.me = buffer, me
-        self.mine = buffer.clone()  # the send buffer must not change while in flight
-        self.parts = [self.mine if q == me else torch.empty_like(buffer) for q in range(ranks)]
-        ops = [
-            dist.P2POp(dist.irecv, t, group=group, group_peer=q, tag=EXCHANGE_SUM_TAG)
-            for q, t in enumerate(self.parts)
-            if q != me
-        ]
-        ops += [
-            dist.P2POp(dist.isend, self.mine, group=group, group_peer=q, tag=EXCHANGE_SUM_TAG)
-            for q in range(ranks)
-            if q != me
-        ]
-        with counted_as_reduce(buffer):
-            self.works = dist.batch_isend_irecv(ops)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.buffer.copy_(self.parts[0])
-        for part in self.parts[1:]:
-            self.buffer.add_(part)
-
-
-def _reduce_async(buffer: Tensor, group):
-    """Start summing ``buffer`` over ``group``; the result has ``wait()``."""
-    others = dist.get_world_size(group) - 1
-    if not buffer.is_cuda and buffer.numel() * buffer.element_size() * others <= (
-        EXCHANGE_SUM_BYTES
-    ):
-        return _ExchangeSum(buffer, group)
-    return dist.all_reduce(buffer, group=group, async_op=True)
-
-
 @dataclass
 class _Bucket:
     """Parameters whose gradients are reduced together in one flat buffer."""
@@ -209,7 +154,7 @@ class GradReducer:
                 if i not in b.got:  # no gradient this backward: it contributes zeros
                     b.buffer.narrow(0, b.offsets[i], p.numel()).zero_()
                 b.buffer[b.flags_at + i] = 1.0 if i in b.got else 0.0
-            b.work = _reduce_async(b.buffer, b.groups[0])
+            b.work = sum_async(b.buffer, b.groups[0])
             self._next += 1
 
     def _finish(self) -> None:
@@ -222,7 +167,7 @@ class GradReducer:
             # Further groups (a (dp, sp) mesh): the same buffers, one group after another.
             for b in buckets:
                 for group in b.groups[1:]:
-                    _reduce_async(b.buffer, group).wait()
+                    sum_async(b.buffer, group).wait()
             for b in buckets:
                 # A parameter no rank got a gradient for (used, but not on the way to the
                 # loss) keeps ``.grad`` None, as on one device: zeros would still let an
