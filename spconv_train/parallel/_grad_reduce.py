@@ -36,6 +36,8 @@ from ._small_sum import sum_async
 
 #: Default bucket size (DDP's default).
 BUCKET_BYTES = 25 * 2**20
+
+
 @dataclass
 class _Bucket:
     """Parameters whose gradients are reduced together in one flat buffer."""
