@@ -123,7 +123,7 @@ def exchange_beside_other(order_by_rank: tuple[str, str], other: str) -> list[fl
 
     from spconv_train.parallel._halo import post_p2p
     from spconv_train.parallel._runtime import SpatialStats
-    from spconv_train.parallel._small_sum import ExchangeSum, sum_stats
+    from spconv_train.parallel._small_sum import ExchangeSum, sum_now
 
     rank = dist.get_rank()
     peer = 1 - rank
@@ -132,7 +132,7 @@ def exchange_beside_other(order_by_rank: tuple[str, str], other: str) -> list[fl
 
     def second():
         if other == "stats":
-            sum_stats(halo_in.copy_(halo_out), dist.group.WORLD)
+            sum_now(halo_in.copy_(halo_out), dist.group.WORLD)
             return None
         return post_p2p(dist.group.WORLD, [(peer, halo_out)], [(peer, halo_in)], SpatialStats())
 

@@ -31,14 +31,14 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
-from ._small_sum import sum_stats
+from ._small_sum import sum_now
 
 
 def _all_reduce(t: Tensor, groups: tuple) -> Tensor:
     """Sum ``t`` in place over each process group in turn (skipping one-rank groups); small
     CPU sums by exchange (``_small_sum``: one round of messages, the same bits everywhere)."""
     for group in groups:
-        sum_stats(t, group)
+        sum_now(t, group)
     return t
 
 
@@ -106,7 +106,7 @@ def _merge_moments(count: Tensor, mean: Tensor, m2: Tensor, group) -> tuple[Tens
     ranks = dist.get_world_size(group)
     slots = parts.new_zeros(ranks * parts.numel())  # flat: statistics, not a spatial map
     slots.view(ranks, -1)[dist.get_rank(group)] = parts.reshape(-1)
-    sum_stats(slots, group)
+    sum_now(slots, group)
     c, mu, m = slots.view(ranks, *parts.shape).unbind(1)  # each (ranks, *statistics)
     total = c.sum(0)
     merged = (c * mu).sum(0) / total.clamp_min(1)

@@ -10,13 +10,15 @@ arrivals in rank order instead: one round of messages, and every rank holds the 
 Point-to-point messages are matched per (peer, tag) in posting order, so each user posts on
 its own tag: the halo exchanges on 0, gradient buckets (posted from gradient hooks, whose
 place among the other messages can differ between ranks) on ``BUCKET_TAG``, and the
-synchronous statistics of norm layers (posted in the same order on every rank) on
-``STATS_TAG``. CUDA tensors, and tensors that would send more than ``EXCHANGE_SUM_BYTES``
-per rank, take ``all_reduce`` (NCCL's, or gloo's bandwidth-optimal ring).
+synchronous sums of norm statistics and global pools (posted in the same order on every
+rank, as a collective would have to be) on ``STATS_TAG``. CUDA tensors, and tensors that
+would send more than ``EXCHANGE_SUM_BYTES`` per rank, take ``all_reduce`` (NCCL's, or
+gloo's bandwidth-optimal ring).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -42,7 +44,9 @@ class ExchangeSum:
     def __init__(self, buffer: Tensor, group, tag: int = BUCKET_TAG) -> None:
         ranks, me = dist.get_world_size(group), dist.get_rank(group)
         self.buffer = buffer
-        mine = buffer.clone()  # the send buffer must not change while in flight
+        # a contiguous copy: the send buffer must not change while in flight, and gloo
+        # sends dense buffers only
+        mine = buffer.clone(memory_format=torch.contiguous_format)
         self.parts = [mine if q == me else buffer.new_empty(buffer.shape) for q in range(ranks)]
         ops = [
             dist.P2POp(dist.irecv, t, group=group, group_peer=q, tag=tag)
@@ -72,8 +76,9 @@ def sum_async(buffer: Tensor, group, tag: int = BUCKET_TAG):
     return dist.all_reduce(buffer, group=group, async_op=True)
 
 
-def sum_stats(t: Tensor, group) -> Tensor:
-    """Sum ``t`` in place over ``group`` now (a norm layer's statistics) and return it."""
+def sum_now(t: Tensor, group) -> Tensor:
+    """Sum ``t`` in place over ``group`` now and return it: a norm layer's statistics, a
+    global pool's partial sums (posted in the same order on every rank)."""
     if dist.get_world_size(group) > 1:
         if by_exchange(t, group):
             ExchangeSum(t, group, STATS_TAG).wait()
