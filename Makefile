@@ -23,7 +23,7 @@ data: install
 	$(PY) -m spconv_train make-data data/synthetic
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 lint: install
 	$(PY) -m ruff check spconv_train tests scripts
