@@ -161,7 +161,7 @@ def test_batch_norm_low_precision(dist_pool):
 
 def test_fused_path_is_taken_only_where_exact():
     """The fused kernels need per-channel statistics and one dtype throughout."""
-    from spconv_train.parallel._norm import _Cells, _fused
+    from spconv_train.parallel._norm_stats import _Cells, _fused
 
     batch, group = _Cells("batch", C, C, 10, ()), _Cells("group", C, 2, 10, ())
     x64, w64 = torch.zeros(1, C, 2, 2, dtype=torch.float64), torch.ones(C, dtype=torch.float64)

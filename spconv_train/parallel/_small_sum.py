@@ -80,8 +80,5 @@ def sum_now(t: Tensor, group) -> Tensor:
     """Sum ``t`` in place over ``group`` now and return it: a norm layer's statistics, a
     global pool's partial sums (posted in the same order on every rank)."""
     if dist.get_world_size(group) > 1:
-        if by_exchange(t, group):
-            ExchangeSum(t, group, STATS_TAG).wait()
-        else:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        sum_async(t, group, STATS_TAG).wait()
     return t
