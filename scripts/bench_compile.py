@@ -24,10 +24,11 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import _time_steps, init_worker, spawn_ranks  # noqa: E402
+
+from spconv_train.distributed import shutdown  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
@@ -61,7 +62,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         times["eager"].append(timed(eager))
         times["compiled"].append(timed(compiled))
     queue.put({k: statistics.median(v) for k, v in times.items()} | {"first": first})
-    dist.destroy_process_group()
+    shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
 def run_world(world: int, args) -> dict:

@@ -31,6 +31,7 @@ Usage: ``python scripts/bench_conv.py [--channels 32 --height 512 --width 2048 -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import resource
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from spconv_train.distributed import free_port
+from spconv_train.distributed import free_port, shutdown
 
 
 def _peak_mib(device: str) -> float:
@@ -83,22 +84,27 @@ def init_worker(rank: int, world: int, port: int, args):
     """Threads, device, process group (NCCL on CUDA, gloo on CPU) and a 1-D "sp" mesh.
     On CPU, malloc is tuned as ``spconv-train run`` tunes it (``SPCONV_MALLOC_TUNING=0``
     measures without: spconv_train/cpu_malloc.py)."""
+    from spconv_train.cpu_affinity import bind_local_rank
     from spconv_train.cpu_malloc import tune_cpu_allocator
-    from spconv_train.parallel import init_device_mesh
+    from spconv_train.parallel import gloo_threads_idle, init_device_mesh
 
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     else:
         tune_cpu_allocator()
-    dist.init_process_group(
-        "nccl" if args.device == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=30),
-    )
-    return init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
+        bind_local_rank(rank, world)  # as a CPU run does (spconv_train/cpu_affinity.py)
+    # gloo's threads idle-only, as a CPU run does (spconv_train/parallel/_comm_threads.py;
+    # SPCONV_GLOO_THREADS=normal in the environment: without)
+    with gloo_threads_idle() if args.device == "cpu" else contextlib.nullcontext():
+        dist.init_process_group(
+            "nccl" if args.device == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(minutes=30),
+        )
+        return init_device_mesh(args.device, (world,), mesh_dim_names=("sp",))
 
 
 VARIANTS = (
@@ -178,7 +184,7 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
             note = "correct" if ok else f"WRONG result (output {y.placements[0]})"
         except Exception as exc:  # noqa: BLE001 - report, don't crash the benchmark
             queue.put((rank, None, f"raises {type(exc).__name__}"))
-            dist.destroy_process_group()
+            shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
             return
 
         def step():
@@ -197,7 +203,7 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
         step()
         note = f"{stats.halo_seconds * 1e3:.2f}"  # ms blocked on the exchange in one step
     queue.put((rank, (sec, _peak_mib(device) - base), note))
-    dist.destroy_process_group()
+    shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
 def spawn_ranks(target, world: int, *args, timeout: float = 7200) -> list:

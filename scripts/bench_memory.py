@@ -29,6 +29,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import _current_mib, _peak_mib, init_worker, spawn_ranks  # noqa: E402
 
+from spconv_train.distributed import shutdown  # noqa: E402
+
 
 class SavedBytes:
     """Sum of the distinct storages autograd saves for backward while active."""
@@ -86,7 +88,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     dist.barrier()
     sec = time.perf_counter() - t0
     queue.put((rank, saved.mib, _peak_mib(dev) - base, sec))
-    dist.destroy_process_group()
+    shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
 def run_world(world: int, args) -> tuple[float, float, float]:

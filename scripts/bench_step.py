@@ -23,7 +23,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import (  # noqa: E402
@@ -33,6 +32,8 @@ from bench_conv import (  # noqa: E402
     init_worker,
     spawn_ranks,
 )
+
+from spconv_train.distributed import shutdown  # noqa: E402
 
 
 def _build(name: str, args):
@@ -89,7 +90,7 @@ def _worker(rank, world, port, name, ck, comp, args, floor, queue) -> None:
     except Exception as exc:  # noqa: BLE001 - reported in the table
         queue.put((rank, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", 0, 0, 0, 0))
     finally:
-        dist.destroy_process_group()
+        shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
 def run_case(world: int, name: str, ck: bool, comp: bool, args, floor: bool = False):

@@ -33,12 +33,17 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import spawn_ranks  # noqa: E402
 
+from spconv_train.distributed import shutdown  # noqa: E402
+
 
 def _mesh(grid: tuple[int, ...]):
     from torch.distributed.device_mesh import init_device_mesh
 
+    from spconv_train.parallel import gloo_threads_idle
+
     names = ("sp",) if len(grid) == 1 else ("sp_h", "sp_w")
-    return init_device_mesh("cpu", grid, mesh_dim_names=names)
+    with gloo_threads_idle():  # as a CPU run does (spconv_train/parallel/_comm_threads.py)
+        return init_device_mesh("cpu", grid, mesh_dim_names=names)
 
 
 def _halo_case(grid, args) -> dict:
@@ -114,7 +119,7 @@ def _worker(rank, world, port, job, args, queue) -> None:
         out = _halo_case(spec, args) if kind == "halo" else _volume_case(world, spec, args)
         queue.put((rank, out))
     finally:
-        dist.destroy_process_group()
+        shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
 def _run(world: int, job, args) -> list[dict]:

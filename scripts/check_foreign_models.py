@@ -87,8 +87,11 @@ def _check(label, model, shape, mesh, failures) -> int:
 def run(world: int, build_first: bool) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from spconv_train.parallel import gloo_threads_idle
+
     torch.set_default_dtype(torch.float64)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
+    with gloo_threads_idle():  # as a CPU run does (spconv_train/parallel/_comm_threads.py)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))
     cases = _cases(world)
     built = [make() for _, make, _ in cases] if build_first else [None] * len(cases)
     failures: list[str] = []

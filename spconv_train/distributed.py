@@ -14,12 +14,14 @@ once, with its rank, instead of a wall of identical messages or a bare gloo erro
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import random
 import resource
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,7 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .cpu_affinity import bind_local_rank
 from .cpu_malloc import tune_cpu_allocator
+from .parallel import gloo_threads_idle, restore_gloo_threads
 
 __all__ = [
     "DistInfo",
@@ -147,14 +151,18 @@ def _restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"spconv_train/attempt_{restart_count()}", store)
 
 
-def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> DistInfo:
+def init_distributed(
+    backend: str = "auto", timeout_s: float | None = None, cpu_affinity: bool = True
+) -> DistInfo:
     """Initialise the default process group (once) and pick this rank's device.
 
     Under torchrun the ``env://`` rendezvous is used (a fresh store prefix after a restart);
     otherwise a world-size-1 group on a free localhost port. ``nccl`` needs CUDA: each rank
     uses ``cuda:LOCAL_RANK``. ``timeout_s``: the group's collective timeout (None:
     ``default_timeout_s()``). On CPU, glibc's malloc thresholds are fixed first
-    (``cpu_malloc.tune_cpu_allocator``).
+    (``cpu_malloc.tune_cpu_allocator``) and, with ``cpu_affinity``, every local rank is bound
+    to its own share of the cores (``cpu_affinity.bind_local_rank``) before gloo starts its
+    threads, which are then made ``SCHED_IDLE`` (``parallel.gloo_threads_idle``).
     """
     backend = resolve_backend(backend)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -169,20 +177,24 @@ def init_distributed(backend: str = "auto", timeout_s: float | None = None) -> D
         device = torch.device("cpu")
         # CPU tensors come from malloc: keep a step's pages for the next (cpu_malloc.py).
         tune_cpu_allocator()
-    if not dist.is_initialized():
-        seconds = default_timeout_s() if timeout_s is None else timeout_s
-        kwargs = {"backend": backend, "timeout": timedelta(seconds=seconds)}
-        if backend == "nccl":
-            kwargs["device_id"] = device
-        if launched and restart_count() > 0:
-            store = _restart_store(rank, world, kwargs["timeout"])
-            dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
-        elif launched:
-            dist.init_process_group(init_method="env://", **kwargs)
-        else:
-            dist.init_process_group(
-                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs
-            )
+        if cpu_affinity and launched and not dist.is_initialized():
+            bind_local_rank(local_rank, _env_int("LOCAL_WORLD_SIZE", 1))
+    # gloo's threads must not take cores from the compute threads (parallel/_comm_threads.py)
+    with gloo_threads_idle() if backend == "gloo" else contextlib.nullcontext():
+        if not dist.is_initialized():
+            seconds = default_timeout_s() if timeout_s is None else timeout_s
+            kwargs = {"backend": backend, "timeout": timedelta(seconds=seconds)}
+            if backend == "nccl":
+                kwargs["device_id"] = device
+            if launched and restart_count() > 0:
+                store = _restart_store(rank, world, kwargs["timeout"])
+                dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
+            elif launched:
+                dist.init_process_group(init_method="env://", **kwargs)
+            else:
+                dist.init_process_group(
+                    init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kwargs
+                )
     return DistInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -211,11 +223,17 @@ def build_mesh(
     if dp * sp != dist.get_world_size():
         raise ValueError(f"mesh {dp}x{sp} does not match world size {dist.get_world_size()}")
     if grid is None:
-        return init_device_mesh(device_type, (dp, sp), mesh_dim_names=("dp", "sp"))
-    dims = dict(grid) if isinstance(grid, Mapping) else {"sp_h": grid[0], "sp_w": grid[1]}
-    if math.prod(dims.values()) != sp:
-        raise ValueError(f"grid {'x'.join(map(str, dims.values()))} does not hold sp={sp} ranks")
-    return init_device_mesh(device_type, (dp, *dims.values()), mesh_dim_names=("dp", *dims.keys()))
+        shape, names = (dp, sp), ("dp", "sp")
+    else:
+        dims = dict(grid) if isinstance(grid, Mapping) else {"sp_h": grid[0], "sp_w": grid[1]}
+        if math.prod(dims.values()) != sp:
+            shown = "x".join(map(str, dims.values()))
+            raise ValueError(f"grid {shown} does not hold sp={sp} ranks")
+        shape, names = (dp, *dims.values()), ("dp", *dims.keys())
+    # gloo's threads (the mesh's new groups start their own) must not take cores from the
+    # compute threads (parallel/_comm_threads.py)
+    with gloo_threads_idle() if dist.get_backend() == "gloo" else contextlib.nullcontext():
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def spatial_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -239,8 +257,18 @@ def shutdown(*, barrier: bool = False, failed: bool = False) -> None:
     multi = dist.get_world_size() > 1
     if failed and multi and dist.get_backend() == "nccl":
         return
+    restore_gloo_threads()  # torn down idle-only, gloo aborted the process (_comm_threads.py)
     if barrier and multi and not failed:
         dist.barrier()
+    if dist.get_backend() == "gloo":
+        # A gloo worker thread drops its reference to a finished collective (and with it
+        # tensors that need the GIL to be freed) only after the waiting rank has moved on.
+        # If Python is finalizing by then, the thread is killed inside that destructor and
+        # the process aborts ("terminate called without an active exception"; core dump:
+        # ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> take_gil -> pthread_exit). Seen
+        # after the preemption barrier with the rank's threads bound to one core. A moment
+        # with the GIL released lets the worker finish first.
+        time.sleep(0.05)
     dist.destroy_process_group()
 
 

@@ -24,7 +24,8 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from spconv_train.distributed import free_port
+from spconv_train.distributed import free_port, shutdown
+from spconv_train.parallel import gloo_threads_idle
 
 # Per call: the fp64 ResNet-50 grids at 3 ranks take ~100 s on 2 idle cores.
 TIMEOUT_S = float(os.environ.get("SPCONV_TEST_TIMEOUT", "400"))
@@ -39,13 +40,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     # A hung rank is asked for its Python stacks (every thread) before it is killed, so a
     # hang in CI names the line it waits on.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=TIMEOUT_S / 2),
-    )
+    with gloo_threads_idle():  # as a CPU run does (spconv_train/parallel/_comm_threads.py)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=TIMEOUT_S / 2),
+        )
     while True:
         task = tasks.get()
         if task is None:
@@ -55,7 +57,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure must reach the test
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
 def mesh(shape: tuple[int, ...] | int, names: tuple[str, ...] | None = None):
@@ -66,7 +68,8 @@ def mesh(shape: tuple[int, ...] | int, names: tuple[str, ...] | None = None):
     names = names or (("sp",) if len(shape) == 1 else ("dp", "sp"))
     key = (shape, names)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with gloo_threads_idle():  # the mesh's groups start threads of their own
+            _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESHES[key]
 
 

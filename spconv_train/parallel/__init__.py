@@ -14,6 +14,8 @@ Tensor method to your handler; inside it ``spatial_layout`` reads the layout, ``
 ``ExchangePlan`` + ``gather_columns``) fetch a halo, ``sum_grad_over(param,
 layout.grad_groups)`` completes a parameter gradient, and ``current_runtime()`` gives the
 options and statistics. ``register_spatial_module`` swaps a module class in ``parallelize``.
+On CPU, create the gloo process groups (the mesh) inside ``with gloo_threads_idle():``:
+gloo's helper threads then stop taking cores from the compute threads (``_comm_threads.py``).
 
 Every name in ``__all__`` is public and documented; ``parallel._x`` modules are not.
 This package depends only on torch.
@@ -42,6 +44,7 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _slicing,
 )
 from ._comm_audit import CommAudit
+from ._comm_threads import gloo_threads_idle, restore_gloo_threads, yield_gloo_threads
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv3d import SpatialConv3d, spatial_conv3d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
@@ -121,6 +124,7 @@ __all__ = [
     "enter",
     "gather_columns",
     "gather_window",
+    "gloo_threads_idle",
     "init_device_mesh",
     "leave",
     "mesh_coords",
@@ -130,6 +134,7 @@ __all__ = [
     "refuse_module",
     "register_handler",
     "register_spatial_module",
+    "restore_gloo_threads",
     "run_unsharded",
     "runtime_of",
     "shard_bounds",
@@ -149,4 +154,5 @@ __all__ = [
     "spatial_layout",
     "spatial_max_pool2d",
     "sum_grad_over",
+    "yield_gloo_threads",
 ]

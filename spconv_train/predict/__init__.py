@@ -224,7 +224,7 @@ def predict_command(
     from spconv_train.distributed import init_distributed, shutdown
 
     try:
-        init_distributed(cfg.parallel.backend)
+        init_distributed(cfg.parallel.backend, cpu_affinity=cfg.parallel.cpu_affinity)
         from ._run import run_predict
         from ._streamed import StreamOptions
 

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from spconv_train.data import stitch_grid
 from spconv_train.distributed import spatial_mesh
+from spconv_train.parallel import gloo_threads_idle
 from spconv_train.train.mesh_coords import MeshCoords
 
 __all__ = ["SpatialGroup"]
@@ -48,10 +49,11 @@ class SpatialGroup:
         # tile grid of each replica. new_group is collective over the world: every rank
         # creates every replica's group, in the same order, and keeps its own.
         mine = None
-        for ranks in mesh.mesh.reshape(coords.dp, coords.sp).tolist():
-            group = dist.new_group(ranks)
-            if dist.get_rank() in ranks:
-                mine = group
+        with gloo_threads_idle():  # the new groups' threads (parallel/_comm_threads.py)
+            for ranks in mesh.mesh.reshape(coords.dp, coords.sp).tolist():
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = group
         return cls(sub, mine, coords)
 
     @property

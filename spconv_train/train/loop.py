@@ -239,7 +239,11 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     seed_everything(cfg.training.seed)  # same initial weights on every rank
     model = build_model(cfg)
     train_source, val_source, class_names = build_sources(cfg)
-    info = init_distributed(cfg.parallel.backend, process_group_timeout(watchdog.timeout_s))
+    info = init_distributed(
+        cfg.parallel.backend,
+        process_group_timeout(watchdog.timeout_s),
+        cpu_affinity=cfg.parallel.cpu_affinity,
+    )
     watchdog.beat("set-up: mesh, run folder and resume (barriers, checkpoint-load collectives)")
     dp, sp = resolve_grid(cfg, info.world_size)  # parallel.sp: 0 -> the chosen grid
     mesh = build_mesh(dp, sp, info.device.type, grid_mesh_dims(cfg))

@@ -166,7 +166,7 @@ def _verify_here(cfg, steps, json_path, tolerances, reference, dtype, resync) ->
     from ._core import run_verify
 
     try:
-        init_distributed(cfg.parallel.backend)
+        init_distributed(cfg.parallel.backend, cpu_affinity=cfg.parallel.cpu_affinity)
         report = run_verify(
             cfg,
             steps=steps,

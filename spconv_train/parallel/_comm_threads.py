@@ -1,0 +1,138 @@
+"""Keep gloo's helper threads from taking the CPU away from a rank's compute thread.
+
+Every gloo process group runs an event-loop thread (``gloo_tcp_loop``) that reads the
+sockets, and worker threads (``pt_gloo_runloop``) that run collectives. When a message
+arrives while the rank's own thread holds the connection's lock (it is posting the next
+``irecv``/``isend``, which takes the same lock), the loop thread's handler only *tries* the
+lock, gives up, and goes back to ``epoll_wait``, which reports the unread socket again at
+once: the loop thread spins. On a machine whose cores are all busy with the ranks' compute
+threads (the usual CPU set-up: ``ranks x threads = cores``), the spinning thread is
+scheduled onto the lock holder's core and takes it away from the lock holder until the
+scheduler's next tick (4 ms on the CI machine): posting one receive then took 3-9 ms.
+Measured on the 2-core CI machine (docs/benchmarks.md, "Ninth session"), a 2-rank
+``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 took 26.5 ms per step against a
+no-communication floor of 15.5 ms; 20.9 ms with the loop threads made ``SCHED_IDLE``, and a
+4-rank run on the same 2 cores 34.3 -> 26.9 ms.
+
+``yield_gloo_threads`` gives those threads the ``SCHED_IDLE`` policy: they run whenever a
+core would otherwise idle (a rank waiting on a message leaves its core to them at once) and
+never preempt a compute thread. Lowering one's own threads' priority needs no privilege.
+The main thread, other Python threads and the store's thread are left alone. It only acts on
+threads that exist, and a gloo thread names itself only once it runs: wrap the code that
+creates process groups (each gloo group starts threads of its own) in
+``gloo_threads_idle()``, which waits for the threads the block started to take their names.
+``SPCONV_GLOO_THREADS=normal`` in the environment leaves them as they are.
+
+Torch internals leaned on: the thread names, set by gloo's TCP transport and by
+``ProcessGroupGloo`` (checked on torch 2.14.1 with its bundled gloo;
+``tests/test_comm_threads.py`` fails if no thread of a gloo group carries them any more).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+__all__ = [
+    "ENV",
+    "GLOO_THREAD_PREFIXES",
+    "gloo_thread_ids",
+    "gloo_threads_idle",
+    "restore_gloo_threads",
+    "yield_gloo_threads",
+]
+
+ENV = "SPCONV_GLOO_THREADS"
+#: ``/proc/<pid>/task/<tid>/comm`` prefixes of gloo's loop thread and ProcessGroupGloo's
+#: collective workers (``gloo_tcp_loop``, ``pt_gloo_runloop``).
+GLOO_THREAD_PREFIXES = ("gloo", "pt_gloo")
+#: How long ``gloo_threads_idle`` waits for a thread started in its block to name itself (a
+#: thread that never does, e.g. an OpenMP worker, costs this once).
+NAMING_WAIT_S = 1.0
+_TASKS = "/proc/self/task"
+_restore_at_exit: list[bool] = []  # registered once per process
+
+
+def _thread_names() -> dict[int, str]:
+    """``{thread id: name}`` of this process's threads (empty off Linux)."""
+    if not os.path.isdir(_TASKS):
+        return {}
+    names = {}
+    for tid in os.listdir(_TASKS):
+        try:
+            with open(f"{_TASKS}/{tid}/comm") as f:
+                names[int(tid)] = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+    return names
+
+
+def _is_gloo(tid: int, name: str) -> bool:
+    return name.startswith(GLOO_THREAD_PREFIXES) and tid != os.getpid()
+
+
+def gloo_thread_ids() -> list[int]:
+    """Thread ids of this process's gloo helper threads (empty off Linux)."""
+    return sorted(tid for tid, name in _thread_names().items() if _is_gloo(tid, name))
+
+
+def _disabled() -> bool:
+    off = ("normal", "0", "off", "no", "false")
+    return os.environ.get(ENV, "idle").strip().lower() in off or not hasattr(os, "SCHED_IDLE")
+
+
+def yield_gloo_threads() -> int:
+    """Give this process's gloo helper threads the ``SCHED_IDLE`` policy (see the module
+    docstring); returns how many threads now have it. Idempotent and cheap; does nothing
+    (returns 0) off Linux or with ``SPCONV_GLOO_THREADS=normal``."""
+    if _disabled():
+        return 0
+    done = 0
+    for tid in gloo_thread_ids():
+        try:
+            if os.sched_getscheduler(tid) != os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            done += 1
+        except OSError:  # ended meanwhile, or a sandbox that forbids it: leave it
+            continue
+    return done
+
+
+def restore_gloo_threads() -> None:
+    """Give gloo's threads the normal policy back before the process groups are torn down
+    (``distributed.shutdown`` does; ``gloo_threads_idle`` also registers it to run at
+    interpreter exit), so that they finish their last work promptly: a gloo worker still
+    releasing a finished collective when Python finalizes aborts the process
+    (``distributed.shutdown`` explains the race)."""
+    for tid in gloo_thread_ids():
+        try:
+            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            continue
+
+
+@contextlib.contextmanager
+def gloo_threads_idle() -> Iterator[None]:
+    """Run a block that creates process groups; afterwards every gloo thread, including
+    those the block started, has ``SCHED_IDLE`` (``yield_gloo_threads``). A new thread names
+    itself only once it runs, so the threads the block started are given up to
+    ``NAMING_WAIT_S`` to do so."""
+    before = set(_thread_names())
+    yield
+    if _disabled():
+        return
+    deadline = time.monotonic() + NAMING_WAIT_S
+    own = _thread_names().get(os.getpid())
+    while True:
+        names = _thread_names()
+        unnamed = [t for t in set(names) - before if names[t] == own and t != os.getpid()]
+        if not unnamed or time.monotonic() > deadline:
+            break
+        time.sleep(0.001)
+    if yield_gloo_threads() and not _restore_at_exit:
+        atexit.register(restore_gloo_threads)
+        _restore_at_exit.append(True)
