@@ -44,7 +44,7 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _slicing,
 )
 from ._comm_audit import CommAudit
-from ._comm_threads import gloo_threads_idle, restore_gloo_threads, yield_gloo_threads
+from ._comm_threads import gloo_threads_idle, restore_gloo_threads
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv3d import SpatialConv3d, spatial_conv3d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
@@ -154,5 +154,4 @@ __all__ = [
     "spatial_layout",
     "spatial_max_pool2d",
     "sum_grad_over",
-    "yield_gloo_threads",
 ]

@@ -10,9 +10,9 @@ threads (the usual CPU set-up: ``ranks x threads = cores``), the spinning thread
 scheduled onto the lock holder's core and takes it away from the lock holder until the
 scheduler's next tick (4 ms on the CI machine): posting one receive then took 3-9 ms.
 Measured on the 2-core CI machine (docs/benchmarks.md, "Ninth session"), a 2-rank
-``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 took 26.5 ms per step against a
-no-communication floor of 15.5 ms; 20.9 ms with the loop threads made ``SCHED_IDLE``, and a
-4-rank run on the same 2 cores 34.3 -> 26.9 ms.
+``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 took 23.2 ms per step against a
+no-communication floor of 16.4 ms; 21.5 ms with gloo's threads made ``SCHED_IDLE``, 19.0 ms
+with each rank also bound to its own core (``spconv_train/cpu_affinity.py``).
 
 ``yield_gloo_threads`` gives those threads the ``SCHED_IDLE`` policy: they run whenever a
 core would otherwise idle (a rank waiting on a message leaves its core to them at once) and
@@ -53,7 +53,7 @@ GLOO_THREAD_PREFIXES = ("gloo", "pt_gloo")
 #: thread that never does, e.g. an OpenMP worker, costs this once).
 NAMING_WAIT_S = 1.0
 _TASKS = "/proc/self/task"
-_restore_at_exit: list[bool] = []  # registered once per process
+_restore_registered = False  # restore_gloo_threads registered with atexit (once per process)
 
 
 def _thread_names() -> dict[int, str]:
@@ -133,6 +133,7 @@ def gloo_threads_idle() -> Iterator[None]:
         if not unnamed or time.monotonic() > deadline:
             break
         time.sleep(0.001)
-    if yield_gloo_threads() and not _restore_at_exit:
+    global _restore_registered
+    if yield_gloo_threads() and not _restore_registered:
         atexit.register(restore_gloo_threads)
-        _restore_at_exit.append(True)
+        _restore_registered = True
