@@ -8,7 +8,7 @@ on a ``1 x C x H x W`` image, one thread per process, gloo on CPU (NCCL on GPU w
 - ``halo (spconv)``: ``parallelize`` + ``Shard(3)`` input (this project): interior from the
   strip in place, thin edge windows, exchange overlapped with the interior;
 - ``halo window``: the same with ``split_halo_conv=False`` (a padded window gathered first,
-  exchange not overlapped): the previous scheme, and the reference for the hidden fraction;
+  exchange not overlapped): the reference for the hidden fraction;
 - ``physicsnemo``: NVIDIA PhysicsNeMo's ``ShardTensor`` halo convolution, only when
   ``physicsnemo`` is importable (not a dependency, see docs/benchmarks.md to install it);
 - ``dtensor native``: ``nn.Conv2d`` applied to the ``Shard(3)`` DTensor as is (PyTorch's own

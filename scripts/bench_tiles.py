@@ -1,13 +1,13 @@
-"""Benchmark (issue 12): what splitting more than one dim buys.
+"""Benchmark: what splitting more than one dim buys.
 
 1. **Halo traffic, W strips vs H x W tiles** (2-D U-Net forward + backward): bytes each rank
    sends per step (``SpatialStats.halo_bytes``, forward and backward exchanges) and the
    step time, measured at 4 ranks as 1x4 strips (``("sp",)`` mesh, ``[Shard(3)]``) and 2x2
-   tiles (``("sp_h", "sp_w")`` mesh, ``[Shard(2), Shard(3)]``). Tiles need the H x W layout
-   of issue 12 item 1; where ``parallelize`` refuses the tile mesh the row says so. Beyond 4
-   ranks the bytes are *modelled*: a rank exchanges the edges of its block, so per rank
-   strips cost ~ 2H and p x q tiles ~ 2H/p + 2W/q (corners are second order); the modelled
-   rows scale the measured 4-rank strip bytes by that perimeter ratio.
+   tiles (``("sp_h", "sp_w")`` mesh, ``[Shard(2), Shard(3)]``); where ``parallelize``
+   refuses the tile mesh the row says so. Beyond 4 ranks the bytes are *modelled*: a rank
+   exchanges the edges of its block, so per rank strips cost ~ 2H and p x q tiles
+   ~ 2H/p + 2W/q (corners are second order); the modelled rows scale the measured 4-rank
+   strip bytes by that perimeter ratio.
 2. **Saved activations of the 3-D U-Net** per rank at 1, 2 and 4 ranks, volume split over
    D and over W, and over H x W (2 x 2) at 4 ranks: ``LiveBytes`` after the forward (exact,
    allocator independent), against the target of <= 1.1x (one rank's) / N; the plain

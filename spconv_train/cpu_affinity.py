@@ -6,9 +6,10 @@ woken onto whichever core looks best, often the one where the *other* rank is co
 and then waits there for a scheduler tick; the rank that needs the message waits with it.
 Bound to its own rank's cores (and made ``SCHED_IDLE``), the helper runs the moment its
 rank blocks on a message, on the core that rank just left idle, and never takes a core
-from a computing rank. Measured on the 2-core CI machine (docs/benchmarks.md, "Ninth
-session"): a 2-rank ``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 went from
-23.2 ms per step (SCHED_IDLE alone 21.5 ms) to 19.0 ms, on a no-communication floor of 16.4 ms.
+from a computing rank. Measured on the 2-core CI machine (docs/benchmarks.md, "CPU thread
+placement"): a 2-rank ``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 takes
+19.0 ms per step bound and idle-only, 21.5 ms idle-only but not bound, 23.2 ms with
+neither, on a no-communication floor of 16.4 ms.
 
 ``bind_local_rank`` splits the cores this process may use (``os.sched_getaffinity``, so a
 SLURM or container cpuset is respected) into ``LOCAL_WORLD_SIZE`` equal contiguous shares

@@ -9,7 +9,7 @@ from tests.dist_harness import DistPool
 
 @pytest.fixture(scope="session")
 def dist_pool():
-    """Spawned gloo worker groups, one per world size, shared by the whole session."""
+    """Spawned gloo worker groups, one per world size, shared by the whole test run."""
     pool = DistPool()
     yield pool
     pool.close()

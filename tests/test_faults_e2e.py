@@ -129,7 +129,7 @@ class Job:
         self.fail(f"no worker of rank {rank}")
 
     def finish(self, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Wait for the job (kill its whole session and fail after ``timeout`` s)."""
+        """Wait for the job (kill its whole process group and fail after ``timeout`` s)."""
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -114,7 +114,7 @@ def _env() -> dict[str, str]:
 
 
 def launch(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own session; on a timeout kill the whole session (torchrun's
+    """Run ``cmd`` in its own process group; on a timeout kill the whole group (torchrun's
     workers too, which would otherwise outlive it) and fail."""
     proc = subprocess.Popen(
         cmd,

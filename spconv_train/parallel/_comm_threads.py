@@ -8,11 +8,12 @@ lock, gives up, and goes back to ``epoll_wait``, which reports the unread socket
 once: the loop thread spins. On a machine whose cores are all busy with the ranks' compute
 threads (the usual CPU set-up: ``ranks x threads = cores``), the spinning thread is
 scheduled onto the lock holder's core and takes it away from the lock holder until the
-scheduler's next tick (4 ms on the CI machine): posting one receive then took 3-9 ms.
-Measured on the 2-core CI machine (docs/benchmarks.md, "Ninth session"), a 2-rank
-``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 took 23.2 ms per step against a
-no-communication floor of 16.4 ms; 21.5 ms with gloo's threads made ``SCHED_IDLE``, 19.0 ms
-with each rank also bound to its own core (``spconv_train/cpu_affinity.py``).
+scheduler's next tick (4 ms on the CI machine): posting one receive then takes 3-9 ms.
+Measured on the 2-core CI machine (docs/benchmarks.md, "CPU thread placement"), a 2-rank
+``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 takes 23.2 ms per step with
+gloo's threads left alone, against a no-communication floor of 16.4 ms; 21.5 ms with them
+``SCHED_IDLE``, 19.0 ms with each rank also bound to its own core
+(``spconv_train/cpu_affinity.py``).
 
 ``yield_gloo_threads`` gives those threads the ``SCHED_IDLE`` policy: they run whenever a
 core would otherwise idle (a rank waiting on a message leaves its core to them at once) and

@@ -16,9 +16,9 @@ the halo columns alone along the height (``_halo_corrections``: per kernel tap, 
 halo columns it meets folded into the batch, one ``conv1d`` with that tap's weight). In the
 backward the whole-strip gradients are complete for the strip's own columns; the same
 runs give the halo columns' input gradient (sent back) and their share of the weight
-gradient. (Folding the halo columns into *channels* instead, as the sixth session did,
-builds a weight of size Cout*C*edge*halo*kh: 1.8 GB per edge for DeepLabV3's ASPP
-(dilation 12, 2048 channels) in fp64, which got a CI worker killed for memory.)
+gradient. (Folding the halo columns into *channels* instead would build a weight of size
+Cout*C*edge*halo*kh: 1.8 GB per edge for DeepLabV3's ASPP (dilation 12, 2048 channels) in
+fp64, enough to get a CI worker killed for memory.)
 
 The backward mirrors it in one autograd node: the edge gradients first (thin), then the
 halo gradients are posted back to their owners, the interior's input and weight gradients
