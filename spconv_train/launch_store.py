@@ -26,7 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["agent_store", "attempt_store", "launch_recorded", "mark_recorded"]
+__all__ = ["agent_store", "attempt_store", "join_attempt", "launch_recorded", "mark_recorded"]
 
 _KEY = "spconv_train/launch"
 _POLL_S = 0.02
@@ -69,15 +69,21 @@ def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.Store | Non
     store = agent_store(timeout)
     if store is None:
         return None
+    return dist.PrefixStore(f"{_KEY}/attempt/{join_attempt(store, rank, world, timeout)}", store)
+
+
+def join_attempt(store: dist.Store, rank: int, world: int, timeout: timedelta) -> str:
+    """The token that names this attempt, the same on every rank (collective over ``store``,
+    whatever keys earlier attempts left in it)."""
     token = uuid.uuid4().hex
     store.set(f"{_KEY}/join/{rank}", token)
     if rank == 0:
         _answer_joins(store, world, token, timeout)
-        prefix = token
-    else:  # blocks until this attempt's rank 0 answers (or the store's timeout)
-        prefix = store.get(f"{_KEY}/answer/{token}").decode()
-        store.set(f"{_KEY}/ack/{prefix}/{rank}", b"1")
-    return dist.PrefixStore(f"{_KEY}/attempt/{prefix}", store)
+        return token
+    # blocks until this attempt's rank 0 answers (or the store's timeout)
+    prefix = store.get(f"{_KEY}/answer/{token}").decode()
+    store.set(f"{_KEY}/ack/{prefix}/{rank}", b"1")
+    return prefix
 
 
 def _answer_joins(store: dist.Store, world: int, prefix: str, timeout: timedelta) -> None:
