@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import stat
 import struct
@@ -99,10 +100,26 @@ def _sticky_problem(path: Path, st: os.stat_result, parent: os.stat_result) -> s
     return f"{path}: owned by user {st.st_uid} in a sticky folder; only its owner may delete it"
 
 
+def _mount_points() -> set[str]:
+    """Every mount point of this process (bind mounts on the same file system included,
+    which ``os.path.ismount`` cannot tell); empty where ``/proc`` does not say."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    # field 5 is the mount point, with spaces and the like written as octal escapes
+    fields = [line.split() for line in lines]
+    return {re.sub(r"\\([0-7]{3})", _octal, f[4]) for f in fields if len(f) > 4}
+
+
+def _octal(match: re.Match) -> str:
+    return chr(int(match[1], 8))
+
+
 def _walk(top: Path, problems: list[str]) -> int:
     """Check every entry under the real folder ``top`` (links are not followed); returns
     the number of entries."""
-    count = 0
+    count, mounts = 0, _mount_points()
 
     def unreadable(exc: OSError) -> None:
         problems.append(f"{exc.filename}: cannot be inspected ({exc.strerror})")
@@ -114,7 +131,7 @@ def _walk(top: Path, problems: list[str]) -> int:
         except OSError as exc:
             unreadable(exc)
             continue
-        if os.path.ismount(folder):
+        if os.path.ismount(folder) or os.path.realpath(folder) in mounts:
             # rmtree would empty the mounted file system, then fail on the mount point
             problems.append(f"{folder} is a mount point (unmount it first)")
             dirnames.clear()

@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from spconv_train.cli import app
+from spconv_train.config import ConfigError
 from spconv_train.overwrite import check_removable, inspect_removal, remove_run_files
 from spconv_train.run_folder import JOB_FILE, RUN_FILES, JobRecord, read_job, write_job
 from tests.test_train_e2e import ok, plain, tiny_config
@@ -153,7 +154,31 @@ def test_a_mount_point_is_never_emptied():
         pytest.skip("/dev/shm is not a mount point here")
     removals, problems = inspect_removal("/dev", ["shm"])
     assert [r.kind for r in removals] == ["folder"]
-    assert problems == ["/dev/shm is a mount point (unmount it first)"]
+    assert "/dev/shm is a mount point (unmount it first)" in problems
+
+
+def test_a_bind_mount_inside_the_checkpoints_is_found_first(tmp_path):
+    """A folder bind-mounted into a checkpoint (same file system: ``os.path.ismount`` does
+    not see it): rmtree would have emptied the mounted folder. Exit 2 and nothing deleted;
+    needs the right to mount (root), else skipped."""
+    data = tmp_path / "dataset"
+    data.mkdir()
+    (data / "image.png").write_bytes(b"keep me")
+    run_dir = tmp_path / "run"
+    mounted = _old_run(run_dir) / "data"
+    mounted.mkdir()
+    bind = subprocess.run(["mount", "--bind", str(data), str(mounted)], capture_output=True)
+    if bind.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {bind.stderr.decode().strip()}")
+    try:
+        before = _tree(run_dir)
+        with pytest.raises(ConfigError) as err:
+            remove_run_files(run_dir, RUN_FILES)
+        assert f"{mounted} is a mount point" in str(err.value)
+        assert _tree(run_dir) == before
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+    assert (data / "image.png").read_bytes() == b"keep me"
 
 
 def _problems_as(uid: int | None, run_dir: Path) -> list[str]:
