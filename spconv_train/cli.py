@@ -135,11 +135,18 @@ def run(
     """
     cfg = load_or_exit(config, overrides)
     from spconv_train.distributed import env_world_size, restart_count
+    from spconv_train.launch_store import launch_recorded
 
+    job = job_id()
     try:
         resolve_grid(cfg, env_world_size())  # parallel.sp: 0 -> the grid, saved and compared
         plan = plan_start(
-            cfg, resume=resume, overwrite=overwrite, restarts=restart_count(), job=job_id()
+            cfg,
+            resume=resume,
+            overwrite=overwrite,
+            restarts=restart_count(),
+            job=job,
+            recorded=launch_recorded(job),  # the same answer on every node of a restart
         )
     except ConfigError as exc:
         fail(str(exc))

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .cpu_affinity import bind_local_rank
 from .cpu_malloc import tune_cpu_allocator
+from .launch_store import attempt_store
 from .parallel import gloo_threads_idle, restore_gloo_threads
 
 __all__ = [
@@ -134,29 +135,13 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
-def _restart_store(rank: int, world: int, timeout: timedelta) -> dist.Store:
-    """The launcher's store under a per-attempt prefix, for workers torchrun restarted.
-
-    torch 2.14's ``env://`` rendezvous reuses the elastic agent's store across restarts
-    without a per-attempt prefix, so restarted gloo workers read the previous attempt's
-    (dead) peer addresses and fail to connect or hang (seen with ``--max-restarts``). Fresh
-    keys per attempt avoid that; the first attempt keeps the plain ``env://`` path.
-    """
-    host, port = os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 29500)
-    # The agent hosts the store when it says so; otherwise rank 0 does (as env:// would).
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        host, port, world, is_master=not agent and rank == 0, timeout=timeout, multi_tenant=True
-    )
-    return dist.PrefixStore(f"spconv_train/attempt_{restart_count()}", store)
-
-
 def init_distributed(
     backend: str = "auto", timeout_s: float | None = None, cpu_affinity: bool = True
 ) -> DistInfo:
     """Initialise the default process group (once) and pick this rank's device.
 
-    Under torchrun the ``env://`` rendezvous is used (a fresh store prefix after a restart);
+    Under torchrun the agent's store is used under a prefix of this attempt's own
+    (``launch_store.attempt_store``; ``env://`` when the agent hosts none);
     otherwise a world-size-1 group on a free localhost port. ``nccl`` needs CUDA: each rank
     uses ``cuda:LOCAL_RANK``. ``timeout_s``: the group's collective timeout (None:
     ``default_timeout_s()``). On CPU, glibc's malloc thresholds are fixed first
@@ -186,8 +171,9 @@ def init_distributed(
             kwargs = {"backend": backend, "timeout": timedelta(seconds=seconds)}
             if backend == "nccl":
                 kwargs["device_id"] = device
-            if launched and restart_count() > 0:
-                store = _restart_store(rank, world, kwargs["timeout"])
+            # torchrun's store outlives attempts: a prefix only this attempt shares
+            store = attempt_store(rank, world, kwargs["timeout"]) if launched else None
+            if store is not None:
                 dist.init_process_group(store=store, rank=rank, world_size=world, **kwargs)
             elif launched:
                 dist.init_process_group(init_method="env://", **kwargs)

@@ -16,11 +16,20 @@ the same thing again:
   leaving the folder untouched. A new job in a folder whose previous job crashed is
   refused too (pass ``--resume`` or ``--overwrite``).
 
-A record counts as the current job's only on a restart (``TORCHELASTIC_RESTART_COUNT > 0``),
-with the same non-empty run id, written by an earlier attempt, and not marked finished. A
-single-node ``torchrun`` draws a fresh random run id per launch (or, with ``--master-port``,
-is told apart by its process id); multi-node jobs must give each job its own ``--rdzv-id``
-(e.g. the scheduler's job id).
+A record counts as the current job's only when it has the same non-empty run id, is not
+marked finished, and was written by an earlier attempt of this launch. Whether it was is
+asked of torchrun's store (``spconv_train.launch_store``), which lives as long as the
+launch, across restarts, and which rank 0 marks once the record is written: torchrun counts
+restarts per node, and on several nodes a healthy node's workers are restarted for the new
+rendezvous round with ``TORCHELASTIC_RESTART_COUNT`` still 0, while the failed node's count
+went up. Only without such a store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) the restart
+count decides: a restart (count > 0) newer than the record. A single-node ``torchrun`` draws a
+fresh random run id per launch (or, with ``--master-port``, is told apart by its process
+id); multi-node jobs should give each job its own ``--rdzv-id`` (e.g. the scheduler's job
+id).
+
+``--overwrite`` deletes all of the previous run's files or none (``spconv_train.overwrite``):
+every entry is checked before anything is removed, links are removed without following them.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from spconv_train.config import (
     config_to_dict,
     load_config,
 )
+from spconv_train.overwrite import check_removable
 
 __all__ = [
     "JOB_FILE",
@@ -145,14 +155,18 @@ def finish_job(run_dir: str | Path) -> None:
         write_job(run_dir, replace(record, finished=True))
 
 
-def _own_record(run_dir: Path, job: str, restarts: int) -> JobRecord | None:
-    """The record of the current job if this attempt is a restart of it, else None."""
+def _own_record(run_dir: Path, job: str, restarts: int, recorded: bool | None) -> JobRecord | None:
+    """The record of the current job if this attempt is a restart of it, else None.
+
+    ``recorded``: whether an earlier attempt of this launch recorded its decision (torchrun's
+    store says so on every node, whatever its restart count); None when there is no such
+    store, then only a restart newer than the record counts."""
     record = read_job(run_dir)
-    if restarts <= 0 or not job or record is None:
+    if not job or record is None or record.job != job or record.finished:
         return None
-    if record.job != job or record.finished or record.attempt >= restarts:
-        return None
-    return record
+    if recorded is None:
+        recorded = restarts > 0 and record.attempt < restarts
+    return record if recorded else None
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
@@ -180,26 +194,37 @@ def _resume_notes(cfg: Config, run_dir: Path) -> list[str]:
 
 
 def plan_start(
-    cfg: Config, *, resume: bool, overwrite: bool, restarts: int, job: str = ""
+    cfg: Config,
+    *,
+    resume: bool,
+    overwrite: bool,
+    restarts: int,
+    job: str = "",
+    recorded: bool | None = None,
 ) -> StartPlan:
     """Decide how ``run`` starts in ``cfg.run_dir`` (reads only; before any process group).
 
     First attempt of a job (or a restart that finds no record of its job): a folder holding
     a run (any of ``RUN_FILES``) is refused unless ``resume`` or ``overwrite``; ``resume``
     without a checkpoint starts fresh (with a note), so a job script may always pass
-    ``--resume``. A restart of a recorded job follows that job's decision (module docstring).
-    Resuming from a checkpoint refuses settings that cannot change (``RESUME_POLICY``).
-    Raises ``ConfigError`` (exit 2) for a refusal.
+    ``--resume``. A restart of a recorded job follows that job's decision (module docstring;
+    ``recorded``: ``launch_store.launch_recorded``). Resuming from a checkpoint refuses
+    settings that cannot change (``RESUME_POLICY``); a plan that deletes files checks first
+    that every one can be deleted (``overwrite.check_removable``). Raises ``ConfigError``
+    (exit 2) for a refusal.
     """
     run_dir = Path(cfg.run_dir)
     if resume and overwrite:
         raise ConfigError("--resume", "cannot be combined with --overwrite; pick one")
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("run_dir", f"{run_dir} exists and is not a directory")
-    found = tuple(name for name in RUN_FILES if (run_dir / name).exists())
-    own = _own_record(run_dir, job, restarts)
+    # lexists: a dangling link is found too (and removed, never followed)
+    found = tuple(name for name in RUN_FILES if os.path.lexists(run_dir / name))
+    own = _own_record(run_dir, job, restarts, recorded)
     if own is not None:
-        return _restart_plan(cfg, own, resume=resume, found=found, restarts=restarts)
+        plan = _restart_plan(cfg, own, resume=resume, found=found, restarts=restarts)
+        check_removable(run_dir, plan.remove)
+        return plan
     if found and not (resume or overwrite):
         again = f" (torchrun restart {restarts}: still refused)" if restarts > 0 else ""
         raise ConfigError(
@@ -211,7 +236,9 @@ def plan_start(
     decision: Decision = "overwrite" if overwrite else "resume" if resume else "fresh"
     notes = _resume_notes(cfg, run_dir) if resume else []
     record = JobRecord(job=job, decision=decision, attempt=max(restarts, 0))
-    return StartPlan(resume=resume, remove=found if overwrite else (), notes=notes, record=record)
+    remove = found if overwrite else ()
+    check_removable(run_dir, remove)  # before anything is deleted: all or nothing
+    return StartPlan(resume=resume, remove=remove, notes=notes, record=record)
 
 
 def _restart_plan(
@@ -219,8 +246,10 @@ def _restart_plan(
 ) -> StartPlan:
     """A restart of the job that recorded ``own``: resume its checkpoints, or (fresh or
     overwritten job, ``checkpoint.resume: never``) start over deleting its own files."""
-    record = replace(own, attempt=restarts)
-    head, why = f"torchrun restart {restarts}", f"this job started as {own.decision}"
+    record = replace(own, attempt=max(own.attempt, restarts))
+    # A healthy node's workers restarted for a new rendezvous round keep the count 0.
+    head = f"torchrun restart {restarts}" if restarts > 0 else "torchrun restart (new round)"
+    why = f"this job started as {own.decision}"
     if resume or own.decision == "resume" or cfg.checkpoint.resume == "auto":
         notes = [f"{head}: resuming ({why})", *_resume_notes(cfg, Path(cfg.run_dir))]
         return StartPlan(resume=True, notes=notes, record=record)

@@ -114,8 +114,8 @@ class Job:
             time.sleep(0.1)
         self.fail(f"no {text!r} after {timeout} s")
 
-    def worker(self, rank: int) -> int:
-        """The pid of torchrun's worker of global rank ``rank``."""
+    def worker(self, rank: int | None = None) -> int:
+        """The pid of torchrun's worker of global rank ``rank`` (None: any of its workers)."""
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -124,7 +124,8 @@ class Job:
                 environ = (entry / "environ").read_bytes().split(b"\0")
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == self.proc.pid and f"RANK={rank}".encode() in environ:
+            mine = rank is None or f"RANK={rank}".encode() in environ
+            if ppid == self.proc.pid and mine:
                 return int(entry.name)
         self.fail(f"no worker of rank {rank}")
 

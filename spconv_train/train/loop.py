@@ -10,7 +10,6 @@ the mesh), so optimizer, clipping and schedule are plain single-device code.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,8 +44,10 @@ from spconv_train.distributed import (
     seed_everything,
     spatial_mesh,
 )
+from spconv_train.launch_store import mark_recorded
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
+from spconv_train.overwrite import remove_run_files
 from spconv_train.parallel import parallelize, runtime_of
 from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
@@ -102,21 +103,19 @@ def build_model(cfg: Config) -> nn.Module:
 
 def _prepare_run_dir(
     cfg: Config, remove: Sequence[str], info: DistInfo, job: JobRecord | None = None
-) -> None:
-    """Rank 0 deletes ``remove`` (an overwritten run's files), records the job's start
-    decision and writes the resolved config; the other ranks wait."""
-    run_dir = Path(cfg.run_dir)
+) -> list[str]:
+    """Rank 0 deletes ``remove`` (an overwritten run's files: all or none,
+    ``overwrite.remove_run_files``), records the job's start decision and writes the
+    resolved config; the other ranks wait. Returns the lines saying what was removed."""
+    run_dir, removed = Path(cfg.run_dir), []
     if info.is_main:
-        for name in remove:
-            path = run_dir / name
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        removed = remove_run_files(run_dir, remove)
         if job is not None:
             write_job(run_dir, job)
+            mark_recorded(job.job)  # later attempts of this launch, on every node, follow it
         dump_config(cfg, run_dir / "config.yaml")
     dist.barrier()
+    return removed
 
 
 @dataclass
@@ -250,7 +249,7 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     run_dir = Path(cfg.run_dir)
     model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device)
-    _prepare_run_dir(cfg, remove, info, job)  # after every check: --overwrite deletes here
+    notes = [*notes, *_prepare_run_dir(cfg, remove, info, job)]  # after every check
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(
             model,

@@ -1,0 +1,66 @@
+"""End to end: a two-node job (two torchrun agents on 127.0.0.1, c10d rendezvous) restarts
+after one worker is killed and resumes on the first restart, on both nodes.
+
+torchrun counts restarts per node: the node whose worker died restarts with
+``TORCHELASTIC_RESTART_COUNT=1``, the healthy node's agent restarts its worker for the new
+rendezvous round with the count still 0. Both must follow the job's recorded decision
+(resume) and meet in one process group; the run then ends with the parameters of an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from spconv_train.distributed import free_port
+from tests.test_faults_e2e import Job, hooked  # noqa: F401 - hooked is a fixture
+from tests.test_train_e2e import exported, ok, tiny_config, torchrun
+
+STEPS = ("--set", "training.steps=8", "--set", "checkpoint.every=2")
+STEPS += ("--set", "training.val_every=100")
+
+
+def node_cmd(config: Path, endpoint: str, *args: str) -> list[str]:
+    """One node's agent of a 2-node, 1-worker-per-node job (c10d, one restart allowed)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+    cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=spconv-2nodes"]
+    cmd += ["--local-addr=127.0.0.1", "--max-restarts=1"]
+    return [*cmd, "-m", "spconv_train", "run", str(config), *args]
+
+
+def test_two_nodes_resume_on_the_first_restart_after_a_worker_is_killed(tmp_path, hooked):  # noqa: F811
+    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
+    ref_dir.mkdir(), cut_dir.mkdir()
+    ok(torchrun(tiny_config(ref_dir), *STEPS))  # uninterrupted: one node, 2 workers
+    config, run_dir = tiny_config(cut_dir), cut_dir / "run"
+    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for name in ("node0", "node1"):
+        (cut_dir / name).mkdir()
+        nodes.append(Job(node_cmd(config, endpoint, *STEPS), cut_dir / name))
+    try:
+        nodes[0].wait_for_step(run_dir, 3)
+        os.kill(nodes[1].worker(), signal.SIGKILL)
+        procs = [node.finish(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    out = "\n".join(p.stdout + p.stderr for p in procs)
+    assert [p.returncode for p in procs] == [0, 0], out[-6000:]
+    assert "already holds a run" not in out, out[-6000:]
+    # One worker failed (the killed one): no restarted worker refused and used up its
+    # node's restart; the restart resumed the job's checkpoint.
+    assert re.findall(r"failed \(exitcode: (-?\d+)\)", out) == ["-9"], out[-6000:]
+    assert "torchrun restart" in out and "resuming (this job started as fresh)" in out
+    assert re.search(r"resumed\s+from", out), out[-6000:]
+    want, got = exported(ref_dir / "run"), exported(run_dir)
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
