@@ -143,6 +143,12 @@ class CheckpointManager:
                 found.append((int(m.group(1)), p))
         return [p for _, p in sorted(found)]
 
+    def newest_step(self) -> tuple[str, int] | None:
+        """``(folder, step)`` of the highest step any complete checkpoint with a sound
+        manifest records (file system only), or None."""
+        found = [(meta["step"], p) for p in self.folders() if (meta := read_meta(p))]
+        return (str(max(found)[1]), int(max(found)[0])) if found else None
+
     def _pointer(self, name: str) -> Path | None:
         try:
             target = (self.dir / name).read_text().strip()
