@@ -133,8 +133,11 @@ class SafeFileSystemReader(FileSystemReader):
     ``weights_only=True`` there)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # torch 2.14.1's body, with pickle.load replaced
-        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        # torch 2.14.1's body, with pickle.load replaced. DCP retries a failed read with
+        # rank-local metadata (``__{rank}.metadata``), which spconv-train never writes.
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.path}: no rank-local DCP metadata is read", code=2)
+        metadata = read_dcp_metadata(self._get_metadata_path())
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -202,6 +205,7 @@ def load_checkpoint_state(state: dict[str, Any], folder: str | Path) -> None:
 def read_full_state(folder: str | Path) -> dict[str, Any]:
     """Every value of DCP checkpoint ``folder`` as plain tensors (``dcp_to_torch_save``
     without its ``torch.save``/``torch.load`` round trip; one process, no process group)."""
+    read_dcp_metadata(Path(folder) / ".metadata")  # a clear error, not DCP's retries
     state: dict[str, Any] = {}
     reader = SafeFileSystemReader(folder)
     try:
