@@ -223,6 +223,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
+def _release(exc: BaseException) -> None:
+    """Drop the local variables of the finished frames in ``exc`` and the exceptions it
+    chains: they hold torch's zip writer, which keeps the removed partial file open, so
+    its space (and the free space the message reports) is only free once they are gone."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 def save_file(path: Path, obj: Any, what: str) -> None:
     """``torch.save`` atomically; a failure (the partial file is removed) becomes a
     ``CheckpointError`` saying why, with needed and free space when the disk is full (the
@@ -230,9 +245,7 @@ def save_file(path: Path, obj: Any, what: str) -> None:
     try:
         replace_atomic(path, lambda t: torch.save(obj, t))
     except Exception as exc:
-        # The traceback keeps torch's zip writer, and so the removed partial file, open:
-        # its space is only free (and the free space right) once the writer is gone.
-        traceback.clear_frames(exc.__traceback__)
+        _release(exc)
         try:
             needed, measured = _usage(path.stat()), True
         except OSError:
