@@ -33,21 +33,18 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from spconv_train.checkpoint_export import export_checkpoint, export_model
 from spconv_train.checkpoint_files import (
     CheckpointError,
     check_files,
-    digest_files,
-    disk_usage,
+    checkpoint_space,
     remove_tree,
     rng_state,
     save_failure_message,
@@ -66,6 +63,7 @@ from spconv_train.checkpoint_manifest import (
 from spconv_train.checkpoint_sync import agree as _agree
 from spconv_train.checkpoint_sync import attempt as _attempt
 from spconv_train.checkpoint_sync import broadcast as _broadcast
+from spconv_train.checkpoint_sync import digest_folder
 from spconv_train.checkpoint_sync import gather as _gather
 from spconv_train.checkpoint_sync import rank as _rank
 from spconv_train.checkpoint_sync import world as _world
@@ -87,19 +85,6 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 # 1 (no checksums, all state per rank) and 2 stay loadable: their scheduler.pt and
 # extra-rank{r}.pt are read weights-only (one holding anything else is refused).
 FORMAT_VERSION = 3
-
-
-def _state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
-    """About how many bytes a checkpoint of this model and optimizer takes (this rank's
-    tensors; replicated tensors are written once)."""
-    states = [model.state_dict()] + ([optimizer.state_dict()] if optimizer is not None else [])
-    total = 0
-    for leaf in torch.utils._pytree.tree_leaves(states):
-        if isinstance(leaf, DTensor):
-            leaf = leaf.to_local()
-        if torch.is_tensor(leaf):
-            total += leaf.numel() * leaf.element_size()
-    return total
 
 
 def _dcp_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
@@ -146,8 +131,9 @@ class CheckpointManager:
     def newest_step(self) -> tuple[str, int] | None:
         """``(folder, step)`` of the highest step any complete checkpoint with a sound
         manifest records (file system only), or None."""
-        found = [(meta["step"], p) for p in self.folders() if (meta := read_meta(p))]
-        return (str(max(found)[1]), int(max(found)[0])) if found else None
+        found = [(int(meta["step"]), str(p)) for p in self.folders() if (meta := read_meta(p))]
+        step, folder = max(found, default=(0, ""))
+        return (folder, step) if found else None
 
     def _pointer(self, name: str) -> Path | None:
         try:
@@ -278,7 +264,7 @@ class CheckpointManager:
         try:
             _agree(_attempt(self._prepare, tmp) if main else None, "preparing")
             _agree(_attempt(self._write, tmp, model, optimizer, scheduler, extra), "writing")
-            files = self._digest(tmp)
+            files = digest_folder(tmp, exclude=_META)
             meta = dict(format=FORMAT_VERSION, step=step, world_size=_world())
             metric = None if metric is None else float(metric)
             meta.update(metric=metric, has_optimizer=optimizer is not None, saved_at=time.time())
@@ -292,23 +278,13 @@ class CheckpointManager:
                 remove_tree(tmp)
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
-            needed, measured = self._needed(model, optimizer)
+            states = [model.state_dict(), optimizer.state_dict() if optimizer is not None else {}]
+            needed, measured = checkpoint_space(reversed(self.folders()), states)
             what = f"checkpoint {name}"
             message = save_failure_message(exc, what, self.dir, needed, measured=measured)
             raise CheckpointError(message) from exc
         _agree(_attempt(self._commit, tmp, name, metric) if main else None, "committing")
         return self.dir / name
-
-    def _needed(self, model: nn.Module, optimizer: Optimizer | None) -> tuple[int, bool]:
-        """``(bytes, measured)``: the disk space a checkpoint takes. Measured on the newest
-        complete one (the same model and optimizer: their sizes never change in a run),
-        file overhead and block rounding included; else the tensor bytes, a lower bound."""
-        for folder in reversed(self.folders()):
-            try:
-                return disk_usage(folder), True
-            except OSError:  # pruned meanwhile
-                continue
-        return _state_bytes(model, optimizer), False
 
     def _prepare(self, tmp: Path) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -323,21 +299,6 @@ class CheckpointManager:
             write_state(state_file(tmp, f"extra-rank{_rank()}", FORMAT_VERSION), extra)
         if _rank() == 0 and scheduler is not None:
             write_state(state_file(tmp, "scheduler", FORMAT_VERSION), scheduler.state_dict())
-
-    def _digest(self, tmp: Path) -> dict[str, dict]:
-        """Size and sha256 of every file in ``tmp`` (collective: rank 0 lists the folder,
-        each rank hashes its share, reading back what the ranks wrote)."""
-        names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != _META))
-        mine: dict | Exception | None = None
-        try:
-            mine = digest_files(tmp, names[_rank() :: _world()])
-        except OSError as exc:
-            mine = exc
-        _agree(mine if isinstance(mine, Exception) else None, "hashing")
-        files: dict[str, dict] = {}
-        for part in _gather(mine):
-            files.update(part)
-        return files
 
     @staticmethod
     def _write_meta(tmp: Path, meta: dict) -> None:

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 __all__ = [
     "CheckpointError",
     "check_files",
+    "checkpoint_space",
     "digest_files",
     "disk_usage",
     "find_os_error",
@@ -31,6 +32,7 @@ __all__ = [
     "save_failure_message",
     "save_file",
     "set_rng_state",
+    "tensor_bytes",
     "write_text_atomic",
 ]
 
@@ -111,6 +113,33 @@ def _sizes(needed: int, free: int) -> tuple[str, str]:
     """Both sizes readable, and exact (in bytes) where rounding would make them equal."""
     a, b = _size(needed), _size(free)
     return (a, b) if a != b else (f"{needed:,} bytes", f"{free:,} bytes")
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (nested containers; a DTensor counts its local
+    shard, replicated tensors are written once): a lower bound of what saving it takes."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for leaf in torch.utils._pytree.tree_leaves(obj):
+        if isinstance(leaf, DTensor):
+            leaf = leaf.to_local()
+        if torch.is_tensor(leaf):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def checkpoint_space(folders: Iterable[Path], states: Any) -> tuple[int, bool]:
+    """``(bytes, measured)``: the disk space a checkpoint of ``states`` takes. Measured on
+    the first of the complete checkpoint ``folders`` (newest first: the same model and
+    optimizer, whose sizes never change in a run), file overhead and block rounding
+    included; without one the tensor bytes, a lower bound."""
+    for folder in folders:
+        try:
+            return disk_usage(folder), True
+        except OSError:  # pruned meanwhile
+            continue
+    return tensor_bytes(states), False
 
 
 def disk_usage(folder: Path) -> int:
@@ -249,8 +278,6 @@ def save_file(path: Path, obj: Any, what: str) -> None:
         try:
             needed, measured = _usage(path.stat()), True
         except OSError:
-            leaves = torch.utils._pytree.tree_leaves(obj)
-            needed = sum(t.numel() * t.element_size() for t in leaves if torch.is_tensor(t))
-            measured = False
+            needed, measured = tensor_bytes(obj), False
         message = save_failure_message(exc, what, path.parent, needed, measured=measured)
         raise CheckpointError(message) from exc
