@@ -182,7 +182,7 @@ def injected_full_disk_case(root: str) -> list[str]:
     big = 1 << 50  # more than any disk has free: the message must say the disk is full
     with (
         mock.patch.object(ckpt.dcp, "save", full_disk),
-        mock.patch.object(ckpt, "disk_usage", lambda folder: big),
+        mock.patch.object(ckpt, "checkpoint_space", lambda folders, states: (big, True)),
     ):
         try:
             cm.save(2, model, None)
