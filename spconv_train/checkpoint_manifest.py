@@ -51,6 +51,7 @@ def manifest_digest(meta: dict[str, Any]) -> str:
 
 def manifest_text(meta: dict[str, Any]) -> str:
     """The text of ``meta.json`` for ``meta``, with its digest."""
+    meta = json.loads(json.dumps(meta))  # as read back (non-string keys become strings)
     return json.dumps({**meta, "digest": manifest_digest(meta)}, indent=1) + "\n"
 
 
