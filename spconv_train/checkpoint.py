@@ -346,6 +346,8 @@ class CheckpointManager:
 
         A checkpoint of format 1 keeps all its state per rank, so it is refused
         (``CheckpointError``) on a different number of ranks than it was saved with.
+        Nothing is unpickled: a file that would need it is refused (``CheckpointError``,
+        exit 2, naming it), and files the manifest does not list are ignored with a warning.
         """
         folder = Path(path)
         meta, problem = read_manifest(folder)

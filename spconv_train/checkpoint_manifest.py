@@ -72,7 +72,9 @@ def read_manifest(folder: str | Path) -> tuple[dict[str, Any] | None, str | None
     if not isinstance(meta, dict):
         return None, f"{path}: not a manifest (a JSON {type(meta).__name__})"
     digest, fmt = meta.get("digest"), meta.get("format", 1)
-    if digest is None and isinstance(fmt, int) and fmt <= 2:
+    if not (isinstance(fmt, int) and isinstance(meta.get("step"), int)):
+        return None, f"{path}: not a checkpoint manifest (no integer format and step)"
+    if digest is None and fmt <= 2:
         return meta, None  # written before manifests carried a digest
     if digest != manifest_digest(meta):
         return None, f"{path}: digest mismatch (the manifest was altered or is corrupt)"
