@@ -133,6 +133,41 @@ def test_planted_dcp_metadata_is_refused_on_resume_and_export(tmp_path):
     assert_live(payload, marker)
 
 
+def planted_on_two_ranks(root: str, where: str) -> str:
+    """Rank 0 plants the payload (in ``.metadata`` or among DCP's values) and resends the
+    manifest; every rank then resumes. Returns this rank's error message."""
+    import torch.distributed as dist
+
+    cm, model, opt, _ = trained(Path(root) / "run", steps=1)
+    folder, marker = cm.dir / "step-000001", Path(root) / "ran"
+    if dist.get_rank() == 0:
+        if where == "metadata":
+            (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+        else:
+            state = ckpt._dcp_state(model, opt)
+            state["optim"]["param_groups"][0]["lr"] = Payload(marker)
+            for p in folder.glob("*.distcp"):
+                p.unlink()
+            ckpt.dcp.save(state, checkpoint_id=folder, no_dist=True)
+        resend(folder)
+    dist.barrier()
+    try:
+        resume(cm)
+    except CheckpointError as exc:
+        return f"code {exc.code}: {exc}" + (" MARKER" if marker.exists() else "")
+    return "loaded"
+
+
+@pytest.mark.parametrize("where", ["metadata", "value"])
+def test_two_ranks_refuse_a_planted_pickle_together(dist_pool, tmp_path, where):
+    """Every rank raises the same refusal (none waits in a collective for the others)."""
+    said = dist_pool.run(2, planted_on_two_ranks, str(tmp_path), where)
+    for message in said:
+        assert message.startswith("code 2:") and "posix.mkdir" in message, said
+        assert "MARKER" not in message
+    assert not (tmp_path / "ran").exists()
+
+
 def test_dcp_metadata_pointing_outside_its_folder_is_refused(tmp_path):
     cm, *_ = trained(tmp_path / "run", steps=1)
     folder = cm.dir / "step-000001"
