@@ -3,10 +3,10 @@
 Layout of ``run_dir/checkpoints``::
 
     step-000120/       a complete checkpoint: DCP files (.metadata, *.distcp: model and
-                       optimizer), extra-rank{r}.pt (optional per-rank state),
-                       scheduler.pt, and meta.json (the manifest, written last: step, metric,
-                       rank-independent ``shared`` state such as the data position, and the
-                       size and sha256 of every other file)
+                       optimizer), extra-rank{r}.json (optional per-rank state),
+                       scheduler.json, and meta.json (the manifest, written last: step,
+                       metric, rank-independent ``shared`` state such as the data position,
+                       the size and sha256 of every other file, and a digest of itself)
     latest, best       text pointers naming a step folder (rewritten with os.replace)
     .tmp-step-000140/  a save in progress (or killed): ignored, removed by the next save
     corrupt-step-N/    a checkpoint that failed verification, moved aside by a resume
@@ -17,46 +17,57 @@ and atomically rewrites ``latest``. An exception on any rank (or a kill) before 
 the previous checkpoint and ``latest`` untouched and the partial folder removed.
 ``newest_good`` verifies checkpoints against their manifests, newest first, so a resume
 skips a corrupt or truncated one. The folders must live on a file system shared by all ranks.
+
+Nothing read back runs code (a run folder may come from someone else): the state files are
+JSON, DCP's metadata and values go through ``spconv_train.safe_load``, files the manifest
+does not list are ignored with a warning.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from spconv_train.checkpoint_export import export_checkpoint, export_model
 from spconv_train.checkpoint_files import (
     CheckpointError,
     check_files,
-    digest_files,
+    checkpoint_space,
     remove_tree,
     rng_state,
     save_failure_message,
-    save_file,
     set_rng_state,
     write_text_atomic,
+)
+from spconv_train.checkpoint_manifest import META as _META
+from spconv_train.checkpoint_manifest import (
+    listed_files,
+    manifest_text,
+    read_manifest,
+    read_state_file,
+    state_file,
+    write_state,
 )
 from spconv_train.checkpoint_sync import agree as _agree
 from spconv_train.checkpoint_sync import attempt as _attempt
 from spconv_train.checkpoint_sync import broadcast as _broadcast
+from spconv_train.checkpoint_sync import digest_folder
 from spconv_train.checkpoint_sync import gather as _gather
 from spconv_train.checkpoint_sync import rank as _rank
 from spconv_train.checkpoint_sync import world as _world
+from spconv_train.safe_load import load_checkpoint_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -69,23 +80,11 @@ __all__ = [
 ]
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_META = "meta.json"
+# 3: scheduler.json and extra-rank{r}.json (no pickles); meta.json carries its own digest.
 # 2: meta.json holds a checksum of every file and the rank-independent ``shared`` state.
-# 1 (no checksums, all state per rank) stays loadable.
-FORMAT_VERSION = 2
-
-
-def _state_bytes(model: nn.Module, optimizer: Optimizer | None) -> int:
-    """About how many bytes a checkpoint of this model and optimizer takes (this rank's
-    tensors; replicated tensors are written once)."""
-    states = [model.state_dict()] + ([optimizer.state_dict()] if optimizer is not None else [])
-    total = 0
-    for leaf in torch.utils._pytree.tree_leaves(states):
-        if isinstance(leaf, DTensor):
-            leaf = leaf.to_local()
-        if torch.is_tensor(leaf):
-            total += leaf.numel() * leaf.element_size()
-    return total
+# 1 (no checksums, all state per rank) and 2 stay loadable: their scheduler.pt and
+# extra-rank{r}.pt are read weights-only (one holding anything else is refused).
+FORMAT_VERSION = 3
 
 
 def _dcp_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
@@ -94,20 +93,10 @@ def _dcp_state(model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's model under DDP (``.module``) or ``torch.compile`` (``._orig_mod``)."""
-    ddp = nn.parallel.DistributedDataParallel
-    while isinstance(model, ddp) or isinstance(getattr(model, "_orig_mod", None), nn.Module):
-        model = model.module if isinstance(model, ddp) else model._orig_mod
-    return model
-
-
 def read_meta(folder: str | Path) -> dict[str, Any] | None:
-    """The ``meta.json`` of a checkpoint folder, or None if it is missing or unreadable."""
-    try:
-        return json.loads((Path(folder) / _META).read_text())
-    except (OSError, ValueError):
-        return None
+    """The ``meta.json`` of a checkpoint folder, or None if it is missing, unreadable or
+    fails its digest (``checkpoint_manifest.read_manifest`` says which)."""
+    return read_manifest(folder)[0]
 
 
 class CheckpointManager:
@@ -127,16 +116,24 @@ class CheckpointManager:
         self.keep_best = keep_best
 
     # -- finding ---------------------------------------------------------------------------
-    def folders(self) -> list[Path]:
-        """Complete checkpoint folders (``step-N`` with a ``meta.json``), oldest step first."""
+    def folders(self, *, complete: bool = True) -> list[Path]:
+        """Complete checkpoint folders (``step-N`` with a ``meta.json``), oldest step first;
+        ``complete=False``: the ``step-N`` folders without one instead."""
         if not self.dir.is_dir():
             return []
         found = []
         for p in self.dir.iterdir():
             m = _STEP_RE.match(p.name)
-            if m and p.is_dir() and (p / _META).is_file():
+            if m and p.is_dir() and (p / _META).is_file() == complete:
                 found.append((int(m.group(1)), p))
         return [p for _, p in sorted(found)]
+
+    def newest_step(self) -> tuple[str, int] | None:
+        """``(folder, step)`` of the highest step any complete checkpoint with a sound
+        manifest records (file system only), or None."""
+        found = [(int(meta["step"]), str(p)) for p in self.folders() if (meta := read_meta(p))]
+        step, folder = max(found, default=(0, ""))
+        return (folder, step) if found else None
 
     def _pointer(self, name: str) -> Path | None:
         try:
@@ -168,13 +165,14 @@ class CheckpointManager:
     def verify(self, folder: str | Path) -> list[str]:
         """Problems of checkpoint ``folder`` (collective; the same list on every rank): a
         missing manifest, and every file that is missing, truncated or fails its checksum.
-        The files are spread over the ranks, each hashes its share. A checkpoint of format
-        1 has no checksums: only its manifest is checked."""
+        The files are spread over the ranks, each hashes its share. The manifest is
+        checked against its digest first. A checkpoint of format 1 has no checksums: only
+        its manifest is checked."""
         folder = Path(folder)
-        meta = read_meta(folder)
+        meta, problem = read_manifest(folder)
         files = None if meta is None else meta.get("files")
         if files is None:
-            return [] if meta is not None else [f"{folder / _META}: missing or unreadable"]
+            return [] if meta is not None else [str(problem)]
         names = sorted(files)[_rank() :: _world()]
         found = _gather(check_files(folder, files, names))
         return sorted(p for problems in found for p in problems)
@@ -184,7 +182,16 @@ class CheckpointManager:
         none at all. Newer bad ones are then moved aside to ``corrupt-step-N`` (out of the
         way of ``latest`` and pruning, kept for inspection) with a warning naming the bad
         file. If checkpoints exist but none is good, nothing is moved and
-        ``CheckpointError`` (exit code 2) names every bad file."""
+        ``CheckpointError`` (exit code 2) names every bad file. A ``step-N`` folder without
+        a manifest (a save that never finished, or a damaged copy) is skipped with a
+        warning naming it."""
+        if _rank() == 0:
+            for folder in self.folders(complete=False):
+                warnings.warn(
+                    f"skipping checkpoint folder {folder}: it has no {_META} (a save that never "
+                    "finished, or a copy without its manifest)",
+                    stacklevel=2,
+                )
         latest = self.latest()
         candidates = [latest] if latest is not None else []
         candidates += [p for p in reversed(self.folders()) if p != latest]
@@ -257,7 +264,7 @@ class CheckpointManager:
         try:
             _agree(_attempt(self._prepare, tmp) if main else None, "preparing")
             _agree(_attempt(self._write, tmp, model, optimizer, scheduler, extra), "writing")
-            files = self._digest(tmp)
+            files = digest_folder(tmp, exclude=_META)
             meta = dict(format=FORMAT_VERSION, step=step, world_size=_world())
             metric = None if metric is None else float(metric)
             meta.update(metric=metric, has_optimizer=optimizer is not None, saved_at=time.time())
@@ -271,8 +278,10 @@ class CheckpointManager:
                 remove_tree(tmp)
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()
-            needed = _state_bytes(model, optimizer)
-            message = save_failure_message(exc, f"checkpoint {name}", self.dir, needed)
+            states = [model.state_dict(), optimizer.state_dict() if optimizer is not None else {}]
+            needed, measured = checkpoint_space(reversed(self.folders()), states)
+            what = f"checkpoint {name}"
+            message = save_failure_message(exc, what, self.dir, needed, measured=measured)
             raise CheckpointError(message) from exc
         _agree(_attempt(self._commit, tmp, name, metric) if main else None, "committing")
         return self.dir / name
@@ -287,29 +296,14 @@ class CheckpointManager:
     def _write(self, tmp, model, optimizer, scheduler, extra) -> None:
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=tmp)
         if extra is not None:
-            torch.save(extra, tmp / f"extra-rank{_rank()}.pt")
+            write_state(state_file(tmp, f"extra-rank{_rank()}", FORMAT_VERSION), extra)
         if _rank() == 0 and scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-
-    def _digest(self, tmp: Path) -> dict[str, dict]:
-        """Size and sha256 of every file in ``tmp`` (collective: rank 0 lists the folder,
-        each rank hashes its share, reading back what the ranks wrote)."""
-        names = _broadcast(sorted(p.name for p in tmp.iterdir() if p.name != _META))
-        mine: dict | Exception | None = None
-        try:
-            mine = digest_files(tmp, names[_rank() :: _world()])
-        except OSError as exc:
-            mine = exc
-        _agree(mine if isinstance(mine, Exception) else None, "hashing")
-        files: dict[str, dict] = {}
-        for part in _gather(mine):
-            files.update(part)
-        return files
+            write_state(state_file(tmp, "scheduler", FORMAT_VERSION), scheduler.state_dict())
 
     @staticmethod
     def _write_meta(tmp: Path, meta: dict) -> None:
         # Written last: a step folder without meta.json is never treated as complete.
-        write_text_atomic(tmp / _META, json.dumps(meta, indent=1) + "\n")
+        write_text_atomic(tmp / _META, manifest_text(meta))
 
     def _commit(self, tmp: Path, name: str, metric: float | None) -> None:
         final = self.dir / name
@@ -352,13 +346,15 @@ class CheckpointManager:
 
         A checkpoint of format 1 keeps all its state per rank, so it is refused
         (``CheckpointError``) on a different number of ranks than it was saved with.
+        Nothing is unpickled: a file that would need it is refused (``CheckpointError``,
+        exit 2, naming it), and files the manifest does not list are ignored with a warning.
         """
         folder = Path(path)
-        meta = read_meta(folder)
+        meta, problem = read_manifest(folder)
         if meta is None:
-            raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {_META})")
-        saved_world = meta.get("world_size")
-        if meta.get("format", 1) < 2 and saved_world != _world():
+            raise CheckpointError(f"{folder} is not a usable checkpoint: {problem}", code=2)
+        fmt, saved_world = meta.get("format", 1), meta.get("world_size")
+        if fmt < 2 and saved_world != _world():
             raise CheckpointError(
                 f"{folder} was written by an older spconv-train at {saved_world} ranks and "
                 "keeps its data position per rank, which cannot be mapped to "
@@ -366,22 +362,23 @@ class CheckpointManager:
                 f"(torchrun --nproc-per-node {saved_world} ...)",
                 code=2,
             )
+        listed = listed_files(folder, meta, _rank())
         state = _dcp_state(model, optimizer)  # fresh state (optimizer's initialised) to fill
-        dcp.load(state, checkpoint_id=folder)
+        load_checkpoint_state(state, folder)
         optims = optimizer if optimizer is not None else []
         set_state_dict(
             model, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {})
         )
         if scheduler is not None:
-            sched_file = folder / "scheduler.pt"
-            if not sched_file.is_file():
+            sched_file = state_file(folder, "scheduler", fmt)
+            if sched_file.name not in listed:
                 raise FileNotFoundError(f"{folder} holds no scheduler state ({sched_file.name})")
-            scheduler.load_state_dict(torch.load(sched_file, weights_only=False))
+            scheduler.load_state_dict(read_state_file(sched_file, fmt))
         extra = dict(meta.get("shared") or {})
-        extra_file = folder / f"extra-rank{_rank()}.pt"
-        if extra_file.is_file():  # our own file; RNG states are python objects: not weights_only
-            extra.update(torch.load(extra_file, weights_only=False))
-        elif any(folder.glob("extra-rank*.pt")):
+        extra_file = state_file(folder, f"extra-rank{_rank()}", fmt)
+        if extra_file.name in listed:
+            extra.update(read_state_file(extra_file, fmt))
+        elif any(name.startswith("extra-rank") for name in listed):
             warnings.warn(
                 f"{folder} has no per-rank state for rank {_rank()} (saved with "
                 f"{saved_world} ranks); this rank's extra state starts fresh",
@@ -390,32 +387,4 @@ class CheckpointManager:
         return int(meta["step"]), extra
 
     # -- export ----------------------------------------------------------------------------
-    @staticmethod
-    def export(model: nn.Module, path: str | Path, *, config: Any = None) -> None:
-        """Write a single-device ``.pt`` file ``{"model": state_dict, "config": config}`` with
-        the model's own parameter names, loadable with
-        ``model.load_state_dict(torch.load(path)["model"])`` into the unparallelized model.
-
-        Rank 0 writes (atomically); other ranks return. If a parameter is a DTensor its full
-        value is gathered, which is collective: then every rank must call this. A failed
-        write (e.g. a full disk) leaves no partial file and raises ``CheckpointError``.
-        """
-        state = {}
-        for key, value in _unwrap(model).state_dict().items():
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            state[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
-        if _rank() == 0:
-            save_file(Path(path), {"model": state, "config": config}, f"exporting {path}")
-
-
-def export_checkpoint(folder: str | Path, path: str | Path, *, config: Any = None) -> None:
-    """Convert checkpoint ``folder`` into a single-device ``.pt`` like ``export`` without
-    building the model or a process group (run it in one process)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmpdir:
-        full = Path(tmpdir) / "full.pt"
-        dcp_to_torch_save(folder, full)
-        model_sd = torch.load(full, weights_only=False)["model"]
-    save_file(Path(path), {"model": model_sd, "config": config}, f"exporting {path}")
+    export = staticmethod(export_model)

@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 __all__ = [
     "CheckpointError",
     "check_files",
+    "checkpoint_space",
     "digest_files",
+    "disk_usage",
     "find_os_error",
     "remove_tree",
     "replace_atomic",
@@ -29,6 +32,7 @@ __all__ = [
     "save_failure_message",
     "save_file",
     "set_rng_state",
+    "tensor_bytes",
     "write_text_atomic",
 ]
 
@@ -94,17 +98,72 @@ def find_os_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _mb(n: float) -> str:
-    return f"{n / 2**20:.1f} MB"
+def _size(n: float) -> str:
+    """``n`` bytes with three significant digits: 812 bytes, 16.0 KB, 1.64 MB, 120 GB."""
+    if n < 1024:
+        return f"{n:.0f} bytes"
+    for unit in ("KB", "MB", "GB", "TB"):
+        n /= 1024
+        if n < 1000 or unit == "TB":
+            break
+    return f"{n:.{2 if n < 10 else 1 if n < 100 else 0}f} {unit}"
 
 
-def save_failure_message(exc: BaseException, what: str, where: Path, needed: int) -> str:
+def _sizes(needed: int, free: int) -> tuple[str, str]:
+    """Both sizes readable, and exact (in bytes) where rounding would make them equal."""
+    a, b = _size(needed), _size(free)
+    return (a, b) if a != b else (f"{needed:,} bytes", f"{free:,} bytes")
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (nested containers; a DTensor counts its local
+    shard, replicated tensors are written once): a lower bound of what saving it takes."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for leaf in torch.utils._pytree.tree_leaves(obj):
+        if isinstance(leaf, DTensor):
+            leaf = leaf.to_local()
+        if torch.is_tensor(leaf):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def checkpoint_space(folders: Iterable[Path], states: Any) -> tuple[int, bool]:
+    """``(bytes, measured)``: the disk space a checkpoint of ``states`` takes. Measured on
+    the first of the complete checkpoint ``folders`` (newest first: the same model and
+    optimizer, whose sizes never change in a run), file overhead and block rounding
+    included; without one the tensor bytes, a lower bound."""
+    for folder in folders:
+        try:
+            return disk_usage(folder), True
+        except OSError:  # pruned meanwhile
+            continue
+    return tensor_bytes(states), False
+
+
+def disk_usage(folder: Path) -> int:
+    """Bytes the files of ``folder`` take on disk (allocated blocks, as ``du``: what a new
+    copy of them needs free, file-system rounding included)."""
+    return sum(_usage(p.stat()) for p in folder.iterdir())
+
+
+def _usage(st: os.stat_result) -> int:
+    return getattr(st, "st_blocks", 0) * 512 or st.st_size
+
+
+def save_failure_message(
+    exc: BaseException, what: str, where: Path, needed: int, *, measured: bool = False
+) -> str:
     """A one-line message for a failed write of ``what`` into folder ``where``.
 
-    A full disk is recognised from ``ENOSPC``/``EDQUOT`` anywhere in the exception (DCP
-    wraps each rank's error) or, as torch's zip writer reports it only as "file write
-    failed", from less free space than ``needed`` bytes: then it says so with both sizes.
-    Otherwise the underlying error, unwrapped from DCP's per-rank dictionary.
+    ``needed``: the bytes the write takes on disk if ``measured`` (the size of an earlier
+    checkpoint of the same state), else a lower bound (the tensor bytes, without file
+    overhead). A full disk is recognised from ``ENOSPC``/``EDQUOT`` anywhere in the
+    exception (DCP wraps each rank's error) or, as torch's zip writer reports it only as
+    "file write failed", from less free space than ``needed``: then it says so with both
+    sizes, the free space measured after the partial files were removed. Otherwise the
+    underlying error, unwrapped from DCP's per-rank dictionary.
     """
     os_error = find_os_error(exc)
     try:
@@ -113,11 +172,17 @@ def save_failure_message(exc: BaseException, what: str, where: Path, needed: int
         free = None
     full = os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT)
     if full or (free is not None and free < needed):
-        free_text = "unknown" if free is None else _mb(free)
+        if free is None:
+            sizes = f"{_size(needed)} needed, free space unknown in {where}"
+        elif measured or needed > free:
+            need, have = _sizes(needed, free)
+            sizes = f"{'' if measured else 'at least '}{need} needed, {have} free in {where}"
+        else:  # the tensors alone would fit: the file overhead did not
+            sizes = f"more than the {_size(free)} free in {where} needed"
         return (
-            f"{what} failed: no space left on device ({_mb(needed)} needed, {free_text} free "
-            f"in {where}); the partial files were removed and the previous checkpoint is "
-            "kept. Free some space (or set checkpoint.keep_last lower) and resume with --resume"
+            f"{what} failed: no space left on device ({sizes}); the partial files were "
+            "removed and the previous checkpoint is kept. Free some space (or set "
+            "checkpoint.keep_last lower) and resume with --resume"
         )
     cause = os_error if os_error is not None else exc
     if isinstance(cause, CheckpointException) and cause.failures:
@@ -187,15 +252,32 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["numpy"])
 
 
+def _release(exc: BaseException) -> None:
+    """Drop the local variables of the finished frames in ``exc`` and the exceptions it
+    chains: they hold torch's zip writer, which keeps the removed partial file open, so
+    its space (and the free space the message reports) is only free once they are gone."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 def save_file(path: Path, obj: Any, what: str) -> None:
     """``torch.save`` atomically; a failure (the partial file is removed) becomes a
-    ``CheckpointError`` saying why, with needed and free space when the disk is full."""
+    ``CheckpointError`` saying why, with needed and free space when the disk is full (the
+    size of the file it replaces, else the tensor bytes as a lower bound)."""
     try:
         replace_atomic(path, lambda t: torch.save(obj, t))
     except Exception as exc:
-        needed = sum(
-            t.numel() * t.element_size()
-            for t in torch.utils._pytree.tree_leaves(obj)
-            if torch.is_tensor(t)
-        )
-        raise CheckpointError(save_failure_message(exc, what, path.parent, needed)) from exc
+        _release(exc)
+        try:
+            needed, measured = _usage(path.stat()), True
+        except OSError:
+            needed, measured = tensor_bytes(obj), False
+        message = save_failure_message(exc, what, path.parent, needed, measured=measured)
+        raise CheckpointError(message) from exc

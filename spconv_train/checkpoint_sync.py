@@ -5,12 +5,15 @@ group (a plain single-process run)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["agree", "attempt", "broadcast", "gather", "rank", "world"]
+from spconv_train.checkpoint_files import digest_files
+
+__all__ = ["agree", "attempt", "broadcast", "digest_folder", "gather", "rank", "world"]
 
 
 def rank() -> int:
@@ -66,3 +69,19 @@ def attempt(fn: Callable, *args: Any) -> Exception | None:
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported via agree
         return exc
     return None
+
+
+def digest_folder(folder: Path, *, exclude: str) -> dict[str, dict]:
+    """Size and sha256 of every file in ``folder`` but ``exclude`` (collective: rank 0
+    lists the folder, each rank hashes its share, reading back what the ranks wrote)."""
+    names = broadcast(sorted(p.name for p in folder.iterdir() if p.name != exclude))
+    mine: dict | Exception | None = None
+    try:
+        mine = digest_files(folder, names[rank() :: world()])
+    except OSError as exc:
+        mine = exc
+    agree(mine if isinstance(mine, Exception) else None, "hashing")
+    files: dict[str, dict] = {}
+    for part in gather(mine):
+        files.update(part)
+    return files

@@ -169,7 +169,7 @@ def atomic_case(root: str, world: int) -> list[str]:
     good_files = sorted(os.listdir(good))
     good_state = snapshot(model, opt, sched)
     train(model, opt, sched, None, 2, 1)
-    real_save, real_torch_save = ckpt.dcp.save, torch.save
+    real_save, real_write_state = ckpt.dcp.save, ckpt.write_state
 
     def save_then_fail(*args, **kwargs):
         out = real_save(*args, **kwargs)  # a real, complete DCP write into the temp folder
@@ -177,14 +177,14 @@ def atomic_case(root: str, world: int) -> list[str]:
             raise OSError("disk full (simulated)")
         return out
 
-    def extra_fails(obj, f, *args, **kwargs):
-        if rank == 0 and isinstance(f, str | Path) and Path(f).name.startswith("extra-rank"):
+    def extra_fails(path, obj):
+        if rank == 0 and Path(path).name.startswith("extra-rank"):
             raise OSError("boom (simulated)")
-        return real_torch_save(obj, f, *args, **kwargs)
+        return real_write_state(path, obj)
 
     for where, patch in (
         ("dcp.save", mock.patch.object(ckpt.dcp, "save", save_then_fail)),
-        ("extra", mock.patch.object(ckpt.torch, "save", extra_fails)),
+        ("extra", mock.patch.object(ckpt, "write_state", extra_fails)),
     ):
         try:
             with patch:

@@ -31,9 +31,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import spconv_train.checkpoint as ckpt
 from spconv_train.checkpoint import CheckpointError, CheckpointManager
+from spconv_train.checkpoint_manifest import read_state
 from tests.reference import seeded
 
-NO_SPACE = re.compile(r"no space left on device \([\d.]+ MB needed, [\d.]+ MB free")
+SIZE = r"[\d.,]+ (bytes|[KMGT]B)"
+NO_SPACE = re.compile(rf"no space left on device \((at least )?{SIZE} needed, {SIZE} free")
 
 
 def small_net(seed: int, width: int = 4) -> nn.Module:
@@ -74,7 +76,7 @@ def corruption_case(root: str) -> list[str]:
         states[step] = small_net(9)
         states[step].load_state_dict(model.state_dict())
     meta = ckpt.read_meta(cm.dir / "step-000003")
-    if meta["format"] != 2 or sorted(meta["files"]) != sorted(
+    if meta["format"] != ckpt.FORMAT_VERSION or sorted(meta["files"]) != sorted(
         p.name for p in (cm.dir / "step-000003").iterdir() if p.name != "meta.json"
     ):
         failures.append(f"manifest lists {sorted(meta['files'])}")
@@ -83,7 +85,7 @@ def corruption_case(root: str) -> list[str]:
         distcp = sorted((cm.dir / "step-000003").glob("*.distcp"))
         biggest = max(distcp, key=lambda p: p.stat().st_size)
         flip_bit(biggest, biggest.stat().st_size // 2)  # same size, one bit
-        extra = cm.dir / "step-000002" / "extra-rank1.pt"
+        extra = cm.dir / "step-000002" / "extra-rank1.json"
         extra.write_bytes(extra.read_bytes()[:10])  # truncated
     dist.barrier()
     with warnings.catch_warnings(record=True) as caught:
@@ -92,7 +94,7 @@ def corruption_case(root: str) -> list[str]:
     if good != cm.dir / "step-000001":
         failures.append(f"newest_good() = {good}")
     said = " ".join(str(w.message) for w in caught)
-    if rank == 0 and not (biggest.name in said and "extra-rank1.pt" in said):
+    if rank == 0 and not (biggest.name in said and "extra-rank1.json" in said):
         failures.append(f"warnings do not name the bad files: {said!r}")
     for step in (2, 3):
         if not (cm.dir / f"corrupt-step-00000{step}").is_dir() or cm.latest() != good:
@@ -132,10 +134,13 @@ def legacy_case(root: str) -> list[str]:
     dist.barrier()
     if dist.get_rank() == 0:
         meta = ckpt.read_meta(folder)
-        for key in ("files", "shared"):
+        for key in ("files", "shared", "digest"):
             del meta[key]
         meta.update(format=1, world_size=dist.get_world_size() + 1)
         (folder / "meta.json").write_text(json.dumps(meta))
+        for state in folder.glob("extra-rank*.json"):  # format 1 kept it in torch files
+            torch.save(read_state(state), state.with_suffix(".pt"))
+            state.unlink()
     dist.barrier()
     if cm.verify(folder) or cm.newest_good() != folder:
         failures.append("a format-1 checkpoint did not verify")
@@ -177,7 +182,7 @@ def injected_full_disk_case(root: str) -> list[str]:
     big = 1 << 50  # more than any disk has free: the message must say the disk is full
     with (
         mock.patch.object(ckpt.dcp, "save", full_disk),
-        mock.patch.object(ckpt, "_state_bytes", lambda *a: big),
+        mock.patch.object(ckpt, "checkpoint_space", lambda folders, states: (big, True)),
     ):
         try:
             cm.save(2, model, None)

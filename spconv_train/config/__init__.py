@@ -19,7 +19,13 @@ from ._mesh import (
     split_dim,
     validate_for_world,
 )
-from ._resume import RESUME_POLICY, changed_settings, check_resume_changes, resume_policy
+from ._resume import (
+    RESUME_POLICY,
+    changed_settings,
+    check_resume_changes,
+    check_resume_steps,
+    resume_policy,
+)
 from .schema import (
     CheckpointConfig,
     Config,
@@ -46,6 +52,7 @@ __all__ = [
     "TrainingConfig",
     "changed_settings",
     "check_resume_changes",
+    "check_resume_steps",
     "choose_grid",
     "empty_ranks",
     "config_to_dict",

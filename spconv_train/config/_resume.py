@@ -23,7 +23,13 @@ import yaml
 
 from ._errors import ConfigError
 
-__all__ = ["RESUME_POLICY", "changed_settings", "check_resume_changes", "resume_policy"]
+__all__ = [
+    "RESUME_POLICY",
+    "changed_settings",
+    "check_resume_changes",
+    "check_resume_steps",
+    "resume_policy",
+]
 
 Policy = Literal["apply", "refuse"]
 
@@ -45,6 +51,7 @@ RESUME_POLICY: dict[str, tuple[Policy, str]] = {
     "optimizer.name": ("refuse", "the saved optimizer state belongs to the old optimizer"),
     "schedule": ("apply", "the schedule is rebuilt from the config"),
     "training": ("apply", "read by the loop at every step"),
+    # training.steps may grow or shrink, but not below a checkpoint: check_resume_steps
     "training.seed": ("refuse", "the saved random states and sample order come from the old seed"),
     "checkpoint": ("apply", "read at every save"),
     "logging": ("apply", "reporting only"),
@@ -113,3 +120,19 @@ def check_resume_changes(old: dict, new: dict) -> list[str]:
     return [
         f"{k}: {a!r} -> {b!r} (changed since the saved config; applies now)" for k, a, b in changes
     ]
+
+
+def check_resume_steps(steps: int, newest: tuple[str, int] | None) -> None:
+    """Refuse (``ConfigError`` on ``training.steps``, exit 2) a resume whose
+    ``training.steps`` is below the step of the newest checkpoint ``(folder, step)``: the
+    run has trained past its end, and ``config.yaml`` and ``model.pt`` would claim a step
+    count it did not train."""
+    if newest is None or steps >= newest[1]:
+        return
+    folder, step = newest
+    raise ConfigError(
+        "training.steps",
+        f"{steps} is below the step of the checkpoint to resume from ({folder}: step "
+        f"{step}); the run has already trained {step} steps. Resume with "
+        f"--set training.steps={step} or more, or start a new run in another run_dir",
+    )

@@ -122,7 +122,13 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
         # weights_only=True: never unpickle arbitrary objects from a checkpoint file.
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise WeightsLoadError(f"could not read weights file {str(path)!r}: {exc}") from exc
+        from spconv_train.safe_load import load_error_text  # lazy: pulls in DCP
+
+        # never torch's advice to retry with weights_only=False (that runs the file's code)
+        raise WeightsLoadError(
+            f"could not read weights file {str(path)!r}: {load_error_text(exc)}; give a "
+            "state-dict file of tensors (torch.save(model.state_dict(), path))"
+        ) from None
 
     state_dict = obj.get("model", obj) if isinstance(obj, dict) else obj
     if not isinstance(state_dict, dict):

@@ -78,6 +78,14 @@ def _load_encoder(model: nn.Module, path: str | Path) -> None:
         )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        from spconv_train.safe_load import load_error_text  # lazy: pulls in DCP
+
+        # never torch's advice to retry with weights_only=False (that runs the file's code)
+        raise WeightsLoadError(
+            f"could not read encoder weights {str(path)!r}: {load_error_text(exc)}"
+        ) from None
+    try:
         state = state.get("model", state) if isinstance(state, dict) else state
         model.encoder.load_state_dict(state, strict=True)
     except Exception as exc:

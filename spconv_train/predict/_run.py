@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from PIL import Image
 from rich.console import Console
 from rich.table import Table
 from torch.distributed.checkpoint.api import CheckpointException
 
+from spconv_train.checkpoint_files import CheckpointError
 from spconv_train.config import grid_mesh_dims, validate_for_world
 from spconv_train.data import (
     DataError,
@@ -33,6 +33,7 @@ from spconv_train.data import (
 from spconv_train.distributed import build_mesh
 from spconv_train.logging import class_colors
 from spconv_train.parallel import SpatialShardingError, parallelize
+from spconv_train.safe_load import load_checkpoint_state
 from spconv_train.train.loop import build_model
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.metrics import ConfusionMatrix
@@ -276,12 +277,15 @@ def run_predict(
     try:
         if kind == "dcp":
             state = {"model": model.state_dict()}
-            dcp.load(state, checkpoint_id=weights)  # fills the model's own tensors in place
+            # fills the model's own tensors in place, unpickling nothing from the folder
+            load_checkpoint_state(state, weights)
             model.load_state_dict(state["model"])
         else:
             model.load_state_dict(load_export(Path(weights))["model"])
     except PredictError:
         raise
+    except CheckpointError as exc:  # a refused or corrupt file: it names the file and why
+        raise PredictError(str(exc)) from None
     except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
         raise PredictError(
             f"{weights}: cannot load into the model of the config ({cfg.model.name}, "

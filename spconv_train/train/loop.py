@@ -25,6 +25,7 @@ from spconv_train.checkpoint import CheckpointError, CheckpointManager
 from spconv_train.config import (
     Config,
     ConfigError,
+    check_resume_steps,
     config_to_dict,
     describe_grid,
     dump_config,
@@ -249,6 +250,8 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     run_dir = Path(cfg.run_dir)
     model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device)
+    if resume:  # before config.yaml is rewritten: a refused resume changes nothing
+        check_resume_steps(cfg.training.steps, CheckpointManager(run_dir).newest_step())
     notes = [*notes, *_prepare_run_dir(cfg, remove, info, job)]  # after every check
     if cfg.training.activation_checkpointing:
         enable_activation_checkpointing(
