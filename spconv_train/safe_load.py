@@ -8,10 +8,10 @@ Everything the tool reads from a checkpoint goes through this module:
   classes, ``torch.Size``, dtypes, layouts and plain containers, and refuses anything else
   with a ``CheckpointError`` naming the file.
 * DCP's non-tensor values (the optimizer's param groups) are pickles too, which
-  ``DefaultLoadPlanner.load_bytes`` reads with ``weights_only=False``: the planners here
+  ``DefaultLoadPlanner.load_bytes`` reads with ``weights_only`` off: the planners here
   read them with ``weights_only=True``.
 * ``torch.load(weights_only=True)`` errors carry torch's advice to retry with
-  ``weights_only=False``; :func:`load_error_text` keeps only what was refused.
+  ``weights_only`` off; :func:`load_error_text` keeps only what was refused.
 
 Checked against torch 2.14.1 (``torch/distributed/checkpoint/filesystem.py``,
 ``default_planner.py``, ``format_utils.py``): the classes a ``.metadata`` pickle names, the
@@ -133,7 +133,7 @@ class SafeFileSystemReader(FileSystemReader):
     ``weights_only=True`` there)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        # torch 2.14.1's body, with pickle.load replaced. DCP retries a failed read with
+        # torch 2.14.1's body, with its unpickler replaced by the restricted one. DCP retries a failed read with
         # rank-local metadata (``__{rank}.metadata``), which spconv-train never writes.
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.path}: no rank-local DCP metadata is read", code=2)
@@ -229,7 +229,7 @@ _REFUSED = (
 
 def load_error_text(exc: BaseException) -> str:
     """What a failed ``torch.load(weights_only=True)`` refused, in one line, without torch's
-    advice to retry with ``weights_only=False`` (which would run the file's code)."""
+    advice to retry with ``weights_only`` off (which would run the file's code)."""
     text = str(exc)
     if "weights_only" not in text and "Weights only" not in text:
         return f"{type(exc).__name__}: {text}"

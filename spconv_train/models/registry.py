@@ -124,7 +124,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     except Exception as exc:
         from spconv_train.safe_load import load_error_text  # lazy: pulls in DCP
 
-        # never torch's advice to retry with weights_only=False (that runs the file's code)
+        # never torch's advice to retry with weights_only off (that runs the file's code)
         raise WeightsLoadError(
             f"could not read weights file {str(path)!r}: {load_error_text(exc)}; give a "
             "state-dict file of tensors (torch.save(model.state_dict(), path))"

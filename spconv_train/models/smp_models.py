@@ -81,7 +81,7 @@ def _load_encoder(model: nn.Module, path: str | Path) -> None:
     except Exception as exc:
         from spconv_train.safe_load import load_error_text  # lazy: pulls in DCP
 
-        # never torch's advice to retry with weights_only=False (that runs the file's code)
+        # never torch's advice to retry with weights_only off (that runs the file's code)
         raise WeightsLoadError(
             f"could not read encoder weights {str(path)!r}: {load_error_text(exc)}"
         ) from None

@@ -109,7 +109,7 @@ _NOT_EXPORT_HINT = (
 def load_export(path: Path) -> dict:
     """The ``{"model", "config"}`` dict of an exported ``.pt`` file, read with
     ``weights_only=True``; anything else raises ``PredictError`` naming the file (never
-    torch's advice to retry with ``weights_only=False``, which would run arbitrary code
+    torch's advice to retry with ``weights_only`` off, which would run arbitrary code
     from a file that is not a spconv-train export)."""
     import pickle
 
