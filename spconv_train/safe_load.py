@@ -134,7 +134,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # torch 2.14.1's body, with its unpickler replaced by the restricted one. DCP
-        # retries a failed read with rank-local metadata (``__{rank}.metadata``), which spconv-train never writes.
+        # retries a failed read with rank-local metadata (``__{rank}.metadata``), which
+        # spconv-train never writes.
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.path}: no rank-local DCP metadata is read", code=2)
         metadata = read_dcp_metadata(self._get_metadata_path())
