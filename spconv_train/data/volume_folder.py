@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._readers import nonfinite_reason
 from .base import DataError, bad_file
 from .normalize import scale_by_dtype
 from .volumes import Box, VolumeSource
@@ -261,4 +262,7 @@ class VolumeFolder(VolumeSource):
         except Exception as e:  # the file changed or broke since the up-front check
             raise bad_file(image_path, f"cannot read the volume ({type(e).__name__}: {e})") from e
         image = image[None] if image.ndim == 3 else image
+        bad = nonfinite_reason(image, tuple(a for a, _ in box))
+        if bad:
+            raise bad_file(image_path, bad)
         return scale_by_dtype(np.ascontiguousarray(image), image_path), torch.from_numpy(mask)

@@ -333,11 +333,12 @@ class ValItem:
     """One validation image on this rank (a batch of one per data-parallel replica)."""
 
     index: int  # sample index in the val source
-    image: DTensor  # [1, C, H, W] on the sp sub-mesh, Shard(3) (tiles: Shard(2), Shard(3))
-    target: Tensor  # local mask strip [1, H, w] (tiles: [1, h, w])
+    image: DTensor | None  # [1, C, H, W] on the sp sub-mesh, Shard(3) (tiles: Shard(2), Shard(3))
+    target: Tensor | None  # local mask strip [1, H, w] (tiles: [1, h, w])
     cols: tuple[int, int]  # this rank's global columns [a, b) (volumes: along the split dim)
     rows: tuple[int, int] | None = None  # tiles: this rank's global rows [r, s)
     block: tuple | None = None  # volumes: this rank's ((D), (H), (W)) ranges [a, b)
+    failure: tuple[str, str] | None = None  # (file, reason) when this rank cannot load it
 
 
 def val_items(
@@ -351,7 +352,8 @@ def val_items(
 
     The image lives on the ``sp`` sub-mesh (its collectives stay inside the spatial group),
     so replicas may see images of different sizes and counts; in eval mode nothing talks
-    across replicas until the metrics are reduced.
+    across replicas until the metrics are reduced. A piece this rank cannot load comes as
+    an item without ``image`` and with its ``failure``.
     """
     if isinstance(source, VolumeSource):
         yield from volume_val_items(source, cfg, coords, sp_mesh, device)
@@ -360,9 +362,13 @@ def val_items(
         params = AugmentParams.identity(source.size(index))
         h, w = params.out_hw
         cols, rows = coords.cols(w), coords.rows(h) if coords.tiled else None
-        image, mask = load_strip(
-            source, index, cols, params, ignore_index=cfg.data.ignore_index, rows=rows
-        )
+        try:
+            image, mask = load_strip(
+                source, index, cols, params, ignore_index=cfg.data.ignore_index, rows=rows
+            )
+        except DataError as e:  # the image's other ranks may have loaded theirs: agree first
+            yield ValItem(index, None, None, cols, rows, failure=(e.path or "?", e.reason))
+            continue
         placements = coords.spatial_placements
         yield make_val_item(index, image, mask, (h, w), sp_mesh, placements, device, cols, rows)
 

@@ -46,7 +46,7 @@ from spconv_train.distributed import (
     spatial_mesh,
 )
 from spconv_train.launch_store import mark_recorded
-from spconv_train.logging import RunLogger, overlay_panel
+from spconv_train.logging import RunLogger
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.overwrite import remove_run_files
 from spconv_train.parallel import parallelize, runtime_of
@@ -57,10 +57,9 @@ from spconv_train.train.bad_samples import (
     skipped_summary,
     upfront_skips,
 )
-from spconv_train.train.data_feed import TrainFeed, build_sources, val_items
+from spconv_train.train.data_feed import TrainFeed, build_sources
 from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.mesh_coords import MeshCoords
-from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.optim import (
     apply_hyperparameters,
     build_loss,
@@ -68,10 +67,10 @@ from spconv_train.train.optim import (
     build_scheduler,
     enable_activation_checkpointing,
 )
-from spconv_train.train.panels import gather_panels, panel_pieces
 from spconv_train.train.preemption import Preempted, StopRequests
 from spconv_train.train.step import TrainingStopped, train_step
 from spconv_train.train.val_check import check_val_sizes
+from spconv_train.train.validation import log_val, validate
 from spconv_train.train.volume_feed import check_model_dims
 from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
@@ -143,44 +142,6 @@ class _Run:
         """bf16 autocast when ``training.precision`` asks for it (a no-op context otherwise)."""
         bf16 = self.cfg.training.precision == "bf16"
         return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=bf16)
-
-
-@torch.no_grad()
-def validate(run: _Run, step: int) -> dict:
-    """Metrics over the whole validation set (confusion matrix summed over the mesh)."""
-    cfg, model = run.cfg, run.model
-    k, ignore = cfg.model.num_classes, cfg.data.ignore_index
-    model.eval()
-    cm = ConfusionMatrix(k, ignore, device=run.info.device)
-    loss_sum, count, pieces = 0.0, 0, []
-    for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, run.info.device):
-        run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
-        with run.autocast():
-            logits = model(item.image)
-        loss = float(run.loss_fn(logits, item.target))
-        if math.isfinite(loss):  # nan when every pixel is ignored
-            loss_sum, count = loss_sum + loss, count + 1
-        cm.update(logits, item.target)
-        if item.index < cfg.logging.num_val_images:
-            pieces += panel_pieces(item, logits, cfg, run.coords.sp_rank)
-    run.watchdog.beat(f"step {step}: validation metrics (all-reduce over the mesh)")
-    cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
-    totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=run.info.device)
-    dist.all_reduce(totals, group=run.mesh.get_group("dp"))  # losses are replicated over sp
-    scores = cm.metrics()
-    scores["loss"] = (totals[0] / totals[1]).item() if totals[1] > 0 else math.nan
-    for index, (img, pred, tgt) in gather_panels(pieces).items():
-        panel = overlay_panel(img, pred, tgt, k, ignore_index=ignore, downsample=1)
-        run.logger.images(step, f"val/panel_{index}", panel)
-    model.train()
-    return scores
-
-
-def _log_val(run: _Run, step: int, scores: dict) -> None:
-    keys = ("loss", "pixel_accuracy", "miou", "mean_dice", "mean_class_accuracy")
-    run.logger.scalars(step, {key: scores[key] for key in keys}, prefix="val")
-    run.logger.scalars(step, dict(zip(run.class_names, scores["iou"], strict=True)), "val_iou")
-    run.logger.scalars(step, dict(zip(run.class_names, scores["dice"], strict=True)), "val_dice")
 
 
 def _rank_stats(run: _Run) -> list[tuple[float, float]]:
@@ -373,7 +334,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # A preempted job has seconds left: they are for the checkpoint, not validation.
         if (step % t.val_every == 0 or step == steps) and not stop:
             scores = last_scores = validate(run, step)
-            _log_val(run, step, scores)
+            log_val(run, step, scores)
         if step % cfg.checkpoint.every == 0 or step == steps or stop:
             wd.beat(f"step {step}: checkpoint save (distributed-checkpoint collectives)")
             shared = {"data": feed.state_dict()}  # rank-independent: resumable on any layout

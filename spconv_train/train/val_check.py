@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spconv_train.config import Config
 from spconv_train.data import DataError, SegmentationSource, strip_bounds
 from spconv_train.parallel import SpatialShardingError
+from spconv_train.train.bad_samples import sample_file
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.volume_feed import block_bounds, spatial_placements
 
@@ -31,11 +32,6 @@ def is_geometry_error(exc: BaseException, sp: int) -> bool:
     if isinstance(exc, SpatialShardingError):
         return True
     return isinstance(exc, RuntimeError) and (sp == 1 or "too small" in str(exc))
-
-
-def _file(source: SegmentationSource, i: int) -> str:
-    files = getattr(source, "files", None)
-    return str(files(i)[0]) if files is not None else source.name(i)
 
 
 @torch.no_grad()
@@ -83,7 +79,7 @@ def check_val_sizes(
                     raise
                 split = cfg.parallel.sp if coords.tiled else coords.sp
                 raise DataError(
-                    f"{_file(source, i)}: validation image {'x'.join(map(str, size))} "
+                    f"{sample_file(source, i)}: validation image {'x'.join(map(str, size))} "
                     f"({'DxHxW' if len(size) == 3 else 'HxW'}) cannot run through "
                     f"{cfg.model.name} split over parallel.sp={split} rank(s): {exc}. "
                     "Remove it from the validation split, or use a smaller parallel.sp"
@@ -92,7 +88,7 @@ def check_val_sizes(
                         if len(size) == 2 and coords.tiled
                         else ""
                     ),
-                    path=_file(source, i),
+                    path=sample_file(source, i),
                 ) from exc
     finally:
         model.train(was_training)
