@@ -123,6 +123,7 @@ class Batch:
     image: DTensor  # global [B * dp, C, H, W], [Shard(0), Shard(3)] (volumes: 5-D, Shard(2+axis))
     target: Tensor  # local mask strip [B, H, w]
     pixels: int  # pixels of the global batch (for throughput)
+    samples: tuple[int, ...] = ()  # this replica's sample indices (error messages)
 
 
 def _crop(cfg: Config, source: SegmentationSource, index: int) -> tuple[int, int] | None:
@@ -275,7 +276,7 @@ class TrainFeed:
                 "smaller than the world size"
             )
 
-    def _to_batch(self, image: Tensor, mask: Tensor, hw: tuple[int, int]) -> Batch:
+    def _to_batch(self, image: Tensor, mask: Tensor, hw: tuple, samples: list[int]) -> Batch:
         self._check_same_size(hw)
         b, c = image.shape[:2]
         shape = (b * self.coords.dp, c, *hw)
@@ -284,7 +285,7 @@ class TrainFeed:
         spatial = spatial_placements(self.cfg, self.coords)
         x = to_dtensor(local, self.mesh, [Shard(0), *spatial], shape)
         target = mask.to(self.device, non_blocking=non_blocking)
-        return Batch(x, target, shape[0] * math.prod(hw))
+        return Batch(x, target, shape[0] * math.prod(hw), tuple(samples))
 
     def pop_skipped(self) -> list[tuple[str, str]]:
         """``(file, reason)`` of the files first skipped since the last call."""
@@ -313,7 +314,7 @@ class TrainFeed:
             steps = self._epoch_steps()
             batches = [indices for indices, _ in steps]
             task = _BatchTask(self.source, self.cfg, self.coords, self.epoch, batches)
-            for (image, mask, hw, failed), (_, offset) in zip(
+            for (image, mask, hw, failed), (indices, offset) in zip(
                 self._loader(task), steps, strict=True
             ):
                 # counted before handing out: the state is what has been consumed
@@ -324,7 +325,7 @@ class TrainFeed:
                     self._skip(failed, in_a_row, len(steps))
                     continue
                 in_a_row = 0
-                yield self._to_batch(image, mask, hw)
+                yield self._to_batch(image, mask, hw, indices)
             self.epoch, self.offset, self.position = self.epoch + 1, 0, 0
 
 
@@ -352,8 +353,7 @@ def val_items(
 
     The image lives on the ``sp`` sub-mesh (its collectives stay inside the spatial group),
     so replicas may see images of different sizes and counts; in eval mode nothing talks
-    across replicas until the metrics are reduced. A piece this rank cannot load comes as
-    an item without ``image`` and with its ``failure``.
+    across replicas until the metrics are reduced. A piece that fails to load: ``failure``.
     """
     if isinstance(source, VolumeSource):
         yield from volume_val_items(source, cfg, coords, sp_mesh, device)
@@ -366,7 +366,7 @@ def val_items(
             image, mask = load_strip(
                 source, index, cols, params, ignore_index=cfg.data.ignore_index, rows=rows
             )
-        except DataError as e:  # the image's other ranks may have loaded theirs: agree first
+        except DataError as e:  # its other ranks may have loaded theirs: validate() agrees
             yield ValItem(index, None, None, cols, rows, failure=(e.path or "?", e.reason))
             continue
         placements = coords.spatial_placements

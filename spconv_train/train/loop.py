@@ -60,6 +60,7 @@ from spconv_train.train.bad_samples import (
 from spconv_train.train.data_feed import TrainFeed, build_sources
 from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.mesh_coords import MeshCoords
+from spconv_train.train.nonfinite import explain_non_finite
 from spconv_train.train.optim import (
     apply_hyperparameters,
     build_loss,
@@ -68,7 +69,7 @@ from spconv_train.train.optim import (
     enable_activation_checkpointing,
 )
 from spconv_train.train.preemption import Preempted, StopRequests
-from spconv_train.train.step import TrainingStopped, train_step
+from spconv_train.train.step import NonFiniteStep, TrainingStopped, train_step
 from spconv_train.train.val_check import check_val_sizes
 from spconv_train.train.validation import log_val, validate
 from spconv_train.train.volume_feed import check_model_dims
@@ -285,19 +286,23 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         seed_for_step(t.seed, step)  # RNG by step: the same after a resume on any layout
         batch = next(batches)
         run.skipped += note_training_skips(logger, feed, step + 1)
-        done = train_step(
-            model,
-            batch.image,
-            batch.target,
-            run.loss_fn,
-            optimizer,
-            scheduler,
-            params=params,
-            grad_clip=cfg.optimizer.grad_clip,
-            step=step,
-            autocast=run.autocast(),
-            on_phase=lambda phase, n=step + 1: wd.beat(f"step {n}: {_STEP_PHASES[phase]}"),
-        )
+        try:
+            done = train_step(
+                model,
+                batch.image,
+                batch.target,
+                run.loss_fn,
+                optimizer,
+                scheduler,
+                params=params,
+                grad_clip=cfg.optimizer.grad_clip,
+                step=step,
+                autocast=run.autocast(),
+                on_phase=lambda phase, n=step + 1: wd.beat(f"step {n}: {_STEP_PHASES[phase]}"),
+            )
+        except NonFiniteStep as exc:  # name the step's files; data or divergence?
+            why = explain_non_finite(exc, batch.image, batch.samples, feed.source, cfg)
+            raise TrainingStopped(why) from None
         value, grad_norm, lr = done.loss, done.grad_norm, done.lr
         del done
         step += 1
