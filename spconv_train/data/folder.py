@@ -38,6 +38,7 @@ from .scan import (
     mask_values,
     normalization_range,
 )
+from .sizes import check_piece_size
 
 __all__ = ["FolderDataset"]
 
@@ -317,9 +318,19 @@ class FolderDataset(SegmentationSource):
             self._ranges[image_path] = normalization_range(image_path, norm, cache, **kw)
         return None
 
-    def validate_all(self, cache: ScanCache | None = None) -> list[tuple[str, str]]:
+    def validate_all(
+        self,
+        cache: ScanCache | None = None,
+        *,
+        grid: tuple[int, int] = (1, 1),
+        crop: tuple[int | None, int | None] = (None, None),
+    ) -> list[tuple[str, str]]:
         """Check every sample up front: readable files, sizes, channels, mask values, and
         NaN / Inf in floating-point images.
+
+        First, from the headers alone: a rank's piece of an image read whole (along the
+        dims where ``crop`` is None; ``grid``: rows x columns of spatial ranks) must be at
+        most ``max_image_pixels`` (``sizes.check_piece_size``), before anything is read.
 
         Masks are scanned band by band in their own dtype; with a ``cache`` (in the run
         folder) a file scanned before and unchanged (size, mtime) is not read again.
@@ -336,6 +347,8 @@ class FolderDataset(SegmentationSource):
             try:
                 self._check_mask_header(i)
                 kw = {"level": self.level, "max_pixels": self.max_pixels}
+                piece = {"grid": grid, "crop": crop, "max_pixels": self.max_pixels}
+                check_piece_size(image_path, self.size(i), what=self.split, **piece)  # headers
                 check_decodable(image_path, **kw)  # JPEG/TIFF truncation too, cheaply
                 check_finite(image_path, cache, **kw)  # NaN / Inf: float TIFF / .npy only
                 values = mask_values(mask_path, cache, **kw)

@@ -43,6 +43,7 @@ from spconv_train.data.prepare import prepare_splits
 from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
+from spconv_train.train.val_check import image_grid
 from spconv_train.train.volume_feed import (
     load_train_blocks,
     spatial_placements,
@@ -98,7 +99,8 @@ def build_sources(cfg: Config) -> tuple[SegmentationSource, SegmentationSource, 
         )
         train = FolderDataset(d.root, d.train_split, **kw)
         val = FolderDataset(d.root, d.val_split, **kw)
-        dataset_range = prepare_splits(train, val, cfg.run_dir)  # validates; cached in run_dir
+        piece = {"grid": image_grid(cfg), "crop": (d.height, d.width)}  # sizes checked first
+        dataset_range = prepare_splits(train, val, cfg.run_dir, **piece)  # cached in run_dir
         if dataset_range is not None:  # stored in the resolved config, for predict
             d.normalize.stats = [list(r) for r in dataset_range]
     for source in (train, val):
@@ -358,18 +360,16 @@ def val_items(
     if isinstance(source, VolumeSource):
         yield from volume_val_items(source, cfg, coords, sp_mesh, device)
         return
+    ignore, placements = cfg.data.ignore_index, coords.spatial_placements
     for index in range(coords.dp_rank, len(source), coords.dp):
         params = AugmentParams.identity(source.size(index))
         h, w = params.out_hw
         cols, rows = coords.cols(w), coords.rows(h) if coords.tiled else None
         try:
-            image, mask = load_strip(
-                source, index, cols, params, ignore_index=cfg.data.ignore_index, rows=rows
-            )
+            image, mask = load_strip(source, index, cols, params, ignore_index=ignore, rows=rows)
         except DataError as e:  # its other ranks may have loaded theirs: validate() agrees
             yield ValItem(index, None, None, cols, rows, failure=(e.path or "?", e.reason))
             continue
-        placements = coords.spatial_placements
         yield make_val_item(index, image, mask, (h, w), sp_mesh, placements, device, cols, rows)
 
 
