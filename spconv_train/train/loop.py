@@ -133,6 +133,7 @@ class _Run:
     watchdog: Watchdog
     stops: StopRequests
     skipped: list = field(default_factory=list)  # SkipRecord of every skipped file
+    loss_window: tuple[float, int] = (0.0, 0)  # (loss sum, steps) a resumed run continues
 
     def __post_init__(self) -> None:
         self.sp_mesh = spatial_mesh(self.mesh)  # validation images live on the spatial group
@@ -143,6 +144,14 @@ class _Run:
         """bf16 autocast when ``training.precision`` asks for it (a no-op context otherwise)."""
         bf16 = self.cfg.training.precision == "bf16"
         return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def _loss_window(extra: dict) -> tuple[float, int]:
+    """The saved ``[loss sum, steps]`` of the open logging window (none in older
+    checkpoints, or not a pair of numbers: an empty window)."""
+    w = extra.get("loss_window")
+    ok = isinstance(w, list) and len(w) == 2 and all(isinstance(v, (int, float)) for v in w)
+    return (float(w[0]), int(w[1])) if ok and w[1] >= 0 else (0.0, 0)
 
 
 def _rank_stats(run: _Run) -> list[tuple[float, float]]:
@@ -251,6 +260,8 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     )
     run = _Run(cfg, info, mesh, model, val_source, class_names, logger, watchdog, stops)
     run.skipped = upfront_skips(train_source, val_source)
+    if latest is not None:
+        run.loss_window = _loss_window(extra)
     report_skipped(logger, run.skipped, write=latest is None)  # resumed: already written
     try:
         return _loop(run, feed, optimizer, scheduler, ckpt, start, latest, notes)
@@ -275,7 +286,9 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         logger.info(f"  {line}")
     model.train()
     step, scores, last_scores = start, None, {}
-    loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
+    # The loss window is restored on resume (the logged mean is the uninterrupted run's);
+    # the timing window counts the steps run since the last log line or the restart.
+    (loss_sum, loss_n), timed, pixels, tick = run.loss_window, 0, 0, time.perf_counter()
     runtime_of(model).stats.reset()
     logger.progress_start(steps, initial=start)
     batches = iter(feed)
@@ -310,7 +323,8 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # Every rank stops after the same step, whichever rank(s) got the signal. At the
         # last step the run is complete anyway: finish it normally.
         stop = run.stops.agree(info.device) if step < steps else None
-        loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
+        loss_sum, loss_n, timed = loss_sum + value, loss_n + 1, timed + 1
+        pixels += batch.pixels
         # The window mean so far: at a log step it equals the "loss" in metrics.jsonl.
         logger.progress_update(step, loss=loss_sum / loss_n, lr=lr)
         if step % t.log_every == 0 or step == steps:
@@ -324,14 +338,14 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "throughput_mpx_s": pixels / elapsed / 1e6,
-                    "step_time_s": elapsed / loss_n,
-                    "halo_s_per_step": max(h for _, h in stats) / loss_n,
+                    "step_time_s": elapsed / timed,
+                    "halo_s_per_step": max(h for _, h in stats) / timed,
                     "epoch": feed.epoch,
                 },
             )
             memory = {f"peak_mb_rank{r}": m for r, (m, _) in enumerate(stats[:16])}
             logger.scalars(step, {"peak_mb_max": max(m for m, _ in stats), **memory}, "memory")
-            loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
+            loss_sum, loss_n, timed, pixels, tick = 0.0, 0, 0, 0, time.perf_counter()
         # Validation and checkpoints are not training: keep their time and halo traffic out
         # of the throughput and halo figures of the current logging interval.
         paused, halo = time.perf_counter(), runtime_of(model).stats.snapshot()
@@ -342,7 +356,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
             log_val(run, step, scores)
         if step % cfg.checkpoint.every == 0 or step == steps or stop:
             wd.beat(f"step {step}: checkpoint save (distributed-checkpoint collectives)")
-            shared = {"data": feed.state_dict()}  # rank-independent: resumable on any layout
+            shared = {"data": feed.state_dict(), "loss_window": [loss_sum, loss_n]}  # any layout
             metric = None if scores is None else scores["miou"]
             metric = None if metric is None or math.isnan(metric) else metric
             ckpt.save(step, model, optimizer, scheduler=scheduler, shared=shared, metric=metric)
