@@ -219,3 +219,67 @@ def test_validation_scores_every_image_or_names_the_skipped_ones(tmp_path, flaky
     code, out, _ = _run(tmp_path, root, "error", "error")
     assert code == 2, out[-3000:]
     assert f"{flaky}: image holds 1 NaN" in out and "while loading a validation image" in out
+
+
+# --- validation on two ranks: one rank's strip fails to load ---------------------------------
+
+
+def validate_with_rank1_failure(root: str, mode: str, bad_stem: str, drop: bool):
+    """On every pool rank: ``validate`` (sp = world) over the val split of ``root`` whose
+    load of ``bad_stem`` fails on rank 1 only (``drop``: the image removed instead);
+    returns (loss, miou, skipped_images, skipped records) or the error."""
+    import torch
+    import torch.distributed as dist
+
+    from spconv_train.config import load_config
+    from spconv_train.distributed import DistInfo, build_mesh
+    from spconv_train.logging import RunLogger
+    from spconv_train.parallel import parallelize
+    from spconv_train.train.loop import _Run, build_model
+    from spconv_train.train.preemption import StopRequests
+    from spconv_train.train.validation import validate
+    from spconv_train.train.watchdog import Watchdog
+
+    sets = ["model.num_classes=3", "model.kwargs={depth: 2, base_width: 4}", "run_dir=/x"]
+    cfg = load_config(None, [*sets, f"data.on_bad_sample={mode}", "data.height=32"])
+    source = FolderDataset(root, "val", num_classes=K, on_bad_sample=mode)
+    source.validate_all()
+    if drop:
+        source._items = [item for item in source._items if item[0] != bad_stem]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    original = source.load
+
+    def load(i, cols=None, rows=None):
+        if source.name(i) == bad_stem and rank == 1:
+            path = source.files(i)[0]
+            raise DataError(f"{path}: simulated", path=str(path), reason="simulated")
+        return original(i, cols, rows)
+
+    source.load = load
+    mesh = build_mesh(1, world, "cpu")
+    torch.manual_seed(0)
+    model = parallelize(build_model(cfg), mesh)
+    info = DistInfo(rank, world, rank, "gloo", torch.device("cpu"), False)
+    logger = RunLogger("/nonexistent", enabled=False, tensorboard=False, progress=False)
+    run = _Run(cfg, info, mesh, model, source, ["a", "b", "c"], logger,
+               Watchdog(60, rank, enabled=False), StopRequests())  # fmt: skip
+    try:
+        scores = validate(run, 1)
+    except DataError as exc:
+        return "error", str(exc)
+    skipped = [(r.file, r.reason, r.step) for r in run.skipped]
+    return scores["loss"], scores["miou"], scores["skipped_images"], skipped
+
+
+def test_validation_agrees_on_a_strip_only_one_rank_failed_to_load(dist_pool, tmp_path):
+    root = _dataset(tmp_path / "d", val=3)
+    bad = str(root / "images" / "val" / "val1.npy")
+    results = dist_pool.run(2, validate_with_rank1_failure, str(root), "skip", "val1", False)
+    want = dist_pool.run(2, validate_with_rank1_failure, str(root), "skip", "val1", True)
+    for (loss, miou, n, skipped), (ref_loss, ref_miou, ref_n, _) in zip(results, want, strict=True):
+        assert (loss, miou) == (ref_loss, ref_miou) and np.isfinite(loss)
+        assert n == 1 and ref_n == 0
+        assert skipped == [(bad, "simulated", 1)]
+    errors = dist_pool.run(2, validate_with_rank1_failure, str(root), "error", "val1", False)
+    assert errors[0] == errors[1] and errors[0][0] == "error"
+    assert f"{bad}: simulated (while loading a validation image)" in errors[0][1]
