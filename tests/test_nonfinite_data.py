@@ -283,3 +283,30 @@ def test_validation_agrees_on_a_strip_only_one_rank_failed_to_load(dist_pool, tm
     errors = dist_pool.run(2, validate_with_rank1_failure, str(root), "error", "val1", False)
     assert errors[0] == errors[1] and errors[0][0] == "error"
     assert f"{bad}: simulated (while loading a validation image)" in errors[0][1]
+
+
+def test_nan_in_a_float_volume_is_named_up_front_and_when_read(tmp_path):
+    from spconv_train.data import VolumeFolder
+
+    def pair(split: str, stem: str, image: np.ndarray) -> Path:
+        for sub, arr in (("images", image), ("masks", np.zeros(image.shape[-3:], np.uint8))):
+            (tmp_path / sub / split).mkdir(parents=True, exist_ok=True)
+            np.save(tmp_path / sub / split / f"{stem}.npy", arr)
+        return tmp_path / "images" / split / f"{stem}.npy"
+
+    rng = np.random.default_rng(0)
+    pair("train", "ok", rng.random((2, 6, 5, 7), dtype=np.float32))
+    volume = rng.random((2, 6, 5, 7), dtype=np.float32)
+    volume[1, 4, 2, 3] = np.nan
+    bad = pair("train", "nan", volume)
+    with pytest.raises(DataError, match=r"nan\.npy: image holds 1 NaN .*slice 4, row 2, column 3"):
+        VolumeFolder(tmp_path, "train", num_classes=2)
+    skip = VolumeFolder(tmp_path, "train", num_classes=2, on_bad_sample="skip")
+    assert [f for f, _ in skip.skipped] == [str(bad)] and len(skip) == 1
+    volume[1, 4, 2, 3] = 0.5  # passes up front, then turns bad on disk
+    good = pair("val", "later", volume)
+    source = VolumeFolder(tmp_path, "val", num_classes=2)
+    volume[0, 5, 4, 6] = np.inf
+    np.save(good, volume)
+    with pytest.raises(DataError, match=r"later\.npy: image holds 0 NaN and 1 Inf .*slice 5"):
+        source.read(0, ((3, 6), (0, 5), (0, 7)))

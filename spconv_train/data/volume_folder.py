@@ -229,6 +229,13 @@ class VolumeFolder(VolumeSource):
                     f"mask values {values} are outside [0, {k}) and not ignore_index={ignore} "
                     "(check model.num_classes)",
                 )
+        if dtype.kind in "fc":  # NaN / Inf: slab by slab, like the mask
+            img, whole = _open(image), (slice(None), slice(None))
+            for d0 in range(0, shape[-3], _SLAB):
+                slab = np.asarray(img[(Ellipsis, slice(d0, d0 + _SLAB), *whole)])
+                bad = nonfinite_reason(slab[None] if slab.ndim == 3 else slab, (d0, 0, 0))
+                if bad:
+                    raise bad_file(image, bad)
         return shape
 
     def __len__(self) -> int:
