@@ -224,10 +224,11 @@ def test_validation_scores_every_image_or_names_the_skipped_ones(tmp_path, flaky
 # --- validation on two ranks: one rank's strip fails to load ---------------------------------
 
 
-def validate_with_rank1_failure(root: str, mode: str, bad_stem: str, drop: bool):
+def validate_with_rank1_failure(root: str, mode: str, bad_stem: str, drop: bool, fail: bool = True):
     """On every pool rank: ``validate`` (sp = world) over the val split of ``root`` whose
-    load of ``bad_stem`` fails on rank 1 only (``drop``: the image removed instead);
-    returns (loss, miou, skipped_images, skipped records) or the error."""
+    load of ``bad_stem`` fails on rank 1 only (``drop``: the image removed instead; not
+    ``fail``: loads as it is); returns (loss, miou, skipped_images, skipped records) or
+    the error."""
     import torch
     import torch.distributed as dist
 
@@ -250,7 +251,7 @@ def validate_with_rank1_failure(root: str, mode: str, bad_stem: str, drop: bool)
     original = source.load
 
     def load(i, cols=None, rows=None):
-        if source.name(i) == bad_stem and rank == 1:
+        if source.name(i) == bad_stem and rank == 1 and fail:
             path = source.files(i)[0]
             raise DataError(f"{path}: simulated", path=str(path), reason="simulated")
         return original(i, cols, rows)
@@ -310,3 +311,20 @@ def test_nan_in_a_float_volume_is_named_up_front_and_when_read(tmp_path):
     np.save(good, volume)
     with pytest.raises(DataError, match=r"later\.npy: image holds 0 NaN and 1 Inf .*slice 5"):
         source.read(0, ((3, 6), (0, 5), (0, 7)))
+
+
+def test_validation_loss_leaves_out_images_without_labels(dist_pool, tmp_path):
+    """val2 holds only ignore_index: it adds nothing (as if removed). val1's right half,
+    rank 1's strip, holds only ignore_index: it still counts (labels on rank 0)."""
+    root = _dataset(tmp_path / "d", val=3)
+    Image.fromarray(np.full((H, W), 255, np.uint8)).save(root / "masks" / "val" / "val2.png")
+    half = _mask(51)
+    half[:, W // 2 :] = 255
+    Image.fromarray(half).save(root / "masks" / "val" / "val1.png")
+    got = dist_pool.run(2, validate_with_rank1_failure, str(root), "error", "val2", False, False)
+    want = dist_pool.run(2, validate_with_rank1_failure, str(root), "error", "val2", True, False)
+    assert got[0] == got[1] and got[0][:3] == want[0][:3] and np.isfinite(got[0][0])
+    without_val1 = dist_pool.run(
+        2, validate_with_rank1_failure, str(root), "error", "val1", True, False
+    )
+    assert without_val1[0][0] != got[0][0]  # val1 is scored
