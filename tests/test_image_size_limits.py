@@ -69,7 +69,7 @@ def test_header_claiming_10_gigapixels_is_refused_without_reading(tmp_path):
     assert (
         f"{huge}: val image of 100000x100000 (HxW) is read whole, as 2 strip(s): each rank "
         "would hold 100000x50000 = 5,000,000,000 pixels, over data.max_image_pixels="
-        "2,000,000,000; remove it from the validation split" in message
+        "2,000,000,000; remove it from the val split" in message
     )
     assert "parallel.sp" in message
     skip = FolderDataset(root, "val", num_classes=3, on_bad_sample="skip")

@@ -323,14 +323,15 @@ class FolderDataset(SegmentationSource):
         cache: ScanCache | None = None,
         *,
         grid: tuple[int, int] = (1, 1),
-        crop: tuple[int | None, int | None] = (None, None),
+        crop: tuple[int | None, int | None] | None = None,
     ) -> list[tuple[str, str]]:
         """Check every sample up front: readable files, sizes, channels, mask values, and
         NaN / Inf in floating-point images.
 
-        First, from the headers alone: a rank's piece of an image read whole (along the
-        dims where ``crop`` is None; ``grid``: rows x columns of spatial ranks) must be at
-        most ``max_image_pixels`` (``sizes.check_piece_size``), before anything is read.
+        First, from the headers alone: a rank's piece of an image (``grid``: rows x columns
+        of spatial ranks; read whole, or with the training ``crop`` ``(height, width)``
+        along the dims it sets) must be at most ``max_image_pixels``
+        (``sizes.check_piece_size``), before anything is read.
 
         Masks are scanned band by band in their own dtype; with a ``cache`` (in the run
         folder) a file scanned before and unchanged (size, mtime) is not read again.

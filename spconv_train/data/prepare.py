@@ -17,7 +17,7 @@ def prepare_splits(
     run_dir: str | Path | None,
     *,
     grid: tuple[int, int] = (1, 1),
-    crop: tuple[int | None, int | None] = (None, None),
+    crop: tuple[int | None, int | None] | None = None,
 ) -> ChannelRange | None:
     """Validate both splits (streamed mask scans) and compute the normalisation statistics.
 

@@ -19,12 +19,14 @@ from .base import bad_file
 __all__ = ["check_piece_size", "piece_size"]
 
 
-def piece_size(
-    size: tuple[int, int], grid: tuple[int, int], crop: tuple[int | None, int | None]
-) -> tuple[int, int]:
-    """``(h, w)`` of the largest piece one rank holds of an image of ``size`` (HxW) read
-    whole along the dims where ``crop`` is None, split into ``grid`` (rows x columns of
-    ranks; strips: ``(1, sp)``)."""
+Crop = tuple[int | None, int | None] | None
+
+
+def piece_size(size: tuple[int, int], grid: tuple[int, int], crop: Crop) -> tuple[int, int]:
+    """``(h, w)`` of the largest piece one rank holds of an image of ``size`` (HxW) split
+    into ``grid`` (rows x columns of ranks; strips: ``(1, sp)``), read whole (``crop``
+    None: validation) or cropped along the dims where ``crop`` is not None (training)."""
+    crop = crop or (None, None)
     extent = [c if c is not None else n for c, n in zip(crop, size, strict=True)]
     return math.ceil(extent[0] / grid[0]), math.ceil(extent[1] / grid[1])
 
@@ -34,14 +36,14 @@ def check_piece_size(
     size: tuple[int, int],
     *,
     grid: tuple[int, int],
-    crop: tuple[int | None, int | None],
+    crop: Crop,
     max_pixels: int,
     what: str,
 ) -> None:
     """Raise a ``DataError`` naming ``path``, ``data.max_image_pixels`` and the fixes when
-    a rank's piece of the ``what`` image (``"val"`` / ``"train"``) of declared ``size``
-    would be over ``max_pixels``. Images read as crops (both crop sizes set) pass."""
-    if None not in crop:
+    a rank's piece (``piece_size``) of an image of declared ``size`` in split ``what``
+    would be over ``max_pixels``. Training images with both crop sizes set pass."""
+    if crop is not None and None not in crop:
         return
     h, w = piece_size(size, grid, crop)
     if h * w <= max_pixels:
@@ -49,8 +51,8 @@ def check_piece_size(
     ranks = grid[0] * grid[1]
     split = f"{grid[0]}x{grid[1]} tiles" if grid[0] > 1 else f"{ranks} strip(s)"
     fixes = (
-        "remove it from the validation split (or cut it into smaller images)"
-        if crop == (None, None) and what != "train"
+        f"remove it from the {what} split (or cut it into smaller images)"
+        if crop is None
         else "set data.height and data.width (a training crop)"
     )
     raise bad_file(
