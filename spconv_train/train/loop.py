@@ -260,8 +260,7 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     )
     run = _Run(cfg, info, mesh, model, val_source, class_names, logger, watchdog, stops)
     run.skipped = upfront_skips(train_source, val_source)
-    if latest is not None:
-        run.loss_window = _loss_window(extra)
+    run.loss_window = _loss_window(extra) if latest is not None else (0.0, 0)
     report_skipped(logger, run.skipped, write=latest is None)  # resumed: already written
     try:
         return _loop(run, feed, optimizer, scheduler, ckpt, start, latest, notes)
@@ -286,8 +285,7 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         logger.info(f"  {line}")
     model.train()
     step, scores, last_scores = start, None, {}
-    # The loss window is restored on resume (the logged mean is the uninterrupted run's);
-    # the timing window counts the steps run since the last log line or the restart.
+    # The loss window is restored on resume (the uninterrupted run's mean); timing restarts.
     (loss_sum, loss_n), timed, pixels, tick = run.loss_window, 0, 0, time.perf_counter()
     runtime_of(model).stats.reset()
     logger.progress_start(steps, initial=start)
