@@ -104,9 +104,11 @@ class DataConfig:
     level: int = 0
     """Pyramid level read from pyramidal TIFF / OME-TIFF / SVS files (0: full resolution)."""
     max_image_pixels: int = 2_000_000_000
-    """Largest PNG/JPEG (which are decoded whole) accepted, in pixels; bigger files must be
-    converted to a tiled TIFF (``spconv-train convert IMAGE OUT.tif``). TIFFs are read tile
-    by tile and have no limit."""
+    """Largest image piece one rank reads whole, in pixels (checked from the headers before
+    anything is read): a PNG/JPEG (decoded whole on every rank; convert bigger ones to a
+    tiled TIFF: ``spconv-train convert IMAGE OUT.tif``), and a rank's strip or tile of a
+    validation image, or of a training image along a dim without a crop. TIFF and .npy
+    training crops are read region by region and have no limit."""
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     """Input normalisation (see NormalizeConfig)."""
 

@@ -310,6 +310,33 @@ def check_mask_values(
     raise bad_file(path, reason)
 
 
+def image_dtype(path: Path, *, level: int = 0) -> np.dtype | None:
+    """The pixel dtype of a TIFF or ``.npy`` image from its header (nothing decoded); None
+    for PNG / JPEG and colour-converted TIFFs, which hold integers only."""
+    if _is_npy(path):
+        return _open_npy(path).dtype
+    if _tiled_read(path, level):
+        return tiff_header(path, level)[3]
+    return None
+
+
+def nonfinite_reason(pixels: np.ndarray, offsets: tuple[int, ...] = ()) -> str | None:
+    """None if every value of ``pixels`` ``[C, *spatial]`` is finite, else what is wrong and
+    where the first bad pixel is (``offsets``: the global position of ``pixels[:, 0, ...]``)."""
+    if pixels.dtype.kind not in "fc" or bool(np.isfinite(pixels).all()):
+        return None
+    nan, inf = int(np.isnan(pixels).sum()), int(np.isinf(pixels).sum())
+    first = np.argwhere(~np.isfinite(pixels).all(axis=0))[0]
+    names = ("slice", "row", "column")[-len(first) :]
+    offsets = offsets or (0,) * len(first)
+    where = ", ".join(f"{n} {int(i) + o}" for n, i, o in zip(names, first, offsets, strict=True))
+    return (
+        f"image holds {nan:,} NaN and {inf:,} Inf value(s) (first at {where}); non-finite "
+        "pixels make the loss non-finite: replace them (e.g. with 0 or a nodata value the "
+        "masks ignore) or remove the file"
+    )
+
+
 def index_folder(folder: Path, exts: frozenset[str], what: str) -> dict[str, Path]:
     """``stem -> path`` of the files in ``folder`` with one of ``exts``; duplicate stems fail."""
     if not folder.is_dir():

@@ -23,13 +23,22 @@ from ._readers import (
     image_header,
     index_folder,
     mask_header,
+    nonfinite_reason,
     read_image_raw,
     read_mask,
 )
 from .base import DataError, SegmentationSource, bad_file, check_cols
 from .checks import check_decodable
 from .normalize import ChannelRange, normalize_image
-from .scan import ScanCache, check_values, image_range, mask_values, normalization_range
+from .scan import (
+    ScanCache,
+    check_finite,
+    check_values,
+    image_range,
+    mask_values,
+    normalization_range,
+)
+from .sizes import check_piece_size
 
 __all__ = ["FolderDataset"]
 
@@ -239,7 +248,8 @@ class FolderDataset(SegmentationSource):
         normalised per ``data.normalize``, mask int64 ``[h, w]``.
 
         Only the region is decoded for TIFF (its tiles) and ``.npy``. Raises ``DataError``
-        naming the file for unreadable files, size mismatches and out-of-range mask values
+        naming the file for unreadable files, size mismatches, NaN / Inf pixels in the region
+        and out-of-range mask values
         (only the loaded region is checked here; ``validate_all`` checks whole masks).
         """
         _, image_path, mask_path = self._items[i]
@@ -250,6 +260,10 @@ class FolderDataset(SegmentationSource):
         self._check_mask_header(i)
         kw = {"level": self.level, "max_pixels": self.max_pixels}
         raw = read_image_raw(image_path, (a, b), rows, **kw)
+        # Checked up front too (validate_all); here for files changed since, or never checked.
+        bad = nonfinite_reason(raw, (0 if rows is None else rows[0], a))
+        if bad:
+            raise bad_file(image_path, bad)
         image = normalize_image(raw, self.normalize or {}, self._range(i))
         mask = read_mask(mask_path, (a, b), rows, **kw)
         check_mask_values(
@@ -304,8 +318,20 @@ class FolderDataset(SegmentationSource):
             self._ranges[image_path] = normalization_range(image_path, norm, cache, **kw)
         return None
 
-    def validate_all(self, cache: ScanCache | None = None) -> list[tuple[str, str]]:
-        """Check every sample up front: readable files, sizes, channels, mask values.
+    def validate_all(
+        self,
+        cache: ScanCache | None = None,
+        *,
+        grid: tuple[int, int] = (1, 1),
+        crop: tuple[int | None, int | None] | None = None,
+    ) -> list[tuple[str, str]]:
+        """Check every sample up front: readable files, sizes, channels, mask values, and
+        NaN / Inf in floating-point images.
+
+        First, from the headers alone: a rank's piece of an image (``grid``: rows x columns
+        of spatial ranks; read whole, or with the training ``crop`` ``(height, width)``
+        along the dims it sets) must be at most ``max_image_pixels``
+        (``sizes.check_piece_size``), before anything is read.
 
         Masks are scanned band by band in their own dtype; with a ``cache`` (in the run
         folder) a file scanned before and unchanged (size, mtime) is not read again.
@@ -322,7 +348,10 @@ class FolderDataset(SegmentationSource):
             try:
                 self._check_mask_header(i)
                 kw = {"level": self.level, "max_pixels": self.max_pixels}
+                piece = {"grid": grid, "crop": crop, "max_pixels": self.max_pixels}
+                check_piece_size(image_path, self.size(i), what=self.split, **piece)  # headers
                 check_decodable(image_path, **kw)  # JPEG/TIFF truncation too, cheaply
+                check_finite(image_path, cache, **kw)  # NaN / Inf: float TIFF / .npy only
                 values = mask_values(mask_path, cache, **kw)
                 check_values(mask_path, values, self.num_classes, self.ignore_index, **kw)
                 seen.update(values)

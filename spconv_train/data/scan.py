@@ -1,12 +1,12 @@
 """Whole-file scans that scale: mask values and image statistics, streamed and cached.
 
 A scan reads a file band by band (a few rows at a time, in the file's own dtype: no int64
-copy of a gigapixel mask) and keeps only a small summary: the set of mask values, or an
-image's per-channel range. Summaries are cached in ``run_dir/data_cache.json`` keyed by
-the file's path, size and mtime, so a restart does not re-scan and a changed (or touched)
-file is scanned again. The cache is used under an exclusive file lock: the first rank to
-start scans, the others wait and then read its results (no process group is needed, the
-scans run before it exists).
+copy of a gigapixel mask) and keeps only a small summary: the set of mask values, an
+image's per-channel range, or whether a floating-point image holds NaN / Inf. Summaries
+are cached in ``run_dir/data_cache.json`` keyed by the file's path, size and mtime, so a
+restart does not re-scan and a changed (or touched) file is scanned again. The cache is
+used under an exclusive file lock: the first rank to start scans, the others wait and then
+read its results (no process group is needed, the scans run before it exists).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import torch
 from ._readers import (
     DEFAULT_MAX_PIXELS,
     check_mask_values,
+    image_dtype,
     image_header,
     mask_header,
+    nonfinite_reason,
     read_image_raw,
     read_mask_raw,
 )
@@ -37,6 +39,7 @@ from .tiff import is_tiff
 __all__ = [
     "CACHE_NAME",
     "ScanCache",
+    "check_finite",
     "check_values",
     "image_range",
     "mask_values",
@@ -216,6 +219,47 @@ def check_values(
     raise DataError(f"{path}: mask values {bad[:10]} out of range", path=str(path))
 
 
+def _image_bands(
+    path: Path, level: int, max_pixels: int, band_pixels: int
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(first row, [C, rows, W] pixels)`` of an image, band by band in its own dtype
+    (PNG / JPEG, decoded whole anyway: one band)."""
+    h, w, _ = image_header(path, level=level, max_pixels=max_pixels)
+    if is_tiff(path) or path.suffix.lower() == ".npy":
+        for r0, r1 in row_bands(h, w, band_pixels):
+            yield r0, read_image_raw(path, (0, w), (r0, r1), level=level, max_pixels=max_pixels)
+    else:
+        yield 0, read_image_raw(path, (0, w), level=level, max_pixels=max_pixels)
+
+
+def check_finite(
+    path: Path,
+    cache: ScanCache | None = None,
+    *,
+    level: int = 0,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    band_pixels: int = _BAND_PIXELS,
+) -> None:
+    """Raise a ``DataError`` naming ``path`` (how many NaN / Inf, where the first is) if a
+    floating-point image holds a non-finite value; streamed band by band, cached. Integer
+    images (every PNG and JPEG) cannot and are not read."""
+    dtype = image_dtype(path, level=level)
+    if dtype is None or dtype.kind not in "fc":
+        return
+    cache = cache or ScanCache(None)
+    kind = f"image_finite:level={level}"
+    reason = cache.get(kind, [path])
+    if reason is None:
+        reason = ""
+        for r0, band in _image_bands(path, level, max_pixels, band_pixels):
+            reason = nonfinite_reason(band, (r0, 0)) or ""
+            if reason:
+                break
+        cache.put(kind, [path], reason)  # a restart in skip mode need not read it again
+    if reason:
+        raise bad_file(path, reason)
+
+
 def image_range(
     paths: list[Path],
     mode: str,
@@ -236,12 +280,7 @@ def image_range(
 
     def bands() -> Iterator[np.ndarray]:
         for path in paths:
-            h, w, _ = image_header(path, level=level, max_pixels=max_pixels)
-            if is_tiff(path) or path.suffix.lower() == ".npy":
-                for r0, r1 in row_bands(h, w, band_pixels):
-                    yield read_image_raw(path, (0, w), (r0, r1), level=level, max_pixels=max_pixels)
-            else:  # decoded whole anyway
-                yield read_image_raw(path, (0, w), level=level, max_pixels=max_pixels)
+            yield from (band for _, band in _image_bands(path, level, max_pixels, band_pixels))
 
     try:
         result = range_of_bands(bands, mode, percentile)

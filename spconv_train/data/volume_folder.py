@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ._readers import nonfinite_reason
 from .base import DataError, bad_file
 from .normalize import scale_by_dtype
 from .volumes import Box, VolumeSource
@@ -228,6 +229,13 @@ class VolumeFolder(VolumeSource):
                     f"mask values {values} are outside [0, {k}) and not ignore_index={ignore} "
                     "(check model.num_classes)",
                 )
+        if dtype.kind in "fc":  # NaN / Inf: slab by slab, like the mask
+            img, whole = _open(image), (slice(None), slice(None))
+            for d0 in range(0, shape[-3], _SLAB):
+                slab = np.asarray(img[(Ellipsis, slice(d0, d0 + _SLAB), *whole)])
+                bad = nonfinite_reason(slab[None] if slab.ndim == 3 else slab, (d0, 0, 0))
+                if bad:
+                    raise bad_file(image, bad)
         return shape
 
     def __len__(self) -> int:
@@ -261,4 +269,7 @@ class VolumeFolder(VolumeSource):
         except Exception as e:  # the file changed or broke since the up-front check
             raise bad_file(image_path, f"cannot read the volume ({type(e).__name__}: {e})") from e
         image = image[None] if image.ndim == 3 else image
+        bad = nonfinite_reason(image, tuple(a for a, _ in box))
+        if bad:
+            raise bad_file(image_path, bad)
         return scale_by_dtype(np.ascontiguousarray(image), image_path), torch.from_numpy(mask)

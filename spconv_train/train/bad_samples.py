@@ -11,7 +11,11 @@
   other shapes and hang in the next collective. ``agree_on_failures`` makes every rank
   learn every rank's failures of the step (one tiny all-reduce per step; the names
   travel only when something failed), so all ranks skip the step's batch together, or
-  all stop with the same ``DataError`` in ``error`` mode.
+  all stop with the same ``DataError`` in ``error`` mode;
+- found while validating (``train/validation.py``): a validation image that does not load,
+  or whose model output is non-finite, is agreed on by the ranks of its spatial group and
+  skipped (left out of the loss and the metrics, counted in ``val/skipped_images``) or
+  fatal in the same way.
 
 Every skipped file is printed on the console, written to ``metrics.jsonl`` as a
 ``{"split": "skipped", ...}`` line and counted in the final summary.
@@ -31,6 +35,7 @@ __all__ = [
     "agree_on_failures",
     "note_training_skips",
     "report_skipped",
+    "sample_file",
     "skipped_summary",
     "training_failure",
     "upfront_skips",
@@ -47,26 +52,46 @@ class SkipRecord:
     step: int = 0
 
 
-def agree_on_failures(local: list[tuple[str, str]], device: torch.device) -> list[tuple[str, str]]:
+def agree_on_failures(
+    local: list[tuple[str, str]], device: torch.device, groups: tuple | None = None
+) -> list[tuple[str, str]]:
     """Every rank's ``(file, reason)`` load failures of this step, on every rank, in rank
-    order without repeats (collective over the default group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    order without repeats (collective over the default group, or over every rank of the
+    mesh dims whose process ``groups`` are given: a validation image's spatial ranks)."""
+    if groups is None:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return list(dict.fromkeys(local))
+        groups = (None,)
+    groups = tuple(g for g in groups if g is None or dist.get_world_size(g) > 1)
+    if not groups:
         return list(dict.fromkeys(local))
     flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    for group in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not int(flag.item()):
         return []
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(local))
-    return list(dict.fromkeys(item for rank_items in gathered for item in rank_items))
+    items = list(local)
+    for group in groups:  # over each mesh dim in turn: every rank's items in the end
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, items, group=group)
+        items = [item for rank_items in gathered for item in rank_items]
+    return list(dict.fromkeys(items))
 
 
-def training_failure(failures: list[tuple[str, str]]) -> DataError:
+def sample_file(source, i: int) -> str:
+    """The image file of sample ``i`` of ``source`` for messages (its name if it has none)."""
+    files = getattr(source, "files", None)
+    return str(files(i)[0]) if files is not None else source.name(i)
+
+
+def training_failure(
+    failures: list[tuple[str, str]], where: str = "while loading a training batch"
+) -> DataError:
     """The ``DataError`` every rank raises in ``error`` mode (the same on every rank)."""
     file, reason = failures[0]
     more = f" (and {len(failures) - 1} more: {', '.join(f for f, _ in failures[1:4])})"
     return DataError(
-        f"{file}: {reason} (while loading a training batch"
+        f"{file}: {reason} ({where}"
         + (more if len(failures) > 1 else "")
         + "); fix or remove the file, or set data.on_bad_sample: skip to skip such samples",
         path=file,

@@ -43,6 +43,7 @@ from spconv_train.data.prepare import prepare_splits
 from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
+from spconv_train.train.val_check import image_grid
 from spconv_train.train.volume_feed import (
     load_train_blocks,
     spatial_placements,
@@ -98,7 +99,8 @@ def build_sources(cfg: Config) -> tuple[SegmentationSource, SegmentationSource, 
         )
         train = FolderDataset(d.root, d.train_split, **kw)
         val = FolderDataset(d.root, d.val_split, **kw)
-        dataset_range = prepare_splits(train, val, cfg.run_dir)  # validates; cached in run_dir
+        piece = {"grid": image_grid(cfg), "crop": (d.height, d.width)}  # sizes checked first
+        dataset_range = prepare_splits(train, val, cfg.run_dir, **piece)  # cached in run_dir
         if dataset_range is not None:  # stored in the resolved config, for predict
             d.normalize.stats = [list(r) for r in dataset_range]
     for source in (train, val):
@@ -123,6 +125,7 @@ class Batch:
     image: DTensor  # global [B * dp, C, H, W], [Shard(0), Shard(3)] (volumes: 5-D, Shard(2+axis))
     target: Tensor  # local mask strip [B, H, w]
     pixels: int  # pixels of the global batch (for throughput)
+    samples: tuple[int, ...] = ()  # this replica's sample indices (error messages)
 
 
 def _crop(cfg: Config, source: SegmentationSource, index: int) -> tuple[int, int] | None:
@@ -275,7 +278,7 @@ class TrainFeed:
                 "smaller than the world size"
             )
 
-    def _to_batch(self, image: Tensor, mask: Tensor, hw: tuple[int, int]) -> Batch:
+    def _to_batch(self, image: Tensor, mask: Tensor, hw: tuple, samples: list[int]) -> Batch:
         self._check_same_size(hw)
         b, c = image.shape[:2]
         shape = (b * self.coords.dp, c, *hw)
@@ -284,7 +287,7 @@ class TrainFeed:
         spatial = spatial_placements(self.cfg, self.coords)
         x = to_dtensor(local, self.mesh, [Shard(0), *spatial], shape)
         target = mask.to(self.device, non_blocking=non_blocking)
-        return Batch(x, target, shape[0] * math.prod(hw))
+        return Batch(x, target, shape[0] * math.prod(hw), tuple(samples))
 
     def pop_skipped(self) -> list[tuple[str, str]]:
         """``(file, reason)`` of the files first skipped since the last call."""
@@ -313,7 +316,7 @@ class TrainFeed:
             steps = self._epoch_steps()
             batches = [indices for indices, _ in steps]
             task = _BatchTask(self.source, self.cfg, self.coords, self.epoch, batches)
-            for (image, mask, hw, failed), (_, offset) in zip(
+            for (image, mask, hw, failed), (indices, offset) in zip(
                 self._loader(task), steps, strict=True
             ):
                 # counted before handing out: the state is what has been consumed
@@ -324,7 +327,7 @@ class TrainFeed:
                     self._skip(failed, in_a_row, len(steps))
                     continue
                 in_a_row = 0
-                yield self._to_batch(image, mask, hw)
+                yield self._to_batch(image, mask, hw, indices)
             self.epoch, self.offset, self.position = self.epoch + 1, 0, 0
 
 
@@ -333,11 +336,12 @@ class ValItem:
     """One validation image on this rank (a batch of one per data-parallel replica)."""
 
     index: int  # sample index in the val source
-    image: DTensor  # [1, C, H, W] on the sp sub-mesh, Shard(3) (tiles: Shard(2), Shard(3))
-    target: Tensor  # local mask strip [1, H, w] (tiles: [1, h, w])
+    image: DTensor | None  # [1, C, H, W] on the sp sub-mesh, Shard(3) (tiles: Shard(2), Shard(3))
+    target: Tensor | None  # local mask strip [1, H, w] (tiles: [1, h, w])
     cols: tuple[int, int]  # this rank's global columns [a, b) (volumes: along the split dim)
     rows: tuple[int, int] | None = None  # tiles: this rank's global rows [r, s)
     block: tuple | None = None  # volumes: this rank's ((D), (H), (W)) ranges [a, b)
+    failure: tuple[str, str] | None = None  # (file, reason) when this rank cannot load it
 
 
 def val_items(
@@ -351,19 +355,21 @@ def val_items(
 
     The image lives on the ``sp`` sub-mesh (its collectives stay inside the spatial group),
     so replicas may see images of different sizes and counts; in eval mode nothing talks
-    across replicas until the metrics are reduced.
+    across replicas until the metrics are reduced. A piece that fails to load: ``failure``.
     """
     if isinstance(source, VolumeSource):
         yield from volume_val_items(source, cfg, coords, sp_mesh, device)
         return
+    ignore, placements = cfg.data.ignore_index, coords.spatial_placements
     for index in range(coords.dp_rank, len(source), coords.dp):
         params = AugmentParams.identity(source.size(index))
         h, w = params.out_hw
         cols, rows = coords.cols(w), coords.rows(h) if coords.tiled else None
-        image, mask = load_strip(
-            source, index, cols, params, ignore_index=cfg.data.ignore_index, rows=rows
-        )
-        placements = coords.spatial_placements
+        try:
+            image, mask = load_strip(source, index, cols, params, ignore_index=ignore, rows=rows)
+        except DataError as e:  # its other ranks may have loaded theirs: validate() agrees
+            yield ValItem(index, None, None, cols, rows, failure=(e.path or "?", e.reason))
+            continue
         yield make_val_item(index, image, mask, (h, w), sp_mesh, placements, device, cols, rows)
 
 

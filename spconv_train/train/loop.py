@@ -46,7 +46,7 @@ from spconv_train.distributed import (
     spatial_mesh,
 )
 from spconv_train.launch_store import mark_recorded
-from spconv_train.logging import RunLogger, overlay_panel
+from spconv_train.logging import RunLogger
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.overwrite import remove_run_files
 from spconv_train.parallel import parallelize, runtime_of
@@ -57,10 +57,10 @@ from spconv_train.train.bad_samples import (
     skipped_summary,
     upfront_skips,
 )
-from spconv_train.train.data_feed import TrainFeed, build_sources, val_items
+from spconv_train.train.data_feed import TrainFeed, build_sources
 from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.mesh_coords import MeshCoords
-from spconv_train.train.metrics import ConfusionMatrix
+from spconv_train.train.nonfinite import explain_non_finite
 from spconv_train.train.optim import (
     apply_hyperparameters,
     build_loss,
@@ -68,10 +68,10 @@ from spconv_train.train.optim import (
     build_scheduler,
     enable_activation_checkpointing,
 )
-from spconv_train.train.panels import gather_panels, panel_pieces
 from spconv_train.train.preemption import Preempted, StopRequests
-from spconv_train.train.step import TrainingStopped, train_step
+from spconv_train.train.step import NonFiniteStep, TrainingStopped, train_step
 from spconv_train.train.val_check import check_val_sizes
+from spconv_train.train.validation import log_val, validate
 from spconv_train.train.volume_feed import check_model_dims
 from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
@@ -133,6 +133,7 @@ class _Run:
     watchdog: Watchdog
     stops: StopRequests
     skipped: list = field(default_factory=list)  # SkipRecord of every skipped file
+    loss_window: tuple[float, int] = (0.0, 0)  # (loss sum, steps) a resumed run continues
 
     def __post_init__(self) -> None:
         self.sp_mesh = spatial_mesh(self.mesh)  # validation images live on the spatial group
@@ -145,42 +146,12 @@ class _Run:
         return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
-@torch.no_grad()
-def validate(run: _Run, step: int) -> dict:
-    """Metrics over the whole validation set (confusion matrix summed over the mesh)."""
-    cfg, model = run.cfg, run.model
-    k, ignore = cfg.model.num_classes, cfg.data.ignore_index
-    model.eval()
-    cm = ConfusionMatrix(k, ignore, device=run.info.device)
-    loss_sum, count, pieces = 0.0, 0, []
-    for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, run.info.device):
-        run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
-        with run.autocast():
-            logits = model(item.image)
-        loss = float(run.loss_fn(logits, item.target))
-        if math.isfinite(loss):  # nan when every pixel is ignored
-            loss_sum, count = loss_sum + loss, count + 1
-        cm.update(logits, item.target)
-        if item.index < cfg.logging.num_val_images:
-            pieces += panel_pieces(item, logits, cfg, run.coords.sp_rank)
-    run.watchdog.beat(f"step {step}: validation metrics (all-reduce over the mesh)")
-    cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
-    totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=run.info.device)
-    dist.all_reduce(totals, group=run.mesh.get_group("dp"))  # losses are replicated over sp
-    scores = cm.metrics()
-    scores["loss"] = (totals[0] / totals[1]).item() if totals[1] > 0 else math.nan
-    for index, (img, pred, tgt) in gather_panels(pieces).items():
-        panel = overlay_panel(img, pred, tgt, k, ignore_index=ignore, downsample=1)
-        run.logger.images(step, f"val/panel_{index}", panel)
-    model.train()
-    return scores
-
-
-def _log_val(run: _Run, step: int, scores: dict) -> None:
-    keys = ("loss", "pixel_accuracy", "miou", "mean_dice", "mean_class_accuracy")
-    run.logger.scalars(step, {key: scores[key] for key in keys}, prefix="val")
-    run.logger.scalars(step, dict(zip(run.class_names, scores["iou"], strict=True)), "val_iou")
-    run.logger.scalars(step, dict(zip(run.class_names, scores["dice"], strict=True)), "val_dice")
+def _loss_window(extra: dict) -> tuple[float, int]:
+    """The saved ``[loss sum, steps]`` of the open logging window (none in older
+    checkpoints, or not a pair of numbers: an empty window)."""
+    w = extra.get("loss_window")
+    ok = isinstance(w, list) and len(w) == 2 and all(isinstance(v, (int, float)) for v in w)
+    return (float(w[0]), int(w[1])) if ok and w[1] >= 0 else (0.0, 0)
 
 
 def _rank_stats(run: _Run) -> list[tuple[float, float]]:
@@ -289,6 +260,7 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     )
     run = _Run(cfg, info, mesh, model, val_source, class_names, logger, watchdog, stops)
     run.skipped = upfront_skips(train_source, val_source)
+    run.loss_window = _loss_window(extra) if latest is not None else (0.0, 0)
     report_skipped(logger, run.skipped, write=latest is None)  # resumed: already written
     try:
         return _loop(run, feed, optimizer, scheduler, ckpt, start, latest, notes)
@@ -313,7 +285,8 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         logger.info(f"  {line}")
     model.train()
     step, scores, last_scores = start, None, {}
-    loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
+    # The loss window is restored on resume (the uninterrupted run's mean); timing restarts.
+    (loss_sum, loss_n), timed, pixels, tick = run.loss_window, 0, 0, time.perf_counter()
     runtime_of(model).stats.reset()
     logger.progress_start(steps, initial=start)
     batches = iter(feed)
@@ -324,19 +297,23 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         seed_for_step(t.seed, step)  # RNG by step: the same after a resume on any layout
         batch = next(batches)
         run.skipped += note_training_skips(logger, feed, step + 1)
-        done = train_step(
-            model,
-            batch.image,
-            batch.target,
-            run.loss_fn,
-            optimizer,
-            scheduler,
-            params=params,
-            grad_clip=cfg.optimizer.grad_clip,
-            step=step,
-            autocast=run.autocast(),
-            on_phase=lambda phase, n=step + 1: wd.beat(f"step {n}: {_STEP_PHASES[phase]}"),
-        )
+        try:
+            done = train_step(
+                model,
+                batch.image,
+                batch.target,
+                run.loss_fn,
+                optimizer,
+                scheduler,
+                params=params,
+                grad_clip=cfg.optimizer.grad_clip,
+                step=step,
+                autocast=run.autocast(),
+                on_phase=lambda phase, n=step + 1: wd.beat(f"step {n}: {_STEP_PHASES[phase]}"),
+            )
+        except NonFiniteStep as exc:  # name the step's files; data or divergence?
+            why = explain_non_finite(exc, batch.image, batch.samples, feed.source, cfg)
+            raise TrainingStopped(why) from None
         value, grad_norm, lr = done.loss, done.grad_norm, done.lr
         del done
         step += 1
@@ -344,7 +321,8 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # Every rank stops after the same step, whichever rank(s) got the signal. At the
         # last step the run is complete anyway: finish it normally.
         stop = run.stops.agree(info.device) if step < steps else None
-        loss_sum, loss_n, pixels = loss_sum + value, loss_n + 1, pixels + batch.pixels
+        loss_sum, loss_n, timed = loss_sum + value, loss_n + 1, timed + 1
+        pixels += batch.pixels
         # The window mean so far: at a log step it equals the "loss" in metrics.jsonl.
         logger.progress_update(step, loss=loss_sum / loss_n, lr=lr)
         if step % t.log_every == 0 or step == steps:
@@ -358,14 +336,14 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "throughput_mpx_s": pixels / elapsed / 1e6,
-                    "step_time_s": elapsed / loss_n,
-                    "halo_s_per_step": max(h for _, h in stats) / loss_n,
+                    "step_time_s": elapsed / timed,
+                    "halo_s_per_step": max(h for _, h in stats) / timed,
                     "epoch": feed.epoch,
                 },
             )
             memory = {f"peak_mb_rank{r}": m for r, (m, _) in enumerate(stats[:16])}
             logger.scalars(step, {"peak_mb_max": max(m for m, _ in stats), **memory}, "memory")
-            loss_sum, loss_n, pixels, tick = 0.0, 0, 0, time.perf_counter()
+            loss_sum, loss_n, timed, pixels, tick = 0.0, 0, 0, 0, time.perf_counter()
         # Validation and checkpoints are not training: keep their time and halo traffic out
         # of the throughput and halo figures of the current logging interval.
         paused, halo = time.perf_counter(), runtime_of(model).stats.snapshot()
@@ -373,10 +351,10 @@ def _loop(run: _Run, feed, optimizer, scheduler, ckpt, start, latest, notes) -> 
         # A preempted job has seconds left: they are for the checkpoint, not validation.
         if (step % t.val_every == 0 or step == steps) and not stop:
             scores = last_scores = validate(run, step)
-            _log_val(run, step, scores)
+            log_val(run, step, scores)
         if step % cfg.checkpoint.every == 0 or step == steps or stop:
             wd.beat(f"step {step}: checkpoint save (distributed-checkpoint collectives)")
-            shared = {"data": feed.state_dict()}  # rank-independent: resumable on any layout
+            shared = {"data": feed.state_dict(), "loss_window": [loss_sum, loss_n]}  # any layout
             metric = None if scores is None else scores["miou"]
             metric = None if metric is None or math.isnan(metric) else metric
             ckpt.save(step, model, optimizer, scheduler=scheduler, shared=shared, metric=metric)

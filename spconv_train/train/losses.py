@@ -230,9 +230,10 @@ def cross_entropy(
     weight=weight, label_smoothing=label_smoothing, reduction="mean")``: the weighted mean over
     the non-ignored pixels of the global batch and image, as a plain scalar with the same
     value on every rank (one all-reduce). ``loss.backward()`` on every rank gives every
-    logits strip its single-device gradient (module docstring). If every pixel is ignored
-    the loss is nan and the gradient zero, as in torch. ``return_info`` also returns
-    ``LossInfo``."""
+    logits strip its single-device gradient (module docstring). If every pixel of the
+    global batch is ignored (an all-``ignore_index`` crop under sparse labels: not an
+    error) the loss is 0 with a zero gradient on every rank, where torch gives nan.
+    ``return_info`` also returns ``LossInfo``."""
     what = "cross_entropy"
     s = _strips(logits, target, what)
     x = _low_precision(s.logits)
@@ -257,8 +258,10 @@ def cross_entropy(
     total = replicated_sum(stats, s.groups)
     _, den, n_valid, *flags = total.detach().tolist()
     _raise_if_bad(flags, s, what, k, ignore_index)
-    # All pixels ignored: torch returns nan with a zero gradient (the numerator is constant).
-    loss = total[0] + float("nan") if den == 0 else total[0] / den
+    # Nothing to learn from (every pixel ignored, or zero class weights): the numerator is a
+    # sum over no pixel, 0 with a zero gradient; keep it instead of torch's 0 / 0 = nan, which
+    # would stop training on a crop that only holds ignored pixels.
+    loss = total[0] if den == 0 else total[0] / den
     loss = loss.to(x.dtype)
     return (loss, LossInfo(int(n_valid), den)) if return_info else loss
 

@@ -20,6 +20,18 @@ class TrainingStopped(RuntimeError):
     """The run stopped on purpose with a message for the user (exit code 1, no traceback)."""
 
 
+class NonFiniteStep(TrainingStopped):
+    """A step's loss or gradient norm is not finite; ``what`` names which, ``value`` and the
+    0-based ``step`` say where (the trainer adds the step's files and the likely cause)."""
+
+    def __init__(self, what: str, value: float, step: int) -> None:
+        super().__init__(
+            f"non-finite {what} ({value}) at step {step + 1}; stopping without a checkpoint"
+            + (" (lower optimizer.lr or check the data)" if what == "loss" else "")
+        )
+        self.what, self.value, self.step = what, value, step
+
+
 @dataclass
 class StepResult:
     """What one step leaves for logging and checking."""
@@ -50,8 +62,9 @@ def train_step(
 
     ``step`` is the 0-based index of this step (for error messages). ``after_backward`` runs
     between the backward and the clipping (``verify`` records the raw gradients there).
-    Raises ``TrainingStopped`` for a non-finite loss (before the backward) or gradient norm
-    (before the optimizer step), so no non-finite value reaches the weights.
+    Raises ``NonFiniteStep`` (a ``TrainingStopped``) for a non-finite loss (before the
+    backward) or gradient norm (before the optimizer step), so no non-finite value reaches
+    the weights.
     ``on_phase("loss" | "backward")`` is called as each phase starts (the trainer's
     watchdog names the phase, and its collectives, where a rank hangs).
     """
@@ -62,20 +75,14 @@ def train_step(
     loss = loss_fn(logits, target)
     value = float(loss.detach())  # the same on every rank (a global mean)
     if not math.isfinite(value):
-        raise TrainingStopped(
-            f"non-finite loss ({value}) at step {step + 1}; stopping "
-            "without a checkpoint (lower optimizer.lr or check the data)"
-        )
+        raise NonFiniteStep("loss", value, step)
     phase("backward")
     loss.backward()
     if after_backward is not None:
         after_backward()
     grad_norm = clip_gradients(params, grad_clip)
     if not math.isfinite(grad_norm):
-        raise TrainingStopped(
-            f"non-finite gradient norm ({grad_norm}) at step {step + 1}; "
-            "stopping without a checkpoint"
-        )
+        raise NonFiniteStep("gradient norm", grad_norm, step)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     scheduler.step()

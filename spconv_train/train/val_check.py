@@ -10,16 +10,32 @@ after ``training.val_every`` steps of work.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from spconv_train.config import Config
+from spconv_train.config import Config, spatial_grid
 from spconv_train.data import DataError, SegmentationSource, strip_bounds
+from spconv_train.distributed import env_world_size
 from spconv_train.parallel import SpatialShardingError
+from spconv_train.train.bad_samples import sample_file
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.volume_feed import block_bounds, spatial_placements
 
-__all__ = ["check_val_sizes", "is_geometry_error"]
+__all__ = ["check_val_sizes", "image_grid", "is_geometry_error"]
+
+
+def image_grid(cfg: Config) -> tuple[int, int]:
+    """Rows x columns of spatial ranks an image is split into: ``parallel.sp`` ``[p, q]``,
+    ``(1, sp)`` for strips, ``(1, world size)`` for ``parallel.sp: 0`` not yet resolved (the
+    same number of ranks, for the per-rank size limits checked before the mesh exists)."""
+    grid = spatial_grid(cfg)
+    if grid is not None and len(grid) == 2:
+        return grid[0], grid[1]
+    sp = cfg.parallel.sp if isinstance(cfg.parallel.sp, int) else 0
+    if sp == 0:
+        sp = dist.get_world_size() if dist.is_initialized() else env_world_size()
+    return 1, sp
 
 
 def is_geometry_error(exc: BaseException, sp: int) -> bool:
@@ -31,11 +47,6 @@ def is_geometry_error(exc: BaseException, sp: int) -> bool:
     if isinstance(exc, SpatialShardingError):
         return True
     return isinstance(exc, RuntimeError) and (sp == 1 or "too small" in str(exc))
-
-
-def _file(source: SegmentationSource, i: int) -> str:
-    files = getattr(source, "files", None)
-    return str(files(i)[0]) if files is not None else source.name(i)
 
 
 @torch.no_grad()
@@ -83,7 +94,7 @@ def check_val_sizes(
                     raise
                 split = cfg.parallel.sp if coords.tiled else coords.sp
                 raise DataError(
-                    f"{_file(source, i)}: validation image {'x'.join(map(str, size))} "
+                    f"{sample_file(source, i)}: validation image {'x'.join(map(str, size))} "
                     f"({'DxHxW' if len(size) == 3 else 'HxW'}) cannot run through "
                     f"{cfg.model.name} split over parallel.sp={split} rank(s): {exc}. "
                     "Remove it from the validation split, or use a smaller parallel.sp"
@@ -92,7 +103,7 @@ def check_val_sizes(
                         if len(size) == 2 and coords.tiled
                         else ""
                     ),
-                    path=_file(source, i),
+                    path=sample_file(source, i),
                 ) from exc
     finally:
         model.train(was_training)

@@ -23,6 +23,7 @@ from spconv_train.config import Config, ConfigError, grid_mesh_dims, spatial_gri
 from spconv_train.data import (
     AXES,
     Box,
+    DataError,
     SyntheticVolumes,
     VolumeAugment,
     VolumeFolder,
@@ -149,14 +150,18 @@ def volume_val_items(
     """Every validation volume once, un-augmented: volume ``i`` on replica ``i % dp``
     (``val_items`` for volumes; ``ValItem.block`` is this rank's box, ``ValItem.cols`` its
     range along the split dim of a one-dim split)."""
-    from spconv_train.train.data_feed import make_val_item  # noqa: PLC0415 (cycle)
+    from spconv_train.train.data_feed import ValItem, make_val_item  # noqa: PLC0415 (cycle)
 
     placements = spatial_placements(cfg, coords)
     for index in range(coords.dp_rank, len(source), coords.dp):
         size = source.size(index)
         block = block_bounds(cfg, coords, size)
-        image, mask = load_box(source, index, VolumeAugment.identity(size), block)
         cols = block[2] if coords.tiled else block[shard_axis(cfg)]
+        try:
+            image, mask = load_box(source, index, VolumeAugment.identity(size), block)
+        except DataError as e:  # its other ranks may have loaded theirs: validate() agrees
+            yield ValItem(index, None, None, cols, None, block, failure=(e.path or "?", e.reason))
+            continue
         yield make_val_item(
             index, image, mask, size, sp_mesh, placements, device, cols, None, block
         )
