@@ -21,6 +21,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from spconv_train.checkpoint import FORMAT_VERSION
 from spconv_train.cli import app
 from spconv_train.models import create_model
 
@@ -177,7 +178,7 @@ def test_run_leaves_checkpoints_config_and_metrics(trained):
     for step in ckpt.glob("step-*"):
         meta = json.loads((step / "meta.json").read_text())  # manifest: files, data position
         assert set(meta["files"]) == {p.name for p in step.iterdir()} - {"meta.json"}
-        assert meta["shared"]["data"]["epoch"] >= 0 and meta["format"] == 2
+        assert meta["shared"]["data"]["epoch"] >= 0 and meta["format"] == FORMAT_VERSION
     from spconv_train.config import load_config
 
     assert load_config(trained / "config.yaml").training.steps == 4
