@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ._compile import run_elementwise
+from ._compile import run_elementwise, wrap_like
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._registry import function_name
@@ -47,15 +47,13 @@ _ELEMENTWISE = (
 )
 
 
-def _wrap(x: DTensor, local_out: torch.Tensor) -> DTensor:
-    return DTensor.from_local(
-        local_out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
-    )
+def _check_not_partial(x: DTensor, what: str) -> None:
+    if any(p.is_partial() for p in x.placements):
+        raise SpatialShardingError(f"{what} on a Partial DTensor {x.placements}: not element-wise")
 
 
 def _local(x: DTensor, what: str) -> torch.Tensor:
-    if any(p.is_partial() for p in x.placements):
-        raise SpatialShardingError(f"{what} on a Partial DTensor {x.placements}: not element-wise")
+    _check_not_partial(x, what)
     return x.to_local()
 
 
@@ -71,14 +69,13 @@ def _make_local_handler(fn):
     def handler(input, *args, **kwargs):
         if not isinstance(input, DTensor):
             return fn(input, *args, **kwargs)
-        local = _local(input, what)
+        _check_not_partial(input, what)
         if sig is None:
-            return _wrap(input, run_elementwise(fn, local, *args, **kwargs))
+            return run_elementwise(fn, input, *args, **kwargs)
         bound = sig.bind(input, *args, **kwargs)
         if "inplace" in sig.parameters:
             bound.arguments["inplace"] = False
-        bound.arguments["input"] = local
-        return _wrap(input, run_elementwise(fn, *bound.args, **bound.kwargs))
+        return run_elementwise(fn, input, *bound.args[1:], **bound.kwargs)
 
     handler.__name__ = f"spatial_{fn.__name__}"
     return handler
@@ -123,7 +120,7 @@ def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
         g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())
         shape = local.shape
     keep = torch.rand(shape, generator=g, device=local.device) >= p
-    return _wrap(input, local * keep.to(local.dtype) / (1.0 - p))
+    return wrap_like(local * keep.to(local.dtype) / (1.0 - p), input)
 
 
 @register_handler(F.dropout, torch.dropout)  # same leading arguments

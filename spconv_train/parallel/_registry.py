@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ._compile import not_traced
+from ._compile import not_traced, route_through_modes
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class HandlerRegistry:
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
 
+        route_through_modes(functions)
+
         def deco(handler: Callable) -> Callable:
             run = handler if traced else not_traced(handler)
             for fn in functions:
@@ -84,6 +86,7 @@ class HandlerRegistry:
         """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
         DTensors. A function that already has a handler keeps it unless not
         ``keep_handlers``."""
+        route_through_modes(functions)
         for fn in functions:
             old = self.lookup(fn)
             if keep_handlers and old is not None and old.handler is not None:
