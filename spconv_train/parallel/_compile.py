@@ -25,13 +25,15 @@ Compiled graphs hold plain tensors only; every DTensor op runs eagerly, between 
   (``F.hardsigmoid``, ``F.hardswish``, the ``torch._C._nn`` functions): Dynamo put them in
   the graph on the DTensor, past ``SpatialMode``'s handler. ``route_through_modes`` adds
   every function the registry has an entry for to that list.
-- Element-wise handlers (``run_elementwise``) unwrap and rewrap the DTensor eagerly and
-  let the compiler trace the op on the plain local strip, except on CPU unless
-  ``TRACE_ELEMENTWISE_ON_CPU``: between graph breaks an activation is a graph of its own
-  with nothing to fuse, and inductor's CPU code for its backward mask is far slower than
-  eager on AVX2 machines (torch 2.14.1: a ``bool`` store from a float vector mask becomes
-  two 32-step scalar loops per 8 elements; ``torch.compile(lambda t: t > 0)`` on 1M floats
-  takes 15.6 ms vs 0.6 ms eager, without this project involved). See docs/benchmarks.md.
+- Element-wise handlers (activations on the local strip, ``_pointwise.py``) run eagerly
+  too. Between graph breaks an activation would be a graph of its own with nothing to
+  fuse; the plain-tensor graph would start after the eager unwrap, a graph break inside
+  the handler that Dynamo (``nested_graph_breaks`` off) moves out to the caller's frame,
+  so the op ran eagerly anyway; and on CPU inductor's code for its backward mask is far
+  slower than eager on AVX2 machines (torch 2.14.1: a ``bool`` store from a float vector
+  mask becomes two 32-step scalar loops per 8 elements; ``torch.compile(lambda t: t > 0)``
+  on 1M floats takes 15.6 ms vs 0.6 ms eager, without this project involved). See
+  docs/benchmarks.md.
 
 What is compiled is the model's plain-tensor code (the loss, code on ``to_local()``
 strips). Checked against torch 2.14.1; ``tests/test_compile.py``,
@@ -46,23 +48,16 @@ from typing import TypeVar
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 __all__ = [
-    "TRACE_ELEMENTWISE_ON_CPU",
     "eager_from_eager",
     "not_traced",
     "route_through_modes",
     "run_eagerly",
-    "run_elementwise",
     "traced_dtensor_op",
-    "wrap_like",
 ]
 
 F = TypeVar("F", bound=Callable)
-
-#: Whether ``torch.compile`` traces element-wise handlers on CPU tensors (see module doc).
-TRACE_ELEMENTWISE_ON_CPU = False
 
 # Reading a DTensor's metadata creates no graph op; breaking the graph there would only
 # multiply graphs (a property getter arrives as ``<property>.__get__``).
@@ -122,32 +117,3 @@ def route_through_modes(functions: Iterable[Callable]) -> None:
     from torch._dynamo.variables.torch import get_overridable_functions
 
     get_overridable_functions().update(functions)  # the cached set Dynamo consults
-
-
-def wrap_like(local: Tensor, like: DTensor) -> DTensor:
-    """``local`` as the local strip of a DTensor with ``like``'s mesh, placements and
-    global shape (no communication)."""
-    return DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
-
-
-_unwrap_eagerly = not_traced(DTensor.to_local)
-_wrap_like_eagerly = not_traced(wrap_like)
-
-
-def run_elementwise(fn: Callable, x: DTensor, *args, **kwargs) -> DTensor:
-    """``fn(local, *args, **kwargs)`` on ``x``'s local strip, rewrapped like ``x``. Under
-    ``torch.compile`` the unwrap and rewrap run eagerly and ``fn`` on the plain strip is
-    traced, except on CPU unless ``TRACE_ELEMENTWISE_ON_CPU`` (then all of it runs
-    eagerly)."""
-    if not torch.compiler.is_compiling():
-        return wrap_like(fn(x.to_local(), *args, **kwargs), x)
-    if x.device.type == "cpu" and not TRACE_ELEMENTWISE_ON_CPU:
-        return run_eagerly(run_elementwise, fn, x, *args, **kwargs)
-    return _wrap_like_eagerly(fn(_unwrap_eagerly(x), *args, **kwargs), x)

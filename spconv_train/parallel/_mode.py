@@ -36,8 +36,8 @@ def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Ca
     The handler receives the call's arguments unchanged (plain tensors and DTensors alike)
     and must return what the function returns. Registers for every model; a runtime's own
     ``runtime.registry.register(...)`` registers for one model only. Under ``torch.compile``
-    the handler runs eagerly (a graph break) unless ``traced=True``, meant for handlers made
-    only of local element-wise ops, which the compiler may then fuse."""
+    the handler runs eagerly (a graph break) unless ``traced=True`` (Dynamo inlines it: only
+    for handlers without DTensor ops, since compiled graphs hold plain tensors only)."""
     return DEFAULT_REGISTRY.register(*functions, traced=traced)
 
 

@@ -1,6 +1,7 @@
 """Element-wise activations and dropout on width-sharded DTensors, run on the local strip.
 
-An element-wise op needs no halo, so it is exact on each strip. DTensor runs many of them
+An element-wise op needs no halo, so it is exact on each strip. Under ``torch.compile``
+these handlers run eagerly like every other (see ``_compile.py``). DTensor runs many of them
 itself but lacks backward strategies for some (``hardswish_backward``,
 ``hardsigmoid_backward`` in torch 2.14, used by MobileNetV3), so the functional forms are
 all routed here: the plain op runs on the local tensor and autograd does the rest.
@@ -23,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ._compile import run_elementwise, wrap_like
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._registry import function_name
@@ -47,13 +47,15 @@ _ELEMENTWISE = (
 )
 
 
-def _check_not_partial(x: DTensor, what: str) -> None:
-    if any(p.is_partial() for p in x.placements):
-        raise SpatialShardingError(f"{what} on a Partial DTensor {x.placements}: not element-wise")
+def _wrap(x: DTensor, local_out: torch.Tensor) -> DTensor:
+    return DTensor.from_local(
+        local_out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
 
 
 def _local(x: DTensor, what: str) -> torch.Tensor:
-    _check_not_partial(x, what)
+    if any(p.is_partial() for p in x.placements):
+        raise SpatialShardingError(f"{what} on a Partial DTensor {x.placements}: not element-wise")
     return x.to_local()
 
 
@@ -69,13 +71,14 @@ def _make_local_handler(fn):
     def handler(input, *args, **kwargs):
         if not isinstance(input, DTensor):
             return fn(input, *args, **kwargs)
-        _check_not_partial(input, what)
+        local = _local(input, what)
         if sig is None:
-            return run_elementwise(fn, input, *args, **kwargs)
+            return _wrap(input, fn(local, *args, **kwargs))
         bound = sig.bind(input, *args, **kwargs)
         if "inplace" in sig.parameters:
             bound.arguments["inplace"] = False
-        return run_elementwise(fn, input, *bound.args[1:], **bound.kwargs)
+        bound.arguments["input"] = local
+        return _wrap(input, fn(*bound.args, **bound.kwargs))
 
     handler.__name__ = f"spatial_{fn.__name__}"
     return handler
@@ -86,7 +89,7 @@ for _name in _ELEMENTWISE:
     for _ns in (F, torch, torch._C._nn):
         _fn = getattr(_ns, _name, None)
         if _fn is not None:
-            register_handler(_fn, traced=True)(_make_local_handler(_fn))
+            register_handler(_fn)(_make_local_handler(_fn))
 
 
 def _step_seed() -> int:
@@ -120,7 +123,7 @@ def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
         g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())
         shape = local.shape
     keep = torch.rand(shape, generator=g, device=local.device) >= p
-    return wrap_like(local * keep.to(local.dtype) / (1.0 - p), input)
+    return _wrap(input, local * keep.to(local.dtype) / (1.0 - p))
 
 
 @register_handler(F.dropout, torch.dropout)  # same leading arguments

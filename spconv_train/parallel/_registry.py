@@ -23,9 +23,9 @@ class Entry:
     name: str
     handler: Callable | None = None
     refused: str | None = None
-    #: what ``SpatialMode`` calls: the handler itself when it is ``traced`` (element-wise
-    #: local ops that ``torch.compile`` may fuse), otherwise the handler run eagerly under
-    #: ``torch.compile`` (its exchanges, collectives and plan lookups are no graph material)
+    #: what ``SpatialMode`` calls: the handler itself when it is ``traced`` (Dynamo inlines
+    #: it), otherwise the handler run eagerly under ``torch.compile`` (its exchanges,
+    #: collectives, plan lookups and DTensor ops are no graph material)
     run: Callable | None = field(default=None, compare=False, repr=False)
 
 
@@ -64,9 +64,10 @@ class HandlerRegistry:
         whenever a DTensor is among the arguments while a parallelized model runs.
 
         Under ``torch.compile`` the handler runs eagerly (a graph break around it) unless
-        ``traced``: only handlers made of plain local tensor ops (element-wise activations)
-        should be traced; anything with an exchange, a collective or a cached plan is not
-        graph material (Dynamo would guard on its Python state and recompile)."""
+        ``traced``: Dynamo then inlines it, so only a handler without DTensor ops may be
+        traced (compiled graphs hold plain tensors only, see ``_compile.py``); anything
+        with an exchange, a collective or a cached plan is not graph material either
+        (Dynamo would guard on its Python state and recompile)."""
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
 
