@@ -1,8 +1,8 @@
 """``torch.compile`` of a parallelized model runs, equals eager (fp64, forward and every
-gradient) over three steps and compiles each frame once (issue 11 item 5): the spatial
-layers, handlers and DTensor ops run eagerly with graph breaks around them, compiled graphs
-hold plain tensors only (see ``parallel/_compile.py``; more model families in
-``tests/test_compile_models.py``)."""
+gradient) over three steps and compiles each frame once (issue 11 item 5), with the default
+options (the parallelized forward runs eagerly as a whole; with ``trace_under_compile``
+Dynamo traces the model's code and every spatial layer, handler and DTensor op is a graph
+break: ``parallel/_compile.py``, ``tests/test_compile_models.py``)."""
 
 from __future__ import annotations
 

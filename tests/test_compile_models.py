@@ -2,7 +2,8 @@
 U-Net, torchvision LR-ASPP (MobileNetV3: SE blocks with hardsigmoid/hardswish), smp Unet
 on resnet18 (residual adds) and a ConvNeXt-style user block (depthwise 7x7, channels-last
 LayerNorm through ``permute``, GELU MLP, transposed-conv head), at 2 ranks, fp64,
-``aot_eager``:
+``aot_eager``, with the ``trace_under_compile`` option (Dynamo traces the model's code;
+without it the parallelized forward runs eagerly as a whole, tested last):
 
 - the compiled forward and every parameter gradient equal eager's over two steps;
 - every graph handed to the compiler holds plain tensors only (no DTensor input; compiled
@@ -112,10 +113,11 @@ def _step(run, x) -> DTensor:
     return out.detach()
 
 
-def compile_case(name: str) -> dict:
-    """Eager vs compiled over two steps (new input each step); what Dynamo did."""
+def compile_case(name: str, trace: bool = True) -> dict:
+    """Eager vs compiled over two steps (new input each step); what Dynamo did.
+    ``trace``: the ``trace_under_compile`` option."""
     dmesh = mesh(2)
-    eager = parallelize(build(name), dmesh)
+    eager = parallelize(build(name), dmesh, trace_under_compile=trace)
     comp_model = copy.deepcopy(eager)
     backend = RecordingBackend()
     compiled = torch.compile(comp_model, backend=backend, dynamic=False)
@@ -158,3 +160,13 @@ def test_compiled_equals_eager(dist_pool, name):
             f"{name}: {got[0]} graph breaks, {got[1]} frames compiled (measured: at most "
             f"{breaks}, {frames}); see spconv_train/parallel/_compile.py"
         )
+
+
+@pytest.mark.parametrize("name", ["lraspp", "convnext"])
+def test_default_runs_parallelized_forward_eagerly(dist_pool, name):
+    """Without ``trace_under_compile`` the parallelized forward is one graph break: equal
+    to eager, nothing traced inside it, nothing recompiled."""
+    for rank, res in enumerate(dist_pool.run(2, compile_case, name, False)):
+        assert not res["failures"], f"{name}, rank {rank}:\n" + "\n".join(res["failures"])
+        assert res["frames_later"] == 0, f"{name}: {res['frames_later']} frames recompiled"
+        assert res["graph_breaks"] == 1 and res["frames_first"] <= 4, res
