@@ -64,7 +64,9 @@ def _worker(rank: int, world: int, port: int, name: str, args, queue) -> None:
 
     mesh = init_worker(rank, world, port, args)
     torch.manual_seed(0)
-    eager = parallelize(build(name, args).to(args.device), mesh)
+    eager = parallelize(
+        build(name, args).to(args.device), mesh, trace_under_compile=args.trace_under_compile
+    )
     compiled = torch.compile(copy.deepcopy(eager), backend=args.backend, dynamic=False)
     g = torch.Generator().manual_seed(1)
     img = torch.randn(1, 3, args.height, args.width, generator=g).to(args.device)
@@ -153,11 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--no-kernels", action="store_true", help="skip the element-wise table")
+    ap.add_argument(
+        "--trace-under-compile",
+        action="store_true",
+        help="parallelize(..., trace_under_compile=True): Dynamo traces the model's code",
+    )
     args = ap.parse_args(argv)
     print(
         f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
         f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
-        f"backend {args.backend}, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
+        f"backend {args.backend}, trace_under_compile {args.trace_under_compile}, "
+        f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
         file=sys.stderr,
     )
     rows = []
