@@ -1,8 +1,12 @@
-"""Benchmark: ``torch.compile`` vs eager for one training step of the parallelized U-Net, in
+"""Benchmark: ``torch.compile`` vs eager for one training step of a parallelized model, in
 the same processes, interleaved step by step (so a load change hits both alike).
 
-Per world size: median seconds per step (max over ranks) of the eager model and of a
-compiled copy (same weights), their ratio, and the first compiled step (compile time).
+Per model and world size: median seconds per step (max over ranks) of the eager model and
+of a compiled copy (same weights), their ratio, the first compiled step (compile time),
+and what Dynamo made of it (graphs, graph breaks, frames compiled after the first step).
+Models (``--models``): the built-in U-Net, ``lraspp`` (torchvision LR-ASPP MobileNetV3),
+``smp_unet`` (smp Unet on resnet18, random init) and ``convnext`` (the ConvNeXt-style
+user block of ``tests/test_compile_models.py``).
 A second table times single element-wise ops compiled alone vs eager on one process, to
 show what inductor's CPU kernels cost on this machine independently of this project: on
 AVX2 CPUs (torch 2.14.1) a ``bool`` result (``t > 0``, the mask a ReLU saves for its
@@ -10,7 +14,8 @@ backward) is stored through scalar loops and runs ~25x slower than eager, which 
 spatial layer keeps element-wise handlers eager under compile on CPU
 (``spconv_train/parallel/_compile.py``).
 
-Usage: ``python scripts/bench_compile.py [--worlds 1 2 --height 256 --width 1024 --rounds 7]``
+Usage: ``python scripts/bench_compile.py [--models unet lraspp --worlds 1 2 --height 256
+--width 1024 --rounds 7]``
 (``make bench-compile``); ``--markdown`` prints Markdown tables for ``docs/benchmarks.md``.
 """
 
@@ -30,18 +35,38 @@ from bench_conv import _time_steps, init_worker, spawn_ranks  # noqa: E402
 
 from spconv_train.distributed import shutdown  # noqa: E402
 
+MODELS = ("unet", "lraspp", "smp_unet", "convnext")
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
+
+def build(name: str, args) -> torch.nn.Module:
+    """One of ``MODELS`` with 4 classes."""
+    from spconv_train.models import create_model
+
+    if name == "unet":
+        return create_model("unet", num_classes=4, depth=args.depth, base_width=args.base_width)
+    if name == "lraspp":
+        return create_model("lraspp_mobilenet_v3_large", num_classes=4)
+    if name == "smp_unet":
+        kw = {"encoder_name": "resnet18", "encoder_weights": None}
+        return create_model("smp.Unet", num_classes=4, **kw)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.test_compile_models import ConvNeXtStyle
+
+    return ConvNeXtStyle(channels=args.base_width, num_classes=4)
+
+
+def _worker(rank: int, world: int, port: int, name: str, args, queue) -> None:
+    import torch._dynamo as dynamo
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from spconv_train.models import create_model
     from spconv_train.parallel import parallelize
     from spconv_train.train import cross_entropy
 
     mesh = init_worker(rank, world, port, args)
     torch.manual_seed(0)
-    net = create_model("unet", num_classes=4, depth=args.depth, base_width=args.base_width)
-    eager = parallelize(net.to(args.device), mesh)
+    eager = parallelize(
+        build(name, args).to(args.device), mesh, trace_under_compile=args.trace_under_compile
+    )
     compiled = torch.compile(copy.deepcopy(eager), backend=args.backend, dynamic=False)
     g = torch.Generator().manual_seed(1)
     img = torch.randn(1, 3, args.height, args.width, generator=g).to(args.device)
@@ -55,18 +80,28 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     def timed(run) -> float:  # one step, max over ranks
         return _time_steps(step(run), 1, 0, args.device)
 
+    dynamo.utils.counters.clear()
     first = timed(compiled)
+    counters = dynamo.utils.counters
+    frames_first = counters["frames"]["ok"]
+    dynamo_stats = {
+        "graphs": counters["stats"]["unique_graphs"],
+        "breaks": sum(counters["graph_break"].values()),
+        "frames": frames_first,
+    }
     timed(eager)
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
     for _ in range(args.rounds):
         times["eager"].append(timed(eager))
         times["compiled"].append(timed(compiled))
-    queue.put({k: statistics.median(v) for k, v in times.items()} | {"first": first})
+    dynamo_stats["recompiled"] = counters["frames"]["ok"] - frames_first
+    result = {k: statistics.median(v) for k, v in times.items()} | {"first": first}
+    queue.put(result | dynamo_stats)
     shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
-def run_world(world: int, args) -> dict:
-    return spawn_ranks(_worker, world, args, timeout=3600)[0]  # every rank: the same maxima
+def run_world(name: str, world: int, args) -> dict:
+    return spawn_ranks(_worker, world, name, args, timeout=3600)[0]  # same maxima on every rank
 
 
 def kernel_rows(device: str, n: int = 1 << 20) -> list[tuple]:
@@ -108,6 +143,7 @@ def _print(header: tuple, rows: list[tuple], markdown: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["unet"], choices=MODELS)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--height", type=int, default=256)
     ap.add_argument("--width", type=int, default=1024)
@@ -118,22 +154,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the element-wise table")
+    ap.add_argument(
+        "--trace-under-compile",
+        action="store_true",
+        help="parallelize(..., trace_under_compile=True): Dynamo traces the model's code",
+    )
     args = ap.parse_args(argv)
     print(
-        f"U-Net depth {args.depth} base {args.base_width}, 1x3x{args.height}x{args.width}, "
-        f"{args.device}, {args.threads} thread(s)/process, backend {args.backend}, "
+        f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
+        f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
+        f"backend {args.backend}, trace_under_compile {args.trace_under_compile}, "
         f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
         file=sys.stderr,
     )
     rows = []
-    for world in args.worlds:
-        r = run_world(world, args)
-        ratio = r["compiled"] / r["eager"]
-        rows.append((world, f"{r['eager']:.3f}", f"{r['compiled']:.3f}", f"{ratio:.2f}x"))
-        rows[-1] += (f"{r['first']:.1f}",)
-        print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    header = ("ranks", "eager s/step", "compiled s/step", "compiled/eager", "first step s")
+    for name in args.models:
+        for world in args.worlds:
+            r = run_world(name, world, args)
+            ratio = r["compiled"] / r["eager"]
+            rows.append((name, world, f"{r['eager']:.3f}", f"{r['compiled']:.3f}"))
+            rows[-1] += (f"{ratio:.2f}x", f"{r['first']:.1f}", r["graphs"], r["breaks"])
+            rows[-1] += (r["frames"], r["recompiled"], f"{os.getloadavg()[0]:.1f}")
+            print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
+    header = ("model", "ranks", "eager s/step", "compiled s/step", "compiled/eager")
+    header += ("first step s", "graphs", "graph breaks", "frames", "recompiled", "load")
     _print(header, rows, args.markdown)
+    if args.no_kernels:
+        return
     torch.set_num_threads(args.threads)
     header = ("op on 1M floats", "eager ms", "compiled ms", "compiled/eager")
     _print(header, kernel_rows(args.device), args.markdown)

@@ -199,8 +199,9 @@ class TrainingConfig:
     activation_checkpointing_every: int = 1
     """Checkpoint every k-th of those modules only: less recomputation, less saved."""
     compile: bool = False
-    """torch.compile the model: the local ops between halo exchanges are compiled (the
-    exchanges and collectives are graph breaks); the first steps pay the compilation."""
+    """torch.compile the model in place (``run`` and ``verify``): the parallelized forward
+    runs eagerly as a whole under it (spconv_train/parallel/_compile.py), so this runs at
+    eager speed; exact for every model family."""
     compile_backend: str = "inductor"
     """torch.compile backend (inductor; aot_eager to debug)."""
     seed: int = 0

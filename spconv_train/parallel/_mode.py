@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from ._compile import eager_from_eager, run_eagerly, traced_dtensor_op
 from ._geometry import SpatialShardingError
 from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
@@ -35,8 +36,8 @@ def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Ca
     The handler receives the call's arguments unchanged (plain tensors and DTensors alike)
     and must return what the function returns. Registers for every model; a runtime's own
     ``runtime.registry.register(...)`` registers for one model only. Under ``torch.compile``
-    the handler runs eagerly (a graph break) unless ``traced=True``, meant for handlers made
-    only of local element-wise ops, which the compiler may then fuse."""
+    the handler runs eagerly (a graph break) unless ``traced=True`` (Dynamo inlines it: only
+    for handlers without DTensor ops, since compiled graphs hold plain tensors only)."""
     return DEFAULT_REGISTRY.register(*functions, traced=traced)
 
 
@@ -75,6 +76,7 @@ class SpatialMode(TorchFunctionMode):
         finally:
             self._active.__exit__(*exc)
 
+    @eager_from_eager  # see _compile.py
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         entry = self.runtime.registry.lookup(func)
@@ -84,6 +86,14 @@ class SpatialMode(TorchFunctionMode):
             raise SpatialShardingError(
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
+        if (
+            torch.compiler.is_compiling()
+            and not traced_dtensor_op(func)
+            and _has_dtensor(args, kwargs)
+        ):
+            # DTensor's own op, outside compiled graphs: they hold plain tensors only
+            # (see _compile.py)
+            return run_eagerly(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._compile import not_traced
+from ._compile import not_traced, run_eagerly
 from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._mode import SpatialMode
@@ -67,13 +68,16 @@ class _SpatialRoot:
     """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
     the model's runtime."""
 
-    # Under torch.compile (torch 2.14) Dynamo traces through the spatial handlers: the local
-    # ops are compiled, the halo exchanges and collectives are graph breaks
-    # (``gather_columns`` is excluded from tracing, see _halo.py). The two contexts are
+    # Under torch.compile (torch 2.14) the forward runs eagerly as a whole unless the option
+    # ``trace_under_compile``: then Dynamo traces the model's code, with graph breaks around
+    # every spatial layer, handler and DTensor op (see _compile.py). The two contexts are
     # entered by one opaque object: Dynamo graph-breaks on it and runs the body as a new
     # frame; two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1"
     # assertion when a graph break falls inside them.
     def forward(self, *args, **kwargs):
+        traced = self.spatial_runtime.options.trace_under_compile
+        if torch.compiler.is_compiling() and not traced:
+            return run_eagerly(self.forward, *args, **kwargs)  # see SpatialOptions
         with _SpatialContext(self.spatial_runtime):
             return super().forward(*args, **kwargs)
 
@@ -133,7 +137,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     conv windows cost ~1/N of one device's activation memory), ``allow_gather`` (default
     False: an op that would make DTensor move a width-sharded activation between ranks
     raises ``SpatialShardingError`` naming the op and module; True: logged and counted in
-    the runtime's ``stats.gathers``). Raises
+    the runtime's ``stats.gathers``), ``trace_under_compile`` (default False: under
+    ``torch.compile`` the parallelized forward runs eagerly as a whole; True: Dynamo traces
+    its plain-tensor code, see ``SpatialOptions``). Raises
     ``SpatialShardingError`` naming every module that cannot run width-sharded, before
     changing anything; ``TypeError`` for an unknown option.
     """

@@ -1,6 +1,7 @@
 """Element-wise activations and dropout on width-sharded DTensors, run on the local strip.
 
-An element-wise op needs no halo, so it is exact on each strip. DTensor runs many of them
+An element-wise op needs no halo, so it is exact on each strip. Under ``torch.compile``
+these handlers run eagerly like every other (see ``_compile.py``). DTensor runs many of them
 itself but lacks backward strategies for some (``hardswish_backward``,
 ``hardsigmoid_backward`` in torch 2.14, used by MobileNetV3), so the functional forms are
 all routed here: the plain op runs on the local tensor and autograd does the rest.
@@ -23,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ._compile import run_elementwise
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._registry import function_name
@@ -73,12 +73,12 @@ def _make_local_handler(fn):
             return fn(input, *args, **kwargs)
         local = _local(input, what)
         if sig is None:
-            return _wrap(input, run_elementwise(fn, local, *args, **kwargs))
+            return _wrap(input, fn(local, *args, **kwargs))
         bound = sig.bind(input, *args, **kwargs)
         if "inplace" in sig.parameters:
             bound.arguments["inplace"] = False
         bound.arguments["input"] = local
-        return _wrap(input, run_elementwise(fn, *bound.args, **bound.kwargs))
+        return _wrap(input, fn(*bound.args, **bound.kwargs))
 
     handler.__name__ = f"spatial_{fn.__name__}"
     return handler
@@ -89,7 +89,7 @@ for _name in _ELEMENTWISE:
     for _ns in (F, torch, torch._C._nn):
         _fn = getattr(_ns, _name, None)
         if _fn is not None:
-            register_handler(_fn, traced=True)(_make_local_handler(_fn))
+            register_handler(_fn)(_make_local_handler(_fn))
 
 
 def _step_seed() -> int:

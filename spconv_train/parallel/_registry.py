@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ._compile import not_traced
+from ._compile import not_traced, route_through_modes
 
 
 @dataclass(frozen=True)
@@ -23,9 +23,9 @@ class Entry:
     name: str
     handler: Callable | None = None
     refused: str | None = None
-    #: what ``SpatialMode`` calls: the handler itself when it is ``traced`` (element-wise
-    #: local ops that ``torch.compile`` may fuse), otherwise the handler run eagerly under
-    #: ``torch.compile`` (its exchanges, collectives and plan lookups are no graph material)
+    #: what ``SpatialMode`` calls: the handler itself when it is ``traced`` (Dynamo inlines
+    #: it), otherwise the handler run eagerly under ``torch.compile`` (its exchanges,
+    #: collectives, plan lookups and DTensor ops are no graph material)
     run: Callable | None = field(default=None, compare=False, repr=False)
 
 
@@ -64,11 +64,14 @@ class HandlerRegistry:
         whenever a DTensor is among the arguments while a parallelized model runs.
 
         Under ``torch.compile`` the handler runs eagerly (a graph break around it) unless
-        ``traced``: only handlers made of plain local tensor ops (element-wise activations)
-        should be traced; anything with an exchange, a collective or a cached plan is not
-        graph material (Dynamo would guard on its Python state and recompile)."""
+        ``traced``: Dynamo then inlines it, so only a handler without DTensor ops may be
+        traced (compiled graphs hold plain tensors only, see ``_compile.py``); anything
+        with an exchange, a collective or a cached plan is not graph material either
+        (Dynamo would guard on its Python state and recompile)."""
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
+
+        route_through_modes(functions)
 
         def deco(handler: Callable) -> Callable:
             run = handler if traced else not_traced(handler)
@@ -84,6 +87,7 @@ class HandlerRegistry:
         """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
         DTensors. A function that already has a handler keeps it unless not
         ``keep_handlers``."""
+        route_through_modes(functions)
         for fn in functions:
             old = self.lookup(fn)
             if keep_handlers and old is not None and old.handler is not None:

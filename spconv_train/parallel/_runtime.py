@@ -47,6 +47,14 @@ class SpatialOptions:
     #: would otherwise compute its strip with other weights, silently. False: the caller
     #: guarantees identical state (e.g. it loads a checkpoint on every rank afterwards).
     sync_state: bool = True
+    #: Under ``torch.compile``, let Dynamo trace the parallelized model's own code: the
+    #: plain-tensor code between spatial layers is compiled, while every spatial layer,
+    #: handler and DTensor op still runs eagerly with a graph break around it
+    #: (``_compile.py``). False: the parallelized forward runs eagerly as a whole (one graph
+    #: break): the built-in, torchvision and smp models have no plain-tensor code there,
+    #: and each of their 7-64 graph breaks costs guard checks on DTensor inputs every step
+    #: (LR-ASPP at 32x128 on CPU: +10 % per step, docs/benchmarks.md).
+    trace_under_compile: bool = False
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:

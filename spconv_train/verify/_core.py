@@ -3,11 +3,12 @@
 Both runs start from the same weights (``training.seed``) and see the same batches:
 
 1. **Sharded run** (every rank): the model is ``parallelize``d over the configured
-   ``(dp, sp)`` mesh and fed by the trainer's own ``TrainFeed`` (each rank loads only its
-   strip), with the sharded loss of ``training.loss``, gradient clipping, optimizer and
-   schedule exactly as ``spconv-train run`` does. Every step runs under ``CommAudit``; its
-   input strip, logits strip, gradients (before clipping), parameters after the optimizer
-   step and buffers are kept (on the CPU) for the comparison.
+   ``(dp, sp)`` mesh (and compiled in place with ``training.compile``, as ``run`` does)
+   and fed by the trainer's own ``TrainFeed`` (each rank loads only its strip), with the
+   sharded loss of ``training.loss``, gradient clipping, optimizer and schedule exactly as
+   ``spconv-train run`` does. Every step runs under ``CommAudit``; its input strip, logits
+   strip, gradients (before clipping), parameters after the optimizer step and buffers are
+   kept (on the CPU) for the comparison.
 2. **Reference run** (a plain copy of the model, plain ``F.cross_entropy`` / Dice on full
    tensors): every rank (``reference="all"``) or only rank 0 (``"rank0"``, which then sends
    each rank the reference values it needs) loads the FULL images of the same samples with
@@ -148,6 +149,8 @@ def run_verify(
             cfg.training.activation_checkpointing_granularity,
             cfg.training.activation_checkpointing_every,
         )
+    if cfg.training.compile:  # compiled as ``run`` compiles it (train/loop.py)
+        sharded.compile(backend=cfg.training.compile_backend, dynamic=False)
     _reset_peak(device)
     records, comms, shape = sharded_run(
         sharded, cfg, mesh, device, source, steps, precision, keep_optimizer=resync and runs_ref
@@ -189,6 +192,11 @@ def run_verify(
             if noise
             else ""
         ),
+        f"the sharded run is compiled (training.compile, backend "
+        f"{cfg.training.compile_backend}); the reference runs eagerly; communication is "
+        "not audited (Dynamo compiles nothing while the audit's dispatch mode is active)"
+        if cfg.training.compile
+        else "the sharded run is not compiled (training.compile: false)",
         "reference run on every rank"
         if reference == "all"
         else "reference run on rank 0 only; it sends each rank the blocks to compare",

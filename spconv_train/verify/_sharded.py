@@ -3,7 +3,9 @@
 The model is the ``parallelize``d copy, fed by the trainer's own ``TrainFeed`` (each rank
 loads only its strip), with the trainer's loss, clipping, optimizer and schedule, and every
 step is the trainer's own ``train_step`` (so ``verify`` checks the code ``run`` executes,
-not a copy of it). Every step runs under ``CommAudit``; its input strip, logits strip,
+not a copy of it). Every step runs under ``CommAudit`` (except with ``training.compile``:
+Dynamo compiles nothing while a ``TorchDispatchMode`` is active, so an audited step would
+check the eager model); its input strip, logits strip,
 gradients (before clipping), parameters after the optimizer step and buffers are copied to
 the CPU.
 """
@@ -26,6 +28,19 @@ from spconv_train.train.optim import build_loss, build_optimizer, build_schedule
 from spconv_train.train.step import train_step
 
 __all__ = ["StepRecord", "autocast", "low", "sharded_run"]
+
+
+class _NotAudited(nullcontext):
+    """``CommAudit``'s place under ``training.compile`` (see the module docstring)."""
+
+    def __enter__(self) -> _NotAudited:
+        return self
+
+    def summary(self) -> dict:
+        return {}
+
+    def activation_sized(self, threshold: int, shapes) -> list:
+        return []
 
 
 def autocast(precision: str, device: torch.device):
@@ -113,7 +128,7 @@ def sharded_run(
         def record_grads(rec=rec):
             rec.grads = {n: None if p.grad is None else _cpu(p.grad) for n, p in named}
 
-        with CommAudit() as audit:
+        with _NotAudited() if cfg.training.compile else CommAudit() as audit:
             done = train_step(
                 model,
                 batch.image,
