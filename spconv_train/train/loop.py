@@ -47,7 +47,7 @@ from spconv_train.distributed import (
 )
 from spconv_train.logging import RunLogger, overlay_panel
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
-from spconv_train.parallel import parallelize, runtime_of
+from spconv_train.parallel import full_parameters, runtime_of
 from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
     note_training_skips,
@@ -59,12 +59,12 @@ from spconv_train.train.data_feed import TrainFeed, build_sources, val_items
 from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.mesh_coords import MeshCoords
 from spconv_train.train.metrics import ConfusionMatrix
+from spconv_train.train.model_setup import prepare_model
 from spconv_train.train.optim import (
     apply_hyperparameters,
     build_loss,
     build_optimizer,
     build_scheduler,
-    enable_activation_checkpointing,
 )
 from spconv_train.train.panels import gather_panels, panel_pieces
 from spconv_train.train.preemption import Preempted, StopRequests
@@ -153,16 +153,18 @@ def validate(run: _Run, step: int) -> dict:
     model.eval()
     cm = ConfusionMatrix(k, ignore, device=run.info.device)
     loss_sum, count, pieces = 0.0, 0, []
-    for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, run.info.device):
-        run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
-        with run.autocast():
-            logits = model(item.image)
-        loss = float(run.loss_fn(logits, item.target))
-        if math.isfinite(loss):  # nan when every pixel is ignored
-            loss_sum, count = loss_sum + loss, count + 1
-        cm.update(logits, item.target)
-        if item.index < cfg.logging.num_val_images:
-            pieces += panel_pieces(item, logits, cfg, run.coords.sp_rank)
+    # With FSDP, gathered once: replicas may validate different numbers of images.
+    with full_parameters(model):
+        for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, run.info.device):
+            run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
+            with run.autocast():
+                logits = model(item.image)
+            loss = float(run.loss_fn(logits, item.target))
+            if math.isfinite(loss):  # nan when every pixel is ignored
+                loss_sum, count = loss_sum + loss, count + 1
+            cm.update(logits, item.target)
+            if item.index < cfg.logging.num_val_images:
+                pieces += panel_pieces(item, logits, cfg, run.coords.sp_rank)
     run.watchdog.beat(f"step {step}: validation metrics (all-reduce over the mesh)")
     cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
     totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=run.info.device)
@@ -248,15 +250,10 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     dp, sp = resolve_grid(cfg, info.world_size)  # parallel.sp: 0 -> the chosen grid
     mesh = build_mesh(dp, sp, info.device.type, grid_mesh_dims(cfg))
     run_dir = Path(cfg.run_dir)
-    model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
+    # parallelize, activation checkpointing, FSDP (parallel.fsdp): as verify builds it
+    model = prepare_model(model.to(info.device), mesh, cfg, cfg.training.precision)
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device)
     _prepare_run_dir(cfg, remove, info, job)  # after every check: --overwrite deletes here
-    if cfg.training.activation_checkpointing:
-        enable_activation_checkpointing(
-            model,
-            cfg.training.activation_checkpointing_granularity,
-            cfg.training.activation_checkpointing_every,
-        )
     if cfg.training.compile:  # in place: parameters and state_dict keys stay the model's
         # Static shapes: the halo plans are built from concrete sizes (a symbolic width would
         # reach them when validation images differ from the training crop); each new image

@@ -54,6 +54,10 @@ def _sharded_loss(cfg: Config, device: torch.device, precision: str):
 
 
 def _cpu(t: Tensor) -> Tensor:
+    """A CPU copy; a DTensor's full value (FSDP's parameter, gradient and optimizer state
+    shards: collective, called in the same order on every rank)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
     return t.detach().to("cpu", copy=True)
 
 
