@@ -255,3 +255,31 @@ def test_a_sharded_model_is_not_sharded_again_nor_copied(dist_pool):
     for again, copied in dist_pool.run(2, refusals):
         assert "sharded already" in again
         assert "deepcopy" in copied
+
+
+def compiled_fsdp() -> list[float]:
+    """``training.compile`` on an FSDP model (aot_eager): gradients equal one device's."""
+    from spconv_train.models import create_model
+
+    dmesh = mesh((1, 2))
+    torch.manual_seed(0)
+    ref = create_model("unet", num_classes=3, depth=2, base_width=4).double()
+    model = parallelize(copy.deepcopy(ref), dmesh)
+    shard_parameters(model, checkpoint_blocks(model))
+    model.compile(backend="aot_eager", dynamic=False)
+    errs = []
+    for x, t in _batches(2, 1, 20):
+        x = torch.cat([x, x], dim=2)  # 12 rows: the U-Net pools once
+        t = torch.cat([t, t], dim=1)
+        cross_entropy(model(distribute_tensor(x, dmesh, [Shard(0), Shard(3)])), t).backward()
+        F.cross_entropy(ref(x), t).backward()
+        pairs = zip(model.parameters(), ref.parameters(), strict=True)
+        errs.append(max(rel_err(p.grad, r.grad, floor=1e-12) for p, r in pairs))
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+    return errs
+
+
+def test_compile_keeps_working_with_fsdp(dist_pool):
+    for errs in dist_pool.run(2, compiled_fsdp):
+        assert max(errs) < TOL, errs
