@@ -26,7 +26,7 @@ from spconv_train.train.optim import (
     clip_gradients,
     enable_activation_checkpointing,
 )
-from tests.dist_harness import mesh
+from tests.dist_harness import device, mesh
 from tests.reference import full, rel_err, seeded
 
 TOL = 1e-10
@@ -72,7 +72,7 @@ def _net() -> _Net:
         for norm in (net.enc[1], net.mid[0]):
             norm.weight.uniform_(0.5, 1.5)
             norm.bias.uniform_(-0.5, 0.5)
-    return net
+    return net.to(device())  # SPCONV_TEST_DEVICE
 
 
 def _batches(steps: int, n: int, width: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -80,7 +80,7 @@ def _batches(steps: int, n: int, width: int) -> list[tuple[torch.Tensor, torch.T
     for s in range(steps):
         x = seeded(10 + s, n, 3, 6, width, dtype=torch.float64)
         t = (seeded(20 + s, n, 6, width).abs() * 1.5).long().clamp(max=2)
-        out.append((x, t))
+        out.append((x.to(device()), t.to(device())))
     return out
 
 
@@ -169,7 +169,7 @@ def bf16_policy() -> dict:
     model.head.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     ((x, t),) = _batches(1, 4, 16)
     x = x.float()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         loss = cross_entropy(model(distribute_tensor(x, dmesh, [Shard(0), Shard(3)])), t)
     loss.backward()
     F.cross_entropy(ref(x), t).backward()
@@ -199,7 +199,7 @@ def uneven_replicas() -> list[float]:
     errs = []
     with torch.no_grad(), full_parameters(model):
         for i in range(2 - rank):
-            x = seeded(40 + i, 1, 3, 6, 12, dtype=torch.float64)
+            x = seeded(40 + i, 1, 3, 6, 12, dtype=torch.float64).to(device())
             y = model(distribute_tensor(x, dmesh["sp"], [Shard(3)]))
             errs.append(rel_err(y, ref(x)))
     # parameters are shards again afterwards: a training forward gathers them as usual
@@ -263,7 +263,7 @@ def compiled_fsdp() -> list[float]:
 
     dmesh = mesh((1, 2))
     torch.manual_seed(0)
-    ref = create_model("unet", num_classes=3, depth=2, base_width=4).double()
+    ref = create_model("unet", num_classes=3, depth=2, base_width=4).double().to(device())
     model = parallelize(copy.deepcopy(ref), dmesh)
     shard_parameters(model, checkpoint_blocks(model))
     model.compile(backend="aot_eager", dynamic=False)

@@ -71,11 +71,20 @@ def shard_parameters(
     forward computes with, ``reduce_dtype`` the one gradients are reduced in (FSDP2's
     ``MixedPrecisionPolicy``; None: the parameters' own dtype).
 
-    Raises ``ValueError`` for a model that was not parallelized or is sharded already.
+    Raises ``ValueError`` for a model that was not parallelized or is sharded already, or
+    that has a non-contiguous (e.g. channels-last) parameter.
     """
     runtime = runtime_of(model)
     if is_sharded(model):
         raise ValueError(f"shard_parameters: {type(model).__name__} is sharded already")
+    for name, p in model.named_parameters():
+        if not p.is_contiguous():
+            raise ValueError(
+                f"shard_parameters: parameter {name} of shape {tuple(p.shape)} is not "
+                f"contiguous (stride {p.stride()}; channels-last weights?): FSDP2 shards "
+                "contiguous parameters only. Keep the weights contiguous (convolutions follow "
+                "a channels-last input all the same)"
+            )
     mesh = flat_mesh(runtime.mesh)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
