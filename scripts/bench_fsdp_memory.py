@@ -11,8 +11,9 @@ counted: the distinct storages of the parameters (FSDP: the local, padded shards
 state (moments and step counters). Activations and BatchNorm buffers are not counted. The
 target (issue 25): FSDP at most 1.1x (replicated / world).
 
-Memory: a replicated rank holds about 16 bytes per parameter (1.4 GiB for convnext_base):
-``--modes fsdp`` or ``--worlds`` keep the runs within what a shared machine can spare.
+Memory: a replicated rank holds about 16 bytes per parameter (1.4 GiB for convnext_base)
+whatever the number of ranks; ``--replicated-worlds 1`` measures that once instead of on
+every rank of every world size (the ratio column needs the one-rank replicated run).
 
 Usage: ``python scripts/bench_fsdp_memory.py [--encoder tu-convnext_base --worlds 1 2 4
 --modes replicated fsdp --markdown]``.
@@ -106,6 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--encoder", default="tu-convnext_base")
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--modes", nargs="+", default=["replicated", "fsdp"])
+    ap.add_argument(
+        "--replicated-worlds",
+        type=int,
+        nargs="+",
+        help="world sizes of the replicated runs (default: --worlds)",
+    )
     ap.add_argument("--height", type=int, default=64)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
@@ -123,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     header += ("vs replicated / world",)
     rows, replicated = [], None
     for mode in args.modes:
-        for world in args.worlds:
+        worlds = args.worlds
+        if mode == "replicated" and args.replicated_worlds:
+            worlds = args.replicated_worlds
+        for world in worlds:
             res = spawn_ranks(_worker, world, mode, args)
             errors = [r[1] for r in res if r[1]]
             if errors:
