@@ -235,6 +235,7 @@ def test_verify_with_fsdp_passes_at_dp2_sp2(dist_pool):
     assert not d["activation_sized_collectives"]
     kinds = d["comms"][0]["max_per_rank"]
     assert kinds["param"]["count"] > 0  # FSDP's all-gathers and reduce-scatters
+    assert "gather" not in kinds  # verify's own recording (full gradients) is not counted
     assert max(c["max_rel_err"] for c in d["checks"] if c["kind"] == "param") < 1e-12
 
 

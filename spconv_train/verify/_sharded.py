@@ -76,6 +76,12 @@ class StepRecord:
         self.optimizer: dict | None = None  # state after the step (for re-synchronising)
 
 
+def _keep(t: Tensor) -> Tensor:
+    """A CPU copy of a plain tensor now; a DTensor's local shard cloned (no communication),
+    for ``_cpu`` to gather later."""
+    return t.detach().clone() if isinstance(t, DTensor) else _cpu(t)
+
+
 def _cpu_tree(obj):
     """A CPU copy of a nested state dict."""
     if isinstance(obj, Tensor):
@@ -115,7 +121,9 @@ def sharded_run(
         halo.reset()
 
         def record_grads(rec=rec):
-            rec.grads = {n: None if p.grad is None else _cpu(p.grad) for n, p in named}
+            # FSDP's gradient shards are kept as they are and gathered after the audit: the
+            # recording's own traffic must not count as the step's
+            rec.grads = {n: None if p.grad is None else _keep(p.grad) for n, p in named}
 
         with CommAudit() as audit:
             done = train_step(
@@ -131,6 +139,7 @@ def sharded_run(
                 autocast=autocast(precision, device),
                 after_backward=record_grads,
             )
+        rec.grads = {n: None if g is None else _cpu(g) for n, g in rec.grads.items()}
         logits = done.logits
         shape = tuple(batch.image.shape)
         rec.loss = done.loss
