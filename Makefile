@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step bench-compile bench-tiles physicsnemo verify predict clean
+.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step bench-compile bench-tiles physicsnemo verify predict gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -39,6 +39,12 @@ predict: install
 	test -d data/synthetic/images/val || $(MAKE) data
 	$(PY) -m spconv_train predict runs/unet data/synthetic/images/val \
 		--masks data/synthetic/masks/val --out runs/unet/predictions --nproc $(NPROC) $(ARGS)
+
+# The device check: op grids on the GPU, a bf16 channels-last training step (plain and
+# FSDP), bench_conv / bench_step timed with CUDA events; tables in gpu_check/gpu_check.md.
+# On a machine without a GPU: make gpu-check ARGS="--device cpu"
+gpu-check: install
+	PYTHON=$(PY) scripts/gpu_check.sh $(ARGS)
 
 bench: bench-conv bench-memory bench-step
 

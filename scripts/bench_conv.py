@@ -63,17 +63,25 @@ def _current_mib(device: str) -> float:
 
 
 def _time_steps(fn, iters: int, warmup: int, device: str) -> float:
-    """Median seconds per call of ``fn`` (max over ranks: a step ends when the slowest does)."""
+    """Median seconds per call of ``fn`` (max over ranks: a step ends when the slowest does).
+    On CUDA the time is the GPU's, between CUDA events recorded around the call (host
+    timers would see only the kernel launches)."""
     times = []
     for i in range(warmup + iters):
         dist.barrier()
         if device == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - t0
+        dt = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i >= warmup:
             times.append(dt.item())

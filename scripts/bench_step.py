@@ -12,6 +12,15 @@ Usage: ``python scripts/bench_step.py [--models unet lraspp_mobilenet_v3_large -
 --height 256 --width 1024 --checkpointing off on --compile off on]`` (``make bench-step``);
 ``--markdown`` prints a table for ``docs/benchmarks.md``. On a loaded machine the times are
 meaningless: note the load (``uptime``) beside the table.
+
+``--reducers builtin ddp fsdp`` compares instead how the parameter gradients are summed over
+the ranks, on the same model, image and groups: ``builtin`` (the model's bucketed
+``GradReducer``), ``ddp`` (``DistributedDataParallel`` over the mesh's group, the built-in
+reducer deferring to it exactly as it does to FSDP: partial gradients scaled by the group
+size, DDP averages) and ``fsdp`` (``shard_parameters``). The variants alternate step by step
+in the same processes (a load change hits them alike); the table gives the median s/step
+and the largest parameter difference from ``builtin`` after the timed steps (the variants
+train identically).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -93,6 +103,106 @@ def _worker(rank, world, port, name, ck, comp, args, floor, queue) -> None:
         shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
+def _with_reducer(model, reducer: str, mesh):
+    """``model`` (parallelized) with its gradients summed by ``reducer`` (module docstring)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from spconv_train.parallel import runtime_of, shard_parameters
+    from spconv_train.train.optim import checkpoint_blocks
+
+    if reducer == "fsdp":
+        return shard_parameters(model, checkpoint_blocks(model))
+    if reducer == "ddp":
+        runtime_of(model).grad_reducer.defer_to(mesh.size())
+        group = mesh.get_group()  # BatchNorm's buffers are the same on every rank already
+        return DistributedDataParallel(model, process_group=group, forward_sync_buffers=False)
+    return model
+
+
+def _reducer_worker(rank, world, port, name, ck, args, queue) -> None:
+    """Interleaved steps of one model per reducer: (median s/step, max param diff)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from spconv_train.parallel import parallelize
+    from spconv_train.train import cross_entropy
+    from spconv_train.train.optim import enable_activation_checkpointing
+
+    dev = args.device
+    mesh = init_worker(rank, world, port, args)
+    try:
+        g = torch.Generator().manual_seed(1)
+        img = torch.randn(1, 3, args.height, args.width, generator=g).to(dev)
+        target = torch.randint(0, 4, (1, args.height, args.width), generator=g).to(dev)
+        x = distribute_tensor(img, mesh, [Shard(3)], src_data_rank=None)
+        tgt = distribute_tensor(target, mesh, [Shard(2)], src_data_rank=None).to_local()
+        steps, times, models = {}, {r: [] for r in args.reducers}, {}
+        for reducer in args.reducers:
+            model = parallelize(_build(name, args).to(dev), mesh)
+            if ck:
+                enable_activation_checkpointing(model)
+            run = models[reducer] = _with_reducer(model, reducer, mesh)
+            opt = torch.optim.SGD(run.parameters(), lr=1e-3)
+
+            def step(run=run, opt=opt) -> None:
+                cross_entropy(run(x), tgt).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            steps[reducer] = step
+            step()  # warm-up (DDP builds its buckets, FSDP initialises lazily)
+        for _ in range(args.iters):
+            for reducer, step in steps.items():
+                times[reducer].append(_time_steps(step, 1, 0, dev))
+
+        def params(run) -> list[torch.Tensor]:
+            out = [p.full_tensor() if isinstance(p, DTensor) else p for p in run.parameters()]
+            return [p.detach() for p in out]
+
+        ref = params(models[args.reducers[0]])
+        result = {}
+        for reducer, run in models.items():
+            diff = max((a - b).abs().max().item() for a, b in zip(params(run), ref, strict=True))
+            result[reducer] = (statistics.median(times[reducer]), diff)
+        queue.put((rank, None, result))
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        queue.put((rank, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", {}))
+    finally:
+        shutdown()
+
+
+def compare_reducers(args) -> None:
+    """The ``--reducers`` table: per model, world size and checkpointing setting."""
+    header = ("model", "ranks", "ckpt", *(f"{r} s/step" for r in args.reducers))
+    header += tuple(f"{r} max param diff" for r in args.reducers[1:])
+    rows = []
+    for name in args.models:
+        for ck in (c == "on" for c in args.checkpointing):
+            for world in args.worlds:
+                res = spawn_ranks(_reducer_worker, world, name, ck, args)
+                errors = [r[1] for r in res if r[1]]
+                row = (name, world, "on" if ck else "off")
+                if errors:
+                    rows.append((*row, "fails", errors[0]))
+                    continue
+                worst = {r: max(x[2][r][0] for x in res) for r in args.reducers}
+                diffs = {r: max(x[2][r][1] for x in res) for r in args.reducers}
+                row += tuple(f"{worst[r]:.3f}" for r in args.reducers)
+                rows.append(row + tuple(f"{diffs[r]:.1e}" for r in args.reducers[1:]))
+                print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
+    _print_table(header, rows, args.markdown)
+
+
+def _print_table(header: tuple, rows: list, markdown: bool) -> None:
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for r in rows:
+            print("| " + " | ".join(map(str, r)) + " |")
+    else:
+        for r in (header, *rows):
+            print("  ".join(f"{c!s:>12}" for c in r))
+
+
 def run_case(world: int, name: str, ck: bool, comp: bool, args, floor: bool = False):
     """(error or None, seconds, first-step seconds, live MiB, peak MiB): max over ranks."""
     res = spawn_ranks(_worker, world, name, ck, comp, args, floor)
@@ -122,6 +232,12 @@ def main(argv: list[str] | None = None) -> None:
         help="also run, per world size > 1, the plain model on each rank's strip without any "
         "communication (the floor; its efficiency column is against one rank too)",
     )
+    ap.add_argument(
+        "--reducers",
+        nargs="+",
+        choices=["builtin", "ddp", "fsdp"],
+        help="compare gradient reductions instead (module docstring), e.g. builtin ddp fsdp",
+    )
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -131,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}",
         file=sys.stderr,
     )
+    if args.reducers:
+        compare_reducers(args)
+        return
     header = ("model", "ranks", "ckpt", "compile", "s/step", "efficiency", "first step s")
     header += ("live act. MiB/rank", "peak MiB/rank" if args.device == "cuda" else "peak RSS +MiB")
     rows = []
@@ -152,14 +271,7 @@ def main(argv: list[str] | None = None) -> None:
                     row = (name, label, *flags, f"{sec:.3f}", eff, f"{first:.1f}")
                     rows.append((*row, f"{live:.0f}", f"{peak:.0f}"))
                     print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for r in rows:
-            print("| " + " | ".join(map(str, r)) + " |")
-    else:
-        for r in (header, *rows):
-            print("  ".join(f"{c!s:>12}" for c in r))
+    _print_table(header, rows, args.markdown)
 
 
 if __name__ == "__main__":

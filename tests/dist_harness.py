@@ -8,6 +8,10 @@ world size instead of once per test keeps the many-case grids fast on 2 cores.
 A rank that raises makes ``run`` raise with that rank's traceback; the group is then torn
 down and respawned for the next test (a failed collective can leave it unusable). A
 process group timeout guards against hangs.
+
+``SPCONV_TEST_DEVICE=cuda`` runs the workers on CUDA with NCCL, one GPU per rank
+(``DEVICE``; tests that build their tensors through ``device()`` / ``mesh()`` follow);
+a world larger than the GPU count is skipped (NCCL refuses two ranks on one GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ from spconv_train.parallel import gloo_threads_idle
 
 # Per call: the fp64 ResNet-50 grids at 3 ranks take ~100 s on 2 idle cores.
 TIMEOUT_S = float(os.environ.get("SPCONV_TEST_TIMEOUT", "400"))
+#: "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+DEVICE = os.environ.get("SPCONV_TEST_DEVICE", "cpu")
 _MESHES: dict = {}
+
+
+def device() -> torch.device:
+    """This worker's device: the CPU, or its own GPU under ``SPCONV_TEST_DEVICE=cuda``."""
+    if DEVICE == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
@@ -40,9 +53,11 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     # A hung rank is asked for its Python stacks (every thread) before it is killed, so a
     # hang in CI names the line it waits on.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
     with gloo_threads_idle():  # as a CPU run does (spconv_train/parallel/_comm_threads.py)
         dist.init_process_group(
-            "gloo",
+            "nccl" if DEVICE == "cuda" else "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
@@ -69,7 +84,7 @@ def mesh(shape: tuple[int, ...] | int, names: tuple[str, ...] | None = None):
     key = (shape, names)
     if key not in _MESHES:
         with gloo_threads_idle():  # the mesh's groups start threads of their own
-            _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            _MESHES[key] = init_device_mesh(DEVICE, shape, mesh_dim_names=names)
     return _MESHES[key]
 
 
@@ -152,6 +167,10 @@ class DistPool:
     def run(self, world: int, fn, *args, timeout: float = TIMEOUT_S, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank of a ``world``-process gloo group and
         return the per-rank results; raise with the traceback if any rank fails."""
+        if DEVICE == "cuda" and world > torch.cuda.device_count():
+            import pytest
+
+            pytest.skip(f"{world} ranks need {world} GPUs (NCCL: one GPU per rank)")
         group = self.groups.get(world)
         if group is None:
             group = self.groups[world] = _Group(world)

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from spconv_train.parallel import SpatialMode, parallelize
 from spconv_train.parallel._comm_audit import CommAudit
+from tests.dist_harness import device
 from tests.reference import check_close, full, seeded
 
 TOL = 1e-10
@@ -26,10 +27,12 @@ def check_fn(
     ``SpatialMode``), backward a seeded upstream gradient through both, and append every
     mismatch (output, input gradient, output placements not plain, a gather-like collective)
     to ``failures``. Tuple outputs: every element is compared, the first is differentiated."""
+    x = x.to(device())  # SPCONV_TEST_DEVICE (tests/dist_harness.py)
     xr = x.clone().requires_grad_()
     yr = fn(xr)
     shape = _first(yr).shape
     g = seeded(99, max(shape.numel(), 1), dtype=x.dtype)[: shape.numel()].reshape(shape)
+    g = g.to(x.device)
     _first(yr).backward(g)
     xs = distribute_tensor(x.clone(), dmesh, placements).requires_grad_()
     with CommAudit() as audit, SpatialMode():
@@ -55,6 +58,7 @@ def check_fn(
 def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures, tol=TOL):
     """``check_fn`` for a module: the plain copy against a ``parallelize``d copy, and every
     parameter gradient too."""
+    model = model.to(device())
     ref = copy.deepcopy(model)
     par = parallelize(copy.deepcopy(model), dmesh)
     shapes = {tuple(p.shape) for p in par.parameters()}

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from spconv_train.parallel import parallelize
+from tests.dist_harness import device
 
 TOL = 1e-5
 
@@ -63,10 +64,12 @@ def compare_module(model, x, dmesh, placements, grad_kind, label, failures, tol=
     in placement ``grad_kind`` ("shard", "replicate" or "partial"); append every mismatch of
     output, input gradient and parameter gradients to ``failures``. Returns the sharded
     model (for further checks, e.g. buffers)."""
+    dev = device()  # SPCONV_TEST_DEVICE (tests/dist_harness.py)
+    model, x = model.to(dev), x.to(dev)
     ref = copy.deepcopy(model)
     xr = x.clone().requires_grad_()
     yr = ref(xr)
-    g = seeded(99, *yr.shape)
+    g = seeded(99, *yr.shape).to(dev)
     yr.backward(g)
 
     par = parallelize(copy.deepcopy(model), dmesh)

@@ -47,6 +47,7 @@ RESUME_POLICY: dict[str, tuple[Policy, str]] = {
     "data.on_bad_sample": ("apply", "error handling only"),
     "data.max_image_pixels": ("apply", "a size limit only"),
     "parallel": ("apply", "checkpoints resume on any world size and (dp, sp) layout"),
+    "parallel.fsdp": ("apply", "checkpoints hold full tensors by name: FSDP on or off resumes"),
     "optimizer": ("apply", "hyper-parameters are overridden after the checkpoint is loaded"),
     "optimizer.name": ("refuse", "the saved optimizer state belongs to the old optimizer"),
     "schedule": ("apply", "the schedule is rebuilt from the config"),

@@ -141,6 +141,13 @@ class ParallelConfig:
     allow_gather: bool = False
     """Let an op without a spatial implementation gather the width-sharded activation
     through DTensor (logged and counted) instead of refusing it (the default)."""
+    fsdp: bool = False
+    """Shard the parameters, gradients and optimizer state over all ranks of the mesh with
+    PyTorch's FSDP2 (``fully_shard`` per block and at the root): each rank keeps 1 / world
+    of them instead of a full copy (a large encoder with AdamW holds ~16 bytes per
+    parameter on every rank otherwise). Gradients and results are the same as without it;
+    with training.precision bf16 the forward gathers bf16 parameters and gradients are
+    reduced in fp32. Checkpoints resume with or without it, on any layout."""
     cpu_affinity: bool = True
     """CPU runs (gloo): bind each local rank, with gloo's helper threads, to its own share of
     the cores this job may use (spconv_train/cpu_affinity.py), so a message is read the

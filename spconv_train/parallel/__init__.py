@@ -14,6 +14,8 @@ Tensor method to your handler; inside it ``spatial_layout`` reads the layout, ``
 ``ExchangePlan`` + ``gather_columns``) fetch a halo, ``sum_grad_over(param,
 layout.grad_groups)`` completes a parameter gradient, and ``current_runtime()`` gives the
 options and statistics. ``register_spatial_module`` swaps a module class in ``parallelize``.
+``shard_parameters(model, blocks)`` adds FSDP2 over the whole mesh (each rank keeps
+``1 / world`` of the parameters, gradients and optimizer state).
 On CPU, create the gloo process groups (the mesh) inside ``with gloo_threads_idle():``:
 gloo's helper threads then stop taking cores from the compute threads (``_comm_threads.py``).
 
@@ -49,6 +51,7 @@ from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv3d import SpatialConv3d, spatial_conv3d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._conv_transpose3d import SpatialConvTranspose3d, spatial_conv_transpose3d
+from ._fsdp import full_parameters, is_sharded, shard_parameters
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._interpolate import SpatialUpsample, spatial_interpolate
@@ -122,10 +125,12 @@ __all__ = [
     "current_runtime",
     "distribute_tensor",
     "enter",
+    "full_parameters",
     "gather_columns",
     "gather_window",
     "gloo_threads_idle",
     "init_device_mesh",
+    "is_sharded",
     "leave",
     "mesh_coords",
     "parallelize",
@@ -138,6 +143,7 @@ __all__ = [
     "run_unsharded",
     "runtime_of",
     "shard_bounds",
+    "shard_parameters",
     "sharded_dim",
     "sharding_mesh_dims",
     "spatial_adaptive_avg_pool2d",

@@ -48,7 +48,10 @@ class CommRecord:
     """One communication op: its name, kind and the elements of its (largest) tensor."""
 
     op: str
-    kind: str  # "p2p", "reduce" or "gather"
+    #: "p2p", "reduce", "gather", or "param": a gather-like op on a flat 1-D buffer, which
+    #: is FSDP moving parameter shards and gradients (an activation that DTensor moves
+    #: keeps its N-D shape), never flagged as an activation
+    kind: str
     numel: int
     shape: tuple[int, ...]
 
@@ -88,7 +91,7 @@ class CommAudit(TorchDispatchMode):
                 kind = (
                     "p2p"
                     if name in _P2P
-                    else "gather"
+                    else ("param" if big is not None and big.ndim == 1 else "gather")
                     if any(g in name for g in _GATHER_LIKE)
                     else "reduce"
                 )

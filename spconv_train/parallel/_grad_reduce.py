@@ -18,6 +18,12 @@ the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
   that no rank got a gradient for (a flag per parameter rides in the bucket) keeps
   ``.grad`` None, as it would on one device.
 
+Under FSDP2 (``shard_parameters``, ``_fsdp.py``) the reducer steps aside: FSDP
+reduce-scatters every gradient and averages it over all ``world`` ranks of the mesh, so a
+marked parameter's partial gradient is only multiplied by the size of its groups (then the
+average over the world is the sum over the groups) and nothing is reduced here
+(``defer_to``).
+
 One all-reduce per bucket and group instead of one per parameter and use. A small bucket
 on CPU (gloo) is summed by one exchange instead, on its own message tag
 (``_small_sum.ExchangeSum``): gloo's all-reduce of a 9 KB buffer took 4-5 ms per step on the
@@ -26,6 +32,7 @@ on CPU (gloo) is summed by one exchange instead, on its own message tag
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -96,6 +103,21 @@ class GradReducer:
         self._buckets: list[_Bucket] | None = None  # the running backward's, else None
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._next = 0
+        #: the world an outer data-parallel wrapper averages gradients over (``defer_to``);
+        #: None: this reducer sums the partial gradients itself
+        self.deferred_world: int | None = None
+
+    def defer_to(self, world: int) -> None:
+        """Leave the reduction to a wrapper that averages every gradient over ``world``
+        ranks (FSDP2's reduce-scatter): a marked parameter's partial gradient is then
+        scaled by the product of its groups' sizes instead of being summed over them, so
+        the wrapper's average is the single-device gradient and nothing is reduced twice.
+        Gradients that are already complete on every rank (batch norm's affine gradients,
+        which ride on its statistics all-reduce; unmarked parameters) average to
+        themselves."""
+        if world < 1:
+            raise ValueError(f"defer_to: world must be >= 1, got {world}")
+        self.deferred_world = world
 
     def mark(self, param: Tensor, groups: tuple) -> None:
         """Have ``param``'s gradient of the next backward summed over ``groups``."""
@@ -134,6 +156,8 @@ class GradReducer:
     def _on_grad(self, key: int, grad: Tensor) -> Tensor | None:
         if key not in self._pending:
             return None  # used outside a sharded op this time: nothing to sum
+        if self.deferred_world is not None:
+            return self._scaled(key, grad)
         if self._buckets is None:
             self._start()
         bucket, i = self._slot[key]
@@ -144,6 +168,15 @@ class GradReducer:
         self._launch(full_only=True)
         # The local partial gradient must not reach .grad: the sum is added at the end.
         return torch.zeros_like(grad)
+
+    def _scaled(self, key: int, grad: Tensor) -> Tensor:
+        """Deferred reduction: the partial gradient times its groups' size (see
+        ``defer_to``); the marks are cleared at the end of this backward."""
+        if self._buckets is None:  # the first marked gradient of this backward
+            self._buckets = []
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        groups = self._pending[key][1]
+        return grad * math.prod(dist.get_world_size(g) for g in groups)
 
     def _launch(self, full_only: bool) -> None:
         """Start the all-reduce of buckets in bucket order (the same order on every rank)."""

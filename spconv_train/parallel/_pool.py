@@ -142,8 +142,8 @@ def spatial_avg_pool2d(
         o0, o1 = wp.out_bounds[rank]
         fh = _counts(height, kh, sh, ph, 0, sums.shape[2], count_include_pad)
         fw = _counts(width, kw, sw, pw, o0, o1, count_include_pad)
-        div = torch.tensor([[a * b for b in fw] for a in fh], dtype=sums.dtype)
-        out = sums / div.to(sums.device)
+        div = torch.tensor([[a * b for b in fw] for a in fh], dtype=sums.dtype, device=sums.device)
+        out = sums / div
     return leave(out, layout, (x.shape[0], *out.shape[1:3], wp.out_width))
 
 

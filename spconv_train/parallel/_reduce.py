@@ -70,7 +70,7 @@ def _extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
     count = hit.sum(dims, keepdim=True).to(local.dtype)
     for g in groups:
         dist.all_reduce(count, group=g)
-    part = torch.where(hit, local, torch.zeros((), dtype=local.dtype)).sum(dims, keepdim=True)
+    part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
     return _sum_over(part / count, groups)
 
 

@@ -81,7 +81,7 @@ def spatial_cumsum(input, dim, *, dtype=None, out=None):
         n = dist.get_world_size(group)
         total = local.sum(d, keepdim=True)
         table = torch.zeros((n, *total.shape), dtype=total.dtype, device=total.device)
-        table = table.index_put((torch.tensor([rank]),), total.unsqueeze(0))
+        table = table.index_put((torch.tensor([rank], device=table.device),), total.unsqueeze(0))
         table = dist_fn.all_reduce(table, group=group)
         result = result + table[:rank].sum(0)
     return wrap(result, input, input.placements, input.shape)

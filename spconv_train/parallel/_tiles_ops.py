@@ -102,14 +102,14 @@ def tile_avg_pool(x: DTensor, layout, k, s, p, ceil_mode, include_pad, divisor, 
         out = pool(tw.window, k, s, 0, False, True, divisor)
     else:
         sums = pool(tw.window, k, s, 0, False, True, 1)
-        div = torch.ones((), dtype=sums.dtype)
+        div = sums.new_ones(())
         for i in range(2, x.ndim):  # the outer product of the per-dim counts
             j = i - 2
             f = _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
             view = [1] * (x.ndim - 2)
             view[j] = -1
-            div = div * torch.tensor(f, dtype=sums.dtype).view(view)
-        out = sums / div.to(sums.device)
+            div = div * torch.tensor(f, dtype=sums.dtype, device=sums.device).view(view)
+        out = sums / div
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
 
 

@@ -49,7 +49,7 @@ from spconv_train.launch_store import mark_recorded
 from spconv_train.logging import RunLogger
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.overwrite import remove_run_files
-from spconv_train.parallel import parallelize, runtime_of
+from spconv_train.parallel import runtime_of
 from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
     note_training_skips,
@@ -60,13 +60,13 @@ from spconv_train.train.bad_samples import (
 from spconv_train.train.data_feed import TrainFeed, build_sources
 from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.mesh_coords import MeshCoords
+from spconv_train.train.model_setup import compile_model, prepare_model
 from spconv_train.train.nonfinite import explain_non_finite
 from spconv_train.train.optim import (
     apply_hyperparameters,
     build_loss,
     build_optimizer,
     build_scheduler,
-    enable_activation_checkpointing,
 )
 from spconv_train.train.preemption import Preempted, StopRequests
 from spconv_train.train.step import NonFiniteStep, TrainingStopped, train_step
@@ -219,22 +219,13 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     dp, sp = resolve_grid(cfg, info.world_size)  # parallel.sp: 0 -> the chosen grid
     mesh = build_mesh(dp, sp, info.device.type, grid_mesh_dims(cfg))
     run_dir = Path(cfg.run_dir)
-    model = parallelize(model.to(info.device), mesh, allow_gather=cfg.parallel.allow_gather)
+    # parallelize, activation checkpointing, FSDP (then compile): as verify builds it
+    model = prepare_model(model.to(info.device), mesh, cfg, cfg.training.precision)
     check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device)
     if resume:  # before config.yaml is rewritten: a refused resume changes nothing
         check_resume_steps(cfg.training.steps, CheckpointManager(run_dir).newest_step())
     notes = [*notes, *_prepare_run_dir(cfg, remove, info, job)]  # after every check
-    if cfg.training.activation_checkpointing:
-        enable_activation_checkpointing(
-            model,
-            cfg.training.activation_checkpointing_granularity,
-            cfg.training.activation_checkpointing_every,
-        )
-    if cfg.training.compile:  # in place: parameters and state_dict keys stay the model's
-        # Static shapes: the halo plans are built from concrete sizes (a symbolic width would
-        # reach them when validation images differ from the training crop); each new image
-        # size compiles once more instead.
-        model.compile(backend=cfg.training.compile_backend, dynamic=False)
+    compile_model(model, cfg)
     optimizer = build_optimizer(model, cfg.optimizer)
     steps = cfg.training.steps
     scheduler = build_scheduler(optimizer, cfg.schedule, steps, cfg.optimizer.lr)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from spconv_train.logging import overlay_panel
+from spconv_train.parallel import full_parameters
 from spconv_train.train.bad_samples import (
     SkipRecord,
     agree_on_failures,
@@ -67,26 +68,28 @@ def validate(run: _Run, step: int) -> dict:
     model.eval()
     cm = ConfusionMatrix(k, ignore, device=device)
     losses, labelled, skipped, pieces = [], [], [], []
-    for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, device):
-        run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
-        failed = agree_on_failures([item.failure] if item.failure else [], device, sp_groups)
-        if failed:  # on every rank of the image together
-            _skip_or_raise(run, failed, _WHERE)
-            skipped += failed
-            continue
-        with run.autocast():
-            logits = model(item.image)
-        loss = float(run.loss_fn(logits, item.target))  # the same on the image's ranks
-        if not math.isfinite(loss):
-            failed = [_non_finite(run, item.index, loss)]
-            _skip_or_raise(run, failed, "while validating")
-            skipped += failed
-            continue
-        losses.append(loss)
-        labelled.append(int((item.target != ignore).sum()))  # this rank's piece only
-        cm.update(logits, item.target)
-        if item.index < cfg.logging.num_val_images:
-            pieces += panel_pieces(item, logits, cfg, run.coords.sp_rank)
+    # With FSDP, gathered once: replicas may validate different numbers of images.
+    with full_parameters(model):
+        for item in val_items(run.val_source, cfg, run.coords, run.sp_mesh, device):
+            run.watchdog.beat(f"step {step}: validation of image {item.index} (halo exchanges)")
+            failed = agree_on_failures([item.failure] if item.failure else [], device, sp_groups)
+            if failed:  # on every rank of the image together
+                _skip_or_raise(run, failed, _WHERE)
+                skipped += failed
+                continue
+            with run.autocast():
+                logits = model(item.image)
+            loss = float(run.loss_fn(logits, item.target))  # the same on the image's ranks
+            if not math.isfinite(loss):
+                failed = [_non_finite(run, item.index, loss)]
+                _skip_or_raise(run, failed, "while validating")
+                skipped += failed
+                continue
+            losses.append(loss)
+            labelled.append(int((item.target != ignore).sum()))  # this rank's piece only
+            cm.update(logits, item.target)
+            if item.index < cfg.logging.num_val_images:
+                pieces += panel_pieces(item, logits, cfg, run.coords.sp_rank)
     run.watchdog.beat(f"step {step}: validation metrics (all-reduce over the mesh)")
     cm.reduce(run.mesh)  # every rank counted different pixels: sum over the whole mesh
     counts = torch.tensor(labelled, dtype=torch.int64, device=device)

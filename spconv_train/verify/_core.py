@@ -36,10 +36,9 @@ from torch import nn
 
 from spconv_train.config import Config, describe_grid, grid_mesh_dims, resolve_grid
 from spconv_train.distributed import build_mesh, gather_all, peak_memory_mb, seed_everything
-from spconv_train.parallel import parallelize
 from spconv_train.train.data_feed import build_sources
 from spconv_train.train.loop import build_model
-from spconv_train.train.optim import enable_activation_checkpointing
+from spconv_train.train.model_setup import compile_model, prepare_model
 
 from ._compare import SPREAD_FACTOR, resolve_tolerances
 from ._reference import reference_run
@@ -142,15 +141,9 @@ def run_verify(
     source, _, _ = build_sources(cfg)
     runs_ref = reference == "all" or rank == 0
     ref = copy.deepcopy(model) if runs_ref else None  # stays on the CPU during phase 1
-    sharded = parallelize(model.to(device), mesh, allow_gather=cfg.parallel.allow_gather)
-    if cfg.training.activation_checkpointing:
-        enable_activation_checkpointing(
-            sharded,
-            cfg.training.activation_checkpointing_granularity,
-            cfg.training.activation_checkpointing_every,
-        )
-    if cfg.training.compile:  # compiled as ``run`` compiles it (train/loop.py)
-        sharded.compile(backend=cfg.training.compile_backend, dynamic=False)
+    # parallelize, activation checkpointing, FSDP and compile exactly as ``run`` builds it
+    sharded = prepare_model(model.to(device), mesh, cfg, precision)
+    compile_model(sharded, cfg)
     _reset_peak(device)
     records, comms, shape = sharded_run(
         sharded, cfg, mesh, device, source, steps, precision, keep_optimizer=resync and runs_ref

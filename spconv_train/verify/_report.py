@@ -198,7 +198,8 @@ class VerifyReport:
         if not self.comms:
             return
         table = Table(title="Collectives per step (max over ranks: count / elements)")
-        for col in ("step", "halo p2p", "reductions", "gathers", "halo time (s)"):
+        cols = ("step", "halo p2p", "reductions", "gathers", "FSDP parameters", "halo time (s)")
+        for col in cols:
             table.add_column(col, justify="right")
         for c in self.comms:
             m = c["max_per_rank"]
@@ -208,7 +209,12 @@ class VerifyReport:
                 return f"{v['count']} / {v['elements']:,}"
 
             table.add_row(
-                str(c["step"]), cell("p2p"), cell("reduce"), cell("gather"), f"{c['halo_s']:.3f}"
+                str(c["step"]),
+                cell("p2p"),
+                cell("reduce"),
+                cell("gather"),
+                cell("param"),
+                f"{c['halo_s']:.3f}",
             )
         console.print(table)
         for line in self.flagged:

@@ -69,6 +69,10 @@ def _sharded_loss(cfg: Config, device: torch.device, precision: str):
 
 
 def _cpu(t: Tensor) -> Tensor:
+    """A CPU copy; a DTensor's full value (FSDP's parameter, gradient and optimizer state
+    shards: collective, called in the same order on every rank)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
     return t.detach().to("cpu", copy=True)
 
 
@@ -85,6 +89,12 @@ class StepRecord:
         self.params: dict[str, Tensor] = {}
         self.buffers: dict[str, Tensor] = {}
         self.optimizer: dict | None = None  # state after the step (for re-synchronising)
+
+
+def _keep(t: Tensor) -> Tensor:
+    """A CPU copy of a plain tensor now; a DTensor's local shard cloned (no communication),
+    for ``_cpu`` to gather later."""
+    return t.detach().clone() if isinstance(t, DTensor) else _cpu(t)
 
 
 def _cpu_tree(obj):
@@ -126,7 +136,9 @@ def sharded_run(
         halo.reset()
 
         def record_grads(rec=rec):
-            rec.grads = {n: None if p.grad is None else _cpu(p.grad) for n, p in named}
+            # FSDP's gradient shards are kept as they are and gathered after the audit: the
+            # recording's own traffic must not count as the step's
+            rec.grads = {n: None if p.grad is None else _keep(p.grad) for n, p in named}
 
         with _NotAudited() if cfg.training.compile else CommAudit() as audit:
             done = train_step(
@@ -142,6 +154,7 @@ def sharded_run(
                 autocast=autocast(precision, device),
                 after_backward=record_grads,
             )
+        rec.grads = {n: None if g is None else _cpu(g) for n, g in rec.grads.items()}
         logits = done.logits
         shape = tuple(batch.image.shape)
         rec.loss = done.loss

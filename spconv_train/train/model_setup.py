@@ -1,0 +1,55 @@
+"""The parallelized model as ``run`` and ``verify`` both train it: ``parallelize`` over the
+mesh, activation checkpointing, FSDP2 (``parallel.fsdp``), then ``torch.compile``
+(``training.compile``, ``compile_model``), in that order.
+
+One function for both, so ``verify`` checks the model ``run`` trains. The order matters:
+activation checkpointing wraps a block's ``forward``, and FSDP's hooks run around the
+block's call, outside the checkpointed function, so the recomputation in the backward sees
+the parameters FSDP has gathered again for that block (as torchtitan orders them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from spconv_train.config import Config
+from spconv_train.parallel import parallelize, shard_parameters
+from spconv_train.train.optim import checkpoint_blocks, enable_activation_checkpointing
+
+__all__ = ["compile_model", "prepare_model"]
+
+
+def prepare_model(model: nn.Module, mesh: DeviceMesh, cfg: Config, precision: str) -> nn.Module:
+    """``model`` (already on its device) parallelized over ``mesh``, with
+    ``training.activation_checkpointing`` and ``parallel.fsdp`` applied as configured;
+    returns the same object. ``precision`` is the one the step computes in (``fp32``,
+    ``bf16`` or ``fp64``): with ``bf16`` FSDP gathers bf16 parameters and reduces gradients
+    in fp32 (``MixedPrecisionPolicy``); otherwise both stay in the parameters' dtype."""
+    model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
+    t = cfg.training
+    if t.activation_checkpointing:
+        enable_activation_checkpointing(
+            model, t.activation_checkpointing_granularity, t.activation_checkpointing_every
+        )
+    if cfg.parallel.fsdp:
+        bf16 = precision == "bf16"
+        shard_parameters(
+            model,
+            checkpoint_blocks(model),  # the top-level blocks: one gather / reduce unit each
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
+    return model
+
+
+def compile_model(model: nn.Module, cfg: Config) -> None:
+    """``torch.compile`` ``model`` in place when ``training.compile`` (parameters and
+    ``state_dict`` keys stay the model's); called after ``prepare_model`` and after any
+    start-up probe forwards (which need not compile every validation size)."""
+    if cfg.training.compile:
+        # Static shapes: the halo plans are built from concrete sizes (a symbolic width would
+        # reach them when validation images differ from the training crop); each new image
+        # size compiles once more instead.
+        model.compile(backend=cfg.training.compile_backend, dynamic=False)

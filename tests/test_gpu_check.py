@@ -1,0 +1,46 @@
+"""``scripts/gpu_check.sh --device cpu`` (issue 25 item 6): the device check's CPU mode runs
+end to end, so the script cannot rot between the runs on a GPU: op grid, the bf16
+channels-last training step (plain and FSDP) against one device, the conv and step
+benchmarks, and the report with every table and a PASS verdict."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_cpu_mode_passes_and_writes_every_table(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("SPCONV_TEST_DEVICE", None)
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (tmp_path / "gpu_check.md").read_text()
+    assert report.rstrip().endswith("verdict: PASS"), report
+    assert "1 passed" in report  # the op grid case
+    step = [line for line in report.splitlines() if line.startswith(("| 2 | False", "| 2 | True"))]
+    assert len(step) == 2 and all(line.endswith("| pass |") for line in step), report
+    assert "| 2 | halo (spconv) |" in report  # bench_conv
+    assert "| unet | 2 | off | off |" in report  # bench_step
+
+
+def test_gpu_check_refuses_an_unknown_device():
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "tpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "--device must be cuda or cpu" in done.stderr
