@@ -331,7 +331,7 @@ def register(app: typer.Typer) -> None:
         the ranks.
 
         Each rank reads and computes only its column strip of every image (its tile with
-        --set "parallel.sp=[p, q]"; its block of a volume on a volume config); rank 0
+        --set "parallel.sp=\\[p, q]"; its block of a volume on a volume config); rank 0
         writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (volumes:
         OUT/<stem>.npy). Images too narrow to split are padded on the right and cropped back.
 
