@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import _time_steps, init_worker, spawn_ranks  # noqa: E402
+from bench_conv import _time_steps, init_worker, print_table, spawn_ranks  # noqa: E402
 
 from spconv_train.distributed import shutdown  # noqa: E402
 
@@ -131,16 +131,6 @@ def kernel_rows(device: str, n: int = 1 << 20) -> list[tuple]:
     return rows
 
 
-def _print(header: tuple, rows: list[tuple], markdown: bool) -> None:
-    if markdown:
-        print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-        for r in rows:
-            print("| " + " | ".join(map(str, r)) + " |")
-    else:
-        for r in (header, *rows):
-            print("  ".join(f"{c!s:>14}" for c in r))
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["unet"], choices=MODELS)
@@ -179,12 +169,12 @@ def main(argv: list[str] | None = None) -> None:
             print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
     header = ("model", "ranks", "eager s/step", "compiled s/step", "compiled/eager")
     header += ("first step s", "graphs", "graph breaks", "frames", "recompiled", "load")
-    _print(header, rows, args.markdown)
+    print_table(header, rows, args.markdown)
     if args.no_kernels:
         return
     torch.set_num_threads(args.threads)
     header = ("op on 1M floats", "eager ms", "compiled ms", "compiled/eager")
-    _print(header, kernel_rows(args.device), args.markdown)
+    print_table(header, kernel_rows(args.device), args.markdown)
 
 
 if __name__ == "__main__":

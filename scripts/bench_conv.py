@@ -214,6 +214,19 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
     shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
+def print_table(header: tuple, rows: list, markdown: bool, width: int = 12) -> None:
+    """Print ``rows`` under ``header``: a markdown table for docs/benchmarks.md, or
+    right-aligned columns of ``width`` characters."""
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for r in rows:
+            print("| " + " | ".join(map(str, r)) + " |")
+    else:
+        for r in (header, *rows):
+            print("  ".join(f"{c!s:>{width}}" for c in r))
+
+
 def spawn_ranks(target, world: int, *args, timeout: float = 7200) -> list:
     """Run ``target(rank, world, port, *args, queue)`` in ``world`` fresh processes (one
     process group on a free port) and return what each put on ``queue``, in arrival order.

@@ -29,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import init_worker, spawn_ranks  # noqa: E402
+from bench_conv import init_worker, print_table, spawn_ranks  # noqa: E402
 
 from spconv_train.distributed import shutdown  # noqa: E402
 
@@ -147,14 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             cells = [f"{c / mib:,.1f}" for c in counts]
             rows.append((world, mode, *cells, f"{total / mib:,.1f}", ratio))
             print(f"  {res[0][2]:,} parameters: " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for r in rows:
-            print("| " + " | ".join(map(str, r)) + " |")
-    else:
-        for r in (header, *rows):
-            print("  ".join(f"{c!s:>14}" for c in r))
+    print_table(header, rows, args.markdown, width=14)
 
 
 if __name__ == "__main__":

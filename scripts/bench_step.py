@@ -40,6 +40,7 @@ from bench_conv import (  # noqa: E402
     _peak_mib,
     _time_steps,
     init_worker,
+    print_table,
     spawn_ranks,
 )
 
@@ -189,18 +190,7 @@ def compare_reducers(args) -> None:
                 row += tuple(f"{worst[r]:.3f}" for r in args.reducers)
                 rows.append(row + tuple(f"{diffs[r]:.1e}" for r in args.reducers[1:]))
                 print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    _print_table(header, rows, args.markdown)
-
-
-def _print_table(header: tuple, rows: list, markdown: bool) -> None:
-    if markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for r in rows:
-            print("| " + " | ".join(map(str, r)) + " |")
-    else:
-        for r in (header, *rows):
-            print("  ".join(f"{c!s:>12}" for c in r))
+    print_table(header, rows, args.markdown)
 
 
 def run_case(world: int, name: str, ck: bool, comp: bool, args, floor: bool = False):
@@ -271,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                     row = (name, label, *flags, f"{sec:.3f}", eff, f"{first:.1f}")
                     rows.append((*row, f"{live:.0f}", f"{peak:.0f}"))
                     print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    _print_table(header, rows, args.markdown)
+    print_table(header, rows, args.markdown)
 
 
 if __name__ == "__main__":
