@@ -209,7 +209,7 @@ def test_constraint_table_names_real_fields() -> None:
         (["parallel.backend=mpi"], "parallel.backend", "'auto', 'gloo', 'nccl'"),
         (["schedule.name=step"], "schedule.name", "'cosine', 'poly', 'constant'"),
         (["training.precision=fp16"], "training.precision", "'fp32', 'bf16'"),
-        (["training.loss=focal"], "training.loss", "'ce', 'dice', 'ce+dice'"),
+        (["training.loss=lovasz"], "training.loss", "'ce', 'dice', 'ce+dice', 'focal', 'tversky'"),
         (["checkpoint.resume=yes"], "checkpoint.resume", "'auto', 'never'"),
         (["data.on_bad_sample=warn"], "data.on_bad_sample", "'error', 'skip'"),
         # ranges

@@ -18,9 +18,13 @@ from spconv_train.train import (
     cross_entropy,
     dice_loss,
     dice_loss_reference,
+    focal_loss,
+    focal_loss_reference,
     local_target,
     metrics_from_confusion,
     shard_like,
+    tversky_loss,
+    tversky_loss_reference,
 )
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
@@ -67,6 +71,15 @@ CASES = [
         lambda x, t, **kw: ce_dice_loss(x, t, dice_weight=0.7, **kw),
         lambda x, t, **kw: _ce_ref(x, t, **kw) + 0.7 * dice_loss_reference(x, t, **_dice_kw(kw)),
         {"weight": WEIGHT, "label_smoothing": 0.1},
+    ),
+    ("focal", focal_loss, focal_loss_reference, {}),
+    ("focal weight gamma=1.5", focal_loss, focal_loss_reference, {"weight": WEIGHT, "gamma": 1.5}),
+    ("tversky", tversky_loss, tversky_loss_reference, {}),
+    (
+        "tversky no-bg",
+        tversky_loss,
+        tversky_loss_reference,
+        {"alpha": 0.7, "beta": 0.2, "smooth": 0.5, "include_background": False},
     ),
 ]
 
@@ -121,7 +134,7 @@ def loss_grid(shape) -> tuple[list[str], list[float]]:
             if want_grad.numel():  # (an empty strip has nothing to compare)
                 check_close(f"{label} logits grad", xs.grad.to_local(), want_grad, TOL, failures)
     if dmesh.ndim == 2:  # batch replicated over "dp": sums over "sp" only
-        _, fn, ref_fn, kw = CASES[-1]
+        _, fn, ref_fn, kw = next(c for c in CASES if c[0] == "ce+dice")
         x, t = seeded(5, 3, K, H, 7), make_target(5, 3, 7)
         xr = x.clone().requires_grad_()
         want = ref_fn(xr, t, **kw)

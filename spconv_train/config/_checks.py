@@ -95,6 +95,9 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
     "training.log_every": (at_least(1),),
     "training.activation_checkpointing_every": (at_least(1),),
     "training.compile_backend": (NON_EMPTY,),
+    "training.focal_gamma": (at_least(0),),
+    "training.tversky_alpha": (at_least(0),),
+    "training.tversky_beta": (at_least(0),),
     "training.class_weights": (
         Check(lambda v: all(w >= 0 and math.isfinite(w) for w in v), "non-negative weights"),
     ),

@@ -213,8 +213,15 @@ class TrainingConfig:
     """torch.compile backend (inductor; aot_eager to debug)."""
     seed: int = 0
     """Seed for weights, augmentation and sampling."""
-    loss: Literal["ce", "dice", "ce+dice"] = "ce"
-    """Loss: cross-entropy, soft Dice, or their sum."""
+    loss: Literal["ce", "dice", "ce+dice", "focal", "tversky"] = "ce"
+    """Loss: cross-entropy, soft Dice, their sum, focal (hard pixels weigh more; thin
+    structures) or Tversky (missed pixels cost more than false alarms; rare classes)."""
+    focal_gamma: float = 2.0
+    """Focal loss: the focusing exponent (0 is cross-entropy)."""
+    tversky_alpha: float = 0.3
+    """Tversky loss: the weight of false positives."""
+    tversky_beta: float = 0.7
+    """Tversky loss: the weight of false negatives (0.5 / 0.5 is the Dice loss)."""
     class_weights: list[float] | None = None
     """Optional per-class loss weights (length must equal model.num_classes)."""
     log_every: int = 10

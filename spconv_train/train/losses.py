@@ -44,6 +44,7 @@ from spconv_train.parallel import block_slices, enter, mesh_coords, sharded_dim,
 __all__ = [
     "LossInfo",
     "ce_dice_loss",
+    "class_sums",
     "cross_entropy",
     "dice_loss",
     "dice_loss_reference",
@@ -283,7 +284,17 @@ def dice_loss(
     ``smooth > 0`` (nan with ``smooth == 0``). Returns a plain scalar with the same value on
     every rank (one all-reduce of ``3K`` sums); ``loss.backward()`` on every rank gives every
     logits strip its single-device gradient (module docstring)."""
-    what = "dice_loss"
+    total, k, dtype = class_sums(logits, target, ignore_index, "dice_loss")
+    dice = (2.0 * total[:k] + smooth) / (total[k : 2 * k] + total[2 * k :] + smooth)
+    return (1.0 - (dice if include_background else dice[1:]).mean()).to(dtype)
+
+
+def class_sums(logits: Tensor, target: Tensor, ignore_index: int, what: str) -> tuple:
+    """``(sums, K, dtype)``: per class ``c``, over the non-ignored pixels of the global
+    batch and image, ``[sum(p_c * [t == c]) for c] + [sum(p_c)] + [sum([t == c])]`` (3K
+    float64 values, the same on every rank; one all-reduce, identity backward) with ``p``
+    the softmax probabilities, and the dtype the loss is returned in (fp32 for fp16 / bf16
+    logits). Bad labels and misfit strips raise on every rank together."""
     s = _strips(logits, target, what)
     x = _low_precision(s.logits)
     k, dims = x.shape[1], _sum_dims(x)
@@ -304,8 +315,7 @@ def dice_loss(
     stats = torch.cat([inter.double(), psum.double(), count.double(), flags])
     total = replicated_sum(stats, s.groups)
     _raise_if_bad(total[3 * k :].detach().tolist(), s, what, k, ignore_index)
-    dice = (2.0 * total[:k] + smooth) / (total[k : 2 * k] + total[2 * k : 3 * k] + smooth)
-    return (1.0 - (dice if include_background else dice[1:]).mean()).to(x.dtype)
+    return total[: 3 * k], k, x.dtype
 
 
 def dice_loss_reference(

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from spconv_train.config import Config, OptimizerConfig, ScheduleConfig
 from spconv_train.parallel import SpatialMode, current_runtime
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
+from spconv_train.train.rare_class_losses import focal_loss, tversky_loss
 
 __all__ = [
     "apply_hyperparameters",
@@ -49,14 +50,23 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_loss(cfg: Config, device: torch.device):
-    """``loss(logits, target_strip)`` for ``training.loss`` (ce, dice or ce+dice), with
-    ``training.class_weights`` and ``data.ignore_index``; a global mean on every rank."""
+    """``loss(logits, target_strip)`` for ``training.loss`` (ce, dice, ce+dice, focal or
+    tversky), with ``training.class_weights`` (ce, ce+dice, focal), the focal / Tversky
+    parameters and ``data.ignore_index``; a global value on every rank."""
     t, ignore = cfg.training, cfg.data.ignore_index
     weight = None if t.class_weights is None else torch.tensor(t.class_weights, device=device)
     if t.loss == "ce":
         return lambda y, tgt: cross_entropy(y, tgt, ignore_index=ignore, weight=weight)
     if t.loss == "dice":
         return lambda y, tgt: dice_loss(y, tgt, ignore_index=ignore)
+    if t.loss == "focal":
+        return lambda y, tgt: focal_loss(
+            y, tgt, gamma=t.focal_gamma, ignore_index=ignore, weight=weight
+        )
+    if t.loss == "tversky":
+        return lambda y, tgt: tversky_loss(
+            y, tgt, alpha=t.tversky_alpha, beta=t.tversky_beta, ignore_index=ignore
+        )
     return lambda y, tgt: ce_dice_loss(y, tgt, ignore_index=ignore, weight=weight)
 
 
