@@ -1,0 +1,115 @@
+"""``parallel.grad_reduce: ddp`` (the default): DistributedDataParallel over the whole mesh
+as the gradient reducer, issue 25 item 2.
+
+In float64 on gloo worker groups, through ``prepare_model`` (what ``run`` and ``verify``
+train): dp 1 x sp 2 on a width that does not split evenly and dp 2 x sp 2. After two AdamW
+steps with gradient clipping the parameters of the DDP run equal the built-in reducer's
+run's and one device's; a parameter no rank uses keeps ``.grad`` None and the run goes on;
+``runtime_of``, ``local_module``, checkpoint state names and ``verify`` work through the
+wrapper.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from spconv_train.config import load_config
+from spconv_train.parallel import local_module, runtime_of
+from spconv_train.train.losses import cross_entropy
+from spconv_train.train.model_setup import prepare_model
+from tests.dist_harness import mesh
+from tests.test_fsdp import TOL, _batches, _net, _train, _worst
+
+PREFIX = "module."
+
+
+def _prepared(dmesh, reducer: str) -> nn.Module:
+    cfg = load_config(None, [f"parallel.grad_reduce={reducer}"])
+    return prepare_model(_net(), dmesh, cfg, "fp64")
+
+
+def _names(params: dict) -> dict:
+    return {n.removeprefix(PREFIX): p for n, p in params.items()}
+
+
+def ddp_vs_builtin(dp: int, sp: int, width: int) -> dict:
+    dmesh = mesh((dp, sp))
+    batches = _batches(2, 2 * dp, width)
+    _, one = _train(_net(), batches)
+    builtin_model = _prepared(dmesh, "builtin")
+    _, builtin = _train(builtin_model, batches, dmesh)
+    model = _prepared(dmesh, "ddp")
+    _, ddp = _train(model, batches, dmesh)
+    ddp_params = _names(ddp["params"])
+    return {
+        "wrapped": isinstance(model, DistributedDataParallel),
+        "builtin_wrapped": isinstance(builtin_model, DistributedDataParallel),
+        "deferred": runtime_of(model).grad_reducer.deferred_world,
+        "same_names": sorted(ddp_params) == sorted(one["params"]),
+        "ddp_vs_builtin": _worst(ddp_params, builtin["params"]),
+        "ddp_vs_one": _worst(ddp_params, one["params"]),
+        "builtin_vs_one": _worst(builtin["params"], one["params"]),
+        "local_is_inner": local_module(model) is getattr(model, "module", None),
+    }
+
+
+@pytest.mark.parametrize(
+    "dp, sp, width", [(1, 2, 19), (2, 2, 16)], ids=["dp1xsp2-uneven", "dp2xsp2"]
+)
+def test_ddp_equals_builtin_reducer_and_one_device(dist_pool, dp, sp, width):
+    for res in dist_pool.run(dp * sp, ddp_vs_builtin, dp, sp, width):
+        assert res["wrapped"] and not res["builtin_wrapped"]
+        assert res["deferred"] == dp * sp  # DDP averages over the whole mesh
+        assert res["same_names"] and res["local_is_inner"]
+        for key in ("ddp_vs_builtin", "ddp_vs_one", "builtin_vs_one"):
+            assert res[key][0] < TOL, (key, res[key])
+
+
+class _WithUnused(nn.Module):
+    """``_net`` plus a head the forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        self.unused = nn.Conv2d(3, 3, 1).double()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def unused_parameter_steps() -> dict:
+    dmesh = mesh((2, 2))
+    cfg = load_config(None, [])  # grad_reduce: ddp, the default
+    model = prepare_model(_WithUnused(), dmesh, cfg, "fp64")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads_none = []
+    for x, t in _batches(3, 4, 16):
+        loss = cross_entropy(model(distribute_tensor(x, dmesh, [Shard(0), Shard(3)])), t)
+        loss.backward()
+        grads_none.append(local_module(model).unused.weight.grad is None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"wrapped": isinstance(model, DistributedDataParallel), "grads_none": grads_none}
+
+
+def test_a_parameter_no_rank_uses_keeps_no_gradient_and_training_goes_on(dist_pool):
+    for res in dist_pool.run(4, unused_parameter_steps):
+        assert res["wrapped"]
+        assert res["grads_none"] == [True, True, True]
+
+
+def one_rank_mesh() -> bool:
+    return isinstance(_prepared(mesh(1), "ddp"), DistributedDataParallel)
+
+
+def test_a_one_rank_mesh_is_not_wrapped(dist_pool):
+    assert dist_pool.run(1, one_rank_mesh) == [False]
+
+
+def test_an_unknown_reducer_is_refused():
+    with pytest.raises(Exception, match="grad_reduce"):
+        load_config(None, ["parallel.grad_reduce=nccl"])
