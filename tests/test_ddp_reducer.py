@@ -113,3 +113,41 @@ def test_a_one_rank_mesh_is_not_wrapped(dist_pool):
 def test_an_unknown_reducer_is_refused():
     with pytest.raises(Exception, match="grad_reduce"):
         load_config(None, ["parallel.grad_reduce=nccl"])
+
+
+def verify_reducers() -> list[dict]:
+    from tests.test_verify import TINY, _verify
+
+    base = [*TINY, "parallel.sp=2"]
+    return [_verify([*base, f"parallel.grad_reduce={r}"], steps=2) for r in ("ddp", "builtin")]
+
+
+def test_verify_passes_with_either_reducer_and_names_the_ddp_one(dist_pool):
+    ddp, builtin = dist_pool.run(4, verify_reducers)[0]
+    assert ddp["passed"] and builtin["passed"], (ddp["printed"], builtin["printed"])
+    assert any("DistributedDataParallel" in n for n in ddp["notes"]), ddp["notes"]
+    assert any("built-in bucketed reducer" in n for n in builtin["notes"]), builtin["notes"]
+    # Different traffic: DDP all-reduces every parameter once over the world, the built-in
+    # reducer the partial gradients over sp, then over dp
+    reduce = [d["comms"][0]["max_per_rank"]["reduce"]["elements"] for d in (ddp, builtin)]
+    assert reduce[0] > 0 and reduce[1] > 0 and reduce[0] != reduce[1], reduce
+
+
+def audited_ddp_reduction() -> dict:
+    """One step after a first (DDP's static graph settles in its first backward)."""
+    from spconv_train.parallel import CommAudit
+
+    dmesh = mesh((1, 2))
+    model = _prepared(dmesh, "ddp")
+    for x, t in _batches(2, 2, 16):
+        with CommAudit() as audit:
+            cross_entropy(model(distribute_tensor(x, dmesh, [Shard(0), Shard(3)])), t).backward()
+    n = sum(p.numel() for p in model.parameters())
+    return {"n": n, "reduces": [r.numel for r in audit.records if r.op == "allreduce_"]}
+
+
+def test_ddp_all_reduce_is_audited_once_per_step_with_every_parameter(dist_pool):
+    for res in dist_pool.run(2, audited_ddp_reduction):
+        # the bucket of all parameters; no used-parameter map after the first step
+        assert res["reduces"].count(res["n"]) == 1, res
+        assert all(k < 16 for k in res["reduces"] if k != res["n"]), res  # norm statistics

@@ -25,16 +25,18 @@ from ._runtime import runtime_of
 __all__ = ["local_module", "replicate_gradients"]
 
 
-def replicate_gradients(model: nn.Module, *, find_unused_parameters: bool = True) -> nn.Module:
+def replicate_gradients(model: nn.Module) -> nn.Module:
     """``model`` (a ``parallelize``d model) wrapped in ``DistributedDataParallel`` over all
     ranks of its mesh, its ``GradReducer`` deferring to it; a one-rank mesh returns
     ``model`` itself (nothing to reduce).
 
-    ``find_unused_parameters`` (default True) lets a parameter that gets no gradient in a
-    step (a head or encoder stage the forward skips, a weight outside the loss's path)
-    through: DDP then leaves its ``.grad`` None when no rank used it, as on one device.
-    Without it such a model fails at its second step. DDP's search walks the autograd
-    graph once per step (well under 1 % of a U-Net step on CPU).
+    DDP runs with ``static_graph``: its first backward finds the parameters no rank used
+    (a head or encoder stage the forward skips, a weight off the loss's path), which then
+    keep ``.grad`` None, as on one device; later steps neither walk the autograd graph
+    nor all-reduce a used-parameter map (``find_unused_parameters`` would, every step).
+    Without either, such a model fails at its second step. The price: the parameters a
+    step uses must be the same every step (a model that skips layers at random needs
+    ``parallel.grad_reduce: builtin``).
 
     Buffers are not broadcast before each forward (``forward_sync_buffers=False``): batch
     norm's running statistics are computed from the all-reduced batch statistics and are
@@ -51,7 +53,7 @@ def replicate_gradients(model: nn.Module, *, find_unused_parameters: bool = True
     return DistributedDataParallel(
         model,
         process_group=mesh.get_group(),
-        find_unused_parameters=find_unused_parameters,
+        static_graph=True,
         forward_sync_buffers=False,
     )
 
