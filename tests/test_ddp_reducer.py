@@ -27,8 +27,9 @@ from tests.test_fsdp import TOL, _batches, _net, _train, _worst
 PREFIX = "module."
 
 
-def _prepared(dmesh, reducer: str) -> nn.Module:
-    cfg = load_config(None, [f"parallel.grad_reduce={reducer}"])
+def _prepared(dmesh, reducer: str, checkpointing: bool = False) -> nn.Module:
+    ck = f"training.activation_checkpointing={str(checkpointing).lower()}"
+    cfg = load_config(None, [f"parallel.grad_reduce={reducer}", ck])
     return prepare_model(_net(), dmesh, cfg, "fp64")
 
 
@@ -36,13 +37,13 @@ def _names(params: dict) -> dict:
     return {n.removeprefix(PREFIX): p for n, p in params.items()}
 
 
-def ddp_vs_builtin(dp: int, sp: int, width: int) -> dict:
+def ddp_vs_builtin(dp: int, sp: int, width: int, checkpointing: bool) -> dict:
     dmesh = mesh((dp, sp))
     batches = _batches(2, 2 * dp, width)
     _, one = _train(_net(), batches)
-    builtin_model = _prepared(dmesh, "builtin")
+    builtin_model = _prepared(dmesh, "builtin", checkpointing)
     _, builtin = _train(builtin_model, batches, dmesh)
-    model = _prepared(dmesh, "ddp")
+    model = _prepared(dmesh, "ddp", checkpointing)
     _, ddp = _train(model, batches, dmesh)
     ddp_params = _names(ddp["params"])
     return {
@@ -58,10 +59,12 @@ def ddp_vs_builtin(dp: int, sp: int, width: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "dp, sp, width", [(1, 2, 19), (2, 2, 16)], ids=["dp1xsp2-uneven", "dp2xsp2"]
+    "dp, sp, width, checkpointing",
+    [(1, 2, 19, False), (2, 2, 16, False), (2, 2, 16, True)],
+    ids=["dp1xsp2-uneven", "dp2xsp2", "dp2xsp2-checkpointing"],
 )
-def test_ddp_equals_builtin_reducer_and_one_device(dist_pool, dp, sp, width):
-    for res in dist_pool.run(dp * sp, ddp_vs_builtin, dp, sp, width):
+def test_ddp_equals_builtin_reducer_and_one_device(dist_pool, dp, sp, width, checkpointing):
+    for res in dist_pool.run(dp * sp, ddp_vs_builtin, dp, sp, width, checkpointing):
         assert res["wrapped"] and not res["builtin_wrapped"]
         assert res["deferred"] == dp * sp  # DDP averages over the whole mesh
         assert res["same_names"] and res["local_is_inner"]
@@ -151,3 +154,49 @@ def test_ddp_all_reduce_is_audited_once_per_step_with_every_parameter(dist_pool)
         # the bucket of all parameters; no used-parameter map after the first step
         assert res["reduces"].count(res["n"]) == 1, res
         assert all(k < 16 for k in res["reduces"] if k != res["n"]), res  # norm statistics
+
+
+def smp_unused_encoder_stages() -> dict:
+    """smp U-Net on a depth-3 ResNet-18 encoder: layers 3 and 4 exist but are unused."""
+    from spconv_train.models import create_model
+
+    def build():
+        torch.manual_seed(0)
+        kw = {"encoder_name": "resnet18", "encoder_depth": 3, "decoder_channels": (16, 8, 4)}
+        return create_model("smp.Unet", num_classes=3, **kw).double().train()
+
+    dmesh = mesh(2)
+    x = torch.randn(2, 3, 32, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    t = torch.randint(0, 3, (2, 32, 40), generator=torch.Generator().manual_seed(6))
+    out = {}
+    for reducer in ("ddp", "builtin", "one"):
+        if reducer == "one":
+            model = build()
+        else:
+            cfg = load_config(None, [f"parallel.grad_reduce={reducer}"])
+            model = prepare_model(build(), dmesh, cfg, "fp64")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            if reducer == "one":
+                loss = torch.nn.functional.cross_entropy(model(x), t)
+            else:
+                loss = cross_entropy(model(distribute_tensor(x, dmesh, [Shard(3)])), t)
+            loss.backward()
+            unused = sorted(n for n, p in local_module(model).named_parameters() if p.grad is None)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[reducer] = {n: p.detach().clone() for n, p in local_module(model).named_parameters()}
+        out[f"{reducer}_unused"] = unused
+    return {
+        "unused": len(out["ddp_unused"]),
+        "same_unused": out["ddp_unused"] == out["one_unused"] == out["builtin_unused"],
+        "ddp_vs_builtin": _worst(out["ddp"], out["builtin"]),
+        "ddp_vs_one": _worst(out["ddp"], out["one"]),
+    }
+
+
+def test_smp_model_with_unused_encoder_stages_trains_as_one_device(dist_pool):
+    for res in dist_pool.run(2, smp_unused_encoder_stages):
+        assert res["unused"] > 0 and res["same_unused"], res
+        for key in ("ddp_vs_builtin", "ddp_vs_one"):
+            assert res[key][0] < TOL, (key, res[key])
