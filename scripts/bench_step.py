@@ -15,9 +15,10 @@ meaningless: note the load (``uptime``) beside the table.
 
 ``--reducers builtin ddp fsdp`` compares instead how the parameter gradients are summed over
 the ranks, on the same model, image and groups: ``builtin`` (the model's bucketed
-``GradReducer``), ``ddp`` (``DistributedDataParallel`` over the mesh's group, the built-in
-reducer deferring to it exactly as it does to FSDP: partial gradients scaled by the group
-size, DDP averages) and ``fsdp`` (``shard_parameters``). The variants alternate step by step
+``GradReducer``), ``ddp`` (``DistributedDataParallel`` over the mesh's group as training
+wraps it, ``replicate_gradients``: the built-in reducer defers to it exactly as it does to
+FSDP, partial gradients scaled by the group size, DDP averages) and ``fsdp``
+(``shard_parameters``). The variants alternate step by step
 in the same processes (a load change hits them alike); the table gives the median s/step
 and the largest parameter difference from ``builtin`` after the timed steps (the variants
 train identically).
@@ -104,19 +105,15 @@ def _worker(rank, world, port, name, ck, comp, args, floor, queue) -> None:
         shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
-def _with_reducer(model, reducer: str, mesh):
+def _with_reducer(model, reducer: str):
     """``model`` (parallelized) with its gradients summed by ``reducer`` (module docstring)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from spconv_train.parallel import runtime_of, shard_parameters
+    from spconv_train.parallel import replicate_gradients, shard_parameters
     from spconv_train.train.optim import checkpoint_blocks
 
     if reducer == "fsdp":
         return shard_parameters(model, checkpoint_blocks(model))
-    if reducer == "ddp":
-        runtime_of(model).grad_reducer.defer_to(mesh.size())
-        group = mesh.get_group()  # BatchNorm's buffers are the same on every rank already
-        return DistributedDataParallel(model, process_group=group, forward_sync_buffers=False)
+    if reducer == "ddp":  # as training wraps it (parallel.grad_reduce: ddp)
+        return replicate_gradients(model)
     return model
 
 
@@ -141,7 +138,7 @@ def _reducer_worker(rank, world, port, name, ck, args, queue) -> None:
             model = parallelize(_build(name, args).to(dev), mesh)
             if ck:
                 enable_activation_checkpointing(model)
-            run = models[reducer] = _with_reducer(model, reducer, mesh)
+            run = models[reducer] = _with_reducer(model, reducer)
             opt = torch.optim.SGD(run.parameters(), lr=1e-3)
 
             def step(run=run, opt=opt) -> None:

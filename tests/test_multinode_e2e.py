@@ -55,9 +55,14 @@ def test_two_nodes_resume_on_the_first_restart_after_a_worker_is_killed(tmp_path
     out = "\n".join(p.stdout + p.stderr for p in procs)
     assert [p.returncode for p in procs] == [0, 0], out[-6000:]
     assert "already holds a run" not in out, out[-6000:]
-    # One worker failed (the killed one): no restarted worker refused and used up its
-    # node's restart; the restart resumed the job's checkpoint.
-    assert re.findall(r"failed \(exitcode: (-?\d+)\)", out) == ["-9"], out[-6000:]
+    # The killed worker failed; the other node's worker either was restarted by its agent
+    # or stopped first on the lost connection (exit 1, which way depends on where it
+    # waited); no restarted worker refused and used up its node's restart; the restart
+    # resumed the job's checkpoint.
+    codes = re.findall(r"failed \(exitcode: (-?\d+)\)", out)
+    assert sorted(codes) in (["-9"], ["-9", "1"]), out[-6000:]
+    if "1" in codes:
+        assert "lost the connection to another rank, which failed first" in out, out[-6000:]
     assert "torchrun restart" in out and "resuming (this job started as fresh)" in out
     assert re.search(r"resumed\s+from", out), out[-6000:]
     want, got = exported(ref_dir / "run"), exported(run_dir)

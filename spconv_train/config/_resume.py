@@ -48,6 +48,7 @@ RESUME_POLICY: dict[str, tuple[Policy, str]] = {
     "data.max_image_pixels": ("apply", "a size limit only"),
     "parallel": ("apply", "checkpoints resume on any world size and (dp, sp) layout"),
     "parallel.fsdp": ("apply", "checkpoints hold full tensors by name: FSDP on or off resumes"),
+    "parallel.grad_reduce": ("apply", "both reducers give the same gradients and state names"),
     "optimizer": ("apply", "hyper-parameters are overridden after the checkpoint is loaded"),
     "optimizer.name": ("refuse", "the saved optimizer state belongs to the old optimizer"),
     "schedule": ("apply", "the schedule is rebuilt from the config"),

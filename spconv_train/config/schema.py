@@ -148,6 +148,13 @@ class ParallelConfig:
     parameter on every rank otherwise). Gradients and results are the same as without it;
     with training.precision bf16 the forward gathers bf16 parameters and gradients are
     reduced in fp32. Checkpoints resume with or without it, on any layout."""
+    grad_reduce: Literal["ddp", "builtin"] = "ddp"
+    """How parameter gradients are summed over the ranks when parallel.fsdp is false and
+    the mesh has more than one rank: ddp wraps the parallelized model in PyTorch's
+    DistributedDataParallel over the whole mesh (the spatial partial gradients are scaled
+    by their group size, DDP averages); builtin uses the project's bucketed all-reduce over
+    each parameter's sharding groups (parallel/_grad_reduce.py). Both give the same
+    gradients; DDP measured no slower (docs/benchmarks.md). Ignored with parallel.fsdp."""
     cpu_affinity: bool = True
     """CPU runs (gloo): bind each local rank, with gloo's helper threads, to its own share of
     the cores this job may use (spconv_train/cpu_affinity.py), so a message is read the

@@ -51,6 +51,7 @@ from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv3d import SpatialConv3d, spatial_conv3d
 from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
 from ._conv_transpose3d import SpatialConvTranspose3d, spatial_conv_transpose3d
+from ._ddp import local_module, replicate_gradients
 from ._fsdp import full_parameters, is_sharded, shard_parameters
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
@@ -132,6 +133,7 @@ __all__ = [
     "init_device_mesh",
     "is_sharded",
     "leave",
+    "local_module",
     "mesh_coords",
     "parallelize",
     "plan_window",
@@ -139,6 +141,7 @@ __all__ = [
     "refuse_module",
     "register_handler",
     "register_spatial_module",
+    "replicate_gradients",
     "restore_gloo_threads",
     "run_unsharded",
     "runtime_of",

@@ -18,8 +18,9 @@ the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
   that no rank got a gradient for (a flag per parameter rides in the bucket) keeps
   ``.grad`` None, as it would on one device.
 
-Under FSDP2 (``shard_parameters``, ``_fsdp.py``) the reducer steps aside: FSDP
-reduce-scatters every gradient and averages it over all ``world`` ranks of the mesh, so a
+Under FSDP2 (``shard_parameters``, ``_fsdp.py``) and under DDP (``replicate_gradients``,
+``_ddp.py``, the training default) the reducer steps aside: the wrapper reduces every
+gradient and averages it over all ``world`` ranks of the mesh, so a
 marked parameter's partial gradient is only multiplied by the size of its groups (then the
 average over the world is the sum over the groups) and nothing is reduced here
 (``defer_to``).

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ._grad_reduce import GradReducer
 from ._registry import DEFAULT_REGISTRY, HandlerRegistry
@@ -161,8 +162,11 @@ def activate(runtime: SpatialRuntime) -> Iterator[SpatialRuntime]:
 
 
 def runtime_of(model: nn.Module) -> SpatialRuntime:
-    """The runtime ``parallelize`` attached to ``model``; raises ``ValueError`` for a model
-    that was not parallelized."""
+    """The runtime ``parallelize`` attached to ``model`` (or to the model inside its
+    ``DistributedDataParallel`` wrapper, ``parallel.grad_reduce: ddp``); raises
+    ``ValueError`` for a model that was not parallelized."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
     runtime = getattr(model, "spatial_runtime", None)
     if not isinstance(runtime, SpatialRuntime):
         raise ValueError(

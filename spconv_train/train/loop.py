@@ -49,7 +49,7 @@ from spconv_train.launch_store import mark_recorded
 from spconv_train.logging import RunLogger
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
 from spconv_train.overwrite import remove_run_files
-from spconv_train.parallel import runtime_of
+from spconv_train.parallel import local_module, runtime_of
 from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
     note_training_skips,
@@ -221,7 +221,9 @@ def _train(cfg, resume, remove, notes, job, watchdog: Watchdog, stops: StopReque
     run_dir = Path(cfg.run_dir)
     # parallelize, activation checkpointing, FSDP (then compile): as verify builds it
     model = prepare_model(model.to(info.device), mesh, cfg, cfg.training.precision)
-    check_val_sizes(model, val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device)
+    check_val_sizes(
+        local_module(model), val_source, cfg, MeshCoords.of(mesh), spatial_mesh(mesh), info.device
+    )
     if resume:  # before config.yaml is rewritten: a refused resume changes nothing
         check_resume_steps(cfg.training.steps, CheckpointManager(run_dir).newest_step())
     notes = [*notes, *_prepare_run_dir(cfg, remove, info, job)]  # after every check

@@ -1,11 +1,15 @@
 """The parallelized model as ``run`` and ``verify`` both train it: ``parallelize`` over the
-mesh, activation checkpointing, FSDP2 (``parallel.fsdp``), then ``torch.compile``
+mesh, activation checkpointing, the gradient reduction (FSDP2 with ``parallel.fsdp``, else
+``DistributedDataParallel`` with ``parallel.grad_reduce: ddp``), then ``torch.compile``
 (``training.compile``, ``compile_model``), in that order.
 
 One function for both, so ``verify`` checks the model ``run`` trains. The order matters:
 activation checkpointing wraps a block's ``forward``, and FSDP's hooks run around the
 block's call, outside the checkpointed function, so the recomputation in the backward sees
-the parameters FSDP has gathered again for that block (as torchtitan orders them).
+the parameters FSDP has gathered again for that block (as torchtitan orders them). Under
+DDP, ``compile_model`` compiles the model inside the wrapper (``local_module``): DDP's
+hooks stay eager around the compiled forward, and validation, which calls the inner model,
+runs the same compiled code.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from spconv_train.config import Config
-from spconv_train.parallel import parallelize, shard_parameters
+from spconv_train.parallel import (
+    local_module,
+    parallelize,
+    replicate_gradients,
+    shard_parameters,
+)
 from spconv_train.train.optim import checkpoint_blocks, enable_activation_checkpointing
 
 __all__ = ["compile_model", "prepare_model"]
@@ -23,10 +32,13 @@ __all__ = ["compile_model", "prepare_model"]
 
 def prepare_model(model: nn.Module, mesh: DeviceMesh, cfg: Config, precision: str) -> nn.Module:
     """``model`` (already on its device) parallelized over ``mesh``, with
-    ``training.activation_checkpointing`` and ``parallel.fsdp`` applied as configured;
-    returns the same object. ``precision`` is the one the step computes in (``fp32``,
-    ``bf16`` or ``fp64``): with ``bf16`` FSDP gathers bf16 parameters and reduces gradients
-    in fp32 (``MixedPrecisionPolicy``); otherwise both stay in the parameters' dtype."""
+    ``training.activation_checkpointing``, ``parallel.fsdp`` and ``parallel.grad_reduce``
+    applied as configured. Returns the same object, or with ``grad_reduce: ddp`` on a
+    mesh of more than one rank its ``DistributedDataParallel`` wrapper (``runtime_of``
+    and the checkpoint functions take either; ``local_module`` unwraps it). ``precision``
+    is the one the step computes in (``fp32``, ``bf16`` or ``fp64``): with ``bf16`` FSDP
+    gathers bf16 parameters and reduces gradients in fp32 (``MixedPrecisionPolicy``);
+    otherwise both stay in the parameters' dtype."""
     model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
     t = cfg.training
     if t.activation_checkpointing:
@@ -41,15 +53,18 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, cfg: Config, precision: st
             param_dtype=torch.bfloat16 if bf16 else None,
             reduce_dtype=torch.float32 if bf16 else None,
         )
+    elif cfg.parallel.grad_reduce == "ddp":
+        model = replicate_gradients(model)
     return model
 
 
 def compile_model(model: nn.Module, cfg: Config) -> None:
     """``torch.compile`` ``model`` in place when ``training.compile`` (parameters and
-    ``state_dict`` keys stay the model's); called after ``prepare_model`` and after any
-    start-up probe forwards (which need not compile every validation size)."""
+    ``state_dict`` keys stay the model's; under DDP the model inside the wrapper); called
+    after ``prepare_model`` and after any start-up probe forwards (which need not compile
+    every validation size)."""
     if cfg.training.compile:
         # Static shapes: the halo plans are built from concrete sizes (a symbolic width would
         # reach them when validation images differ from the training crop); each new image
         # size compiles once more instead.
-        model.compile(backend=cfg.training.compile_backend, dynamic=False)
+        local_module(model).compile(backend=cfg.training.compile_backend, dynamic=False)

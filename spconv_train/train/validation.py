@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from spconv_train.logging import overlay_panel
-from spconv_train.parallel import full_parameters
+from spconv_train.parallel import full_parameters, local_module
 from spconv_train.train.bad_samples import (
     SkipRecord,
     agree_on_failures,
@@ -62,7 +62,8 @@ def _skip_or_raise(run: _Run, failures: list[tuple[str, str]], where: str) -> No
 def validate(run: _Run, step: int) -> dict:
     """Metrics over the whole validation set (confusion matrix summed over the mesh), the
     mean loss over the images with labels, and ``skipped_images`` (module docstring)."""
-    cfg, model, device = run.cfg, run.model, run.info.device
+    # The model inside a DDP wrapper: no gradient bookkeeping, no lock-step between replicas
+    cfg, model, device = run.cfg, local_module(run.model), run.info.device
     k, ignore = cfg.model.num_classes, cfg.data.ignore_index
     sp_groups = tuple(run.sp_mesh.get_group(i) for i in range(run.sp_mesh.ndim))
     model.eval()

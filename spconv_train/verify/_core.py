@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from spconv_train.config import Config, describe_grid, grid_mesh_dims, resolve_grid
 from spconv_train.distributed import build_mesh, gather_all, peak_memory_mb, seed_everything
@@ -52,6 +53,26 @@ def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _reduction_note(model: nn.Module, cfg: Config) -> str:
+    """How the sharded run's parameter gradients were summed over the ranks, and whether
+    the audited 'reductions' column counts them."""
+    if isinstance(model, DistributedDataParallel):
+        world = dist.get_world_size(model.process_group)
+        return (
+            f"parameter gradients are averaged over all {world} ranks by "
+            "DistributedDataParallel (parallel.grad_reduce: ddp): one all-reduce per "
+            "bucket of every parameter, in the 'reductions' column"
+        )
+    if cfg.parallel.fsdp:
+        return "parameter gradients are reduce-scattered by FSDP2 (parallel.fsdp)"
+    if dist.get_world_size() == 1:
+        return "one rank: no parameter gradient is reduced"
+    return (
+        "parameter gradients are summed by the built-in bucketed reducer "
+        "(parallel.grad_reduce: builtin); its all-reduces are in the 'reductions' column"
+    )
 
 
 def _disable_dropout(model: nn.Module) -> int:
@@ -149,6 +170,7 @@ def run_verify(
         sharded, cfg, mesh, device, source, steps, precision, keep_optimizer=resync and runs_ref
     )
     sharded_mb = peak_memory_mb(device)
+    reduction = _reduction_note(sharded, cfg)
     del sharded, model
     _reset_peak(device)
     ref = ref.to(device) if ref is not None else None
@@ -190,6 +212,7 @@ def run_verify(
         "not audited (Dynamo compiles nothing while the audit's dispatch mode is active)"
         if cfg.training.compile
         else "the sharded run is not compiled (training.compile: false)",
+        reduction,
         "reference run on every rank"
         if reference == "all"
         else "reference run on rank 0 only; it sends each rank the blocks to compare",

@@ -7,7 +7,9 @@ not a copy of it). Every step runs under ``CommAudit`` (except with ``training.c
 Dynamo compiles nothing while a ``TorchDispatchMode`` is active, so an audited step would
 check the eager model); its input strip, logits strip,
 gradients (before clipping), parameters after the optimizer step and buffers are copied to
-the CPU.
+the CPU, named as in the user's model (inside a ``DistributedDataParallel`` wrapper). DDP's
+gradient all-reduces go through the same c10d ops as every other collective and are
+counted with the reductions.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from spconv_train.config import Config
-from spconv_train.parallel import CommAudit, runtime_of
+from spconv_train.parallel import CommAudit, local_module, runtime_of
 from spconv_train.train.data_feed import TrainFeed
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
 from spconv_train.train.mesh_coords import to_dtensor
@@ -117,7 +119,8 @@ def sharded_run(
     optimizer = build_optimizer(model, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.training.steps, cfg.optimizer.lr)
     loss_fn = _sharded_loss(cfg, device, precision)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    inner = local_module(model)  # the user's parameter names, without DDP's "module."
+    named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
     shapes = {tuple(p.shape) for _, p in named}
     records, comms, shape = [], [], ()
     model.train()
@@ -164,8 +167,8 @@ def sharded_run(
             rec.logits, rec.placements = _cpu(logits.to_local()), tuple(logits.placements)
         else:  # an unsharded output: every rank holds all of it
             rec.logits = _cpu(logits)
-        rec.params = {n: _cpu(p) for n, p in model.named_parameters()}
-        rec.buffers = {n: _cpu(b) for n, b in model.named_buffers()}
+        rec.params = {n: _cpu(p) for n, p in inner.named_parameters()}
+        rec.buffers = {n: _cpu(b) for n, b in inner.named_buffers()}
         if keep_optimizer and step + 1 < steps:
             rec.optimizer = _cpu_tree(optimizer.state_dict())
         records.append(rec)
