@@ -74,7 +74,7 @@ def focal_loss(
     stats = torch.cat([num.double().reshape(1), _consts(x.device, den, bad, s.target is None)])
     total = replicated_sum(stats, s.groups)
     _raise_if_bad(total[2:].detach().tolist(), s, what, k, ignore_index)
-    den_total = float(total[1])
+    den_total = float(total[1].detach())
     return (total[0] if den_total == 0 else total[0] / den_total).to(x.dtype)
 
 
