@@ -38,7 +38,7 @@ from .scan import (
     mask_values,
     normalization_range,
 )
-from .sizes import check_piece_size
+from .sizes import check_piece_size, warn_crop_larger
 
 __all__ = ["FolderDataset"]
 
@@ -381,6 +381,8 @@ class FolderDataset(SegmentationSource):
             self._headers.clear()  # indices shifted
             if not self._items:
                 raise DataError(f"{self.root}: every sample of split {self.split!r} is bad")
+        sizes = [(image, self.size(i)) for i, (_, image, _) in enumerate(self._items)]
+        warn_crop_larger(self.root / "images" / self.split, sizes, crop)
         if self.ignore_index == 255 and 255 in seen and seen <= {0, 255}:
             warnings.warn(
                 f"{self.root / 'masks' / self.split}: masks hold only 0 and 255 and "

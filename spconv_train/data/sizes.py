@@ -12,11 +12,12 @@ with ``data.max_image_pixels`` per rank, up front.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 from .base import bad_file
 
-__all__ = ["check_piece_size", "piece_size"]
+__all__ = ["check_piece_size", "piece_size", "warn_crop_larger"]
 
 
 Crop = tuple[int | None, int | None] | None
@@ -61,4 +62,29 @@ def check_piece_size(
         f"would hold {h}x{w} = {h * w:,} pixels, over data.max_image_pixels={max_pixels:,}; "
         f"{fixes}, split it over more ranks (parallel.sp), or raise data.max_image_pixels "
         "if memory allows",
+    )
+
+
+def warn_crop_larger(where: Path, sizes: list[tuple[Path, tuple[int, int]]], crop: Crop) -> None:
+    """Warn once, naming both sizes, when the training ``crop`` ``(height, width)`` is
+    larger than some of the images ``sizes`` (path, (h, w)) of the split in ``where``:
+    the part of a crop outside its image is padded with ``ignore_index`` and trains
+    nothing, which a user who set ``data.width`` above the images' width should hear."""
+    if crop is None:
+        return
+    small = [
+        (path, size)
+        for path, size in sizes
+        if any(c is not None and c > n for c, n in zip(crop, size, strict=True))
+    ]
+    if not small:
+        return
+    path, (h, w) = small[0]
+    ch, cw = ("full" if c is None else c for c in crop)
+    warnings.warn(
+        f"{where}: the training crop data.height x data.width = {ch} x {cw} is larger than "
+        f"{len(small)} of {len(sizes)} image(s) (e.g. {path}: {h} x {w}); the part of a "
+        "crop outside its image is padded with ignore_index and trains nothing: lower "
+        "data.height / data.width, or use larger images",
+        stacklevel=3,
     )
