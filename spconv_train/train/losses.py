@@ -45,6 +45,7 @@ __all__ = [
     "LossInfo",
     "ce_dice_loss",
     "class_sums",
+    "class_sums_reference",
     "cross_entropy",
     "dice_loss",
     "dice_loss_reference",
@@ -328,16 +329,21 @@ def dice_loss_reference(
 ) -> Tensor:
     """Single-device soft Dice loss on plain full tensors (the definition ``dice_loss``
     reproduces on shards): one-hot targets, ignored pixels removed from every sum."""
+    sums, k = class_sums_reference(logits, target, ignore_index), logits.shape[1]
+    dice = (2.0 * sums[:k] + smooth) / (sums[k : 2 * k] + sums[2 * k :] + smooth)
+    return 1.0 - (dice if include_background else dice[1:]).mean()
+
+
+def class_sums_reference(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """The 3K sums of ``class_sums`` on plain full tensors, by their definition: one-hot
+    targets, softmax probabilities, ignored pixels removed from every sum."""
     k = logits.shape[1]
     valid = (target != ignore_index).unsqueeze(1)
     onehot = F.one_hot(target.masked_fill(~valid.squeeze(1), 0), k).movedim(-1, 1)
     onehot = onehot.to(logits.dtype) * valid
     probs = logits.softmax(1) * valid
     dims = _sum_dims(logits)
-    inter = (probs * onehot).sum(dims)
-    card = probs.sum(dims) + onehot.sum(dims)
-    dice = (2.0 * inter + smooth) / (card + smooth)
-    return 1.0 - (dice if include_background else dice[1:]).mean()
+    return torch.cat([(probs * onehot).sum(dims), probs.sum(dims), onehot.sum(dims)])
 
 
 def ce_dice_loss(

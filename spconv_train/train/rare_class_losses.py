@@ -32,6 +32,7 @@ from spconv_train.train.losses import (
     _raise_if_bad,
     _strips,
     class_sums,
+    class_sums_reference,
     replicated_sum,
 )
 
@@ -127,14 +128,7 @@ def tversky_loss_reference(
     include_background: bool = True,
 ) -> Tensor:
     """Single-device Tversky loss on plain full tensors: one-hot targets, ignored pixels
-    removed from every count."""
-    k = logits.shape[1]
-    valid = (target != ignore_index).unsqueeze(1)
-    onehot = F.one_hot(target.masked_fill(~valid.squeeze(1), 0), k).movedim(-1, 1)
-    onehot = onehot.to(logits.dtype) * valid
-    probs = logits.softmax(1) * valid
-    dims = (0, *range(2, logits.ndim))
-    tp = (probs * onehot).sum(dims)
-    sums = torch.cat([tp, probs.sum(dims), onehot.sum(dims)])
-    ti = _tversky(sums, k, alpha, beta, smooth)
+    removed from every count (``class_sums_reference``)."""
+    sums = class_sums_reference(logits, target, ignore_index)
+    ti = _tversky(sums, logits.shape[1], alpha, beta, smooth)
     return 1.0 - (ti if include_background else ti[1:]).mean()
