@@ -157,7 +157,7 @@ class ParallelConfig:
     gradients; DDP measured no slower (docs/benchmarks.md). Ignored with parallel.fsdp."""
     cpu_affinity: bool = True
     """CPU runs (gloo): bind each local rank, with gloo's helper threads, to its own share of
-    the cores this job may use (spconv_train/cpu_affinity.py), so a message is read the
+    the cores this job may use (spconv_train/distributed/cpu_affinity.py), so a message is read the
     moment its rank waits for it instead of at the next scheduler tick (2-rank U-Net step
     on 2 cores: 0.38 -> 0.31 s, docs/benchmarks.md). Skipped when there are fewer cores
     than ranks on the node; set false when other jobs share these cores."""
