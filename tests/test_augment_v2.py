@@ -10,9 +10,9 @@ from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
 from spconv_train.config import ConfigError, load_config
-from spconv_train.data.augment_ops import DrawnOp, layout_noise
+from spconv_train.data.augment_ops import DrawnOp, apply_intensity, layout_noise
 from spconv_train.data.augment_spec import parse_augment
-from spconv_train.data.augment_v2 import AugmentPlan, draw_plan, load_plan_part
+from spconv_train.data.augment_v2 import AugmentPlan, draw_plan, load_plan_part, value_range
 from spconv_train.data.strips import strip_bounds
 from spconv_train.data.transforms import AugmentParams
 from tests.augment_sources import random_source
@@ -175,3 +175,16 @@ def test_yaml_config(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_config(None, [override, "model.num_classes=2"])
         assert key in str(info.value) and words in str(info.value), str(info.value)
+
+
+def test_mean_std_images_use_their_storage_range():
+    """Under mean_std the point-wise transforms act on x * std + mean, the [0, 1] scale."""
+    source = random_source(1)
+    image, _ = source.load(0)
+    mean, std = torch.tensor([0.4, 0.5]).view(2, 1, 1), torch.tensor([0.2, 0.25]).view(2, 1, 1)
+    low, high = value_range({"mode": "mean_std", "mean": [0.4, 0.5], "std": [0.2, 0.25]}, 2)
+    torch.testing.assert_close(low, torch.tensor([-2.0, -2.0]))
+    torch.testing.assert_close(high, torch.tensor([3.0, 2.0]))
+    ops = list(_one("gamma", (2.0,)).ops)
+    got = apply_intensity((image - mean) / std, ops, (low, high), (0, 40), (0, 52), (40, 52))
+    torch.testing.assert_close(got, (image**2 - mean) / std, atol=1e-5, rtol=0)
