@@ -9,7 +9,7 @@ bilinear taps) and resample exactly what the whole-crop transform gives there.
 
 Point-wise intensity transforms act on ``u = (x - low) / (high - low)`` in ``[0, 1]``, the
 image on the scale of its storage range (a uint16 value / 65535 under
-``data.normalize.mode: dtype``), in float32, and clamp to it, so 16-bit images keep their
+``data.normalize.mode: dtype``), in float64, and clamp to it, so 16-bit images keep their
 65536 levels. Gaussian noise comes from a counter-based hash of ``(seed, channel, y, x)``
 in global coordinates, so each pixel gets the same noise on every layout.
 """
@@ -252,9 +252,12 @@ def apply_intensity(
     """
     if not ops:
         return image
-    low, high = (v.view(-1, 1, 1).to(image.dtype) for v in value_range)
+    # float64 throughout: pow, log and cos may round the last bit differently on another
+    # tensor shape (vectorised vs scalar code); in float64 that bit is lost in the float32
+    # result, so a pixel's value does not depend on the layout.
+    low, high = (v.view(-1, 1, 1).double() for v in value_range)
     span = high - low
-    u = ((image - low) / span).clamp_(0.0, 1.0)
+    u = ((image.double() - low) / span).clamp_(0.0, 1.0)
     for op in ops:
         v = op.values[0]
         if op.name == "brightness":
@@ -266,7 +269,7 @@ def apply_intensity(
             u = F.adjust_gamma(u.unsqueeze(1), v).squeeze(1)
         elif op.name == "noise":
             noise = layout_noise(op.seed, u.shape[0], rows, cols, out_hw)
-            u = (u.double() + v * noise).clamp_(0.0, 1.0).to(image.dtype)
+            u = (u + v * noise).clamp_(0.0, 1.0)
         else:
             raise ValueError(f"{op.name} is not an intensity transform")
-    return u * span + low
+    return (u * span + low).to(image.dtype)
