@@ -4,7 +4,8 @@ As nnU-Net does, a share of the training crops is centred on a pixel of a rare c
 pixel comes from an index of class-pixel locations built once per mask by streaming it in
 row bands (never the whole mask in memory for TIFF and ``.npy``; a PNG is decoded once),
 and cached next to the scans in the run folder (``run_dir/class_index/*.npz``, plain
-arrays keyed by the file's path, size and mtime). Each class keeps at most ``cap``
+arrays keyed by the file's path, size and mtime; the first rank to need one builds it
+under a file lock, the others wait and read it). Each class keeps at most ``cap``
 locations: every ``2**k``-th pixel of the class in row-major order, ``k`` as small as fits.
 
 The choice depends only on ``(seed, epoch, index)`` and the mask, so every rank of a
@@ -15,8 +16,11 @@ classes falls back to the random crop.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +76,23 @@ def centre_crop(params: AugmentParams, yx: tuple[int, int]) -> AugmentParams:
 
     top, left = offset(yx[0], h, hs, oh), offset(yx[1], w, ws, ow)
     return dataclasses.replace(params, top=top, left=left)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created); without one if it cannot be made."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "w")  # noqa: SIM115
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class ClassSampler:
@@ -131,27 +152,37 @@ class ClassSampler:
 
     def locations(self, index: int) -> dict[int, np.ndarray]:
         """Flat indices of each class's pixels in mask ``index`` (built once, cached)."""
-        if index in self._index:
-            return self._index[index]
-        cached = self._cache_file(index)
-        found = None
-        if cached is not None and cached.is_file():
-            try:
-                with np.load(cached, allow_pickle=False) as data:
-                    found = {c: data[f"class_{c}"] for c in self.classes}
-            except (OSError, ValueError, KeyError):
-                found = None  # unreadable: build again
-        if found is None:
-            bands, width = self._bands(index)
-            found = class_locations(bands, width, self.classes, self.cap)
-            if cached is not None:
-                self._save(cached, found)
-        self._index[index] = found
-        return found
+        if index not in self._index:
+            cached = self._cache_file(index)
+            if cached is None:
+                self._index[index] = self._build(index)
+            else:
+                # One rank builds, the others wait and read its file (as ScanCache does).
+                with _locked(cached.with_name(cached.name + ".lock")):
+                    found = self._read(cached)
+                    if found is None:
+                        found = self._build(index)
+                        self._save(cached, found)
+                self._index[index] = found
+        return self._index[index]
+
+    def _build(self, index: int) -> dict[int, np.ndarray]:
+        bands, width = self._bands(index)
+        return class_locations(bands, width, self.classes, self.cap)
+
+    def _read(self, path: Path) -> dict[int, np.ndarray] | None:
+        """The cached index, or None when absent or unreadable (then it is built again)."""
+        if not path.is_file():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {c: data[f"class_{c}"] for c in self.classes}
+        except (OSError, ValueError, KeyError):
+            return None
 
     @staticmethod
     def _save(path: Path, found: dict[int, np.ndarray]) -> None:
-        """Write atomically; ranks building the same index write the same bytes."""
+        """Write atomically (a reader never sees half a file)."""
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.npz")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
