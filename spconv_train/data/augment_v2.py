@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from .augment_ops import DrawnOp, apply_intensity, backward_map, resample, source_box
-from .augment_spec import AugmentSpec
+from .augment_spec import GEOMETRIC, INTENSITY, AugmentSpec
 from .base import DataError, SegmentationSource, check_cols
+from .normalize import _cfg
 from .strips import make_batch
 from .transforms import AugmentParams, draw_augment, load_strip
 
@@ -52,12 +53,12 @@ class AugmentPlan:
     @property
     def geometric(self) -> list[DrawnOp]:
         """The transforms that move pixels."""
-        return [op for op in self.ops if op.name in ("rot90", "transpose", "affine", "elastic")]
+        return [op for op in self.ops if op.name in GEOMETRIC]
 
     @property
     def intensity(self) -> list[DrawnOp]:
         """The point-wise transforms."""
-        return [op for op in self.ops if op.name in ("brightness", "contrast", "gamma", "noise")]
+        return [op for op in self.ops if op.name in INTENSITY]
 
 
 def _seed(*parts: object) -> int:
@@ -137,8 +138,9 @@ def draw_plan(
         ops.append(op)
         hw = op.out_hw
     # Geometry first, then the point-wise transforms (each group in list order).
-    ordered = [op for op in ops if op.name in ("rot90", "transpose", "affine", "elastic")]
-    ordered += [op for op in ops if op not in ordered]
+    ordered = [op for op in ops if op.name in GEOMETRIC] + [
+        op for op in ops if op.name in INTENSITY
+    ]
     return AugmentPlan(base=base, ops=tuple(ordered), out_hw=hw)
 
 
@@ -146,12 +148,10 @@ def value_range(normalize: object, channels: int) -> tuple[Tensor, Tensor]:
     """Per-channel ``(low, high)`` of the normalised values that the storage range maps to:
     ``[0, 1]``, or for ``data.normalize.mode: mean_std`` ``[(0 - mean) / std,
     (1 - mean) / std]``. Point-wise transforms work on this scale."""
-    mode = getattr(normalize, "mode", None) or (normalize or {}).get("mode", "dtype")
     low, high = torch.zeros(channels), torch.ones(channels)
-    if mode == "mean_std":
-        get = (lambda k: getattr(normalize, k)) if hasattr(normalize, "mean") else normalize.get
-        mean = torch.tensor(get("mean"), dtype=torch.float32).expand(channels)
-        std = torch.tensor(get("std"), dtype=torch.float32).expand(channels)
+    if _cfg(normalize or {}, "mode", "dtype") == "mean_std":
+        mean = torch.tensor(_cfg(normalize, "mean"), dtype=torch.float32).expand(channels)
+        std = torch.tensor(_cfg(normalize, "std"), dtype=torch.float32).expand(channels)
         low, high = (low - mean) / std, (high - mean) / std
     return low, high
 
