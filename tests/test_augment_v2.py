@@ -4,6 +4,8 @@ check is in test_augment_v2_dist.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torchvision import tv_tensors
@@ -17,6 +19,7 @@ from spconv_train.data.strips import strip_bounds
 from spconv_train.data.transforms import AugmentParams
 from tests.augment_sources import random_source
 
+REPO = Path(__file__).resolve().parents[1]
 GEOMETRIC = [
     {"name": "rot90", "p": 1.0},
     {"name": "transpose", "p": 1.0},
@@ -175,6 +178,8 @@ def test_yaml_config(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_config(None, [override, "model.num_classes=2"])
         assert key in str(info.value) and words in str(info.value), str(info.value)
+    with pytest.raises(ConfigError, match=r"data.augment: not supported for volumes"):
+        load_config(REPO / "configs" / "unet3d.yaml", ["data.augment=[{name: rot90}]"])
 
 
 def test_mean_std_images_use_their_storage_range():
