@@ -99,6 +99,18 @@ class DataConfig:
     """Probability of a vertical flip."""
     scale: list[float] = field(default_factory=lambda: [1.0, 1.0])
     """[min, max] of the random rescale factor ([1, 1]: no rescaling)."""
+    augment: list[dict[str, Any]] = field(default_factory=list)
+    """More training augmentations, each ``{name: ..., p: ..., <keys>}``, applied after the
+    crop and flips: geometric (rot90 k, transpose, affine degrees/translate/scale/shear,
+    elastic alpha/sigma) in list order, then point-wise (brightness factor, contrast factor,
+    gamma gamma, noise sigma) in list order. Exact on every strip / tile layout; see
+    docs/augmentation.md for the keys and their defaults. Images only."""
+    oversample_classes: list[int] = field(default_factory=list)
+    """Classes whose pixels centre a share of the training crops (nnU-Net style), from an
+    index of each mask's class pixels built once (streamed) and cached in run_dir."""
+    oversample_fraction: float = 0.33
+    """Share of training crops centred on a pixel of one of data.oversample_classes (a mask
+    holding none of them gets a random crop)."""
     on_bad_sample: Literal["error", "skip"] = "error"
     """What to do with an unreadable image or mismatched mask: stop, or skip with a warning."""
     level: int = 0
