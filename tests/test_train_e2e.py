@@ -90,7 +90,7 @@ def test_activation_checkpointing_is_exact_on_one_device():
 @pytest.mark.parametrize("factor", [1, 2, 3, 4])
 def test_downsampled_strips_stitch_to_the_downsampled_image(width, factor):
     from spconv_train.data import strip_bounds
-    from spconv_train.train.data_feed import downsample_strip
+    from spconv_train.train.val_items import downsample_strip
 
     full = torch.rand(3, 10, width)
     for parts in (1, 2, 3, 4):
