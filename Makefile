@@ -4,7 +4,7 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step bench-compile bench-tiles physicsnemo verify predict gpu-check clean
+.PHONY: install run data test test-fast lint bench bench-conv bench-memory bench-predict bench-step bench-compile bench-tiles physicsnemo verify predict gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -24,6 +24,10 @@ data: install
 
 test: install
 	$(PY) -m pytest -q --durations=15
+
+# The single-process unit tests only (no worker groups, no command-line runs): seconds.
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e and not dist"
 
 lint: install
 	$(PY) -m ruff check spconv_train tests scripts

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 REPO = Path(__file__).resolve().parents[1]
 
 

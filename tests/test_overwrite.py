@@ -26,6 +26,8 @@ from spconv_train.logging.overwrite import check_removable, inspect_removal, rem
 from spconv_train.logging.run_folder import JOB_FILE, RUN_FILES, JobRecord, read_job, write_job
 from tests.test_train_e2e import ok, plain, tiny_config
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 
 def _tree(folder: Path) -> dict[str, str]:
     """Every entry under ``folder`` (links not followed): file digests, link targets."""

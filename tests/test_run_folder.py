@@ -28,6 +28,8 @@ from spconv_train.logging.run_folder import (
 )
 from tests.test_train_e2e import tiny_config, torchrun
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 REPO = Path(__file__).resolve().parents[1]
 UNET = REPO / "configs" / "unet.yaml"
 

@@ -253,6 +253,8 @@ def test_resume_equals_uninterrupted_run(trained, tmp_path):
 
 INJECT = """\
 import os
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 # Test hook: on the first attempt only, rank 1 crashes in the middle of step 3.
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
     import spconv_train.train.step as step_module
