@@ -262,3 +262,29 @@ def test_predict_writes_ome_tiff_and_geojson(dist_pool, tmp_path):
     assert not (out / "slide.tif").exists()
     assert json.loads((out / "classes.json").read_text())["pixel_size_um"] == [0.5, 0.5]
     _check_geojson(out / "slide.geojson", levels[0], names)
+
+
+def test_cli_format_and_geojson_options(tmp_path, monkeypatch):
+    """``--format`` / ``--geojson`` are documented (the extra's name survives rich markup),
+    passed on to the torchrun ranks, and a wrong value exits 2 naming the choices."""
+    from typer.testing import CliRunner
+
+    import spconv_train.predict as predict
+    from spconv_train.cli import app
+    from tests.test_predict_bands import UNET, _export
+
+    result = CliRunner().invoke(app, ["predict", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "--format" in result.output and "spconv-train[slides]" in result.output
+    weights, _ = _export(tmp_path / "m.pt", UNET)
+    image = tmp_path / "x.png"
+    Image.fromarray(_blobs(32, 32, 5)).save(image)
+    seen = []
+    monkeypatch.setattr(predict, "run_torchrun", lambda n, cmd, args: seen.append(args) or 0)
+    kw = {"output_format": "ome-tiff", "geojson": True}
+    assert predict.predict_command(weights, [image], tmp_path / "o", 2, **kw) == 0
+    assert seen[0][-3:] == ["--format", "ome-tiff", "--geojson"]
+    bad = CliRunner().invoke(
+        app, ["predict", weights, str(image), "--out", str(tmp_path / "o"), "--format", "jpeg"]
+    )
+    assert bad.exit_code == 2 and "--format jpeg: expected one of auto, ome-tiff" in bad.output

@@ -26,7 +26,8 @@ fewer ranks.
 Big images (``--band-rows``, automatic by default) are predicted in row bands with
 context rows derived from the network, exactly equal to whole-image inference, and
 written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
-``_writers``; docs/wsi.md).
+``_writers``; docs/wsi.md), then as pyramidal OME-TIFFs with the input's pixel size and the
+class names, and with ``--geojson`` as polygons (``_slide``, ``_geojson``).
 
 H x W tiles: with ``--set parallel.sp=[p, q]`` every image (and every band) is split into
 p x q tiles instead of strips; each rank reads only its tile (``_layout``). Volumes (a
@@ -351,7 +352,7 @@ def register(app: typer.Typer) -> None:
                 "--geojson",
                 help="Also write OUT/<stem>.geojson: one polygon per predicted object of "
                 "every class but 0, with its class name and colour (QuPath: File > Import "
-                "objects). Needs shapely (pip install 'spconv-train[slides]').",
+                "objects). Needs shapely (pip install 'spconv-train\\[slides]').",
             ),
         ] = False,
     ) -> None:
