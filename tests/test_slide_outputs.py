@@ -119,6 +119,10 @@ def test_pixel_size_from_ome_svs_tags_and_levels(tmp_path):
     inch = tmp_path / "inch.tif"
     tifffile.imwrite(inch, img, resolution=(2540, 1270), resolutionunit="INCH")
     assert input_pixel_size(inch) == pytest.approx((10.0, 20.0))
+    svs = tmp_path / "a.svs"
+    about = "Aperio Image Library v10.0.51\r\n96x64 (256x256) JPEG/RGB Q=30|AppMag = 20|MPP = 0.499"
+    tifffile.imwrite(svs, img, description=about, metadata=None)
+    assert input_pixel_size(svs) == pytest.approx((0.499, 0.499))
     plain = tmp_path / "plain.tif"
     tifffile.imwrite(plain, img)  # tifffile's default: (1, 1), unit NONE
     assert input_pixel_size(plain) is None
@@ -196,9 +200,9 @@ def test_geojson_polygons_are_exact_across_band_cuts(tmp_path):
     write_whole(tmp_path, "m", mask, tmp_path / "m.png", 0, 4, SlideOptions("png", True, NAMES))
     assert (tmp_path / "m.png").is_file()
     counts = _check_geojson(tmp_path / "m.geojson", mask, names)
-    whole = class_polygons(lambda a, b: mask[a:b], mask.shape, [1, 2, 3], rows=1000)
-    for rows in (7, 16):  # band cuts through the ring, its hole and the island
-        cut = class_polygons(lambda a, b: mask[a:b], mask.shape, [1, 2, 3], rows=rows)
+    whole = class_polygons(lambda a, b: mask[a:b], mask.shape, [1, 2, 3], 1000, 1000)
+    for rows, cols in ((7, 1000), (16, 9), (1000, 13)):  # cuts through ring, hole, island
+        cut = class_polygons(lambda a, b: mask[a:b], mask.shape, [1, 2, 3], rows, cols)
         for c in (1, 2, 3):
             assert len(cut[c]) == len(whole[c]) == counts[names[c]]
             assert shapely.union_all(cut[c]).equals(shapely.union_all(whole[c]))

@@ -7,8 +7,8 @@ full-resolution pixel coordinates of the input (x = column, y = row, along pixel
 quickly; annotations would each be editable shapes) and ``properties.classification``
 ``{"name", "color": [r, g, b]}``.
 
-Polygons are built with shapely (GEOS), band by band: the pixel-edge boundary of a class's
-region, as straight segments, is polygonized (holes included); regions that touch a band's
+Polygons are built with shapely (GEOS), tile by tile: the pixel-edge boundary of a class's
+region, as straight segments, is polygonized (holes included); regions that touch a tile's
 cut are merged across it at the end (``unary_union``). The polygons therefore follow the
 pixel edges exactly: their area is the class's pixel count. (Contour tracers, OpenCV's
 ``findContours`` or scikit-image's marching squares, trace pixel centres or iso-lines
@@ -28,8 +28,9 @@ from ._errors import PredictError
 
 __all__ = ["class_polygons", "write_geojson"]
 
-#: Rows per band: the boundary segments of one band are polygonized at once.
-BAND_ROWS = 512
+#: Tile edge: the boundary segments of one tile are polygonized at once (polygonize slows
+#: down more than linearly with the objects in one call).
+TILE = 512
 
 
 def _shapely():
@@ -59,12 +60,12 @@ def _runs(edges: np.ndarray) -> np.ndarray:
     return np.concatenate(found)
 
 
-def _regions(shapely, values: np.ndarray, c: int, row0: int) -> np.ndarray:
-    """The polygons of the 4-connected regions of class ``c`` in ``values`` (rows from
-    ``row0``): the region's pixel-edge boundary, as merged straight segments, polygonized;
-    of the faces, those whose interior lies on a pixel of class ``c`` (the others are
-    holes). A face is a union of whole pixels, so any pixel touching an interior point of
-    it lies in it."""
+def _regions(shapely, values: np.ndarray, c: int, row0: int, col0: int = 0) -> np.ndarray:
+    """The polygons of the 4-connected regions of class ``c`` in ``values`` (its first
+    pixel at row ``row0``, column ``col0``): the region's pixel-edge boundary, as merged
+    straight segments, polygonized; of the faces, those whose interior lies on a pixel of
+    class ``c`` (the others are holes). A face is a union of whole pixels, so any pixel
+    touching an interior point of it lies in it."""
     inside = np.zeros((values.shape[0] + 2, values.shape[1] + 2), np.int8)
     inside[1:-1, 1:-1] = values == c
     across = _runs(np.diff(inside[:, 1:-1], axis=0))  # y = line, x from first to end
@@ -75,37 +76,44 @@ def _regions(shapely, values: np.ndarray, c: int, row0: int) -> np.ndarray:
             np.stack([down[:, 0], down[:, 1], down[:, 0], down[:, 2]], axis=1),
         ]
     ).astype(np.float64)
+    ends[:, 0::2] += col0
     ends[:, 1::2] += row0
     faces = shapely.get_parts(shapely.polygonize(shapely.linestrings(ends.reshape(-1, 2, 2))))
     if not len(faces):
         return faces
     at = np.floor(shapely.get_coordinates(shapely.point_on_surface(faces))).astype(np.int64)
-    return faces[values[at[:, 1] - row0, at[:, 0]] == c]
+    return faces[values[at[:, 1] - row0, at[:, 0] - col0] == c]
 
 
 def class_polygons(
     band: Callable[[int, int], np.ndarray],
     shape: tuple[int, int],
     classes: Sequence[int],
-    rows: int = BAND_ROWS,
+    rows: int = TILE,
+    cols: int = TILE,
 ) -> dict[int, list]:
     """``{class: [shapely Polygon, ...]}`` of the connected regions of each of ``classes``
-    in the ``shape = (H, W)`` mask whose rows ``band(r0, r1)`` gives (``[rows, W]``)."""
+    in the ``shape = (H, W)`` mask whose rows ``band(r0, r1)`` gives (``[rows, W]``),
+    polygonized in tiles of ``rows x cols``."""
     shapely = _shapely()
-    h, _ = shape
+    h, w = shape
     done: dict[int, list] = {c: [] for c in classes}
-    cut: dict[int, list] = {c: [] for c in classes}  # touching a band's cut: merged last
+    cut: dict[int, list] = {c: [] for c in classes}  # touching a tile's cut: merged last
     for r0 in range(0, h, rows):
         r1 = min(r0 + rows, h)
         values = np.asarray(band(r0, r1))
-        for c in classes:
-            if not (values == c).any():
-                continue
-            parts = _regions(shapely, values, c, r0)
-            bounds = shapely.bounds(parts)
-            edge = ((bounds[:, 1] <= r0) & (r0 > 0)) | ((bounds[:, 3] >= r1) & (r1 < h))
-            done[c] += list(parts[~edge])
-            cut[c] += list(parts[edge])
+        for c0 in range(0, w, cols):
+            c1 = min(c0 + cols, w)
+            tile = values[:, c0:c1]
+            for c in classes:
+                if not (tile == c).any():
+                    continue
+                parts = _regions(shapely, tile, c, r0, c0)
+                x0, y0, x1, y1 = shapely.bounds(parts).T
+                edge = (y0 <= r0) & (r0 > 0) | (y1 >= r1) & (r1 < h)
+                edge |= (x0 <= c0) & (c0 > 0) | (x1 >= c1) & (c1 < w)
+                done[c] += list(parts[~edge])
+                cut[c] += list(parts[edge])
     for c in classes:
         if cut[c]:
             done[c] += list(shapely.get_parts(shapely.unary_union(cut[c])))

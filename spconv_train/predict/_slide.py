@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spconv_train.data import image_header
 from spconv_train.data.convert import source_bands, write_pyramid
 from spconv_train.logging import class_colors
 
@@ -46,6 +47,7 @@ __all__ = [
 #: (a PNG cannot be written band by band).
 FORMATS = ("auto", "ome-tiff", "tiff", "png")
 TILE = 256  # tile edge of every written TIFF, as the band writer's
+_NO_LIMIT = 1 << 62  # the outputs were written by this tool: any size
 _UM = {"µm": 1.0, "um": 1.0, "micron": 1.0, "nm": 1e-3, "mm": 1e3, "cm": 1e4, "m": 1e6}
 
 
@@ -86,6 +88,7 @@ def input_pixel_size(path: Path, level: int = 0) -> tuple[float, float] | None:
     ``PhysicalSizeX/Y``, an SVS description's ``MPP``, or its resolution tags (unit inch or
     centimetre); None when the file states none (resolution unit NONE, PNG, .npy)."""
     import tifffile
+    from tifffile.tifffile import svs_description_metadata
 
     from spconv_train.data.tiff import is_tiff
 
@@ -96,7 +99,7 @@ def input_pixel_size(path: Path, level: int = 0) -> tuple[float, float] | None:
         if tif.is_ome and tif.ome_metadata:
             size = _ome_pixel_size(tif.ome_metadata)
         if size is None and tif.is_svs:
-            mpp = tifffile.svs_description_metadata(page.description).get("MPP")
+            mpp = svs_description_metadata(page.description).get("MPP")
             size = (float(mpp), float(mpp)) if mpp else None
         unit = {2: 25400.0, 3: 1e4}.get(int(page.resolutionunit))  # µm per inch / cm
         if size is None and unit is not None and all(page.resolution):
@@ -184,9 +187,7 @@ def finish_streamed(
     names = opts.names(k)
     with_ome = opts.format in ("auto", "ome-tiff")
     done = []
-    from spconv_train.data import image_header
-
-    h, w, _ = image_header(mask, max_pixels=1 << 62)
+    h, w, _ = image_header(mask, max_pixels=_NO_LIMIT)
     geo = None
     if opts.geojson:  # from the single-level mask, before it is replaced
         band = source_bands(mask, w)
@@ -196,7 +197,7 @@ def finish_streamed(
         if not with_ome:
             done.append(path.name)
             continue
-        hh, ww, c = image_header(path, max_pixels=1 << 62)
+        hh, ww, c = image_header(path, max_pixels=_NO_LIMIT)
         band = source_bands(path, ww)
         dtype = band(0, 1).dtype
         ome = _mask_ome(names) if i == 0 else _probability_ome(names)
@@ -245,7 +246,7 @@ def write_whole(
     if opts.geojson:
         geo = out_dir / f"{stem}.geojson"
         done.append(_geojson(lambda r0, r1: pred[r0:r1], *pred.shape, src, level, names, geo))
-    if opts.format != "png" or opts.geojson:
+    if opts.format in ("ome-tiff", "tiff") or opts.geojson:  # a plain PNG set: none
         write_classes_json(out_dir, names, size)
     return done
 
