@@ -292,3 +292,13 @@ def test_cli_format_and_geojson_options(tmp_path, monkeypatch):
         app, ["predict", weights, str(image), "--out", str(tmp_path / "o"), "--format", "jpeg"]
     )
     assert bad.exit_code == 2 and "--format jpeg: expected one of auto, ome-tiff" in bad.output
+
+
+@pytest.mark.parametrize("fmt", ["png", "ome-tiff", "tiff"])
+def test_more_than_256_classes_are_written_16_bit(tmp_path, fmt):
+    pred = np.array([[0, 300], [511, 2]], np.int32)  # the whole-image path's int32 classes
+    [name] = write_whole(tmp_path, "k", pred, tmp_path / "k.png", 0, 512, SlideOptions(fmt))
+    path = tmp_path / name
+    saved = np.array(Image.open(path)) if fmt == "png" else tifffile.imread(path)
+    assert saved.dtype == np.uint16
+    np.testing.assert_array_equal(saved, pred)

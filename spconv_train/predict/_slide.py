@@ -221,13 +221,10 @@ def write_whole(
     from ._writers import TiledTiffWriter
 
     names, done = opts.names(k), []
+    if pred.dtype != np.uint8:  # more than 256 classes: 16-bit in every format
+        pred = pred.astype(np.uint16)
     if opts.format in ("auto", "png"):
-        mask = (
-            Image.fromarray(pred)
-            if pred.dtype == np.uint8
-            else Image.fromarray(pred.astype(np.uint16), mode="I;16")
-        )
-        mask.save(out_dir / f"{stem}.png")
+        Image.fromarray(pred).save(out_dir / f"{stem}.png")  # uint8: L, uint16: I;16
         done.append(f"{stem}.png")
     elif opts.format == "tiff":
         writer = TiledTiffWriter(out_dir / f"{stem}.tif", pred.shape, pred.dtype, tile=TILE)
