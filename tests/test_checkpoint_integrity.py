@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-import spconv_train.checkpoint as ckpt
+import spconv_train.checkpoint.manager as ckpt
 from spconv_train.checkpoint import CheckpointError, CheckpointManager
-from spconv_train.checkpoint_manifest import read_state
+from spconv_train.checkpoint.manifest import read_state
 from tests.reference import seeded
 
 SIZE = r"[\d.,]+ (bytes|[KMGT]B)"

@@ -1,4 +1,4 @@
-"""The run folder's start decision is made once per job (``spconv_train.run_folder``).
+"""The run folder's start decision is made once per job (``spconv_train.logging.run_folder``).
 
 Unit tests of ``plan_start`` for first attempts and torchrun restarts (with and without the
 job record), the record itself, and a real ``torchrun --max-restarts 1`` in a folder holding
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from spconv_train.config import ConfigError, dump_config, load_config
-from spconv_train.run_folder import (
+from spconv_train.logging.run_folder import (
     JOB_FILE,
     RUN_FILES,
     JobRecord,

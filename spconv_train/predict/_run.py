@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spconv_train.checkpoint_files import CheckpointError
+from spconv_train.checkpoint.files import CheckpointError
+from spconv_train.checkpoint.safe_load import load_checkpoint_state
 from spconv_train.config import grid_mesh_dims, validate_for_world
 from spconv_train.data import (
     DataError,
@@ -33,7 +34,6 @@ from spconv_train.data import (
 from spconv_train.distributed import build_mesh
 from spconv_train.logging import class_colors
 from spconv_train.parallel import SpatialShardingError, parallelize
-from spconv_train.safe_load import load_checkpoint_state
 from spconv_train.train.loop import build_model
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.metrics import ConfusionMatrix

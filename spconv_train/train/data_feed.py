@@ -35,10 +35,9 @@ from spconv_train.data import (
     SyntheticDataset,
     VolumeFolder,
     VolumeSource,
-    draw_augment,
     load_strip,
-    make_batch,
 )
+from spconv_train.data.augment_feed import load_planned_strips
 from spconv_train.data.prepare import prepare_splits
 from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
@@ -128,42 +127,15 @@ class Batch:
     samples: tuple[int, ...] = ()  # this replica's sample indices (error messages)
 
 
-def _crop(cfg: Config, source: SegmentationSource, index: int) -> tuple[int, int] | None:
-    """The training crop size of sample ``index`` (None: the whole image)."""
-    d = cfg.data
-    if d.height is None and d.width is None:
-        return None
-    h, w = source.size(index)
-    return (d.height or h, d.width or w)
-
-
 def load_train_strips(
     source: SegmentationSource, cfg: Config, coords: MeshCoords, epoch: int, indices: list[int]
 ) -> tuple[Tensor, Tensor, tuple[int, int]]:
-    """This rank's strips of the samples ``indices`` augmented for ``epoch``, and the global
+    """This rank's strips of the samples ``indices`` augmented for ``epoch`` (crop, flips,
+    scale, ``data.augment``, class oversampling: ``data.augment_feed``), and the global
     (H, W) of the augmented samples ((D, H, W) blocks of volumes: ``load_train_blocks``)."""
     if isinstance(source, VolumeSource):
         return load_train_blocks(source, cfg, coords, epoch, indices)
-    d = cfg.data
-    params = [
-        draw_augment(
-            cfg.training.seed,
-            epoch,
-            i,
-            image_hw=source.size(i),
-            crop_hw=_crop(cfg, source, i),
-            hflip=d.hflip,
-            vflip=d.vflip,
-            scale=tuple(d.scale),
-        )
-        for i in indices
-    ]
-    hw = params[0].out_hw
-    rows = coords.rows(hw[0]) if coords.tiled else None  # tiles: only this rank's rows
-    image, mask = make_batch(
-        source, indices, coords.cols(hw[1]), params, ignore_index=d.ignore_index, rows=rows
-    )
-    return image, mask, hw
+    return load_planned_strips(source, cfg, coords, epoch, indices)
 
 
 class _BatchTask(Dataset):

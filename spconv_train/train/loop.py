@@ -1,10 +1,11 @@
 """``spconv-train run``: set-up, the training loop, validation and checkpoints.
 
 ``train(cfg, resume=..., remove=...)`` is what the CLI calls once the config is valid and
-the run directory decision is made (``spconv_train.run_folder.plan_start``). Every rank runs the
-same code; only rank 0 writes logs. After ``backward()`` every rank holds the single-device
-gradient of the global batch (the parallelized model all-reduces parameter gradients over
-the mesh), so optimizer, clipping and schedule are plain single-device code.
+the run directory decision is made (``spconv_train.logging.run_folder.plan_start``).
+Every rank runs the same code; only rank 0 writes logs. After ``backward()`` every rank
+holds the single-device gradient of the global batch (the parallelized model all-reduces
+parameter gradients over the mesh), so optimizer, clipping and schedule are plain
+single-device code.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ from spconv_train.distributed import (
     seed_everything,
     spatial_mesh,
 )
-from spconv_train.launch_store import mark_recorded
+from spconv_train.distributed.launch_store import mark_recorded
 from spconv_train.logging import RunLogger
+from spconv_train.logging.overwrite import remove_run_files
+from spconv_train.logging.run_folder import JobRecord, write_job
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
-from spconv_train.overwrite import remove_run_files
 from spconv_train.parallel import local_module, runtime_of
-from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
     note_training_skips,
     report_skipped,
@@ -193,7 +194,7 @@ def train(
     ``resume``: continue from the latest checkpoint in ``cfg.run_dir`` if there is one.
     ``remove``: names inside ``run_dir`` to delete first (``--overwrite``), after every
     set-up check has passed. ``notes``: lines rank 0 prints at the start. ``job``: the
-    start decision rank 0 records in ``run_dir`` (``spconv_train.run_folder``).
+    start decision rank 0 records in ``run_dir`` (``spconv_train.logging.run_folder``).
 
     Raises ``ConfigError``/``DataError``/``SpatialShardingError`` for set-up problems,
     ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then),
