@@ -361,8 +361,9 @@ def register(app: typer.Typer) -> None:
 
         Each rank reads and computes only its column strip of every image (its tile with
         --set "parallel.sp=\\[p, q]"; its block of a volume on a volume config); rank 0
-        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (volumes:
-        OUT/<stem>.npy). Images too narrow to split are padded on the right and cropped back.
+        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (big images:
+        pyramidal OME-TIFFs, see --format; volumes: OUT/<stem>.npy). Images too narrow to
+        split are padded on the right and cropped back.
 
         [bold]spconv-train predict runs/unet images/ --out preds --nproc 2[/]
 
