@@ -26,7 +26,8 @@ fewer ranks.
 Big images (``--band-rows``, automatic by default) are predicted in row bands with
 context rows derived from the network, exactly equal to whole-image inference, and
 written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
-``_writers``; docs/wsi.md).
+``_writers``; docs/wsi.md), then as pyramidal OME-TIFFs with the input's pixel size and the
+class names, and with ``--geojson`` as polygons (``_slide``, ``_geojson``).
 
 H x W tiles: with ``--set parallel.sp=[p, q]`` every image (and every band) is split into
 p x q tiles instead of strips; each rank reads only its tile (``_layout``). Volumes (a
@@ -184,12 +185,15 @@ def predict_command(
     band_rows: int | None = None,
     approximate: bool = False,
     probabilities: bool = False,
+    output_format: str = "auto",
+    geojson: bool = False,
 ) -> int:
     """Run ``spconv-train predict``; returns the exit code (0 done, 1 crash, 2 bad input,
     config, checkpoint or an image that cannot be split). Under torchrun every rank takes
     part; otherwise ``nproc`` (default 1) local ranks are started through torchrun.
     ``band_rows`` (None = auto, 0 = whole image), ``approximate`` and ``probabilities``
-    control band-streamed prediction of big images (see docs/wsi.md)."""
+    control band-streamed prediction of big images (see docs/wsi.md); ``output_format``
+    and ``geojson`` the files written (``_slide``)."""
     from spconv_train.config import ConfigError, validate_for_world
     from spconv_train.data import DataError
     from spconv_train.parallel import SpatialShardingError
@@ -203,6 +207,9 @@ def predict_command(
                 f"--band-rows {band_rows}: volumes are predicted whole (each rank holds its "
                 "block of every volume); leave --band-rows out or give 0"
             )
+        from ._slide import slide_options
+
+        slide = slide_options(output_format, geojson, volumes)
         nproc = nproc or 1
         if not launched_by_torchrun():  # the mesh fits the ranks, before any file is read
             validate_for_world(any_size(cfg), nproc)
@@ -220,6 +227,8 @@ def predict_command(
         args += ["--band-rows", str(band_rows)] if band_rows is not None else []
         args += ["--approximate"] if approximate else []
         args += ["--probabilities"] if probabilities else []
+        args += ["--format", output_format] if output_format != "auto" else []
+        args += ["--geojson"] if geojson else []
         return run_torchrun(nproc, "predict", args)
     from spconv_train.distributed import init_distributed, shutdown
 
@@ -228,7 +237,7 @@ def predict_command(
         from ._run import run_predict
         from ._streamed import StreamOptions
 
-        stream = StreamOptions(band_rows, approximate, probabilities)
+        stream = StreamOptions(band_rows, approximate, probabilities, slide=slide)
         run_predict(cfg, kind, weights, images, out_dir, class_names=names, stream=stream)
     except (PredictError, ConfigError, DataError, SpatialShardingError) as exc:
         _error(str(exc))
@@ -322,8 +331,28 @@ def register(app: typer.Typer) -> None:
             bool,
             typer.Option(
                 "--probabilities",
-                help="Also write OUT/<stem>_probabilities.tif (H x W x classes, softmax x 255); "
-                "outputs are then tiled TIFFs.",
+                help="Also write the class probabilities (softmax x 255, one channel per "
+                "class): OUT/<stem>_probabilities.ome.tif; outputs are then band-streamed.",
+            ),
+        ] = False,
+        output_format: Annotated[
+            str,
+            typer.Option(
+                "--format",
+                help="Masks (and probabilities) as: ome-tiff (pyramidal, tiled OME-TIFF "
+                "<stem>.ome.tif with the input's pixel size, class names and colours), tiff "
+                "(single-level tiled <stem>.tif), png (<stem>.png; band-streamed images: "
+                "tiff), auto (png for images predicted whole, ome-tiff for big, "
+                "band-streamed ones). OUT/classes.json lists the classes for QuPath.",
+            ),
+        ] = "auto",
+        geojson: Annotated[
+            bool,
+            typer.Option(
+                "--geojson",
+                help="Also write OUT/<stem>.geojson: one polygon per predicted object of "
+                "every class but 0, with its class name and colour (QuPath: File > Import "
+                "objects). Needs shapely (pip install 'spconv-train\\[slides]').",
             ),
         ] = False,
     ) -> None:
@@ -332,8 +361,9 @@ def register(app: typer.Typer) -> None:
 
         Each rank reads and computes only its column strip of every image (its tile with
         --set "parallel.sp=\\[p, q]"; its block of a volume on a volume config); rank 0
-        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (volumes:
-        OUT/<stem>.npy). Images too narrow to split are padded on the right and cropped back.
+        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (big images:
+        pyramidal OME-TIFFs, see --format; volumes: OUT/<stem>.npy). Images too narrow to
+        split are padded on the right and cropped back.
 
         [bold]spconv-train predict runs/unet images/ --out preds --nproc 2[/]
 
@@ -356,5 +386,7 @@ def register(app: typer.Typer) -> None:
                 band_rows=band_rows,
                 approximate=approximate,
                 probabilities=probabilities,
+                output_format=output_format,
+                geojson=geojson,
             )
         )

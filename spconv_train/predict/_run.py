@@ -42,6 +42,7 @@ from spconv_train.train.val_check import is_geometry_error
 from . import PAD_MULTIPLE, ImagesFailed, PredictError, any_size, load_export
 from ._layout import SpatialGroup
 from ._receptive import analyse
+from ._slide import write_whole
 from ._streamed import StreamOptions, choose_rows, predict_streamed
 from ._writers import write_rank_stats
 
@@ -195,19 +196,16 @@ class _Predictor:
         return stem, self.rank, small, _overlay(image, pred, self.colors), (w, width)
 
 
-def _write(out_dir: Path, stem: str, parts: list[tuple], space: SpatialGroup) -> tuple[int, int]:
-    """Stitch the strips or tiles of one image (by sp rank) and write its two PNGs."""
+def _write(out_dir: Path, stem: str, parts: list[tuple], predictor, src: Path) -> tuple:
+    """Stitch the strips or tiles of one image (by sp rank), write its mask (in the
+    ``--format`` asked for) and overlay PNG; ``(H, W, [file names])``."""
     parts.sort(key=lambda q: q[0])
-    pred = space.stitch_image([q[1].numpy() for q in parts])
-    overlay = space.stitch_image([q[2].permute(1, 2, 0).numpy() for q in parts])
-    mask = (
-        Image.fromarray(pred)
-        if pred.dtype == np.uint8
-        else Image.fromarray(pred.astype(np.uint16), mode="I;16")
-    )
-    mask.save(out_dir / f"{stem}.png")
+    pred = predictor.space.stitch_image([q[1].numpy() for q in parts])
+    overlay = predictor.space.stitch_image([q[2].permute(1, 2, 0).numpy() for q in parts])
+    k, level = predictor.cfg.model.num_classes, predictor.read["level"]
+    names = write_whole(out_dir, stem, pred, src, level, k, predictor.stream.slide)
     Image.fromarray(np.ascontiguousarray(overlay)).save(out_dir / f"{stem}_overlay.png")
-    return pred.shape
+    return (*pred.shape, [*names, f"{stem}_overlay.png"])
 
 
 def _metrics_json(cm, names: list[str], n_images: int) -> dict:
@@ -293,6 +291,9 @@ def run_predict(
         ) from exc
     model = model.to(device).eval()
     stream = stream or StreamOptions()
+    if class_names and not stream.slide.class_names:  # the outputs' class names
+        slide = dataclasses.replace(stream.slide, class_names=tuple(class_names))
+        stream = dataclasses.replace(stream, slide=slide)
     volumes = cfg.data.kind == "volume"
     if volumes:  # predicted whole, block by block (no bands)
         stream = dataclasses.replace(stream, band_rows=0)
@@ -354,8 +355,9 @@ def run_predict(
                     continue
                 strips.setdefault(stem, []).append((rank, pred, overlay))
             for stem, parts in strips.items():
-                h, w = _write(out_dir, stem, parts, predictor.space)
-                console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
+                src = next(p for s, p, _ in images if s == stem)
+                h, w, names = _write(out_dir, stem, parts, predictor, src)
+                console.print(f"{stem}: {h}x{w} -> {out_dir / names[0]}, {', '.join(names[1:])}")
     for line in padded:
         console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")
     write_rank_stats(predictor.timing)

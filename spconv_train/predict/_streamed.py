@@ -22,6 +22,7 @@ from spconv_train.data._readers import check_mask_values
 
 from ._bands import Band, auto_band_rows, band_layout, read_mask_rows_cols
 from ._receptive import CHECK_RTOL, StreamPlan, check_plan
+from ._slide import SlideOptions, finish_streamed
 from ._writers import OverlayCanvas, TiledTiffWriter, overlay_factor
 
 __all__ = ["StreamOptions", "choose_rows", "predict_streamed"]
@@ -29,13 +30,15 @@ __all__ = ["StreamOptions", "choose_rows", "predict_streamed"]
 
 @dataclass(frozen=True)
 class StreamOptions:
-    """``--band-rows`` (None = auto, 0 = whole image), ``--approximate``, ``--probabilities``
-    and the network's plan (from ``_receptive.analyse``; None when band_rows is 0)."""
+    """``--band-rows`` (None = auto, 0 = whole image), ``--approximate``, ``--probabilities``,
+    the network's plan (from ``_receptive.analyse``; None when band_rows is 0) and the
+    output options (``--format``, ``--geojson``, class names; ``_slide``)."""
 
     band_rows: int | None = None
     approximate: bool = False
     probabilities: bool = False
     plan: StreamPlan | None = None
+    slide: SlideOptions = SlideOptions()
 
 
 def _checked(predictor, plan: StreamPlan, h: int, rows: int) -> StreamPlan | None:
@@ -176,7 +179,9 @@ def predict_streamed(
     for writer in writers:
         writer.close()
     canvas.save(out_dir / f"{stem}_overlay.png")
-    names = [wr.path.name for wr in writers] + [f"{stem}_overlay.png"]
+    written = [wr.path for wr in writers]  # single-level TIFFs: into the --format asked for
+    names = finish_streamed(written, args[0], predictor.read["level"], k, predictor.stream.slide)
+    names.append(f"{stem}_overlay.png")
     if factor > 1:
         names[-1] += f" (1/{factor} scale)"
     how = "whole" if len(bands) == 1 else f"{len(bands)} bands of {rows} rows"

@@ -58,6 +58,7 @@ from spconv_train.train.bad_samples import (
     skipped_summary,
     upfront_skips,
 )
+from spconv_train.train.console import summary_lines
 from spconv_train.train.data_feed import TrainFeed, build_sources
 from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.mesh_coords import MeshCoords
@@ -374,7 +375,6 @@ def _finish(run: _Run, ckpt: CheckpointManager, scores: dict, step: int) -> dict
         logger.per_class_table(
             run.class_names, scores["iou"], scores["dice"], scores["class_accuracy"]
         )
-    best = ckpt.best()
     logger.summary(
         "spconv-train run",
         [
@@ -383,11 +383,10 @@ def _finish(run: _Run, ckpt: CheckpointManager, scores: dict, step: int) -> dict
             ("pixel accuracy", final["pixel_accuracy"]),
             ("mIoU (macro over classes)", final["miou"]),
             ("mean Dice (macro over classes)", final["mean_dice"]),
-            ("best checkpoint", str(best) if best else "-"),
-            ("latest checkpoint", str(ckpt.latest())),
-            ("exported model", str(export)),
             ("skipped samples", skipped_summary(run.skipped)),
         ],
     )
+    for line in summary_lines(ckpt, cfg.run_dir, export):  # whole paths, outside the table
+        logger.info(line)
     logger.flush()
     return scores
