@@ -189,36 +189,8 @@ def spatial_conv_transpose(
     return leave(y, layout, tuple(shape))
 
 
-def spatial_conv_transpose2d(
-    x: DTensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    output_padding: tuple[int, int],
-    groups: int,
-    dilation: tuple[int, int],
-    what: str = "conv_transpose2d",
-) -> DTensor:
-    """``F.conv_transpose2d`` of a sharded NCHW DTensor (``spatial_conv_transpose``)."""
-    args = (stride, padding, output_padding, groups, dilation)
-    return spatial_conv_transpose(x, weight, bias, *args, what=what)
-
-
-def spatial_conv_transpose3d(
-    x: DTensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    stride,
-    padding,
-    output_padding,
-    groups: int,
-    dilation,
-    what: str = "conv_transpose3d",
-) -> DTensor:
-    """``F.conv_transpose3d`` of a sharded NCDHW volume (``spatial_conv_transpose``)."""
-    args = (stride, padding, output_padding, groups, dilation)
-    return spatial_conv_transpose(x, weight, bias, *args, what=what)
+#: the public per-rank names: the same implementation (the weight gives the spatial rank)
+spatial_conv_transpose2d = spatial_conv_transpose3d = spatial_conv_transpose
 
 
 class _SpatialConvTranspose:
