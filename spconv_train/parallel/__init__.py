@@ -32,11 +32,9 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _conv,
     _conv3d,
     _conv_transpose,
-    _conv_transpose3d,
     _interpolate,
     _linear,
     _norm,
-    _norm3d,
     _pad,
     _pointwise,
     _pool,
@@ -49,8 +47,12 @@ from ._comm_audit import CommAudit
 from ._comm_threads import gloo_threads_idle, restore_gloo_threads
 from ._conv import SpatialConv2d, spatial_conv2d
 from ._conv3d import SpatialConv3d, spatial_conv3d
-from ._conv_transpose import SpatialConvTranspose2d, spatial_conv_transpose2d
-from ._conv_transpose3d import SpatialConvTranspose3d, spatial_conv_transpose3d
+from ._conv_transpose import (
+    SpatialConvTranspose2d,
+    SpatialConvTranspose3d,
+    spatial_conv_transpose2d,
+    spatial_conv_transpose3d,
+)
 from ._ddp import local_module, replicate_gradients
 from ._fsdp import full_parameters, is_sharded, shard_parameters
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
