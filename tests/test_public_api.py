@@ -12,22 +12,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from spconv_train.parallel import (
-    DTensor,
-    Shard,
-    SpatialShardingError,
-    current_runtime,
-    distribute_tensor,
+from spconv_train.parallel import SpatialShardingError, current_runtime, parallelize, runtime_of
+from spconv_train.parallel.extend import (
     enter,
     gather_window,
     leave,
-    parallelize,
     plan_window,
     refuse_module,
     register_handler,
     register_spatial_module,
-    runtime_of,
     spatial_layout,
     sum_grad_over,
 )

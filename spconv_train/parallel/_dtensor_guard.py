@@ -19,9 +19,9 @@ every implicit redistribution to ``ExplicitRedistributionContext.observe_redistr
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import re
-import threading
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -50,13 +50,16 @@ class _Guard:
     modules: list[str] = field(default_factory=list)
 
 
-_local = threading.local()
+#: The active guard (a context variable: each thread and task has its own).
+_GUARD: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar(
+    "spconv_train_gather_guard", default=None
+)
 #: Allowed gathers (``allow_gather=True``) in this process, oldest first.
 GATHER_EVENTS: list[GatherEvent] = []
 
 
 def _active() -> _Guard | None:
-    return getattr(_local, "guard", None)
+    return _GUARD.get()
 
 
 @contextlib.contextmanager
@@ -64,22 +67,22 @@ def gather_guard(allow: bool = False):
     """While active, DTensor's implicit moves of a sharded activation raise (or, with
     ``allow``, are logged and counted in ``GATHER_EVENTS``)."""
     prev = _active()
-    _local.guard = _Guard(allow, list(prev.modules) if prev else [])
+    guard = _Guard(allow, list(prev.modules) if prev else [])
+    token = _GUARD.set(guard)
     try:
-        yield _local.guard
+        yield guard
     finally:
-        _local.guard = prev
+        _GUARD.reset(token)
 
 
 @contextlib.contextmanager
 def guard_paused():
     """Explicit, intended redistributions inside a guarded region (the caller owns them)."""
-    prev = _active()
-    _local.guard = None
+    token = _GUARD.set(None)
     try:
         yield
     finally:
-        _local.guard = prev
+        _GUARD.reset(token)
 
 
 def _moves_activation(src, dst) -> bool:
@@ -108,8 +111,8 @@ def _observe(cls, src_spec, dst_spec, message):
                 f"an op in module '{where}' ({op}) has no spatial implementation, and "
                 f"DTensor would redistribute the width-sharded activation {event.src} -> "
                 f"{event.dst} to run it (gathering the image on every rank). Replace the op "
-                f"with a supported one, make it spatial (spconv_train.parallel."
-                f"register_handler), or accept the gather explicitly with "
+                f"with a supported one, make it spatial (spconv_train.parallel.extend."
+                f"register_handler, docs/extending.md), or accept the gather explicitly with "
                 f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
             )
         GATHER_EVENTS.append(event)
@@ -120,7 +123,12 @@ def _observe(cls, src_spec, dst_spec, message):
     return _original(cls, src_spec, dst_spec, message)
 
 
-ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
+def install_guard() -> None:
+    """Route DTensor's reports of implicit redistributions through the guard (idempotent;
+    called by ``_install.install``, never at import)."""
+    current = ExplicitRedistributionContext.observe_redistribution.__func__
+    if current is not _observe:
+        ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
 
 
 def track_module_paths(model: nn.Module) -> None:

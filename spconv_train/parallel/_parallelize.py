@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._compile import not_traced, run_eagerly
 from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
+from ._install import install
 from ._mode import SpatialMode
 from ._runtime import SpatialOptions, SpatialRuntime
 from ._sharding import TILE_MESH_NAMES
@@ -144,6 +145,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     changing anything; ``TypeError`` for an unknown option.
     """
     opts = SpatialOptions.from_kwargs("parallelize", **options)
+    install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
     _sp_mesh_dim(mesh)
     problems = _refusals(model)
     if problems:

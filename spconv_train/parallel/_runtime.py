@@ -15,6 +15,7 @@ on the autograd context).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 from collections.abc import Iterator
@@ -142,23 +143,28 @@ class SpatialRuntime:
 
 
 _DEFAULT_RUNTIME = SpatialRuntime()
-_ACTIVE: list[SpatialRuntime] = []
+#: The current runtime: a context variable, so threads and asyncio tasks each see their own
+#: (a model running in one thread never makes another thread's ops count into its stats).
+_CURRENT: contextvars.ContextVar[SpatialRuntime | None] = contextvars.ContextVar(
+    "spconv_train_spatial_runtime", default=None
+)
 
 
 def current_runtime() -> SpatialRuntime:
     """The runtime of the parallelized model whose forward is running (the process-wide
     default runtime outside one)."""
-    return _ACTIVE[-1] if _ACTIVE else _DEFAULT_RUNTIME
+    runtime = _CURRENT.get()
+    return _DEFAULT_RUNTIME if runtime is None else runtime
 
 
 @contextlib.contextmanager
 def activate(runtime: SpatialRuntime) -> Iterator[SpatialRuntime]:
     """Make ``runtime`` current inside the ``with`` block (nests)."""
-    _ACTIVE.append(runtime)
+    token = _CURRENT.set(runtime)
     try:
         yield runtime
     finally:
-        _ACTIVE.pop()
+        _CURRENT.reset(token)
 
 
 def runtime_of(model: nn.Module) -> SpatialRuntime:
