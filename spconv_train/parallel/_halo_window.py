@@ -81,6 +81,7 @@ class HaloWindow:
     what: str = "halo_window"
     _tile: TileWindow | None = dataclasses.field(default=None, repr=False)
     _source: Tensor | None = dataclasses.field(default=None, repr=False)
+    _value: float = 0.0
 
     @property
     def grad_groups(self) -> tuple:
@@ -111,7 +112,7 @@ class HaloWindow:
         and plain tensors."""
         if self._tile is None or self._source is None:
             return contextlib.nullcontext()
-        return saving_tile_window(self._tile, self._source)
+        return saving_tile_window(self._tile, self._source, self._value)
 
 
 def _strip_axes(layout: SpatialLayout) -> SpatialLayout:
@@ -151,7 +152,7 @@ def halo_window(
     local = enter(x)
     tw = tile_window(local, tuple(x.shape), _strip_axes(layout), what, geoms, padding_mode, value)
     return HaloWindow(
-        tw.window, layout, tuple(x.shape), tw.out_ranges, tw.out_sizes, what, tw, local
+        tw.window, layout, tuple(x.shape), tw.out_ranges, tw.out_sizes, what, tw, local, value
     )
 
 
