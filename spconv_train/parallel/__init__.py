@@ -9,6 +9,8 @@ Using it (torch's own ``init_device_mesh``, ``distribute_tensor``, ``Shard``)::
     y = model(x)                      # DTensor, Shard(3); y.full_tensor() == model(img)
     runtime_of(model).stats           # halo seconds / bytes / messages, gathers
 
+``ParallelDims`` names the mesh dims and what each shards (``dp``: the batch; ``sp``: one
+spatial dim; ``sp_d`` / ``sp_h`` / ``sp_w``: D / H / W of tiles and volume blocks).
 ``CommAudit`` (a context manager) lists every collective a step issued.
 ``shard_parameters(model, blocks)`` adds FSDP2 over the whole mesh (each rank keeps
 ``1 / world`` of the parameters, gradients and optimizer state); ``replicate_gradients``
@@ -25,6 +27,7 @@ built-in handlers (``extend.install``). Every name in ``__all__`` is public and 
 from ._comm_audit import CommAudit
 from ._comm_threads import gloo_threads_idle, restore_gloo_threads
 from ._ddp import local_module, replicate_gradients
+from ._dims import ParallelDims
 from ._fsdp import full_parameters, is_sharded, shard_parameters
 from ._geometry import SpatialShardingError
 from ._parallelize import parallelize
@@ -32,6 +35,7 @@ from ._runtime import SpatialOptions, SpatialRuntime, SpatialStats, current_runt
 
 __all__ = [
     "CommAudit",
+    "ParallelDims",
     "SpatialOptions",
     "SpatialRuntime",
     "SpatialShardingError",
