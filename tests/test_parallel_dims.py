@@ -45,5 +45,5 @@ def test_bad_grids_are_refused():
 
 
 def test_config_spells_the_same_names():
-    assert MESH_DIMS == dict(ParallelDims.AXIS)
+    assert dict(ParallelDims.AXIS) == MESH_DIMS
     assert ParallelDims.GRID == ("sp_d", "sp_h", "sp_w")
