@@ -19,9 +19,9 @@ every implicit redistribution to ``ExplicitRedistributionContext.observe_redistr
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import re
+import threading
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -50,16 +50,17 @@ class _Guard:
     modules: list[str] = field(default_factory=list)
 
 
-#: The active guard (a context variable: each thread and task has its own).
-_GUARD: contextvars.ContextVar[_Guard | None] = contextvars.ContextVar(
-    "spconv_train_gather_guard", default=None
-)
+#: The active guard, per thread. A ``threading.local`` on purpose: Dynamo cannot trace it,
+#: so under ``torch.compile`` it graph-breaks where the parallelized forward enters the
+#: guard and runs that entry eagerly (``_parallelize._SpatialContext``); a traceable store
+#: (a context variable's list) made Dynamo trace into the entry and break inside it.
+_local = threading.local()
 #: Allowed gathers (``allow_gather=True``) in this process, oldest first.
 GATHER_EVENTS: list[GatherEvent] = []
 
 
 def _active() -> _Guard | None:
-    return _GUARD.get()
+    return getattr(_local, "guard", None)
 
 
 @contextlib.contextmanager
@@ -67,22 +68,22 @@ def gather_guard(allow: bool = False):
     """While active, DTensor's implicit moves of a sharded activation raise (or, with
     ``allow``, are logged and counted in ``GATHER_EVENTS``)."""
     prev = _active()
-    guard = _Guard(allow, list(prev.modules) if prev else [])
-    token = _GUARD.set(guard)
+    _local.guard = _Guard(allow, list(prev.modules) if prev else [])
     try:
-        yield guard
+        yield _local.guard
     finally:
-        _GUARD.reset(token)
+        _local.guard = prev
 
 
 @contextlib.contextmanager
 def guard_paused():
     """Explicit, intended redistributions inside a guarded region (the caller owns them)."""
-    token = _GUARD.set(None)
+    prev = _active()
+    _local.guard = None
     try:
         yield
     finally:
-        _GUARD.reset(token)
+        _local.guard = prev
 
 
 def _moves_activation(src, dst) -> bool:

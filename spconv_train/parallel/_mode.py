@@ -63,7 +63,11 @@ class SpatialMode(TorchFunctionMode):
 
     def __init__(self, runtime: SpatialRuntime | None = None) -> None:
         super().__init__()
-        install()  # the built-in handlers (explicit, idempotent: _install.py)
+        if runtime is None:
+            # the built-in handlers (explicit, idempotent: _install.py); a runtime passed in
+            # comes from ``parallelize``, which installed them (and a call here would make
+            # Dynamo compile one more frame where a compiled forward enters the mode)
+            install()
         self.runtime = runtime or current_runtime()
         self._active = None
 
