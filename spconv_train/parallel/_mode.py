@@ -10,7 +10,8 @@ silently wrong (see ``docs/halo.md``). Everything else passes through unchanged.
 
 ``register_handler(*functions)`` is THE registration API: each op module declares its own
 handlers, keyed by the function objects (``_registry.py``); ``install()`` (``_install.py``)
-imports the op modules and applies the default refusals, and ``SpatialMode`` calls it.
+imports the op modules and applies the default refusals; ``parallelize`` and ``SpatialMode()``
+call it.
 """
 
 from __future__ import annotations
