@@ -1,0 +1,186 @@
+"""Ring attention: exact softmax attention over a sequence split across a process group.
+
+Every rank holds the queries, keys and values of *its own* tokens (any subset of the
+sequence, in any order: softmax over all keys does not depend on their order, only q, k
+and v must agree). The key / value blocks travel around the ring of the group, one hop per
+step, point to point (``post_p2p``); each rank attends its queries to every block in turn
+and merges the partial results with an online log-sum-exp softmax. Memory per rank is
+O(L / P): its own block, the one in flight and one score block of ``L/P x L/P``.
+
+The backward runs the same ring: the key / value blocks travel again and, behind each, an
+accumulator of its key / value gradients, to which every rank adds its part; after ``P``
+hops the accumulator is back home. Each block's transfer is posted before the compute of
+the current block, so it overlaps with it; the accumulator of a block is posted right after
+its compute and is needed one step later, so it overlaps with the next block's compute.
+
+Per block, the CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and
+its backward, which take the *global* output and log-sum-exp, the ring form of flash
+attention) runs where it applies; elsewhere (another device, a value head size different
+from the query's) the same block is done with plain matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._halo import post_p2p
+from ._runtime import current_runtime
+
+
+def _flash_ok(q: Tensor, v: Tensor) -> bool:
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` to one key / value block: ``(out, lse)``, ``lse`` the log-sum-exp
+    of the scaled scores per query (shape ``q.shape[:-1]``)."""
+    if _flash_ok(q, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, scale=scale
+        )
+        return out, lse
+    s = (q @ k.transpose(-2, -1)) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def block_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the *global* ``out`` and ``lse`` of the queries."""
+    if _flash_ok(q, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, scale=scale
+        )
+    p = torch.exp((q @ k.transpose(-2, -1)) * scale - lse.unsqueeze(-1))
+    dv = p.transpose(-2, -1) @ dout
+    dp = dout @ v.transpose(-2, -1)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+
+
+class _Ring:
+    """Who sends to whom and how big every rank's block is."""
+
+    def __init__(self, group, sizes: tuple[int, ...], lead: tuple[int, ...], e: int, ev: int):
+        self.group, self.sizes, self.lead, self.e, self.ev = group, sizes, lead, e, ev
+        self.parts = len(sizes)
+        self.rank = dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.parts, (self.rank - 1) % self.parts
+
+    def owner(self, step: int) -> int:
+        """The rank whose block this rank works on at ``step``."""
+        return (self.rank - step) % self.parts
+
+    def pack(self, a: Tensor, b: Tensor) -> Tensor:
+        return torch.cat([a.reshape(-1), b.reshape(-1)])
+
+    def unpack(self, buf: Tensor, owner: int) -> tuple[Tensor, Tensor]:
+        n = math.prod(self.lead) * self.sizes[owner]
+        a = buf[: n * self.e].view(*self.lead, self.sizes[owner], self.e)
+        b = buf[n * self.e :].view(*self.lead, self.sizes[owner], self.ev)
+        return a, b
+
+    def buffer(self, owner: int, like: Tensor) -> Tensor:
+        n = math.prod(self.lead) * self.sizes[owner] * (self.e + self.ev)
+        return like.new_empty(n)
+
+    def shift(self, buf: Tensor, owner_in: int):
+        """Post: send ``buf`` to the next rank, receive the previous rank's block (that of
+        ``owner_in``). Returns ``(pending, received buffer)``."""
+        recv = self.buffer(owner_in, buf)
+        stats = current_runtime().stats
+        return post_p2p(self.group, [(self.next, buf)], [(self.prev, recv)], stats), recv
+
+
+class RingAttention(torch.autograd.Function):
+    """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``.
+
+    ``q``, ``k``, ``v``: this rank's tokens, ``(..., L_r, E)`` (``v``: ``(..., L_r, Ev)``),
+    the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, group, sizes: tuple[int, ...]):
+        ring = _Ring(group, sizes, tuple(q.shape[:-2]), q.shape[-1], v.shape[-1])
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.zeros_like(q[..., :1]).expand(*q.shape[:-1], v.shape[-1]).contiguous()
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
+        buf = ring.pack(k, v)
+        for step in range(ring.parts):
+            owner = ring.owner(step)
+            pending = None
+            if step < ring.parts - 1:  # the next block travels while this one is computed
+                pending, nxt = ring.shift(buf, ring.owner(step + 1))
+            kb, vb = ring.unpack(buf, owner)
+            if q.shape[-2] and kb.shape[-2]:
+                o_b, lse_b = block_forward(q, kb, vb, scale)
+                new = torch.logaddexp(lse, lse_b)
+                out = out * torch.exp(lse - new).unsqueeze(-1) + o_b * torch.exp(
+                    lse_b - new
+                ).unsqueeze(-1)
+                lse = new
+            if pending is not None:
+                pending.wait()
+                buf = nxt
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        dout = dout.contiguous()
+        dq = torch.zeros_like(q)
+        buf = ring.pack(k, v)
+        acc_pending = None  # the accumulator this rank sent last step
+        for step in range(ring.parts):
+            owner = ring.owner(step)
+            kv_pending = acc_in = None
+            stats = current_runtime().stats
+            if step > 0:
+                # The accumulator of this block, sent by the previous rank after its last
+                # step. Posted before the next block's receive: the previous rank sent it
+                # before that block, and messages between two ranks match in posting order.
+                acc_in = ring.buffer(owner, q)
+                acc_recv = post_p2p(ring.group, [], [(ring.prev, acc_in)], stats)
+            if step < ring.parts - 1:
+                kv_pending, nxt = ring.shift(buf, ring.owner(step + 1))
+            kb, vb = ring.unpack(buf, owner)
+            if q.shape[-2] and kb.shape[-2]:
+                dq_b, dk_b, dv_b = block_backward(dout, q, kb, vb, out, lse, scale)
+                dq += dq_b
+                grads = ring.pack(dk_b, dv_b)
+            else:
+                grads = ring.buffer(owner, q).zero_()
+            if acc_in is not None:
+                acc_recv.wait()
+                grads += acc_in
+            if acc_pending is not None:
+                acc_pending.wait()
+            acc_pending = post_p2p(ring.group, [(ring.next, grads)], [], stats)
+            if kv_pending is not None:
+                kv_pending.wait()
+                buf = nxt
+        # this rank's own accumulator, after its last hop (the previous rank's last step)
+        mine = ring.buffer(ring.rank, q)
+        post_p2p(ring.group, [], [(ring.prev, mine)], current_runtime().stats).wait()
+        acc_pending.wait()
+        dk, dv = ring.unpack(mine, ring.rank)
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group, sizes: tuple[int, ...], scale: float | None = None
+) -> Tensor:
+    """Exact ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` over the tokens of
+    every rank of ``group`` (``sizes``: how many each holds), differentiable. ``q``, ``k``,
+    ``v`` hold this rank's tokens in the same order; the result is this rank's queries'."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if len(sizes) == 1:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    return RingAttention.apply(q, k, v, scale, group, tuple(sizes))
