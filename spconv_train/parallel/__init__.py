@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from . import (  # noqa: F401  (op modules register their handlers on import)
+    _attention,
     _broadcast,
     _channels,
     _conv,
