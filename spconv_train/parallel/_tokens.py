@@ -208,10 +208,24 @@ def local_part(plain: Tensor, x: DTensor) -> Tensor:
     return part
 
 
+def _same_split(a: DTensor, b: DTensor) -> bool:
+    """Both laid out alike: the same placements, and every split dim of the same size."""
+    return (
+        a.ndim == b.ndim
+        and a.placements == b.placements
+        and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a))
+    )
+
+
 def _arith(fn, a, b, *args, **kwargs):
     dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
+    if isinstance(plain, DTensor) and _same_split(dt, plain):
+        # DTensor redistributes some of these when the strides differ (a transposed view
+        # next to a contiguous tensor); laid out alike, the op is local
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+        return wrap(fn(a.to_local(), b.to_local(), *args, **kwargs), dt, dt.placements, shape)
     if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
-        return fn(a, b, *args, **kwargs)  # DTensor's own rules (same layouts: local)
+        return fn(a, b, *args, **kwargs)  # DTensor's own rules
     shape = torch.broadcast_shapes(dt.shape, plain.shape)
     if shape != dt.shape:
         raise SpatialShardingError(
