@@ -49,13 +49,13 @@ def run_dtensor_op(func, args, kwargs):
     except SpatialShardingError:
         raise
     except (RuntimeError, NotImplementedError, AssertionError, ValueError) as exc:
-        text = str(exc)
-        if not any(k in text for k in _DTENSOR_ERRORS):
+        text = " ".join(str(exc).split())
+        if not any(k.lower() in text.lower() for k in _DTENSOR_ERRORS):
             raise
         raise SpatialShardingError(
             f"{function_name(func)} in module '{module_path()}' is not supported on these "
             f"sharded inputs ({'; '.join(_placements(args, kwargs))}): DTensor has no local "
-            f"rule for it ({text.splitlines()[0][:200]}). Use a supported op, make it "
+            f"rule for it ({text[:300]}). Use a supported op, make it "
             f"spatial (spconv_train.parallel.register_handler), or gather explicitly "
             f"(x.full_tensor())."
         ) from exc
