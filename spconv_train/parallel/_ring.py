@@ -64,7 +64,7 @@ def block_backward(
 
 
 class _Ring:
-    """Who sends to whom and how big every rank's block is."""
+    """Who sends to whom, and the shapes of every rank's blocks."""
 
     def __init__(self, group, sizes: tuple[int, ...], lead: tuple[int, ...], e: int, ev: int):
         self.group, self.sizes, self.lead, self.e, self.ev = group, sizes, lead, e, ev
@@ -76,56 +76,55 @@ class _Ring:
         """The rank whose block this rank works on at ``step``."""
         return (self.rank - step) % self.parts
 
-    def pack(self, a: Tensor, b: Tensor) -> Tensor:
-        return torch.cat([a.reshape(-1), b.reshape(-1)])
+    def empty(self, owner: int, like: Tensor) -> tuple[Tensor, Tensor]:
+        """Uninitialised ``(key-like, value-like)`` tensors of ``owner``'s block."""
+        n = self.sizes[owner]
+        return like.new_empty(*self.lead, n, self.e), like.new_empty(*self.lead, n, self.ev)
 
-    def unpack(self, buf: Tensor, owner: int) -> tuple[Tensor, Tensor]:
-        n = math.prod(self.lead) * self.sizes[owner]
-        a = buf[: n * self.e].view(*self.lead, self.sizes[owner], self.e)
-        b = buf[n * self.e :].view(*self.lead, self.sizes[owner], self.ev)
-        return a, b
-
-    def buffer(self, owner: int, like: Tensor) -> Tensor:
-        n = math.prod(self.lead) * self.sizes[owner] * (self.e + self.ev)
-        return like.new_empty(n)
-
-    def shift(self, buf: Tensor, owner_in: int):
-        """Post: send ``buf`` to the next rank, receive the previous rank's block (that of
-        ``owner_in``). Returns ``(pending, received buffer)``."""
-        recv = self.buffer(owner_in, buf)
+    def post(self, sends: tuple[Tensor, ...], recv_owner: int | None, like: Tensor):
+        """Post the sends of ``sends`` to the next rank and, for ``recv_owner``, the receive
+        of a ``(key-like, value-like)`` pair from the previous one (messages between two
+        ranks match in posting order). Returns ``(pending, received pair or None)``."""
+        recv = self.empty(recv_owner, like) if recv_owner is not None else None
         stats = current_runtime().stats
-        return post_p2p(self.group, [(self.next, buf)], [(self.prev, recv)], stats), recv
+        pending = post_p2p(
+            self.group,
+            [(self.next, t) for t in sends],
+            [(self.prev, t) for t in recv] if recv else [],
+            stats,
+        )
+        return pending, recv
 
 
 class RingAttention(torch.autograd.Function):
     """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``.
 
     ``q``, ``k``, ``v``: this rank's tokens, ``(..., L_r, E)`` (``v``: ``(..., L_r, Ev)``),
-    the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group."""
+    the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group.
+    Memory: besides its own tensors a rank holds the block in flight (and, in the backward,
+    two gradient accumulators); the online-softmax updates run in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float, group, sizes: tuple[int, ...]):
         ring = _Ring(group, sizes, tuple(q.shape[:-2]), q.shape[-1], v.shape[-1])
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.zeros_like(q[..., :1]).expand(*q.shape[:-1], v.shape[-1]).contiguous()
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
-        buf = ring.pack(k, v)
+        kb, vb = k, v
         for step in range(ring.parts):
-            owner = ring.owner(step)
-            pending = None
+            pending = nxt = None
             if step < ring.parts - 1:  # the next block travels while this one is computed
-                pending, nxt = ring.shift(buf, ring.owner(step + 1))
-            kb, vb = ring.unpack(buf, owner)
+                pending, nxt = ring.post((kb, vb), ring.owner(step + 1), q)
             if q.shape[-2] and kb.shape[-2]:
                 o_b, lse_b = block_forward(q, kb, vb, scale)
                 new = torch.logaddexp(lse, lse_b)
-                out = out * torch.exp(lse - new).unsqueeze(-1) + o_b * torch.exp(
-                    lse_b - new
-                ).unsqueeze(-1)
+                out.mul_(torch.exp(lse - new).unsqueeze(-1))
+                out.add_(o_b.mul_(torch.exp(lse_b - new).unsqueeze(-1)))
                 lse = new
+                del o_b, lse_b
             if pending is not None:
                 pending.wait()
-                buf = nxt
+                kb, vb = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
         return out
@@ -136,41 +135,41 @@ class RingAttention(torch.autograd.Function):
         ring, scale = ctx.ring, ctx.scale
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
-        buf = ring.pack(k, v)
-        acc_pending = None  # the accumulator this rank sent last step
+        kb, vb = k, v
+        sent = None  # the accumulators this rank sent last step (kept until delivered)
         for step in range(ring.parts):
             owner = ring.owner(step)
-            kv_pending = acc_in = None
-            stats = current_runtime().stats
+            acc = kv = None
             if step > 0:
-                # The accumulator of this block, sent by the previous rank after its last
-                # step. Posted before the next block's receive: the previous rank sent it
-                # before that block, and messages between two ranks match in posting order.
-                acc_in = ring.buffer(owner, q)
-                acc_recv = post_p2p(ring.group, [], [(ring.prev, acc_in)], stats)
+                # The accumulators of this block, sent by the previous rank after its last
+                # step: posted before the next block's receive, as the previous rank sent them
+                acc = ring.post((), owner, q)
             if step < ring.parts - 1:
-                kv_pending, nxt = ring.shift(buf, ring.owner(step + 1))
-            kb, vb = ring.unpack(buf, owner)
+                kv = ring.post((kb, vb), ring.owner(step + 1), q)
             if q.shape[-2] and kb.shape[-2]:
                 dq_b, dk_b, dv_b = block_backward(dout, q, kb, vb, out, lse, scale)
                 dq += dq_b
-                grads = ring.pack(dk_b, dv_b)
+                del dq_b
+                dk_b, dv_b = dk_b.contiguous(), dv_b.contiguous()  # gloo sends dense tensors
             else:
-                grads = ring.buffer(owner, q).zero_()
-            if acc_in is not None:
-                acc_recv.wait()
-                grads += acc_in
-            if acc_pending is not None:
-                acc_pending.wait()
-            acc_pending = post_p2p(ring.group, [(ring.next, grads)], [], stats)
-            if kv_pending is not None:
-                kv_pending.wait()
-                buf = nxt
-        # this rank's own accumulator, after its last hop (the previous rank's last step)
-        mine = ring.buffer(ring.rank, q)
-        post_p2p(ring.group, [], [(ring.prev, mine)], current_runtime().stats).wait()
-        acc_pending.wait()
-        dk, dv = ring.unpack(mine, ring.rank)
+                dk_b, dv_b = (t.zero_() for t in ring.empty(owner, q))
+            if acc is not None:
+                acc[0].wait()
+                dk_b += acc[1][0]
+                dv_b += acc[1][1]
+                acc = None
+            if sent is not None:
+                sent[0].wait()
+            sent = ring.post((dk_b, dv_b), None, q)[0], (dk_b, dv_b)
+            del dk_b, dv_b
+            if kv is not None:
+                kv[0].wait()
+                kb, vb = kv[1]
+                kv = None
+        # this rank's own accumulators, after their last hop (the previous rank's last step)
+        pending, (dk, dv) = ring.post((), ring.rank, q)
+        pending.wait()
+        sent[0].wait()
         return dq, dk, dv, None, None, None
 
 
