@@ -8,13 +8,17 @@ tokens, one thread per process, gloo on CPU, as ``L`` grows. Rows:
 - ``floor (no comm)``: every rank attends its own ``L / P`` tokens to its own tokens only,
   no communication: the lower bound of any exact scheme (it computes ``1 / P`` of the
   scores);
+- ``compute floor (no comm)``: every rank attends its own queries to *all* keys and values,
+  already local (no communication): the work of exact attention per rank, the lower bound
+  of the ring's time (its memory holds the whole key / value sequence: not a memory row);
 - ``ring (spconv)``: ``spconv_train.parallel._ring.ring_attention``: exact attention of each
   rank's queries to all keys, key / value blocks passed around the ring (``_ring.py``).
 
-Columns: "ms/step" median over the rounds (max over the ranks); "x floor" the ring's time
-over the floor's; "peak MiB/rank": the peak of the bytes held by live tensors during the step
-(inputs, outputs, gradients, saved tensors, communication buffers; counted exactly by a
-dispatch mode, independent of the allocator), worst rank; "x one process" that peak over
+Columns: "ms/step" median over the rounds (max over the ranks); "x floor" / "x compute
+floor" the time over the floor's / the compute floor's; "peak MiB/rank": the peak of the
+bytes held by live tensors during the step (inputs, outputs, gradients, saved tensors,
+communication buffers; counted exactly by a dispatch mode, independent of the allocator),
+worst rank; "x one process" that peak over
 the one-process peak. Variants run in fresh processes, interleaved over ``--rounds``.
 
 Usage: ``python scripts/bench_attention.py [--lengths 1024 2048 4096 --world 2]``;
@@ -36,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from spconv_train.distributed import shutdown
 
-VARIANTS = ("one process", "floor (no comm)", "ring (spconv)")
+VARIANTS = ("one process", "floor (no comm)", "compute floor (no comm)", "ring (spconv)")
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -58,29 +62,34 @@ class PeakTensorBytes(TorchDispatchMode):
         return out
 
 
-def _worker(rank: int, world: int, port: int, variant: str, length: int, args, queue) -> None:
+def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
+    """One variant at every length in a fresh process: ``{L: (seconds, peak MiB)}``."""
     from spconv_train.parallel._geometry import all_shard_bounds
     from spconv_train.parallel._ring import ring_attention
 
     init_worker(rank, world, port, args)
-    bounds = all_shard_bounds(length, world)
-    a, b = (0, length) if variant == "one process" else bounds[rank]
-    sizes = tuple(hi - lo for lo, hi in bounds)
-    shape = (1, args.heads, b - a, args.dim)
+    found = {}
+    for length in args.lengths:
+        bounds = all_shard_bounds(length, world)
+        a, b = (0, length) if variant == "one process" else bounds[rank]
+        sizes = tuple(hi - lo for lo, hi in bounds)
+        kv_len = length if variant == "compute floor (no comm)" else b - a
 
-    def step() -> None:
-        torch.manual_seed(rank)
-        q, k, v = (torch.randn(shape).requires_grad_() for _ in range(3))
-        if variant == "ring (spconv)":
-            out = ring_attention(q, k, v, dist.group.WORLD, sizes)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v)
-        out.backward(torch.ones_like(out))
+        def step(a=a, b=b, sizes=sizes, kv_len=kv_len) -> None:
+            torch.manual_seed(rank)
+            q = torch.randn(1, args.heads, b - a, args.dim).requires_grad_()
+            k, v = (torch.randn(1, args.heads, kv_len, args.dim).requires_grad_() for _ in "kv")
+            if variant == "ring (spconv)":
+                out = ring_attention(q, k, v, dist.group.WORLD, sizes)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v)
+            out.backward(torch.ones_like(out))
 
-    sec = _time_steps(step, args.iters, args.warmup, "cpu")
-    with PeakTensorBytes() as meter:
-        step()
-    queue.put((rank, (sec, meter.peak / 2**20), ""))
+        sec = _time_steps(step, args.iters, args.warmup, "cpu")
+        with PeakTensorBytes() as meter:
+            step()
+        found[length] = (sec, meter.peak / 2**20)
+    queue.put((rank, found, ""))
     shutdown()
 
 
@@ -99,12 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     args.device = "cpu"
     runs: dict[tuple[int, str], list] = {}
     for _ in range(args.rounds):
-        for length in args.lengths:
-            for variant in VARIANTS:
-                world = 1 if variant == "one process" else args.world
-                res = spawn_ranks(_worker, world, variant, length, args)
-                sec = max(r[1][0] for r in res)
-                mem = max(r[1][1] for r in res)
+        for variant in VARIANTS:
+            world = 1 if variant == "one process" else args.world
+            res = spawn_ranks(_worker, world, variant, args)
+            for length in args.lengths:
+                sec = max(r[1][length][0] for r in res)
+                mem = max(r[1][length][1] for r in res)
                 runs.setdefault((length, variant), []).append((sec, mem))
     rows = []
     for length in args.lengths:
@@ -112,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
             v: tuple(statistics.median(r[i] for r in runs[(length, v)]) for i in range(2))
             for v in VARIANTS
         }
+        floor, compute, one = (
+            med[v] for v in ("floor (no comm)", "compute floor (no comm)", "one process")
+        )
         for v in VARIANTS:
             sec, mem = med[v]
             world = 1 if v == "one process" else args.world
@@ -121,12 +133,22 @@ def main(argv: list[str] | None = None) -> None:
                     v,
                     world,
                     f"{sec * 1e3:.1f}",
-                    f"{sec / med['floor (no comm)'][0]:.2f}" if world > 1 else "",
+                    f"{sec / floor[0]:.2f}" if world > 1 else "",
+                    f"{sec / compute[0]:.2f}" if world > 1 else "",
                     f"{mem:.1f}",
-                    f"{mem / med['one process'][1]:.2f}",
+                    f"{mem / one[1]:.2f}",
                 )
             )
-    header = ("L", "variant", "ranks", "ms/step", "x floor", "peak MiB/rank", "x one process")
+    header = (
+        "L",
+        "variant",
+        "ranks",
+        "ms/step",
+        "x floor",
+        "x compute floor",
+        "peak MiB/rank",
+        "x one process",
+    )
     print_table(header, rows, args.markdown, width=14)
 
 

@@ -146,6 +146,11 @@ class RingAttention(torch.autograd.Function):
                 acc = ring.post((), owner, q)
             if step < ring.parts - 1:
                 kv = ring.post((kb, vb), ring.owner(step + 1), q)
+            if sent is not None:
+                # delivered as soon as the next rank posted this step's receives: free the
+                # accumulators before the compute, not one step later
+                sent[0].wait()
+                sent = None
             if q.shape[-2] and kb.shape[-2]:
                 dq_b, dk_b, dv_b = block_backward(dout, q, kb, vb, out, lse, scale)
                 dq += dq_b
@@ -158,8 +163,6 @@ class RingAttention(torch.autograd.Function):
                 dk_b += acc[1][0]
                 dv_b += acc[1][1]
                 acc = None
-            if sent is not None:
-                sent[0].wait()
             sent = ring.post((dk_b, dv_b), None, q)[0], (dk_b, dv_b)
             del dk_b, dv_b
             if kv is not None:
