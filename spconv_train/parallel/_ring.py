@@ -63,6 +63,9 @@ def block_backward(
     return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
 
 
+KV, GRAD = 1, 2  # message tags
+
+
 class _Ring:
     """Who sends to whom, and the shapes of every rank's blocks."""
 
@@ -81,10 +84,11 @@ class _Ring:
         n = self.sizes[owner]
         return like.new_empty(*self.lead, n, self.e), like.new_empty(*self.lead, n, self.ev)
 
-    def post(self, sends: tuple[Tensor, ...], recv_owner: int | None, like: Tensor):
+    def post(self, sends: tuple[Tensor, ...], recv_owner: int | None, like: Tensor, tag: int):
         """Post the sends of ``sends`` to the next rank and, for ``recv_owner``, the receive
-        of a ``(key-like, value-like)`` pair from the previous one (messages between two
-        ranks match in posting order). Returns ``(pending, received pair or None)``."""
+        of a ``(key-like, value-like)`` pair from the previous one. Messages between two
+        ranks match in posting order per ``tag``: ``KV`` for blocks, ``GRAD`` for gradient
+        accumulators. Returns ``(pending, received pair or None)``."""
         recv = self.empty(recv_owner, like) if recv_owner is not None else None
         stats = current_runtime().stats
         pending = post_p2p(
@@ -92,6 +96,7 @@ class _Ring:
             [(self.next, t) for t in sends],
             [(self.prev, t) for t in recv] if recv else [],
             stats,
+            tag=tag,
         )
         return pending, recv
 
@@ -114,7 +119,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.parts):
             pending = nxt = None
             if step < ring.parts - 1:  # the next block travels while this one is computed
-                pending, nxt = ring.post((kb, vb), ring.owner(step + 1), q)
+                pending, nxt = ring.post((kb, vb), ring.owner(step + 1), q, KV)
             if q.shape[-2] and kb.shape[-2]:
                 o_b, lse_b = block_forward(q, kb, vb, scale)
                 new = torch.logaddexp(lse, lse_b)
@@ -136,43 +141,44 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         kb, vb = k, v
-        sent = None  # the accumulators this rank sent last step (kept until delivered)
+        sent = None  # the accumulators this rank sent last step
         for step in range(ring.parts):
             owner = ring.owner(step)
             acc = kv = None
-            if step > 0:
-                # The accumulators of this block, sent by the previous rank after its last
-                # step: posted before the next block's receive, as the previous rank sent them
-                acc = ring.post((), owner, q)
+            if step > 0:  # this block's accumulators, sent by the previous rank last step
+                acc = ring.post((), owner, q, GRAD)
             if step < ring.parts - 1:
-                kv = ring.post((kb, vb), ring.owner(step + 1), q)
+                kv = ring.post((kb, vb), ring.owner(step + 1), q, KV)
             if sent is not None:
-                # delivered as soon as the next rank posted this step's receives: free the
-                # accumulators before the compute, not one step later
-                sent[0].wait()
+                # the next rank posted its receive at the start of this step too: the wait
+                # is short, and frees the accumulators before this compute
+                sent.wait()
                 sent = None
             if q.shape[-2] and kb.shape[-2]:
                 dq_b, dk_b, dv_b = block_backward(dout, q, kb, vb, out, lse, scale)
                 dq += dq_b
                 del dq_b
-                dk_b, dv_b = dk_b.contiguous(), dv_b.contiguous()  # gloo sends dense tensors
             else:
                 dk_b, dv_b = (t.zero_() for t in ring.empty(owner, q))
-            if acc is not None:
+            del kb, vb
+            if acc is not None:  # add this rank's part into the received accumulators
                 acc[0].wait()
-                dk_b += acc[1][0]
-                dv_b += acc[1][1]
-                acc = None
-            sent = ring.post((dk_b, dv_b), None, q)[0], (dk_b, dv_b)
-            del dk_b, dv_b
+                grads = acc[1]
+                grads[0].add_(dk_b)
+                grads[1].add_(dv_b)
+            else:  # gloo sends dense tensors
+                grads = (dk_b.contiguous(), dv_b.contiguous())
+            del dk_b, dv_b, acc
+            sent = ring.post(grads, None, q, GRAD)[0]
+            del grads
             if kv is not None:
                 kv[0].wait()
                 kb, vb = kv[1]
                 kv = None
         # this rank's own accumulators, after their last hop (the previous rank's last step)
-        pending, (dk, dv) = ring.post((), ring.rank, q)
+        pending, (dk, dv) = ring.post((), ring.rank, q, GRAD)
         pending.wait()
-        sent[0].wait()
+        sent.wait()
         return dq, dk, dv, None, None, None
 
 
