@@ -61,17 +61,18 @@ def post_p2p(
     sends: list[tuple[int, Tensor]],
     recvs: list[tuple[int, Tensor]],
     stats: SpatialStats,
+    tag: int = 0,
 ) -> PendingExchange:
     """Post every send and receive together (``batch_isend_irecv``); ``wait()`` on the result
     before reading a receive buffer or writing a send buffer.
 
     Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
-    posting order, which both sides derive from the same ``ExchangePlan``. Sent bytes and
-    messages are added to ``stats`` (the runtime's, captured in the forward), and so is the
-    time spent posting and, in ``wait``, blocked.
+    posting order (per ``tag``), which both sides derive from the same ``ExchangePlan``.
+    Sent bytes and messages are added to ``stats`` (the runtime's, captured in the forward),
+    and so is the time spent posting and, in ``wait``, blocked.
     """
-    ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
-    ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
+    ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p, tag=tag) for p, t in recvs]
+    ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p, tag=tag) for p, t in sends]
     if not ops:
         return PendingExchange([], stats, None, 0.0)
     start = time.perf_counter()

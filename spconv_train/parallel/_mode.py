@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ._compile import eager_from_eager, run_eagerly, traced_dtensor_op
+from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._install import install
 from ._registry import DEFAULT_REGISTRY
@@ -101,4 +102,6 @@ class SpatialMode(TorchFunctionMode):
             # DTensor's own op, outside compiled graphs: they hold plain tensors only
             # (see _compile.py)
             return run_eagerly(func, *args, **kwargs)
+        if _has_dtensor(args, kwargs):  # DTensor's own rules; its errors named (_errors.py)
+            return run_dtensor_op(func, args, kwargs)
         return func(*args, **kwargs)

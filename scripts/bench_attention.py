@@ -1,0 +1,156 @@
+"""Benchmark: ring attention over a sequence split across ranks vs the no-communication
+floor vs one process.
+
+Forward + backward of ``F.scaled_dot_product_attention`` on ``1 x heads x L x E`` fp32
+tokens, one thread per process, gloo on CPU, as ``L`` grows. Rows:
+
+- ``one process``: plain SDPA on the whole sequence (1 rank);
+- ``floor (no comm)``: every rank attends its own ``L / P`` tokens to its own tokens only,
+  no communication: the lower bound of any exact scheme (it computes ``1 / P`` of the
+  scores);
+- ``compute floor (no comm)``: every rank attends its own queries to *all* keys and values,
+  already local (no communication): the work of exact attention per rank, the lower bound
+  of the ring's time (its memory holds the whole key / value sequence: not a memory row);
+- ``ring (spconv)``: ``spconv_train.parallel._ring.ring_attention``: exact attention of each
+  rank's queries to all keys, key / value blocks passed around the ring (``_ring.py``).
+
+Columns: "ms/step" median over the rounds (max over the ranks); "x floor" / "x compute
+floor" the time over the floor's / the compute floor's; "peak MiB/rank": the peak of the
+bytes held by live tensors during the step (inputs, outputs, gradients, saved tensors,
+communication buffers; counted exactly by a dispatch mode, independent of the allocator),
+worst rank; "x one process" that peak over
+the one-process peak. Variants run in fresh processes, interleaved over ``--rounds``.
+
+Usage: ``python scripts/bench_attention.py [--lengths 1024 2048 4096 --world 2]``;
+``--markdown`` prints the table as Markdown for ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from bench_conv import _time_steps, init_worker, print_table, spawn_ranks
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from spconv_train.distributed import shutdown
+
+VARIANTS = ("one process", "floor (no comm)", "compute floor (no comm)", "ring (spconv)")
+
+
+class PeakTensorBytes(TorchDispatchMode):
+    """Peak of the bytes of live tensor storages created while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if type(t) is torch.Tensor:
+                st = t.untyped_storage()
+                self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
+        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
+        return out
+
+
+def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
+    """One variant at every length in a fresh process: ``{L: (seconds, peak MiB)}``."""
+    from spconv_train.parallel._geometry import all_shard_bounds
+    from spconv_train.parallel._ring import ring_attention
+
+    init_worker(rank, world, port, args)
+    found = {}
+    for length in args.lengths:
+        bounds = all_shard_bounds(length, world)
+        a, b = (0, length) if variant == "one process" else bounds[rank]
+        sizes = tuple(hi - lo for lo, hi in bounds)
+        kv_len = length if variant == "compute floor (no comm)" else b - a
+
+        def step(a=a, b=b, sizes=sizes, kv_len=kv_len) -> None:
+            torch.manual_seed(rank)
+            q = torch.randn(1, args.heads, b - a, args.dim).requires_grad_()
+            k, v = (torch.randn(1, args.heads, kv_len, args.dim).requires_grad_() for _ in "kv")
+            if variant == "ring (spconv)":
+                out = ring_attention(q, k, v, dist.group.WORLD, sizes)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v)
+            out.backward(torch.ones_like(out))
+
+        sec = _time_steps(step, args.iters, args.warmup, "cpu")
+        with PeakTensorBytes() as meter:
+            step()
+        found[length] = (sec, meter.peak / 2**20)
+    queue.put((rank, found, ""))
+    shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=64, help="head size E")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = ap.parse_args(argv)
+    args.device = "cpu"
+    runs: dict[tuple[int, str], list] = {}
+    for _ in range(args.rounds):
+        for variant in VARIANTS:
+            world = 1 if variant == "one process" else args.world
+            res = spawn_ranks(_worker, world, variant, args)
+            for length in args.lengths:
+                sec = max(r[1][length][0] for r in res)
+                mem = max(r[1][length][1] for r in res)
+                runs.setdefault((length, variant), []).append((sec, mem))
+    rows = []
+    for length in args.lengths:
+        med = {
+            v: tuple(statistics.median(r[i] for r in runs[(length, v)]) for i in range(2))
+            for v in VARIANTS
+        }
+        floor, compute, one = (
+            med[v] for v in ("floor (no comm)", "compute floor (no comm)", "one process")
+        )
+        for v in VARIANTS:
+            sec, mem = med[v]
+            world = 1 if v == "one process" else args.world
+            rows.append(
+                (
+                    length,
+                    v,
+                    world,
+                    f"{sec * 1e3:.1f}",
+                    f"{sec / floor[0]:.2f}" if world > 1 else "",
+                    f"{sec / compute[0]:.2f}" if world > 1 else "",
+                    f"{mem:.1f}",
+                    f"{mem / one[1]:.2f}",
+                )
+            )
+    header = (
+        "L",
+        "variant",
+        "ranks",
+        "ms/step",
+        "x floor",
+        "x compute floor",
+        "peak MiB/rank",
+        "x one process",
+    )
+    print_table(header, rows, args.markdown, width=14)
+
+
+if __name__ == "__main__":
+    main()

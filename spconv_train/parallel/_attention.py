@@ -1,0 +1,198 @@
+"""Exact global attention over sharded pixel tokens: ``F.scaled_dot_product_attention`` and
+``nn.MultiheadAttention`` (``F.multi_head_attention_forward``).
+
+The sequence dim of q, k and v is split over the spatial ranks (a token layout,
+``_tokens.py``). When k and v are split like q (self-attention over the pixels), the
+key / value blocks go around the ring of the spatial group (``_ring.py``): exact, memory
+per rank O(L / P), no activation gather. When k and v are not split at all (small or
+replicated: cross-attention to learned queries, keys from a global pooling) every rank
+attends its own queries to all of them locally, and their gradient is summed over the
+ranks. Masks, causal attention, attention dropout and the extra keys of
+``nn.MultiheadAttention`` (``bias_k``, ``add_zero_attn``) are refused with
+``SpatialShardingError`` naming the op and the module.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial
+
+from ._dims import wrap
+from ._errors import module_path
+from ._geometry import SpatialShardingError
+from ._halo import sum_grad_over
+from ._mode import register_handler
+from ._ring import ring_attention
+from ._tokens import TokenLayout, split_layouts
+
+log = logging.getLogger("spconv_train.parallel")
+
+
+def _refuse(what: str, why: str) -> SpatialShardingError:
+    return SpatialShardingError(
+        f"{what} in module '{module_path()}' on a sharded token sequence: {why} is not "
+        f"supported. Drop it, or gather explicitly (x.full_tensor())."
+    )
+
+
+def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> TokenLayout | None:
+    """The layout that splits ``q``'s sequence dim (``None``: not split); refuses any other
+    split but a plain one of the batch dim."""
+    found = None
+    for lay in split_layouts(q):
+        if lay.dim == seq_dim:
+            found = lay
+        elif lay.dim != batch_dim or lay.split_factor != 1:
+            raise _refuse(what, f"a split of dim {lay.dim} ({q.placements})")
+    return found
+
+
+def _kv_mode(q: DTensor, k, v, seq: TokenLayout, what: str) -> tuple[str, TokenLayout]:
+    """``("ring", layout of k's sequence)``: k, v split over the same ranks as q's
+    sequence (their own token counts: e.g. keys from a strided conv of the map, as in
+    spatial-reduction attention); ``("local", seq)``: k, v whole on those ranks, split
+    like q elsewhere (the batch)."""
+    if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
+        raise _refuse(what, "plain-tensor keys / values next to sharded queries")
+    others = [(m.mesh_dim, m.dim) for m in split_layouts(q) if m.mesh_dim != seq.mesh_dim]
+    if k.placements == v.placements:
+        lays = split_layouts(k)
+        rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim != seq.mesh_dim]
+        kseq = [m for m in lays if m.mesh_dim == seq.mesh_dim and m.dim == seq.dim]
+        if rest == others and kseq:
+            return "ring", kseq[0]
+        if rest == others and not [m for m in lays if m.mesh_dim == seq.mesh_dim]:
+            return "local", seq
+    raise _refuse(
+        what,
+        f"keys / values split as {k.placements}, {v.placements} unlike the queries {q.placements}",
+    )
+
+
+def _replicated_local(t: DTensor, q: DTensor, seq: TokenLayout) -> Tensor:
+    """``t``'s local tensor (whole on the sequence ranks); each rank uses it for its own
+    queries only, so its gradient is a partial sum there."""
+    grad = list(t.placements)
+    grad[seq.mesh_dim] = Partial()
+    return t.to_local(grad_placements=tuple(grad))
+
+
+def _attend(
+    ql: Tensor, kl: Tensor, vl: Tensor, mode: str, seq: TokenLayout, q: DTensor, scale: float | None
+) -> Tensor:
+    """Attention of local queries ``(..., L_r, E)`` to all keys (ring or local)."""
+    if mode == "local":
+        return F.scaled_dot_product_attention(ql, kl, vl, scale=scale)
+    group = q.device_mesh.get_group(seq.mesh_dim)
+    return ring_attention(ql, kl, vl, group, seq.sizes(), scale)
+
+
+@register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
+def spatial_sdpa(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
+    ranks: the ring, or local attention to whole keys / values."""
+    what = "F.scaled_dot_product_attention"
+    if not isinstance(query, DTensor):
+        raise _refuse(what, "plain-tensor queries next to sharded keys / values")
+    for bad, why in (
+        (attn_mask is not None, "an attention mask"),
+        (is_causal, "is_causal=True"),
+        (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
+        (enable_gqa, "enable_gqa=True"),
+    ):
+        if bad:
+            raise _refuse(what, why)
+    seq = _sequence_layout(query, query.ndim - 2, 0, what)
+    if seq is None:
+        return F.scaled_dot_product_attention(query, key, value, scale=scale)  # DTensor's
+    mode, kseq = _kv_mode(query, key, value, seq, what)
+    if mode == "ring":
+        kl, vl = key.to_local(), value.to_local()
+    else:
+        kl, vl = _replicated_local(key, query, seq), _replicated_local(value, query, seq)
+    out = _attend(query.to_local(), kl, vl, mode, kseq, query, scale)
+    return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
+
+
+def _unsupported_mha(kw: dict) -> str | None:
+    checks = (
+        ("bias_k", "bias_k / bias_v (add_bias_kv=True)"),
+        ("add_zero_attn", "add_zero_attn=True"),
+        ("key_padding_mask", "a key_padding_mask"),
+        ("attn_mask", "an attn_mask"),
+        ("static_k", "static_k / static_v"),
+        ("is_causal", "is_causal=True"),
+    )
+    for name, why in checks:
+        if kw.get(name) is not None and kw.get(name) is not False:
+            return why
+    if kw["training"] and kw["dropout_p"] > 0:
+        return f"attention dropout (dropout={kw['dropout_p']}) in training"
+    return None
+
+
+#: ``F.multi_head_attention_forward``'s parameters and their defaults
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
+
+
+@register_handler(F.multi_head_attention_forward)
+def spatial_multi_head_attention(*args, **kwargs):
+    """``nn.MultiheadAttention``'s functional form, sequence-first ``(L, N, E)`` with ``L``
+    split: projections local, attention by the ring (or local to whole keys / values).
+    The averaged attention weights (``need_weights``, an ``L x L`` map) are not formed:
+    the second output is ``None``."""
+    what = "nn.MultiheadAttention"
+    bound = _MHA_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    kw = bound.arguments
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    if not isinstance(q, DTensor):
+        raise _refuse(what, "plain-tensor queries next to sharded keys / values")
+    why = _unsupported_mha(kw)
+    if why:
+        raise _refuse(what, why)
+    seq = _sequence_layout(q, 0, 1, what)
+    if seq is None or q.ndim != 3:
+        raise _refuse(
+            what,
+            f"queries {tuple(q.shape)} {q.placements} without a split "
+            "sequence (dim 0 of (L, N, E))",
+        )
+    mode, kseq = _kv_mode(q, k, v, seq, what)
+    groups = tuple(q.device_mesh.get_group(m.mesh_dim) for m in split_layouts(q))
+    heads, e = kw["num_heads"], q.shape[-1]
+    # every weight gradient is a partial sum: each rank's queries (and, on the ring, keys)
+    if kw["use_separate_proj_weight"]:
+        ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
+    else:
+        ws = sum_grad_over(kw["in_proj_weight"], groups).chunk(3)
+    bias = sum_grad_over(kw["in_proj_bias"], groups)
+    bs = bias.chunk(3) if bias is not None else (None,) * 3
+    local = [q.to_local()] + (
+        [k.to_local(), v.to_local()]
+        if mode == "ring"
+        else [_replicated_local(t, q, seq) for t in (k, v)]
+    )
+
+    def project(x: Tensor, w, b) -> Tensor:  # (L, N, E) -> (N, heads, L, E / heads)
+        y = F.linear(x, w, b)
+        return y.reshape(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
+
+    qh, kh, vh = (project(x, w, b) for x, w, b in zip(local, ws, bs, strict=True))
+    out = _attend(qh, kh, vh, mode, kseq, q, 1.0 / math.sqrt(e // heads))
+    out = out.permute(2, 0, 1, 3).reshape(local[0].shape[0], local[0].shape[1], e)
+    out = F.linear(
+        out,
+        sum_grad_over(kw["out_proj_weight"], groups),
+        sum_grad_over(kw["out_proj_bias"], groups),
+    )
+    if kw["need_weights"]:
+        log.debug("nn.MultiheadAttention in '%s': attention weights not formed", module_path())
+    return wrap(out, q, q.placements, q.shape), None
