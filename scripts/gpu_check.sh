@@ -62,10 +62,10 @@ else
     GRIDS=(tests/test_conv.py)
     GRID_FILTER=(-k "test_conv_grid_matches_single_device and 1")
     STEP=(--worlds 2 --height 32 --width 128 --iters 2)
-    CONV=(--channels 8 --height 32 --width 256 --worlds 1 2 --iters 2 --rounds 1 --warmup 0
+    CONV=(--channels 8 --height 32 --width 256 --worlds 2 --iters 2 --rounds 1 --warmup 0
           --variants "one process" "halo (spconv)")
     BENCH=(--models unet --depth 2 --base-width 8 --height 32 --width 128 --iters 2
-           --worlds 1 2 --checkpointing off)
+           --worlds 2 --checkpointing off)
     KERNELS=(--height 32 --width 64 --channels 8 --depth 2 --base-width 8 --iters 1 --warmup 0)
 fi
 

@@ -128,7 +128,8 @@ def compare_training(name: str, shape: tuple[int, ...], steps: int = 2) -> list[
 
 # Every model at 2 and 3 ranks, except fcn_resnet50 at 2: its dilated ResNet-50 backbone
 # runs at 2 ranks in deeplabv3_resnet50, its FCN head at 3 (suite time).
-MODEL_WORLDS = [(n, w) for n in BUILTIN_MODELS for w in (2, 3) if (n, w) != ("fcn_resnet50", 2)]
+# the ResNet-50 models (the heaviest) at 3 ranks only: uneven widths and a middle rank
+MODEL_WORLDS = [(n, w) for n in BUILTIN_MODELS for w in (2, 3) if not (w == 2 and "resnet50" in n)]
 
 
 @pytest.mark.parametrize("name,world", MODEL_WORLDS)
