@@ -143,7 +143,7 @@ class MemoryPlan:
             )
         return (
             f"plan {self.height}x{self.width}: {what} (pieces up to {r} x {c} px over {ranks}); "
-            f"recompute factor {self.recompute_factor:.2f} (computed / kept rows x cols); "
+            f"recompute factor {self.recompute_factor:.2f} (computed / kept pixels); "
             f"{self.pixels_per_rank / 1e6:.2f} Mpx and ~{self.estimated_bytes / GB:.2f} GB "
             f"per rank of a {self.budget_bytes / GB:.2f} GB budget "
             f"({self.bytes_per_pixel:.0f} B/px over {self.base_bytes / GB:.2f} GB fixed)"

@@ -5,29 +5,23 @@ pushing the machine into the kernel's OOM killer: what it holds now plus ``SAFET
 available memory (``MemAvailable`` on the CPU, the free memory of the GPU) shared by the
 local ranks (``LOCAL_WORLD_SIZE``).
 
-``probe_bytes_per_pixel``: the peak memory of forwards of the plain model over two probe
-bands of different heights, on this rank's device; the difference per pixel is the cost of
-one more pixel, without the fixed part (weights, the process). On a GPU the caching
-allocator counts it (``max_memory_allocated``). On the CPU no allocator keeps such a count
-(tensors come from plain ``malloc``), so the probe reads the kernel's peak resident set
-instead: glibc is first asked to give its free pages back (``malloc_trim``, else freed
-memory that a probe reuses would hide its cost), the peak is reset to the current
-resident set (``/proc/self/clear_refs`` ``5``) and read after the forward (``VmHWM``).
-Where that is impossible (not Linux, not glibc), ``FALLBACK_BYTES_PER_PIXEL`` stands in
-and the plan says so.
+``probe_bytes_per_pixel``: the peak memory of one forward of the plain model over a small
+probe on this rank's device, per pixel (``probe_bytes_per_pixel`` says how). The fixed
+part (weights, the process) is what the rank holds before it (``current_bytes``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
+import weakref
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
-    "FALLBACK_BYTES_PER_PIXEL",
+    "CPU_OVERHEAD",
     "SAFETY",
     "budget_bytes",
     "current_bytes",
@@ -39,8 +33,10 @@ __all__ = [
 #: Share of the available memory the ranks of a machine plan to use (the rest: the page
 #: cache of the image files, the writers' threads, other processes, estimate errors).
 SAFETY = 0.7
-#: Bytes per pixel when the probe cannot measure (the default U-Net in fp32 on CPU).
-FALLBACK_BYTES_PER_PIXEL = 1000.0
+#: Resident memory per byte of live tensors on the CPU: glibc's free lists and
+#: fragmentation, kernels' own buffers, the halo copies of the sharded forward
+#: (measured: docs/benchmarks.md, "Memory-planned predict").
+CPU_OVERHEAD = 1.5
 #: Per pixel besides the network: the input read and normalised (3 float copies of
 #: ``C`` channels), the logits copied off the device and sliced (2 x ``K`` floats), the
 #: int64 arg-max and the rounded probabilities.
@@ -91,57 +87,68 @@ def budget_bytes(device: torch.device, memory_gb: float | None = None) -> int:
     return int(current_bytes(device) + SAFETY * _available(device) / local)
 
 
-def _trim() -> None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors alive during a forward and their peak: every
+    storage an op returns is counted once, while any tensor on it is alive (a weak
+    reference per tensor; views share their base's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, list[int]] = {}  # storage address -> [live tensors, bytes]
+        self.now = self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        entry = self.refs[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0:  # empty
+                continue
+            entry = self.refs.setdefault(key, [0, storage.nbytes()])
+            if entry[0] == 0:
+                self.now += entry[1]
+                self.peak = max(self.peak, self.now)
+            entry[0] += 1
+            weakref.finalize(t, self._drop, key)
+        return out
 
 
-def _peak_of(run, device: torch.device) -> int | None:
-    """Peak memory added by ``run()`` over what was held before it (None: not measurable)."""
+def probe_bytes_per_pixel(
+    model: torch.nn.Module, in_channels: int, stride: int
+) -> tuple[float, str]:
+    """(bytes per pixel of ``model``'s forward on its device, how it was found), from one
+    forward of a small probe (a square of at least 64 pixels, a multiple of ``stride``).
+    On a GPU: the allocator's peak over what was allocated before, per pixel. On the
+    CPU: the peak of the live tensors (``_LiveBytes``; deterministic, unlike the resident
+    set, which follows glibc's reuse of freed memory) times ``CPU_OVERHEAD``."""
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    side = max(64, 2 * stride) + (-max(64, 2 * stride)) % stride
+    x = torch.rand(1, in_channels, side, side, generator=torch.Generator().manual_seed(0))
+    x = x.to(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        run()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - before)
-    _trim()
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    except OSError:
-        return None
-    before = _status("VmRSS")
-    run()
-    peak = _status("VmHWM")
-    return None if before is None or peak is None else peak - before
-
-
-def probe_bytes_per_pixel(
-    model: torch.nn.Module, in_channels: int, stride: int, *, cols: int = 256
-) -> tuple[float, str]:
-    """(bytes per pixel of ``model``'s forward on its device, how it was found): the growth
-    of the peak memory from a ``r x cols`` to a ``2r x cols`` probe band (``r`` about 256
-    rows, a multiple of ``stride``), per added pixel."""
-    param = next(iter(model.parameters()), None)
-    device = param.device if param is not None else torch.device("cpu")
-    rows = max(stride, -(-256 // stride) * stride)
-    gen = torch.Generator().manual_seed(0)
-    peaks = []
-    for r in (rows, 2 * rows, rows, 2 * rows):  # twice: the first forward warms up the kernels
-        x = torch.rand(1, in_channels, r, cols, generator=gen).to(device)
         with torch.no_grad():
-            peaks.append(_peak_of(lambda x=x: model(x), device))
-        del x
-    if any(p is None for p in peaks):
-        return FALLBACK_BYTES_PER_PIXEL, "default (no peak memory count on this system)"
-    grow = (peaks[3] - peaks[2]) / (rows * cols)
-    if grow <= 0:  # noise: fall back to the whole peak of the bigger probe per pixel
-        grow = peaks[3] / (2 * rows * cols)
-    where = "GPU allocator" if device.type == "cuda" else "resident set"
-    return max(grow, 1.0), f"probed ({where} peak of {rows}- and {2 * rows}-row bands)"
+            model(x)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        return max(peak / side**2, 1.0), "probed (GPU allocator peak)"
+    counter = _LiveBytes()
+    with torch.no_grad(), counter:
+        model(x)
+    per_pixel = counter.peak / side**2 * CPU_OVERHEAD
+    return max(per_pixel, 1.0), f"probed (live tensors x {CPU_OVERHEAD})"
 
 
 def plan_cost(model, cfg, stride: int, device: torch.device, memory_gb: float | None) -> tuple:

@@ -95,9 +95,11 @@ def choose_pieces(predictor, opts: StreamOptions, h: int, w: int, console) -> tu
         pieces = {axis: (n, k) for axis, n, k in ((2, h, rows), (3, w, cols)) if k}
         proven = _checked(predictor, plan, pieces)
         if proven is None:
+            what = f"bands of {rows} rows are not exact at height {h} on a probe column"
+            if cols:
+                what = f"tiles of {rows or h} x {cols} px are not exact at size {h}x{w}"
             note = (
-                f"pieces of {rows or h} x {cols or w} px are not exact for a {h}x{w} image on "
-                f"a probe (e.g. resampling to sizes computed from the whole image; sizes "
+                f"{what} (e.g. resampling to sizes computed from the whole image; sizes "
                 f"that are multiples of {plan.stride} stream exactly)"
             )
         plan = proven or plan
