@@ -245,8 +245,13 @@ def predict_command(
         _error(str(exc))
         return 2
     except Exception as exc:
+        from spconv_train.distributed import is_peer_failure
+
         from ._oom import is_oom, oom_message
 
+        if is_peer_failure(exc):  # the rank that went away is reported by the launcher
+            _error(f"another rank stopped ({exc})")
+            return 1
         if not is_oom(exc):
             raise
         _error(oom_message(f"{type(exc).__name__}: {exc}"))

@@ -72,7 +72,9 @@ def _escape(text: str) -> str:
 
 def fault_hook() -> None:
     """The test hooks (``KILL_ENV``, ``MEMORYERROR_ENV``), once per process."""
-    rank = os.environ.get("RANK", "0")
+    import torch.distributed as dist
+
+    rank = str(dist.get_rank()) if dist.is_initialized() else "0"
     if os.environ.pop(KILL_ENV, None) == rank:
         os.kill(os.getpid(), signal.SIGKILL)
     if os.environ.pop(MEMORYERROR_ENV, None) == rank:

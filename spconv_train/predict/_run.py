@@ -304,7 +304,7 @@ def run_predict(
         stream = dataclasses.replace(stream, band_rows=0)
     elif stream.band_rows != 0:  # the band and memory plans come from the plain network
         plan = analyse(model, cfg.model.in_channels)
-        cost = plan_cost(model, cfg, plan.stride, device, stream.memory_gb)
+        cost = stream.cost or plan_cost(model, cfg, plan.stride, device, stream.memory_gb)
         stream = dataclasses.replace(stream, plan=plan, cost=cost)
     model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
     out_dir = Path(out_dir)

@@ -22,7 +22,7 @@ from spconv_train.data._readers import check_mask_values
 
 from ._bands import Band, band_layout, read_mask_rows_cols
 from ._memory_plan import MemoryPlan, choose_plan
-from ._oom import announce, fault_hook
+from ._oom import OOM_NAMES, announce, fault_hook
 from ._receptive import CHECK_RTOL, StreamPlan, check_plan
 from ._writers import OverlayCanvas, TiledTiffWriter, overlay_factor
 
@@ -130,7 +130,7 @@ def _gather(predictor, piece, failure) -> list | None:
         raise failure
     if errors[0] is not None:
         name, message = errors[0]["error"], errors[0]["message"]
-        raise _SHARED_ERRORS.get(name, RuntimeError)(message)
+        raise _SHARED_ERRORS.get(name, MemoryError if name in OOM_NAMES else RuntimeError)(message)
     return parts
 
 
