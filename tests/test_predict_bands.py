@@ -301,7 +301,9 @@ def test_cli_options_reach_the_ranks(unet, tmp_path, monkeypatch):
     for word in ("--band-rows", "--approximate", "--probabilities"):
         assert word in result.output
     seen = []
-    monkeypatch.setattr(predict, "run_torchrun", lambda n, cmd, args: seen.append(args) or 0)
+    monkeypatch.setattr(
+        predict, "run_torchrun", lambda n, cmd, args, *_, **__: seen.append(args) or 0
+    )
     image = str(_image(tmp_path / "x.npy", 32, 32, 6))
     kw = {"band_rows": 64, "approximate": True, "probabilities": True}
     assert predict.predict_command(unet[0], [image], tmp_path / "o", 2, **kw) == 0
