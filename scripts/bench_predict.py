@@ -131,6 +131,7 @@ def plan_fields(line: str) -> dict:
     """Layout, recompute factor and estimated GB per rank of a printed plan line."""
     factor = re.search(r"recompute factor ([0-9.]+)", line)
     gb = re.search(r"~([0-9.]+) GB per rank", line)
+    fixed = re.search(r"over ([0-9.]+) GB fixed", line)
     layout = "tiles" if ": tiles of" in line else "bands" if ": bands of" in line else "whole"
     piece = re.search(r": (tiles of [0-9]+ x [0-9]+|bands of [0-9]+ rows)", line)
     return {
@@ -138,12 +139,15 @@ def plan_fields(line: str) -> dict:
         "piece": piece.group(1) if piece else "whole image",
         "factor": float(factor.group(1)) if factor else 1.0,
         "planned_gb": float(gb.group(1)) if gb else float("nan"),
+        "fixed_gb": float(fixed.group(1)) if fixed else float("nan"),
     }
 
 
-def planned(config: str, sets: list[str], sizes: list[str], ranks: int, memory_gb: float):
+def planned(config: str, sets: list[str], sizes: list[str], ranks: int, memory_gb: float,
+            base_gb: float | None = None):  # fmt: skip
     """The plans of ``sizes`` at ``ranks`` strips, bands only and tiles first, from a probe
-    of the exported model in this process (nothing is predicted)."""
+    of the exported model in this process (nothing is predicted); the fixed memory per
+    rank is ``base_gb`` (default: this process's resident set)."""
     import torch
 
     from spconv_train.config import load_config
@@ -162,7 +166,7 @@ def planned(config: str, sets: list[str], sizes: list[str], ranks: int, memory_g
     geometry = analyse(model, cfg.model.in_channels)
     bpp = probe_bytes_per_pixel(model, cfg.model.in_channels, geometry.stride)[0]
     bpp += io_bytes_per_pixel(cfg.model.in_channels, cfg.model.num_classes)
-    base = current_bytes(torch.device("cpu"))
+    base = int(base_gb * 1e9) if base_gb else current_bytes(torch.device("cpu"))
     rows = []
     for size in sizes:
         h, w = _shape(size)
@@ -208,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument("--plan-sizes", nargs="*", default=[], help="sizes to plan only")
     p.add_argument("--plan-memory-gb", type=float, default=4.0)
+    p.add_argument(
+        "--plan-base-gb", type=float,
+        help="fixed memory per rank of the plans (default: the measured runs' plans, else "
+        "this process's resident set)",
+    )  # fmt: skip
     args = p.parse_args(argv)
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -250,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         _print(rows, args)
     if args.plan_sizes:
+        base = args.plan_base_gb or max((r["fixed_gb"] for r in rows), default=None)
         plans = planned(
-            args.config, args.sets, args.plan_sizes, max(args.ranks), args.plan_memory_gb
+            args.config, args.sets, args.plan_sizes, max(args.ranks), args.plan_memory_gb, base
         )
         _print_plans(plans, args)
     return 0
@@ -264,7 +274,8 @@ def _print_plans(rows: list[dict], args) -> None:
          f"{r['factor']:.2f}", f"{r['planned_gb']:.2f}", "yes" if r["fits"] else "no"]
         for r in rows
     ]  # fmt: skip
-    print(f"\nplanned only (not run), budget {args.plan_memory_gb} GB per rank\n")
+    print(f"\nplanned only (not run), budget {args.plan_memory_gb} GB per rank, fixed part "
+          f"{rows[0]['fixed_gb']:.2f} GB\n")  # fmt: skip
     _table(head, lines, args.markdown)
 
 

@@ -50,18 +50,19 @@ _last_plan: list[str] = []
 
 
 def announce(plan, how: str, lead: bool, console) -> None:
-    """Print ``plan`` (a ``MemoryPlan``) and its warnings on the group's first rank; keep
-    its text for an out-of-memory report and write it to ``PLAN_ENV`` on global rank 0."""
+    """Print ``plan`` (a ``MemoryPlan``) and its warnings on the group's first rank (not
+    for an image that fits whole); keep its text for an out-of-memory report and write it
+    to ``PLAN_ENV`` on global rank 0."""
     text = f"{plan.describe()}; bytes per pixel {how}"
     _last_plan[:] = [text]
-    if not lead:
+    path = os.environ.get(PLAN_ENV)
+    if path and lead and os.environ.get("RANK", "0") == "0":
+        Path(path).write_text(text + "\n", encoding="utf-8")
+    if not lead or (plan.whole and plan.fits):
         return
     console.print(f"[bold]{_escape(text)}[/]", soft_wrap=True)
     for warning in plan.warnings():
         console.print(f"[yellow]warning[/] {_escape(warning)}", soft_wrap=True)
-    path = os.environ.get(PLAN_ENV)
-    if path and os.environ.get("RANK", "0") == "0":
-        Path(path).write_text(text + "\n", encoding="utf-8")
 
 
 def _escape(text: str) -> str:

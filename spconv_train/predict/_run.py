@@ -319,7 +319,7 @@ def run_predict(
     with_masks = any(m is not None for _, _, m in images)
     cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)
     main = dist.get_rank() == 0
-    source = checkpoint_info(kind, weights)
+    source = checkpoint_info(kind, weights) if main else {}
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
         step = "no step recorded" if source["step"] is None else f"step {source['step']}"

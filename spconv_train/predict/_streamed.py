@@ -141,6 +141,7 @@ def _band_piece(predictor, args, band: Band, block: Band | None, mask_path, cm, 
     (r0, r1), (c0, c1) = band.rows, (block.rows if block else (0, args[2]))
     cols = block.read if block else None
     logits, image, (ra, rb), (t0, t1) = predictor.logits(*args, rows=band.read, cols=cols)
+    fault_hook()  # after the forward, which every rank of the group runs together
     k0 = min(max(r0, t0), t1)  # the kept rows [k0, k1) of this rank's rows [t0, t1)
     k1 = max(min(r1, t1), k0)
     j0 = min(max(c0, ra), rb)  # the kept columns [j0, j1) of its columns [ra, rb)
@@ -170,7 +171,6 @@ def _stitched(predictor, args, band, block, mask_path, cm, factor, probs) -> lis
     first rank: [classes, probabilities or None, sampled overlay] (None elsewhere)."""
     piece, failure = None, None
     try:
-        fault_hook()
         piece = _band_piece(predictor, args, band, block, mask_path, cm, factor, probs)
     except Exception as exc:  # noqa: BLE001 - every rank stops together in _gather
         failure, piece = exc, {"error": type(exc).__name__, "message": str(exc)}
