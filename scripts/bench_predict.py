@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ranks": n,
                     "mode": {"bands": "bands", "tiles": "tiles first"}.get(layout, "auto"),
                     **plan_fields(plan[0] if plan else ""),
-                    "peak_rss_gb": max(r["peak_rss_mb"] for r in ranks) / 1024,
+                    "peak_rss_gb": max(r["peak_rss_mb"] for r in ranks) * 2**20 / 1e9,
                     "mpx_s": h * w / 1e6 / wall,
                     "wall_s": wall,
                     "read_s": max(r["read_s"] for r in ranks),
