@@ -134,3 +134,20 @@ def test_progress_plain_lines(monkeypatch):
     silent = io.StringIO()
     PredictProgress(2, False, stream=silent).image("a", 4)
     assert silent.getvalue() == ""
+
+
+def test_writer_abort_before_any_band(tmp_path):
+    """A failure at the first piece (out of memory, typically) aborts the TIFF writer
+    before any band was put: abort returns and leaves no file (it used to wait forever)."""
+    import threading
+
+    import numpy as np
+
+    from spconv_train.predict._writers import TiledTiffWriter
+
+    writer = TiledTiffWriter(tmp_path / "x.tif", (10, 10), np.uint8)
+    done = threading.Thread(target=writer.abort, daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive(), "abort hangs"
+    assert not (tmp_path / "x.tif").exists()
