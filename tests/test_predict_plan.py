@@ -39,12 +39,16 @@ def test_recompute_counts_the_read_ranges():
 
 def test_wide_slide_bands_do_not_fit_tiles_do():
     """Full-width bands of the 67 Mpx slide cannot fit 4 GB per rank (the issue's OOM); the
-    plan then cuts tiles that fit, with a recompute factor below 2."""
+    plan then cuts tiles that fit, with a recompute factor below 2. Without any piece that
+    fits, the plan says so."""
     cost = dict(bytes_per_pixel=600.0, base_bytes=GB, budget_bytes=4 * GB)
     bands = choose_plan(**SLIDE, **cost, tiles=False)
     assert bands.layout == "bands" and not bands.fits
-    assert bands.band_rows == 32 and bands.recompute_factor > 20
-    assert any("over the 4.00 GB budget" in w for w in bands.warnings())
+    # no band fits: bands keeping twice their context (832 + 2 x 416 rows read), as the
+    # issue's user got them, but now with the warning
+    assert bands.band_rows == 832 and bands.pixels_per_rank == 1664 * 8192
+    (warning,) = bands.warnings()
+    assert "over the 4.00 GB budget" in warning and "--memory-gb" in warning
     tiles = choose_plan(**SLIDE, **cost)
     assert tiles.layout == "tiles" and tiles.fits
     assert tiles.estimated_bytes <= 4 * GB
@@ -52,6 +56,8 @@ def test_wide_slide_bands_do_not_fit_tiles_do():
     rows, cols = tiles.read_shape
     assert tiles.pixels_per_rank == rows * -(-cols // 2)
     assert f"tiles of {tiles.tile_rows} x {tiles.tile_cols} px" in tiles.describe()
+    hopeless = choose_plan(**SLIDE, bytes_per_pixel=600.0, base_bytes=GB, budget_bytes=GB)
+    assert not hopeless.fits and (hopeless.tile_rows, hopeless.tile_cols) == (832, 832)
 
 
 def test_bands_when_they_recompute_least():

@@ -154,9 +154,10 @@ class MemoryPlan:
         out = []
         if not self.fits:
             out.append(
-                f"the smallest pieces need ~{self.estimated_bytes / GB:.2f} GB per rank, over "
-                f"the {self.budget_bytes / GB:.2f} GB budget: the ranks may be killed for "
-                "memory; use more ranks (--nproc) or more memory (--memory-gb)"
+                f"these pieces need ~{self.estimated_bytes / GB:.2f} GB per rank, over the "
+                f"{self.budget_bytes / GB:.2f} GB budget: the ranks may be killed for memory; "
+                "use more ranks (--nproc), more memory (--memory-gb) or, recomputing more, "
+                "a smaller --band-rows"
             )
         if self.recompute_factor > RECOMPUTE_WARN:
             out.append(
@@ -186,7 +187,7 @@ def choose_plan(
     ``band_rows`` (``--band-rows``): full-width bands of that many rows (0: the whole
     image), no choice made. ``tiles``: None picks the layout with the lower recompute
     factor, False allows only full-width bands, True only tiles narrower than the image.
-    Without a plan that fits, the one with the least memory is returned (``fits`` False).
+    Without a plan that fits, pieces keeping twice their context (``fits`` False).
     """
 
     def plan(rows: int, cols: int) -> MemoryPlan:
@@ -206,7 +207,7 @@ def choose_plan(
     widths = [width] if tiles is False else list(range(stride, up, stride))
     if tiles is None:
         widths.append(width)
-    best, smallest = None, None
+    best = None
     for cols in widths:
         read_cols = min(width, cols + 2 * margin)
         per_row = -(-read_cols // q)
@@ -217,9 +218,6 @@ def choose_plan(
         rows = read_rows - 2 * margin if read_rows < height else height
         rows -= rows % stride if rows < height else 0
         if rows < stride:
-            candidate = plan(stride, cols)
-            if smallest is None or candidate.estimated_bytes < smallest.estimated_bytes:
-                smallest = candidate
             continue
         candidate = plan(rows, cols)
         key = (round(candidate.recompute_factor, 6), -cols)  # ties: the wider piece
@@ -227,4 +225,10 @@ def choose_plan(
             best = (key, candidate)
     if best is not None:
         return best[1]
-    return smallest if smallest is not None else whole
+    # Nothing fits: pieces that keep twice their context (so that at most about half of
+    # what they compute is context; smaller ones would multiply the work for little
+    # memory), the layout with less memory.
+    floor = -(-max(2 * margin, stride) // stride) * stride
+    options = [plan(floor, width)] if tiles is not True else []
+    options += [plan(floor, min(floor, width))] if tiles is not False else []
+    return min(options, key=lambda candidate: candidate.estimated_bytes)
