@@ -157,3 +157,16 @@ def test_writer_abort_before_any_band(tmp_path):
     done.join(30)
     assert not done.is_alive(), "abort hangs"
     assert not (tmp_path / "x.tif").exists()
+
+
+def test_column_pieces_proven_like_bands():
+    """``check_plan(axis=3)``: tiles of 12 columns with the U-Net's margin equal the whole
+    probe row at a width on the stride grid, not off it or with a short margin."""
+    from spconv_train.predict._receptive import CHECK_RTOL, StreamPlan, analyse, check_plan
+    from tests.test_predict_bands import UNET, _model
+
+    _, unet = _model(UNET)
+    plan = analyse(unet, 3)
+    assert check_plan(unet, plan, 160, 12, 3, axis=3) <= CHECK_RTOL
+    assert check_plan(unet, plan, 163, 12, 3, axis=3) > CHECK_RTOL
+    assert check_plan(unet, StreamPlan(plan.stride, 4), 160, 12, 3, axis=3) > CHECK_RTOL
