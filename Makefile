@@ -4,12 +4,12 @@ STAMP   := .venv/.installed
 NPROC   ?= 2
 CONFIG  ?= configs/unet.yaml
 
-.PHONY: install run data test lint bench bench-conv bench-memory bench-predict bench-step bench-compile bench-tiles physicsnemo verify predict gpu-check clean
+.PHONY: install run data test test-fast lint bench bench-conv bench-memory bench-predict bench-step bench-compile bench-tiles physicsnemo verify predict gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q -e '.[dev,smp,volumes]'
-	$(PY) -c "import torch, torchvision, tifffile, segmentation_models_pytorch; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+	$(PY) -m pip install -q -e '.[dev,smp,volumes,slides]'
+	$(PY) -c "import torch, torchvision, tifffile, segmentation_models_pytorch, shapely; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,6 +24,10 @@ data: install
 
 test: install
 	$(PY) -m pytest -q --durations=15
+
+# The single-process unit tests only (no worker groups, no command-line runs): seconds.
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e and not dist"
 
 lint: install
 	$(PY) -m ruff check spconv_train tests scripts

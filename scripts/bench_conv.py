@@ -21,7 +21,7 @@ Variants run in fresh processes, interleaved over ``--rounds`` rounds (medians),
 change on a shared machine hits every variant alike. The halo rows note the exchange time the
 rank was blocked on per step; ``hidden`` = 1 - blocked(halo) / blocked(halo window).
 On CPU every rank tunes glibc's malloc as a run does; ``SPCONV_MALLOC_TUNING=0`` in the
-environment measures without it (spconv_train/cpu_malloc.py, docs/benchmarks.md).
+environment measures without it (spconv_train/distributed/cpu_malloc.py, docs/benchmarks.md).
 
 Usage: ``python scripts/bench_conv.py [--channels 32 --height 512 --width 2048 --worlds 1 2 4]``
 (``make bench-conv``). Prints a table; ``--markdown`` prints it as Markdown for
@@ -91,9 +91,9 @@ def _time_steps(fn, iters: int, warmup: int, device: str) -> float:
 def init_worker(rank: int, world: int, port: int, args):
     """Threads, device, process group (NCCL on CUDA, gloo on CPU) and a 1-D "sp" mesh.
     On CPU, malloc is tuned as ``spconv-train run`` tunes it (``SPCONV_MALLOC_TUNING=0``
-    measures without: spconv_train/cpu_malloc.py)."""
-    from spconv_train.cpu_affinity import bind_local_rank
-    from spconv_train.cpu_malloc import tune_cpu_allocator
+    measures without: spconv_train/distributed/cpu_malloc.py)."""
+    from spconv_train.distributed.cpu_affinity import bind_local_rank
+    from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
     from spconv_train.parallel import gloo_threads_idle, init_device_mesh
 
     torch.set_num_threads(args.threads)
@@ -101,7 +101,7 @@ def init_worker(rank: int, world: int, port: int, args):
         torch.cuda.set_device(rank)
     else:
         tune_cpu_allocator()
-        bind_local_rank(rank, world)  # as a CPU run does (spconv_train/cpu_affinity.py)
+        bind_local_rank(rank, world)  # as a CPU run does (spconv_train/distributed/cpu_affinity.py)
     # gloo's threads idle-only, as a CPU run does (spconv_train/parallel/_comm_threads.py;
     # SPCONV_GLOO_THREADS=normal in the environment: without)
     with gloo_threads_idle() if args.device == "cpu" else contextlib.nullcontext():

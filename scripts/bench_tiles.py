@@ -103,10 +103,10 @@ def _volume_case(world: int, dim: int, args) -> dict:
 
 
 def _worker(rank, world, port, job, args, queue) -> None:
-    from spconv_train.cpu_malloc import tune_cpu_allocator
+    from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
 
     torch.set_num_threads(1)
-    tune_cpu_allocator()  # as a CPU run does (spconv_train/cpu_malloc.py)
+    tune_cpu_allocator()  # as a CPU run does (spconv_train/distributed/cpu_malloc.py)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command device check (make gpu-check): the spatial op grids on the device, a training
-# step in bf16 with channels-last activations (plain and FSDP), and the conv / step
-# benchmarks timed with CUDA events; every table goes to OUT/gpu_check.md.
+# step in bf16 with channels-last activations (plain and FSDP), the conv / step benchmarks
+# timed with CUDA events and the local kernels in fp32 / bf16 x NCHW / channels-last; every
+# table goes to OUT/gpu_check.md.
 #
 #   scripts/gpu_check.sh                      # CUDA: about 5-8 minutes on one GPU
 #   scripts/gpu_check.sh --device cpu         # small and fast (CI runs it: tests/test_gpu_check.py)
@@ -19,7 +20,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --device) DEVICE="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (--device cuda|cpu, --out DIR)" >&2; exit 2 ;;
     esac
 done
@@ -55,6 +56,7 @@ if [[ "$DEVICE" == cuda ]]; then
           "dtensor gather" "floor (no comm)")
     BENCH=(--models unet lraspp_mobilenet_v3_large --height 512 --width 2048 --iters 10
            --worlds 1 $([[ $RANKS -gt 1 ]] && echo 2) --checkpointing off on)
+    KERNELS=(--height 1024 --width 4096)
 else
     GPUS=0
     GRIDS=(tests/test_conv.py)
@@ -64,6 +66,7 @@ else
           --variants "one process" "halo (spconv)")
     BENCH=(--models unet --depth 2 --base-width 8 --height 32 --width 128 --iters 2
            --worlds 1 2 --checkpointing off)
+    KERNELS=(--height 32 --width 64 --channels 8 --depth 2 --base-width 8 --iters 1 --warmup 0)
 fi
 
 FAILED=()
@@ -91,6 +94,7 @@ section "op grids" 300 "$PY" -m pytest -q -p no:cacheprovider "${GRIDS[@]}" "${G
 section "training step" 180 "$PY" scripts/gpu_check.py --device "$DEVICE" --out "$OUT/step.md" "${STEP[@]}"
 section "bench conv" 180 "$PY" scripts/bench_conv.py --device "$DEVICE" --markdown "${CONV[@]}"
 section "bench step" 180 "$PY" scripts/bench_step.py --device "$DEVICE" --markdown "${BENCH[@]}"
+section "bench kernels" 120 "$PY" scripts/bench_kernels.py --device "$DEVICE" --markdown "${KERNELS[@]}"
 
 {
     echo
@@ -109,6 +113,10 @@ section "bench step" 180 "$PY" scripts/bench_step.py --device "$DEVICE" --markdo
     echo "## bench_step (GPU: CUDA events; CPU: host timer)"
     echo
     grep '^|' "$OUT/bench_step.log" || echo "(no table: see $OUT/bench_step.log)"
+    echo
+    echo "## bench_kernels (one device: fp32 / bf16 x NCHW / channels-last)"
+    echo
+    grep '^|' "$OUT/bench_kernels.log" || echo "(no table: see $OUT/bench_kernels.log)"
     echo
     if [[ ${#FAILED[@]} -eq 0 ]]; then
         echo "verdict: PASS"

@@ -44,7 +44,7 @@ from spconv_train.config import (
     load_config,
     resolve_grid,
 )
-from spconv_train.run_folder import RUN_FILES, StartPlan, finish_job, job_id, plan_start
+from spconv_train.logging.run_folder import RUN_FILES, StartPlan, finish_job, job_id, plan_start
 
 __all__ = ["RUN_FILES", "StartPlan", "app", "fail", "load_or_exit", "main", "plan_start"]
 
@@ -135,7 +135,7 @@ def run(
     """
     cfg = load_or_exit(config, overrides)
     from spconv_train.distributed import env_world_size, restart_count
-    from spconv_train.launch_store import launch_recorded
+    from spconv_train.distributed.launch_store import launch_recorded
 
     job = job_id()
     try:
@@ -181,7 +181,7 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
 def _train(cfg: Config, plan: StartPlan) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from spconv_train.checkpoint_files import CheckpointError
+    from spconv_train.checkpoint.files import CheckpointError
     from spconv_train.data import DataError
     from spconv_train.distributed import is_peer_failure, shutdown
     from spconv_train.parallel import SpatialShardingError

@@ -13,3 +13,11 @@ def dist_pool():
     pool = DistPool()
     yield pool
     pool.close()
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every test on the shared worker groups ``dist`` (``-m 'not dist and not e2e'``
+    keeps the single-process unit tests)."""
+    for item in items:
+        if "dist_pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dist)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import spconv_train.checkpoint as ckpt
+import spconv_train.checkpoint.manager as ckpt
 from spconv_train.checkpoint import CheckpointManager, export_checkpoint, rng_state, set_rng_state
 from spconv_train.parallel import parallelize
 from tests.dist_harness import mesh

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spconv_train.checkpoint import CheckpointError, CheckpointManager
-from spconv_train.checkpoint_files import tensor_bytes
+from spconv_train.checkpoint.files import tensor_bytes
 
 UNITS = {"bytes": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
 SIZE = r"([\d.,]+) (bytes|KB|MB|GB|TB)"

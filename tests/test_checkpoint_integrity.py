@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-import spconv_train.checkpoint as ckpt
+import spconv_train.checkpoint.manager as ckpt
 from spconv_train.checkpoint import CheckpointError, CheckpointManager
-from spconv_train.checkpoint_manifest import read_state
+from spconv_train.checkpoint.manifest import read_state
 from tests.reference import seeded
 
 SIZE = r"[\d.,]+ (bytes|[KMGT]B)"
@@ -319,6 +319,8 @@ def test_cli_resume_skips_a_bit_flipped_checkpoint(tmp_path):
 
 HOOK = """\
 import os
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 # Test hook: on the first attempt, rank 1 bit-flips the step-2 checkpoint and crashes in
 # step 3; torchrun restarts both ranks, which must resume from step 1.
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":

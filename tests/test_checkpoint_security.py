@@ -25,13 +25,13 @@ import pytest
 import torch
 from torch import nn
 
-import spconv_train.checkpoint as ckpt
+import spconv_train.checkpoint.manager as ckpt
 from spconv_train.checkpoint import CheckpointError, CheckpointManager, export_checkpoint
-from spconv_train.checkpoint_files import digest_files
-from spconv_train.checkpoint_manifest import manifest_text, read_state
+from spconv_train.checkpoint.files import digest_files
+from spconv_train.checkpoint.manifest import manifest_text, read_state
+from spconv_train.checkpoint.safe_load import read_dcp_metadata
 from spconv_train.config import ConfigError, check_resume_steps
 from spconv_train.models import WeightsLoadError, create_model
-from spconv_train.safe_load import read_dcp_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 
 from spconv_train.cli import RUN_FILES, app, plan_start
 from spconv_train.config import ConfigError, config_to_dict, load_config
-from spconv_train.run_folder import JOB_FILE, JobRecord, write_job
+from spconv_train.logging.run_folder import JOB_FILE, JobRecord, write_job
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
 REPO = Path(__file__).resolve().parents[1]
 UNET = REPO / "configs" / "unet.yaml"

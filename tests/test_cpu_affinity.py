@@ -1,6 +1,6 @@
 """Each local rank of a CPU run bound to its own share of the allowed cores
-(spconv_train/cpu_affinity.py): the split, and a real process whose main thread, a thread
-started later and a gloo process group's threads all end up on the share (run in a
+(spconv_train/distributed/cpu_affinity.py): the split, and a real process whose main
+thread, a thread started later and a gloo process group's threads all end up on the share (run in a
 subprocess: binding the test process would bind every worker it spawns after)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from spconv_train.cpu_affinity import local_share
+from spconv_train.distributed.cpu_affinity import local_share
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's"
@@ -39,7 +39,7 @@ _CHILD = r"""
 import json, os, threading, sys
 from datetime import timedelta
 import torch.distributed as dist
-from spconv_train.cpu_affinity import bind_local_rank
+from spconv_train.distributed.cpu_affinity import bind_local_rank
 from spconv_train.distributed import free_port
 from spconv_train.parallel._comm_threads import gloo_thread_ids
 

@@ -1,4 +1,5 @@
-"""glibc malloc tuning for CPU runs (spconv_train/cpu_malloc.py), measured in page faults.
+"""glibc malloc tuning for CPU runs (spconv_train/distributed/cpu_malloc.py), measured in
+page faults.
 
 Each case runs in a fresh interpreter that sets up the process group as a run does
 (``init_distributed`` on CPU tunes malloc): the thresholds are per process, and glibc's
@@ -77,7 +78,7 @@ def test_cpu_run_keeps_freed_pages_between_steps():
 
 
 def test_tuning_reports_and_is_idempotent(monkeypatch):
-    import spconv_train.cpu_malloc as cm
+    import spconv_train.distributed.cpu_malloc as cm
 
     monkeypatch.setattr(cm, "_done", None)
     monkeypatch.setenv(cm.ENV, "0")

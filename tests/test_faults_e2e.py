@@ -26,6 +26,8 @@ from tests.test_train_e2e import REPO, _env, exported, launch, ok, read_metrics,
 HOOK = """\
 import os, time
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 fault, rank = os.environ.get("SPCONV_TEST_FAULT"), os.environ.get("RANK")
 if fault == "data_rank1" and rank == "1":
     # Rank 1's strip of a training image cannot be read in step 3 (the other rank's can).

@@ -1,7 +1,7 @@
 """``scripts/gpu_check.sh --device cpu`` (issue 25 item 6): the device check's CPU mode runs
 end to end, so the script cannot rot between the runs on a GPU: op grid, the bf16
-channels-last training step (plain and FSDP) against one device, the conv and step
-benchmarks, and the report with every table and a PASS verdict."""
+channels-last training step (plain and FSDP) against one device, the conv, step and
+local-kernel benchmarks, and the report with every table and a PASS verdict."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +36,7 @@ def test_gpu_check_cpu_mode_passes_and_writes_every_table(tmp_path):
     assert len(step) == 2 and all(line.endswith("| pass |") for line in step), report
     assert "| 2 | halo (spconv) |" in report  # bench_conv
     assert "| unet | 2 | off | off |" in report  # bench_step
+    assert "| conv3x3 | bf16 | channels_last |" in report  # bench_kernels
 
 
 def test_gpu_check_refuses_an_unknown_device():

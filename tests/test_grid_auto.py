@@ -29,6 +29,8 @@ from tests.test_verify import TINY as VERIFY_TINY
 from tests.test_verify import _failed, verify_cases
 from tests.test_volumes_train import TINY3D
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 VOLUME = ["data.kind=volume", "model.name=unet3d", "model.in_channels=1"]
 
 # --- the choice -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from spconv_train.parallel._conv import conv_padding
 from spconv_train.parallel._halo_conv import plan_split
 from spconv_train.parallel._runtime import SpatialStats
 from spconv_train.parallel._window import plan_window
-from tests.dist_harness import mesh
+from tests.dist_harness import device, mesh
 from tests.reference import compare_module, seeded
 
 # (conv kwargs, input width at 2/3 ranks): strips wide and narrow, stride, dilation, even
@@ -158,10 +158,11 @@ def one_rank(world: int) -> tuple[list[str], list[int], list[int]]:
     """At one rank the layer runs the plain conv: same result, same saved tensors."""
     dmesh = mesh(world)
     failures: list[str] = []
-    conv = _conv(dict(kernel_size=3, padding=1), 3)
-    x = seeded(4, 1, 4, 6, 10)
+    conv = _conv(dict(kernel_size=3, padding=1), 3).to(device())
+    x = seeded(4, 1, 4, 6, 10).to(device())
     compare_module(conv, x, dmesh, [Shard(3)], "shard", "1 rank", failures)
     model = parallelize(nn.Sequential(_conv(dict(kernel_size=3, padding=1), 3)), dmesh)
+    model = model.to(device())
     xs = distribute_tensor(x.clone(), dmesh, [Shard(3)]).requires_grad_()
     _, sizes = _saved_bytes(lambda: model(xs))
     _, plain = _saved_bytes(lambda: conv(x.clone().requires_grad_()))

@@ -1,4 +1,5 @@
-"""Restarts on several nodes (``spconv_train.launch_store``, ``run_folder``), in-process.
+"""Restarts on several nodes (``spconv_train.distributed.launch_store``, ``run_folder``),
+in-process.
 
 torchrun counts restarts per node: after one worker fails, the healthy node's restarted
 workers still see ``TORCHELASTIC_RESTART_COUNT=0``. What tells a restart of the job from a
@@ -18,8 +19,8 @@ import torch.distributed as dist
 
 from spconv_train.config import ConfigError, dump_config, load_config
 from spconv_train.distributed import free_port
-from spconv_train.launch_store import join_attempt, launch_recorded, mark_recorded
-from spconv_train.run_folder import JobRecord, plan_start, write_job
+from spconv_train.distributed.launch_store import join_attempt, launch_recorded, mark_recorded
+from spconv_train.logging.run_folder import JobRecord, plan_start, write_job
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = timedelta(seconds=30)
@@ -83,7 +84,7 @@ def agent_store(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.setattr("spconv_train.launch_store._store", None)
+    monkeypatch.setattr("spconv_train.distributed.launch_store._store", None)
     yield port
     del server
 

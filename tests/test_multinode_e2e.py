@@ -16,11 +16,14 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from spconv_train.distributed import free_port
 from tests.test_faults_e2e import Job, hooked  # noqa: F401 - hooked is a fixture
 from tests.test_train_e2e import exported, ok, tiny_config, torchrun
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
 STEPS = ("--set", "training.steps=8", "--set", "checkpoint.every=2")
 STEPS += ("--set", "training.val_every=100")

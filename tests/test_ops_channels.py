@@ -47,7 +47,9 @@ class Splits(nn.Module):
         y = self.conv(x)
         a, b = torch.chunk(y, 2, dim=1)
         c, d, e = y.split([2, 2, 4], 1)
-        empty = torch.zeros(y.shape[0], 0, *y.shape[2:], dtype=y.dtype)  # timm's dummy
+        empty = torch.zeros(
+            y.shape[0], 0, *y.shape[2:], dtype=y.dtype, device=y.device
+        )  # timm's dummy
         z = torch.cat([a * b, c, empty, d + e[:, :2]], dim=1)  # 8 channels
         u = self.up(z)  # 2 channels, 2x the width
         return self.down(u * u) + z

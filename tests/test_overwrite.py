@@ -1,4 +1,4 @@
-"""``--overwrite`` deletes all of the previous run or nothing (``spconv_train.overwrite``).
+"""``--overwrite`` deletes all of the previous run or nothing (``spconv_train.logging.overwrite``).
 
 A symlinked ``checkpoints/`` (before: a traceback, ``config.yaml`` already gone, the old
 ``model.pt`` and ``job.json`` kept) is unlinked and its target kept. Entries that cannot be
@@ -22,9 +22,11 @@ from typer.testing import CliRunner
 
 from spconv_train.cli import app
 from spconv_train.config import ConfigError
-from spconv_train.overwrite import check_removable, inspect_removal, remove_run_files
-from spconv_train.run_folder import JOB_FILE, RUN_FILES, JobRecord, read_job, write_job
+from spconv_train.logging.overwrite import check_removable, inspect_removal, remove_run_files
+from spconv_train.logging.run_folder import JOB_FILE, RUN_FILES, JobRecord, read_job, write_job
 from tests.test_train_e2e import ok, plain, tiny_config
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
 
 def _tree(folder: Path) -> dict[str, str]:

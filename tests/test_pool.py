@@ -14,7 +14,7 @@ import spconv_train.parallel._pool  # noqa: F401  (registers the spatial pooling
 from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.parallel._geometry import window_out_size
 from spconv_train.parallel._pool import _pool_plan
-from tests.dist_harness import mesh
+from tests.dist_harness import device, mesh
 from tests.reference import check_close, compare_module, grad_dtensor, seeded
 
 ADAPTIVE_SIZES = [1, (3, 5), (None, 4), (2, 1), (4, 2), 3, (1, 7), (2, 13)]
@@ -70,11 +70,12 @@ def test_window_pools_match_single_device(dist_pool, world):
 def compare_any(model, x, dmesh, placements, want, grad_kind, label, failures, ctx=None):
     """Like ``compare_module`` but the output placements ``want`` may differ from the
     input's (Replicate after global pooling); tuple outputs compare every element."""
+    model, x = model.to(device()), x.to(device())  # SPCONV_TEST_DEVICE (tests/dist_harness.py)
     ref = copy.deepcopy(model)
     xr = x.clone().requires_grad_()
     yr = ref(xr)
     yr = yr if isinstance(yr, tuple) else (yr,)
-    g = seeded(99, *yr[0].shape)
+    g = seeded(99, *yr[0].shape).to(x.device)
     yr[0].backward(g)
     par = parallelize(copy.deepcopy(model), dmesh)
     xs = distribute_tensor(x.clone(), dmesh, placements).requires_grad_()

@@ -123,7 +123,8 @@ def _tiled(path: Path) -> np.ndarray:
     with tifffile.TiffFile(path) as tif:
         page = tif.pages[0]
         assert page.is_tiled and page.tilewidth == 256 and page.compression != 1
-        return page.asarray()
+        series = tif.series[0]  # OME probabilities: one page per class -> [H, W, K]
+        return np.moveaxis(series.asarray(), 0, -1) if series.axes[0] == "C" else page.asarray()
 
 
 # --- exact bands at 1, 2, 3 ranks ---------------------------------------------------------
@@ -164,13 +165,13 @@ def test_unet_bands_equal_whole_image(dist_pool, unet, unet_files, tmp_path, wor
     assert bands[0][1]["confusion_matrix"] == whole[0][1]["confusion_matrix"]
     assert "tall: 168x52, 4 bands of 48 rows" in bands[0][2]
     for stem, suffix in (("tall", ".npy"), ("wide", ".png")):
-        streamed = _tiled(tmp_path / "b" / f"{stem}.tif")
+        streamed = _tiled(tmp_path / "b" / f"{stem}.ome.tif")
         np.testing.assert_array_equal(
             streamed, np.array(Image.open(tmp_path / "w" / f"{stem}.png"))
         )
         logits = _reference(model, unet_files / "images" / f"{stem}{suffix}")
         _assert_argmax(streamed, logits, f"{stem} at {world} ranks")
-        probs = _tiled(tmp_path / "b" / f"{stem}_probabilities.tif")
+        probs = _tiled(tmp_path / "b" / f"{stem}_probabilities.ome.tif")
         assert probs.shape == (*streamed.shape, 3) and probs.dtype == np.uint8
         want = (logits.softmax(0) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
         assert np.abs(probs.astype(int) - want).max() <= 1
@@ -204,7 +205,7 @@ def test_fcn_bands_equal_whole_image(dist_pool, fcn, tmp_path, world):
     bands = dist_pool.run(world, predict_pool, weights, [str(image)], str(tmp_path), band_rows=160)
     assert bands[0][0] == "ok", bands[0]
     assert "4 bands of 160 rows" in bands[0][2]
-    _assert_argmax(_tiled(tmp_path / "fcn.tif"), logits, f"fcn at {world} ranks")
+    _assert_argmax(_tiled(tmp_path / "fcn.ome.tif"), logits, f"fcn at {world} ranks")
 
 
 # --- what cannot be streamed exactly falls back to the whole image ---------------------------
@@ -224,11 +225,13 @@ def test_fallbacks_to_whole_image(dist_pool, unet, tmp_path):
     whole = dist_pool.run(2, predict_pool, weights, [image], str(tmp_path / "w"), band_rows=0)
     assert whole[0][0] == "ok"
     np.testing.assert_array_equal(
-        _tiled(tmp_path / "b" / "lr.tif"), np.array(Image.open(tmp_path / "w" / "lr.png"))
+        _tiled(tmp_path / "b" / "lr.ome.tif"), np.array(Image.open(tmp_path / "w" / "lr.png"))
     )
     args = (weights, [image], str(tmp_path / "a"))
     status, _, text = dist_pool.run(2, predict_pool, *args, band_rows=32, approximate=True)[0]
-    assert status == "ok" and "streaming anyway" in text and (tmp_path / "a" / "lr.tif").is_file()
+    assert (
+        status == "ok" and "streaming anyway" in text and (tmp_path / "a" / "lr.ome.tif").is_file()
+    )
 
     weights, model = unet
     odd = str(_image(tmp_path / "odd.npy", 163, 40, 5))  # 163 is no multiple of the stride 4
@@ -236,7 +239,7 @@ def test_fallbacks_to_whole_image(dist_pool, unet, tmp_path):
         2, predict_pool, weights, [odd], str(tmp_path / "o"), band_rows=16
     )[0]
     assert status == "ok" and "not exact at height 163" in text and "multiples of 4" in text
-    _assert_argmax(_tiled(tmp_path / "o" / "odd.tif"), _reference(model, Path(odd)), "odd")
+    _assert_argmax(_tiled(tmp_path / "o" / "odd.ome.tif"), _reference(model, Path(odd)), "odd")
 
 
 # --- the plan and the writer, without a process group ----------------------------------------

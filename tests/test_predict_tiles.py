@@ -102,7 +102,7 @@ def _check_images(out: Path, case, result, stems: list[str], label: str) -> None
     pairs = []
     for stem in stems:
         png = out / f"{stem}.png"
-        saved = np.array(Image.open(png)) if png.is_file() else _tiled(out / f"{stem}.tif")
+        saved = np.array(Image.open(png)) if png.is_file() else _tiled(out / f"{stem}.ome.tif")
         _assert_argmax(saved, logits[stem], f"{stem} on {label}")
         assert Image.open(out / f"{stem}_overlay.png").size == saved.shape[::-1]
         pairs.append((saved, np.load(root / "masks" / f"{stem}.npy")))
@@ -131,7 +131,7 @@ def test_tiles_2x2_equal_one_device(dist_pool, tiles_case, tmp_path):
     run = dist_pool.run(4, predict_sets, weights, tall, out, masks, grid, **stream)
     assert "tall: 120x52, 5 bands of 24 rows" in run[0][2], run[0]
     _check_images(tmp_path / "b", tiles_case, run[0], ["tall"], "2x2 tiles, bands")
-    probs = _tiled(tmp_path / "b" / "tall_probabilities.tif")
+    probs = _tiled(tmp_path / "b" / "tall_probabilities.ome.tif")
     want = (logits["tall"].softmax(0) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     assert probs.shape == (120, 52, 3) and np.abs(probs.astype(int) - want).max() <= 1
 

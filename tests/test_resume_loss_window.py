@@ -11,6 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 CONFIG = """\
 run_dir: {run_dir}
 model: {{name: unet, num_classes: 3, kwargs: {{depth: 2, base_width: 4}}}}

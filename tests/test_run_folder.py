@@ -1,4 +1,4 @@
-"""The run folder's start decision is made once per job (``spconv_train.run_folder``).
+"""The run folder's start decision is made once per job (``spconv_train.logging.run_folder``).
 
 Unit tests of ``plan_start`` for first attempts and torchrun restarts (with and without the
 job record), the record itself, and a real ``torchrun --max-restarts 1`` in a folder holding
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from spconv_train.config import ConfigError, dump_config, load_config
-from spconv_train.run_folder import (
+from spconv_train.logging.run_folder import (
     JOB_FILE,
     RUN_FILES,
     JobRecord,
@@ -27,6 +27,8 @@ from spconv_train.run_folder import (
     write_job,
 )
 from tests.test_train_e2e import tiny_config, torchrun
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
 REPO = Path(__file__).resolve().parents[1]
 UNET = REPO / "configs" / "unet.yaml"

@@ -21,6 +21,8 @@ from tests.test_train_e2e import TINY, ok, read_metrics, torchrun
 from tests.test_verify import TINY as VERIFY_TINY
 from tests.test_verify import _failed, verify_cases
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 # --- config ---------------------------------------------------------------------------------
 
 

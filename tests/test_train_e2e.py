@@ -90,7 +90,7 @@ def test_activation_checkpointing_is_exact_on_one_device():
 @pytest.mark.parametrize("factor", [1, 2, 3, 4])
 def test_downsampled_strips_stitch_to_the_downsampled_image(width, factor):
     from spconv_train.data import strip_bounds
-    from spconv_train.train.data_feed import downsample_strip
+    from spconv_train.train.val_items import downsample_strip
 
     full = torch.rand(3, 10, width)
     for parts in (1, 2, 3, 4):
@@ -253,6 +253,8 @@ def test_resume_equals_uninterrupted_run(trained, tmp_path):
 
 INJECT = """\
 import os
+
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 # Test hook: on the first attempt only, rank 1 crashes in the middle of step 3.
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
     import spconv_train.train.step as step_module

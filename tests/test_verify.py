@@ -24,6 +24,8 @@ from typer.testing import CliRunner
 from spconv_train.verify._compare import Check, Collector, floors, resolve_tolerances
 from spconv_train.verify._report import VerifyReport
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "model.num_classes=3",

@@ -18,6 +18,8 @@ from tests.dist_harness import mesh
 from tests.reference import seeded
 from tests.test_train_e2e import exported, ok, read_metrics, torchrun
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 K = 4
 WEIGHT = torch.tensor([0.5, 2.0, 1.0, 1.5], dtype=torch.float64)
 SHAPE = (2, K, 5, 6, 7)  # D, H, W split unevenly over 2 and 3 ranks

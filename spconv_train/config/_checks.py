@@ -65,6 +65,7 @@ FIELD_CHECKS: dict[str, tuple[Check, ...]] = {
         Check(lambda v: all(s > 0 for s in v), "positive scale factors"),
         Check(lambda v: v[0] <= v[1], "a [min, max] pair with min <= max"),
     ),
+    "data.oversample_fraction": (between(0, 1),),
     "data.level": (at_least(0),),
     "data.max_image_pixels": (at_least(1),),
     "data.normalize.percentile": (
@@ -204,6 +205,31 @@ def _volumes(cfg: Config) -> Problem:
     return None
 
 
+def _augment(cfg: Config) -> Problem:
+    """``data.augment`` items and ``data.oversample_classes`` (``data.augment_spec``)."""
+    from spconv_train.data.augment_spec import AugmentSpecError, parse_augment
+
+    data = cfg.data
+    try:
+        parse_augment(data.augment)
+    except AugmentSpecError as e:
+        return e.key, e.reason
+    for key, value in (
+        ("data.augment", data.augment),
+        ("data.oversample_classes", data.oversample_classes),
+    ):
+        if value and data.kind == "volume":
+            return key, "not supported for volumes (data.kind: volume) yet; remove it"
+    n = cfg.model.num_classes
+    bad = [c for c in data.oversample_classes if not 0 <= c < n or c == data.ignore_index]
+    if bad:
+        return "data.oversample_classes", (
+            f"{bad} are not class indices: expected values in [0, {n}) other than "
+            f"data.ignore_index ({data.ignore_index})"
+        )
+    return None
+
+
 CROSS_CHECKS: tuple[Callable[[Config], Problem], ...] = (
     _per_class_lengths,
     _ignore_index,
@@ -211,6 +237,7 @@ CROSS_CHECKS: tuple[Callable[[Config], Problem], ...] = (
     _synthetic_size,
     _volumes,
     _normalize,
+    _augment,
 )
 
 

@@ -99,6 +99,18 @@ class DataConfig:
     """Probability of a vertical flip."""
     scale: list[float] = field(default_factory=lambda: [1.0, 1.0])
     """[min, max] of the random rescale factor ([1, 1]: no rescaling)."""
+    augment: list[dict[str, Any]] = field(default_factory=list)
+    """More training augmentations, each ``{name: ..., p: ..., <keys>}``, applied after the
+    crop and flips: geometric (rot90 k, transpose, affine degrees/translate/scale/shear,
+    elastic alpha/sigma) in list order, then point-wise (brightness factor, contrast factor,
+    gamma gamma, noise sigma) in list order. Exact on every strip / tile layout; see
+    docs/augmentation.md for the keys and their defaults. Images only."""
+    oversample_classes: list[int] = field(default_factory=list)
+    """Classes whose pixels centre a share of the training crops (nnU-Net style), from an
+    index of each mask's class pixels built once (streamed) and cached in run_dir."""
+    oversample_fraction: float = 0.33
+    """Share of training crops centred on a pixel of one of data.oversample_classes (a mask
+    holding none of them gets a random crop)."""
     on_bad_sample: Literal["error", "skip"] = "error"
     """What to do with an unreadable image or mismatched mask: stop, or skip with a warning."""
     level: int = 0
@@ -157,7 +169,7 @@ class ParallelConfig:
     gradients; DDP measured no slower (docs/benchmarks.md). Ignored with parallel.fsdp."""
     cpu_affinity: bool = True
     """CPU runs (gloo): bind each local rank, with gloo's helper threads, to its own share of
-    the cores this job may use (spconv_train/cpu_affinity.py), so a message is read the
+    the cores this job may use (spconv_train/distributed/cpu_affinity.py), so a message is read the
     moment its rank waits for it instead of at the next scheduler tick (2-rank U-Net step
     on 2 cores: 0.38 -> 0.31 s, docs/benchmarks.md). Skipped when there are fewer cores
     than ranks on the node; set false when other jobs share these cores."""
@@ -205,6 +217,10 @@ class TrainingConfig:
     """Validate every this many steps (and at the end)."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Compute precision (bf16 autocast; weights and optimizer state stay fp32)."""
+    channels_last: Literal["auto", "on", "off"] = "auto"
+    """Channels-last weights (so activations follow): auto = on for CUDA, off on the CPU
+    (measured in docs/benchmarks.md: with bf16 a U-Net step is 2.7x faster on a GPU, and
+    no faster on the CPU). Not with parallel.fsdp (FSDP2 shards contiguous parameters)."""
     activation_checkpointing: bool = False
     """Recompute activations in backward to save memory (about one more forward per step)."""
     activation_checkpointing_granularity: Literal["blocks", "layers"] = "blocks"

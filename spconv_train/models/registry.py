@@ -122,7 +122,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
         # weights_only=True: never unpickle arbitrary objects from a checkpoint file.
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        from spconv_train.safe_load import load_error_text  # lazy: pulls in DCP
+        from spconv_train.checkpoint.safe_load import load_error_text  # lazy: pulls in DCP
 
         # never torch's advice to retry with weights_only off (that runs the file's code)
         raise WeightsLoadError(

@@ -79,7 +79,7 @@ def _load_encoder(model: nn.Module, path: str | Path) -> None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        from spconv_train.safe_load import load_error_text  # lazy: pulls in DCP
+        from spconv_train.checkpoint.safe_load import load_error_text  # lazy: pulls in DCP
 
         # never torch's advice to retry with weights_only off (that runs the file's code)
         raise WeightsLoadError(

@@ -13,7 +13,7 @@ Measured on the 2-core CI machine (docs/benchmarks.md, "CPU thread placement"), 
 ``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 takes 23.2 ms per step with
 gloo's threads left alone, against a no-communication floor of 16.4 ms; 21.5 ms with them
 ``SCHED_IDLE``, 19.0 ms with each rank also bound to its own core
-(``spconv_train/cpu_affinity.py``).
+(``spconv_train/distributed/cpu_affinity.py``).
 
 ``yield_gloo_threads`` gives those threads the ``SCHED_IDLE`` policy: they run whenever a
 core would otherwise idle (a rank waiting on a message leaves its core to them at once) and

@@ -189,9 +189,12 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     cells: _Cells = ctx.cells
     want_dx, want_dw, want_db = wants
     stats = (mean.reshape(-1), var.reshape(-1))
-    mask = [False, True, True]
+    # The affine gradients only (mask): sum(dy * xhat) and sum(dy), the same in training and
+    # evaluation form. The training form with the saved mean / invstd is used because CUDA's
+    # kernel requires them (torch 2.11 asserts on ``save_mean`` without them; CPU does not);
+    # likewise a defined weight (``w``: ones without affine; ``gw`` does not depend on it).
     _, gw, gb = torch.ops.aten.native_batch_norm_backward(
-        dy, x, weight, *stats, None, None, False, ctx.eps, mask
+        dy, x, w, None, None, stats[0], invstd.reshape(-1), True, ctx.eps, [False, True, True]
     )
     if want_dx or ctx.reduce_affine:
         # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts

@@ -25,12 +25,14 @@ fewer ranks.
 
 Big images are predicted piece by piece, exactly equal to whole-image inference, and
 written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
-``_writers``; docs/wsi.md): full-width row bands, or tiles with context on all sides,
-as large as the per-rank memory budget allows (``--memory-gb``; the plan, printed first,
-comes from a probe of the model's bytes per pixel: ``_memory_plan``, ``_memory_probe``),
-or bands of ``--band-rows``. A rank out of memory is reported as such (``_oom``,
-``_watch``); a progress bar shows images and pieces with an ETA (``_progress``); the
-checkpoint and its step are printed and written to ``OUT/predict.json`` (``_record``).
+``_writers``; docs/wsi.md), then as pyramidal OME-TIFFs with the input's pixel size and
+the class names, and with ``--geojson`` as polygons (``_slide``, ``_geojson``). The
+pieces are full-width row bands, or tiles with context on all sides, as large as the
+per-rank memory budget allows (``--memory-gb``; the plan, printed first, comes from a
+probe of the model's bytes per pixel: ``_memory_plan``, ``_memory_probe``), or bands of
+``--band-rows``. A rank out of memory is reported as such (``_oom``, ``_watch``); a
+progress bar shows images and pieces with an ETA (``_progress``); the checkpoint and its
+step are printed and written to ``OUT/predict.json`` (``_record``).
 
 H x W tiles: with ``--set parallel.sp=[p, q]`` every image (and every band) is split into
 p x q tiles instead of strips; each rank reads only its tile (``_layout``). Volumes (a
@@ -189,14 +191,17 @@ def predict_command(
     probabilities: bool = False,
     memory_gb: float | None = None,
     slide_tiles: bool | None = None,
+    output_format: str = "auto",
+    geojson: bool = False,
 ) -> int:
     """Run ``spconv-train predict``; returns the exit code (0 done, 1 crash, 2 bad input,
     config, checkpoint or an image that cannot be split). Under torchrun every rank takes
     part; otherwise ``nproc`` (default 1) local ranks are started through torchrun.
     ``band_rows`` (None = planned from ``memory_gb`` GB per rank, 0 = whole image),
     ``slide_tiles``, ``approximate`` and ``probabilities`` control band-streamed prediction
-    of big images (see docs/wsi.md). A rank out of memory (killed by the kernel or a failed
-    allocation) is reported as such with the plan; exit code 1."""
+    of big images (see docs/wsi.md); ``output_format`` and ``geojson`` the files written
+    (``_slide``). A rank out of memory (killed by the kernel or a failed allocation) is
+    reported as such with the plan; exit code 1."""
     from spconv_train.config import ConfigError, validate_for_world
     from spconv_train.data import DataError
     from spconv_train.parallel import SpatialShardingError
@@ -210,6 +215,9 @@ def predict_command(
                 f"--band-rows {band_rows}: volumes are predicted whole (each rank holds its "
                 "block of every volume); leave --band-rows out or give 0"
             )
+        from ._slide import slide_options
+
+        slide = slide_options(output_format, geojson, volumes)
         nproc = nproc or 1
         if not launched_by_torchrun():  # the mesh fits the ranks, before any file is read
             validate_for_world(any_size(cfg), nproc)
@@ -227,6 +235,8 @@ def predict_command(
         args += ["--band-rows", str(band_rows)] if band_rows is not None else []
         args += ["--approximate"] if approximate else []
         args += ["--probabilities"] if probabilities else []
+        args += ["--format", output_format] if output_format != "auto" else []
+        args += ["--geojson"] if geojson else []
         args += ["--memory-gb", str(memory_gb)] if memory_gb is not None else []
         args += {True: ["--slide-tiles"], False: ["--no-slide-tiles"]}.get(slide_tiles, [])
         return _launch(nproc, args)
@@ -238,8 +248,9 @@ def predict_command(
         from ._streamed import StreamOptions
 
         stream = StreamOptions(
-            band_rows, approximate, probabilities, memory_gb=memory_gb, tiles=slide_tiles
-        )
+            band_rows, approximate, probabilities, memory_gb=memory_gb, tiles=slide_tiles,
+            slide=slide,
+        )  # fmt: skip
         run_predict(cfg, kind, weights, images, out_dir, class_names=names, stream=stream)
     except (PredictError, ConfigError, DataError, SpatialShardingError) as exc:
         _error(str(exc))

@@ -115,8 +115,28 @@ def register_predict(app: typer.Typer) -> None:
             bool,
             typer.Option(
                 "--probabilities",
-                help="Also write OUT/<stem>_probabilities.tif (H x W x classes, softmax x 255); "
-                "outputs are then tiled TIFFs.",
+                help="Also write the class probabilities (softmax x 255, one channel per "
+                "class): OUT/<stem>_probabilities.ome.tif; outputs are then band-streamed.",
+            ),
+        ] = False,
+        output_format: Annotated[
+            str,
+            typer.Option(
+                "--format",
+                help="Masks (and probabilities) as: ome-tiff (pyramidal, tiled OME-TIFF "
+                "<stem>.ome.tif with the input's pixel size, class names and colours), tiff "
+                "(single-level tiled <stem>.tif), png (<stem>.png; band-streamed images: "
+                "tiff), auto (png for images predicted whole, ome-tiff for big, "
+                "band-streamed ones). OUT/classes.json lists the classes for QuPath.",
+            ),
+        ] = "auto",
+        geojson: Annotated[
+            bool,
+            typer.Option(
+                "--geojson",
+                help="Also write OUT/<stem>.geojson: one polygon per predicted object of "
+                "every class but 0, with its class name and colour (QuPath: File > Import "
+                "objects). Needs shapely (pip install 'spconv-train\\[slides]').",
             ),
         ] = False,
     ) -> None:
@@ -125,8 +145,9 @@ def register_predict(app: typer.Typer) -> None:
 
         Each rank reads and computes only its column strip of every image (its tile with
         --set "parallel.sp=\\[p, q]"; its block of a volume on a volume config); rank 0
-        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (volumes:
-        OUT/<stem>.npy). Images too narrow to split are padded on the right and cropped back.
+        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (big images:
+        pyramidal OME-TIFFs, see --format; volumes: OUT/<stem>.npy). Images too narrow to
+        split are padded on the right and cropped back.
 
         [bold]spconv-train predict runs/unet images/ --out preds --nproc 2[/]
 
@@ -151,6 +172,8 @@ def register_predict(app: typer.Typer) -> None:
                 band_rows=band_rows,
                 approximate=approximate,
                 probabilities=probabilities,
+                output_format=output_format,
+                geojson=geojson,
                 memory_gb=memory_gb,
                 slide_tiles=slide_tiles,
             )

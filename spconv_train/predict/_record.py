@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-__all__ = ["checkpoint_info", "write_record"]
+__all__ = ["checkpoint_info", "checkpoint_line", "write_record"]
 
 
 def checkpoint_info(kind: str, weights: str | Path) -> dict:
@@ -25,6 +25,12 @@ def checkpoint_info(kind: str, weights: str | Path) -> dict:
 
         step = load_export(path).get("step")
     return {"checkpoint": str(path), "kind": kind, "step": None if step is None else int(step)}
+
+
+def checkpoint_line(source: dict) -> str:
+    """``checkpoint PATH (step N)`` for the console."""
+    step = "no step recorded" if source["step"] is None else f"step {source['step']}"
+    return f"checkpoint {source['checkpoint']} ({step})"
 
 
 def write_record(out_dir: Path, source: dict, images: int, failed: dict) -> None:

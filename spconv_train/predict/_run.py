@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spconv_train.checkpoint_files import CheckpointError
+from spconv_train.checkpoint.files import CheckpointError
+from spconv_train.checkpoint.safe_load import load_checkpoint_state
 from spconv_train.config import grid_mesh_dims, validate_for_world
 from spconv_train.data import (
     DataError,
@@ -33,7 +34,6 @@ from spconv_train.data import (
 from spconv_train.distributed import build_mesh
 from spconv_train.logging import class_colors
 from spconv_train.parallel import SpatialShardingError, parallelize
-from spconv_train.safe_load import load_checkpoint_state
 from spconv_train.train.loop import build_model
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.metrics import ConfusionMatrix
@@ -44,7 +44,8 @@ from ._layout import SpatialGroup
 from ._memory_probe import plan_cost
 from ._progress import PredictProgress
 from ._receptive import analyse
-from ._record import checkpoint_info, write_record
+from ._record import checkpoint_info, checkpoint_line, write_record
+from ._slide import write_whole
 from ._streamed import StreamOptions, choose_pieces, predict_streamed
 from ._writers import write_rank_stats
 
@@ -75,8 +76,7 @@ class _Predictor:
         self.sp, self.rank = space.size, space.rank
         self.colors = torch.tensor(class_colors(cfg.model.num_classes), dtype=torch.float32)
         self.stream, self.out_dir = stream or StreamOptions(band_rows=0), out_dir
-        self.console = console
-        self.progress = PredictProgress(0, False)  # run_predict's on global rank 0
+        self.console, self.progress = console, PredictProgress(0, False)  # set by run_predict
         self.timing = {"read_s": 0.0, "forward_s": 0.0}  # this rank's, for the benchmark
         d = cfg.data
         self.read = {"level": d.level, "max_pixels": d.max_image_pixels}
@@ -201,19 +201,16 @@ class _Predictor:
         return stem, self.rank, small, _overlay(image, pred, self.colors), (w, width)
 
 
-def _write(out_dir: Path, stem: str, parts: list[tuple], space: SpatialGroup) -> tuple[int, int]:
-    """Stitch the strips or tiles of one image (by sp rank) and write its two PNGs."""
+def _write(out_dir: Path, stem: str, parts: list[tuple], predictor, src: Path) -> tuple:
+    """Stitch the strips or tiles of one image (by sp rank), write its mask (in the
+    ``--format`` asked for) and overlay PNG; ``(H, W, [file names])``."""
     parts.sort(key=lambda q: q[0])
-    pred = space.stitch_image([q[1].numpy() for q in parts])
-    overlay = space.stitch_image([q[2].permute(1, 2, 0).numpy() for q in parts])
-    mask = (
-        Image.fromarray(pred)
-        if pred.dtype == np.uint8
-        else Image.fromarray(pred.astype(np.uint16), mode="I;16")
-    )
-    mask.save(out_dir / f"{stem}.png")
+    pred = predictor.space.stitch_image([q[1].numpy() for q in parts])
+    overlay = predictor.space.stitch_image([q[2].permute(1, 2, 0).numpy() for q in parts])
+    k, level = predictor.cfg.model.num_classes, predictor.read["level"]
+    names = write_whole(out_dir, stem, pred, src, level, k, predictor.stream.slide)
     Image.fromarray(np.ascontiguousarray(overlay)).save(out_dir / f"{stem}_overlay.png")
-    return pred.shape
+    return (*pred.shape, [*names, f"{stem}_overlay.png"])
 
 
 def _metrics_json(cm, names: list[str], n_images: int) -> dict:
@@ -299,6 +296,9 @@ def run_predict(
         ) from exc
     model = model.to(device).eval()
     stream = stream or StreamOptions()
+    if class_names and not stream.slide.class_names:  # the outputs' class names
+        slide = dataclasses.replace(stream.slide, class_names=tuple(class_names))
+        stream = dataclasses.replace(stream, slide=slide)
     volumes = cfg.data.kind == "volume"
     if volumes:  # predicted whole, block by block (no bands)
         stream = dataclasses.replace(stream, band_rows=0)
@@ -322,8 +322,7 @@ def run_predict(
     source = checkpoint_info(kind, weights) if main else {}
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        step = "no step recorded" if source["step"] is None else f"step {source['step']}"
-        console.print(f"checkpoint {source['checkpoint']} ({step})", soft_wrap=True)
+        console.print(checkpoint_line(source), soft_wrap=True)
     predictor.progress = PredictProgress(len(range(0, len(images), dp)), main)
     dist.barrier()  # streamed images are written by each replica's first rank
     padded, failed = [], {}  # failed: {stem: message}, the same on every rank
@@ -366,8 +365,9 @@ def run_predict(
                     continue
                 strips.setdefault(stem, []).append((rank, pred, overlay))
             for stem, parts in strips.items():
-                h, w = _write(out_dir, stem, parts, predictor.space)
-                console.print(f"{stem}: {h}x{w} -> {out_dir / stem}.png, {stem}_overlay.png")
+                src = next(p for s, p, _ in images if s == stem)
+                h, w, names = _write(out_dir, stem, parts, predictor, src)
+                console.print(f"{stem}: {h}x{w} -> {out_dir / names[0]}, {', '.join(names[1:])}")
     predictor.progress.close()
     for line in padded:
         console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")

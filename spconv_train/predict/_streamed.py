@@ -24,6 +24,7 @@ from ._bands import Band, band_layout, read_mask_rows_cols
 from ._memory_plan import MemoryPlan, choose_plan
 from ._oom import OOM_NAMES, announce, fault_hook
 from ._receptive import CHECK_RTOL, StreamPlan, check_plan
+from ._slide import SlideOptions, finish_streamed
 from ._writers import OverlayCanvas, TiledTiffWriter, overlay_factor
 
 __all__ = ["StreamOptions", "choose_pieces", "memory_plan", "predict_streamed"]
@@ -34,8 +35,9 @@ class StreamOptions:
     """``--band-rows`` (None = planned from memory, 0 = whole image), ``--approximate``,
     ``--probabilities``, ``--memory-gb`` and ``--slide-tiles`` (None = when it lowers the
     recompute factor), the network's plan (from ``_receptive.analyse``; None when
-    band_rows is 0) and the memory model (``_memory_probe``: bytes per pixel, fixed bytes,
-    budget, how the bytes per pixel were found; set by ``run_predict``)."""
+    band_rows is 0), the memory model (``_memory_probe``: bytes per pixel, fixed bytes,
+    budget, how the bytes per pixel were found; set by ``run_predict``) and the output
+    options (``--format``, ``--geojson``, class names; ``_slide``)."""
 
     band_rows: int | None = None
     approximate: bool = False
@@ -44,6 +46,7 @@ class StreamOptions:
     memory_gb: float | None = None
     tiles: bool | None = None
     cost: tuple | None = None
+    slide: SlideOptions = SlideOptions()
 
 
 def _checked(predictor, plan: StreamPlan, pieces: dict[int, tuple[int, int]]) -> StreamPlan | None:
@@ -231,7 +234,9 @@ def predict_streamed(
     for writer in writers:
         writer.close()
     canvas.save(out_dir / f"{stem}_overlay.png")
-    names = [wr.path.name for wr in writers] + [f"{stem}_overlay.png"]
+    written = [wr.path for wr in writers]  # single-level TIFFs: into the --format asked for
+    names = finish_streamed(written, args[0], predictor.read["level"], k, predictor.stream.slide)
+    names.append(f"{stem}_overlay.png")
     if factor > 1:
         names[-1] += f" (1/{factor} scale)"
     how = "whole" if len(bands) == 1 else f"{len(bands)} bands of {rows} rows"

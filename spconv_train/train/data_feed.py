@@ -35,15 +35,15 @@ from spconv_train.data import (
     SyntheticDataset,
     VolumeFolder,
     VolumeSource,
-    draw_augment,
     load_strip,
-    make_batch,
 )
+from spconv_train.data.augment_feed import load_planned_strips
 from spconv_train.data.prepare import prepare_splits
 from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.val_check import image_grid
+from spconv_train.train.val_items import ValItem, make_val_item
 from spconv_train.train.volume_feed import (
     load_train_blocks,
     spatial_placements,
@@ -55,11 +55,8 @@ __all__ = [
     "Batch",
     "MeshCoords",
     "TrainFeed",
-    "ValItem",
     "build_sources",
-    "downsample_strip",
     "load_train_strips",
-    "make_val_item",
     "to_dtensor",
     "val_items",
 ]
@@ -128,42 +125,15 @@ class Batch:
     samples: tuple[int, ...] = ()  # this replica's sample indices (error messages)
 
 
-def _crop(cfg: Config, source: SegmentationSource, index: int) -> tuple[int, int] | None:
-    """The training crop size of sample ``index`` (None: the whole image)."""
-    d = cfg.data
-    if d.height is None and d.width is None:
-        return None
-    h, w = source.size(index)
-    return (d.height or h, d.width or w)
-
-
 def load_train_strips(
     source: SegmentationSource, cfg: Config, coords: MeshCoords, epoch: int, indices: list[int]
 ) -> tuple[Tensor, Tensor, tuple[int, int]]:
-    """This rank's strips of the samples ``indices`` augmented for ``epoch``, and the global
+    """This rank's strips of the samples ``indices`` augmented for ``epoch`` (crop, flips,
+    scale, ``data.augment``, class oversampling: ``data.augment_feed``), and the global
     (H, W) of the augmented samples ((D, H, W) blocks of volumes: ``load_train_blocks``)."""
     if isinstance(source, VolumeSource):
         return load_train_blocks(source, cfg, coords, epoch, indices)
-    d = cfg.data
-    params = [
-        draw_augment(
-            cfg.training.seed,
-            epoch,
-            i,
-            image_hw=source.size(i),
-            crop_hw=_crop(cfg, source, i),
-            hflip=d.hflip,
-            vflip=d.vflip,
-            scale=tuple(d.scale),
-        )
-        for i in indices
-    ]
-    hw = params[0].out_hw
-    rows = coords.rows(hw[0]) if coords.tiled else None  # tiles: only this rank's rows
-    image, mask = make_batch(
-        source, indices, coords.cols(hw[1]), params, ignore_index=d.ignore_index, rows=rows
-    )
-    return image, mask, hw
+    return load_planned_strips(source, cfg, coords, epoch, indices)
 
 
 class _BatchTask(Dataset):
@@ -331,19 +301,6 @@ class TrainFeed:
             self.epoch, self.offset, self.position = self.epoch + 1, 0, 0
 
 
-@dataclass
-class ValItem:
-    """One validation image on this rank (a batch of one per data-parallel replica)."""
-
-    index: int  # sample index in the val source
-    image: DTensor | None  # [1, C, H, W] on the sp sub-mesh, Shard(3) (tiles: Shard(2), Shard(3))
-    target: Tensor | None  # local mask strip [1, H, w] (tiles: [1, h, w])
-    cols: tuple[int, int]  # this rank's global columns [a, b) (volumes: along the split dim)
-    rows: tuple[int, int] | None = None  # tiles: this rank's global rows [r, s)
-    block: tuple | None = None  # volumes: this rank's ((D), (H), (W)) ranges [a, b)
-    failure: tuple[str, str] | None = None  # (file, reason) when this rank cannot load it
-
-
 def val_items(
     source: SegmentationSource,
     cfg: Config,
@@ -371,28 +328,3 @@ def val_items(
             yield ValItem(index, None, None, cols, rows, failure=(e.path or "?", e.reason))
             continue
         yield make_val_item(index, image, mask, (h, w), sp_mesh, placements, device, cols, rows)
-
-
-def make_val_item(
-    index: int,
-    image: Tensor,
-    mask: Tensor,
-    size: tuple[int, ...],
-    sp_mesh: DeviceMesh,
-    placements: list,
-    device: torch.device,
-    *where,
-) -> ValItem:
-    """This rank's piece ``image`` ``[C, ...]`` / ``mask`` of validation sample ``index``
-    (global spatial ``size``) as a ``ValItem`` (a DTensor on ``sp_mesh``, no communication);
-    ``where``: the piece's ``cols, rows, block``."""
-    shape = (1, image.shape[0], *size)
-    x = to_dtensor(image[None].to(device), sp_mesh, placements, shape)
-    return ValItem(index, x, mask[None].to(device), *where)
-
-
-def downsample_strip(t: Tensor, col_start: int, factor: int, row_start: int = 0) -> Tensor:
-    """Keep the GLOBAL rows and columns ``0, f, 2f, ...`` of a strip (or tile) that starts at
-    global column ``col_start`` (and row ``row_start``): concatenating the pieces of all
-    ranks gives exactly ``full[..., ::f, ::f]``, so only small tensors ever travel."""
-    return t[..., (-row_start) % factor :: factor, (-col_start) % factor :: factor]

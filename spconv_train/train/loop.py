@@ -1,10 +1,11 @@
 """``spconv-train run``: set-up, the training loop, validation and checkpoints.
 
 ``train(cfg, resume=..., remove=...)`` is what the CLI calls once the config is valid and
-the run directory decision is made (``spconv_train.run_folder.plan_start``). Every rank runs the
-same code; only rank 0 writes logs. After ``backward()`` every rank holds the single-device
-gradient of the global batch (the parallelized model all-reduces parameter gradients over
-the mesh), so optimizer, clipping and schedule are plain single-device code.
+the run directory decision is made (``spconv_train.logging.run_folder.plan_start``).
+Every rank runs the same code; only rank 0 writes logs. After ``backward()`` every rank
+holds the single-device gradient of the global batch (the parallelized model all-reduces
+parameter gradients over the mesh), so optimizer, clipping and schedule are plain
+single-device code.
 """
 
 from __future__ import annotations
@@ -45,18 +46,19 @@ from spconv_train.distributed import (
     seed_everything,
     spatial_mesh,
 )
-from spconv_train.launch_store import mark_recorded
+from spconv_train.distributed.launch_store import mark_recorded
 from spconv_train.logging import RunLogger
+from spconv_train.logging.overwrite import remove_run_files
+from spconv_train.logging.run_folder import JobRecord, write_job
 from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
-from spconv_train.overwrite import remove_run_files
 from spconv_train.parallel import local_module, runtime_of
-from spconv_train.run_folder import JobRecord, write_job
 from spconv_train.train.bad_samples import (
     note_training_skips,
     report_skipped,
     skipped_summary,
     upfront_skips,
 )
+from spconv_train.train.console import summary_lines
 from spconv_train.train.data_feed import TrainFeed, build_sources
 from spconv_train.train.determinism import seed_for_step
 from spconv_train.train.mesh_coords import MeshCoords
@@ -192,7 +194,7 @@ def train(
     ``resume``: continue from the latest checkpoint in ``cfg.run_dir`` if there is one.
     ``remove``: names inside ``run_dir`` to delete first (``--overwrite``), after every
     set-up check has passed. ``notes``: lines rank 0 prints at the start. ``job``: the
-    start decision rank 0 records in ``run_dir`` (``spconv_train.run_folder``).
+    start decision rank 0 records in ``run_dir`` (``spconv_train.logging.run_folder``).
 
     Raises ``ConfigError``/``DataError``/``SpatialShardingError`` for set-up problems,
     ``TrainingStopped`` for a non-finite loss or gradient (no checkpoint is written then),
@@ -373,7 +375,6 @@ def _finish(run: _Run, ckpt: CheckpointManager, scores: dict, step: int) -> dict
         logger.per_class_table(
             run.class_names, scores["iou"], scores["dice"], scores["class_accuracy"]
         )
-    best = ckpt.best()
     logger.summary(
         "spconv-train run",
         [
@@ -382,11 +383,10 @@ def _finish(run: _Run, ckpt: CheckpointManager, scores: dict, step: int) -> dict
             ("pixel accuracy", final["pixel_accuracy"]),
             ("mIoU (macro over classes)", final["miou"]),
             ("mean Dice (macro over classes)", final["mean_dice"]),
-            ("best checkpoint", str(best) if best else "-"),
-            ("latest checkpoint", str(ckpt.latest())),
-            ("exported model", str(export)),
             ("skipped samples", skipped_summary(run.skipped)),
         ],
     )
+    for line in summary_lines(ckpt, cfg.run_dir, export):  # whole paths, outside the table
+        logger.info(line)
     logger.flush()
     return scores

@@ -27,20 +27,22 @@ from spconv_train.parallel import (
 )
 from spconv_train.train.optim import checkpoint_blocks, enable_activation_checkpointing
 
-__all__ = ["compile_model", "prepare_model"]
+__all__ = ["compile_model", "prepare_model", "to_channels_last"]
 
 
 def prepare_model(model: nn.Module, mesh: DeviceMesh, cfg: Config, precision: str) -> nn.Module:
     """``model`` (already on its device) parallelized over ``mesh``, with
-    ``training.activation_checkpointing``, ``parallel.fsdp`` and ``parallel.grad_reduce``
-    applied as configured. Returns the same object, or with ``grad_reduce: ddp`` on a
-    mesh of more than one rank its ``DistributedDataParallel`` wrapper (``runtime_of``
-    and the checkpoint functions take either; ``local_module`` unwraps it). ``precision``
-    is the one the step computes in (``fp32``, ``bf16`` or ``fp64``): with ``bf16`` FSDP
-    gathers bf16 parameters and reduces gradients in fp32 (``MixedPrecisionPolicy``);
-    otherwise both stay in the parameters' dtype."""
+    ``training.channels_last``, ``training.activation_checkpointing``, ``parallel.fsdp`` and
+    ``parallel.grad_reduce`` applied as configured. Returns the same object, or with
+    ``grad_reduce: ddp`` on a mesh of more than one rank its ``DistributedDataParallel``
+    wrapper (``runtime_of`` and the checkpoint functions take either; ``local_module``
+    unwraps it). ``precision`` is the one the step computes in (``fp32``, ``bf16`` or
+    ``fp64``): with ``bf16`` FSDP gathers bf16 parameters and reduces gradients in fp32
+    (``MixedPrecisionPolicy``); otherwise both stay in the parameters' dtype."""
     model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
     t = cfg.training
+    if not cfg.parallel.fsdp:
+        to_channels_last(model, t.channels_last)
     if t.activation_checkpointing:
         enable_activation_checkpointing(
             model, t.activation_checkpointing_granularity, t.activation_checkpointing_every
@@ -56,6 +58,22 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, cfg: Config, precision: st
     elif cfg.parallel.grad_reduce == "ddp":
         model = replicate_gradients(model)
     return model
+
+
+def to_channels_last(model: nn.Module, mode: str) -> bool:
+    """Make ``model``'s weights channels-last in place when ``mode`` (``training.channels_last``)
+    is ``on``, or ``auto`` on CUDA; convolutions then produce channels-last activations and
+    pick the faster kernels for them. 3-D models get ``channels_last_3d``; a model with both
+    4-D and 5-D weights is left as it is. Returns whether it converted."""
+    params = list(model.parameters())
+    on_gpu = bool(params) and params[0].device.type == "cuda"
+    if mode == "off" or (mode == "auto" and not on_gpu):
+        return False
+    ranks = {p.dim() for p in params} & {4, 5}
+    if len(ranks) != 1:
+        return False
+    model.to(memory_format=torch.channels_last if ranks == {4} else torch.channels_last_3d)
+    return True
 
 
 def compile_model(model: nn.Module, cfg: Config) -> None:

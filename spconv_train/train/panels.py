@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from spconv_train.config import Config
 from spconv_train.data import stitch_grid
-from spconv_train.train.data_feed import ValItem, downsample_strip
+from spconv_train.train.val_items import ValItem, downsample_strip
 from spconv_train.train.volume_feed import volume_panel_pieces
 
 __all__ = ["gather_panels", "panel_pieces"]

@@ -32,6 +32,7 @@ from spconv_train.train.bad_samples import (
     sample_file,
     training_failure,
 )
+from spconv_train.train.console import validation_line
 from spconv_train.train.data_feed import val_items
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.panels import gather_panels, panel_pieces
@@ -126,7 +127,9 @@ def _report(run: _Run, step: int, skipped: list[tuple[str, str]], dp_group) -> N
 
 
 def log_val(run: _Run, step: int, scores: dict) -> None:
-    """The validation scores as ``val``, ``val_iou`` and ``val_dice`` scalars."""
+    """The validation scores as ``val``, ``val_iou`` and ``val_dice`` scalars, and one
+    console line with every class's IoU."""
+    run.logger.info(validation_line(step, scores, run.class_names))
     keys = ("loss", "pixel_accuracy", "miou", "mean_dice", "mean_class_accuracy")
     values = {key: scores[key] for key in keys}
     values["skipped_images"] = scores.get("skipped_images", 0)

@@ -33,6 +33,7 @@ from spconv_train.data import (
     make_volume_batch,
     strip_bounds,
 )
+from spconv_train.train.val_items import ValItem, downsample_strip, make_val_item
 
 __all__ = [
     "block_bounds",
@@ -150,8 +151,6 @@ def volume_val_items(
     """Every validation volume once, un-augmented: volume ``i`` on replica ``i % dp``
     (``val_items`` for volumes; ``ValItem.block`` is this rank's box, ``ValItem.cols`` its
     range along the split dim of a one-dim split)."""
-    from spconv_train.train.data_feed import ValItem, make_val_item  # noqa: PLC0415 (cycle)
-
     placements = spatial_placements(cfg, coords)
     for index in range(coords.dp_rank, len(source), coords.dp):
         size = source.size(index)
@@ -182,8 +181,6 @@ def volume_panel_pieces(item, logits, cfg: Config, sp_rank: int) -> list[tuple]:
     ``[r, c]``, downsampled by ``logging.image_downsample`` in global coordinates, keyed by
     the piece's first global (row, column) of the slice (``gather_panels`` stitches them as
     tiles). A rank whose block does not hold the middle slice gives no piece of it."""
-    from spconv_train.train.data_feed import downsample_strip  # noqa: PLC0415 (cycle)
-
     ds, block = cfg.logging.image_downsample, item.block
     size = tuple(item.image.shape[2:])
     volumes = (

@@ -13,6 +13,7 @@ import colorsys
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,7 @@ class RunLogger:
         self._progress: Progress | None = None
         self._task = None
         self._last_plain: int | None = None
+        self._pace: tuple[int, float] = (0, 0.0)  # (step, time) the s/step is measured from
         self._writer = None
         self._jsonl = None
         if not enabled:
@@ -174,7 +176,8 @@ class RunLogger:
     def info(self, message: str) -> None:
         """Print one line on rank 0."""
         if self.enabled:
-            self.console.print(message, markup=False, highlight=False)
+            # soft_wrap: a long line (a path) is never cut or folded by rich
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def progress_start(self, total: int, initial: int = 0) -> None:
         """Start the progress bar at step ``initial`` of ``total`` (plain lines instead when
@@ -183,6 +186,7 @@ class RunLogger:
             return
         self.total_steps = total
         self._last_plain = initial
+        self._pace = (initial, time.perf_counter())
         if self._want_progress and self.console.is_terminal and self._progress is None:
             self._progress = Progress(
                 TextColumn("[bold]train"),
@@ -201,15 +205,31 @@ class RunLogger:
         if not self.enabled:
             return
         info = "  ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, info=info)
+        if self._progress is not None:  # the bar shows the ETA itself
+            pace = self._pace_text(step, eta=False)
+            self._progress.update(self._task, completed=step, info=f"{info}  {pace}".strip())
             return
         every = self.log_every or max(1, self.total_steps // 20)
         last = self._last_plain
         if last is None or step - last >= every or step == self.total_steps:
             self._last_plain = step
             total = f"/{self.total_steps}" if self.total_steps else ""
-            self.info(f"step {step}{total}  {info}".rstrip())
+            self.info(f"step {step}{total}  {info}  {self._pace_text(step)}".rstrip())
+
+    def _pace_text(self, step: int, eta: bool = True) -> str:
+        """``0.52 s/step  ETA 0:01:23``: seconds per step since the last line (validation
+        and checkpoints included, as they recur) and that pace over the steps left."""
+        first, since = self._pace
+        now = time.perf_counter()
+        if step <= first:
+            return ""
+        per_step = (now - since) / (step - first)
+        self._pace = (step, now)
+        text = f"{per_step:.3g} s/step"
+        if eta and self.total_steps:
+            left = round(per_step * max(0, self.total_steps - step))
+            text += f"  ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
+        return text
 
     def progress_stop(self) -> None:
         """Remove the progress bar (keeps the final line on screen)."""

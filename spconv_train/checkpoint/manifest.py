@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from spconv_train.checkpoint_files import CheckpointError
-from spconv_train.safe_load import load_error_text
+from spconv_train.checkpoint.files import CheckpointError
+from spconv_train.checkpoint.safe_load import load_error_text
 
 __all__ = [
     "META",

@@ -18,7 +18,7 @@ the same thing again:
 
 A record counts as the current job's only when it has the same non-empty run id, is not
 marked finished, and was written by an earlier attempt of this launch. Whether it was is
-asked of torchrun's store (``spconv_train.launch_store``), which lives as long as the
+asked of torchrun's store (``spconv_train.distributed.launch_store``), which lives as long as the
 launch, across restarts, and which rank 0 marks once the record is written: torchrun counts
 restarts per node, and on several nodes a healthy node's workers are restarted for the new
 rendezvous round with ``TORCHELASTIC_RESTART_COUNT`` still 0, while the failed node's count
@@ -28,8 +28,9 @@ fresh random run id per launch (or, with ``--master-port``, is told apart by its
 id); multi-node jobs should give each job its own ``--rdzv-id`` (e.g. the scheduler's job
 id).
 
-``--overwrite`` deletes all of the previous run's files or none (``spconv_train.overwrite``):
-every entry is checked before anything is removed, links are removed without following them.
+``--overwrite`` deletes all of the previous run's files or none
+(``spconv_train.logging.overwrite``): every entry is checked before anything is removed,
+links are removed without following them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from spconv_train.config import (
     config_to_dict,
     load_config,
 )
-from spconv_train.overwrite import check_removable
+from spconv_train.logging.overwrite import check_removable
 
 __all__ = [
     "JOB_FILE",

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .cpu_affinity import bind_local_rank
-from .cpu_malloc import tune_cpu_allocator
-from .launch_store import attempt_store
-from .parallel import gloo_threads_idle, restore_gloo_threads
+from spconv_train.distributed.cpu_affinity import bind_local_rank
+from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
+from spconv_train.distributed.launch_store import attempt_store
+from spconv_train.parallel import gloo_threads_idle, restore_gloo_threads
 
 __all__ = [
     "DistInfo",

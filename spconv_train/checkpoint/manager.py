@@ -19,7 +19,7 @@ the previous checkpoint and ``latest`` untouched and the partial folder removed.
 skips a corrupt or truncated one. The folders must live on a file system shared by all ranks.
 
 Nothing read back runs code (a run folder may come from someone else): the state files are
-JSON, DCP's metadata and values go through ``spconv_train.safe_load``, files the manifest
+JSON, DCP's metadata and values go through ``spconv_train.checkpoint.safe_load``, files the manifest
 does not list are ignored with a warning.
 """
 
@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from spconv_train.checkpoint_export import export_checkpoint, export_model
-from spconv_train.checkpoint_files import (
+from spconv_train.checkpoint.export import export_checkpoint, export_model
+from spconv_train.checkpoint.files import (
     CheckpointError,
     check_files,
     checkpoint_space,
@@ -51,8 +51,8 @@ from spconv_train.checkpoint_files import (
     set_rng_state,
     write_text_atomic,
 )
-from spconv_train.checkpoint_manifest import META as _META
-from spconv_train.checkpoint_manifest import (
+from spconv_train.checkpoint.manifest import META as _META
+from spconv_train.checkpoint.manifest import (
     listed_files,
     manifest_text,
     read_manifest,
@@ -60,14 +60,14 @@ from spconv_train.checkpoint_manifest import (
     state_file,
     write_state,
 )
-from spconv_train.checkpoint_sync import agree as _agree
-from spconv_train.checkpoint_sync import attempt as _attempt
-from spconv_train.checkpoint_sync import broadcast as _broadcast
-from spconv_train.checkpoint_sync import digest_folder
-from spconv_train.checkpoint_sync import gather as _gather
-from spconv_train.checkpoint_sync import rank as _rank
-from spconv_train.checkpoint_sync import world as _world
-from spconv_train.safe_load import load_checkpoint_state
+from spconv_train.checkpoint.safe_load import load_checkpoint_state
+from spconv_train.checkpoint.sync import agree as _agree
+from spconv_train.checkpoint.sync import attempt as _attempt
+from spconv_train.checkpoint.sync import broadcast as _broadcast
+from spconv_train.checkpoint.sync import digest_folder
+from spconv_train.checkpoint.sync import gather as _gather
+from spconv_train.checkpoint.sync import rank as _rank
+from spconv_train.checkpoint.sync import world as _world
 
 __all__ = [
     "FORMAT_VERSION",

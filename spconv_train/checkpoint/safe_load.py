@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from spconv_train.checkpoint_files import CheckpointError
+from spconv_train.checkpoint.files import CheckpointError
 
 __all__ = [
     "SafeFileSystemReader",

@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from spconv_train.checkpoint_files import digest_files
+from spconv_train.checkpoint.files import digest_files
 
 __all__ = ["agree", "attempt", "broadcast", "digest_folder", "gather", "rank", "world"]
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from spconv_train.checkpoint_files import save_file
-from spconv_train.checkpoint_sync import rank as _rank
-from spconv_train.safe_load import read_full_state
+from spconv_train.checkpoint.files import save_file
+from spconv_train.checkpoint.safe_load import read_full_state
+from spconv_train.checkpoint.sync import rank as _rank
 
 __all__ = ["export_checkpoint", "export_model"]
 
