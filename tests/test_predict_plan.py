@@ -170,3 +170,26 @@ def test_column_pieces_proven_like_bands():
     assert check_plan(unet, plan, 160, 12, 3, axis=3) <= CHECK_RTOL
     assert check_plan(unet, plan, 163, 12, 3, axis=3) > CHECK_RTOL
     assert check_plan(unet, StreamPlan(plan.stride, 4), 160, 12, 3, axis=3) > CHECK_RTOL
+
+
+def test_cli_memory_options_reach_the_ranks(tmp_path, monkeypatch):
+    """``--memory-gb`` and ``--slide-tiles`` are documented and passed on to the torchrun
+    ranks, which run through the launcher that reports kills."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    import spconv_train.predict as predict
+    from spconv_train.cli import app
+    from tests.test_predict_bands import UNET, _export
+
+    result = CliRunner().invoke(app, ["predict", "--help"], env={"COLUMNS": "200"})
+    assert "--memory-gb" in result.output and "--no-slide-tiles" in result.output
+    weights, _ = _export(tmp_path / "m.pt", UNET)
+    np.save(tmp_path / "x.npy", np.zeros((3, 32, 32), np.float32))
+    seen = []
+    monkeypatch.setattr(predict, "run_torchrun", lambda *a, **k: seen.append((a, k)) or 0)
+    kw = {"memory_gb": 1.5, "slide_tiles": False}
+    assert predict.predict_command(weights, [tmp_path / "x.npy"], tmp_path / "o", 2, **kw) == 0
+    ((args, kwargs),) = seen
+    assert args[2][-3:] == ["--memory-gb", "1.5", "--no-slide-tiles"]
+    assert kwargs["launcher"] == "spconv_train.predict._watch"
