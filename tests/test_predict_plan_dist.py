@@ -21,10 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tifffile
 
 from spconv_train.predict._oom import KILL_ENV, MEMORYERROR_ENV
-from tests.test_predict_bands import UNET, _assert_argmax, _export, _image, _reference, predict_pool
+from tests.test_predict_bands import (
+    UNET,
+    _assert_argmax,
+    _export,
+    _image,
+    _reference,
+    _tiled,
+    predict_pool,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 #: bytes per pixel, fixed bytes, budget: tiles of 32 x 40 kept pixels (see the test)
@@ -86,10 +93,10 @@ def test_tiles_first_plan_equals_one_device(dist_pool, case, tmp_path):
         f"{len(range(0, 148, plan.tile_rows))} x {len(range(0, 236, plan.block_cols))} tiles"
         in text
     )
-    saved = tifffile.imread(out / "slide.tif")
+    saved = _tiled(out / "slide.ome.tif")
     _assert_argmax(saved, logits, "tiles-first plan at 2 ranks")
     assert int((saved != logits.argmax(0).numpy()).sum()) == 0
-    probs = tifffile.imread(out / "slide_probabilities.tif")
+    probs = _tiled(out / "slide_probabilities.ome.tif")
     want = (logits.softmax(0) * 255).round().permute(1, 2, 0).numpy()
     assert probs.shape == (148, 236, 3) and np.abs(probs - want).max() <= 1
     record = json.loads((out / "predict.json").read_text())
