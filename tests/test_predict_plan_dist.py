@@ -119,6 +119,7 @@ def test_memory_error_on_one_rank(dist_pool, case, tmp_path):
         assert "plan 148x236: bands of 16 rows" in report and "--memory-gb" in report
 
 
+@pytest.mark.e2e  # runs the command line and torchrun as processes
 def test_killed_rank_reported_as_out_of_memory(case, tmp_path):
     """``predict --nproc 2``: rank 1 kills itself with SIGKILL at its first band (the
     kernel's OOM killer does the same): exit 1 and "out of memory" with the plan."""
