@@ -92,9 +92,11 @@ def init_worker(rank: int, world: int, port: int, args):
     """Threads, device, process group (NCCL on CUDA, gloo on CPU) and a 1-D "sp" mesh.
     On CPU, malloc is tuned as ``spconv-train run`` tunes it (``SPCONV_MALLOC_TUNING=0``
     measures without: spconv_train/distributed/cpu_malloc.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from spconv_train.distributed.cpu_affinity import bind_local_rank
     from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
-    from spconv_train.parallel import gloo_threads_idle, init_device_mesh
+    from spconv_train.parallel import gloo_threads_idle
 
     torch.set_num_threads(args.threads)
     if args.device == "cuda":

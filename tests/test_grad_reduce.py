@@ -178,3 +178,26 @@ def test_reducer_ignores_one_rank_groups():
     p = torch.zeros(3, requires_grad=True)
     reducer.mark(p, ())
     assert not reducer._pending and not reducer._hooked
+
+
+def test_a_parameter_at_a_freed_ones_address_gets_its_own_hook(monkeypatch):
+    """Ids are reused once their object is freed: a new parameter at a freed one's address
+    must still be hooked (before: it was taken for the old one, its gradient was never
+    summed on this rank and the other ranks waited forever)."""
+    import spconv_train.parallel._grad_reduce as gr
+
+    monkeypatch.setattr(gr, "_reducing_groups", lambda groups: groups)  # as if 2+ ranks
+    reducer = GradReducer()
+    old = torch.zeros(3, requires_grad=True)
+    reducer.mark(old, ("g",))
+    address = id(old)
+    reducer._pending.clear()  # the step ended
+    del old
+    for _ in range(1000):  # CPython hands a freed object's memory to the next one soon
+        new = torch.zeros(3, requires_grad=True)
+        if id(new) == address:
+            break
+    else:
+        pytest.skip("the allocator reused no address")
+    reducer.mark(new, ("g",))
+    assert reducer._hooked[address][0]() is new

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spconv_train.parallel import (
+from spconv_train.parallel import SpatialShardingError
+from spconv_train.parallel.extend import (
     ExchangePlan,
-    SpatialShardingError,
     all_shard_bounds,
     gather_columns,
     shard_bounds,

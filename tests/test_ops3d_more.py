@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.models import create_model
-from spconv_train.parallel import SpatialMode, SpatialShardingError
+from spconv_train.parallel import SpatialShardingError
+from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import mesh
 from tests.op_check import check_fn, check_module
 from tests.reference import seeded

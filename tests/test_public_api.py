@@ -1,8 +1,10 @@
-"""The public extension API of ``spconv_train.parallel``, used exactly as docs/extending.md
-shows it (and nothing else from the package): a per-pixel op made spatial with
-``register_handler`` and a halo op made spatial with ``register_spatial_module``, both
-against one device in fp64, forward and every gradient; the runtime's options and stats;
-``parallelize`` refusing before it changes anything."""
+"""The user API of ``spconv_train.parallel`` and the op-author API of
+``spconv_train.parallel.extend`` (nothing else from the package): the per-pixel handler of
+docs/extending.md (``register_handler``) and a halo layer built on the lower-level
+``plan_window`` / ``gather_window`` (``register_spatial_module``), both against one device
+in fp64, forward and every gradient; the runtime's options and stats; ``parallelize``
+refusing before it changes anything. ``tests/test_extend_example.py`` runs the page's
+``halo_window`` example."""
 
 from __future__ import annotations
 
@@ -12,22 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from spconv_train.parallel import (
-    DTensor,
-    Shard,
-    SpatialShardingError,
-    current_runtime,
-    distribute_tensor,
+from spconv_train.parallel import SpatialShardingError, current_runtime, parallelize, runtime_of
+from spconv_train.parallel.extend import (
     enter,
     gather_window,
     leave,
-    parallelize,
     plan_window,
     refuse_module,
     register_handler,
     register_spatial_module,
-    runtime_of,
     spatial_layout,
     sum_grad_over,
 )
@@ -36,15 +33,15 @@ from tests.reference import check_close, seeded
 
 TOL = 1e-10
 
-# --- the docs/extending.md examples ----------------------------------------------------------
+# --- user ops ---------------------------------------------------------------------------------
 
 
-# 1. A per-pixel op (it mixes channels, never columns): the local strip is enough.
+# 1. A per-pixel op (it mixes channels, never columns), as docs/extending.md shows it.
 @register_handler(F.local_response_norm)
 def spatial_lrn(input, size, alpha=1e-4, beta=0.75, k=1.0):
     if not isinstance(input, DTensor):
         return F.local_response_norm(input, size, alpha, beta, k)
-    x, layout = spatial_layout(input, "F.local_response_norm")
+    x, layout = spatial_layout(input, "F.local_response_norm", tiles=True)
     out = F.local_response_norm(enter(x), size, alpha, beta, k)
     return leave(out, layout, tuple(x.shape))
 

@@ -120,7 +120,7 @@ def refusals(world: int) -> list[str]:
     dmesh, pl, _ = tile_meshes(world)[0]
     x = distribute_tensor(seeded(1, 1, 4, 9, 9, dtype=torch.float64), dmesh, pl)
     failures = []
-    from spconv_train.parallel import SpatialMode
+    from spconv_train.parallel.extend import SpatialMode
 
     for name, fn in (
         ("adaptive_avg_pool2d", lambda t: F.adaptive_avg_pool2d(t, 4)),  # too large for tiles

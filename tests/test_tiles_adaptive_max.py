@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from spconv_train.parallel import SpatialMode, SpatialShardingError
+from spconv_train.parallel import SpatialShardingError
+from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import mesh
 from tests.meshes import each_mesh
 from tests.op_check import check_fn, check_module

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
-from spconv_train.parallel import SpatialMode, SpatialShardingError, parallelize
+from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.parallel._sharding import block_slices, mesh_coords, spatial_layout
 from spconv_train.parallel._tiles import tile_window
+from spconv_train.parallel.extend import SpatialMode
 from tests.meshes import mesh_and_placements
 from tests.op_check import check_fn, check_module
 from tests.reference import check_close, seeded

@@ -12,6 +12,8 @@ from .schema import Config
 # A spatial axis -> the data key whose extent it splits, its unit and its mesh dim name.
 _SPLIT_KEYS = {"W": "data.width", "H": "data.height", "D": "data.depth"}
 _UNITS = {"W": "columns", "H": "rows", "D": "slices"}
+#: ``ParallelDims.AXIS`` (spconv_train.parallel) spelled out: config stays importable without
+#: torch (tests/test_parallel_dims.py checks they agree)
 MESH_DIMS = {"D": "sp_d", "H": "sp_h", "W": "sp_w"}
 IMAGE_AXES, VOLUME_AXES = ("H", "W"), ("D", "H", "W")
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import random
 import resource
@@ -33,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from spconv_train.distributed.cpu_affinity import bind_local_rank
 from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
 from spconv_train.distributed.launch_store import attempt_store
-from spconv_train.parallel import gloo_threads_idle, restore_gloo_threads
+from spconv_train.parallel import ParallelDims, gloo_threads_idle, restore_gloo_threads
 
 __all__ = [
     "DistInfo",
@@ -208,14 +207,8 @@ def build_mesh(
     """
     if dp * sp != dist.get_world_size():
         raise ValueError(f"mesh {dp}x{sp} does not match world size {dist.get_world_size()}")
-    if grid is None:
-        shape, names = (dp, sp), ("dp", "sp")
-    else:
-        dims = dict(grid) if isinstance(grid, Mapping) else {"sp_h": grid[0], "sp_w": grid[1]}
-        if math.prod(dims.values()) != sp:
-            shown = "x".join(map(str, dims.values()))
-            raise ValueError(f"grid {shown} does not hold sp={sp} ranks")
-        shape, names = (dp, *dims.values()), ("dp", *dims.keys())
+    dims = ParallelDims.of(dp, sp, grid)  # raises for a grid that does not hold sp ranks
+    shape, names = dims.shape, dims.names
     # gloo's threads (the mesh's new groups start their own) must not take cores from the
     # compute threads (parallel/_comm_threads.py)
     with gloo_threads_idle() if dist.get_backend() == "gloo" else contextlib.nullcontext():
@@ -225,7 +218,7 @@ def build_mesh(
 def spatial_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The spatial sub-mesh of a ``build_mesh`` mesh: ``("sp",)``, ``("sp_h", "sp_w")`` or
     the volume block dims (every dim but ``"dp"``)."""
-    names = tuple(n for n in mesh.mesh_dim_names or () if n != "dp")
+    names = ParallelDims.spatial_names_of(mesh)
     return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 

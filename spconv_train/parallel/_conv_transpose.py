@@ -1,6 +1,8 @@
-"""Width-sharded ``ConvTranspose2d``: fetch the input columns that reach this rank's output.
+"""Transposed convolution (``ConvTranspose2d`` / ``ConvTranspose3d``) on every layout: width
+strips, H x W tiles, volume blocks, any spatial rank; one implementation over the layout's
+sharded axes (``_tiles.layout_axes``).
 
-Along the width, input column ``i`` of a transposed convolution adds into output columns
+Along a sharded dim, input column ``i`` of a transposed convolution adds into output columns
 ``i*s - p + t*d`` (``t = 0..k-1``), and the output width is
 ``(W-1)*s - 2p + d*(k-1) + output_padding + 1``. Rank ``r`` owns output columns ``[o0, o1)``
 (DTensor chunking of that width), so it needs input columns
@@ -9,7 +11,9 @@ them, runs the unchanged local ``F.conv_transpose2d`` with width padding 0 and n
 output starts at global column ``i_lo*s - p``), crops or zero-pads that to exactly
 ``[o0, o1)`` (columns no input reaches, e.g. the ``output_padding`` band, are zero in torch
 too) and adds the bias last, so the padded columns hold the bias exactly as torch's do.
-The height runs the ordinary way (stride, padding, output_padding, dilation unchanged).
+Every other sharded dim is done the same way in turn (W, then H on the W window, then D, so
+the corner inputs arrive with the second exchange); the dims no mesh dim shards run the
+ordinary way (stride, padding, output_padding, dilation unchanged).
 """
 
 from __future__ import annotations
@@ -25,10 +29,15 @@ from torch.distributed.tensor import DTensor
 
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
+from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, run_unsharded, spatial_layout
-from ._window import saving_window_by_reference
+from ._tiles import along, axis_of, layout_axes
+from ._window import WindowStep, saving_steps_by_reference
+
+#: the local op per spatial rank
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 def conv_transpose_out_size(
@@ -108,142 +117,120 @@ def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
     return F.pad(y, (a - o0, o1 - b)) if a > o0 or o1 > b else y
 
 
-def spatial_conv_transpose2d(
+def _ntuple(v, n: int) -> tuple[int, ...]:
+    """``v`` (an int or an ``n``-sequence) as ``n`` ints, one per spatial dim."""
+    return (int(v),) * n if isinstance(v, int) else tuple(int(a) for a in v)
+
+
+def spatial_conv_transpose(
     x: DTensor,
     weight: Tensor,
     bias: Tensor | None,
-    stride: tuple[int, int],
-    padding: tuple[int, int],
-    output_padding: tuple[int, int],
+    stride,
+    padding,
+    output_padding,
     groups: int,
-    dilation: tuple[int, int],
-    what: str = "conv_transpose2d",
+    dilation,
+    what: str = "conv_transpose",
 ) -> DTensor:
-    """2-D transposed convolution of a width-sharded DTensor ``x``; same result as
-    ``F.conv_transpose2d`` on the whole tensor. Weight and bias gradients are summed over the
-    ranks holding other strips (and other batch parts)."""
-    x, layout = spatial_layout(x, what, tiles=True)
-    if layout.is_tile:
-        from ._tiles_ops import tile_conv_transpose  # imports this module
-
-        args = (weight, bias, stride, padding, output_padding, groups, dilation, what)
-        return tile_conv_transpose(x, layout, *args)
-    if not layout.width_sharded:
+    """Transposed convolution of a sharded DTensor of any spatial rank (the weight's) on any
+    layout; same result as ``F.conv_transpose{n}d`` on the whole tensor. Per sharded dim
+    (W, then H on the W window, then D): fetch the input rows or columns that reach this
+    rank's outputs; then convolve with padding 0 along those dims and no bias, place the
+    result on the rank's output range per sharded dim, add the bias last. Weight and bias
+    gradients are summed over the ranks holding other parts (and other batch parts)."""
+    n = weight.ndim - 2
+    s, p, op, dil = (_ntuple(v, n) for v in (stride, padding, output_padding, dilation))
+    x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
+    conv = _CONV_T[n]
+    if not layout_axes(layout):  # spatially replicated (e.g. a pooled map): the plain op
         return run_unsharded(
-            x,
-            layout,
-            lambda t, w, b: F.conv_transpose2d(
-                t, w, b, stride, padding, output_padding, groups, dilation
-            ),
-            weight,
-            bias,
+            x, layout, lambda t, w, b: conv(t, w, b, s, p, op, groups, dil), weight, bias
         )
-    kw = weight.shape[-1]
-    tp = plan_conv_transpose(
-        what,
-        x.shape[layout.dim],
-        layout.sp_size,
-        kw,
-        stride[1],
-        dilation[1],
-        padding[1],
-        output_padding[1],
-    )
-    rank = layout.sp_rank
-    local = enter(x)
-    if layout.sp_size == 1 and not tp.exchange.needed[0]:
-        window = local.narrow(-1, 0, 0)
-    else:  # every rank takes part: others may need its columns even if it needs none
-        window = gather_columns(local, tp.exchange, rank, layout.sp_group)
-    lo, hi = tp.windows[rank]
-    if hi <= lo:
-        # No input column reaches this rank's outputs: convolve one zero column instead, so
-        # the weight and the exchange stay in this rank's graph and their backward
-        # collectives run on every rank (a rank skipping them would hang the others).
-        window = F.pad(window, (0, 1))
-    groups_ = layout.grad_groups
-    # Save the strip by reference + thin halos rather than a copy of it (memory ~1/N).
-    by_ref = hi > lo and layout.sp_size > 1 and torch.is_grad_enabled()
-    with (
-        saving_window_by_reference(window, local, tp.exchange, rank)
-        if by_ref
-        else contextlib.nullcontext()
-    ):
-        y = F.conv_transpose2d(
-            window,
-            sum_grad_over(weight, groups_),
-            None,
-            stride,
-            (padding[0], 0),
-            (output_padding[0], 0),
-            groups,
-            dilation,
+    t = local = enter(x)
+    pads, out_pads, shape = list(p), list(op), list(x.shape)
+    placed, steps, fetched = [], [], True
+    for d in range(x.ndim - 1, 1, -1):
+        ax = axis_of(layout, d)
+        if ax is None:
+            continue
+        j, (parts, rank, group) = d - 2, ax
+        tp = plan_conv_transpose(
+            what, x.shape[d], parts, weight.shape[d], s[j], dil[j], p[j], op[j]
         )
-    o0, o1 = tp.out_bounds[rank]
-    y = _place(y, lo * stride[1] - padding[1], o0, o1)
+        lo, hi = tp.windows[rank]
+        if parts == 1 and not tp.exchange.needed[0]:
+            t, fetched = t.narrow(d, 0, 0), False
+        else:  # every rank takes part: others may need its rows even if it needs none
+            t = along(t, d, lambda m, e=tp.exchange, r=rank, g=group: gather_columns(m, e, r, g))
+            steps.append(WindowStep(d, tp.exchange, rank, 0, 0, t))
+        if hi <= lo:
+            # No input reaches this rank's outputs: convolve one zero row instead, so the
+            # weight and the exchange stay in this rank's graph and their backward
+            # collectives run on every rank (a rank skipping them would hang the others).
+            t, fetched = along(t, d, lambda m: F.pad(m, (0, 1))), False
+        pads[j], out_pads[j], shape[d] = 0, 0, tp.out_width
+        placed.append((d, lo * s[j] - p[j], *tp.out_bounds[rank]))
+    w = sum_grad_over(weight, layout.grad_groups)
+    # Save the local part by reference + the thin halo slabs, not the window copy (~1/N).
+    saving = contextlib.nullcontext()
+    if fetched and steps and torch.is_grad_enabled():
+        saving = saving_steps_by_reference(t, local, tuple(steps))
+    with saving:
+        y = conv(t, w, None, s, tuple(pads), tuple(out_pads), groups, dil)
+    for d, start, o0, o1 in placed:
+        y = along(y, d, lambda m, a=start, o0=o0, o1=o1: _place(m, a, o0, o1))
     if bias is not None:
-        y = y + sum_grad_over(bias, groups_).view(1, -1, 1, 1)
-    return leave(y, layout, (x.shape[0], y.shape[1], y.shape[2], tp.out_width))
+        y = y + sum_grad_over(bias, layout.grad_groups).view(1, -1, *([1] * n))
+    shape[1] = y.shape[1]
+    for d in range(2, x.ndim):
+        if axis_of(layout, d) is None:
+            shape[d] = y.shape[d]
+    return leave(y, layout, tuple(shape))
 
 
-def transposed_forward(module, input: DTensor, output_size, dims: int, fn) -> Tensor:
-    """The forward of a spatial ``ConvTranspose{dims}d`` module on a sharded DTensor:
-    ``output_padding`` from the global shape (as torch does), then ``fn`` (the spatial
-    functional of that dimensionality)."""
-    name = f"ConvTranspose{dims}d"
-    if module.padding_mode != "zeros":
-        raise ValueError(f"Only `zeros` padding mode is supported for {name}")
-    output_padding = module._output_padding(
-        input, output_size, module.stride, module.padding, module.kernel_size, dims,
-        module.dilation,
-    )  # fmt: skip
-    return fn(
-        input,
-        module.weight,
-        module.bias,
-        module.stride,
-        module.padding,
-        tuple(output_padding),
-        module.groups,
-        module.dilation,
-        what=f"{module.spatial_name or '<module>'} ({name}({module.extra_repr()}))",
-    )
+#: the public per-rank names: the same implementation (the weight gives the spatial rank)
+spatial_conv_transpose2d = spatial_conv_transpose3d = spatial_conv_transpose
 
 
-@register_spatial_module(nn.ConvTranspose2d)
-class SpatialConvTranspose2d(nn.ConvTranspose2d):
-    """``nn.ConvTranspose2d`` that runs width-sharded on a ``Shard(3)`` DTensor input.
-
-    ``parallelize`` turns a model's ``ConvTranspose2d`` modules into this class in place.
-    ``output_size`` works as in torch (it is read from the global shape). A plain tensor
-    input runs the ordinary single-device layer.
-    """
+class _SpatialConvTranspose:
+    """Forward of the spatial ``ConvTranspose{n}d`` modules on a sharded DTensor:
+    ``output_padding`` from the global shape (as torch does, so ``output_size`` works), then
+    ``spatial_conv_transpose``. A plain tensor input runs the ordinary layer."""
 
     spatial_name: str = ""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         if not isinstance(input, DTensor):
             return super().forward(input, output_size)
-        return transposed_forward(self, input, output_size, 2, spatial_conv_transpose2d)
+        n = len(self.kernel_size)
+        if self.padding_mode != "zeros":
+            raise ValueError(f"Only `zeros` padding mode is supported for ConvTranspose{n}d")
+        output_padding = self._output_padding(
+            input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation
+        )
+        args = (self.stride, self.padding, tuple(output_padding), self.groups, self.dilation)
+        what = module_label(self)
+        return spatial_conv_transpose(input, self.weight, self.bias, *args, what=what)
 
 
-def _pair(v) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+@register_spatial_module(nn.ConvTranspose2d)
+class SpatialConvTranspose2d(_SpatialConvTranspose, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` on a sharded NCHW input (strips or tiles); ``parallelize``
+    turns a model's ``ConvTranspose2d`` modules into this class in place."""
 
 
-@register_handler(F.conv_transpose2d)  # torch.conv_transpose2d is the same object
-def _functional_conv_transpose2d(
+@register_spatial_module(nn.ConvTranspose3d)
+class SpatialConvTranspose3d(_SpatialConvTranspose, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` on a volume sharded along one, two or three of D, H, W."""
+
+
+@register_handler(F.conv_transpose2d, F.conv_transpose3d)  # torch.conv_transpose*d: the same
+def _functional_conv_transpose(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ):
-    """``F.conv_transpose2d`` called from model code on a width-sharded input."""
-    return spatial_conv_transpose2d(
-        input,
-        weight,
-        bias,
-        _pair(stride),
-        _pair(padding),
-        _pair(output_padding),
-        groups,
-        _pair(dilation),
-        what="F.conv_transpose2d",
-    )
+    """``F.conv_transpose2d`` / ``F.conv_transpose3d`` called from model code on a sharded
+    input."""
+    args = (stride, padding, output_padding, groups, dilation)
+    what = f"F.conv_transpose{weight.ndim - 2}d"
+    return spatial_conv_transpose(input, weight, bias, *args, what=what)

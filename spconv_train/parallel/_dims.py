@@ -1,6 +1,8 @@
-"""Small helpers shared by the ops that work on any tensor dimension (reductions, slicing,
-re-chunking, permutes): which tensor dims a DTensor's placements shard, and how to wrap a
-local result back into a DTensor of a given global shape.
+"""Tensor dims and mesh dims. Helpers shared by the ops that work on any tensor dimension
+(reductions, slicing, re-chunking, permutes): which tensor dims a DTensor's placements
+shard, and how to wrap a local result back into a DTensor of a given global shape. And
+``ParallelDims``: the mesh dim names (``dp``, ``sp``, ``sp_d``, ``sp_h``, ``sp_w``) and
+what each one shards, asked by every module that builds or reads a mesh.
 
 Only plain ``Shard``/``Replicate`` placements are handled here; anything else (``Partial``,
 ``_StridedShard``) makes these handlers hand the call back to DTensor (``handled`` False),
@@ -8,6 +10,11 @@ whose own rules then apply (and, for a move of a sharded activation, the no-gath
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -60,3 +67,105 @@ def wrap(local: Tensor, x: DTensor, placements, shape) -> DTensor:
         shape=tuple(shape),
         stride=contiguous_stride(tuple(shape)),
     )
+
+
+#: The data-parallel mesh dim (shards the batch) and the one-split-dim spatial mesh dim.
+DP, SP = "dp", "sp"
+#: The mesh dim that splits each spatial axis of a grid (tiles, volume blocks), D, H, W order.
+AXIS_MESH_DIMS = {"D": "sp_d", "H": "sp_h", "W": "sp_w"}
+GRID_MESH_DIMS = tuple(AXIS_MESH_DIMS.values())
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The mesh dims of a run, their names and what each one shards (as torchtitan's
+    ``ParallelDims``): ``dp`` ranks each take a part of the batch; the spatial ranks split
+    one image either along one dim over the ``sp`` mesh dim (strips), or along several over
+    one mesh dim each (``grid``: ``sp_d`` / ``sp_h`` / ``sp_w`` split D / H / W: H x W tiles,
+    volume blocks). Every other module asks this object for the names and their meaning."""
+
+    #: the names, for code that reads a mesh: ``ParallelDims.DP``, ``ParallelDims.SP``,
+    #: ``ParallelDims.AXIS["H"]`` (the grid dim splitting H), ``ParallelDims.GRID``
+    DP: ClassVar[str] = DP
+    SP: ClassVar[str] = SP
+    AXIS: ClassVar[Mapping[str, str]] = AXIS_MESH_DIMS
+    GRID: ClassVar[tuple[str, ...]] = GRID_MESH_DIMS
+
+    dp: int = 1
+    sp: int = 1
+    #: ``((mesh dim name, ranks), ...)`` of a grid, in D, H, W order; empty for strips
+    grid: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [n for n, _ in self.grid]
+        if any(n not in GRID_MESH_DIMS for n in names) or names != sorted(
+            names, key=GRID_MESH_DIMS.index
+        ):
+            raise ValueError(f"grid {self.grid}: names must be among {GRID_MESH_DIMS}, in order")
+        if self.grid and math.prod(n for _, n in self.grid) != self.sp:
+            shown = "x".join(str(n) for _, n in self.grid)
+            raise ValueError(f"grid {shown} does not hold sp={self.sp} ranks")
+
+    @classmethod
+    def of(cls, dp: int, sp: int, grid: Mapping[str, int] | tuple[int, int] | None = None):
+        """From ``build_mesh``'s arguments: a grid ``(p, q)`` is H x W tiles, a mapping
+        names its mesh dims (``config.grid_mesh_dims``)."""
+        if grid is None:
+            return cls(dp, sp)
+        if not isinstance(grid, Mapping):
+            grid = {AXIS_MESH_DIMS["H"]: grid[0], AXIS_MESH_DIMS["W"]: grid[1]}
+        return cls(dp, sp, tuple(grid.items()))
+
+    @classmethod
+    def from_mesh(cls, mesh) -> ParallelDims:
+        """Read the dims off a mesh built from them (a leading ``dp`` dim is optional)."""
+        names = tuple(mesh.mesh_dim_names or ())
+        sizes = {n: mesh.size(i) for i, n in enumerate(names)}
+        grid = tuple((n, sizes[n]) for n in GRID_MESH_DIMS if n in sizes)
+        sp = math.prod(n for _, n in grid) if grid else sizes.get(SP, 1)
+        return cls(sizes.get(DP, 1), sp, grid)
+
+    @property
+    def tiled(self) -> bool:
+        """Whether the image is split along several dims over a grid (tiles, blocks)."""
+        return bool(self.grid)
+
+    @property
+    def spatial_names(self) -> tuple[str, ...]:
+        """The spatial mesh dim names, in mesh order."""
+        return tuple(n for n, _ in self.grid) if self.grid else (SP,)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every mesh dim name, ``dp`` first."""
+        return (DP, *self.spatial_names)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Ranks per mesh dim, in ``names`` order."""
+        return (self.dp, *(n for _, n in self.grid)) if self.grid else (self.dp, self.sp)
+
+    @staticmethod
+    def spatial_names_of(mesh) -> tuple[str, ...]:
+        """The spatial mesh dim names of ``mesh`` (every dim but ``dp``)."""
+        return tuple(n for n in mesh.mesh_dim_names or () if n != DP)
+
+    @staticmethod
+    def dims_from_end(name: str) -> int:
+        """How far from the tensor's last dim the dim a grid mesh dim splits is: ``sp_w``
+        1 (W), ``sp_h`` 2 (H), ``sp_d`` 3 (D)."""
+        return len(GRID_MESH_DIMS) - GRID_MESH_DIMS.index(name)
+
+    def grid_placements(self, ndim: int) -> list[Shard]:
+        """``Shard`` per spatial mesh dim of a grid, for an ``ndim``-D tensor."""
+        return [Shard(ndim - self.dims_from_end(n)) for n in self.spatial_names]
+
+    @staticmethod
+    def spatial_mesh_dim(mesh) -> int | None:
+        """The index of ``mesh``'s spatial dim that ops treat as *the* spatial one: the only
+        dim of a 1-D mesh, ``sp``, or the last grid dim present (``None``: none named)."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if mesh.ndim == 1:
+            return 0
+        found = [names.index(n) for n in (*GRID_MESH_DIMS, SP) if n in names]
+        return max(found) if found else None

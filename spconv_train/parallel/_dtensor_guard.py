@@ -50,6 +50,10 @@ class _Guard:
     modules: list[str] = field(default_factory=list)
 
 
+#: The active guard, per thread. A ``threading.local`` on purpose: Dynamo cannot trace it,
+#: so under ``torch.compile`` it graph-breaks where the parallelized forward enters the
+#: guard and runs that entry eagerly (``_parallelize._SpatialContext``); a traceable store
+#: (a context variable's list) made Dynamo trace into the entry and break inside it.
 _local = threading.local()
 #: Allowed gathers (``allow_gather=True``) in this process, oldest first.
 GATHER_EVENTS: list[GatherEvent] = []
@@ -108,8 +112,8 @@ def _observe(cls, src_spec, dst_spec, message):
                 f"an op in module '{where}' ({op}) has no spatial implementation, and "
                 f"DTensor would redistribute the width-sharded activation {event.src} -> "
                 f"{event.dst} to run it (gathering the image on every rank). Replace the op "
-                f"with a supported one, make it spatial (spconv_train.parallel."
-                f"register_handler), or accept the gather explicitly with "
+                f"with a supported one, make it spatial (spconv_train.parallel.extend."
+                f"register_handler, docs/extending.md), or accept the gather explicitly with "
                 f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
             )
         GATHER_EVENTS.append(event)
@@ -120,7 +124,12 @@ def _observe(cls, src_spec, dst_spec, message):
     return _original(cls, src_spec, dst_spec, message)
 
 
-ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
+def install_guard() -> None:
+    """Route DTensor's reports of implicit redistributions through the guard (idempotent;
+    called by ``_install.install``, never at import)."""
+    current = ExplicitRedistributionContext.observe_redistribution.__func__
+    if current is not _observe:
+        ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
 
 
 def track_module_paths(model: nn.Module) -> None:

@@ -34,6 +34,7 @@ on CPU (gloo) is summed by one exchange instead, on its own message tag
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +100,9 @@ class GradReducer:
         self.bucket_bytes = bucket_bytes
         #: id -> (parameter, groups), in the order the forward first used them
         self._pending: dict[int, tuple[Tensor, tuple]] = {}
-        self._hooked: dict[int, object] = {}
+        #: id -> (weak reference to the parameter, hook handle): an id is only a name while
+        #: its object lives, so a new parameter at a freed one's address gets its own hook
+        self._hooked: dict[int, tuple[weakref.ref, object]] = {}
         self._layouts: dict[tuple, list[_Bucket]] = {}
         self._buckets: list[_Bucket] | None = None  # the running backward's, else None
         self._slot: dict[int, tuple[_Bucket, int]] = {}
@@ -137,8 +140,12 @@ class GradReducer:
                 )
             return
         self._pending[key] = (param, groups)
-        if key not in self._hooked:
-            self._hooked[key] = param.register_hook(lambda g, key=key: self._on_grad(key, g))
+        hooked = self._hooked.get(key)
+        if hooked is None or hooked[0]() is not param:
+            if len(self._hooked) > 4 * len(self._pending) + 64:  # forget the dead ones
+                self._hooked = {k: v for k, v in self._hooked.items() if v[0]() is not None}
+            handle = param.register_hook(lambda g, key=key: self._on_grad(key, g))
+            self._hooked[key] = (weakref.ref(param), handle)
 
     def _start(self) -> None:
         entries = list(reversed(self._pending.values()))

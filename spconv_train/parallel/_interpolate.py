@@ -1,217 +1,125 @@
-"""Width-sharded ``F.interpolate`` / ``nn.Upsample`` ("nearest", "nearest-exact", "bilinear").
+"""``F.interpolate`` / ``nn.Upsample`` on every layout: width strips, H x W tiles, volume
+blocks ("nearest", "nearest-exact" and the linear mode of the input's rank, "bilinear" or
+"trilinear", with ``align_corners`` either way; "area" is torch's adaptive average pool).
 
-Resizing an image strip by strip is only right if every output column takes its source
-coordinate from the *global* sizes: ``F.interpolate`` on a strip would use the strip's width
-and shift every coordinate. So the local op is not ``F.interpolate``: the resize is written
-as an index table plus weights per dimension, computed from the global sizes with PyTorch's
-own arithmetic (ATen ``UpSample.h``: ``area_pixel_compute_scale``, ``nearest_idx``,
-``compute_source_index_and_lambda``, in the same float precision and with the same special
-cases), and applied with ``index_select`` (nearest) or two ``index_select`` and a weighted
-sum (linear), width first and then height, in the order ATen's CPU kernel sums. Rank ``r``
-fetches the input columns its output chunk reads (a halo exchange) and applies the width
-table restricted to its chunk; autograd through ``index_select`` gives the backward.
+One implementation over the layout's sharded axes (``_tiles.layout_axes``). The resize is an
+index table plus weights per dimension from the global sizes (``_resize_plan.py``), applied
+width first, then height, then depth, in the order ATen's CPU kernel sums. Along a sharded
+dim a rank fetches the input columns its output chunk reads (``plan_resize``, one halo
+exchange over that dim's mesh dim, done on the result of the dims before it) and applies
+the table restricted to its chunk; autograd through ``index_select`` gives the backward. A
+spatially replicated input (e.g. DeepLab's pooled branch) is resized straight into this
+rank's output part: each rank reads its columns locally and its input gradient is only its
+part of the sum (``Partial`` on the spatial mesh dims).
 """
 
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 
-from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
+from ._geometry import SpatialShardingError
 from ._halo import gather_columns
+from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
+from ._resize_plan import _apply as _apply  # re-exported: the resize arithmetic's names
+from ._resize_plan import _local_table as _local_table
+from ._resize_plan import plan_resize
+from ._resize_plan import resize_sizes as resize_sizes
 from ._runtime import current_runtime
-from ._sharding import enter, leave, spatial_layout, width_sharded_placements
+from ._sharding import (
+    TILE_MESH_NAMES,
+    SpatialLayout,
+    enter,
+    leave,
+    run_unsharded,
+    spatial_layout,
+)
+from ._tiles import along, layout_axes
 
-MODES = ("nearest", "nearest-exact", "bilinear")
-
-
-def resize_sizes(
-    in_hw: tuple[int, int],
-    size,
-    scale_factor,
-    mode: str,
-    align_corners: bool | None,
-    recompute_scale_factor: bool | None,
-    what: str = "interpolate",
-) -> tuple[tuple[int, int], tuple[float | None, float | None]]:
-    """Output ``(H, W)`` and the scales ATen receives, following ``F.interpolate``'s rules:
-    a ``scale_factor`` (unless ``recompute_scale_factor``) gives ``floor(in * scale)`` and is
-    passed on, so the coordinate map uses ``1 / scale_factor`` rather than ``in / out``."""
-    if mode in ("nearest", "nearest-exact", "area") and align_corners is not None:
-        raise ValueError(
-            "align_corners option can only be set with the interpolating modes: "
-            "linear | bilinear | bicubic | trilinear"
-        )
-    if (size is None) == (scale_factor is None):
-        raise ValueError("exactly one of size or scale_factor should be defined")
-    if size is not None:
-        if recompute_scale_factor:
-            raise ValueError("recompute_scale_factor is not meaningful with an explicit size.")
-        out = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-        if len(out) != 2:
-            raise ValueError(f"{what}: size {size} must give 2 spatial sizes for NCHW input")
-        return (int(out[0]), int(out[1])), (None, None)
-    sf = tuple(scale_factor) if isinstance(scale_factor, (list, tuple)) else (scale_factor,) * 2
-    if len(sf) != 2:
-        raise ValueError(f"{what}: scale_factor {scale_factor} must give 2 factors for NCHW")
-    out_hw = (math.floor(in_hw[0] * float(sf[0])), math.floor(in_hw[1] * float(sf[1])))
-    if recompute_scale_factor:
-        return out_hw, (None, None)
-    return out_hw, (float(sf[0]), float(sf[1]))
-
-
-def _ratio(size_in: int, size_out: int, scale: float | None, dtype: torch.dtype) -> Tensor:
-    """ATen ``compute_scales_value``: ``1/scale`` when a scale was given, else in/out."""
-    if scale is not None and scale > 0:
-        return torch.tensor(1.0 / scale, dtype=dtype)
-    return torch.tensor(size_in, dtype=dtype) / torch.tensor(size_out, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def resize_table(
-    mode: str,
-    size_in: int,
-    size_out: int,
-    align_corners: bool,
-    scale: float | None,
-    double: bool = False,
-) -> tuple[Tensor, ...]:
-    """Global source table of one resized dimension, exactly as ATen's CPU kernel builds it.
-
-    "nearest"/"nearest-exact": ``(index,)``. "bilinear": ``(i0, i1, w0, w1)`` with output
-    ``j = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``. ``double``: the input is float64, for which
-    ATen computes scales and weights in float64 (float32 otherwise). Indices are
-    non-decreasing in ``j``.
-    """
-    j = torch.arange(size_out, dtype=torch.int64)
-    last = size_in - 1
-    opm = torch.float64 if double else torch.float32
-    if mode in ("nearest", "nearest-exact"):
-        # nearest_idx: two special cases, then floorf(j * scale) (nearest-exact:
-        # floorf((j + 0.5) * scale)); the scale and product are in the input's opmath type
-        # and the product is rounded to float32 before the floor (checked bit for bit).
-        if mode == "nearest" and size_out == size_in:
-            return (j,)
-        if mode == "nearest" and size_out == 2 * size_in:
-            return (j // 2,)
-        pos = j.to(opm) if mode == "nearest" else j.to(opm) + 0.5
-        src = torch.floor((pos * _ratio(size_in, size_out, scale, opm)).float())
-        return (src.long().clamp_max(last),)
-    if mode != "bilinear":
-        raise SpatialShardingError(f"interpolate mode {mode!r} has no index table")
-    if size_out == size_in:  # compute_source_index_and_lambda: "scale_factor = 1, copy"
-        return j, j, torch.ones(size_out, dtype=opm), torch.zeros(size_out, dtype=opm)
-    if align_corners:
-        ratio = (
-            torch.tensor(size_in - 1, dtype=opm) / torch.tensor(size_out - 1, dtype=opm)
-            if size_out > 1
-            else torch.tensor(0.0, dtype=opm)
-        )
-        real = ratio * j.to(opm)
-    else:
-        # ATen's float32 ``ratio * (j + 0.5) - 0.5`` is compiled into one fused multiply-add
-        # (one rounding; two would shift the weights, visibly on wide images):
-        # the product is exact in float64, so computing there and rounding once matches.
-        ratio = _ratio(size_in, size_out, scale, opm)
-        real = (ratio.double() * (j.double() + 0.5) - 0.5).to(opm).clamp_min(0)
-    # guard_index_and_lambda floors with floorf: a float64 index is rounded to float first.
-    i0 = torch.floor(real.float()).long().clamp_max(last)
-    w1 = (real - i0.to(opm)).clamp(0, 1)
-    return i0, i0 + (i0 < last).long(), 1 - w1, w1
-
-
-@dataclass(frozen=True)
-class ResizePlan:
-    """Which input columns every rank reads to produce its chunk of the resized width."""
-
-    exchange: ExchangePlan
-    out_width: int
-    out_bounds: tuple[Interval, ...]
-    #: per rank: first global input column of its fetched window
-    starts: tuple[int, ...]
+#: the linear mode of each tensor rank (its 1-D table is the "bilinear" one, per dim)
+LINEAR = {3: "linear", 4: "bilinear", 5: "trilinear"}
+#: torch's adaptive average pool of each tensor rank ("area" mode is exactly that)
+_AREA = {4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_resize(
-    what: str,
-    width: int,
-    out_width: int,
-    parts: int,
-    mode: str,
-    align_corners: bool,
-    scale: float | None,
-    double: bool = False,
-    sharded: bool = True,
-) -> ResizePlan:
-    """Plan the width resize ``width -> out_width`` over ``parts`` ranks (output strips follow
-    DTensor chunking; a rank may get none when ``out_width < parts``). ``sharded=False``:
-    the input is replicated, every rank reads its columns locally (no neighbour check)."""
-    table = resize_table(mode, width, out_width, align_corners, scale, double)
-    first, last = table[0], table[1] if len(table) > 1 else table[0]
-    out_bounds = tuple(all_shard_bounds(out_width, parts))
-    needed, starts = [], []
-    for o0, o1 in out_bounds:
-        if o0 < o1:
-            lo, hi = int(first[o0]), int(last[o1 - 1]) + 1
-            needed.append(((lo, hi),))
-            starts.append(lo)
-        else:
-            needed.append(())
-            starts.append(0)
-    plan = ExchangePlan(width, tuple(all_shard_bounds(width, parts)), tuple(needed))
-    if sharded:
-        plan.check_neighbours(what)
-    return ResizePlan(plan, out_width, out_bounds, tuple(starts))
+def _geometry(in_sizes, size, scale_factor, mode, align_corners, recompute, what):
+    """``resize_sizes`` plus the empty-output check, once per call geometry."""
+    out, scales = resize_sizes(in_sizes, size, scale_factor, mode, align_corners, recompute, what)
+    if min(out) < 1:
+        raise SpatialShardingError(
+            f"{what}: output size {out} of input {in_sizes} is empty; torch rejects it."
+        )
+    return out, scales
 
 
-def _is_identity(table: tuple[Tensor, ...], size_in: int) -> bool:
-    """Whether a global table maps every output index to the same input index, weight 1."""
-    idx = table[0]
-    if idx.numel() != size_in or not torch.equal(idx, torch.arange(size_in)):
-        return False
-    return len(table) == 1 or not bool(table[3].any())
+def _hashable(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
-@functools.lru_cache(maxsize=1024)
-def _local_table(
-    mode: str,
-    size_in: int,
-    size_out: int,
-    align_corners: bool,
-    scale: float | None,
-    o0: int,
-    o1: int,
-    start: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[Tensor, ...] | None:
-    """Rows ``[o0, o1)`` of a resize table, indices shifted by ``start``, on ``device``;
-    ``None`` when the table is the identity (nothing to do)."""
-    table = resize_table(mode, size_in, size_out, align_corners, scale, dtype == torch.float64)
-    if _is_identity(table, size_in):
+def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...]:
+    """Where a spatially replicated input's resize output goes: the tiles of a tile mesh
+    (``sp_d`` -> D, ``sp_h`` -> H, ``sp_w`` -> W), width strips of an image on a strip
+    mesh, nowhere (stays replicated) for a volume on a strip mesh."""
+    names = layout.mesh.mesh_dim_names or ()
+    axes = tuple(
+        (i + ndim - 3, names.index(n))
+        for i, n in enumerate(TILE_MESH_NAMES)
+        if n in names and i + ndim - 3 >= 2
+    )
+    if len(axes) > 1:
+        return axes
+    return ((3, layout.sp_dim),) if ndim == 4 else ()
+
+
+def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, what):
+    """The resize of ``x`` over its layout's sharded axes (or, replicated, into the parts of
+    ``_replicated_axes``), last spatial dim first; ``mode`` is a table mode."""
+    replicated = not layout_axes(layout)
+    axes = _replicated_axes(layout, x.ndim) if replicated else layout_axes(layout)
+    if not axes:
         return None
-    idx = [t[o0:o1] - start for t in table[:2]]
-    weights = [t[o0:o1].to(dtype) for t in table[2:]]
-    return tuple(t.to(device) for t in (*idx, *weights))
-
-
-def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
-    """Resize dimension ``dim`` of ``t`` with a (local) table: gather, or a weighted sum."""
-    if len(table) == 1:
-        return t.index_select(dim, table[0])
-    i0, i1, w0, w1 = table
-    shape = [1] * t.ndim
-    shape[dim] = -1
-    # ATen sums t0 * w0 + t1 * w1 with the width innermost: the same order (equal to ~1 ulp;
-    # the compiler may fuse ATen's multiply-add).
-    return t.index_select(dim, i0) * w0.view(shape) + t.index_select(dim, i1) * w1.view(shape)
+    mesh, by_dim = layout.mesh, dict(axes)
+    grad_pl = list(layout.placements)
+    for _, m in axes:
+        grad_pl[m] = Partial()
+    y = enter(x, tuple(grad_pl) if replicated else None)
+    double = x.dtype == torch.float64
+    for d in range(x.ndim - 1, 1, -1):
+        n_out, scale = out_sizes[d - 2], scales[d - 2]
+        o0, o1, start = 0, n_out, 0
+        if d in by_dim:
+            m = by_dim[d]
+            parts, rank = mesh.size(m), mesh.get_local_rank(m)
+            rp = plan_resize(
+                what, x.shape[d], n_out, parts, mode, align, scale, double, not replicated
+            )
+            if replicated:
+                needed = rp.exchange.needed[rank]
+                lo, hi = needed[0] if needed else (0, 0)
+                y = y.narrow(d, lo, hi - lo)
+            else:
+                # Every rank takes part in the exchange, even one with no output columns:
+                # others may need its columns, and its backward sends their gradients back.
+                ex, group = rp.exchange, mesh.get_group(m)
+                y = along(y, d, lambda t, e=ex, r=rank, g=group: gather_columns(t, e, r, g))
+            (o0, o1), start = rp.out_bounds[rank], rp.starts[rank]
+        table = _local_table(
+            mode, x.shape[d], n_out, align, scale, o0, o1, start, x.dtype, y.device
+        )
+        if table is not None:
+            y = _apply(y, d, table)
+    pl = list(layout.placements)
+    for d, m in axes:
+        pl[m] = Shard(d)
+    out = SpatialLayout(mesh, tuple(pl), layout.sp_dim)
+    return leave(y, out, (x.shape[0], x.shape[1], *out_sizes))
 
 
 def spatial_interpolate(
@@ -224,87 +132,47 @@ def spatial_interpolate(
     antialias: bool = False,
     what: str = "interpolate",
 ):
-    """``F.interpolate`` of a width-sharded NCHW DTensor; same result as on the whole
-    tensor. Supports "nearest", "nearest-exact" and "bilinear" (align_corners either way),
-    ``size`` or ``scale_factor`` and ``recompute_scale_factor``; "area" runs through the
-    registered spatial ``adaptive_avg_pool2d`` if there is one (exactly what torch does)."""
-    if x.ndim == 5:  # NCDHW volume: _interpolate3d.py
-        from ._interpolate3d import spatial_interpolate3d
-
-        args = (size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
-        return spatial_interpolate3d(x, *args, what=what)
+    """``F.interpolate`` of a sharded DTensor (an NCHW image or NCDHW volume on any
+    layout); same values and input gradient as on the whole tensor. Supports "nearest",
+    "nearest-exact" and the rank's linear mode (align_corners either way), ``size`` or
+    ``scale_factor`` and ``recompute_scale_factor``; "area" runs through the registered
+    spatial adaptive average pool (exactly what torch does)."""
+    key = (tuple(x.shape[2:]), _hashable(size), _hashable(scale_factor))
+    linear = LINEAR.get(x.ndim)
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
-        out_hw, _ = resize_sizes(
-            tuple(x.shape[2:]), size, scale_factor, mode, align_corners, recompute, what
-        )
-        return _area(x, out_hw, what)
-    if mode not in MODES or antialias:
+        out, _ = _geometry(*key, mode, align_corners, recompute, what)
+        return _area(x, out, what)
+    if mode not in ("nearest", "nearest-exact", linear) or antialias:
+        kind = "volume" if x.ndim == 5 else "image"
+        area = _AREA.get(x.ndim, F.adaptive_avg_pool2d).__name__
         raise SpatialShardingError(
             f"{what}: interpolate mode={mode!r}{' with antialias' if antialias else ''} is not "
-            f"supported on a width-sharded image (supported: {', '.join(MODES)}, and 'area' "
-            f"via adaptive_avg_pool2d). Use one of those, or gather explicitly (x.full_tensor())."
+            f"supported on a sharded {kind} (supported: nearest, nearest-exact, {linear}, and "
+            f"'area' via {area}). Use one of those, or gather explicitly (x.full_tensor())."
         )
-    x, layout = spatial_layout(x, what, tiles=True)
-    align = bool(align_corners) if mode == "bilinear" else False
-    if mode == "bilinear" and align_corners is None:
+    x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
+    if mode == linear and align_corners is None:
         align_corners = False
-    (h, w) = x.shape[2], x.shape[3]
-    (out_h, out_w), (scale_h, scale_w) = resize_sizes(
-        (h, w), size, scale_factor, mode, align_corners, recompute_scale_factor, what
-    )
-    if out_h < 1 or out_w < 1:
-        raise SpatialShardingError(
-            f"{what}: output size {(out_h, out_w)} of input {(h, w)} is empty; torch rejects it."
-        )
-    if layout.is_tile:
-        from ._tiles_ops import tile_interpolate  # imports this module
-
-        return tile_interpolate(x, layout, (out_h, out_w), (scale_h, scale_w), mode, align, what)
-    if not layout.width_sharded and "sp_h" in (layout.mesh.mesh_dim_names or ()):
-        from ._tiles_ops import tile_interpolate_replicated
-
-        args = ((out_h, out_w), (scale_h, scale_w), mode, align, what)
-        return tile_interpolate_replicated(x, layout, *args)
-    double = x.dtype == torch.float64
-    sharded = layout.width_sharded
-    rp = plan_resize(what, w, out_w, layout.sp_size, mode, align, scale_w, double, sharded)
-    rank = layout.sp_rank
-    o0, o1 = rp.out_bounds[rank]
-    if sharded:
-        # Every rank takes part in the exchange, even one with no output columns: others
-        # may need its columns, and its backward must send their gradients back.
-        y = gather_columns(enter(x), rp.exchange, rank, layout.sp_group)
-    else:
-        # A width-replicated input (e.g. DeepLab's pooled branch) is resized straight into
-        # this rank's output strip; each rank's input gradient is then only its part of the
-        # sum, so it is labelled Partial on the sp dimension.
-        grad_pl = list(layout.placements)
-        grad_pl[layout.sp_dim] = Partial()
-        needed = rp.exchange.needed[rank]
-        lo, hi = needed[0] if needed else (0, 0)
-        y = enter(x, tuple(grad_pl)).narrow(-1, lo, hi - lo)
-        layout = replace(layout, placements=width_sharded_placements(layout))
-    for dim, n_in, n_out, scale, lo, hi, start in (
-        (3, w, out_w, scale_w, o0, o1, rp.starts[rank]),  # width first, as ATen sums
-        (2, h, out_h, scale_h, 0, out_h, 0),
-    ):
-        key = (mode, n_in, n_out, align, scale, lo, hi, start, x.dtype, y.device)
-        table = _local_table(*key)
-        if table is not None:
-            y = _apply(y, dim, table)
-    return leave(y, layout, (x.shape[0], x.shape[1], out_h, out_w))
+    out, scales = _geometry(*key, mode, align_corners, recompute_scale_factor, what)
+    table_mode = "bilinear" if mode == linear else mode  # the same 1-D linear table
+    y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)
+    if y is None:  # a replicated volume on a strip mesh: the plain op, output replicated
+        args = (size, scale_factor, mode, align_corners, recompute_scale_factor)
+        return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
+    return y
 
 
-def _area(x, out_hw: tuple[int, int], what: str):
-    """``mode='area'`` is ``adaptive_avg_pool2d`` in torch: use its spatial handler if any."""
-    handler = current_runtime().registry.handler(torch.nn.functional.adaptive_avg_pool2d)
+def _area(x, out_sizes: tuple[int, ...], what: str):
+    """``mode='area'`` is torch's adaptive average pool: use its spatial handler if any."""
+    fn = _AREA.get(x.ndim, F.adaptive_avg_pool2d)
+    handler = current_runtime().registry.handler(fn)
     if handler is None:
         raise SpatialShardingError(
-            f"{what}: interpolate mode='area' is adaptive_avg_pool2d, which has no spatial "
+            f"{what}: interpolate mode='area' is {fn.__name__}, which has no spatial "
             f"implementation registered. Use 'bilinear'/'nearest', or gather explicitly."
         )
-    return handler(x, out_hw)
+    return handler(x, out_sizes)
 
 
 class _SpatialUpsampleMixin:
@@ -315,34 +183,28 @@ class _SpatialUpsampleMixin:
     def forward(self, input: Tensor) -> Tensor:
         if not isinstance(input, DTensor):
             return super().forward(input)
-        return spatial_interpolate(
-            input,
-            self.size,
-            self.scale_factor,
-            self.mode,
-            self.align_corners,
-            self.recompute_scale_factor,
-            what=f"{self.spatial_name or '<module>'} ({self!r})",
-        )
+        args = (self.size, self.scale_factor, self.mode, self.align_corners)
+        rc = self.recompute_scale_factor
+        return spatial_interpolate(input, *args, rc, what=module_label(self))
 
 
 @register_spatial_module(nn.Upsample)
 class SpatialUpsample(_SpatialUpsampleMixin, nn.Upsample):
-    """``nn.Upsample`` that resizes a width-sharded ``Shard(3)`` DTensor strip by strip with
-    global coordinates (``parallelize`` swaps it in place; plain tensors run as usual)."""
+    """``nn.Upsample`` that resizes a sharded DTensor part by part with global coordinates
+    (``parallelize`` swaps it in place; plain tensors run as usual)."""
 
 
 @register_spatial_module(nn.UpsamplingNearest2d)
 class SpatialUpsamplingNearest2d(_SpatialUpsampleMixin, nn.UpsamplingNearest2d):
-    """``nn.UpsamplingNearest2d`` on a width-sharded DTensor (see ``SpatialUpsample``)."""
+    """``nn.UpsamplingNearest2d`` on a sharded DTensor (see ``SpatialUpsample``)."""
 
 
 @register_spatial_module(nn.UpsamplingBilinear2d)
 class SpatialUpsamplingBilinear2d(_SpatialUpsampleMixin, nn.UpsamplingBilinear2d):
-    """``nn.UpsamplingBilinear2d`` on a width-sharded DTensor (see ``SpatialUpsample``)."""
+    """``nn.UpsamplingBilinear2d`` on a sharded DTensor (see ``SpatialUpsample``)."""
 
 
-@register_handler(torch.nn.functional.interpolate)
+@register_handler(F.interpolate)
 def _functional_interpolate(
     input,
     size=None,
@@ -353,13 +215,5 @@ def _functional_interpolate(
     antialias=False,
 ):
     """``F.interpolate`` called from model code (or by ``nn.Upsample``) on a sharded input."""
-    return spatial_interpolate(
-        input,
-        size,
-        scale_factor,
-        mode,
-        align_corners,
-        recompute_scale_factor,
-        antialias,
-        what="F.interpolate",
-    )
+    args = (size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
+    return spatial_interpolate(input, *args, what="F.interpolate")

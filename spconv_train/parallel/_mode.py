@@ -9,7 +9,9 @@ DTensor's own handling of them on ``Shard(3)`` either gathers the whole activati
 silently wrong (see ``docs/halo.md``). Everything else passes through unchanged.
 
 ``register_handler(*functions)`` is THE registration API: each op module declares its own
-handlers, keyed by the function objects (``_registry.py``).
+handlers, keyed by the function objects (``_registry.py``); ``install()`` (``_install.py``)
+imports the op modules and applies the default refusals; ``parallelize`` and ``SpatialMode()``
+call it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ._compile import eager_from_eager, run_eagerly, traced_dtensor_op
 from ._geometry import SpatialShardingError
+from ._install import install
 from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
 
@@ -62,6 +64,11 @@ class SpatialMode(TorchFunctionMode):
 
     def __init__(self, runtime: SpatialRuntime | None = None) -> None:
         super().__init__()
+        if runtime is None:
+            # the built-in handlers (explicit, idempotent: _install.py); a runtime passed in
+            # comes from ``parallelize``, which installed them (and a call here would make
+            # Dynamo compile one more frame where a compiled forward enters the mode)
+            install()
         self.runtime = runtime or current_runtime()
         self._active = None
 
@@ -95,56 +102,3 @@ class SpatialMode(TorchFunctionMode):
             # (see _compile.py)
             return run_eagerly(func, *args, **kwargs)
         return func(*args, **kwargs)
-
-
-def _named(name: str) -> list[Callable]:
-    """The distinct ``F``/``torch``/``torch._C._nn`` functions called ``name`` (only to build
-    the default refusal table below)."""
-    found = {}
-    for ns in (F, torch, torch._C._nn):
-        fn = getattr(ns, name, None)
-        if fn is not None:
-            found[id(fn)] = fn
-    return list(found.values())
-
-
-# Ops that DTensor would run by gathering the width or that would be wrong on strips; each
-# op module registers a handler for those it implements.
-for _name in (
-    "conv1d",
-    "conv3d",
-    "conv_transpose1d",
-    "conv_transpose2d",
-    "conv_transpose3d",
-    "max_pool1d",
-    "max_pool2d",
-    "max_pool2d_with_indices",
-    "avg_pool2d",
-    "lp_pool2d",
-    "adaptive_avg_pool2d",
-    "adaptive_max_pool2d",
-    "adaptive_max_pool2d_with_indices",
-    "fractional_max_pool2d",
-    "interpolate",
-    "grid_sample",
-    "affine_grid",
-    "batch_norm",
-    "group_norm",
-    "instance_norm",
-    "layer_norm",
-    "local_response_norm",
-    "pad",
-    "unfold",
-    "fold",
-    "pixel_shuffle",
-    "pixel_unshuffle",
-    "cross_entropy",
-    "nll_loss",
-    "embedding",
-):
-    refuse_handler(
-        *_named(_name),
-        reason="no spatial implementation (it would gather the whole image or mix strips "
-        "wrongly). Use a supported layer, or run this part of the model on a gathered tensor "
-        "explicitly (x.full_tensor()).",
-    )

@@ -1,16 +1,18 @@
-"""Width-sharded normalisation: ``BatchNorm2d`` (and ``SyncBatchNorm``), ``GroupNorm``,
-``InstanceNorm2d`` and their functional forms.
+"""Sharded normalisation on every layout (strips, tiles, volume blocks):
+``BatchNorm2d``/``BatchNorm3d`` (and ``SyncBatchNorm``), ``GroupNorm``,
+``InstanceNorm2d``/``InstanceNorm3d`` and their functional forms.
 
-No halo, only statistics: each rank sums its strip, the small sums are all-reduced over the
-ranks holding other parts of the same statistic, and the strip is normalised with the global
+No halo, only statistics: each rank sums its part, the small sums are all-reduced over the
+ranks holding other parts of the same statistic, and each part is normalised with the global
 values. Batch norm: one statistic per channel over the global batch and image, reduced over
-``layout.stat_groups`` (width and data parallel, like SyncBatchNorm); group and instance
-norm: per sample, reduced over the spatial group only. Each rank's moments are two-pass
-(its mean, then squared deviations from it) and merged exactly across ranks in one
-collective, so large means cost no digits. The backward is the
-analytic one with its two sums reduced the same way. Batch norm's affine gradients travel
-in that same all-reduce (its groups are the gradient groups), so they are reduced once; group
-and instance norm's (on a (dp, sp) mesh) are local partial sums completed by
+``layout.stat_groups`` (every spatial and data-parallel mesh dim, like SyncBatchNorm); group
+and instance norm: per sample, reduced over the spatial mesh dims only. The statistics only
+count elements, so one implementation serves every spatial rank and layout. Each rank's
+moments are two-pass (its mean, then squared deviations from it) and merged exactly across
+ranks in one collective, so large means cost no digits. The backward is the analytic one
+with its two sums reduced the same way. Batch norm's affine gradients travel in that same
+all-reduce (its groups are the gradient groups), so they are reduced once; group and
+instance norm's (on a (dp, sp) mesh) are local partial sums completed by
 ``sum_grad_over``. Running statistics follow torch exactly and are identical on every rank
 (all compute them from the same reduced sums). The arithmetic is in ``_norm_stats.py``.
 """
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced
 from ._halo import sum_grad_over
+from ._label import module_label
 from ._mode import register_handler
 from ._norm_stats import _all_reduce, _Cells, _moments, _Normalize
 from ._parallelize import register_spatial_module
@@ -37,22 +40,27 @@ def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
 
 
 def _layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
-    """``spatial_layout`` of an NCHW image or an NCDHW volume (``_volume.py``)."""
+    """``spatial_layout`` of an NCHW image or an NCDHW volume, on any layout."""
     return spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
 
 
 def _as_nchw(shape) -> tuple[int, int, int, int]:
-    """``(N, C, H, W)``, or ``(N, C, D*H, W)`` for a volume: statistics only count elements."""
-    return (*shape[:2], shape[2] * shape[3], shape[4]) if len(shape) == 5 else tuple(shape)
+    """The 4-D view the statistics run on, for any spatial rank: ``(N, C, H, W)`` of an
+    image, ``(N, C, D*H, W)`` of a volume, ``(N, C, 1, L)`` of a signal (statistics only
+    count elements)."""
+    rows = 1
+    for n in shape[2:-1]:
+        rows *= n
+    return (shape[0], shape[1], rows, shape[-1])
 
 
 @not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
 def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, eps: float):
-    """Normalise the local strip of ``x`` with global statistics ``cells``; returns the
+    """Normalise the local part of ``x`` with global statistics ``cells``; returns the
     output DTensor and the statistics (mean, biased variance)."""
     local = enter(x)
     shape = local.shape
-    if local.ndim == 5:  # a volume: the same statistics on a 4-D view of its block
+    if local.ndim != 4:  # the same statistics on a 4-D view of the local part
         local = local.reshape(_as_nchw(shape))
     mean, var = _moments(local.detach(), cells)
     groups = layout.grad_groups
@@ -88,8 +96,8 @@ def spatial_batch_norm(
     eps: float = 1e-5,
     what: str = "batch_norm",
 ) -> DTensor:
-    """``F.batch_norm`` of a width-sharded DTensor: in training, statistics over the whole
-    global batch and image (reduced over the width and data-parallel ranks) and the running
+    """``F.batch_norm`` of a sharded DTensor: in training, statistics over the whole
+    global batch and image (reduced over the spatial and data-parallel ranks) and the running
     statistics updated in place exactly as torch does, identically on every rank."""
     x, layout = _layout(x, what)
     n, c, h, w = _as_nchw(x.shape)
@@ -116,7 +124,7 @@ def spatial_group_norm(
     eps: float = 1e-5,
     what: str = "group_norm",
 ) -> DTensor:
-    """``F.group_norm`` of a width-sharded DTensor: per sample and group, statistics over
+    """``F.group_norm`` of a sharded DTensor: per sample and group, statistics over
     its channels and the whole image (reduced over the spatial group only)."""
     x, layout = _layout(x, what)
     n, c, h, w = _as_nchw(x.shape)
@@ -144,7 +152,7 @@ def spatial_instance_norm(
     eps: float = 1e-5,
     what: str = "instance_norm",
 ) -> DTensor:
-    """``F.instance_norm`` of a width-sharded DTensor: per sample and channel, statistics
+    """``F.instance_norm`` of a sharded DTensor: per sample and channel, statistics
     over the whole image. Running statistics (when given) are updated like torch's: with the
     batch average of the per-sample mean and unbiased variance, over the global batch."""
     x, layout = _layout(x, what)
@@ -170,13 +178,8 @@ def spatial_instance_norm(
     return y
 
 
-def _label(module: nn.Module) -> str:
-    base = next(c for c in type(module).__mro__ if c.__module__.startswith("torch."))
-    return f"{module.spatial_name or '<module>'} ({base.__name__}({module.extra_repr()}))"
-
-
 class _SpatialBatchNorm:
-    """``_BatchNorm.forward`` (torch 2.14) with the width-sharded functional."""
+    """``_BatchNorm.forward`` (torch 2.14) with the sharded functional."""
 
     spatial_name: str = ""
 
@@ -193,38 +196,44 @@ class _SpatialBatchNorm:
         keep = not self.training or self.track_running_stats  # running stats to use or update
         rm, rv = (self.running_mean, self.running_var) if keep else (None, None)
         w, b = self.weight, self.bias
-        return spatial_batch_norm(x, rm, rv, w, b, batch_stats, factor, self.eps, _label(self))
+        what = module_label(self)
+        return spatial_batch_norm(x, rm, rv, w, b, batch_stats, factor, self.eps, what)
 
 
 @register_spatial_module(nn.BatchNorm2d)
 class SpatialBatchNorm2d(_SpatialBatchNorm, nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` on a width-sharded input: batch statistics over the whole global
+    """``nn.BatchNorm2d`` on a sharded input: batch statistics over the whole global
     batch and image, as SyncBatchNorm over the mesh. Plain tensors run the ordinary layer."""
+
+
+@register_spatial_module(nn.BatchNorm3d)
+class SpatialBatchNorm3d(_SpatialBatchNorm, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` on a sharded volume: statistics over the whole global batch and
+    volume (reduced over the spatial and data-parallel ranks)."""
 
 
 @register_spatial_module(nn.SyncBatchNorm)
 class SpatialSyncBatchNorm(_SpatialBatchNorm, nn.SyncBatchNorm):
-    """``nn.SyncBatchNorm`` on a width-sharded input: synchronised over the input's mesh
-    (width and data-parallel dimensions); its ``process_group`` is not used."""
+    """``nn.SyncBatchNorm`` on a sharded input: synchronised over the input's mesh
+    (spatial and data-parallel dimensions); its ``process_group`` is not used."""
 
 
 @register_spatial_module(nn.GroupNorm)
 class SpatialGroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` on a width-sharded input (statistics reduced over the width)."""
+    """``nn.GroupNorm`` on a sharded image or volume (statistics reduced over the spatial
+    mesh dims)."""
 
     spatial_name: str = ""
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, DTensor):
             return super().forward(x)
-        return spatial_group_norm(
-            x, self.num_groups, self.weight, self.bias, self.eps, _label(self)
-        )
+        what = module_label(self)
+        return spatial_group_norm(x, self.num_groups, self.weight, self.bias, self.eps, what)
 
 
-@register_spatial_module(nn.InstanceNorm2d)
-class SpatialInstanceNorm2d(nn.InstanceNorm2d):
-    """``nn.InstanceNorm2d`` on a width-sharded input (statistics reduced over the width)."""
+class _SpatialInstanceNorm:
+    """``_InstanceNorm`` with the sharded functional for DTensor inputs (any spatial rank)."""
 
     spatial_name: str = ""
 
@@ -234,7 +243,18 @@ class SpatialInstanceNorm2d(nn.InstanceNorm2d):
         batch_stats = self.training or not self.track_running_stats
         momentum = self.momentum if self.momentum is not None else 0.0
         rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
-        return spatial_instance_norm(x, rm, rv, w, b, batch_stats, momentum, self.eps, _label(self))
+        what = module_label(self)
+        return spatial_instance_norm(x, rm, rv, w, b, batch_stats, momentum, self.eps, what)
+
+
+@register_spatial_module(nn.InstanceNorm2d)
+class SpatialInstanceNorm2d(_SpatialInstanceNorm, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` on a sharded input (statistics reduced over the spatial ranks)."""
+
+
+@register_spatial_module(nn.InstanceNorm3d)
+class SpatialInstanceNorm3d(_SpatialInstanceNorm, nn.InstanceNorm3d):
+    """``nn.InstanceNorm3d`` on a sharded volume (statistics reduced over the spatial ranks)."""
 
 
 # The functional handlers: ``F.*_norm`` and ``torch.*_norm`` are different functions with
@@ -251,7 +271,7 @@ def _functional_batch_norm(
     momentum=0.1,
     eps=1e-5,
 ):
-    """``F.batch_norm`` on a width-sharded input."""
+    """``F.batch_norm`` on a sharded input."""
     args = (running_mean, running_var, weight, bias, training, momentum, eps)
     return spatial_batch_norm(input, *args, what="F.batch_norm")
 
@@ -260,7 +280,7 @@ def _functional_batch_norm(
 def _torch_batch_norm(
     input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
 ):
-    """``torch.batch_norm`` on a width-sharded input."""
+    """``torch.batch_norm`` on a sharded input."""
     args = (running_mean, running_var, weight, bias, training, momentum, eps)
     return spatial_batch_norm(input, *args, what="torch.batch_norm")
 
@@ -276,7 +296,7 @@ def _functional_instance_norm(
     momentum=0.1,
     eps=1e-5,
 ):
-    """``F.instance_norm`` on a width-sharded input."""
+    """``F.instance_norm`` on a sharded input."""
     args = (running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
     return spatial_instance_norm(input, *args, what="F.instance_norm")
 
@@ -293,12 +313,12 @@ def _torch_instance_norm(
     eps,
     cudnn_enabled,
 ):
-    """``torch.instance_norm`` on a width-sharded input."""
+    """``torch.instance_norm`` on a sharded input."""
     args = (running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
     return spatial_instance_norm(input, *args, what="torch.instance_norm")
 
 
 @register_handler(F.group_norm, torch.group_norm)  # same leading arguments
 def _functional_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
-    """``F.group_norm`` (or ``torch.group_norm``) on a width-sharded input."""
+    """``F.group_norm`` (or ``torch.group_norm``) on a sharded input."""
     return spatial_group_norm(input, num_groups, weight, bias, eps, "F.group_norm")

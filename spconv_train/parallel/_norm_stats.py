@@ -1,6 +1,6 @@
-"""The arithmetic of width-sharded normalisation (``_norm.py`` holds the layers).
+"""The arithmetic of sharded normalisation on every layout (``_norm.py`` holds the layers).
 
-Statistics: each rank takes the moments of its own strip and the parts are merged exactly
+Statistics: each rank takes the moments of its own part and the parts are merged exactly
 across ranks in one collective (``_moments``). ``_Normalize`` applies them and runs the
 analytic backward, whose sums are reduced the same way; batch statistics in the input's
 dtype run on torch's fused batch-norm kernels (``_fused``).
@@ -59,7 +59,7 @@ def _hw(t: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
-    """Global mean and biased variance of every statistic, from the local strip ``x``.
+    """Global mean and biased variance of every statistic, from the local part ``x`` (a 4-D view).
 
     Each rank takes the two-pass moments of its own part (mean, then squared deviations
     from it: no sum-of-squares cancellation for large means), and the parts are merged
@@ -113,7 +113,7 @@ class _Normalize(torch.autograd.Function):
     forward is ``batch_norm`` in its inference form with the global statistics, the
     backward's local sums are ``native_batch_norm_backward``'s affine gradients
     (``sum(dy * xhat)``, ``sum(dy)``), and ``dx`` is one more inference-form ``batch_norm``
-    plus one ``addcmul``: three passes over the strip instead of about ten."""
+    plus one ``addcmul``: three passes over the local part instead of about ten."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, var, eps, cells: _Cells, reduce_affine=False):

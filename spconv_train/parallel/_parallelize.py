@@ -18,8 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._compile import not_traced, run_eagerly
+from ._dims import SP
 from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
+from ._install import install
 from ._mode import SpatialMode
 from ._runtime import SpatialOptions, SpatialRuntime
 from ._sharding import TILE_MESH_NAMES
@@ -104,13 +106,13 @@ def _sp_mesh_dim(mesh: DeviceMesh) -> int:
     tile_dims = [names.index(n) for n in TILE_MESH_NAMES if names and n in names]
     if len(tile_dims) > 1:  # H x W tiles (_tiles.py), volumes over 2-3 of D, H, W
         return tile_dims[-1]
-    if not names or "sp" not in names:
+    if not names or SP not in names:
         raise SpatialShardingError(
             f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
             f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
             f"'sp_h', 'sp_w' for volumes), got {names}"
         )
-    return names.index("sp")
+    return names.index(SP)
 
 
 def _refusals(model: nn.Module) -> list[str]:
@@ -144,6 +146,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     changing anything; ``TypeError`` for an unknown option.
     """
     opts = SpatialOptions.from_kwargs("parallelize", **options)
+    install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
     _sp_mesh_dim(mesh)
     problems = _refusals(model)
     if problems:

@@ -15,6 +15,7 @@ on the autograd context).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 from collections.abc import Iterator
@@ -142,23 +143,35 @@ class SpatialRuntime:
 
 
 _DEFAULT_RUNTIME = SpatialRuntime()
-_ACTIVE: list[SpatialRuntime] = []
+#: The active runtimes (innermost last) in a context variable: each thread has its own
+#: stack, so a model running in one thread never makes another thread's ops count into its
+#: stats. The variable is set once per thread and the stack mutated in place: Dynamo traces
+#: list mutations but graph-breaks on ``ContextVar.set`` (torch 2.14), and ``SpatialMode``'s
+#: entry is traced where a compiled forward resumes after a graph break.
+_STACK: contextvars.ContextVar[list[SpatialRuntime] | None] = contextvars.ContextVar(
+    "spconv_train_spatial_runtimes", default=None
+)
 
 
 def current_runtime() -> SpatialRuntime:
-    """The runtime of the parallelized model whose forward is running (the process-wide
-    default runtime outside one)."""
-    return _ACTIVE[-1] if _ACTIVE else _DEFAULT_RUNTIME
+    """The runtime of the parallelized model whose forward is running in this thread (the
+    process-wide default runtime outside one)."""
+    stack = _STACK.get()
+    return stack[-1] if stack else _DEFAULT_RUNTIME
 
 
 @contextlib.contextmanager
 def activate(runtime: SpatialRuntime) -> Iterator[SpatialRuntime]:
-    """Make ``runtime`` current inside the ``with`` block (nests)."""
-    _ACTIVE.append(runtime)
+    """Make ``runtime`` current in this thread inside the ``with`` block (nests)."""
+    stack = _STACK.get()
+    if stack is None:  # inline, not a helper: each Python frame here costs Dynamo a frame
+        stack = []
+        _STACK.set(stack)
+    stack.append(runtime)
     try:
         yield runtime
     finally:
-        _ACTIVE.pop()
+        stack.pop()
 
 
 def runtime_of(model: nn.Module) -> SpatialRuntime:

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._dims import GRID_MESH_DIMS, SP
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 
@@ -32,7 +33,7 @@ SPATIAL_DIMS_BY_NDIM = {4: (2, 3), 5: (2, 3, 4)}
 #: Mesh dim names of a multi-dim spatial mesh: images ``(sp_h, sp_w)``; volumes any two or
 #: three of ``(sp_d, sp_h, sp_w)`` (``sp_d`` shards D, ``sp_h`` H, ``sp_w`` W), optionally
 #: after a ``dp`` dim. The layout itself is read off the placements, not the names.
-TILE_MESH_NAMES = ("sp_d", "sp_h", "sp_w")
+TILE_MESH_NAMES = GRID_MESH_DIMS
 
 
 def sharded_dim(placement) -> int | None:
@@ -167,7 +168,7 @@ def spatial_layout(
     sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
-        sp = next((names.index(n) for n in ("sp", *TILE_MESH_NAMES[::-1]) if n in names), None)
+        sp = next((names.index(n) for n in (SP, *TILE_MESH_NAMES[::-1]) if n in names), None)
         sp = 0 if sp is None and x.device_mesh.ndim == 1 else sp
         # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
         tiles_replicated = all(

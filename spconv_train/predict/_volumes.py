@@ -26,7 +26,7 @@ from spconv_train.data import AXES, DataError, check_mask_values, stitch_grid
 from spconv_train.data.base import bad_file
 from spconv_train.data.normalize import scale_by_dtype
 from spconv_train.data.volume_folder import _open, volume_header
-from spconv_train.parallel import SpatialShardingError
+from spconv_train.parallel import ParallelDims, SpatialShardingError
 from spconv_train.train.mesh_coords import to_dtensor
 from spconv_train.train.val_check import is_geometry_error
 from spconv_train.train.volume_feed import block_bounds, shard_axis
@@ -65,7 +65,7 @@ class VolumePredictor:
         # numbered row-major): one axis (parallel.shard_dim), or a block grid [d, h, w]
         dims = grid_mesh_dims(cfg)
         if dims:
-            self.splits = [(("sp_d", "sp_h", "sp_w").index(n), k) for n, k in dims.items()]
+            self.splits = [(ParallelDims.GRID.index(n), k) for n, k in dims.items()]
         else:
             self.splits = [(shard_axis(cfg), self.sp)]
         self.probabilities, self.out_dir = stream.probabilities, out_dir

@@ -39,6 +39,7 @@ from spconv_train.data import (
 )
 from spconv_train.data.augment_feed import load_planned_strips
 from spconv_train.data.prepare import prepare_splits
+from spconv_train.parallel import ParallelDims
 from spconv_train.train.bad_samples import agree_on_failures, training_failure
 from spconv_train.train.determinism import epoch_order, replica_steps
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
@@ -240,7 +241,7 @@ class TrainFeed:
         if self.fixed_size or self.coords.dp == 1:
             return
         sizes: list = [None] * self.coords.dp
-        dist.all_gather_object(sizes, hw, group=self.mesh.get_group("dp"))
+        dist.all_gather_object(sizes, hw, group=self.mesh.get_group(ParallelDims.DP))
         if len(set(sizes)) > 1:
             raise DataError(
                 f"data-parallel replicas drew images of different sizes {sizes} (HxW) for one "

@@ -39,7 +39,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from spconv_train.parallel import block_slices, enter, mesh_coords, sharded_dim, spatial_layout
+from spconv_train.parallel.extend import (
+    block_slices,
+    enter,
+    mesh_coords,
+    sharded_dim,
+    spatial_layout,
+)
 
 __all__ = [
     "LossInfo",

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from spconv_train.data import strip_bounds
+from spconv_train.parallel import ParallelDims
 
 __all__ = ["MeshCoords", "to_dtensor"]
 
@@ -34,14 +35,14 @@ class MeshCoords:
     """Whether the data is split over a mesh of tiles or blocks (not ``("dp", "sp")``)."""
     sp_d: int = 1
     """Ranks along D (volume blocks only)."""
-    names: tuple[str, ...] = ("sp",)
+    names: tuple[str, ...] = (ParallelDims.SP,)
     """The spatial mesh dims, in mesh order."""
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshCoords:
         """Read the coordinates off a ``build_mesh`` mesh (strips, tiles or blocks)."""
         names = tuple(mesh.mesh_dim_names or ())
-        if mesh.ndim == 2 and names[1:] in ((), ("sp",)):
+        if mesh.ndim == 2 and names[1:] in ((), (ParallelDims.SP,)):
             return cls(mesh.size(0), mesh.size(1), mesh.get_local_rank(0), mesh.get_local_rank(1))
         sizes = {names[k]: mesh.size(k) for k in range(1, mesh.ndim)}
         sp_rank = 0
@@ -52,9 +53,9 @@ class MeshCoords:
             math.prod(sizes.values()),
             mesh.get_local_rank(0),
             sp_rank,
-            sizes.get("sp_h", 1),
+            sizes.get(ParallelDims.AXIS["H"], 1),
             tiled=True,
-            sp_d=sizes.get("sp_d", 1),
+            sp_d=sizes.get(ParallelDims.AXIS["D"], 1),
             names=names[1:],
         )
 
@@ -66,8 +67,7 @@ class MeshCoords:
     def tile_placements(self, ndim: int) -> list:
         """Placements on the spatial sub-mesh of tiles or blocks of an ``ndim``-dim tensor:
         ``sp_w`` shards its last dim, ``sp_h`` the one before, ``sp_d`` the one before that."""
-        back = {"sp_d": 3, "sp_h": 2, "sp_w": 1}
-        return [Shard(ndim - back[name]) for name in self.names]
+        return [Shard(ndim - ParallelDims.dims_from_end(name)) for name in self.names]
 
     @property
     def _sp_w(self) -> int:

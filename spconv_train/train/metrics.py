@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from spconv_train.parallel import sharding_mesh_dims, spatial_layout
+from spconv_train.parallel.extend import sharding_mesh_dims, spatial_layout
 
 from .losses import local_target
 

@@ -17,7 +17,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from spconv_train.config import Config, OptimizerConfig, ScheduleConfig
-from spconv_train.parallel import SpatialMode, current_runtime
+from spconv_train.parallel import current_runtime
+from spconv_train.parallel.extend import SpatialMode
 from spconv_train.train.losses import ce_dice_loss, cross_entropy, dice_loss
 from spconv_train.train.rare_class_losses import focal_loss, tversky_loss
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from spconv_train.logging import overlay_panel
-from spconv_train.parallel import full_parameters, local_module
+from spconv_train.parallel import ParallelDims, full_parameters, local_module
 from spconv_train.train.bad_samples import (
     SkipRecord,
     agree_on_failures,
@@ -101,7 +101,7 @@ def validate(run: _Run, step: int) -> dict:
     totals = torch.tensor(
         [sum(scored), len(scored), len(skipped)], dtype=torch.float64, device=device
     )
-    dp_group = run.mesh.get_group("dp")
+    dp_group = run.mesh.get_group(ParallelDims.DP)
     dist.all_reduce(totals, group=dp_group)  # losses are replicated over sp
     scores = cm.metrics()
     scores["loss"] = (totals[0] / totals[1]).item() if totals[1] > 0 else math.nan

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from spconv_train.config import Config
 from spconv_train.data import make_dp_sampler
-from spconv_train.parallel import block_slices
+from spconv_train.parallel.extend import block_slices
 from spconv_train.train.data_feed import load_train_strips
 from spconv_train.train.losses import dice_loss_reference
 from spconv_train.train.mesh_coords import MeshCoords

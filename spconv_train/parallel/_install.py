@@ -1,0 +1,113 @@
+"""``install()``: register the built-in spatial handlers and modules, once, explicitly.
+
+Importing ``spconv_train.parallel`` registers nothing and patches nothing. The built-in op
+modules (``_conv``, ``_pool``, ``_norm``, ...) declare their handlers with
+``register_handler`` and their module swaps with ``register_spatial_module``; ``install()``
+imports every one of them and then makes the ops that have no spatial implementation raise
+(the default refusal table below). It is idempotent and thread-safe, and every entry point
+that needs the handlers calls it first: ``parallelize``, ``SpatialMode`` and the
+registration functions of ``spconv_train.parallel.extend`` (so a handler a user registers
+is never overwritten by a built-in one installed later).
+
+The changes to torch state the parallel layer makes happen here too, not at import:
+registering a handler adds its functions to Dynamo's set of functions it routes through
+``TorchFunctionMode`` (``_compile.route_through_modes``), and the no-silent-gather guard
+wraps DTensor's report of implicit redistributions (``_dtensor_guard.install_guard``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._registry import DEFAULT_REGISTRY
+
+_LOCK = threading.Lock()
+_INSTALLED = False
+
+#: Ops that DTensor would run by gathering the width or that would be wrong on strips; the
+#: op modules register handlers for those they implement, which take precedence.
+REFUSED_BY_DEFAULT = (
+    "conv1d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool2d_with_indices",
+    "avg_pool2d",
+    "lp_pool2d",
+    "adaptive_avg_pool2d",
+    "adaptive_max_pool2d",
+    "adaptive_max_pool2d_with_indices",
+    "fractional_max_pool2d",
+    "interpolate",
+    "grid_sample",
+    "affine_grid",
+    "batch_norm",
+    "group_norm",
+    "instance_norm",
+    "layer_norm",
+    "local_response_norm",
+    "pad",
+    "unfold",
+    "fold",
+    "pixel_shuffle",
+    "pixel_unshuffle",
+    "cross_entropy",
+    "nll_loss",
+    "embedding",
+)
+REFUSAL_REASON = (
+    "no spatial implementation (it would gather the whole image or mix strips wrongly). Use "
+    "a supported layer, register a handler (spconv_train.parallel.extend, "
+    "docs/extending.md), or run this part of the model on a gathered tensor explicitly "
+    "(x.full_tensor())."
+)
+
+
+def _named(name: str) -> list[Callable]:
+    """The distinct ``F``/``torch``/``torch._C._nn`` functions called ``name``."""
+    found = {}
+    for ns in (F, torch, torch._C._nn):
+        fn = getattr(ns, name, None)
+        if fn is not None:
+            found[id(fn)] = fn
+    return list(found.values())
+
+
+def installed() -> bool:
+    """Whether ``install()`` has run in this process."""
+    return _INSTALLED
+
+
+def install() -> None:
+    """Register every built-in spatial handler and module swap, then the default refusals.
+
+    Idempotent: the first call does the work, later calls return at once. ``parallelize``
+    calls it; call it yourself only to inspect the default registry before parallelizing."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    with _LOCK:
+        if _INSTALLED:
+            return
+        package = __name__.rpartition(".")[0]
+        path = importlib.import_module(package).__path__
+        # Every private module of the package: the op modules register on import; the
+        # others are imported by them anyway. New op modules need no list kept here.
+        for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
+            if info.name.startswith("_") and not info.name.startswith("__"):
+                importlib.import_module(f"{package}.{info.name}")
+        for name in REFUSED_BY_DEFAULT:
+            DEFAULT_REGISTRY.refuse(*_named(name), reason=REFUSAL_REASON)
+        from ._dtensor_guard import install_guard
+
+        install_guard()
+        _INSTALLED = True

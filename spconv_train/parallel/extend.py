@@ -1,0 +1,115 @@
+"""The op-author API of ``spconv_train.parallel``: make your own op or layer spatial.
+
+``docs/extending.md`` walks through it. In short, inside a handler or a spatial module:
+
+- ``register_handler(*functions)`` routes torch functions / Tensor methods called on a
+  DTensor to your handler while a parallelized model runs; ``register_spatial_module(Base)``
+  makes ``parallelize`` swap every ``Base`` module for your subclass; ``refuse_handler`` /
+  ``refuse_module`` make something raise ``SpatialShardingError`` with your reason.
+- ``spatial_layout(x, what)`` reads the layout (``SpatialLayout``); ``enter`` / ``leave`` go
+  to the local part and back; ``run_unsharded`` runs a plain op when no spatial dim is split.
+- ``halo_window(x, kernel, stride, padding, dilation, padding_mode)`` fetches this rank's
+  input window of a window op on any layout (strips, tiles, volume blocks) and
+  ``HaloWindow.wrap`` turns the local result into the output DTensor.
+- ``sum_grad_over(param, groups)`` completes a parameter gradient (a partial sum per rank).
+- ``plan_window`` / ``gather_window`` (one sharded dim, the last) and ``ExchangePlan`` /
+  ``gather_columns`` (any set of positions per rank) are the lower-level halo pieces.
+
+Handlers are registered by these calls, never by importing this module. The built-in ones
+are installed by ``install()`` (idempotent), which ``parallelize``, ``SpatialMode`` and the
+registration functions here call first, so a handler you register always takes precedence
+over a built-in one for the same function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from . import _mode, _parallelize
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
+from ._halo import gather_columns, sum_grad_over
+from ._halo_window import HaloWindow, halo_window
+from ._install import install
+from ._mode import SpatialMode
+from ._registry import HandlerRegistry
+from ._runtime import current_runtime
+from ._sharding import (
+    SpatialLayout,
+    block_slices,
+    enter,
+    leave,
+    mesh_coords,
+    run_unsharded,
+    sharded_dim,
+    sharding_mesh_dims,
+    spatial_layout,
+)
+from ._window import WindowPlan, gather_window, plan_window
+
+__all__ = [
+    "ExchangePlan",
+    "HaloWindow",
+    "HandlerRegistry",
+    "SpatialLayout",
+    "SpatialMode",
+    "SpatialShardingError",
+    "WindowPlan",
+    "all_shard_bounds",
+    "block_slices",
+    "current_runtime",
+    "enter",
+    "gather_columns",
+    "gather_window",
+    "halo_window",
+    "install",
+    "leave",
+    "mesh_coords",
+    "plan_window",
+    "refuse_handler",
+    "refuse_module",
+    "register_handler",
+    "register_spatial_module",
+    "run_unsharded",
+    "shard_bounds",
+    "sharded_dim",
+    "sharding_mesh_dims",
+    "spatial_layout",
+    "sum_grad_over",
+]
+
+
+def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: while a parallelized model runs, a call of any of ``functions`` (the
+    function objects themselves: ``F.pad``, ``torch.batch_norm``, ``torch.Tensor.mean``)
+    with a DTensor among its arguments runs the decorated handler instead, with the call's
+    arguments unchanged; it returns what the function returns. Applies to every model
+    (``runtime.registry.register`` registers for one model only) and replaces a built-in
+    handler for the same function. Under ``torch.compile`` the handler runs eagerly (a graph
+    break) unless ``traced=True`` (Dynamo inlines it: only for handlers without DTensor
+    ops)."""
+    install()
+    return _mode.register_handler(*functions, traced=traced)
+
+
+def refuse_handler(*functions: Callable, reason: str) -> None:
+    """Make ``functions`` raise ``SpatialShardingError`` with ``reason`` when called on a
+    sharded DTensor (a function that has a handler keeps it)."""
+    install()
+    _mode.refuse_handler(*functions, reason=reason)
+
+
+def register_spatial_module(base: type[nn.Module]) -> Callable[[type], type]:
+    """Class decorator: ``parallelize`` turns every module of exactly type ``base`` into the
+    decorated subclass, in place (same parameters, buffers, hooks and ``state_dict`` keys;
+    the subclass must not add any). Replaces a built-in swap for the same class."""
+    install()
+    return _parallelize.register_spatial_module(base)
+
+
+def refuse_module(base: type[nn.Module], reason: str) -> None:
+    """Make ``parallelize`` refuse models holding a module of exactly type ``base``, naming
+    its path and ``reason`` (before changing anything)."""
+    install()
+    _parallelize.refuse_module(base, reason)
