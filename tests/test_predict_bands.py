@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from spconv_train.config import load_config
-from spconv_train.predict._bands import auto_band_rows, band_layout, read_rows_cols
+from spconv_train.predict._bands import band_layout, read_rows_cols
 from spconv_train.predict._receptive import CHECK_RTOL, StreamPlan, analyse, check_plan
 from spconv_train.predict._writers import TiledTiffWriter
 from spconv_train.train.loop import build_model
@@ -262,15 +262,12 @@ def test_plan_of_networks(unet):
     assert "GroupNorm" in analyse(gn, 3).reason
 
 
-def test_band_layout_and_auto_rows():
+def test_band_layout():
     plan = StreamPlan(stride=8, margin=24)
     bands = band_layout(100, 30, plan)  # 30 rounds up to 32 kept rows
     assert [b.rows for b in bands] == [(0, 32), (32, 64), (64, 96), (96, 100)]
     assert [b.read for b in bands] == [(0, 56), (8, 88), (40, 100), (72, 100)]
     assert all(b.read[0] % 8 == 0 for b in bands)
-    assert auto_band_rows(1000, 1000, 2, plan) == 0  # 0.5 Mpx per rank: whole image
-    rows = auto_band_rows(40000, 40000, 2, plan)  # 20000-column strips
-    assert rows % 8 == 0 and rows >= 48 and (rows + 48) * 20000 <= 4 * 2**20 + 20000 * 56
 
 
 def test_tiled_writer_round_trip(tmp_path):
@@ -304,7 +301,9 @@ def test_cli_options_reach_the_ranks(unet, tmp_path, monkeypatch):
     for word in ("--band-rows", "--approximate", "--probabilities"):
         assert word in result.output
     seen = []
-    monkeypatch.setattr(predict, "run_torchrun", lambda n, cmd, args: seen.append(args) or 0)
+    monkeypatch.setattr(
+        predict, "run_torchrun", lambda n, cmd, args, *_, **__: seen.append(args) or 0
+    )
     image = str(_image(tmp_path / "x.npy", 32, 32, 6))
     kw = {"band_rows": 64, "approximate": True, "probabilities": True}
     assert predict.predict_command(unet[0], [image], tmp_path / "o", 2, **kw) == 0

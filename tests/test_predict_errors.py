@@ -118,6 +118,7 @@ def test_one_rank_narrow_image_is_padded_and_the_rest_continue(tmp_path, inputs)
         "b_narrow_overlay.png",
         "c_ok.png",
         "c_ok_overlay.png",
+        "predict.json",
     ]
     assert "b_narrow: width 3 padded to 32" in text
     want = _padded_single_device(inputs / "model.pt", inputs / "images" / "b_narrow.png", 32)
@@ -151,6 +152,7 @@ def test_two_ranks_failed_image_does_not_stop_the_others(dist_pool, tmp_path, in
     assert sorted(p.name for p in out.iterdir() if not p.stem.endswith("_overlay")) == [
         "b_narrow.png",
         "c_ok.png",
+        "predict.json",
     ]
     want = _padded_single_device(inputs / "model.pt", inputs / "images" / "b_narrow.png", 64)
     assert (np.array(Image.open(out / "b_narrow.png")) == want).all()

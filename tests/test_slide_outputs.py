@@ -284,7 +284,9 @@ def test_cli_format_and_geojson_options(tmp_path, monkeypatch):
     image = tmp_path / "x.png"
     Image.fromarray(_blobs(32, 32, 5)).save(image)
     seen = []
-    monkeypatch.setattr(predict, "run_torchrun", lambda n, cmd, args: seen.append(args) or 0)
+    monkeypatch.setattr(
+        predict, "run_torchrun", lambda n, cmd, args, *_, **__: seen.append(args) or 0
+    )
     kw = {"output_format": "ome-tiff", "geojson": True}
     assert predict.predict_command(weights, [image], tmp_path / "o", 2, **kw) == 0
     assert seen[0][-3:] == ["--format", "ome-tiff", "--geojson"]

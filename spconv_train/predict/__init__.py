@@ -23,11 +23,16 @@ from an unpadded single-device run; the summary names every padded image. If the
 width fails too (a strip narrower than a layer's halo), the error says so and suggests
 fewer ranks.
 
-Big images (``--band-rows``, automatic by default) are predicted in row bands with
-context rows derived from the network, exactly equal to whole-image inference, and
+Big images are predicted piece by piece, exactly equal to whole-image inference, and
 written as tiled TIFFs band by band (``_streamed``, ``_receptive``, ``_bands``,
-``_writers``; docs/wsi.md), then as pyramidal OME-TIFFs with the input's pixel size and the
-class names, and with ``--geojson`` as polygons (``_slide``, ``_geojson``).
+``_writers``; docs/wsi.md), then as pyramidal OME-TIFFs with the input's pixel size and
+the class names, and with ``--geojson`` as polygons (``_slide``, ``_geojson``). The
+pieces are full-width row bands, or tiles with context on all sides, as large as the
+per-rank memory budget allows (``--memory-gb``; the plan, printed first, comes from a
+probe of the model's bytes per pixel: ``_memory_plan``, ``_memory_probe``), or bands of
+``--band-rows``. A rank out of memory is reported as such (``_oom``, ``_watch``); a
+progress bar shows images and pieces with an ETA (``_progress``); the checkpoint and its
+step are printed and written to ``OUT/predict.json`` (``_record``).
 
 H x W tiles: with ``--set parallel.sp=[p, q]`` every image (and every band) is split into
 p x q tiles instead of strips; each rank reads only its tile (``_layout``). Volumes (a
@@ -47,7 +52,6 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
@@ -185,15 +189,19 @@ def predict_command(
     band_rows: int | None = None,
     approximate: bool = False,
     probabilities: bool = False,
+    memory_gb: float | None = None,
+    slide_tiles: bool | None = None,
     output_format: str = "auto",
     geojson: bool = False,
 ) -> int:
     """Run ``spconv-train predict``; returns the exit code (0 done, 1 crash, 2 bad input,
     config, checkpoint or an image that cannot be split). Under torchrun every rank takes
     part; otherwise ``nproc`` (default 1) local ranks are started through torchrun.
-    ``band_rows`` (None = auto, 0 = whole image), ``approximate`` and ``probabilities``
-    control band-streamed prediction of big images (see docs/wsi.md); ``output_format``
-    and ``geojson`` the files written (``_slide``)."""
+    ``band_rows`` (None = planned from ``memory_gb`` GB per rank, 0 = whole image),
+    ``slide_tiles``, ``approximate`` and ``probabilities`` control band-streamed prediction
+    of big images (see docs/wsi.md); ``output_format`` and ``geojson`` the files written
+    (``_slide``). A rank out of memory (killed by the kernel or a failed allocation) is
+    reported as such with the plan; exit code 1."""
     from spconv_train.config import ConfigError, validate_for_world
     from spconv_train.data import DataError
     from spconv_train.parallel import SpatialShardingError
@@ -229,7 +237,9 @@ def predict_command(
         args += ["--probabilities"] if probabilities else []
         args += ["--format", output_format] if output_format != "auto" else []
         args += ["--geojson"] if geojson else []
-        return run_torchrun(nproc, "predict", args)
+        args += ["--memory-gb", str(memory_gb)] if memory_gb is not None else []
+        args += {True: ["--slide-tiles"], False: ["--no-slide-tiles"]}.get(slide_tiles, [])
+        return _launch(nproc, args)
     from spconv_train.distributed import init_distributed, shutdown
 
     try:
@@ -237,156 +247,50 @@ def predict_command(
         from ._run import run_predict
         from ._streamed import StreamOptions
 
-        stream = StreamOptions(band_rows, approximate, probabilities, slide=slide)
+        stream = StreamOptions(
+            band_rows, approximate, probabilities, memory_gb=memory_gb, tiles=slide_tiles,
+            slide=slide,
+        )  # fmt: skip
         run_predict(cfg, kind, weights, images, out_dir, class_names=names, stream=stream)
     except (PredictError, ConfigError, DataError, SpatialShardingError) as exc:
         _error(str(exc))
         return 2
+    except Exception as exc:
+        from spconv_train.distributed import is_peer_failure
+
+        from ._oom import is_oom, oom_message
+
+        if is_peer_failure(exc):  # the rank that went away is reported by the launcher
+            _error(f"another rank stopped ({exc})")
+            return 1
+        if not is_oom(exc):
+            raise
+        _error(oom_message(f"{type(exc).__name__}: {exc}"))
+        return 1
     finally:
         shutdown()
     return 0
 
 
+def _launch(nproc: int, args: list[str]) -> int:
+    """``predict ARGS`` on ``nproc`` local ranks through torchrun; a worker killed by the
+    kernel is reported as out of memory, with the plan the ranks printed."""
+    from ._oom import FAILURES_ENV, PLAN_ENV, killed_report
+
+    with tempfile.TemporaryDirectory(prefix="spconv-predict-") as tmp:
+        env = {
+            PLAN_ENV: str(Path(tmp) / "plan.txt"),
+            FAILURES_ENV: str(Path(tmp) / "failures.json"),
+        }
+        code = run_torchrun(nproc, "predict", args, env, launcher="spconv_train.predict._watch")
+        report = killed_report(Path(tmp)) if code else None
+    if report:
+        _error(report)
+    return code
+
+
 def register(app: typer.Typer) -> None:
-    """Add ``spconv-train predict`` to ``app``."""
+    """Add ``spconv-train predict`` to ``app`` (its options: ``_cli``)."""
+    from ._cli import register_predict
 
-    @app.command("predict")
-    def predict(
-        checkpoint: Annotated[
-            Path,
-            typer.Argument(
-                metavar="CHECKPOINT",
-                help="Run folder (its best, else latest checkpoint), a checkpoints/step-N "
-                "folder, or an exported .pt file (e.g. RUN_DIR/model.pt).",
-                show_default=False,
-            ),
-        ],
-        inputs: Annotated[
-            list[Path],
-            typer.Argument(
-                metavar="INPUT...",
-                help="Image files or folders of images (PNG, JPEG, TIFF, .npy), any width.",
-                show_default=False,
-            ),
-        ],
-        out: Annotated[
-            Path,
-            typer.Option(
-                "--out", "-o", help="Output folder for <stem>.png and <stem>_overlay.png."
-            ),
-        ],
-        masks: Annotated[
-            Path | None,
-            typer.Option(
-                "--masks",
-                help="Folder of ground-truth masks (<stem>.png/.tif/.npy): prints and writes "
-                "per-class IoU/Dice to OUT/metrics.json.",
-                show_default=False,
-            ),
-        ] = None,
-        nproc: Annotated[
-            int | None,
-            typer.Option(
-                "--nproc",
-                "-n",
-                min=1,
-                help="Local ranks to start through torchrun (default 1). Ignored under torchrun.",
-                show_default=False,
-            ),
-        ] = None,
-        overrides: Annotated[
-            list[str] | None,
-            typer.Option(
-                "--set",
-                "-s",
-                metavar="KEY=VALUE",
-                help="Override a key of the saved config, e.g. --set parallel.sp=2.",
-                show_default=False,
-            ),
-        ] = None,
-        config: Annotated[
-            Path | None,
-            typer.Option("--config", help="Use this YAML config instead of the saved one."),
-        ] = None,
-        band_rows: Annotated[
-            int | None,
-            typer.Option(
-                "--band-rows",
-                min=0,
-                help="Predict big images in bands of N output rows (plus context rows the "
-                "tool derives from the network), written to tiled TIFFs; 0 = whole image "
-                "at once. Default: automatic (bands when one rank's strip exceeds ~4 Mpx).",
-                show_default=False,
-            ),
-        ] = None,
-        approximate: Annotated[
-            bool,
-            typer.Option(
-                "--approximate",
-                help="Stream bands even where that cannot equal whole-image inference "
-                "(global pooling, e.g. DeepLabV3/LR-ASPP; heights off the stride grid).",
-            ),
-        ] = False,
-        probabilities: Annotated[
-            bool,
-            typer.Option(
-                "--probabilities",
-                help="Also write the class probabilities (softmax x 255, one channel per "
-                "class): OUT/<stem>_probabilities.ome.tif; outputs are then band-streamed.",
-            ),
-        ] = False,
-        output_format: Annotated[
-            str,
-            typer.Option(
-                "--format",
-                help="Masks (and probabilities) as: ome-tiff (pyramidal, tiled OME-TIFF "
-                "<stem>.ome.tif with the input's pixel size, class names and colours), tiff "
-                "(single-level tiled <stem>.tif), png (<stem>.png; band-streamed images: "
-                "tiff), auto (png for images predicted whole, ome-tiff for big, "
-                "band-streamed ones). OUT/classes.json lists the classes for QuPath.",
-            ),
-        ] = "auto",
-        geojson: Annotated[
-            bool,
-            typer.Option(
-                "--geojson",
-                help="Also write OUT/<stem>.geojson: one polygon per predicted object of "
-                "every class but 0, with its class name and colour (QuPath: File > Import "
-                "objects). Needs shapely (pip install 'spconv-train\\[slides]').",
-            ),
-        ] = False,
-    ) -> None:
-        """Segment full-resolution images (or volumes) with a trained model, sharded over
-        the ranks.
-
-        Each rank reads and computes only its column strip of every image (its tile with
-        --set "parallel.sp=\\[p, q]"; its block of a volume on a volume config); rank 0
-        writes OUT/<stem>.png (class indices) and OUT/<stem>_overlay.png (big images:
-        pyramidal OME-TIFFs, see --format; volumes: OUT/<stem>.npy). Images too narrow to
-        split are padded on the right and cropped back.
-
-        [bold]spconv-train predict runs/unet images/ --out preds --nproc 2[/]
-
-        Exit codes: 0 done, 2 bad usage, input or config, 1 failure.
-        """
-        command = predict_command
-        if launched_by_torchrun():
-            from torch.distributed.elastic.multiprocessing.errors import record
-
-            command = record(predict_command)
-        raise SystemExit(
-            command(
-                checkpoint,
-                inputs,
-                out,
-                nproc,
-                masks,
-                overrides or (),
-                config,
-                band_rows=band_rows,
-                approximate=approximate,
-                probabilities=probabilities,
-                output_format=output_format,
-                geojson=geojson,
-            )
-        )
+    register_predict(app)

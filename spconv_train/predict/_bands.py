@@ -1,5 +1,6 @@
-"""Row bands of a tall image: which rows each band reads and keeps, the automatic band
-height, and the region read every band goes through.
+"""Row bands of a tall image: which rows each band reads and keeps (the same for the
+columns of tiles), and the region read every band goes through. How big the bands are is
+the memory plan's choice (``_memory_plan``).
 
 A band keeps the output rows ``[r0, r1)`` (``r0`` a multiple of the band height, itself a
 multiple of the network's total stride) and reads the input rows ``[r0 - margin, r1 +
@@ -19,17 +20,11 @@ from torch import Tensor
 from spconv_train.data import normalize_image, read_image_raw, read_mask
 
 __all__ = [
-    "BAND_PIXELS",
     "Band",
-    "auto_band_rows",
     "band_layout",
     "read_mask_rows_cols",
     "read_rows_cols",
 ]
-
-#: Input pixels per rank per band that automatic bands aim at (margins included): about
-#: 3.5 GB peak RSS per rank with the default U-Net in fp32 on CPU (docs/benchmarks.md).
-BAND_PIXELS = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -49,22 +44,6 @@ def band_layout(height: int, band_rows: int, plan) -> list[Band]:
         Band((r0, min(height, r0 + step)), (max(0, r0 - m), min(height, r0 + step + m)))
         for r0 in range(0, height, step)
     ]
-
-
-def auto_band_rows(
-    height: int, width: int, sp: int, plan, budget: int = BAND_PIXELS, *, row_parts: int = 1
-) -> int:
-    """Band height for ``--band-rows auto``: 0 (the whole image at once) when one rank's
-    piece fits in ``budget`` pixels, else the kept rows that, with both margins, fill
-    about ``budget`` pixels of a piece (at least two margins, so the context read per
-    band stays at most half the band). ``sp`` ranks split the width; on H x W tiles
-    ``row_parts`` tile rows split each band's rows too."""
-    strip = -(-width // sp)
-    if -(-height // row_parts) * strip <= budget:
-        return 0
-    rows = budget * row_parts // strip - 2 * plan.margin
-    rows = max(rows - rows % plan.stride, 2 * plan.margin, plan.stride)
-    return 0 if rows >= height else rows
 
 
 def read_rows_cols(

@@ -183,24 +183,27 @@ def check_plan(
     in_channels: int,
     *,
     width: int | None = None,
+    axis: int = 2,
 ) -> float:
     """Largest difference (relative to the logits' scale) between the whole-image forward
     and the band-streamed forward with ``plan`` and ``band_rows`` of a random probe column
     ``height`` rows tall (``width`` columns, default two total strides: narrow, so the
     proof costs a sliver of the image). At most ``CHECK_RTOL`` means exact up to fp32
-    rounding."""
+    rounding. ``axis=3`` proves column pieces the same way: a probe row ``height``
+    columns wide, cut into pieces of ``band_rows`` columns."""
     from ._bands import band_layout
 
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     w = width or max(2 * plan.stride, 16)
     gen = torch.Generator().manual_seed(height)
-    x = torch.rand(1, in_channels, height, w, generator=gen).to(device)
+    shape = (1, in_channels, height, w) if axis == 2 else (1, in_channels, w, height)
+    x = torch.rand(*shape, generator=gen).to(device)
     with torch.no_grad():
         whole = model(x)
         worst = 0.0
         for band in band_layout(height, band_rows, plan):
             (i0, i1), (r0, r1) = band.read, band.rows
-            part = model(x[:, :, i0:i1])[:, :, r0 - i0 : r1 - i0]
-            worst = max(worst, float((part - whole[:, :, r0:r1]).abs().max()))
+            part = model(x.narrow(axis, i0, i1 - i0)).narrow(axis, r0 - i0, r1 - r0)
+            worst = max(worst, float((part - whole.narrow(axis, r0, r1 - r0)).abs().max()))
     return worst / (1.0 + float(whole.abs().max()))

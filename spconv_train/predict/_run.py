@@ -41,9 +41,12 @@ from spconv_train.train.val_check import is_geometry_error
 
 from . import PAD_MULTIPLE, ImagesFailed, PredictError, any_size, load_export
 from ._layout import SpatialGroup
+from ._memory_probe import plan_cost
+from ._progress import PredictProgress
 from ._receptive import analyse
+from ._record import checkpoint_info, checkpoint_line, write_record
 from ._slide import write_whole
-from ._streamed import StreamOptions, choose_rows, predict_streamed
+from ._streamed import StreamOptions, choose_pieces, predict_streamed
 from ._writers import write_rank_stats
 
 #: ``data.normalize`` of an overlay: stretch the display range to [0, 1].
@@ -73,7 +76,7 @@ class _Predictor:
         self.sp, self.rank = space.size, space.rank
         self.colors = torch.tensor(class_colors(cfg.model.num_classes), dtype=torch.float32)
         self.stream, self.out_dir = stream or StreamOptions(band_rows=0), out_dir
-        self.console = console
+        self.console, self.progress = console, PredictProgress(0, False)  # set by run_predict
         self.timing = {"read_s": 0.0, "forward_s": 0.0}  # this rank's, for the benchmark
         d = cfg.data
         self.read = {"level": d.level, "max_pixels": d.max_image_pixels}
@@ -89,12 +92,13 @@ class _Predictor:
         else:  # auto-contrast the overlay: 0.5-99.5 percentiles of the whole image
             self.display = image_range([path], "percentile", [0.5, 99.5], **self.read)
 
-    def logits(self, path: Path, h: int, w: int, c: int, width: int, rows=None):
+    def logits(self, path: Path, h: int, w: int, c: int, width: int, rows=None, cols=None):
         """(logits piece [K, m, n] on the CPU, display image piece [C, m, n] in [0, 1] for
         the overlay, its columns (a, b), its rows (r, s)) of the image padded to ``width``
-        columns, cropped back to the original ``w``; ``rows`` (default all) is the row range
-        read and predicted (a band), of which a tile holds its share."""
-        a, b = self.space.cols(width)
+        columns, cropped back to the original ``w``; ``rows`` and ``cols`` (default all) are
+        the region read and predicted (a band, a tile), of which this rank holds its share."""
+        c0, c1 = cols or (0, width)
+        a, b = (c0 + t for t in self.space.cols(c1 - c0))
         ra, rb = min(a, w), min(b, w)
         r0, r1 = rows or (0, h)
         t0, t1 = (r0 + t for t in self.space.rows(r1 - r0))
@@ -104,7 +108,7 @@ class _Predictor:
         shown = image if self.display is None else normalize_image(raw, MINMAX, self.display)
         self.timing["read_s"] += time.perf_counter() - start
         padded = F.pad(image, (0, (b - a) - (rb - ra)))
-        shape = (1, c, r1 - r0, width)
+        shape = (1, c, r1 - r0, c1 - c0)
         x = to_dtensor(padded[None].to(self.device), self.space.mesh, self.space.placements, shape)
         bf16 = self.cfg.training.precision == "bf16"
         start = time.perf_counter()
@@ -171,22 +175,23 @@ class _Predictor:
             )
         if mask_path is not None and mask_header(mask_path, **self.read)[:2] != (h, w):
             raise PredictError(f"{mask_path}: mask size differs from image {path.name} ({h}x{w})")
-        choice = choose_rows(self, self.stream, h, w, self.console)
+        choice = choose_pieces(self, self.stream, h, w, self.console)
         if choice is not None:  # big image (or --probabilities): tiled TIFFs, band by band
-            rows, plan = choice
 
             def run(width: int) -> str:
                 args = (path, h, w, c, width)
                 probs = self.stream.probabilities
                 return predict_streamed(
-                    self, stem, args, mask_path, cm, rows, plan, self.out_dir, probs
+                    self, stem, args, mask_path, cm, choice, self.out_dir, probs
                 )
 
             summary, width = self._padded(run, path, h, w)
             return stem, self.rank, None, summary, (w, width)
+        self.progress.image(stem, 1)
         (pred, image, cols, rows), width = self._padded(
             lambda width: self.forward(path, h, w, c, width), path, h, w
         )
+        self.progress.advance()
         if mask_path is not None:
             mask = read_mask(mask_path, cols, rows, **self.read)
             k, ignore = self.cfg.model.num_classes, self.cfg.data.ignore_index
@@ -297,8 +302,10 @@ def run_predict(
     volumes = cfg.data.kind == "volume"
     if volumes:  # predicted whole, block by block (no bands)
         stream = dataclasses.replace(stream, band_rows=0)
-    elif stream.band_rows != 0:  # the band plan comes from the plain network
-        stream = dataclasses.replace(stream, plan=analyse(model, cfg.model.in_channels))
+    elif stream.band_rows != 0:  # the band and memory plans come from the plain network
+        plan = analyse(model, cfg.model.in_channels)
+        cost = stream.cost or plan_cost(model, cfg, plan.stride, device, stream.memory_gb)
+        stream = dataclasses.replace(stream, plan=plan, cost=cost)
     model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
     out_dir = Path(out_dir)
     console = console or Console()
@@ -312,8 +319,11 @@ def run_predict(
     with_masks = any(m is not None for _, _, m in images)
     cm = ConfusionMatrix(cfg.model.num_classes, cfg.data.ignore_index, device=device)
     main = dist.get_rank() == 0
+    source = checkpoint_info(kind, weights) if main else {}
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
+        console.print(checkpoint_line(source), soft_wrap=True)
+    predictor.progress = PredictProgress(len(range(0, len(images), dp)), main)
     dist.barrier()  # streamed images are written by each replica's first rank
     padded, failed = [], {}  # failed: {stem: message}, the same on every rank
     for first in range(0, len(images), dp):
@@ -358,8 +368,11 @@ def run_predict(
                 src = next(p for s, p, _ in images if s == stem)
                 h, w, names = _write(out_dir, stem, parts, predictor, src)
                 console.print(f"{stem}: {h}x{w} -> {out_dir / names[0]}, {', '.join(names[1:])}")
+    predictor.progress.close()
     for line in padded:
         console.print(f"[yellow]padded[/] {line} (zeros on the right, cropped back)")
+    if main:
+        write_record(out_dir, source, len(images), failed)
     write_rank_stats(predictor.timing)
     result = None
     if with_masks:

@@ -47,6 +47,7 @@ class TiledTiffWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=2)  # bounds the bands in flight
         self._error: BaseException | None = None
         self._rows = 0
+        self._ended = False  # _END taken from the queue (by _tiles)
 
         def run() -> None:
             try:
@@ -65,7 +66,8 @@ class TiledTiffWriter:
                 )
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = exc
-                while self._queue.get() is not _END:  # unblock the producer
+                # unblock the producer (an abort before any band: _tiles took its _END)
+                while not self._ended and self._queue.get() is not _END:
                     pass
 
         self._thread = threading.Thread(target=run, name=f"tiff-{self.path.name}", daemon=True)
@@ -88,6 +90,7 @@ class TiledTiffWriter:
                 for c in range(0, width, t):
                     yield head[:, c : c + t]
             if last:
+                self._ended = True
                 return
 
     def _raise(self) -> None:

@@ -24,8 +24,11 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ
 
 
-def torchrun_argv(nproc: int, command: str, args: Sequence[str]) -> list[str]:
-    """The torchrun command line running ``spconv-train COMMAND ARGS`` on ``nproc`` ranks.
+def torchrun_argv(
+    nproc: int, command: str, args: Sequence[str], launcher: str = "torch.distributed.run"
+) -> list[str]:
+    """The torchrun command line running ``spconv-train COMMAND ARGS`` on ``nproc`` ranks
+    (``launcher``: the module that takes torchrun's arguments).
 
     ``--standalone`` picks a free local rendezvous port, so several jobs (or tests) can run
     side by side on one machine.
@@ -33,7 +36,7 @@ def torchrun_argv(nproc: int, command: str, args: Sequence[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
@@ -43,14 +46,21 @@ def torchrun_argv(nproc: int, command: str, args: Sequence[str]) -> list[str]:
     ]
 
 
-def run_torchrun(nproc: int, command: str, args: Sequence[str], env: dict | None = None) -> int:
-    """Run ``spconv-train COMMAND ARGS`` under torchrun on ``nproc`` local ranks; return its
-    exit code (torchrun exits 1 if any worker failed). Workers inherit stdout/stderr, so rank
-    0's output appears as if the command had run here."""
+def run_torchrun(
+    nproc: int,
+    command: str,
+    args: Sequence[str],
+    env: dict | None = None,
+    launcher: str = "torch.distributed.run",
+) -> int:
+    """Run ``spconv-train COMMAND ARGS`` under torchrun (through ``launcher``) on ``nproc``
+    local ranks; return its exit code (torchrun exits 1 if any worker failed). Workers
+    inherit stdout/stderr, so rank 0's output appears as if the command had run here."""
     full_env = {**os.environ, CHILD_ENV: "1", **(env or {})}
     # torchrun would set OMP_NUM_THREADS=1 with a warning; choose a fair share ourselves.
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
     try:
-        return subprocess.run(torchrun_argv(nproc, command, args), env=full_env).returncode
+        argv = torchrun_argv(nproc, command, args, launcher)
+        return subprocess.run(argv, env=full_env).returncode
     except KeyboardInterrupt:
         return 130
