@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from spconv_train.config import load_config
 from spconv_train.data import read_image, read_mask
-from spconv_train.predict import PredictError, _collect, resolve_checkpoint
+from spconv_train.predict import PredictError, resolve_checkpoint
+from spconv_train.predict._inputs import _collect
 from spconv_train.train.loop import build_model
 from spconv_train.train.metrics import ConfusionMatrix
 
@@ -62,7 +63,8 @@ def make_run(run_dir: str, overrides: list[str]) -> None:
 
 def predict_in_pool(checkpoint: str, inputs: list[str], out: str, masks: str | None, sets=()):
     """``run_predict`` on the pool ranks; returns ("ok", metrics) or ("error", message)."""
-    from spconv_train.predict import _class_names, _load_config
+    from spconv_train.predict._checkpoint import _load_config
+    from spconv_train.predict._inputs import _class_names
     from spconv_train.predict._run import run_predict
 
     kind, weights, saved = resolve_checkpoint(checkpoint)

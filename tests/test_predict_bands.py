@@ -70,7 +70,8 @@ def predict_pool(weights: str, inputs: list[str], out: str, masks=None, **stream
     metrics or error, console text)."""
     from rich.console import Console
 
-    from spconv_train.predict import _collect, _load_config
+    from spconv_train.predict._checkpoint import _load_config
+    from spconv_train.predict._inputs import _collect
     from spconv_train.predict._run import run_predict
     from spconv_train.predict._streamed import StreamOptions
 
@@ -293,7 +294,7 @@ def test_cli_options_reach_the_ranks(unet, tmp_path, monkeypatch):
     on to the torchrun ranks."""
     from typer.testing import CliRunner
 
-    import spconv_train.predict as predict
+    import spconv_train.predict._command as predict
     from spconv_train.cli import app
 
     result = CliRunner().invoke(app, ["predict", "--help"], env={"COLUMNS": "200"})

@@ -128,7 +128,9 @@ def test_one_rank_narrow_image_is_padded_and_the_rest_continue(tmp_path, inputs)
 
 def predict_all(model: str, images: str, out: str):
     """``run_predict`` on the pool ranks: ("ok", None) or (exception type, failed, message)."""
-    from spconv_train.predict import ImagesFailed, _collect, _load_config, resolve_checkpoint
+    from spconv_train.predict import ImagesFailed, resolve_checkpoint
+    from spconv_train.predict._checkpoint import _load_config
+    from spconv_train.predict._inputs import _collect
     from spconv_train.predict._run import run_predict
 
     kind, weights, saved = resolve_checkpoint(model)

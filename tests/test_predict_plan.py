@@ -178,7 +178,7 @@ def test_cli_memory_options_reach_the_ranks(tmp_path, monkeypatch):
     import numpy as np
     from typer.testing import CliRunner
 
-    import spconv_train.predict as predict
+    import spconv_train.predict._command as predict
     from spconv_train.cli import app
     from tests.test_predict_bands import UNET, _export
 

@@ -51,7 +51,8 @@ def _with_hook(env: dict, weights: str, image: str, out: str, **stream):
     the error it raised, whether that reads as out of memory, the report)."""
     from rich.console import Console
 
-    from spconv_train.predict import _collect, _load_config
+    from spconv_train.predict._checkpoint import _load_config
+    from spconv_train.predict._inputs import _collect
     from spconv_train.predict._oom import is_oom, oom_message
     from spconv_train.predict._run import run_predict
     from spconv_train.predict._streamed import StreamOptions

@@ -41,7 +41,8 @@ def predict_sets(weights: str, inputs: list[str], out: str, masks=None, sets=(),
     pool ranks; returns (status, metrics or error, console text)."""
     from rich.console import Console
 
-    from spconv_train.predict import _class_names, _collect, _load_config
+    from spconv_train.predict._checkpoint import _load_config
+    from spconv_train.predict._inputs import _class_names, _collect
     from spconv_train.predict._run import run_predict
     from spconv_train.predict._streamed import StreamOptions
 
@@ -293,7 +294,8 @@ def test_volume_block_grid_equals_one_device(dist_pool, volume_case, tmp_path):
     """A volume split over H and W at once (``parallel.sp: [1, 2, 2]``, 4 ranks, each
     reading its block) predicts what one device does."""
     from spconv_train.data import SyntheticVolumes
-    from spconv_train.predict import _load_config, load_export
+    from spconv_train.predict import load_export
+    from spconv_train.predict._checkpoint import _load_config
     from spconv_train.predict._volumes import read_box
     from spconv_train.train.loop import build_model
 

@@ -222,8 +222,8 @@ def _predict(weights: str, inputs: list[str], out: str, **stream):
 
     from rich.console import Console
 
-    from spconv_train.predict import _collect, _load_config
-    from spconv_train.predict._inputs import _class_names
+    from spconv_train.predict._checkpoint import _load_config
+    from spconv_train.predict._inputs import _class_names, _collect
     from spconv_train.predict._run import run_predict
     from spconv_train.predict._streamed import StreamOptions
 
@@ -273,7 +273,7 @@ def test_cli_format_and_geojson_options(tmp_path, monkeypatch):
     passed on to the torchrun ranks, and a wrong value exits 2 naming the choices."""
     from typer.testing import CliRunner
 
-    import spconv_train.predict as predict
+    import spconv_train.predict._command as predict
     from spconv_train.cli import app
     from tests.test_predict_bands import UNET, _export
 

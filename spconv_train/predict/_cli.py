@@ -153,7 +153,7 @@ def register_predict(app: typer.Typer) -> None:
 
         Exit codes: 0 done, 2 bad usage, input or config, 1 failure.
         """
-        from . import predict_command
+        from ._command import predict_command
 
         command = predict_command
         if launched_by_torchrun():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ImagesFailed", "PredictError"]
+__all__ = ["SHARED_ERRORS", "ImagesFailed", "PredictError"]
 
 
 class PredictError(Exception):
@@ -23,3 +23,15 @@ class ImagesFailed(PredictError):
         super().__init__(
             f"{len(self.failed)} of {total} image(s) failed (the others were written):\n{lines}"
         )
+
+
+def _shared_errors() -> dict[str, type[Exception]]:
+    from spconv_train.data import DataError
+    from spconv_train.parallel import SpatialShardingError
+
+    return {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
+
+
+#: The errors a rank's failure is re-raised as on every rank (by name; exit code 2); any
+#: other failure is a crash (exit code 1).
+SHARED_ERRORS = _shared_errors()

@@ -21,7 +21,7 @@ def checkpoint_info(kind: str, weights: str | Path) -> dict:
         meta = read_meta(path) or {}
         step = meta.get("step")
     else:
-        from . import load_export
+        from ._checkpoint import load_export
 
         step = load_export(path).get("step")
     return {"checkpoint": str(path), "kind": kind, "step": None if step is None else int(step)}

@@ -21,7 +21,6 @@ from spconv_train.checkpoint.files import CheckpointError
 from spconv_train.checkpoint.safe_load import load_checkpoint_state
 from spconv_train.config import grid_mesh_dims, validate_for_world
 from spconv_train.data import (
-    DataError,
     check_mask_values,
     image_header,
     image_range,
@@ -39,7 +38,8 @@ from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.val_check import is_geometry_error
 
-from . import PAD_MULTIPLE, ImagesFailed, PredictError, any_size, load_export
+from ._checkpoint import PAD_MULTIPLE, any_size, load_export
+from ._errors import SHARED_ERRORS, ImagesFailed, PredictError
 from ._layout import SpatialGroup
 from ._memory_probe import plan_cost
 from ._progress import PredictProgress
@@ -53,7 +53,6 @@ from ._writers import write_rank_stats
 MINMAX = {"mode": "minmax"}
 
 #: Errors every rank re-raises (by type and message) when one image fails on some rank.
-_SHARED_ERRORS = {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
 
 __all__ = ["run_predict"]
 
@@ -341,9 +340,9 @@ def run_predict(
         if main:
             errors = [[p for p in gathered if isinstance(p, dict)]]
         dist.broadcast_object_list(errors, src=0)  # no rank may wait for a failed one
-        fatal = [e for e in errors[0] if e["error"] not in _SHARED_ERRORS]
+        fatal = [e for e in errors[0] if e["error"] not in SHARED_ERRORS]
         if fatal:  # not an input problem: the process group may be unusable, stop
-            if failure is not None and type(failure).__name__ not in _SHARED_ERRORS:
+            if failure is not None and type(failure).__name__ not in SHARED_ERRORS:
                 raise failure
             raise RuntimeError(f"another rank failed: {fatal[0]['error']}: {fatal[0]['message']}")
         now = {e["stem"]: e["message"] for e in errors[0]}  # an input problem: go on

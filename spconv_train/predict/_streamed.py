@@ -121,7 +121,7 @@ def choose_pieces(predictor, opts: StreamOptions, h: int, w: int, console) -> tu
 def _gather(predictor, piece, failure) -> list | None:
     """The group's pieces on its first rank (None elsewhere); every rank raises together
     when any rank failed."""
-    from ._run import _SHARED_ERRORS
+    from ._errors import SHARED_ERRORS
 
     group = predictor.space.group
     lead = dist.get_global_rank(group, 0)
@@ -133,7 +133,7 @@ def _gather(predictor, piece, failure) -> list | None:
         raise failure
     if errors[0] is not None:
         name, message = errors[0]["error"], errors[0]["message"]
-        raise _SHARED_ERRORS.get(name, MemoryError if name in OOM_NAMES else RuntimeError)(message)
+        raise SHARED_ERRORS.get(name, MemoryError if name in OOM_NAMES else RuntimeError)(message)
     return parts
 
 

@@ -31,7 +31,7 @@ from spconv_train.train.mesh_coords import to_dtensor
 from spconv_train.train.val_check import is_geometry_error
 from spconv_train.train.volume_feed import block_bounds, shard_axis
 
-from . import PredictError
+from ._errors import PredictError
 from ._streamed import _gather
 
 __all__ = ["VolumePredictor", "read_box"]
