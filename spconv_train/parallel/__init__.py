@@ -40,7 +40,6 @@ from . import (  # noqa: F401  (op modules register their handlers on import)
     _pad,
     _pointwise,
     _pool,
-    _pool3d,
     _reduce,
     _scan,
     _slicing,

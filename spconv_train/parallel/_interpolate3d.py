@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ._adaptive3d import spatial_adaptive_avg_pool3d
 from ._geometry import SpatialShardingError
 from ._halo import gather_columns
 from ._interpolate import _apply, _local_table, plan_resize
+from ._pool import spatial_adaptive_avg_pool3d
 from ._sharding import enter, leave, run_unsharded
 from ._volume import volume_layout
 

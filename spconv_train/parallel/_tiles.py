@@ -31,19 +31,28 @@ from ._window import WindowStep, gather_window, plan_window, saving_steps_by_ref
 Geom = tuple[int, int, int, int, int]
 
 
+def spatial_axes(layout: SpatialLayout) -> tuple[tuple[int, int], ...]:
+    """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout, in tensor-dim
+    order: none for a spatially replicated input, one for strips (or a volume sharded along
+    one dim), two or three for tiles and blocks."""
+    if layout.axes:
+        return layout.axes
+    return ((layout.dim, layout.sp_dim),) if layout.width_sharded else ()
+
+
 def axis_of(layout: SpatialLayout, d: int) -> tuple[int, int, object] | None:
-    """``(parts, rank, group)`` of the mesh dimension sharding tensor dim ``d`` of a tile
-    layout, or ``None`` when ``d`` is not sharded."""
-    for td, m in layout.axes:
+    """``(parts, rank, group)`` of the mesh dimension sharding tensor dim ``d`` of any
+    layout (``spatial_axes``), or ``None`` when ``d`` is not sharded."""
+    for td, m in spatial_axes(layout):
         if td == d:
             return layout.mesh.size(m), layout.mesh.get_local_rank(m), layout.mesh.get_group(m)
     return None
 
 
 def sharded_axes(layout: SpatialLayout) -> list[tuple[int, int, int, object]]:
-    """``(tensor dim, parts, rank, group)`` of every sharded spatial dim of a tile layout,
-    in tensor-dim order (for ops that are separable per dim: one 1-D step per dim)."""
-    return [(d, *axis_of(layout, d)) for d, _ in layout.axes]
+    """``(tensor dim, parts, rank, group)`` of every sharded spatial dim of any layout, in
+    tensor-dim order (for ops that are separable per dim: one 1-D step per dim)."""
+    return [(d, *axis_of(layout, d)) for d, _ in spatial_axes(layout)]
 
 
 def along(t: Tensor, d: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
