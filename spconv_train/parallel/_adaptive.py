@@ -152,7 +152,8 @@ def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
         stride *= sizes[j]
         view = [1] * len(plans)
         view[j] = -1
-        valid = valid & torch.tensor([e > s for s, e in segs], device=t.device).view(view)
+        hit = torch.tensor([e > s for s, e in segs], dtype=torch.bool, device=t.device)
+        valid = valid & hit.view(view)
     return t, idx, valid
 
 
@@ -162,7 +163,11 @@ def _reduce_avg(t: Tensor, plans: tuple[DimPlan, ...], out: tuple, sharded: set)
     sharded dims divided by the global window lengths."""
     if len(sharded) < len(out):
         keep = [t.shape[j + 2] if j in sharded else o for j, o in enumerate(out)]
-        t = _AVG[t.ndim](t, keep)
+        if t.numel():
+            t = _AVG[t.ndim](t, keep)
+        else:  # no output cell on this rank: stay in the graph (the exchange's backward)
+            free = [j + 2 for j in range(len(out)) if j not in sharded]
+            t = t.sum(free, keepdim=True).expand(*t.shape[:2], *keep)
     for j in sorted(sharded, reverse=True):
         segs, _, lens = plans[j]
         div = torch.tensor(lens, dtype=t.dtype, device=t.device)
