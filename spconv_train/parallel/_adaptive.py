@@ -11,8 +11,9 @@ Two placements of the output:
 
 - *halo*: one sharded dim pooled to more than one cell (images: only when every rank gets
   an output cell). The output keeps the input's ``Shard`` (DTensor chunking); each rank
-  fetches the input planes its windows read from its neighbours (``_adaptive_exchange``,
-  refused when a window reads beyond them).
+  fetches the planes its windows read from its neighbours (``_adaptive_exchange``, refused
+  when a window reads beyond them): averages pool the other dims first, so those planes
+  are already pooled; max pooling fetches input planes (its tie order needs them).
 - *reduce* (global and small pooling: DeepLabV3's ASPP, LR-ASPP, squeeze-excitation, CBAM):
   each rank reduces its own part of every window; an all-reduce over the spatial mesh dims
   combines the parts (max: the value, then the smallest global flat index among the ranks
@@ -157,17 +158,23 @@ def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
     return t, idx, valid
 
 
-def _reduce_avg(t: Tensor, plans: tuple[DimPlan, ...], out: tuple, sharded: set) -> Tensor:
-    """The average over every window: torch's adaptive average over the dims no mesh dim
-    shards (an adaptive pool to the same size is the identity), then segment sums over the
-    sharded dims divided by the global window lengths."""
-    if len(sharded) < len(out):
-        keep = [t.shape[j + 2] if j in sharded else o for j, o in enumerate(out)]
-        if t.numel():
-            t = _AVG[t.ndim](t, keep)
-        else:  # no output cell on this rank: stay in the graph (the exchange's backward)
-            free = [j + 2 for j in range(len(out)) if j not in sharded]
-            t = t.sum(free, keepdim=True).expand(*t.shape[:2], *keep)
+def _pool_free_dims(t: Tensor, out: tuple, sharded: set) -> Tensor:
+    """torch's adaptive average over the dims no mesh dim shards (an adaptive pool to the
+    same size is the identity on the others): done before any exchange, so the halo moves
+    pooled planes."""
+    if len(sharded) == len(out):
+        return t
+    keep = [t.shape[j + 2] if j in sharded else o for j, o in enumerate(out)]
+    if t.numel():
+        return _AVG[t.ndim](t, keep)
+    # an empty block: stay in the graph (the exchange's backward runs on every rank)
+    free = [j + 2 for j in range(len(out)) if j not in sharded]
+    return t.sum(free, keepdim=True).expand(*t.shape[:2], *keep)
+
+
+def _reduce_avg(t: Tensor, plans: tuple[DimPlan, ...], sharded: set) -> Tensor:
+    """The average over every window of the sharded dims (the others already pooled):
+    segment sums divided by the global window lengths."""
     for j in sorted(sharded, reverse=True):
         segs, _, lens = plans[j]
         div = torch.tensor(lens, dtype=t.dtype, device=t.device)
@@ -214,7 +221,9 @@ def adaptive_pool(x: DTensor, out: tuple, kind: str, return_indices: bool, what:
         _check_small_output(x, axes, out, "average" if kind == "avg" else "max", what)
     key = tuple((d - 2, parts, rank) for d, parts, rank, _ in axes)
     plans = _plan(what, sizes, out, key, halo)
-    t = enter(x)
+    t, sharded = enter(x), {d - 2 for d, *_ in axes}
+    if kind == "avg":  # order-free: pool the unsharded dims first (the halo moves less)
+        t = _pool_free_dims(t, out, sharded)
     for d, parts, rank, group in axes:
         if halo:
             plan = _adaptive_exchange(what, x.shape[d], out[d - 2], parts)
@@ -224,7 +233,7 @@ def adaptive_pool(x: DTensor, out: tuple, kind: str, return_indices: bool, what:
             t = along(t, d, lambda m, v=neutral: F.pad(m, (0, 1), value=v))
     shape = (x.shape[0], x.shape[1], *out)
     if kind == "avg":
-        v = _reduce_avg(t, plans, out, {d - 2 for d, *_ in axes})
+        v = _reduce_avg(t, plans, sharded)
         if halo:
             return leave(v, layout, shape)
         for _, parts, _, group in axes:
