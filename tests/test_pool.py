@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import spconv_train.parallel._pool  # noqa: F401  (registers the spatial pooling)
 from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.parallel._geometry import window_out_size
-from spconv_train.parallel._pool import _pool_plan
+from spconv_train.parallel._tiles import ceil_geom
+from spconv_train.parallel._window import plan_window
 from tests.dist_harness import device, mesh
 from tests.reference import check_close, compare_module, grad_dtensor, seeded
 
@@ -263,7 +264,7 @@ def test_ceil_mode_geometry_matches_torch():
                             and _sharded_out(width, 4)
                             and _sharded_out(want, 4)
                         ):
-                            wp, _ = _pool_plan("t", width, 4, k, s, d, p, True)
+                            wp = plan_window("t", width, 4, *ceil_geom(width, k, s, d, p, True))
                             assert wp.out_width == want
 
 

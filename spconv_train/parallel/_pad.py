@@ -1,15 +1,18 @@
-"""``F.pad`` on a width-sharded DTensor, every mode (constant/zeros, reflect, replicate,
-circular), negative (cropping) and zero amounts; ``nn.ZeroPad2d``, ``ConstantPad2d``,
-``ReflectionPad2d``, ``ReplicationPad2d`` and ``CircularPad2d`` call it.
+"""``F.pad`` of a sharded NCHW image or NCDHW volume, on any layout (strips, tiles,
+blocks): every mode (constant/zeros, reflect, replicate, circular), negative (cropping)
+and zero amounts. ``nn.ZeroPad2d`` / ``ZeroPad3d``, ``ConstantPad*``, ``ReflectionPad*``,
+``ReplicationPad*`` and ``CircularPad*`` call it.
 
-The width part is a re-chunk (``_rechunk``): the padded width is chunked afresh, so columns
-move to the rank that owns them in the output; reflect/replicate read the edge ranks' own
-columns (or a thin strip's neighbours), circular the wrap-around pair. The height (and, for
-constant padding, channel) part is local on every strip. H x W tiles take the per-dim
-path of ``_pad3d.py`` (each sharded dim re-chunked over its mesh dim in turn).
+Padding is separable per dim (every mode pads each dim by an index map of its own), so each
+sharded dim is re-chunked in turn over its own mesh dim (``_rechunk``: the padded size is
+chunked afresh, elements move to the rank that owns them in the output; reflect/replicate
+read the edge ranks' own elements, circular the wrap-around pair), on a view with that dim
+moved last; the other dims are then padded locally on every block.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +20,13 @@ import torch.nn.functional as F
 from ._dims import handled, sharded_dims
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
-from ._rechunk import cols, fill, remap_width
-from ._sharding import leave, spatial_layout
+from ._rechunk import _pick, cols, fill, plan_remap
+from ._sharding import enter, leave, spatial_layout
+from ._tiles import sharded_axes
 
 
 def width_segments(width: int, left: int, right: int, mode: str) -> list:
-    """Re-chunk map of padding the width by ``left``/``right`` columns (negative: crop)."""
+    """Re-chunk map of padding a dim of ``width`` by ``left``/``right`` (negative: crop)."""
     a, b = max(0, -left), width - max(0, -right)
     if b <= a:
         raise SpatialShardingError(f"F.pad: cropping ({left}, {right}) leaves no column of {width}")
@@ -39,33 +43,36 @@ def width_segments(width: int, left: int, right: int, mode: str) -> list:
     return [s for s in (sides[0], mid, sides[1]) if s.length]
 
 
+@functools.lru_cache(maxsize=1024)
+def _out_shape(shape: tuple[int, ...], pad: tuple[int, ...], mode: str, value) -> tuple:
+    """torch's own checks and output shape of the pad, on a meta tensor, once per geometry."""
+    return tuple(F.pad(torch.empty(shape, device="meta"), pad, mode, value).shape)
+
+
 @register_handler(F.pad, torch._C._nn.pad)
 def spatial_pad(input, pad, mode: str = "constant", value=None):
-    """``F.pad`` on a width-sharded DTensor (exact, differentiable, neighbour traffic)."""
-    if handled(input) and input.ndim == 5:  # NCDHW volume: _pad3d.py
-        from ._pad3d import spatial_pad3d
-
-        return spatial_pad3d(input, pad, mode, value)
-    if not handled(input) or input.ndim != 4:
+    """``F.pad`` of a sharded image or volume (exact, differentiable, neighbour traffic
+    only). Same arguments as ``F.pad``."""
+    if not handled(input) or input.ndim not in (4, 5):
         return F.pad(input, pad, mode, value)
     pad = [int(p) for p in pad]
-    # torch's own checks and output shape, computing nothing
-    shape = F.pad(torch.empty(input.shape, device="meta"), pad, mode, value).shape
-    if len(pad) > 6 and any(pad[6:]) and 0 in sharded_dims(input):
+    ndim = input.ndim
+    shape = _out_shape(tuple(input.shape), tuple(pad), mode, value)
+    batch = 2 * (ndim - 1)  # F.pad's entries from here on pad the batch dim
+    if len(pad) > batch and any(pad[batch:]) and 0 in sharded_dims(input):
         raise SpatialShardingError(
             "F.pad: padding the batch dimension of a batch-sharded tensor is not supported"
         )
-    x, layout = spatial_layout(input, "F.pad", tiles=True)
-    if layout.is_tile:  # H x W tiles: each sharded dim re-chunked in turn (separable)
-        from ._pad3d import spatial_pad3d
-
-        return spatial_pad3d(input, pad, mode, value)
+    x, layout = spatial_layout(input, "F.pad", ndim, tiles=True)
+    local, rest = enter(x), list(pad)
     v = 0.0 if value is None else float(value)
-    if pad[0] or pad[1]:
-        x = remap_width(x, width_segments(x.shape[3], pad[0], pad[1], mode), v, "F.pad")
-    if not any(pad[2:]):
-        return x
-    local = x.to_local()
-    rest = (0, 0, *pad[2:])
-    out = F.pad(local, rest, mode, value) if mode == "constant" else F.pad(local, rest, mode)
-    return leave(out, layout, tuple(shape))
+    for d, parts, rank, group in sharded_axes(layout):
+        i = 2 * (ndim - 1 - d)  # F.pad lists the last dim first
+        lo, hi = (pad[i], pad[i + 1]) if len(pad) > i else (0, 0)
+        if lo or hi:
+            plan = plan_remap(x.shape[d], parts, tuple(width_segments(x.shape[d], lo, hi, mode)))
+            local = _pick(local.movedim(d, -1), plan, rank, group, v).movedim(-1, d)
+            rest[i] = rest[i + 1] = 0
+    if any(rest):
+        local = F.pad(local, rest, mode, value) if mode == "constant" else F.pad(local, rest, mode)
+    return leave(local, layout, shape)

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._adaptive import _SumReplicated
 from ._dims import handled, norm_dim, sharded_dims, wrap
 from ._mode import register_handler
-from ._pool import _SumReplicated
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:

@@ -1,0 +1,258 @@
+"""Adaptive max and average pooling of any spatial rank on any layout: one implementation.
+
+Output cell ``j`` of a dim of size ``n`` pooled to ``o`` covers the input range
+``[floor(j*n/o), ceil((j+1)*n/o))`` (PyTorch's rule), so a window is a box and the pool is
+separable: every spatial dim is reduced over its window segments in turn. Max pooling
+reduces the innermost dim first and keeps the first maximum of each segment, tracking the
+global flat index, so the maximum found is the first in row-major order: torch's
+tie-break, on every layout (the gradient goes to that element only).
+
+Two placements of the output:
+
+- *halo*: one sharded dim pooled to more than one cell (images: only when every rank gets
+  an output cell). The output keeps the input's ``Shard`` (DTensor chunking); each rank
+  fetches the planes its windows read from its neighbours (``_adaptive_exchange``, refused
+  when a window reads beyond them): averages pool the other dims first, so those planes
+  are already pooled; max pooling fetches input planes (its tie order needs them).
+- *reduce* (global and small pooling: DeepLabV3's ASPP, LR-ASPP, squeeze-excitation, CBAM):
+  each rank reduces its own part of every window; an all-reduce over the spatial mesh dims
+  combines the parts (max: the value, then the smallest global flat index among the ranks
+  holding it, whose rank alone passes the gradient) and the output is ``Replicate`` on
+  them. With several sharded dims, outputs over a quarter of the smallest tile are refused:
+  that all-reduce and the replicated output would cost an activation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
+from ._halo import gather_columns
+from ._sharding import SpatialLayout, enter, leave, spatial_layout
+from ._small_sum import sum_now
+from ._tiles import along, layout_axes, sharded_axes
+
+Segments = tuple[tuple[int, int], ...]
+#: per spatial dim: window segments in local indices, global index of local index 0, and
+#: the global window lengths (the divisors of an average)
+DimPlan = tuple[Segments, int, tuple[int, ...]]
+#: torch's adaptive average per tensor rank (it reduces the dims no mesh dim shards)
+_AVG = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
+
+
+def adaptive_bounds(size: int, out: int, lo: int = 0, hi: int | None = None) -> Segments:
+    """Input ``[start, end)`` of adaptive-pooling outputs ``[lo, hi)`` (PyTorch's rule)."""
+    hi = out if hi is None else hi
+    return tuple(((j * size) // out, -(-((j + 1) * size) // out)) for j in range(lo, hi))
+
+
+@functools.lru_cache(maxsize=1024)
+def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
+    """Input planes each rank gathers to compute its chunk of ``out`` adaptive outputs
+    (DTensor chunking; none for a rank that gets no output when ``out < parts``). Raises
+    ``SpatialShardingError`` (naming ``what``) when a window reads beyond the neighbours."""
+    owned = check_strips(what, width, parts, "input")
+    needed = tuple(
+        (((o0 * width) // out, -(-(o1 * width) // out)),) if o0 < o1 else ()
+        for o0, o1 in all_shard_bounds(out, parts)
+    )
+    plan = ExchangePlan(width, tuple(owned), needed)
+    plan.check_neighbours(what)
+    return plan
+
+
+def _segment_sums(g: Tensor, segs: Segments) -> Tensor:
+    """Sums of ``g`` over segments of its last dim (local indices), last dim = segment."""
+    if segs == ((0, g.shape[-1]),):
+        return g.sum(-1, keepdim=True)
+    if not segs:
+        return g.narrow(-1, 0, 0)
+    # float64 prefix sums: the differences of neighbouring prefixes stay exact to fp32
+    c = F.pad(g.double().cumsum(-1), (1, 0))
+    starts = torch.tensor([s for s, _ in segs], device=g.device)
+    ends = torch.tensor([e for _, e in segs], device=g.device)
+    return (c.index_select(-1, ends) - c.index_select(-1, starts)).to(g.dtype)
+
+
+def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
+    """Max of ``g`` over segments of its last dim and the (first) index where it is
+    reached; an empty segment gives ``-inf`` at index ``g.shape[-1]``."""
+    w = g.shape[-1]
+    if w and segs == ((0, w),):
+        return g.max(-1, keepdim=True)  # the first maximum, as documented
+    if not segs:
+        return g.narrow(-1, 0, 0), torch.zeros_like(g.narrow(-1, 0, 0), dtype=torch.long)
+    length = max(1, *(e - s for s, e in segs))
+    # every segment padded to the same length by repeating its last element (a repeat never
+    # wins: max() returns the first maximum), empty segments read the -inf element w
+    idx = torch.tensor(
+        [[s + min(t, e - s - 1) if e > s else w for t in range(length)] for s, e in segs],
+        device=g.device,
+    )
+    gp = F.pad(g, (0, 1), value=float("-inf"))
+    vals = gp.index_select(-1, idx.flatten()).unflatten(-1, idx.shape)
+    v, arg = vals.max(-1)
+    return v, idx.expand(*arg.shape, length).gather(-1, arg.unsqueeze(-1)).squeeze(-1)
+
+
+class _SumReplicated(torch.autograd.Function):
+    """All-reduce (sum) per-rank partial results into a replicated tensor. The gradient of
+    the Replicate output reaches every rank whole (``from_local``'s backward redistributes
+    it), and each partial entered the sum once, so the backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, group) -> Tensor:
+        return sum_now(t.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(what: str, sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, ...]:
+    """Per spatial dim the window segments this rank reduces (``DimPlan``). ``axes``: ``(j,
+    parts, rank)`` of the sharded spatial dims; ``halo``: the one sharded dim keeps its
+    shard (the rank's output chunk from fetched planes), else each rank reduces its own."""
+    plans = []
+    for j, (n, o) in enumerate(zip(sizes, out, strict=True)):
+        ax = next(((p, r) for i, p, r in axes if i == j), None)
+        win, offset = adaptive_bounds(n, o), 0
+        segs = win
+        if ax and halo:
+            needed = _adaptive_exchange(what, n, o, ax[0]).needed[ax[1]]
+            offset = needed[0][0] if needed else 0
+            win = adaptive_bounds(n, o, *all_shard_bounds(o, ax[0])[ax[1]])
+            segs = tuple((s - offset, e - offset) for s, e in win)
+        elif ax:
+            offset, b = all_shard_bounds(n, ax[0])[ax[1]]
+            segs = tuple((min(max(s, offset), b) - offset, max(min(e, b), offset) - offset)
+                         for s, e in win)  # fmt: skip
+        plans.append((segs, offset, tuple(e - s for s, e in win)))
+    return tuple(plans)
+
+
+def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
+    """``(values, global flat index, valid)`` of the max over every window: innermost dim
+    first, the first maximum of each segment, so the first in row-major order wins."""
+    idx, stride = None, 1
+    valid = torch.ones((), dtype=torch.bool, device=t.device)
+    for j in range(len(plans) - 1, -1, -1):
+        (segs, offset, _), d = plans[j], j + 2
+        m = t.movedim(d, -1)
+        v, arg = _segment_max(m, segs)  # arg: m.shape[-1] for an empty segment
+        at = arg.clamp(max=m.shape[-1] - 1)
+        inner = 0 if idx is None else idx.movedim(d, -1).gather(-1, at)
+        t, idx = v.movedim(-1, d), (inner + (at + offset) * stride).movedim(-1, d)
+        stride *= sizes[j]
+        view = [1] * len(plans)
+        view[j] = -1
+        hit = torch.tensor([e > s for s, e in segs], dtype=torch.bool, device=t.device)
+        valid = valid & hit.view(view)
+    return t, idx, valid
+
+
+def _pool_free_dims(t: Tensor, out: tuple, sharded: set) -> Tensor:
+    """torch's adaptive average over the dims no mesh dim shards (an adaptive pool to the
+    same size is the identity on the others): done before any exchange, so the halo moves
+    pooled planes."""
+    if len(sharded) == len(out):
+        return t
+    keep = [t.shape[j + 2] if j in sharded else o for j, o in enumerate(out)]
+    if t.numel():
+        return _AVG[t.ndim](t, keep)
+    # an empty block: stay in the graph (the exchange's backward runs on every rank)
+    free = [j + 2 for j in range(len(out)) if j not in sharded]
+    return t.sum(free, keepdim=True).expand(*t.shape[:2], *keep)
+
+
+def _reduce_avg(t: Tensor, plans: tuple[DimPlan, ...], sharded: set) -> Tensor:
+    """The average over every window of the sharded dims (the others already pooled):
+    segment sums divided by the global window lengths."""
+    for j in sorted(sharded, reverse=True):
+        segs, _, lens = plans[j]
+        div = torch.tensor(lens, dtype=t.dtype, device=t.device)
+        t = along(t, j + 2, lambda m, segs=segs, div=div: _segment_sums(m, segs) / div)
+    return t
+
+
+def _replicated(layout: SpatialLayout) -> SpatialLayout:
+    """``layout`` with every spatial mesh dim ``Replicate`` (a dp ``Shard(0)`` kept)."""
+    pl = list(layout.placements)
+    for _, m in layout_axes(layout):
+        pl[m] = Replicate()
+    return SpatialLayout(layout.mesh, tuple(pl), layout.sp_dim)
+
+
+def _check_small_output(x: DTensor, axes, out: tuple, kind: str, what: str) -> None:
+    """Refuse a reduce over several sharded dims whose output exceeds a quarter of the
+    smallest tile (so no tile is empty either)."""
+    parts = {d: p for d, p, _, _ in axes}
+    smallest = cells = 1
+    for d in range(2, x.ndim):
+        smallest *= min(b - a for a, b in all_shard_bounds(x.shape[d], parts.get(d, 1)))
+        cells *= out[d - 2]
+    if 4 * cells > smallest:
+        raise SpatialShardingError(
+            f"{what}: pooling to {'x'.join(map(str, out))} on tiles would all-reduce and "
+            f"replicate an output larger than a quarter of a tile; tiles support global and "
+            f"small adaptive {kind} pooling only. Shard one spatial dim for this layer's "
+            f"model, or use a smaller output."
+        )
+
+
+def adaptive_pool(x: DTensor, out: tuple, kind: str, return_indices: bool, what: str):
+    """Adaptive ``kind`` ("avg" / "max") pooling of ``x`` to ``out`` (one size per spatial
+    dim) on any layout; with ``return_indices`` (max) also the global flat indices."""
+    x, layout = spatial_layout(x, what, len(out) + 2, tiles=True)
+    axes, sizes = sharded_axes(layout), tuple(x.shape[2:])
+    # Images keep Replicate when some rank would get no output cell (flatten + Linear heads
+    # then see one layout at every world size); volumes keep their Shard.
+    halo = len(axes) == 1 and out[axes[0][0] - 2] > 1
+    if halo and x.ndim < 5:
+        halo = all(a < b for a, b in all_shard_bounds(out[axes[0][0] - 2], axes[0][1]))
+    if len(axes) > 1:
+        _check_small_output(x, axes, out, "average" if kind == "avg" else "max", what)
+    key = tuple((d - 2, parts, rank) for d, parts, rank, _ in axes)
+    plans = _plan(what, sizes, out, key, halo)
+    t, sharded = enter(x), {d - 2 for d, *_ in axes}
+    if kind == "avg":  # order-free: pool the unsharded dims first (the halo moves less)
+        t = _pool_free_dims(t, out, sharded)
+    for d, parts, rank, group in axes:
+        if halo:
+            plan = _adaptive_exchange(what, x.shape[d], out[d - 2], parts)
+            t = along(t, d, lambda m, p=plan, r=rank, g=group: gather_columns(m, p, r, g))
+        elif t.shape[d] == 0:  # empty block: one neutral element keeps the local ops defined
+            neutral = 0.0 if kind == "avg" else float("-inf")
+            t = along(t, d, lambda m, v=neutral: F.pad(m, (0, 1), value=v))
+    shape = (x.shape[0], x.shape[1], *out)
+    if kind == "avg":
+        v = _reduce_avg(t, plans, sharded)
+        if halo:
+            return leave(v, layout, shape)
+        for _, parts, _, group in axes:
+            v = _SumReplicated.apply(v, group) if parts > 1 else v
+        return leave(v, _replicated(layout), shape)
+    v, idx, valid = _reduce_max(t, plans, sizes)
+    if halo:
+        out_layout = layout
+    else:
+        best = v.detach().clone()
+        groups = [group for _, parts, _, group in axes if parts > 1]
+        for group in groups:
+            dist.all_reduce(best, dist.ReduceOp.MAX, group=group)
+        # ties between ranks: the smallest global (row-major) index wins, as on one device
+        cand = torch.where(valid & (v.detach() == best), idx, torch.iinfo(idx.dtype).max)
+        for group in groups:
+            dist.all_reduce(cand, dist.ReduceOp.MIN, group=group)
+        v = torch.where(valid & (idx == cand), v, best)  # only the owner passes the gradient
+        idx, out_layout = cand, _replicated(layout)
+    if not return_indices:
+        return leave(v, out_layout, shape)
+    return leave(v, out_layout, shape), leave(idx, out_layout, shape)
