@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from spconv_train.config import ConfigError
 from spconv_train.distributed.cpu_affinity import bind_local_rank
 from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
 from spconv_train.distributed.launch_store import attempt_store
@@ -134,6 +135,25 @@ def resolve_backend(backend: str = "auto") -> str:
     return backend
 
 
+def gpu_of_local_rank(local_rank: int, local_ranks: int) -> torch.device:
+    """``cuda:LOCAL_RANK`` for an NCCL rank, or a ``ConfigError`` that says what to change
+    when this node has no CUDA or fewer GPUs than local ranks (NCCL needs one GPU per rank;
+    CUDA's own "invalid device ordinal" names neither the cause nor the fix)."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ConfigError("parallel.backend", "nccl needs CUDA, which is not available here; "
+                          "use parallel.backend: gloo (or auto) to run on the CPU")  # fmt: skip
+    if local_rank >= count:
+        raise ConfigError(
+            "parallel.backend",
+            f"local rank {local_rank} has no GPU: this node has {count} "
+            f"GPU(s) for {local_ranks} local ranks and NCCL needs one per rank; start at most "
+            f"{count} per node (torchrun --nproc-per-node {count}, or --nproc {count}) or run "
+            "on the CPU with --set parallel.backend=gloo",
+        )
+    return torch.device("cuda", local_rank)
+
+
 def init_distributed(
     backend: str = "auto", timeout_s: float | None = None, cpu_affinity: bool = True
 ) -> DistInfo:
@@ -153,9 +173,7 @@ def init_distributed(
     rank, world = (env_rank(), env_world_size()) if launched else (0, 1)
     local_rank = _env_int("LOCAL_RANK", 0) if launched else 0
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("parallel.backend=nccl needs CUDA, which is not available")
-        device = torch.device("cuda", local_rank)
+        device = gpu_of_local_rank(local_rank, _env_int("LOCAL_WORLD_SIZE", 1))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
