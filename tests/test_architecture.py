@@ -113,7 +113,9 @@ def test_no_module_over_400_lines():
 def test_parallel_imports_only_torch_and_itself():
     modules = _modules()
     outside = {
-        name: sorted(d for d in _imports(name, path, modules) if not d.startswith("spconv_train.parallel"))
+        name: sorted(
+            d for d in _imports(name, path, modules) if not d.startswith("spconv_train.parallel")
+        )
         for name, path in modules.items()
         if name.startswith("spconv_train.parallel")
     }

@@ -34,6 +34,8 @@ from spconv_train.checkpoint import CheckpointError, CheckpointManager
 from spconv_train.checkpoint.manifest import read_state
 from tests.reference import seeded
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 SIZE = r"[\d.,]+ (bytes|[KMGT]B)"
 NO_SPACE = re.compile(rf"no space left on device \((at least )?{SIZE} needed, {SIZE} free")
 
@@ -319,8 +321,6 @@ def test_cli_resume_skips_a_bit_flipped_checkpoint(tmp_path):
 
 HOOK = """\
 import os
-
-pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 # Test hook: on the first attempt, rank 1 bit-flips the step-2 checkpoint and crashes in
 # step 3; torchrun restarts both ranks, which must resume from step 1.
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":

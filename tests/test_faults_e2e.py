@@ -23,10 +23,10 @@ import torch
 
 from tests.test_train_e2e import REPO, _env, exported, launch, ok, read_metrics, tiny_config
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 HOOK = """\
 import os, time
-
-pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
 fault, rank = os.environ.get("SPCONV_TEST_FAULT"), os.environ.get("RANK")
 if fault == "data_rank1" and rank == "1":

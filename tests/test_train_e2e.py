@@ -25,6 +25,8 @@ from spconv_train.checkpoint import FORMAT_VERSION
 from spconv_train.cli import app
 from spconv_train.models import create_model
 
+pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = """\
 run_dir: {run_dir}
@@ -253,8 +255,6 @@ def test_resume_equals_uninterrupted_run(trained, tmp_path):
 
 INJECT = """\
 import os
-
-pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 # Test hook: on the first attempt only, rank 1 crashes in the middle of step 3.
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
     import spconv_train.train.step as step_module
