@@ -62,25 +62,29 @@ def _current_mib(device: str) -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def elapsed(fn, device: str) -> float:
+    """Seconds of one call of ``fn``: on CUDA the GPU's, between CUDA events recorded around
+    the call (host timers would see only the kernel launches); else a host timer."""
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def _time_steps(fn, iters: int, warmup: int, device: str) -> float:
-    """Median seconds per call of ``fn`` (max over ranks: a step ends when the slowest does).
-    On CUDA the time is the GPU's, between CUDA events recorded around the call (host
-    timers would see only the kernel launches)."""
+    """Median seconds per call of ``fn`` (max over ranks: a step ends when the slowest does;
+    ``elapsed``)."""
     times = []
     for i in range(warmup + iters):
         dist.barrier()
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn()
-            seconds = time.perf_counter() - t0
+        seconds = elapsed(fn, device)
         dt = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i >= warmup:

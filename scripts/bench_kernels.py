@@ -15,35 +15,23 @@ Usage: ``python scripts/bench_kernels.py --device cuda [--height 1024 --width 40
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from spconv_train.models import create_model
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_conv import elapsed  # noqa: E402
+
+from spconv_train.models import create_model  # noqa: E402
 
 
 def _timed(fn, iters: int, warmup: int, device: str) -> float:
-    """Median seconds of ``fn()``; on CUDA between events (host timers see only launches)."""
-    times = []
-    for i in range(warmup + iters):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn()
-            seconds = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(seconds)
-    return statistics.median(times)
+    """Median seconds of ``fn()`` after ``warmup`` calls (``bench_conv.elapsed``)."""
+    times = [elapsed(fn, device) for _ in range(warmup + iters)]
+    return statistics.median(times[warmup:])
 
 
 def _case(name: str, args, dev: torch.device):
