@@ -7,7 +7,7 @@ import pytest
 from tests.dist_harness import DistPool
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # tests/ is one package: one pool for the whole run
 def dist_pool():
     """Spawned gloo worker groups, one per world size, shared by the whole test run."""
     pool = DistPool()
