@@ -95,7 +95,7 @@ def export_model(path: Path, config: str, sets: list[str]) -> None:
 
     from spconv_train.checkpoint import CheckpointManager
     from spconv_train.config import config_to_dict, load_config
-    from spconv_train.train.loop import build_model
+    from spconv_train.models import build_model
 
     cfg = load_config(config, sets, check_paths=False)
     torch.manual_seed(0)
@@ -151,6 +151,7 @@ def planned(config: str, sets: list[str], sizes: list[str], ranks: int, memory_g
     import torch
 
     from spconv_train.config import load_config
+    from spconv_train.models import build_model
     from spconv_train.predict._memory_plan import choose_plan
     from spconv_train.predict._memory_probe import (
         current_bytes,
@@ -158,7 +159,6 @@ def planned(config: str, sets: list[str], sizes: list[str], ranks: int, memory_g
         probe_bytes_per_pixel,
     )
     from spconv_train.predict._receptive import analyse
-    from spconv_train.train.loop import build_model
 
     cfg = load_config(config, sets, check_paths=False)
     torch.manual_seed(0)

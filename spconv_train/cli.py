@@ -36,6 +36,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from spconv_train.cli_options import ConfigArg, SetOpt
 from spconv_train.config import (
     Config,
     ConfigError,
@@ -58,24 +59,6 @@ app = typer.Typer(
 )
 
 _QUIET_RANK_DELAY_S = 3.0
-
-ConfigArg = Annotated[
-    Path,
-    typer.Argument(
-        metavar="CONFIG", help="YAML config file, e.g. configs/unet.yaml.", show_default=False
-    ),
-]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--set",
-        "-s",
-        metavar="KEY=VALUE",
-        help="Override one config key (value parsed as YAML); repeatable, "
-        "e.g. --set training.steps=5 --set data.width=1024.",
-        show_default=False,
-    ),
-]
 
 
 def _rank() -> int:

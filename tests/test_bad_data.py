@@ -175,9 +175,9 @@ def test_training_decode_error_on_one_rank_stops_all_in_error_mode(dist_pool, da
 def narrow_val_check(root: str):
     from spconv_train.config import load_config
     from spconv_train.distributed import build_mesh
+    from spconv_train.models import build_model
     from spconv_train.parallel import parallelize
     from spconv_train.train.data_feed import MeshCoords
-    from spconv_train.train.loop import build_model
     from spconv_train.train.val_check import check_val_sizes
 
     sets = ["model.num_classes=3", "model.kwargs={depth: 2, base_width: 4}"]

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from spconv_train.config import config_to_dict, load_config
 from spconv_train.data._readers import read_image
-from spconv_train.train.loop import build_model
+from spconv_train.models import build_model
 
 TINY = ["model.num_classes=3", "model.kwargs={depth: 3, base_width: 4}"]
 

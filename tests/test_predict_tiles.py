@@ -179,7 +179,7 @@ def _export_volume_model(path: Path) -> tuple[str, torch.nn.Module]:
     from spconv_train.checkpoint import CheckpointManager
     from spconv_train.config import config_to_dict, load_config
     from spconv_train.data import SyntheticVolumes
-    from spconv_train.train.loop import build_model
+    from spconv_train.models import build_model
 
     cfg = load_config(None, VOLUME)
     torch.manual_seed(0)
@@ -294,10 +294,10 @@ def test_volume_block_grid_equals_one_device(dist_pool, volume_case, tmp_path):
     """A volume split over H and W at once (``parallel.sp: [1, 2, 2]``, 4 ranks, each
     reading its block) predicts what one device does."""
     from spconv_train.data import SyntheticVolumes
+    from spconv_train.models import build_model
     from spconv_train.predict import load_export
     from spconv_train.predict._checkpoint import _load_config
     from spconv_train.predict._volumes import read_box
-    from spconv_train.train.loop import build_model
 
     weights = volume_case[1]
     model = build_model(_load_config("export", Path(weights), None, [], None))

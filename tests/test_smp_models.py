@@ -124,7 +124,7 @@ def test_encoder_weights_only_from_a_local_file(tmp_path):
 
 def test_smp_model_and_allow_gather_from_the_config():
     from spconv_train.config import load_config
-    from spconv_train.train.loop import build_model
+    from spconv_train.models import build_model
 
     cfg = load_config(
         None,

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from spconv_train.verify import launched_by_torchrun
+from spconv_train.cli_options import nproc_option, set_option
+from spconv_train.relaunch import launched_by_torchrun
 
 __all__ = ["register_predict"]
 
@@ -49,25 +50,10 @@ def register_predict(app: typer.Typer) -> None:
                 show_default=False,
             ),
         ] = None,
-        nproc: Annotated[
-            int | None,
-            typer.Option(
-                "--nproc",
-                "-n",
-                min=1,
-                help="Local ranks to start through torchrun (default 1). Ignored under torchrun.",
-                show_default=False,
-            ),
-        ] = None,
+        nproc: Annotated[int | None, nproc_option("1")] = None,
         overrides: Annotated[
             list[str] | None,
-            typer.Option(
-                "--set",
-                "-s",
-                metavar="KEY=VALUE",
-                help="Override a key of the saved config, e.g. --set parallel.sp=2.",
-                show_default=False,
-            ),
+            set_option("Override a key of the saved config, e.g. --set parallel.sp=2."),
         ] = None,
         config: Annotated[
             Path | None,

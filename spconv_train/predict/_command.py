@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from spconv_train.verify import launched_by_torchrun, run_torchrun
+from spconv_train.relaunch import launched_by_torchrun, run_torchrun
 
 from ._checkpoint import _load_config, any_size, resolve_checkpoint
 from ._errors import PredictError

@@ -32,8 +32,8 @@ from spconv_train.data import (
 )
 from spconv_train.distributed import build_mesh
 from spconv_train.logging import class_colors
+from spconv_train.models import build_model
 from spconv_train.parallel import SpatialShardingError, parallelize
-from spconv_train.train.loop import build_model
 from spconv_train.train.mesh_coords import MeshCoords, to_dtensor
 from spconv_train.train.metrics import ConfusionMatrix
 from spconv_train.train.val_check import is_geometry_error

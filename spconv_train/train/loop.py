@@ -50,7 +50,7 @@ from spconv_train.distributed.launch_store import mark_recorded
 from spconv_train.logging import RunLogger
 from spconv_train.logging.overwrite import remove_run_files
 from spconv_train.logging.run_folder import JobRecord, write_job
-from spconv_train.models import UnknownModelError, WeightsLoadError, create_model
+from spconv_train.models import build_model
 from spconv_train.parallel import local_module, runtime_of
 from spconv_train.train.bad_samples import (
     note_training_skips,
@@ -74,7 +74,6 @@ from spconv_train.train.preemption import Preempted, StopRequests
 from spconv_train.train.step import NonFiniteStep, TrainingStopped, train_step
 from spconv_train.train.val_check import check_val_sizes
 from spconv_train.train.validation import log_val, validate
-from spconv_train.train.volume_feed import check_model_dims
 from spconv_train.train.watchdog import Watchdog, process_group_timeout
 
 __all__ = ["TrainingStopped", "build_model", "train", "validate"]
@@ -84,24 +83,6 @@ _STEP_PHASES = {
     "loss": "loss (all-reduce over the mesh)",
     "backward": "backward pass (halo exchanges, gradient all-reduce)",
 }
-
-
-def build_model(cfg: Config) -> nn.Module:
-    """The single-device model of ``cfg.model``; bad names/options/weights -> ``ConfigError``."""
-    m = cfg.model
-    try:
-        kw = dict(m.kwargs)
-        model = create_model(
-            m.name, num_classes=m.num_classes, in_channels=m.in_channels, weights=m.weights, **kw
-        )
-    except UnknownModelError as exc:
-        raise ConfigError("model.name", str(exc)) from exc
-    except (FileNotFoundError, WeightsLoadError) as exc:
-        raise ConfigError("model.weights", str(exc)) from exc
-    except (TypeError, ValueError) as exc:
-        raise ConfigError("model.kwargs", str(exc)) from exc
-    check_model_dims(cfg, model)  # volumes need a 3-D model, images a 2-D one
-    return model
 
 
 def _prepare_run_dir(

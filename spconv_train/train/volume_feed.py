@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from spconv_train.config import Config, ConfigError, grid_mesh_dims, spatial_grid, split_dim
+from spconv_train.config import Config, grid_mesh_dims, spatial_grid, split_dim
 from spconv_train.data import (
     AXES,
     Box,
@@ -37,7 +37,6 @@ from spconv_train.train.val_items import ValItem, downsample_strip, make_val_ite
 
 __all__ = [
     "block_bounds",
-    "check_model_dims",
     "load_train_blocks",
     "shard_axis",
     "spatial_dim",
@@ -79,23 +78,6 @@ def block_bounds(cfg: Config, coords, size: tuple[int, int, int]) -> Box:
         strip_bounds(n, coords.sp, coords.sp_rank) if k == axis else (0, n)
         for k, n in enumerate(size)
     )
-
-
-def check_model_dims(cfg: Config, model) -> None:
-    """A 3-D model (``spatial_dims = 3``, e.g. ``unet3d``) for volumes, a 2-D one for images;
-    otherwise ``ConfigError`` before anything runs. Models without the attribute are 2-D."""
-    dims = getattr(model, "spatial_dims", 2)
-    if cfg.data.kind == "volume" and dims != 3:
-        raise ConfigError(
-            "model.name",
-            f"{cfg.model.name} is a 2-D model but data.kind is volume; use a 3-D model "
-            "such as unet3d",
-        )
-    if cfg.data.kind == "image" and dims == 3:
-        raise ConfigError(
-            "data.kind",
-            f"is image but {cfg.model.name} is a 3-D model; set data.kind: volume",
-        )
 
 
 def volume_sources(cfg: Config) -> tuple[VolumeSource, VolumeSource]:

@@ -37,8 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from spconv_train.config import Config, describe_grid, grid_mesh_dims, resolve_grid
 from spconv_train.distributed import build_mesh, gather_all, peak_memory_mb, seed_everything
+from spconv_train.models import build_model
 from spconv_train.train.data_feed import build_sources
-from spconv_train.train.loop import build_model
 from spconv_train.train.model_setup import compile_model, prepare_model
 
 from ._compare import SPREAD_FACTOR, resolve_tolerances
