@@ -34,32 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_conv import _time_steps, init_worker, print_table, spawn_ranks
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from spconv_train.distributed import shutdown
+from spconv_train.parallel._live_bytes import PeakBytes
 
 VARIANTS = ("one process", "floor (no comm)", "compute floor (no comm)", "ring (spconv)")
-
-
-class PeakTensorBytes(TorchDispatchMode):
-    """Peak of the bytes of live tensor storages created while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor:
-                st = t.untyped_storage()
-                self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
-        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
-        return out
 
 
 def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
@@ -86,7 +65,7 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
             out.backward(torch.ones_like(out))
 
         sec = _time_steps(step, args.iters, args.warmup, "cpu")
-        with PeakTensorBytes() as meter:
+        with PeakBytes() as meter:
             step()
         found[length] = (sec, meter.peak / 2**20)
     queue.put((rank, found, ""))
