@@ -30,9 +30,6 @@ from torch import Tensor
 
 from ._ring_blocks import Ring, auto_pieces, block_backward, block_forward
 
-# re-exported: the kernels of one block
-__all__ = ["RingAttention", "block_backward", "block_forward", "ring_attention"]
-
 
 class RingAttention(torch.autograd.Function):
     """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``.
@@ -40,8 +37,9 @@ class RingAttention(torch.autograd.Function):
     ``q``, ``k``, ``v``: this rank's tokens, ``(..., L_r, E)`` (``v``: ``(..., L_r, Ev)``),
     the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group;
     ``pieces``: ``m``, the pieces each key / value block travels in. Memory: besides its
-    own tensors a rank holds the piece it works on, the one in flight and (in the backward)
-    a gradient accumulator of a piece; the online-softmax updates run in place."""
+    own tensors a rank holds the piece it works on, the one in flight, one output (forward)
+    or query gradient (backward) of the kernel and, in the backward, a piece's gradients and
+    its received accumulator; the online-softmax updates run in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale: float, group, sizes: tuple[int, ...], pieces: int):
