@@ -12,7 +12,9 @@ tokens, one thread per process, gloo on CPU, as ``L`` grows. Rows:
   already local (no communication): the work of exact attention per rank, the lower bound
   of the ring's time (its memory holds the whole key / value sequence: not a memory row);
 - ``ring (spconv)``: ``spconv_train.parallel._ring.ring_attention``: exact attention of each
-  rank's queries to all keys, key / value blocks passed around the ring (``_ring.py``).
+  rank's queries to all keys, key / value blocks passed around the ring in ``m`` pieces
+  (``_ring.py``; ``m`` automatic, ``_ring_blocks.auto_pieces``, or ``--pieces``);
+- ``ring, whole blocks (m = 1)``: the same with each block sent whole.
 
 Columns: "ms/step" median over the rounds (max over the ranks); "x floor" / "x compute
 floor" the time over the floor's / the compute floor's; "peak MiB/rank": the peak of the
@@ -34,32 +36,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bench_conv import _time_steps, init_worker, print_table, spawn_ranks
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from spconv_train.distributed import shutdown
+from spconv_train.parallel._live_bytes import PeakBytes
 
-VARIANTS = ("one process", "floor (no comm)", "compute floor (no comm)", "ring (spconv)")
-
-
-class PeakTensorBytes(TorchDispatchMode):
-    """Peak of the bytes of live tensor storages created while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor:
-                st = t.untyped_storage()
-                self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
-        self.refs = {k: v for k, v in self.refs.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.refs.values()))
-        return out
+VARIANTS = (
+    "one process",
+    "floor (no comm)",
+    "compute floor (no comm)",
+    "ring (spconv)",
+    "ring, whole blocks (m = 1)",
+)
 
 
 def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None:
@@ -79,14 +66,15 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
             torch.manual_seed(rank)
             q = torch.randn(1, args.heads, b - a, args.dim).requires_grad_()
             k, v = (torch.randn(1, args.heads, kv_len, args.dim).requires_grad_() for _ in "kv")
-            if variant == "ring (spconv)":
-                out = ring_attention(q, k, v, dist.group.WORLD, sizes)
+            if variant.startswith("ring"):
+                m = 1 if variant.endswith("(m = 1)") else args.pieces
+                out = ring_attention(q, k, v, dist.group.WORLD, sizes, pieces=m)
             else:
                 out = F.scaled_dot_product_attention(q, k, v)
             out.backward(torch.ones_like(out))
 
         sec = _time_steps(step, args.iters, args.warmup, "cpu")
-        with PeakTensorBytes() as meter:
+        with PeakBytes() as meter:
             step()
         found[length] = (sec, meter.peak / 2**20)
     queue.put((rank, found, ""))
@@ -99,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dim", type=int, default=64, help="head size E")
+    ap.add_argument("--pieces", type=int, default=None, help="ring pieces m (default: automatic)")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)

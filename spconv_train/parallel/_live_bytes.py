@@ -39,3 +39,18 @@ class LiveBytes(TorchDispatchMode):
     def live(self) -> int:
         """Bytes of the recorded storages whose tensor is still alive."""
         return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+class PeakBytes(LiveBytes):
+    """``LiveBytes`` that also keeps ``peak``: the most bytes alive after any op (inputs,
+    outputs, gradients, saved tensors, message buffers created while active)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.refs = {k: r for k, r in self.refs.items() if not r[0].expired()}
+        self.peak = max(self.peak, self.live())
+        return out
