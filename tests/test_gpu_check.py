@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_gpu_check_cpu_mode_passes_and_writes_every_table(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("SPCONV_TEST_DEVICE", None)
+    script = str(REPO / "scripts" / "gpu_check.sh")
     done = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--out", str(tmp_path),
-         "--skip-grids"],  # fmt: skip
+        ["bash", script, "--device", "cpu", "--out", str(tmp_path), "--skip-grids"],
         cwd=REPO,
         env=env,
         capture_output=True,
