@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -145,8 +147,18 @@ def torchrun(*args: object, nproc: int = 2, restarts: int = 0) -> subprocess.Com
 
 
 def plain(*args: object) -> subprocess.CompletedProcess:
-    """``python -m spconv_train run ARGS`` (one process, world size 1)."""
-    return launch([sys.executable, "-m", "spconv_train", "run", *map(str, args)])
+    """``spconv-train run ARGS`` on one rank, in this process (no interpreter to start): the
+    exit code, and the console output as both stdout and stderr, with the warnings and an
+    uncaught exception's traceback (as a process would print them)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = CliRunner().invoke(app, ["run", *map(str, args)], env={"COLUMNS": "200"})
+    out = result.output + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        out += "Traceback (most recent call last):\n" + "".join(
+            traceback.format_exception(result.exception)
+        )
+    return subprocess.CompletedProcess(["spconv-train", "run", *args], result.exit_code, out, out)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
