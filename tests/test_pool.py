@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import spconv_train.parallel._pool  # noqa: F401  (registers the spatial pooling)
 from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.parallel._geometry import window_out_size
 from spconv_train.parallel._tiles import ceil_geom
