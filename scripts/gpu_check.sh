@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh                      # CUDA: about 5-8 minutes on one GPU
 #   scripts/gpu_check.sh --device cpu         # small and fast (CI runs it: tests/test_gpu_check.py)
 #   scripts/gpu_check.sh --out DIR            # where the tables and logs go (default gpu_check)
+#   scripts/gpu_check.sh --skip-grids         # no op grids (the test suite runs them already)
 #
 # Multi-rank cases need one GPU per rank (NCCL refuses two ranks on one GPU): with G GPUs
 # the op grids and the benchmarks run at most G ranks (the others are skipped and counted
@@ -16,12 +17,15 @@ set -uo pipefail
 
 DEVICE=cuda
 OUT=gpu_check
+SKIP_GRIDS=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --device) DEVICE="$2"; shift 2 ;;
         --out) OUT="$2"; shift 2 ;;
-        -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument $1 (--device cuda|cpu, --out DIR)" >&2; exit 2 ;;
+        --skip-grids) SKIP_GRIDS=1; shift ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (--device cuda|cpu, --out DIR, --skip-grids)" >&2
+           exit 2 ;;
     esac
 done
 if [[ "$DEVICE" != cuda && "$DEVICE" != cpu ]]; then
@@ -90,7 +94,11 @@ section() {  # section NAME TIMEOUT_S COMMAND...: run, log, keep going on failur
     "$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
 } > "$REPORT"
 
-section "op grids" 300 "$PY" -m pytest -q -p no:cacheprovider "${GRIDS[@]}" "${GRID_FILTER[@]}"
+if [[ $SKIP_GRIDS -eq 1 ]]; then
+    echo "skipped (--skip-grids)" > "$OUT/op_grids.log"
+else
+    section "op grids" 300 "$PY" -m pytest -q -p no:cacheprovider "${GRIDS[@]}" "${GRID_FILTER[@]}"
+fi
 section "training step" 180 "$PY" scripts/gpu_check.py --device "$DEVICE" --out "$OUT/step.md" "${STEP[@]}"
 section "bench conv" 180 "$PY" scripts/bench_conv.py --device "$DEVICE" --markdown "${CONV[@]}"
 section "bench step" 180 "$PY" scripts/bench_step.py --device "$DEVICE" --markdown "${BENCH[@]}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.dist_harness import DistPool
@@ -21,3 +23,21 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "dist_pool" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.dist)
+
+
+#: steps of the uninterrupted reference run (no validation, no checkpoints in between)
+REFERENCE_STEPS = 8
+
+
+@pytest.fixture(scope="package")
+def uninterrupted_run(tmp_path_factory) -> Path:
+    """The run folder of one uninterrupted ``torchrun`` job (2 ranks) of the tiny config of
+    ``tests/test_train_e2e.py``, ``REFERENCE_STEPS`` steps: the parameters and losses that
+    the interrupted and resumed jobs of ``test_faults_e2e.py`` and ``test_multinode_e2e.py``
+    must end with (checkpointing and validation do not change them)."""
+    from tests.test_train_e2e import ok, tiny_config, torchrun
+
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    steps = ("--set", f"training.steps={REFERENCE_STEPS}", "--set", "training.val_every=100")
+    ok(torchrun(tiny_config(folder), *steps, "--set", "checkpoint.every=100"))
+    return folder / "run"

@@ -8,8 +8,7 @@ import copy
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel import CommAudit, parallelize
 from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import device
 from tests.reference import check_close, full, seeded

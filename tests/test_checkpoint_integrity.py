@@ -288,25 +288,32 @@ logging: {{tensorboard: false, progress: false, num_val_images: 0}}
 """
 
 
-def spconv_run(*args: object) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "spconv_train", "run", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+def spconv_run(*args: object) -> tuple[int, str]:
+    """``spconv-train run ARGS`` in this process (one rank): the exit code and everything it
+    printed, warnings included."""
+    from typer.testing import CliRunner
+
+    from spconv_train.cli import app
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = CliRunner().invoke(app, ["run", *map(str, args)], env={"COLUMNS": "200"})
+    return result.exit_code, result.output + "\n".join(str(w.message) for w in caught)
 
 
 def test_cli_resume_skips_a_bit_flipped_checkpoint(tmp_path):
     config = tmp_path / "run.yaml"
     run_dir = tmp_path / f"run-{uuid.uuid4().hex[:6]}"
     config.write_text(TINY.format(run_dir=run_dir))
-    done = spconv_run(config)
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, out = spconv_run(config)
+    assert code == 0, out[-3000:]
     want = torch.load(run_dir / "model.pt", weights_only=True)["model"]
     bad = max(
         (run_dir / "checkpoints/step-000004").glob("*.distcp"), key=lambda p: p.stat().st_size
     )
     flip_bit(bad, 1000)
-    resumed = spconv_run(config, "--resume")
-    out = resumed.stdout + resumed.stderr
-    assert resumed.returncode == 0, out[-3000:]
+    code, out = spconv_run(config, "--resume")
+    assert code == 0, out[-3000:]
     assert f"{bad.name}: checksum mismatch" in out and "step-000002" in out
     assert "--overwrite" not in out  # a good checkpoint exists: never suggest discarding
     got = torch.load(run_dir / "model.pt", weights_only=True)["model"]
@@ -314,9 +321,9 @@ def test_cli_resume_skips_a_bit_flipped_checkpoint(tmp_path):
 
     for folder in (run_dir / "checkpoints").glob("step-*"):  # now every one is bad
         flip_bit(max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size), 1000)
-    failed = spconv_run(config, "--resume")
-    assert failed.returncode == 2, failed.stderr[-3000:]
-    assert "no usable checkpoint" in failed.stderr and "checksum mismatch" in failed.stderr
+    code, out = spconv_run(config, "--resume")
+    assert code == 2, out[-3000:]
+    assert "no usable checkpoint" in out and "checksum mismatch" in out
 
 
 HOOK = """\

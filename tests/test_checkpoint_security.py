@@ -15,8 +15,6 @@ import json
 import os
 import pickle
 import random
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -32,8 +30,6 @@ from spconv_train.checkpoint.manifest import manifest_text, read_state
 from spconv_train.checkpoint.safe_load import read_dcp_metadata
 from spconv_train.config import ConfigError, check_resume_steps
 from spconv_train.models import WeightsLoadError, create_model
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Payload:
@@ -336,7 +332,7 @@ def test_resume_steps_below_the_checkpoint_are_refused():
     assert "step-000006" in str(info.value) and "training.steps=6" in str(info.value)
 
 
-# --- end to end: run --resume and predict through the CLI --------------------------------------
+# --- run --resume and predict through the command line (in this process, one rank) ----------------
 
 TINY = """\
 run_dir: {run_dir}
@@ -349,24 +345,25 @@ logging: {{tensorboard: false, progress: false, num_val_images: 0}}
 """
 
 
-def spconv(*args: object) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "spconv_train", *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPCONV_TIMEOUT_S": "120"}
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env, check=False
-    )
+def spconv(*args: object):
+    """``spconv-train ARGS`` in this process (one rank; exit code and console output)."""
+    from typer.testing import CliRunner
+
+    from spconv_train.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
 
 
 def test_cli_resume_and_predict_refuse_a_planted_metadata_pickle(tmp_path):
     run_dir, config = tmp_path / "run", tmp_path / "run.yaml"
     config.write_text(TINY.format(run_dir=run_dir))
     done = spconv("run", config)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.exit_code == 0, done.output[-3000:]
     saved = (run_dir / "config.yaml").read_text()
 
     lowered = spconv("run", config, "--resume", "--set", "training.steps=1")
-    assert lowered.returncode == 2, lowered.stderr[-3000:]
-    assert "training.steps" in lowered.stderr and "step-000002" in lowered.stderr
+    assert lowered.exit_code == 2, lowered.output[-3000:]
+    assert "training.steps" in lowered.output and "step-000002" in lowered.output
     assert (run_dir / "config.yaml").read_text() == saved  # a refused resume changes nothing
 
     marker = tmp_path / "ran"
@@ -374,8 +371,8 @@ def test_cli_resume_and_predict_refuse_a_planted_metadata_pickle(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
     resend(folder)
     resumed = spconv("run", config, "--resume", "--set", "training.steps=3")
-    out = "".join((resumed.stdout + resumed.stderr).split())  # the console wraps lines
-    assert resumed.returncode == 2, out[-3000:]
+    out = "".join(resumed.output.split())  # the console wraps lines
+    assert resumed.exit_code == 2, out[-3000:]
     assert "refused" in out and ".metadata" in out and "posix.mkdir" in out
     assert not marker.exists()
 
@@ -384,7 +381,7 @@ def test_cli_resume_and_predict_refuse_a_planted_metadata_pickle(tmp_path):
 
     Image.fromarray(np.zeros((16, 32, 3), np.uint8)).save(image)
     predicted = spconv("predict", run_dir, image, "--out", tmp_path / "out")
-    out = "".join((predicted.stdout + predicted.stderr).split())
-    assert predicted.returncode == 2, out[-3000:]
+    out = "".join(predicted.output.split())
+    assert predicted.exit_code == 2, out[-3000:]
     assert "refused" in out and ".metadata" in out and "posix.mkdir" in out
     assert not marker.exists() and not (tmp_path / "out" / "image.png").exists()

@@ -39,49 +39,62 @@ _CHILD = r"""
 import json, os, threading, sys
 from datetime import timedelta
 import torch.distributed as dist
-from spconv_train.distributed.cpu_affinity import bind_local_rank
+from spconv_train.distributed.cpu_affinity import ENV, bind_local_rank
 from spconv_train.distributed import free_port
 from spconv_train.parallel._comm_threads import gloo_thread_ids
 
-share = bind_local_rank(int(sys.argv[1]), int(sys.argv[2]))
-seen = {}
-t = threading.Thread(target=lambda: seen.update(later=sorted(os.sched_getaffinity(0))))
-t.start(); t.join()
+rank, world = int(sys.argv[1]), int(sys.argv[2])
+def later():
+    seen = {}
+    t = threading.Thread(target=lambda: seen.update(cores=sorted(os.sched_getaffinity(0))))
+    t.start(); t.join()
+    return seen["cores"]
+os.environ[ENV] = "0"  # opted out first: nothing is bound
+out = {"opt_out": {"share": bind_local_rank(rank, world),
+                   "main": sorted(os.sched_getaffinity(0)), "later": later()}}
+del os.environ[ENV]
+share = bind_local_rank(rank, world)
+seen = later()
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                         world_size=1, timeout=timedelta(seconds=60))
 gloo = sorted({c for tid in gloo_thread_ids() for c in os.sched_getaffinity(tid)})
 dist.destroy_process_group()
-print(json.dumps({"share": share, "main": sorted(os.sched_getaffinity(0)),
-                  "later": seen["later"], "gloo": gloo, "n_gloo": len(gloo_thread_ids())}))
+out.update({"share": share, "main": sorted(os.sched_getaffinity(0)), "later": seen,
+            "gloo": gloo, "n_gloo": len(gloo_thread_ids())})
+print(json.dumps(out))
 """
 
 
-def _child(rank: int, world: int, **env) -> dict:
+@pytest.fixture(scope="module")
+def child() -> dict:
+    """One fresh process as the last local rank of 2 (one core: of 1): its affinity opted
+    out (``SPCONV_CPU_AFFINITY=0``), then bound, then a gloo group started."""
+    world = min(len(os.sched_getaffinity(0)), 2)
+    env = {k: v for k, v in os.environ.items() if k != "SPCONV_CPU_AFFINITY"}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(rank), str(world)],
+        [sys.executable, "-c", _CHILD, str(world - 1), str(world)],
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **env},
+        env=env,
         check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_binding_covers_every_thread_and_gloo():
+def test_binding_covers_every_thread_and_gloo(child):
     allowed = sorted(os.sched_getaffinity(0))
     world = min(len(allowed), 2)
     if world < 2:
         pytest.skip("one core: nothing to split")
-    got = _child(world - 1, world)
     want = local_share(world - 1, world, allowed)
-    assert got["share"] == want
-    assert got["main"] == want and got["later"] == want
-    assert got["gloo"] == want  # the group's threads, started after the binding, inherit it
+    assert child["share"] == want
+    assert child["main"] == want and child["later"] == want
+    assert child["gloo"] == want  # the group's threads, started after the binding, inherit it
 
 
-def test_opt_out_leaves_the_affinity():
-    got = _child(0, 2, SPCONV_CPU_AFFINITY="0")
+def test_opt_out_leaves_the_affinity(child):
     allowed = sorted(os.sched_getaffinity(0))
+    got = child["opt_out"]
     assert got["share"] is None
     assert got["main"] == got["later"] == allowed

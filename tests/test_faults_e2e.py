@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import REFERENCE_STEPS
 from tests.test_train_e2e import REPO, _env, exported, launch, ok, read_metrics, tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
@@ -212,14 +213,16 @@ def test_stopped_rank_ends_the_job_with_the_watchdog_naming_step_and_collective(
 # --- item 7: preemption ----------------------------------------------------------------------
 
 
-def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(tmp_path, hooked):
+def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(
+    tmp_path, hooked, uninterrupted_run
+):
     """SIGTERM reaches rank 1 only, mid-run: both ranks agree on the stop step, write its
     checkpoint, exit 3; --resume then ends with the parameters of an uninterrupted run."""
-    steps = ("--set", "training.steps=14", "--set", "checkpoint.every=100")
+    n = REFERENCE_STEPS
+    steps = ("--set", f"training.steps={n}", "--set", "checkpoint.every=100")
     steps += ("--set", "training.val_every=100")
-    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    ref_dir.mkdir(), cut_dir.mkdir()
-    ok(launch(torchrun_cmd(tiny_config(ref_dir), *steps)))  # uninterrupted, no hook
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
     config = tiny_config(cut_dir)
     hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
     job = Job(torchrun_cmd(config, *steps), cut_dir)
@@ -229,10 +232,10 @@ def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(tmp_path, h
         proc = job.finish(timeout=120)
     finally:
         job.kill()
-    match = re.search(r"stopped by SIGTERM after step (\d+) of 14", proc.stderr)
+    match = re.search(rf"stopped by SIGTERM after step (\d+) of {n}", proc.stderr)
     assert match, proc.stderr[-4000:]
     stop = int(match.group(1))
-    assert 2 <= stop < 14
+    assert 2 <= stop < n
     # Every worker torchrun reports exited with the documented code (none by its SIGTERM).
     assert set(re.findall(r"exitcode  : (-?\d+)", proc.stderr)) == {"3"}, proc.stderr[-3000:]
     ckpt = cut_dir / "run" / "checkpoints"
@@ -242,13 +245,13 @@ def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(tmp_path, h
     resumed = ok(launch(torchrun_cmd(config, "--resume", *steps)))
     said = "".join(resumed.stdout.split())  # the console wraps long paths
     assert f"resumedfrom{ckpt / f'step-{stop:06d}'}" in said
-    want, got = exported(ref_dir / "run"), exported(cut_dir / "run")
+    want, got = exported(uninterrupted_run), exported(cut_dir / "run")
     assert want.keys() == got.keys()
     for key in want:
         assert torch.equal(want[key], got[key]), key
     losses = [
-        [m["loss"] for m in read_metrics(d / "run") if m["split"] == "train"]
-        for d in (ref_dir, cut_dir)
+        [m["loss"] for m in read_metrics(d) if m["split"] == "train"]
+        for d in (uninterrupted_run, cut_dir / "run")
     ]
     assert losses[0] == losses[1]
 

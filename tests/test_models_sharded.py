@@ -1,8 +1,8 @@
 """Every registry model, width-sharded, equals the single-device model (issue 3).
 
-Output, loss and every parameter gradient match one device; two optimizer steps keep the
-parameters matched; the first training step moves no activation-sized tensor through a
-collective (only halo exchanges and small reductions).
+Output, loss and every parameter gradient match one device; two optimizer steps (one for
+the ResNet-50 models) keep the parameters matched; the first training step moves no
+activation-sized tensor through a collective (only halo exchanges and small reductions).
 
 Precision: the U-Net is compared in fp32 (relative 1e-4). The torchvision backbones
 (ResNet-50, MobileNetV3 with BatchNorm in training mode) at these test sizes amplify fp32
@@ -132,9 +132,15 @@ def compare_training(name: str, shape: tuple[int, ...], steps: int = 2) -> list[
 MODEL_WORLDS = [(n, w) for n in BUILTIN_MODELS for w in (2, 3) if not (w == 2 and "resnet50" in n)]
 
 
+#: one step (outputs, every gradient, the parameters after the step) for the ResNet-50
+#: models, the heaviest by far: the second step's sharded ops are the same ones again, and
+#: the other models check two steps (suite time)
+STEPS = {"deeplabv3_resnet50": 1, "fcn_resnet50": 1}
+
+
 @pytest.mark.parametrize("name,world", MODEL_WORLDS)
 def test_registry_model_matches_single_device(dist_pool, name, world):
-    failures = dist_pool.run(world, compare_training, name, (world,))[0]
+    failures = dist_pool.run(world, compare_training, name, (world,), STEPS.get(name, 2))[0]
     assert not failures, "\n".join(failures)
 
 

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from spconv_train.distributed import free_port
+from tests.conftest import REFERENCE_STEPS
 from tests.test_faults_e2e import Job, hooked  # noqa: F401 - hooked is a fixture
-from tests.test_train_e2e import exported, ok, tiny_config, torchrun
+from tests.test_train_e2e import exported, tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
-STEPS = ("--set", "training.steps=8", "--set", "checkpoint.every=2")
+STEPS = ("--set", f"training.steps={REFERENCE_STEPS}", "--set", "checkpoint.every=2")
 STEPS += ("--set", "training.val_every=100")
 
 
@@ -37,10 +38,13 @@ def node_cmd(config: Path, endpoint: str, *args: str) -> list[str]:
     return [*cmd, "-m", "spconv_train", "run", str(config), *args]
 
 
-def test_two_nodes_resume_on_the_first_restart_after_a_worker_is_killed(tmp_path, hooked):  # noqa: F811
-    ref_dir, cut_dir = tmp_path / "ref", tmp_path / "cut"
-    ref_dir.mkdir(), cut_dir.mkdir()
-    ok(torchrun(tiny_config(ref_dir), *STEPS))  # uninterrupted: one node, 2 workers
+def test_two_nodes_resume_on_the_first_restart_after_a_worker_is_killed(
+    tmp_path,
+    hooked,  # noqa: F811
+    uninterrupted_run,
+):
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
     config, run_dir = tiny_config(cut_dir), cut_dir / "run"
     hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
     endpoint = f"127.0.0.1:{free_port()}"
@@ -68,7 +72,7 @@ def test_two_nodes_resume_on_the_first_restart_after_a_worker_is_killed(tmp_path
         assert "lost the connection to another rank, which failed first" in out, out[-6000:]
     assert "torchrun restart" in out and "resuming (this job started as fresh)" in out
     assert re.search(r"resumed\s+from", out), out[-6000:]
-    want, got = exported(ref_dir / "run"), exported(run_dir)
+    want, got = exported(uninterrupted_run), exported(run_dir)  # one node, 2 workers
     assert want.keys() == got.keys()
     for key in want:
         assert torch.equal(want[key], got[key]), key

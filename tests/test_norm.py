@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import spconv_train.parallel._norm  # noqa: F401  (registers the spatial norms)
 from spconv_train.parallel import SpatialShardingError, parallelize
 from tests.dist_harness import mesh
 from tests.reference import check_close, compare_module, seeded

@@ -3,8 +3,8 @@
 A tiny U-Net (depth 2, width 4) on 32x64 images trains 4 steps; the run's artifacts are
 checked (exit code, checkpoints, metrics.jsonl, TensorBoard events, the exported model),
 then a run stopped after 2 steps and resumed to 4 must end with exactly the same
-parameters. Also: activation checkpointing changes nothing, a folder dataset of PNG files
-trains data-parallel in bf16, a bad config exits 2 and a diverging run exits 1.
+parameters. Also: activation checkpointing and compile change nothing, a folder dataset of
+PNG files trains data-parallel in bf16, a bad config exits 2 and a diverging run exits 1.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -145,8 +147,18 @@ def torchrun(*args: object, nproc: int = 2, restarts: int = 0) -> subprocess.Com
 
 
 def plain(*args: object) -> subprocess.CompletedProcess:
-    """``python -m spconv_train run ARGS`` (one process, world size 1)."""
-    return launch([sys.executable, "-m", "spconv_train", "run", *map(str, args)])
+    """``spconv-train run ARGS`` on one rank, in this process (no interpreter to start): the
+    exit code, and the console output as both stdout and stderr, with the warnings and an
+    uncaught exception's traceback (as a process would print them)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = CliRunner().invoke(app, ["run", *map(str, args)], env={"COLUMNS": "200"})
+    out = result.output + "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        out += "Traceback (most recent call last):\n" + "".join(
+            traceback.format_exception(result.exception)
+        )
+    return subprocess.CompletedProcess(["spconv-train", "run", *args], result.exit_code, out, out)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -296,21 +308,18 @@ def test_torchrun_restart_resumes_automatically(trained, tmp_path, monkeypatch):
         assert torch.equal(want[key], got[key]), key
 
 
-def test_activation_checkpointing_changes_nothing(trained, tmp_path):
-    ok(torchrun(tiny_config(tmp_path), "--set", "training.activation_checkpointing=true"))
-    want, got = exported(trained), exported(tmp_path / "run")
-    for key in want:
-        # Not bit for bit: recomputation changes the order in which autograd sums gradient
-        # contributions of the halo exchange (one process is bit for bit identical).
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
-
-
-def test_compile_changes_nothing(trained, tmp_path):
-    sets = ["training.compile=true", "training.compile_backend=eager"]
-    ok(torchrun(tiny_config(tmp_path), "--set", sets[0], "--set", sets[1]))
+def test_activation_checkpointing_and_compile_change_nothing(trained, tmp_path):
+    """One run with both (as ``prepare_model`` stacks them: checkpointed blocks, then
+    compiled; tests/test_activation_checkpointing.py and tests/test_compile.py check each
+    alone at the module level) ends with the parameters of the plain run."""
+    sets = ["training.activation_checkpointing=true", "training.compile=true"]
+    sets += ["training.compile_backend=eager"]
+    ok(torchrun(tiny_config(tmp_path), *(a for s in sets for a in ("--set", s))))
     want, got = exported(trained), exported(tmp_path / "run")
     assert want.keys() == got.keys()  # compiled in place: the same state_dict keys
     for key in want:
+        # Not bit for bit: recomputation changes the order in which autograd sums gradient
+        # contributions of the halo exchange (one process is bit for bit identical).
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 

@@ -10,8 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import spconv_train.parallel._conv_transpose  # noqa: F401  (registers the layers)
-import spconv_train.parallel._interpolate  # noqa: F401
 from spconv_train.parallel import SpatialShardingError, current_runtime, parallelize
 from spconv_train.parallel._conv_transpose import plan_conv_transpose
 from spconv_train.parallel._interpolate import _apply, _local_table, resize_sizes
