@@ -1,0 +1,156 @@
+"""Attention written out over sharded pixel tokens (issue 23): ``q @ k.transpose(-2, -1)``
+-> softmax -> ``@ v`` through ``@``, ``torch.einsum`` and ``torch.bmm``, with keys from the
+same tokens (the ring), from a strided conv of the map (spatial-reduction attention: their
+own token layout) and from a global pooling (whole on every rank), equal to one device in
+fp64 at 2 and 3 ranks on uneven strips, with ring traffic and no activation gather; other
+products of token tensors refused naming the op and the module."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from spconv_train.parallel import SpatialShardingError, parallelize
+from spconv_train.parallel._comm_audit import CommAudit
+from tests.dist_harness import mesh
+from tests.reference import rel_err, seeded
+
+TOL = 1e-12
+
+
+class ExplicitAttention(nn.Module):
+    """MiT-style attention written out: ``form`` "matmul" (``q @ k.transpose(-2, -1)``,
+    ``attn @ v``) or "einsum" (MONAI's ``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``);
+    ``reduction`` > 1: keys / values from a strided conv of the map."""
+
+    def __init__(self, c: int, heads: int, form: str, reduction: int = 1):
+        super().__init__()
+        self.heads, self.form, self.r = heads, form, reduction
+        self.q, self.kv, self.proj = nn.Linear(c, c), nn.Linear(c, 2 * c), nn.Linear(c, c)
+        if reduction > 1:
+            self.sr, self.norm = nn.Conv2d(c, c, reduction, reduction), nn.LayerNorm(c)
+
+    def forward(self, x, h, w):
+        b, n, c = x.shape
+        q = self.q(x).reshape(b, n, self.heads, c // self.heads).permute(0, 2, 1, 3)
+        if self.r > 1:
+            m = self.sr(x.permute(0, 2, 1).reshape(b, c, h, w))
+            x = self.norm(m.reshape(b, c, -1).permute(0, 2, 1))
+        kv = self.kv(x).reshape(b, -1, 2, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        k, v = kv[0], kv[1]
+        if self.form == "einsum":
+            attn = torch.einsum("bhxd,bhyd->bhxy", q, k) * 0.4
+            o = torch.einsum("bhxy,bhyd->bhxd", attn.softmax(dim=-1), v)
+        else:
+            attn = (q @ k.transpose(-2, -1)) * 0.4
+            o = attn.softmax(dim=-1) @ v
+        return self.proj(o.transpose(1, 2).reshape(b, n, c))
+
+
+class ExplicitBlock(nn.Module):
+    """conv stem -> tokens -> three explicit attentions (self, spatial-reduction, to a
+    pooled token by ``torch.bmm``), each with a residual -> NCHW -> conv head."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.norm1, self.norm2 = nn.LayerNorm(c), nn.LayerNorm(c)
+        self.attn = ExplicitAttention(c, 2, "matmul")
+        self.sra = ExplicitAttention(c, 2, "einsum", reduction=2)
+        self.head = nn.Conv2d(c, 2, 3, padding=1)
+
+    def forward(self, x):
+        f = self.stem(x)
+        b, c, h, w = f.shape
+        t = f.flatten(2).transpose(1, 2)
+        t = t + self.attn(self.norm1(t), h, w)
+        t = t + self.sra(self.norm2(t), h, w)
+        g = F.adaptive_avg_pool2d(f, 1).flatten(2).transpose(1, 2)  # (N, 1, C), whole
+        t = t + torch.bmm(torch.bmm(t, g.transpose(1, 2)).softmax(-1), g)
+        return self.head(t.transpose(1, 2).reshape(b, c, h, w))
+
+
+def block_failures(h: int, w: int) -> list[str]:
+    dmesh = mesh(dist.get_world_size())
+    torch.manual_seed(0)
+    model = ExplicitBlock().double()
+    x = seeded(1, 2, 3, h, w, dtype=torch.float64)
+    gy = seeded(2, 2, 2, h, w, dtype=torch.float64)
+    par = parallelize(copy.deepcopy(model), dmesh)
+    xs, gys = (distribute_tensor(t, dmesh, [Shard(3)]) for t in (x, gy))
+    with CommAudit() as audit:
+        y = par(xs)
+        y.backward(gys)
+    ref = model(x)
+    ref.backward(gy)
+    failures = []
+    if (e := rel_err(y, ref)) > TOL:
+        failures.append(f"output: {e:.3g}")
+    got = dict(par.named_parameters())
+    for name, p in model.named_parameters():
+        if (e := rel_err(got[name].grad, p.grad)) > TOL:
+            failures.append(f"grad {name}: {e:.3g}")
+    shapes = {tuple(p.shape) for p in model.parameters()}
+    moved = audit.activation_sized(max(1, 2 * 8 * h * w // dist.get_world_size() // 4), shapes)
+    failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
+    if audit.summary().get("p2p", {}).get("count", 0) == 0:
+        failures.append("no point-to-point (ring) traffic recorded")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_explicit_attention_matches_single_device(dist_pool, world):
+    # W = 7 splits 4 + 3 (2 ranks) and 3 + 3 + 1 (3 ranks); the strided-conv keys
+    # (W = 3) 2 + 1 and 1 + 1 + 1: uneven token counts for queries and keys
+    for rank, failures in enumerate(dist_pool.run(world, block_failures, 4, 7)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+class Refused(nn.Module):
+    """A product of token tensors that is not one of the attention forms (``kind``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x):
+        t = x.flatten(2).transpose(1, 2)  # (N, L, C)
+        if self.kind == "channel_attention":  # contracts over the split tokens
+            return t.transpose(1, 2) @ t
+        if self.kind == "plain_weight":
+            return torch.matmul(t, self.w)
+        return torch.einsum("blc,bmc,bld->bmd", t, t, t)
+
+
+def refusal_messages() -> dict[str, str]:
+    dmesh = mesh(dist.get_world_size())
+    x = distribute_tensor(seeded(1, 2, 4, 3, 5), dmesh, [Shard(3)])
+    out = {}
+    for kind in ("channel_attention", "plain_weight", "einsum3"):
+        model = nn.Sequential()
+        model.add_module("blk", Refused(kind))
+        try:
+            parallelize(model, dmesh)(x)
+            out[kind] = "not refused"
+        except SpatialShardingError as exc:
+            out[kind] = str(exc)
+    return out
+
+
+def test_other_token_products_refused_with_module_path(dist_pool):
+    expect = {
+        "channel_attention": "Tensor.matmul",  # the @ operator
+        "plain_weight": "torch.matmul",
+        "einsum3": "torch.einsum('blc,bmc,bld->bmd')",
+    }
+    for msgs in dist_pool.run(2, refusal_messages):
+        for kind, op in expect.items():
+            msg = msgs[kind]
+            assert "module 'blk'" in msg and op in msg and "not supported" in msg, (kind, msg)
