@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from . import _attention  # noqa: F401  (registers first; its helpers are reused)
 from ._attention import _replicated_local
 from ._dims import wrap
-from ._errors import module_path
+from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._registry import DEFAULT_REGISTRY, function_name
@@ -40,6 +40,8 @@ def _plan(a, b) -> tuple[str, TokenLayout, TokenLayout] | None:
     rows of ``a`` split; ``None`` when the product is not one of the attention forms."""
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         return None
+    if any(p.is_partial() for p in (*a.placements, *b.placements)):
+        return None  # a pending sum is no operand of a local product
     if a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
         return None
     la = {m.mesh_dim: m for m in split_layouts(a)}
@@ -101,8 +103,13 @@ def token_matmul(a, b) -> DTensor | None:
 _MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
 
 
+def _dtensor_op(fn):
+    """``fn`` by DTensor's own rules, its errors named (``_errors.py``)."""
+    return lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs)
+
+
 def _matmul_handler(fn):
-    prev = DEFAULT_REGISTRY.handler(fn) or fn
+    prev = DEFAULT_REGISTRY.handler(fn) or _dtensor_op(fn)
     what = function_name(fn)
 
     def handler(a, b, *args, **kwargs):
@@ -157,7 +164,7 @@ def token_einsum(equation, *operands):
     otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
     if not any(is_tokens(t) for t in ops):
-        return torch.einsum(equation, *ops)
+        return run_dtensor_op(torch.einsum, (equation, *ops), {})
     form = _as_matmul(equation) if len(ops) == 2 else None
     a, b = (ops[0], ops[1]) if len(ops) == 2 else (ops[0], None)
     if form is not None:
