@@ -10,8 +10,10 @@ those weights with the values contracts over every key again. When the keys / va
 split over the same ranks (self-attention, or their own layout: spatial-reduction
 attention's strided-conv keys), both products run as ring matmuls (``_ring_matmul.py``:
 blocks point to point, never a gather); when they are whole on every rank, locally with
-their gradient summed over the ranks. Any other product involving a token tensor is
-refused with ``SpatialShardingError`` naming the op and the module.
+their gradient summed over the ranks. Any other product goes to DTensor's own rules as
+before: the no-gather guard refuses one that would move a sharded activation, naming the
+aten op and the module (``allow_gather`` runs it gathered), and a DTensor error becomes a
+``SpatialShardingError`` naming the op and the module (``_errors.py``).
 """
 
 from __future__ import annotations
@@ -25,10 +27,9 @@ from torch.distributed.tensor import DTensor
 from . import _attention  # noqa: F401  (registers first; its helpers are reused)
 from ._attention import _replicated_local
 from ._dims import wrap
-from ._errors import module_path, run_dtensor_op
-from ._geometry import SpatialShardingError
+from ._errors import run_dtensor_op
 from ._mode import register_handler
-from ._registry import DEFAULT_REGISTRY, function_name
+from ._registry import DEFAULT_REGISTRY
 from ._ring_matmul import APPLY, SCORES, ring_matmul
 from ._tokens import TokenLayout, is_tokens, split_layouts
 
@@ -66,20 +67,6 @@ def _plan(a, b) -> tuple[str, TokenLayout, TokenLayout] | None:
     return None
 
 
-def _refusal(what: str, a, b) -> SpatialShardingError:
-    shapes = "; ".join(
-        f"{tuple(t.shape)} {tuple(t.placements)}" if isinstance(t, DTensor) else "plain tensor"
-        for t in (a, b)
-    )
-    return SpatialShardingError(
-        f"{what} in module '{module_path()}' is not supported on these sharded tokens "
-        f"({shapes}). Supported: queries @ keys.transpose(-2, -1) and attention weights @ "
-        f"values with the sequence (dim -2) split, keys / values split over the same ranks "
-        f"or whole; projections as nn.Linear / F.linear. Rewrite the product, or gather "
-        f"explicitly (x.full_tensor())."
-    )
-
-
 def token_matmul(a, b) -> DTensor | None:
     """``a @ b`` when it is one of the attention products on split rows (see the module
     docstring); ``None`` when it is not."""
@@ -110,16 +97,10 @@ def _dtensor_op(fn):
 
 def _matmul_handler(fn):
     prev = DEFAULT_REGISTRY.handler(fn) or _dtensor_op(fn)
-    what = function_name(fn)
 
     def handler(a, b, *args, **kwargs):
-        if not args and not kwargs:
-            out = token_matmul(a, b)
-            if out is not None:
-                return out
-        if is_tokens(a) or is_tokens(b):
-            raise _refusal(what, a, b)
-        return prev(a, b, *args, **kwargs)
+        out = token_matmul(a, b) if not args and not kwargs else None
+        return out if out is not None else prev(a, b, *args, **kwargs)
 
     handler.__name__ = f"token_{fn.__name__}"
     return handler
@@ -163,14 +144,11 @@ def token_einsum(equation, *operands):
     token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); DTensor's own
     otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
-    if not any(is_tokens(t) for t in ops):
-        return run_dtensor_op(torch.einsum, (equation, *ops), {})
     form = _as_matmul(equation) if len(ops) == 2 else None
-    a, b = (ops[0], ops[1]) if len(ops) == 2 else (ops[0], None)
-    if form is not None:
+    if form is not None and any(is_tokens(t) for t in ops):
         a_order, b_order, mm_order, out = form
         sa, sb = equation.replace(" ", "").split("->")[0].split(",")
-        res = token_matmul(_permuted(a, sa, a_order), _permuted(b, sb, b_order))
+        res = token_matmul(_permuted(ops[0], sa, a_order), _permuted(ops[1], sb, b_order))
         if res is not None:
             return _permuted(res, mm_order, out)
-    raise _refusal(f"torch.einsum({equation!r})", a, b)
+    return run_dtensor_op(torch.einsum, (equation, *ops), {})
