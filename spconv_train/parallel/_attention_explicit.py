@@ -10,8 +10,8 @@ those weights with the values contracts over every key again. When the keys / va
 split over the same ranks (self-attention, or their own layout: spatial-reduction
 attention's strided-conv keys), both products run as ring matmuls (``_ring_matmul.py``:
 blocks point to point, never a gather); when they are whole on every rank, locally with
-their gradient summed over the ranks. Any other product goes to DTensor's own rules as
-before: the no-gather guard refuses one that would move a sharded activation, naming the
+their gradient summed over the ranks. Any other product goes to DTensor's own rules:
+the no-gather guard refuses one that would move a sharded activation, naming the
 aten op and the module (``allow_gather`` runs it gathered), and a DTensor error becomes a
 ``SpatialShardingError`` naming the op and the module (``_errors.py``).
 """
