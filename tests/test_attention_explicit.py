@@ -1,4 +1,5 @@
-"""Attention written out over sharded pixel tokens (issue 23): ``q @ k.transpose(-2, -1)``
+"""Attention written out over sharded pixel tokens (issue 23): the two ring matmuls alone on
+keys in any order; ``q @ k.transpose(-2, -1)``
 -> softmax -> ``@ v`` through ``@``, ``torch.einsum`` and ``torch.bmm``, with keys from the
 same tokens (the ring), from a strided conv of the map (spatial-reduction attention: their
 own token layout) and from a global pooling (whole on every rank), equal to one device in
@@ -19,10 +20,46 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel._geometry import all_shard_bounds
+from spconv_train.parallel._ring_matmul import APPLY, SCORES, ring_matmul
 from tests.dist_harness import mesh
 from tests.reference import rel_err, seeded
 
 TOL = 1e-12
+
+
+def ring_matmul_errors() -> dict[str, float]:
+    """Both ring matmuls, each rank with 2 rows of ``a`` and a random subset of 13 keys
+    (any order), against the plain products: output and both gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    bounds = all_shard_bounds(13, world)
+    perm = torch.randperm(13, generator=torch.Generator().manual_seed(5))
+    cols = tuple(perm[slice(*b)] for b in bounds)
+    sizes = tuple(b - a for a, b in bounds)
+    rows = slice(2 * rank, 2 * rank + 2)
+    errs = {}
+    for kind, a, t in (
+        (SCORES, seeded(1, 2, 3, 2 * world, 5), seeded(2, 2, 3, 13, 5)),  # queries, keys
+        (APPLY, seeded(3, 2, 3, 2 * world, 13), seeded(4, 2, 3, 13, 6)),  # weights, values
+    ):
+        a, t = a.double().requires_grad_(), t.double().requires_grad_()
+        ref = a @ t.transpose(-2, -1) if kind == SCORES else a @ t
+        g = seeded(6, *ref.shape, dtype=torch.float64)
+        want = torch.autograd.grad(ref, (a, t), g)
+        mine = [a.detach()[..., rows, :], t.detach()[..., cols[rank], :]]
+        mine = [m.clone().requires_grad_() for m in mine]
+        out = ring_matmul(kind, *mine, dist.group.WORLD, sizes, cols, 13)
+        got = torch.autograd.grad(out, mine, g[..., rows, :])
+        errs[f"{kind} out"] = rel_err(out, ref[..., rows, :])
+        errs[f"{kind} da"] = rel_err(got[0], want[0][..., rows, :])
+        errs[f"{kind} dt"] = rel_err(got[1], want[1][..., cols[rank], :])
+    return errs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_matmuls_match_plain_products(dist_pool, world):
+    for errs in dist_pool.run(world, ring_matmul_errors):
+        assert max(errs.values()) < TOL, errs
 
 
 class ExplicitAttention(nn.Module):
