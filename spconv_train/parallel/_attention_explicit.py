@@ -31,7 +31,7 @@ from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._registry import DEFAULT_REGISTRY
 from ._ring_matmul import APPLY, SCORES, ring_matmul
-from ._tokens import TokenLayout, is_tokens, split_layouts
+from ._tokens import TokenLayout, split_layouts
 
 LOCAL = "local"
 
@@ -145,7 +145,8 @@ def token_einsum(equation, *operands):
     otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
     form = _as_matmul(equation) if len(ops) == 2 else None
-    if form is not None and any(is_tokens(t) for t in ops):
+    # tokens of a one-row map are a plain Shard (no _StridedShard): the plan decides
+    if form is not None and all(isinstance(t, DTensor) for t in ops):
         a_order, b_order, mm_order, out = form
         sa, sb = equation.replace(" ", "").split("->")[0].split(",")
         res = token_matmul(_permuted(ops[0], sa, a_order), _permuted(ops[1], sb, b_order))
