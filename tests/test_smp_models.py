@@ -101,7 +101,7 @@ def test_smp_models_match_one_device(dist_pool):
 
 
 @pytest.mark.parametrize(
-    "name, kwargs", [("smp.Unet", {"encoder_name": "mit_b0"}), ("smp.MAnet", {})]
+    "name, kwargs", [("smp.Unet", {"encoder_name": "tu-vit_tiny_patch16_224"}), ("smp.MAnet", {})]
 )
 def test_global_attention_refused_with_reason(name, kwargs):
     with pytest.raises(ValueError, match="global self-attention|position-attention") as exc:

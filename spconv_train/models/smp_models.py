@@ -8,9 +8,11 @@ local state dict into the encoder (``model.weights`` loads a whole model, as for
 model). smp and timm are an optional dependency (``pip install .[smp]``, which
 ``make install`` does); the error says so when they are missing.
 
-Encoders built on global self-attention (Mix Transformer ``mit_b*``, ViT/Swin-style timm
-encoders) are refused here: every output pixel reads every pixel of the image, which a
-width-sharded run could only do by gathering the whole activation on every rank.
+Mix Transformer encoders (``mit_b0`` .. ``mit_b5``, SegFormer's) run sharded: their
+spatial-reduction attention is exact over the split pixel tokens by point-to-point ring
+matmuls (``docs/attention.md``). ViT/Swin-style timm encoders are refused here: their
+token handling (class token, windows) has no sharded form yet, so a width-sharded run
+could only gather the whole activation on every rank.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ ARCHITECTURES = (
     "Segformer",
     "DPT",
 )
-#: Encoder name prefixes built on global self-attention (refused, see the module docstring).
-GLOBAL_ATTENTION_ENCODERS = ("mit_", "tu-vit", "tu-deit", "tu-swin", "tu-mvit", "tu-eva", "tu-beit")
+#: Encoder name prefixes refused (see the module docstring).
+GLOBAL_ATTENTION_ENCODERS = ("tu-vit", "tu-deit", "tu-swin", "tu-mvit", "tu-eva", "tu-beit")
 #: Architectures whose *decoder* attends over all pixels.
 GLOBAL_ATTENTION_ARCHS = {
     "MAnet": "its position-attention block (flatten every pixel, matmul)",

@@ -32,7 +32,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _broadcast, _channels  # noqa: F401  (their handlers are wrapped below)
 from ._dims import wrap
-from ._errors import module_path
+from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
@@ -137,7 +137,8 @@ def _reshaping(func, use_view: bool = False):
 
     def handler(x, *args, **kwargs):
         if not is_tokens(x) or (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
-            return func(x, *args, **kwargs)
+            # DTensor's own ("Cannot flatten unevenly sharded tensor" on H x W tiles: named)
+            return run_dtensor_op(func, (x, *args), kwargs)
         shape = _meta_shape(func, x, *args, **kwargs)
         fn = (lambda t, s: t.view(s)) if use_view else None
         return local_reshape(x, shape, what, fn)

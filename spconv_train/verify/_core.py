@@ -21,7 +21,8 @@ gradient outright (see ``_compare.py``); ``dtype="config"`` uses ``training.prec
 The sharded run goes first so its peak memory is measured without the reference
 (``_sharded.py``), then the reference runs and is compared step by step (``_reference.py``).
 Dropout: per-strip dropout masks cannot equal one device's mask, so every dropout layer's
-``p`` is set to 0 on both sides (the report says so).
+``p`` is set to 0 on both sides (the report says so), and so is the drop probability of
+timm's stochastic depth (``DropPath``), whose masks the two runs would draw apart.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def _disable_dropout(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             m.p, n = 0.0, n + 1
+        elif type(m).__name__ == "DropPath" and getattr(m, "drop_prob", 0) > 0:
+            # timm's stochastic depth (MiT, ConvNeXt): both runs draw their own masks
+            m.drop_prob, n = 0.0, n + 1
     return n
 
 
@@ -184,8 +188,8 @@ def run_verify(
     )
     comm_steps, flagged = _comm_table(gather_all(comms))
     notes = [
-        f"dropout set to p=0 in {n_dropout} module(s) on both sides: per-strip dropout masks "
-        "cannot equal one device's mask"
+        f"dropout / stochastic depth set to 0 in {n_dropout} module(s) on both sides: "
+        "per-strip dropout masks cannot equal one device's mask"
         if n_dropout
         else "the model has no active dropout",
         "gradients are compared before clipping; parameters after the optimizer step",
