@@ -56,7 +56,7 @@ def split_grid(world: int) -> tuple[list[str], list[str | None]]:
         conv = _conv(cfg, i)
         x = seeded(300 + i, 2, 4, 5, width)
         compare_module(conv, x, dmesh, [Shard(3)], "shard", f"{cfg} W={width}", failures)
-        _, _, pl, pr = conv_padding(conv)
+        (pl, pr) = conv_padding(conv)[-1]
         k, s, d = conv.kernel_size[1], conv.stride[1], conv.dilation[1]
         wp = plan_window("t", width, world, k, s, d, pl, pr)
         plan = plan_split(wp, dist_rank(), k, s, d, pl)

@@ -29,7 +29,7 @@ from ._halo import sum_grad_over
 SPATIAL_DIMS = (3,)
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCHW: the width (strips),
 #: or H and W (tiles, ``_tiles.py``); NCDHW volumes (``_volume.py``): any one of D, H, W.
-SPATIAL_DIMS_BY_NDIM = {4: (2, 3), 5: (2, 3, 4)}
+SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
 #: Mesh dim names of a multi-dim spatial mesh: images ``(sp_h, sp_w)``; volumes any two or
 #: three of ``(sp_d, sp_h, sp_w)`` (``sp_d`` shards D, ``sp_h`` H, ``sp_w`` W), optionally
 #: after a ``dp`` dim. The layout itself is read off the placements, not the names.
