@@ -23,8 +23,7 @@ from spconv_train.parallel import parallelize
 from spconv_train.parallel._live_bytes import LiveBytes
 from spconv_train.parallel._sharding import spatial_layout
 from spconv_train.parallel._tiles import tile_window
-from spconv_train.parallel._volume import gather_volume_window, volume_layout
-from spconv_train.parallel._window import WindowStep, _WindowRecipe, plan_window
+from spconv_train.parallel._window import _WindowRecipe
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
 
@@ -55,24 +54,15 @@ def recipe_rebuilds_window(key: str) -> list[str]:
     for geom in GEOMS:
         for value in (0.0, float("-inf")):
             label = f"{key} geometry {geom} value {value}"
-            if "tiles" in key:
-                _, layout = spatial_layout(x, "test", ndim=x.ndim, tiles=True)
-                local = x.to_local()
-                geoms = {d: geom for d in range(2, x.ndim)}
-                args = (tuple(x.shape), layout, "test", geoms, "zeros", value)
-                tw = tile_window(local, *args, pad_local=False)  # as tile_conv (zero padding)
-                window, steps = tw.window, tw.steps
-                if tw.reshaped:
-                    failures.append(f"{label}: tile window not saved by reference")
-                    continue
-            else:
-                _, layout = volume_layout(x, "test")
-                d = layout.dim
-                wp = plan_window("test", x.shape[d], layout.sp_size, *geom)
-                local = x.to_local()
-                window = gather_volume_window(x, layout, wp, "zeros", value)
-                pad_lo, pad_hi = wp.edges[layout.sp_rank][:2]
-                steps = (WindowStep(d, wp.exchange, layout.sp_rank, pad_lo, pad_hi, window),)
+            _, layout = spatial_layout(x, "test", ndim=x.ndim, tiles=True)
+            local = x.to_local()
+            geoms = {d: geom for d in range(2, x.ndim)}
+            args = (tuple(x.shape), layout, "test", geoms, "zeros", value)
+            tw = tile_window(local, *args, pad_local=False)  # as the conv (zero padding)
+            window, steps = tw.window, tw.steps
+            if tw.reshaped:
+                failures.append(f"{label}: window not saved by reference")
+                continue
             rebuilt = _WindowRecipe(window, local, steps, value, None).rebuild()
             if not torch.equal(rebuilt, window):
                 failures.append(f"{label}: rebuilt window differs")
