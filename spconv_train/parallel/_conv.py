@@ -195,7 +195,3 @@ def _functional_conv(input, weight, bias=None, stride=1, padding=0, dilation=1, 
     pads = conv_pads(padding, tuple(weight.shape[2:]), dilation)
     args = (stride, pads, dilation, groups)
     return spatial_conv(input, weight, bias, *args, what=f"F.conv{n}d")
-
-
-#: the per-rank names: the same implementation (the weight gives the spatial rank)
-spatial_conv2d = spatial_conv3d = spatial_conv
