@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from spconv_train.parallel import SpatialShardingError
+from spconv_train.parallel.extend import plan_window
 from tests.dist_harness import mesh
 from tests.op_check import check_fn, check_module
 from tests.reference import seeded
@@ -74,7 +76,7 @@ LAYOUTS: dict[int, dict[str, tuple]] = {
     },
 }
 #: a (config, layout) pair runs at a world when (config + layout + world) % ROTATION == 0
-ROTATION = 2
+ROTATION = 3
 _CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -85,15 +87,23 @@ def _for_rank(cfg: dict, n: int) -> dict:
 
 
 def _sizes(conv: nn.Module, parts: list[int]) -> list[int]:
-    """Per spatial dim, a size every rank can run (halo and padding fit the smallest part,
-    every rank has outputs), not divisible by its part count > 1; reflect needs size > pad."""
-    rev = conv._reversed_padding_repeated_twice
+    """Per spatial dim, a small size every rank can run (the smallest the geometry allows,
+    ``plan_window``, plus two positions per part: most ranks then have interior outputs),
+    not divisible by its part count > 1; reflect needs size > pad."""
+    rev = conv._reversed_padding_repeated_twice  # last dim first
     sizes = []
     for j, p in enumerate(parts):
         k, s, d = conv.kernel_size[j], conv.stride[j], conv.dilation[j]
-        i = 2 * (len(parts) - 1 - j)
-        reach = d * (k - 1) + max(rev[i], rev[i + 1])
-        sizes.append(p * s * (reach + 2) + 1 if p > 1 else max(5, reach + 2))
+        lo, hi = rev[2 * (len(parts) - 1 - j)], rev[2 * (len(parts) - 1 - j) + 1]
+        for n in range(max(3, lo + 1, hi + 1), 1000):
+            if p > 1 and n % p == 0:
+                continue
+            try:
+                plan_window("grid", n, p, k, s, d, lo, hi, conv.padding_mode)
+            except SpatialShardingError:
+                continue
+            break
+        sizes.append(n + 2 * p if p > 1 else n)
     return sizes
 
 
