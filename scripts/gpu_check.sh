@@ -49,7 +49,7 @@ if [[ "$DEVICE" == cuda ]]; then
     RANKS=$(( GPUS < 2 ? 1 : 2 ))
     # the op grids of every spatial op family (tests that build their tensors on the
     # harness device: tests/dist_harness.py, SPCONV_TEST_DEVICE)
-    GRIDS=(tests/test_conv.py tests/test_pool.py tests/test_norm.py tests/test_upsample.py
+    GRIDS=(tests/test_conv_grid.py tests/test_conv.py tests/test_pool.py tests/test_norm.py tests/test_upsample.py
            tests/test_ops_reduce.py tests/test_ops_channels.py tests/test_ops_rechunk.py
            tests/test_pointwise.py tests/test_halo_conv.py tests/test_conv3d.py
            tests/test_ops3d.py tests/test_fsdp.py)
@@ -63,8 +63,8 @@ if [[ "$DEVICE" == cuda ]]; then
     KERNELS=(--height 1024 --width 4096)
 else
     GPUS=0
-    GRIDS=(tests/test_conv.py)
-    GRID_FILTER=(-k "test_conv_grid_matches_single_device and 1")
+    GRIDS=(tests/test_conv_grid.py)
+    GRID_FILTER=(-k "test_conv_grid_matches_single_device and 2")
     STEP=(--worlds 2 --height 32 --width 128 --iters 2)
     CONV=(--channels 8 --height 32 --width 256 --worlds 2 --iters 2 --rounds 1 --warmup 0
           --variants "one process" "halo (spconv)")

@@ -8,12 +8,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+import spconv_train.parallel._conv as conv_module
 from spconv_train.parallel import parallelize
 from spconv_train.parallel._conv import conv_padding
 from spconv_train.parallel._halo_conv import plan_split
 from spconv_train.parallel._runtime import SpatialStats
 from spconv_train.parallel._window import plan_window
 from tests.dist_harness import device, mesh
+from tests.op_check import check_module
 from tests.reference import compare_module, seeded
 
 # (conv kwargs, input width at 2/3 ranks): strips wide and narrow, stride, dilation, even
@@ -56,7 +58,7 @@ def split_grid(world: int) -> tuple[list[str], list[str | None]]:
         conv = _conv(cfg, i)
         x = seeded(300 + i, 2, 4, 5, width)
         compare_module(conv, x, dmesh, [Shard(3)], "shard", f"{cfg} W={width}", failures)
-        _, _, pl, pr = conv_padding(conv)
+        (pl, pr) = conv_padding(conv)[-1]
         k, s, d = conv.kernel_size[1], conv.stride[1], conv.dilation[1]
         wp = plan_window("t", width, world, k, s, d, pl, pr)
         plan = plan_split(wp, dist_rank(), k, s, d, pl)
@@ -82,6 +84,52 @@ def test_split_conv_matches_single_device(dist_pool, world):
     paths = [whole, split, whole, split, split, whole, whole, whole, None, split, whole, whole]
     paths += [whole, whole]
     assert used == [*paths, None if world == 3 else whole], used
+
+
+#: world 4 layouts: (mesh shape, names, tensor rank, placements, the fast path applies)
+FAST_LAYOUTS = {
+    "dp strips": ((2, 2), ("dp", "sp"), 4, [Shard(0), Shard(3)], True),
+    "tiles 2x2": ((2, 2), ("sp_h", "sp_w"), 4, [Shard(2), Shard(3)], True),
+    "volume W": ((4,), ("sp",), 5, [Shard(4)], True),
+    "blocks DHW": ((1, 2, 2), ("sp_d", "sp_h", "sp_w"), 5, [Shard(2), Shard(3), Shard(4)], True),
+    "signal": ((4,), ("sp",), 3, [Shard(2)], True),
+    "blocks DH": ((2, 2), ("sp_d", "sp_h"), 5, [Shard(2), Shard(3)], False),
+    "volume D": ((4,), ("sp",), 5, [Shard(2)], False),
+}
+
+
+def fast_path_layouts(world: int) -> tuple[list[str], dict[str, int]]:
+    """A "same" and a strided conv on every layout: the overlapped halo conv runs wherever
+    the last dim is sharded (the other sharded dims windowed first), else the window."""
+    failures: list[str] = []
+    calls: dict[str, int] = {}
+    original = conv_module.halo_conv
+
+    def counted(*args, **kwargs):
+        calls[key] = calls.get(key, 0) + 1
+        return original(*args, **kwargs)
+
+    conv_module.halo_conv = counted
+    try:
+        for key, (shape, names, ndim, pl, _) in FAST_LAYOUTS.items():
+            dmesh = mesh(shape, names)
+            for i, cfg in enumerate(
+                (dict(padding=1), dict(stride=2, padding=(1, 0, 2)[-ndim + 2 :]))
+            ):
+                torch.manual_seed(i)
+                conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[ndim - 3](4, 3, 3, **cfg).double()
+                x = seeded(i, 2, 4, *[20] * (ndim - 2), dtype=torch.float64)
+                check_module(conv, x, dmesh, pl, f"{key} {cfg}", failures)
+    finally:
+        conv_module.halo_conv = original
+    return failures, calls
+
+
+def test_fast_path_wherever_the_last_dim_is_sharded(dist_pool):
+    for failures, calls in dist_pool.run(4, fast_path_layouts, 4):
+        assert not failures, "\n".join(failures)
+        want = {k: 2 for k, (*_, fast) in FAST_LAYOUTS.items() if fast}
+        assert calls == want, calls
 
 
 def conv_flops(world: int, dilation: int) -> tuple[int, int]:

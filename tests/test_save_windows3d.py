@@ -23,8 +23,7 @@ from spconv_train.parallel import parallelize
 from spconv_train.parallel._live_bytes import LiveBytes
 from spconv_train.parallel._sharding import spatial_layout
 from spconv_train.parallel._tiles import tile_window
-from spconv_train.parallel._volume import gather_volume_window, volume_layout
-from spconv_train.parallel._window import WindowStep, _WindowRecipe, plan_window
+from spconv_train.parallel._window import _WindowRecipe
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
 
@@ -55,24 +54,15 @@ def recipe_rebuilds_window(key: str) -> list[str]:
     for geom in GEOMS:
         for value in (0.0, float("-inf")):
             label = f"{key} geometry {geom} value {value}"
-            if "tiles" in key:
-                _, layout = spatial_layout(x, "test", ndim=x.ndim, tiles=True)
-                local = x.to_local()
-                geoms = {d: geom for d in range(2, x.ndim)}
-                args = (tuple(x.shape), layout, "test", geoms, "zeros", value)
-                tw = tile_window(local, *args, pad_local=False)  # as tile_conv (zero padding)
-                window, steps = tw.window, tw.steps
-                if tw.reshaped:
-                    failures.append(f"{label}: tile window not saved by reference")
-                    continue
-            else:
-                _, layout = volume_layout(x, "test")
-                d = layout.dim
-                wp = plan_window("test", x.shape[d], layout.sp_size, *geom)
-                local = x.to_local()
-                window = gather_volume_window(x, layout, wp, "zeros", value)
-                pad_lo, pad_hi = wp.edges[layout.sp_rank][:2]
-                steps = (WindowStep(d, wp.exchange, layout.sp_rank, pad_lo, pad_hi, window),)
+            _, layout = spatial_layout(x, "test", ndim=x.ndim, tiles=True)
+            local = x.to_local()
+            geoms = {d: geom for d in range(2, x.ndim)}
+            args = (tuple(x.shape), layout, "test", geoms, "zeros", value)
+            tw = tile_window(local, *args, pad_local=False)  # as the conv (zero padding)
+            window, steps = tw.window, tw.steps
+            if tw.reshaped:
+                failures.append(f"{label}: window not saved by reference")
+                continue
             rebuilt = _WindowRecipe(window, local, steps, value, None).rebuild()
             if not torch.equal(rebuilt, window):
                 failures.append(f"{label}: rebuilt window differs")
@@ -130,19 +120,21 @@ def unet3d_memory(world: int, names, pl, size) -> dict:
 
 
 @pytest.mark.parametrize(
-    "world,names,pl,size,bound",
+    "world,names,pl,size,bound,gain",
     [
-        (2, ("sp",), [Shard(2)], (16, 8, 8), 1.1),  # over D
-        (2, ("sp",), [Shard(4)], (8, 8, 16), 1.1),  # over W
-        (4, ("sp_h", "sp_w"), [Shard(3), Shard(4)], (8, 12, 12), 1.25),  # H x W tiles
+        (2, ("sp",), [Shard(2)], (16, 8, 8), 1.1, 0.8),  # over D
+        # over W the convs take the overlapped halo conv (no window, option on or off):
+        # only the pools and transposed convs gain (measured 0.91x)
+        (2, ("sp",), [Shard(4)], (8, 8, 16), 1.1, 0.95),
+        (4, ("sp_h", "sp_w"), [Shard(3), Shard(4)], (8, 12, 12), 1.25, 0.8),  # H x W tiles
     ],
 )
-def test_unet3d_saves_windows_by_reference(dist_pool, world, names, pl, size, bound):
+def test_unet3d_saves_windows_by_reference(dist_pool, world, names, pl, size, bound, gain):
     for rank, res in enumerate(dist_pool.run(world, unet3d_memory, world, names, pl, size)):
         assert not res["failures"], f"rank {rank}:\n" + "\n".join(res["failures"][:20])
         # a window copy per conv / pool / transposed conv is no longer kept (measured: 0.71x
-        # over D and W at 2 ranks, 0.68x on 2 x 2 tiles, of what is kept without it)
-        assert res[True] <= 0.8 * res[False], res
+        # over D at 2 ranks, 0.68x on 2 x 2 tiles, of what is kept without it)
+        assert res[True] <= gain * res[False], res
         # what is left above one device's share is the thin halo copies (measured: 1.08x
         # at 2 ranks, 1.20x on 2 x 2 tiles of 6 x 6 pixels, 3 x 3 after pooling; 1.53x and
         # 1.76x without saving by reference)

@@ -1,5 +1,6 @@
-"""H x W tiles (issue 12 item 1): the corner exchange and Conv2d on an image sharded along H
-and W, against one device in fp64 (forward, input and parameter gradients), uneven sizes."""
+"""H x W tiles (issue 12 item 1): the corner exchange and the ops on an image sharded along H
+and W (Conv2d: tests/test_conv_grid.py), against one device in fp64 (forward, input and
+parameter gradients), uneven sizes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from spconv_train.parallel._tiles import tile_window
 from tests.meshes import each_mesh, mesh_and_placements
 from tests.op_check import check_module
 from tests.reference import seeded
-from tests.test_conv import _conv_configs
 
 #: (mesh shape, mesh dim names, placements) per world size; "dp" shards the batch
 TILE_MESHES = {
@@ -82,36 +82,6 @@ def corner_exchange(world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_corner_exchange_and_adjoint(dist_pool, world):
     failures = dist_pool.run(world, corner_exchange, world)[0]
-    assert not failures, "\n".join(failures)
-
-
-# ---------------------------------------------------------------- Conv2d
-
-
-def conv_tiles(world: int, start: int, stride: int) -> list[str]:
-    failures: list[str] = []
-    for dmesh, pl, label in tile_meshes(world):
-        ph, pw = _parts(dmesh, "sp_h"), _parts(dmesh, "sp_w")
-        batch = 2 if "dp" in dmesh.mesh_dim_names else 1
-        for i, cfg in enumerate(_conv_configs()[start::stride]):
-            torch.manual_seed(i)
-            cfg = dict(cfg)
-            conv = nn.Conv2d(4, cfg.pop("out_channels", 3), **cfg).double()
-            (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-            pad = max(conv._reversed_padding_repeated_twice)
-            h, w = _size(ph, kh, sh, dh, pad), _size(pw, kw, sw, dw, pad)
-            x = seeded(1000 + i, batch, 4, h, w, dtype=torch.float64)
-            check_module(conv, x, dmesh, pl, f"{label} {cfg} {h}x{w}", failures)
-    return failures
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_conv2d_on_tiles_matches_single_device(dist_pool, world):
-    # A slice of the width grid per world size (2 cores): world 2 on (1, 2) and (2, 1),
-    # world 4 on (2, 2) and (dp, sp_h, sp_w) = (2, 1, 2); paddings, strides, dilations,
-    # groups, even kernels and every padding mode are among them.
-    start, stride = (0, 5) if world == 2 else (1, 6)
-    failures = dist_pool.run(world, conv_tiles, world, start, stride)[0]
     assert not failures, "\n".join(failures)
 
 

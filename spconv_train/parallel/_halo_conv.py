@@ -1,4 +1,10 @@
-"""Width-sharded zero-padded convolution without a padded copy of the strip, overlapped.
+"""Zero-padded convolution along a sharded last dim without a padded copy, overlapped.
+
+The fast path of ``_conv.spatial_conv`` for a layout whose last sharded axis is the tensor's
+last dim (the width: strips, tiles, volume blocks sharded along W; a 1-D signal runs as an
+image of height 1). Every other dim is either whole on the rank and zero-padded inside the
+convolution (``pad_other``), or already windowed along its own sharded axis (padding 0
+there). Below, "columns" are positions along the last dim.
 
 Output columns of a rank split in three: the *interior* ones, whose receptive field lies
 inside the local strip, are a convolution of the strip itself (width padding 0, a view of
@@ -12,11 +18,11 @@ output strip is the input strip, and the split is cheaper still: the whole strip
 convolved with the width padding inside the convolution, exactly as the no-communication
 floor does (no input or output copy), and the few output columns next to a neighbour,
 which read zeros there instead of its halo, get the halo's share added: a convolution of
-the halo columns alone along the height (``_halo_corrections``: per kernel tap, the run of
-halo columns it meets folded into the batch, one ``conv1d`` with that tap's weight). In the
-backward the whole-strip gradients are complete for the strip's own columns; the same
-runs give the halo columns' input gradient (sent back) and their share of the weight
-gradient. (Folding the halo columns into *channels* instead would build a weight of size
+the halo columns alone along the other dims (``_halo_corrections``: per kernel tap, the run
+of halo columns it meets folded into the batch, one convolution of one rank less with that
+tap's weight). In the backward the whole-strip gradients are complete for the strip's own
+columns; the same runs give the halo columns' input gradient (sent back) and their share of
+the weight gradient. (Folding the halo columns into *channels* instead would build a weight of size
 Cout*C*edge*halo*kh: 1.8 GB per edge for DeepLabV3's ASPP (dilation 12, 2048 channels) in
 fp64, enough to get a CI worker killed for memory.)
 
@@ -118,9 +124,13 @@ def _add_thin_grad(lo: int, grad: Tensor, start: int, target: Tensor) -> None:
         target.narrow(-1, s - start, e - s).add_(grad.narrow(-1, s - lo, e - s))
 
 
+#: the local convolution per spatial rank
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
 def _same_pad(weight: Tensor, dilation) -> int:
     """The width padding of a "same" convolution (``SplitPlan.whole_strip``)."""
-    return dilation[1] * (weight.shape[-1] - 1) // 2
+    return dilation[-1] * (weight.shape[-1] - 1) // 2
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,7 +156,7 @@ def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor,
     """``(halo index, tap, first output, first halo column, length)`` of every run of edge
     outputs that read a halo: what the whole-strip convolution (which saw zeros there) is
     missing."""
-    kw, dw = weight.shape[-1], dilation[1]
+    kw, dw = weight.shape[-1], dilation[-1]
     pad_w = _same_pad(weight, dilation)
     found = []
     for first, count, _, _ in split.edges:
@@ -157,30 +167,33 @@ def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor,
 
 
 # The halo's share of a run of edge outputs, through one kernel tap, is a convolution
-# along the height only: fold the run's columns into the batch, (N, C, H, L) ->
-# (N*L, C, H), and one conv1d with that tap's weight column computes them all. The cost is
+# along the other dims only: fold the run's columns into the batch, (N, C, *S, L) ->
+# (N*L, C, *S), and one convolution of one rank less with that tap's weight slice computes
+# them all. The cost is
 # what the outputs need (no weight is expanded: a tap's weight is a view). A thin 2-D
 # convolution would do the same arithmetic, but PyTorch runs it on its slow im2col kernel
 # (inputs under 20480 elements skip oneDNN), ~4x slower here.
 
 
 def _columns_to_batch(x: Tensor) -> Tensor:
-    n, c, h, w = x.shape
-    return x.reshape(n, c, h) if w == 1 else x.permute(0, 3, 1, 2).reshape(n * w, c, h)
+    """``(N, C, *S, L)`` -> ``(N*L, C, *S)``."""
+    n, w = x.shape[0], x.shape[-1]
+    return x.squeeze(-1) if w == 1 else x.movedim(-1, 1).reshape(n * w, *x.shape[1:-1])
 
 
 def _batch_to_columns(y: Tensor, n: int) -> Tensor:
-    """The inverse of ``_columns_to_batch``: ``(N*L, C, H)`` -> ``(N, C, H, L)``."""
-    return y.view(n, -1, *y.shape[1:]).permute(0, 2, 3, 1)
+    """The inverse of ``_columns_to_batch``: ``(N*L, C, *S)`` -> ``(N, C, *S, L)``."""
+    return y.view(n, -1, *y.shape[1:]).movedim(1, -1)
 
 
-class _HaloConv2d(torch.autograd.Function):
-    """``F.conv2d`` of the width-sharded strip ``local`` (zero padding), split as described
-    in the module docstring. ``geo`` = (stride, pad_h, dilation, groups)."""
+class _HaloConv(torch.autograd.Function):
+    """``F.conv{2,3}d`` of ``local`` sharded along its last dim (zero padding), split as
+    described in the module docstring. ``geo`` = (stride, pad_other, dilation, groups)."""
 
     @staticmethod
     def forward(ctx, local, weight, bias, wp, split, rank, group, geo):
-        stride, pad_h, dilation, groups = geo
+        stride, pad_other, dilation, groups = geo
+        conv, conv_less = _CONV[local.ndim - 2], _CONV[local.ndim - 3]
         stats = current_runtime().stats
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
         halos = [
@@ -198,22 +211,23 @@ class _HaloConv2d(torch.autograd.Function):
             # computes, except that the columns next to a neighbour read zeros instead of
             # its halo); the halo's share of those few columns is then added.
             pad_w = _same_pad(weight, dilation)
-            out = F.conv2d(local, weight, bias, stride, (pad_h, pad_w), dilation, groups)
+            out = conv(local, weight, bias, stride, (*pad_other, pad_w), dilation, groups)
             pending.wait()
             corrections = _halo_corrections(split, halos, a, weight, dilation)
             for i, t, o, h, length in corrections:
                 cols = _columns_to_batch(halos[i][1].narrow(-1, h, length))
-                y = F.conv1d(cols, weight[..., t], None, stride[0], pad_h, dilation[0], groups)
+                tap = (weight[..., t], None, stride[:-1], pad_other, dilation[:-1], groups)
+                y = conv_less(cols, *tap)
                 out.narrow(-1, o, length).add_(_batch_to_columns(y, out.shape[0]))
         else:
-            conv = (stride, (pad_h, 0), dilation, groups)
+            geom = (stride, (*pad_other, 0), dilation, groups)
             sources = [(a, local), *halos]
             c0, c1 = split.strip_cols
-            inner = F.conv2d(local.narrow(-1, c0, c1 - c0), weight, bias, *conv)
+            inner = conv(local.narrow(-1, c0, c1 - c0), weight, bias, *geom)
             pending.wait()
             left, right = [], []
             for first, _, lo, hi in split.edges:
-                edge = F.conv2d(_thin_window(lo, hi, sources, local), weight, bias, *conv)
+                edge = conv(_thin_window(lo, hi, sources, local), weight, bias, *geom)
                 (left if first < split.interior[0] else right).append(edge)
             # One output buffer by concatenation: the interior result is written once more
             # (a copy of the output, not of the input window).
@@ -228,7 +242,8 @@ class _HaloConv2d(torch.autograd.Function):
     def backward(ctx, grad_out):
         local, weight, *halo_bufs = ctx.saved_tensors
         wp, split, rank, group, geo, stats, halo_starts, has_bias = ctx.meta
-        stride, pad_h, dilation, groups = geo
+        stride, pad_other, dilation, groups = geo
+        n = len(stride)
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
         halos = list(zip(halo_starts, halo_bufs, strict=True))
         need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -242,10 +257,10 @@ class _HaloConv2d(torch.autograd.Function):
                 weight,
                 bias_sizes,
                 list(stride),
-                [pad_h, pad_w],
+                [*pad_other, pad_w],
                 list(dilation),
                 False,
-                [0, 0],
+                [0] * n,
                 groups,
                 list(mask),
             )
@@ -263,23 +278,23 @@ class _HaloConv2d(torch.autograd.Function):
             # whole-strip convolution saw zeros there). The halo runs give both.
             for i, t, o, h, length in ctx.corrections:
                 hs, halo = halos[i]
-                n = halo.shape[0]
+                batch = halo.shape[0]
                 g = _columns_to_batch(grad_out.narrow(-1, o, length))
                 gx, gwt, _ = torch.ops.aten.convolution_backward(
                     g.contiguous(),
                     _columns_to_batch(halo.narrow(-1, h, length)),
                     weight[..., t],
                     None,
-                    [stride[0]],
-                    [pad_h],
-                    [dilation[0]],
+                    list(stride[:-1]),
+                    list(pad_other),
+                    list(dilation[:-1]),
                     False,
-                    [0],
+                    [0] * (n - 1),
                     groups,
                     [need_in, need_w, False],
                 )
                 if need_in:
-                    edge_grads.append((hs + h, _batch_to_columns(gx, n)))
+                    edge_grads.append((hs + h, _batch_to_columns(gx, batch)))
                 if need_w:
                     if gw is None:
                         gw = weight.new_zeros(weight.shape)
@@ -332,16 +347,20 @@ class _HaloConv2d(torch.autograd.Function):
 
 
 @not_traced  # an exchange inside an autograd function (see _compile.py)
-def halo_conv2d(local, weight, bias, wp, split, rank, group, stride, pad_h, dilation, groups):
-    """The rank's output strip of a zero-padded width-sharded convolution (see module doc)."""
-    geo = (tuple(stride), pad_h, tuple(dilation), groups)
+def halo_conv(local, weight, bias, wp, split, rank, group, stride, pad_other, dilation, groups):
+    """The rank's output of a zero-padded convolution of ``local`` sharded along its last
+    dim (see module doc); ``pad_other``: the padding of every other spatial dim."""
+    if local.ndim == 3:  # a 1-D signal: an image of height 1 (the halo runs need a height)
+        args = (wp, split, rank, group, (1, *stride), (0,), (1, *dilation), groups)
+        return halo_conv(local.unsqueeze(2), weight.unsqueeze(2), bias, *args).squeeze(2)
+    geo = (tuple(stride), tuple(pad_other), tuple(dilation), groups)
     device = local.device.type
     if not torch.is_autocast_enabled(device):
-        return _HaloConv2d.apply(local, weight, bias, wp, split, rank, group, geo)
+        return _HaloConv.apply(local, weight, bias, wp, split, rank, group, geo)
     # Under autocast a convolution runs in the autocast dtype: cast here, outside the
     # autograd function (its backward runs without autocast, so inputs, weight and saved
     # tensors must already agree), as autocast would cast them for F.conv2d.
     low = torch.get_autocast_dtype(device)
     args = (local.to(low), weight.to(low), None if bias is None else bias.to(low))
     with torch.autocast(device, enabled=False):
-        return _HaloConv2d.apply(*args, wp, split, rank, group, geo)
+        return _HaloConv.apply(*args, wp, split, rank, group, geo)

@@ -13,6 +13,7 @@ where a saved-tensor hook placed outside the checkpointed blocks would not see t
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -27,18 +28,30 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: it is new only if that
+        # input was made while the meter runs (then it is recorded already). A view of a
+        # parameter (a conv tap's weight slice) is no activation.
+        inputs = {_storage(t, nn.Parameter) for t in tree_flatten((args, kwargs))[0]}
         for t in tree_flatten(out)[0]:
-            if type(t) is torch.Tensor:  # plain local tensors (a DTensor's local is seen too)
-                try:
-                    st = t.untyped_storage()
-                    self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
-                except RuntimeError:  # no storage (e.g. a meta or functional tensor)
-                    pass
+            st = _storage(t)
+            if st is not None and st._cdata not in {i._cdata for i in inputs if i is not None}:
+                self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
         return out
 
     def live(self) -> int:
         """Bytes of the recorded storages whose tensor is still alive."""
         return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+def _storage(t, *also: type) -> torch.UntypedStorage | None:
+    """The storage of a plain tensor (a DTensor's local is seen too) or of one of the types
+    ``also``, else ``None``."""
+    if type(t) is not torch.Tensor and type(t) not in also:
+        return None
+    try:
+        return t.untyped_storage()
+    except RuntimeError:  # no storage (e.g. a meta or functional tensor)
+        return None
 
 
 class PeakBytes(LiveBytes):

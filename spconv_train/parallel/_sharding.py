@@ -27,9 +27,9 @@ from ._halo import sum_grad_over
 #: never uses this directly; it asks the layout (``layout.dim``), so sharding H and W
 #: together, or 3-D volumes, changes what ``spatial_layout`` records, not the ops.
 SPATIAL_DIMS = (3,)
-#: Per tensor rank: the tensor dims that may be sharded spatial dims. NCHW: the width (strips),
-#: or H and W (tiles, ``_tiles.py``); NCDHW volumes (``_volume.py``): any one of D, H, W.
-SPATIAL_DIMS_BY_NDIM = {4: (2, 3), 5: (2, 3, 4)}
+#: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
+#: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
+SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
 #: Mesh dim names of a multi-dim spatial mesh: images ``(sp_h, sp_w)``; volumes any two or
 #: three of ``(sp_d, sp_h, sp_w)`` (``sp_d`` shards D, ``sp_h`` H, ``sp_w`` W), optionally
 #: after a ``dp`` dim. The layout itself is read off the placements, not the names.
@@ -162,7 +162,7 @@ def spatial_layout(
     tile layout (``layout.axes``): only ops that handle tiles pass ``tiles=True``; every other
     op refuses it here, naming itself."""
     if x.ndim != ndim:
-        kind = "an NCDHW volume" if ndim == 5 else "an NCHW tensor"
+        kind = {3: "an NCL signal", 5: "an NCDHW volume"}.get(ndim, "an NCHW tensor")
         raise SpatialShardingError(f"{what}: expected {kind}, got shape {tuple(x.shape)}")
     placements = tuple(x.placements)
     sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]

@@ -4,8 +4,8 @@
 ``(dp, sp_h, sp_w)``) gives every rank a tile; ``SpatialLayout.axes`` lists the
 ``(tensor dim, mesh dim)`` of each sharded spatial dim. No new halo code: the one-dim window
 machinery (``plan_window``, ``gather_window``, ``gather_columns``) works along the last
-tensor dim, so a tile op moves one sharded dim last at a time (``along``), exactly as
-``_volume.py`` does for volumes. The halo is fetched along W first over the ``sp_w`` group,
+tensor dim, so a tile op moves one sharded dim last at a time (``along``), as every layout
+does (a volume sharded along D or H too). The halo is fetched along W first over the ``sp_w`` group,
 then along H over the ``sp_h`` group *on the W window*, halo columns included: the H
 neighbour's W halo is the diagonal neighbour's data, so the corners arrive in two
 neighbour-only exchanges. The backward is the adjoint of that composition (autograd chains
