@@ -67,21 +67,13 @@ F = TypeVar("F", bound=Callable)
 
 # Reading a DTensor's metadata creates no graph op; breaking the graph there would only
 # multiply graphs (a property getter arrives as ``<property>.__get__``).
-_METADATA = frozenset(
-    {
-        Tensor.size,
-        Tensor.dim,
-        Tensor.ndimension,
-        Tensor.stride,
-        Tensor.numel,
-        Tensor.nelement,
-        Tensor.element_size,
-        Tensor.is_contiguous,
-        Tensor.is_floating_point,
-        Tensor.is_complex,
-        Tensor.get_device,
-    }
-)
+# fmt: off
+_METADATA = frozenset({
+    Tensor.size, Tensor.dim, Tensor.ndimension, Tensor.stride, Tensor.numel, Tensor.nelement,
+    Tensor.element_size, Tensor.is_contiguous, Tensor.is_floating_point, Tensor.is_complex,
+    Tensor.get_device,
+})
+# fmt: on
 
 
 def not_traced(fn: F) -> F:

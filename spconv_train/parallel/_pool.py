@@ -17,216 +17,118 @@ from torch.distributed.tensor import DTensor
 
 from ._adaptive import adaptive_pool
 from ._geometry import SpatialShardingError
+from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._pooling import avg_pool, max_pool, pool_args
 
 
-def _no_volume_indices(return_indices: bool, what: str) -> None:
-    if return_indices:
+def _max_pool(rank: int):
+    def spatial_max_pool(
+        x: DTensor,
+        kernel_size,
+        stride=None,
+        padding=0,
+        dilation=1,
+        ceil_mode: bool = False,
+        return_indices: bool = False,
+        what: str = f"max_pool{rank}d",
+    ):
+        k, s, p, d = pool_args(rank, kernel_size, stride, padding, dilation)
+        _no_volume_indices(rank, return_indices, what)
+        return max_pool(x, k, s, p, d, ceil_mode, return_indices, what)
+
+    spatial_max_pool.__doc__ = f"""``F.max_pool{rank}d`` on a sharded DTensor (same values,
+    gradients and, for images with ``return_indices``, global indices into ``H*W``)."""
+    return spatial_max_pool
+
+
+def _avg_pool(rank: int):
+    def spatial_avg_pool(
+        x: DTensor,
+        kernel_size,
+        stride=None,
+        padding=0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+        what: str = f"avg_pool{rank}d",
+    ) -> DTensor:
+        k, s, p, _ = pool_args(rank, kernel_size, stride, padding)
+        return avg_pool(x, k, s, p, ceil_mode, count_include_pad, divisor_override, what)
+
+    spatial_avg_pool.__doc__ = f"""``F.avg_pool{rank}d`` on a sharded DTensor; padding and
+    ceil-mode overhang are counted exactly as PyTorch counts them on the whole input."""
+    return spatial_avg_pool
+
+
+def _adaptive_pool(rank: int, kind: str):
+    def spatial_adaptive_pool(
+        x: DTensor, output_size, return_indices: bool = False, what: str = ""
+    ) -> DTensor:
+        what = what or f"adaptive_{kind}_pool{rank}d"
+        size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
+        if len(size) != rank:
+            raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
+        shape = x.shape[2 : 2 + rank]
+        out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
+        if min(out) < 1:
+            raise ValueError(f"{what}: output size must be positive, got {output_size}")
+        _no_volume_indices(rank, return_indices, what)
+        return adaptive_pool(x, out, kind, return_indices, what)
+
+    spatial_adaptive_pool.__doc__ = f"""``F.adaptive_{kind}_pool{rank}d`` on a sharded DTensor:
+    the input's ``Shard`` when every rank gets an output element along its sharded dims,
+    else ``Replicate`` on the spatial mesh dims (global pooling); ties go to the first
+    element in row-major order and indices are global, as in torch."""
+    return spatial_adaptive_pool
+
+
+def _no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
+    if return_indices and rank == 3:
         raise SpatialShardingError(
             f"{what}: return_indices is not supported on a sharded volume (no MaxUnpool3d "
             f"either); use the values only"
         )
 
 
-def spatial_max_pool2d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    dilation=1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-    what: str = "max_pool2d",
-):
-    """``F.max_pool2d`` on a sharded DTensor (same values, gradients and, with
-    ``return_indices``, the same global indices into the flattened ``H*W`` input)."""
-    k, s, p, d = pool_args(2, kernel_size, stride, padding, dilation)
-    return max_pool(x, k, s, p, d, ceil_mode, return_indices, what)
-
-
-def spatial_max_pool3d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    dilation=1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-    what: str = "max_pool3d",
-) -> DTensor:
-    """``F.max_pool3d`` on a sharded volume (same values and gradients)."""
-    k, s, p, d = pool_args(3, kernel_size, stride, padding, dilation)
-    _no_volume_indices(return_indices, what)
-    return max_pool(x, k, s, p, d, ceil_mode, False, what)
-
-
-def spatial_avg_pool2d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-    what: str = "avg_pool2d",
-) -> DTensor:
-    """``F.avg_pool2d`` on a sharded DTensor; padding and ceil-mode overhang are counted
-    exactly as PyTorch counts them on the whole image."""
-    k, s, p, _ = pool_args(2, kernel_size, stride, padding)
-    return avg_pool(x, k, s, p, ceil_mode, count_include_pad, divisor_override, what)
-
-
-def spatial_avg_pool3d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-    what: str = "avg_pool3d",
-) -> DTensor:
-    """``F.avg_pool3d`` on a sharded volume; padding and ceil-mode overhang are counted
-    exactly as PyTorch counts them on the whole volume."""
-    k, s, p, _ = pool_args(3, kernel_size, stride, padding)
-    return avg_pool(x, k, s, p, ceil_mode, count_include_pad, divisor_override, what)
-
-
-def _out_sizes(output_size, shape: tuple[int, ...], what: str) -> tuple[int, ...]:
-    """``output_size`` (an int or a sequence, ``None`` = keep that size) as one int per
-    spatial dim of ``shape``."""
-    n = len(shape)
-    size = (output_size,) * n if isinstance(output_size, int) else tuple(output_size)
-    if len(size) != n:
-        raise ValueError(f"{what}: output_size {output_size} must give {n} sizes")
-    out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
-    if min(out) < 1:
-        raise ValueError(f"{what}: output size must be positive, got {output_size}")
-    return out
-
-
-def spatial_adaptive_avg_pool2d(x: DTensor, output_size, what: str = "adaptive_avg_pool2d"):
-    """``F.adaptive_avg_pool2d`` on a sharded DTensor: the input's ``Shard`` when every
-    rank gets an output column, else ``Replicate`` on the spatial mesh dims (global
-    pooling; tiles: small outputs only)."""
-    return adaptive_pool(x, _out_sizes(output_size, x.shape[2:4], what), "avg", False, what)
-
-
-def spatial_adaptive_max_pool2d(
-    x: DTensor, output_size, return_indices: bool = False, what: str = "adaptive_max_pool2d"
-):
-    """``F.adaptive_max_pool2d`` on a sharded DTensor (placements as for the average;
-    ties go to the first element in row-major order and indices are global, as in torch)."""
-    out = _out_sizes(output_size, x.shape[2:4], what)
-    return adaptive_pool(x, out, "max", return_indices, what)
-
-
-def spatial_adaptive_avg_pool3d(x: DTensor, output_size, what: str = "adaptive_avg_pool3d"):
-    """``F.adaptive_avg_pool3d`` on a sharded volume: the input's ``Shard`` when the sharded
-    dim is pooled to more than one plane, else ``Replicate`` (global pooling)."""
-    return adaptive_pool(x, _out_sizes(output_size, x.shape[2:5], what), "avg", False, what)
-
-
-def spatial_adaptive_max_pool3d(
-    x: DTensor, output_size, return_indices: bool = False, what: str = "adaptive_max_pool3d"
-):
-    """``F.adaptive_max_pool3d`` on a sharded volume (placements as for the average; ties go
-    to the first element in row-major order, as in torch)."""
-    out = _out_sizes(output_size, x.shape[2:5], what)
-    _no_volume_indices(return_indices, what)
-    return adaptive_pool(x, out, "max", False, what)
-
-
-# ---------------------------------------------------------------- modules and functions
-
-
-def _what(module: nn.Module) -> str:
-    """The module's error label, computed once (``parallelize`` names it before a forward)."""
-    label = module.__dict__.get("_spatial_label")
-    if label is None:
-        base = type(module).__mro__[1].__name__
-        name = getattr(module, "spatial_name", "") or "<module>"
-        label = module.__dict__["_spatial_label"] = f"{name} ({base}({module.extra_repr()}))"
-    return label
-
-
-def _forward(base: type, fn, *attrs: str):
-    """A ``forward`` that runs ``base``'s own on a plain tensor and ``fn(x, *attributes)``
-    on a DTensor."""
+def _module(base: type, fn, *attrs: str) -> type:
+    """``Spatial<base>``: ``base`` running ``fn(x, *attributes)`` on a DTensor input (its
+    own forward on a plain tensor), registered for ``parallelize`` to swap in."""
 
     def forward(self, x: Tensor):
         if not isinstance(x, DTensor):
             return base.forward(self, x)
-        return fn(x, *(getattr(self, a) for a in attrs), what=_what(self))
+        return fn(x, *(getattr(self, a) for a in attrs), what=module_label(self))
 
-    return forward
+    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
+    name = f"Spatial{base.__name__}"
+    cls = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__})
+    cls.__qualname__ = name
+    return register_spatial_module(base)(cls)
 
 
 _MAX = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
 _AVG = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
-
-
-@register_spatial_module(nn.MaxPool2d)
-class SpatialMaxPool2d(nn.MaxPool2d):
-    """``nn.MaxPool2d`` that runs sharded on a DTensor input (strips or tiles)."""
-
-    forward = _forward(nn.MaxPool2d, spatial_max_pool2d, *_MAX)
-
-
-@register_spatial_module(nn.AvgPool2d)
-class SpatialAvgPool2d(nn.AvgPool2d):
-    """``nn.AvgPool2d`` that runs sharded on a DTensor input (strips or tiles)."""
-
-    forward = _forward(nn.AvgPool2d, spatial_avg_pool2d, *_AVG)
-
-
-@register_spatial_module(nn.AdaptiveAvgPool2d)
-class SpatialAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
-    """``nn.AdaptiveAvgPool2d`` on a sharded DTensor (``Replicate`` output when the output
-    width cannot give every spatial rank a column, e.g. global pooling)."""
-
-    forward = _forward(nn.AdaptiveAvgPool2d, spatial_adaptive_avg_pool2d, "output_size")
-
-
-@register_spatial_module(nn.AdaptiveMaxPool2d)
-class SpatialAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
-    """``nn.AdaptiveMaxPool2d`` on a sharded DTensor (indices are global, into H*W)."""
-
-    forward = _forward(
-        nn.AdaptiveMaxPool2d, spatial_adaptive_max_pool2d, "output_size", "return_indices"
-    )
-
-
-@register_spatial_module(nn.MaxPool3d)
-class SpatialMaxPool3d(nn.MaxPool3d):
-    """``nn.MaxPool3d`` on a sharded volume (one or several of D, H, W)."""
-
-    forward = _forward(nn.MaxPool3d, spatial_max_pool3d, *_MAX)
-
-
-@register_spatial_module(nn.AvgPool3d)
-class SpatialAvgPool3d(nn.AvgPool3d):
-    """``nn.AvgPool3d`` on a sharded volume (one or several of D, H, W)."""
-
-    forward = _forward(nn.AvgPool3d, spatial_avg_pool3d, *_AVG)
-
-
-@register_spatial_module(nn.AdaptiveAvgPool3d)
-class SpatialAdaptiveAvgPool3d(nn.AdaptiveAvgPool3d):
-    """``nn.AdaptiveAvgPool3d`` on a sharded volume."""
-
-    forward = _forward(nn.AdaptiveAvgPool3d, spatial_adaptive_avg_pool3d, "output_size")
-
-
-@register_spatial_module(nn.AdaptiveMaxPool3d)
-class SpatialAdaptiveMaxPool3d(nn.AdaptiveMaxPool3d):
-    """``nn.AdaptiveMaxPool3d`` on a sharded volume (values only)."""
-
-    forward = _forward(
-        nn.AdaptiveMaxPool3d, spatial_adaptive_max_pool3d, "output_size", "return_indices"
-    )
+spatial_max_pool2d, spatial_max_pool3d = _max_pool(2), _max_pool(3)
+spatial_avg_pool2d, spatial_avg_pool3d = _avg_pool(2), _avg_pool(3)
+spatial_adaptive_avg_pool2d = _adaptive_pool(2, "avg")
+spatial_adaptive_avg_pool3d = _adaptive_pool(3, "avg")
+spatial_adaptive_max_pool2d = _adaptive_pool(2, "max")
+spatial_adaptive_max_pool3d = _adaptive_pool(3, "max")
+SpatialMaxPool2d = _module(nn.MaxPool2d, spatial_max_pool2d, *_MAX)
+SpatialMaxPool3d = _module(nn.MaxPool3d, spatial_max_pool3d, *_MAX)
+SpatialAvgPool2d = _module(nn.AvgPool2d, spatial_avg_pool2d, *_AVG)
+SpatialAvgPool3d = _module(nn.AvgPool3d, spatial_avg_pool3d, *_AVG)
+SpatialAdaptiveAvgPool2d = _module(nn.AdaptiveAvgPool2d, spatial_adaptive_avg_pool2d, "output_size")
+SpatialAdaptiveAvgPool3d = _module(nn.AdaptiveAvgPool3d, spatial_adaptive_avg_pool3d, "output_size")
+_ADAPTIVE_MAX = ("output_size", "return_indices")
+SpatialAdaptiveMaxPool2d = _module(
+    nn.AdaptiveMaxPool2d, spatial_adaptive_max_pool2d, *_ADAPTIVE_MAX
+)
+SpatialAdaptiveMaxPool3d = _module(
+    nn.AdaptiveMaxPool3d, spatial_adaptive_max_pool3d, *_ADAPTIVE_MAX
+)
 
 
 def _register(fn, *functions, pair_after: int = 0) -> None:
