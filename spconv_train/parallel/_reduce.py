@@ -102,16 +102,11 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     return wrap(out, x, _out_placements(x, dims, keepdim), shape)
 
 
-def _fallback(func, args, kwargs):
-    # Not a plain Shard/Replicate DTensor: DTensor's own rules (the no-gather guard watches).
-    return func(*args, **kwargs)
-
-
 def _sum_like(kind: str, func):
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         if not handled(input) or out is not None:
             kw = {"dtype": dtype} if dtype is not None else {}
-            return _fallback(func, (input, *(() if dim is None else (dim, keepdim))), kw)
+            return func(input, *(() if dim is None else (dim, keepdim)), **kw)  # DTensor's rules
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
 
     return handler
@@ -120,7 +115,7 @@ def _sum_like(kind: str, func):
 def _extreme_like(kind: str, func):
     def handler(input, dim=(), keepdim=False, *, out=None):
         if not handled(input) or out is not None:
-            return _fallback(func, (input, dim, keepdim), {})
+            return func(input, dim, keepdim)
         return reduce_sharded(input, kind, dim, keepdim)
 
     return handler
@@ -133,7 +128,7 @@ def _var_like(kind: str, func):
         if correction is None:
             correction = 0 if unbiased is False else 1
         if not handled(input) or out is not None:
-            return _fallback(func, (input, dim), {"correction": correction, "keepdim": keepdim})
+            return func(input, dim, correction=correction, keepdim=keepdim)
         return reduce_sharded(input, kind, dim, keepdim, correction=correction)
 
     return handler
