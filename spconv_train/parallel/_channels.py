@@ -7,6 +7,14 @@ each sharded one of the last two dims, one at a time, on any layout).
 Normalising over C (or applying a per-channel slope) is per pixel, so it is exact on each
 strip; the weight and bias gradients are partial sums over the strip, completed over the
 mesh dimensions that shard the activation (``sum_grad_over``).
+
+``F.linear`` on a DTensor whose last dim is not sharded: classification heads on globally
+pooled features (``Replicate`` on sp, maybe ``Shard(0)`` on dp); token heads (smp Segformer)
+on ``x.flatten(2).transpose(1, 2)`` of a sharded map, whose pixels are split over the sp
+ranks as a ``_StridedShard``. DTensor refuses to mix its DTensor input with the plain
+parameters, so the plain op runs on the local tensor (rows are independent) and the weight
+gradient is summed over every mesh dimension whose placement splits the rows
+(``sharding_mesh_dims``: ``Shard`` and ``_StridedShard`` alike).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
-from ._sharding import enter, leave, spatial_layout
+from ._sharding import SpatialLayout, enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
 from ._tiles import sharded_axes
 from ._window import gather_window, plan_window
 
@@ -183,3 +191,27 @@ def spatial_cat(tensors, dim=0, **kwargs):
     parts = [t.to_local() if isinstance(t, DTensor) else _local_part(t, first) for t in tensors]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat(parts, d), first, first.placements, shape)
+
+
+@register_handler(F.linear)  # torch._C._nn.linear is the same object
+def _functional_linear(input, weight, bias=None):
+    if not isinstance(input, DTensor) or isinstance(weight, DTensor):
+        return F.linear(input, weight, bias)  # DTensor parameters: DTensor's own rules
+    last = input.ndim - 1
+    for p in input.placements:
+        if sharded_dim(p) in (last, -1):
+            raise SpatialShardingError(
+                f"F.linear on a DTensor sharded on its last dimension {input.placements} would "
+                f"mix columns of different ranks; pool or reduce the width first."
+            )
+        if p.is_partial():
+            raise SpatialShardingError(
+                f"F.linear on a Partial DTensor {input.placements}: redistribute it first."
+            )
+    mesh, placements = input.device_mesh, tuple(input.placements)
+    # Every mesh dimension that splits rows of the input (Shard or _StridedShard) holds a
+    # partial sum of the weight gradient.
+    groups = tuple(mesh.get_group(i) for i in sharding_mesh_dims(placements))
+    out = F.linear(input.to_local(), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
+    layout = SpatialLayout(mesh, placements, 0)
+    return leave(out, layout, (*input.shape[:-1], out.shape[-1]))

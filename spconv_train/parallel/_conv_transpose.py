@@ -27,12 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
+from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds, ntuple
 from ._halo import gather_columns, sum_grad_over
 from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
-from ._pooling import ntuple
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._tiles import along, axis_of, layout_axes
 from ._window import WindowStep, saving_steps_by_reference
