@@ -1,4 +1,4 @@
-"""``parallelize(model, mesh)``: the plan that makes a single-device model run width-sharded.
+"""``parallelize(model, mesh)``: the plan that makes a single-device model run sharded.
 
 The model code stays single-device. ``parallelize`` turns every supported spatial module
 into its spatial subclass *in place* (parameters, buffers, hooks and ``state_dict`` keys are

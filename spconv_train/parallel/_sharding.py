@@ -1,12 +1,12 @@
-"""How a width-sharded DTensor is laid out on its mesh, and the way in and out of local code.
+"""How a sharded DTensor is laid out on its mesh, and the way in and out of local code.
 
-A spatial op receives a DTensor whose placements hold exactly one ``Shard(3)`` (the spatial,
-"sp" mesh dimension); other mesh dimensions may be ``Shard(0)`` (data parallel: each rank a
-different part of the batch) or ``Replicate``. H x W tiles (``Shard(2)`` and ``Shard(3)`` on
-a ``(sp_h, sp_w)`` mesh, ``_tiles.py``) are read into ``SpatialLayout.axes`` for the ops that
-handle them (``spatial_layout(..., tiles=True)``). ``SpatialLayout`` reads that off the input,
-``enter`` hands the local strip to local code (differentiably), and ``leave`` wraps the
-local result back into a DTensor with the global shape.
+A spatial op's input shards one spatial dim over one mesh dim (strips: ``Shard(3)`` of an
+image, one of D, H, W of a volume) or several, one mesh dim each (H x W tiles, volume
+blocks: ``SpatialLayout.axes``, read only for ops that pass ``tiles=True``); other mesh
+dims may shard the batch (``Shard(0)``, data parallel) or replicate. ``spatial_layout``
+reads the layout off the input, ``enter`` hands the local block to local code
+(differentiably), and ``leave`` wraps the local result back into a DTensor of the global
+shape.
 """
 
 from __future__ import annotations
