@@ -1,12 +1,20 @@
 """Ops over channels (or other unsharded dims) on a sharded DTensor, run per strip:
 ``F.layer_norm`` over trailing unsharded dims (channels-last LayerNorm after a permute, as in
 timm's ``LayerNorm2d`` / ConvNeXt), ``F.prelu``, ``chunk``/``split`` along an unsharded
-dim, and ``pixel_shuffle`` / ``pixel_unshuffle`` (which move columns between strips; on
-H x W tiles rows and columns, one sharded dim at a time).
+dim, and ``pixel_shuffle`` / ``pixel_unshuffle`` (which move elements between blocks along
+each sharded one of the last two dims, one at a time, on any layout).
 
 Normalising over C (or applying a per-channel slope) is per pixel, so it is exact on each
 strip; the weight and bias gradients are partial sums over the strip, completed over the
 mesh dimensions that shard the activation (``sum_grad_over``).
+
+``F.linear`` on a DTensor whose last dim is not sharded: classification heads on globally
+pooled features (``Replicate`` on sp, maybe ``Shard(0)`` on dp); token heads (smp Segformer)
+on ``x.flatten(2).transpose(1, 2)`` of a sharded map, whose pixels are split over the sp
+ranks as a ``_StridedShard``. DTensor refuses to mix its DTensor input with the plain
+parameters, so the plain op runs on the local tensor (rows are independent) and the weight
+gradient is summed over every mesh dimension whose placement splits the rows
+(``sharding_mesh_dims``: ``Shard`` and ``_StridedShard`` alike).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
-from ._sharding import enter, leave, spatial_layout
+from ._sharding import SpatialLayout, enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
 from ._tiles import sharded_axes
 from ._window import gather_window, plan_window
 
@@ -101,59 +109,54 @@ def _shuffle_plan(width: int, parts: int, r: int) -> ExchangePlan:
     return ExchangePlan(width, tuple(owned), needed)
 
 
+def _shuffle_layout(input, what: str):
+    """``input``'s layout when ``what`` (acting on the last two dims, the dims before them
+    a batch) can run on it: every sharded dim is one of the last two or the batch."""
+    n = input.ndim
+    if (
+        not handled(input)
+        or n not in (4, 5)
+        or any(d not in (0, n - 2, n - 1) for d in sharded_dims(input))
+    ):
+        return None
+    return spatial_layout(input, what, n, tiles=True)
+
+
 @register_handler(F.pixel_shuffle, torch.pixel_shuffle)
 def spatial_pixel_shuffle(input, upscale_factor):
-    """``pixel_shuffle``: output column ``j`` comes from input column ``j // r``; each rank
-    fetches the input columns of its output chunk (P2P) and shuffles locally."""
-    if not handled(input) or input.ndim != 4:
-        return F.pixel_shuffle(input, upscale_factor)
-    x, layout = spatial_layout(input, "F.pixel_shuffle", tiles=True)
+    """``pixel_shuffle``: output position ``j`` of a sharded dim comes from input position
+    ``j // r``; along each sharded dim in turn every rank fetches the input positions of its
+    output chunk (P2P), then shuffles locally and crops its chunk."""
     r = int(upscale_factor)
-    shape = F.pixel_shuffle(torch.empty(x.shape, device="meta"), r).shape
-    if layout.is_tile:  # H and W each in turn: fetch the rows / columns, shuffle, crop
-        local = enter(x)
-        for d, parts, rank, group in sharded_axes(layout):
-            plan = _shuffle_plan(x.shape[d], parts, r)
-            local = gather_columns(local.movedim(d, -1), plan, rank, group).movedim(-1, d)
-        out = F.pixel_shuffle(local, r)
-        for d, parts, rank, _ in sharded_axes(layout):
-            out = _crop_shuffled(out, d, x.shape[d] * r, parts, rank, r)
-        return leave(out, layout, tuple(shape))
-    if not layout.width_sharded:
-        return leave(F.pixel_shuffle(enter(x), r), layout, tuple(shape))
-    plan = _shuffle_plan(x.shape[3], layout.sp_size, r)
-    g = gather_columns(enter(x), plan, layout.sp_rank, layout.sp_group)
-    out = F.pixel_shuffle(g, r)
-    out = _crop_shuffled(out, 3, x.shape[3] * r, layout.sp_size, layout.sp_rank, r)
-    return leave(out, layout, tuple(shape))
-
-
-def _crop_shuffled(out: Tensor, d: int, size: int, parts: int, rank: int, r: int) -> Tensor:
-    """This rank's chunk along dim ``d`` (of ``size`` shuffled positions over ``parts``) of
-    the shuffle of the input positions it fetched (from ``o0 // r`` on)."""
-    o0, o1 = all_shard_bounds(size, parts)[rank]
-    return out.narrow(d, o0 - (o0 // r) * r, o1 - o0) if o1 > o0 else out.narrow(d, 0, 0)
+    found = _shuffle_layout(input, "F.pixel_shuffle")
+    if found is None:
+        return F.pixel_shuffle(input, r)
+    x, layout = found
+    local = enter(x)
+    for d, parts, rank, group in sharded_axes(layout):
+        plan = _shuffle_plan(x.shape[d], parts, r)
+        local = gather_columns(local.movedim(d, -1), plan, rank, group).movedim(-1, d)
+    out = F.pixel_shuffle(local, r)
+    for d, parts, rank, _ in sharded_axes(layout):
+        o0, o1 = all_shard_bounds(x.shape[d] * r, parts)[rank]
+        out = out.narrow(d, o0 - (o0 // r) * r if o1 > o0 else 0, o1 - o0)
+    return leave(out, layout, tuple(F.pixel_shuffle(torch.empty(x.shape, device="meta"), r).shape))
 
 
 @register_handler(F.pixel_unshuffle, torch.pixel_unshuffle)
 def spatial_pixel_unshuffle(input, downscale_factor):
-    """``pixel_unshuffle``: a window op of kernel = stride = r along the width."""
-    if not handled(input) or input.ndim != 4:
-        return F.pixel_unshuffle(input, downscale_factor)
-    x, layout = spatial_layout(input, "F.pixel_unshuffle", tiles=True)
+    """``pixel_unshuffle``: a window of kernel = stride = r along each sharded dim in turn."""
     r = int(downscale_factor)
+    found = _shuffle_layout(input, "F.pixel_unshuffle")
+    if found is None:
+        return F.pixel_unshuffle(input, r)
+    x, layout = found
+    local = enter(x)
+    for d, parts, rank, group in sharded_axes(layout):
+        wp = plan_window("F.pixel_unshuffle", x.shape[d], parts, r, r, 1, 0, 0)
+        local = gather_window(local.movedim(d, -1), wp, rank, group).movedim(-1, d)
     shape = F.pixel_unshuffle(torch.empty(x.shape, device="meta"), r).shape
-    if layout.is_tile:  # a window of kernel = stride = r along H and W, each in turn
-        local = enter(x)
-        for d, parts, rank, group in sharded_axes(layout):
-            wp = plan_window("F.pixel_unshuffle", x.shape[d], parts, r, r, 1, 0, 0)
-            local = gather_window(local.movedim(d, -1), wp, rank, group).movedim(-1, d)
-        return leave(F.pixel_unshuffle(local, r), layout, tuple(shape))
-    if not layout.width_sharded:
-        return leave(F.pixel_unshuffle(enter(x), r), layout, tuple(shape))
-    wp = plan_window("F.pixel_unshuffle", x.shape[3], layout.sp_size, r, r, 1, 0, 0)
-    win = gather_window(enter(x), wp, layout.sp_rank, layout.sp_group)
-    return leave(F.pixel_unshuffle(win, r), layout, tuple(shape))
+    return leave(F.pixel_unshuffle(local, r), layout, tuple(shape))
 
 
 @register_spatial_module(nn.PixelShuffle)
@@ -188,3 +191,27 @@ def spatial_cat(tensors, dim=0, **kwargs):
     parts = [t.to_local() if isinstance(t, DTensor) else _local_part(t, first) for t in tensors]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat(parts, d), first, first.placements, shape)
+
+
+@register_handler(F.linear)  # torch._C._nn.linear is the same object
+def _functional_linear(input, weight, bias=None):
+    if not isinstance(input, DTensor) or isinstance(weight, DTensor):
+        return F.linear(input, weight, bias)  # DTensor parameters: DTensor's own rules
+    last = input.ndim - 1
+    for p in input.placements:
+        if sharded_dim(p) in (last, -1):
+            raise SpatialShardingError(
+                f"F.linear on a DTensor sharded on its last dimension {input.placements} would "
+                f"mix columns of different ranks; pool or reduce the width first."
+            )
+        if p.is_partial():
+            raise SpatialShardingError(
+                f"F.linear on a Partial DTensor {input.placements}: redistribute it first."
+            )
+    mesh, placements = input.device_mesh, tuple(input.placements)
+    # Every mesh dimension that splits rows of the input (Shard or _StridedShard) holds a
+    # partial sum of the weight gradient.
+    groups = tuple(mesh.get_group(i) for i in sharding_mesh_dims(placements))
+    out = F.linear(input.to_local(), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
+    layout = SpatialLayout(mesh, placements, 0)
+    return leave(out, layout, (*input.shape[:-1], out.shape[-1]))

@@ -1,50 +1,34 @@
 """How the parallel layer meets ``torch.compile`` (the one place that touches Dynamo).
 
 By default the parallelized forward runs eagerly as a whole under ``torch.compile`` (one
-graph break, ``_parallelize.py``): what the rules below leave to compile in the built-in,
-torchvision and smp models is nothing (no graph at all), while each of their 7-64 graph
-breaks costs Dynamo's guard checks on DTensor inputs every step (LR-ASPP at 32x128 on one
-CPU rank: +10 % per step, ~0.1 ms per break). With the ``trace_under_compile`` option
-Dynamo traces the model's code, and compiled graphs hold plain tensors only; every DTensor
-op runs eagerly, between graphs:
+graph break, ``_parallelize.py``): the built-in, torchvision and smp models leave nothing to
+compile there, and each of their 7-64 graph breaks would cost Dynamo's guard checks on
+DTensor inputs every step (LR-ASPP at 32x128 on one CPU rank: +10 % per step). With the
+``trace_under_compile`` option Dynamo traces the model's code; compiled graphs hold plain
+tensors only and every DTensor op runs eagerly, between graphs:
 
-- Every spatial layer and spatial handler runs eagerly, with a graph break around it. Their
-  exchanges and collectives break the graph anyway, and traced, their Python (cached plans,
-  error labels, saved-tensor hooks that compare data pointers) made Dynamo guard on module
-  names, sizes and pointers and recompile each layer until its recompile limit (38 s of
-  compiling for a depth-3 U-Net, and a fresh compile on every step). Dynamo must not trace
-  into the autograd functions holding an exchange or a hand-written backward either: it
-  breaks at the P2P calls inside them, and where it got through it differentiated the
-  decomposed forward instead of running the one-pass backward (spatial BatchNorm: +0.18 s
-  per step of a U-Net at 256x1024 on CPU).
-- DTensor's own ops (residual adds, SE-block products, permutes, ``contiguous`` ...) run
-  eagerly too (``run_eagerly``, called by ``SpatialMode``). Traced, a graph holds DTensor
-  inputs and outputs, and AOTAutograd's handling of them fails in three ways (torch
-  2.14.1): the compiled backward dispatches aten backward ops on DTensors that DTensor has
-  no strategy for (``hardsigmoid_backward``: MobileNetV3's SE blocks); a gradient arriving
-  at a compiled backward is a DTensor where the graph guessed a plain tensor, or has
-  another placement ("must implement ``__coerce_same_metadata_as_tangent__``": smp
-  encoders); a graph output that is a view of a graph input is replayed with
-  ``as_strided``, which DTensor refuses (a ConvNeXt block's channels-last ``permute``).
-- Dynamo sends a torch function through the active ``TorchFunctionMode`` only when it is in
-  its own list of overridable functions, which lacks some that do dispatch in eager
-  (``F.hardsigmoid``, ``F.hardswish``, the ``torch._C._nn`` functions): Dynamo put them in
-  the graph on the DTensor, past ``SpatialMode``'s handler. ``route_through_modes`` adds
-  every function the registry has an entry for to that list.
-- Element-wise handlers (activations on the local strip, ``_pointwise.py``) run eagerly
-  too. Between graph breaks an activation would be a graph of its own with nothing to
-  fuse; the plain-tensor graph would start after the eager unwrap, a graph break inside
-  the handler that Dynamo (``nested_graph_breaks`` off) moves out to the caller's frame,
-  so the op ran eagerly anyway; and on CPU inductor's code for its backward mask is far
-  slower than eager on AVX2 machines (torch 2.14.1: a ``bool`` store from a float vector
-  mask becomes two 32-step scalar loops per 8 elements; ``torch.compile(lambda t: t > 0)``
-  on 1M floats takes 15.6 ms vs 0.6 ms eager, without this project involved). See
-  docs/benchmarks.md.
+- Spatial layers and handlers run eagerly, a graph break around each: their exchanges break
+  the graph anyway, and traced, their Python (cached plans, labels, saved-tensor hooks
+  comparing data pointers) made Dynamo guard on names, sizes and pointers and recompile
+  every layer; through their autograd functions Dynamo would differentiate the decomposed
+  forward instead of running the one-pass backward.
+- DTensor's own ops (residual adds, SE products, permutes, ...) run eagerly too
+  (``run_eagerly``, called by ``SpatialMode``): AOTAutograd fails on DTensor graph inputs
+  and outputs in torch 2.14.1 (backward ops without a DTensor strategy such as
+  ``hardsigmoid_backward``; tangents of another placement, "must implement
+  ``__coerce_same_metadata_as_tangent__``"; outputs that view an input replayed with
+  ``as_strided``, which DTensor refuses).
+- Dynamo sends a function through the active ``TorchFunctionMode`` only when it is in its
+  list of overridable functions, which lacks some that dispatch in eager (``F.hardsigmoid``,
+  ``F.hardswish``, the ``torch._C._nn`` functions); ``route_through_modes`` adds every
+  function the registry has an entry for.
+- Element-wise handlers (``_pointwise.py``) run eagerly: between graph breaks there is
+  nothing to fuse, and on CPU inductor's backward mask for them is far slower than eager on
+  AVX2 machines (docs/benchmarks.md).
 
 What is compiled is the model's plain-tensor code (the loss, code on ``to_local()``
-strips). Checked against torch 2.14.1; ``tests/test_compile.py``,
-``tests/test_compile_models.py`` and ``tests/test_train_e2e.py::test_compile_changes_nothing``
-exercise it.
+blocks). ``tests/test_compile.py``, ``tests/test_compile_models.py`` and
+``tests/test_train_e2e.py::test_compile_changes_nothing`` exercise it.
 """
 
 from __future__ import annotations
@@ -67,21 +51,13 @@ F = TypeVar("F", bound=Callable)
 
 # Reading a DTensor's metadata creates no graph op; breaking the graph there would only
 # multiply graphs (a property getter arrives as ``<property>.__get__``).
-_METADATA = frozenset(
-    {
-        Tensor.size,
-        Tensor.dim,
-        Tensor.ndimension,
-        Tensor.stride,
-        Tensor.numel,
-        Tensor.nelement,
-        Tensor.element_size,
-        Tensor.is_contiguous,
-        Tensor.is_floating_point,
-        Tensor.is_complex,
-        Tensor.get_device,
-    }
-)
+# fmt: off
+_METADATA = frozenset({
+    Tensor.size, Tensor.dim, Tensor.ndimension, Tensor.stride, Tensor.numel, Tensor.nelement,
+    Tensor.element_size, Tensor.is_contiguous, Tensor.is_floating_point, Tensor.is_complex,
+    Tensor.get_device,
+})
+# fmt: on
 
 
 def not_traced(fn: F) -> F:

@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ._geometry import ntuple
 from ._halo import sum_grad_over
 from ._halo_conv import halo_conv, plan_split
 from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
-from ._pooling import ntuple
 from ._runtime import current_runtime
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._tiles import saving_tile_window, sharded_axes, tile_shape, tile_window

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
+from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds, ntuple
 from ._halo import gather_columns, sum_grad_over
 from ._label import module_label
 from ._mode import register_handler
@@ -117,11 +117,6 @@ def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
     return F.pad(y, (a - o0, o1 - b)) if a > o0 or o1 > b else y
 
 
-def _ntuple(v, n: int) -> tuple[int, ...]:
-    """``v`` (an int or an ``n``-sequence) as ``n`` ints, one per spatial dim."""
-    return (int(v),) * n if isinstance(v, int) else tuple(int(a) for a in v)
-
-
 def spatial_conv_transpose(
     x: DTensor,
     weight: Tensor,
@@ -140,7 +135,7 @@ def spatial_conv_transpose(
     result on the rank's output range per sharded dim, add the bias last. Weight and bias
     gradients are summed over the ranks holding other parts (and other batch parts)."""
     n = weight.ndim - 2
-    s, p, op, dil = (_ntuple(v, n) for v in (stride, padding, output_padding, dilation))
+    s, p, op, dil = (ntuple(v, n) for v in (stride, padding, output_padding, dilation))
     x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
     conv = _CONV_T[n]
     if not layout_axes(layout):  # spatially replicated (e.g. a pooled map): the plain op

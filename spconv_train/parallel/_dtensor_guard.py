@@ -75,17 +75,6 @@ def gather_guard(allow: bool = False):
         _local.guard = prev
 
 
-@contextlib.contextmanager
-def guard_paused():
-    """Explicit, intended redistributions inside a guarded region (the caller owns them)."""
-    prev = _active()
-    _local.guard = None
-    try:
-        yield
-    finally:
-        _local.guard = prev
-
-
 def _moves_activation(src, dst) -> bool:
     for p, q in zip(src.placements, dst.placements, strict=False):
         if p == q or isinstance(p, Replicate):

@@ -137,3 +137,8 @@ def check_strips(what: str, width: int, parts: int, kind: str = "input") -> list
             f"{parts} always works) or fewer spatial ranks (parallel.sp)."
         )
     return bounds
+
+
+def ntuple(v, n: int) -> tuple[int, ...]:
+    """``v`` (an int or an ``n``-sequence) as ``n`` ints, one per spatial dim."""
+    return (int(v),) * n if isinstance(v, int) else tuple(int(a) for a in v)

@@ -84,16 +84,6 @@ def post_p2p(
     return PendingExchange(works, stats, probe, posted)
 
 
-def _p2p(
-    group: dist.ProcessGroup,
-    sends: list[tuple[int, Tensor]],
-    recvs: list[tuple[int, Tensor]],
-    stats: SpatialStats,
-) -> None:
-    """``post_p2p`` and wait at once."""
-    post_p2p(group, sends, recvs, stats).wait()
-
-
 def _column_slice(x: Tensor, start: int, stop: int) -> Tensor:
     return x.narrow(-1, start, stop - start)
 
@@ -132,7 +122,7 @@ class _GatherColumns(torch.autograd.Function):
         sends = [
             (q, _column_slice(local, s - a, e - a).contiguous()) for q, s, e in plan.sends(rank)
         ]
-        _p2p(group, sends, recvs, stats)
+        post_p2p(group, sends, recvs, stats).wait()
         for dst, buf in arrivals:
             dst.copy_(buf)
         return out
@@ -164,7 +154,7 @@ class _GatherColumns(torch.autograd.Function):
         ]
         # ... and the gradients of the columns it gave arrive here, to be added to its own.
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
-        _p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats)
+        post_p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()
         for _, buf, s, e in recvs:
             _column_slice(grad_local, s - a, e - a).add_(buf)
         return grad_local, None, None, None, None, None, None

@@ -32,38 +32,16 @@ _INSTALLED = False
 
 #: Ops that DTensor would run by gathering the width or that would be wrong on strips; the
 #: op modules register handlers for those they implement, which take precedence.
+# fmt: off
 REFUSED_BY_DEFAULT = (
-    "conv1d",
-    "conv3d",
-    "conv_transpose1d",
-    "conv_transpose2d",
-    "conv_transpose3d",
-    "max_pool1d",
-    "max_pool2d",
-    "max_pool2d_with_indices",
-    "avg_pool2d",
-    "lp_pool2d",
-    "adaptive_avg_pool2d",
-    "adaptive_max_pool2d",
-    "adaptive_max_pool2d_with_indices",
-    "fractional_max_pool2d",
-    "interpolate",
-    "grid_sample",
-    "affine_grid",
-    "batch_norm",
-    "group_norm",
-    "instance_norm",
-    "layer_norm",
-    "local_response_norm",
-    "pad",
-    "unfold",
-    "fold",
-    "pixel_shuffle",
-    "pixel_unshuffle",
-    "cross_entropy",
-    "nll_loss",
-    "embedding",
+    "conv1d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "max_pool1d", "max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "lp_pool2d",
+    "adaptive_avg_pool2d", "adaptive_max_pool2d", "adaptive_max_pool2d_with_indices",
+    "fractional_max_pool2d", "interpolate", "grid_sample", "affine_grid", "batch_norm",
+    "group_norm", "instance_norm", "layer_norm", "local_response_norm", "pad", "unfold",
+    "fold", "pixel_shuffle", "pixel_unshuffle", "cross_entropy", "nll_loss", "embedding",
 )
+# fmt: on
 REFUSAL_REASON = (
     "no spatial implementation (it would gather the whole image or mix strips wrongly). Use "
     "a supported layer, register a handler (spconv_train.parallel.extend, "

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ._dims import handled, sharded_dims
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
-from ._rechunk import _pick, cols, fill, plan_remap
+from ._rechunk import cols, fill, remap_axis
 from ._sharding import enter, leave, spatial_layout
 from ._tiles import sharded_axes
 
@@ -70,8 +70,8 @@ def spatial_pad(input, pad, mode: str = "constant", value=None):
         i = 2 * (ndim - 1 - d)  # F.pad lists the last dim first
         lo, hi = (pad[i], pad[i + 1]) if len(pad) > i else (0, 0)
         if lo or hi:
-            plan = plan_remap(x.shape[d], parts, tuple(width_segments(x.shape[d], lo, hi, mode)))
-            local = _pick(local.movedim(d, -1), plan, rank, group, v).movedim(-1, d)
+            segments = width_segments(x.shape[d], lo, hi, mode)
+            local = remap_axis(local, d, x.shape[d], segments, (parts, rank, group), v)
             rest[i] = rest[i + 1] = 0
     if any(rest):
         local = F.pad(local, rest, mode, value) if mode == "constant" else F.pad(local, rest, mode)

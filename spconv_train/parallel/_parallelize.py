@@ -1,4 +1,4 @@
-"""``parallelize(model, mesh)``: the plan that makes a single-device model run width-sharded.
+"""``parallelize(model, mesh)``: the plan that makes a single-device model run sharded.
 
 The model code stays single-device. ``parallelize`` turns every supported spatial module
 into its spatial subclass *in place* (parameters, buffers, hooks and ``state_dict`` keys are
@@ -29,15 +29,10 @@ from ._sync import broadcast_model_state
 
 _SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
 _REFUSED_MODULES: dict[type[nn.Module], str] = {
-    nn.Conv1d: "1-D convolution has no width axis to shard",
-    nn.Conv3d: "3-D convolution is not supported",
     nn.ConvTranspose1d: "1-D transposed convolution is not supported",
-    nn.ConvTranspose3d: "3-D transposed convolution is not supported",
     nn.Fold: "fold/unfold mix all columns",
     nn.Unfold: "fold/unfold mix all columns",
     nn.LocalResponseNorm: "no spatial implementation",
-    nn.PixelShuffle: "no spatial implementation",
-    nn.PixelUnshuffle: "no spatial implementation",
 }
 
 

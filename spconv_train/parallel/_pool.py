@@ -1,14 +1,26 @@
-"""Spatial pooling: the public functions, modules and torch-function routes of max, average
-and adaptive pooling of NCHW images and NCDHW volumes, on strips, tiles and blocks alike.
+"""Max, average and adaptive pooling of NCHW images and NCDHW volumes on every layout: the
+public functions, modules and torch-function routes, and max / average pooling itself
+(adaptive pooling: ``_adaptive.py``, separable window reductions with torch's tie-break).
+Volumes refuse ``return_indices`` (there is no sharded ``MaxUnpool3d`` to use them either).
 
-Each name is a thin front over one implementation per family: ``_pooling.py`` (max and
-average pooling: halos of every sharded dim, the unchanged local op) and ``_adaptive.py``
-(adaptive pooling: separable window reductions with torch's tie-break, ``Shard`` or
-``Replicate`` output). Volumes refuse ``return_indices`` (there is no sharded
-``MaxUnpool3d`` to use them either).
+A layout is its list of sharded axes (``_tiles.layout_axes``: none, strips, tiles or
+blocks). ``tile_window`` fetches the halo of every sharded dim in turn (W first, then H on
+the W window, then D: corners included), with ``ceil_mode`` turned into extra padding after
+(``ceil_geom``); image edges are ``-inf`` for max pooling, zeros for averaging. The unchanged
+local op then runs on the window with padding 0 along the sharded dims and the layer's own
+padding along the others, so a tie inside a window resolves exactly as on one device (the
+window is a contiguous box of the input, scanned in the same order). ``return_indices``
+gives global indices into the flattened spatial dims, as torch's.
+
+Average pooling divides by PyTorch's divisor computed from *global* positions
+(``count_include_pad``, ceil overhang) unless the local op's divisor is already right.
+The divisor factors and torch's argument checks are computed once per geometry
+(``functools.lru_cache``), not on every forward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -16,217 +28,127 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._adaptive import adaptive_pool
-from ._geometry import SpatialShardingError
+from ._geometry import SpatialShardingError, ntuple
+from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
-from ._pooling import avg_pool, max_pool, pool_args
+from ._sharding import enter, leave, spatial_layout
+from ._tiles import ceil_geom, layout_axes, saving_tile_window, tile_shape, tile_window
 
 
-def _no_volume_indices(return_indices: bool, what: str) -> None:
-    if return_indices:
+def _max_pool(rank: int):
+    def spatial_max_pool(
+        x: DTensor,
+        kernel_size,
+        stride=None,
+        padding=0,
+        dilation=1,
+        ceil_mode: bool = False,
+        return_indices: bool = False,
+        what: str = f"max_pool{rank}d",
+    ):
+        k, s, p, d = pool_args(rank, kernel_size, stride, padding, dilation)
+        _no_volume_indices(rank, return_indices, what)
+        return max_pool(x, k, s, p, d, ceil_mode, return_indices, what)
+
+    spatial_max_pool.__doc__ = f"""``F.max_pool{rank}d`` on a sharded DTensor (same values,
+    gradients and, for images with ``return_indices``, global indices into ``H*W``)."""
+    return spatial_max_pool
+
+
+def _avg_pool(rank: int):
+    def spatial_avg_pool(
+        x: DTensor,
+        kernel_size,
+        stride=None,
+        padding=0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: int | None = None,
+        what: str = f"avg_pool{rank}d",
+    ) -> DTensor:
+        k, s, p, _ = pool_args(rank, kernel_size, stride, padding)
+        return avg_pool(x, k, s, p, ceil_mode, count_include_pad, divisor_override, what)
+
+    spatial_avg_pool.__doc__ = f"""``F.avg_pool{rank}d`` on a sharded DTensor; padding and
+    ceil-mode overhang are counted exactly as PyTorch counts them on the whole input."""
+    return spatial_avg_pool
+
+
+def _adaptive_pool(rank: int, kind: str):
+    def spatial_adaptive_pool(
+        x: DTensor, output_size, return_indices: bool = False, what: str = ""
+    ) -> DTensor:
+        what = what or f"adaptive_{kind}_pool{rank}d"
+        size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
+        if len(size) != rank:
+            raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
+        shape = x.shape[2 : 2 + rank]
+        out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
+        if min(out) < 1:
+            raise ValueError(f"{what}: output size must be positive, got {output_size}")
+        _no_volume_indices(rank, return_indices, what)
+        return adaptive_pool(x, out, kind, return_indices, what)
+
+    spatial_adaptive_pool.__doc__ = f"""``F.adaptive_{kind}_pool{rank}d`` on a sharded DTensor:
+    the input's ``Shard`` when every rank gets an output element along its sharded dims,
+    else ``Replicate`` on the spatial mesh dims (global pooling); ties go to the first
+    element in row-major order and indices are global, as in torch."""
+    return spatial_adaptive_pool
+
+
+def _no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
+    if return_indices and rank == 3:
         raise SpatialShardingError(
             f"{what}: return_indices is not supported on a sharded volume (no MaxUnpool3d "
             f"either); use the values only"
         )
 
 
-def spatial_max_pool2d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    dilation=1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-    what: str = "max_pool2d",
-):
-    """``F.max_pool2d`` on a sharded DTensor (same values, gradients and, with
-    ``return_indices``, the same global indices into the flattened ``H*W`` input)."""
-    k, s, p, d = pool_args(2, kernel_size, stride, padding, dilation)
-    return max_pool(x, k, s, p, d, ceil_mode, return_indices, what)
-
-
-def spatial_max_pool3d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    dilation=1,
-    ceil_mode: bool = False,
-    return_indices: bool = False,
-    what: str = "max_pool3d",
-) -> DTensor:
-    """``F.max_pool3d`` on a sharded volume (same values and gradients)."""
-    k, s, p, d = pool_args(3, kernel_size, stride, padding, dilation)
-    _no_volume_indices(return_indices, what)
-    return max_pool(x, k, s, p, d, ceil_mode, False, what)
-
-
-def spatial_avg_pool2d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-    what: str = "avg_pool2d",
-) -> DTensor:
-    """``F.avg_pool2d`` on a sharded DTensor; padding and ceil-mode overhang are counted
-    exactly as PyTorch counts them on the whole image."""
-    k, s, p, _ = pool_args(2, kernel_size, stride, padding)
-    return avg_pool(x, k, s, p, ceil_mode, count_include_pad, divisor_override, what)
-
-
-def spatial_avg_pool3d(
-    x: DTensor,
-    kernel_size,
-    stride=None,
-    padding=0,
-    ceil_mode: bool = False,
-    count_include_pad: bool = True,
-    divisor_override: int | None = None,
-    what: str = "avg_pool3d",
-) -> DTensor:
-    """``F.avg_pool3d`` on a sharded volume; padding and ceil-mode overhang are counted
-    exactly as PyTorch counts them on the whole volume."""
-    k, s, p, _ = pool_args(3, kernel_size, stride, padding)
-    return avg_pool(x, k, s, p, ceil_mode, count_include_pad, divisor_override, what)
-
-
-def _out_sizes(output_size, shape: tuple[int, ...], what: str) -> tuple[int, ...]:
-    """``output_size`` (an int or a sequence, ``None`` = keep that size) as one int per
-    spatial dim of ``shape``."""
-    n = len(shape)
-    size = (output_size,) * n if isinstance(output_size, int) else tuple(output_size)
-    if len(size) != n:
-        raise ValueError(f"{what}: output_size {output_size} must give {n} sizes")
-    out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
-    if min(out) < 1:
-        raise ValueError(f"{what}: output size must be positive, got {output_size}")
-    return out
-
-
-def spatial_adaptive_avg_pool2d(x: DTensor, output_size, what: str = "adaptive_avg_pool2d"):
-    """``F.adaptive_avg_pool2d`` on a sharded DTensor: the input's ``Shard`` when every
-    rank gets an output column, else ``Replicate`` on the spatial mesh dims (global
-    pooling; tiles: small outputs only)."""
-    return adaptive_pool(x, _out_sizes(output_size, x.shape[2:4], what), "avg", False, what)
-
-
-def spatial_adaptive_max_pool2d(
-    x: DTensor, output_size, return_indices: bool = False, what: str = "adaptive_max_pool2d"
-):
-    """``F.adaptive_max_pool2d`` on a sharded DTensor (placements as for the average;
-    ties go to the first element in row-major order and indices are global, as in torch)."""
-    out = _out_sizes(output_size, x.shape[2:4], what)
-    return adaptive_pool(x, out, "max", return_indices, what)
-
-
-def spatial_adaptive_avg_pool3d(x: DTensor, output_size, what: str = "adaptive_avg_pool3d"):
-    """``F.adaptive_avg_pool3d`` on a sharded volume: the input's ``Shard`` when the sharded
-    dim is pooled to more than one plane, else ``Replicate`` (global pooling)."""
-    return adaptive_pool(x, _out_sizes(output_size, x.shape[2:5], what), "avg", False, what)
-
-
-def spatial_adaptive_max_pool3d(
-    x: DTensor, output_size, return_indices: bool = False, what: str = "adaptive_max_pool3d"
-):
-    """``F.adaptive_max_pool3d`` on a sharded volume (placements as for the average; ties go
-    to the first element in row-major order, as in torch)."""
-    out = _out_sizes(output_size, x.shape[2:5], what)
-    _no_volume_indices(return_indices, what)
-    return adaptive_pool(x, out, "max", False, what)
-
-
-# ---------------------------------------------------------------- modules and functions
-
-
-def _what(module: nn.Module) -> str:
-    """The module's error label, computed once (``parallelize`` names it before a forward)."""
-    label = module.__dict__.get("_spatial_label")
-    if label is None:
-        base = type(module).__mro__[1].__name__
-        name = getattr(module, "spatial_name", "") or "<module>"
-        label = module.__dict__["_spatial_label"] = f"{name} ({base}({module.extra_repr()}))"
-    return label
-
-
-def _forward(base: type, fn, *attrs: str):
-    """A ``forward`` that runs ``base``'s own on a plain tensor and ``fn(x, *attributes)``
-    on a DTensor."""
+def _module(base: type, fn, *attrs: str) -> type:
+    """``Spatial<base>``: ``base`` running ``fn(x, *attributes)`` on a DTensor input (its
+    own forward on a plain tensor), registered for ``parallelize`` to swap in."""
 
     def forward(self, x: Tensor):
         if not isinstance(x, DTensor):
             return base.forward(self, x)
-        return fn(x, *(getattr(self, a) for a in attrs), what=_what(self))
+        return fn(x, *(getattr(self, a) for a in attrs), what=module_label(self))
 
-    return forward
-
-
-_MAX = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-_AVG = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
-
-
-@register_spatial_module(nn.MaxPool2d)
-class SpatialMaxPool2d(nn.MaxPool2d):
-    """``nn.MaxPool2d`` that runs sharded on a DTensor input (strips or tiles)."""
-
-    forward = _forward(nn.MaxPool2d, spatial_max_pool2d, *_MAX)
+    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
+    name = f"Spatial{base.__name__}"
+    cls = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__})
+    cls.__qualname__ = name
+    return register_spatial_module(base)(cls)
 
 
-@register_spatial_module(nn.AvgPool2d)
-class SpatialAvgPool2d(nn.AvgPool2d):
-    """``nn.AvgPool2d`` that runs sharded on a DTensor input (strips or tiles)."""
-
-    forward = _forward(nn.AvgPool2d, spatial_avg_pool2d, *_AVG)
-
-
-@register_spatial_module(nn.AdaptiveAvgPool2d)
-class SpatialAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
-    """``nn.AdaptiveAvgPool2d`` on a sharded DTensor (``Replicate`` output when the output
-    width cannot give every spatial rank a column, e.g. global pooling)."""
-
-    forward = _forward(nn.AdaptiveAvgPool2d, spatial_adaptive_avg_pool2d, "output_size")
-
-
-@register_spatial_module(nn.AdaptiveMaxPool2d)
-class SpatialAdaptiveMaxPool2d(nn.AdaptiveMaxPool2d):
-    """``nn.AdaptiveMaxPool2d`` on a sharded DTensor (indices are global, into H*W)."""
-
-    forward = _forward(
-        nn.AdaptiveMaxPool2d, spatial_adaptive_max_pool2d, "output_size", "return_indices"
-    )
-
-
-@register_spatial_module(nn.MaxPool3d)
-class SpatialMaxPool3d(nn.MaxPool3d):
-    """``nn.MaxPool3d`` on a sharded volume (one or several of D, H, W)."""
-
-    forward = _forward(nn.MaxPool3d, spatial_max_pool3d, *_MAX)
-
-
-@register_spatial_module(nn.AvgPool3d)
-class SpatialAvgPool3d(nn.AvgPool3d):
-    """``nn.AvgPool3d`` on a sharded volume (one or several of D, H, W)."""
-
-    forward = _forward(nn.AvgPool3d, spatial_avg_pool3d, *_AVG)
-
-
-@register_spatial_module(nn.AdaptiveAvgPool3d)
-class SpatialAdaptiveAvgPool3d(nn.AdaptiveAvgPool3d):
-    """``nn.AdaptiveAvgPool3d`` on a sharded volume."""
-
-    forward = _forward(nn.AdaptiveAvgPool3d, spatial_adaptive_avg_pool3d, "output_size")
-
-
-@register_spatial_module(nn.AdaptiveMaxPool3d)
-class SpatialAdaptiveMaxPool3d(nn.AdaptiveMaxPool3d):
-    """``nn.AdaptiveMaxPool3d`` on a sharded volume (values only)."""
-
-    forward = _forward(
-        nn.AdaptiveMaxPool3d, spatial_adaptive_max_pool3d, "output_size", "return_indices"
-    )
+_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_AVG_ARGS = (
+    "kernel_size",
+    "stride",
+    "padding",
+    "ceil_mode",
+    "count_include_pad",
+    "divisor_override",
+)
+spatial_max_pool2d, spatial_max_pool3d = _max_pool(2), _max_pool(3)
+spatial_avg_pool2d, spatial_avg_pool3d = _avg_pool(2), _avg_pool(3)
+spatial_adaptive_avg_pool2d = _adaptive_pool(2, "avg")
+spatial_adaptive_avg_pool3d = _adaptive_pool(3, "avg")
+spatial_adaptive_max_pool2d = _adaptive_pool(2, "max")
+spatial_adaptive_max_pool3d = _adaptive_pool(3, "max")
+SpatialMaxPool2d = _module(nn.MaxPool2d, spatial_max_pool2d, *_MAX_ARGS)
+SpatialMaxPool3d = _module(nn.MaxPool3d, spatial_max_pool3d, *_MAX_ARGS)
+SpatialAvgPool2d = _module(nn.AvgPool2d, spatial_avg_pool2d, *_AVG_ARGS)
+SpatialAvgPool3d = _module(nn.AvgPool3d, spatial_avg_pool3d, *_AVG_ARGS)
+SpatialAdaptiveAvgPool2d = _module(nn.AdaptiveAvgPool2d, spatial_adaptive_avg_pool2d, "output_size")
+SpatialAdaptiveAvgPool3d = _module(nn.AdaptiveAvgPool3d, spatial_adaptive_avg_pool3d, "output_size")
+_ADAPTIVE_MAX_ARGS = ("output_size", "return_indices")
+SpatialAdaptiveMaxPool2d = _module(
+    nn.AdaptiveMaxPool2d, spatial_adaptive_max_pool2d, *_ADAPTIVE_MAX_ARGS
+)
+SpatialAdaptiveMaxPool3d = _module(
+    nn.AdaptiveMaxPool3d, spatial_adaptive_max_pool3d, *_ADAPTIVE_MAX_ARGS
+)
 
 
 def _register(fn, *functions, pair_after: int = 0) -> None:
@@ -265,3 +187,95 @@ _pairs = (F.adaptive_max_pool2d_with_indices, _nn.adaptive_max_pool2d)
 _register(spatial_adaptive_max_pool2d, *_pairs, pair_after=2)
 _pairs = (F.adaptive_max_pool3d_with_indices, _nn.adaptive_max_pool3d)
 _register(spatial_adaptive_max_pool3d, *_pairs, pair_after=2)
+
+
+#: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
+_MAX = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
+_AVG = {3: F.avg_pool1d, 4: F.avg_pool2d, 5: F.avg_pool3d}
+
+
+@functools.lru_cache(maxsize=1024)
+def _torch_checks(kind: str, shape: tuple[int, ...], *args) -> None:
+    """torch's own argument checks of a pool (they differ with and without indices), on a
+    meta tensor: once per geometry (a failing call is not cached and raises again)."""
+    pool = _MAX if kind == "max" else _AVG
+    pool[len(shape)](torch.empty(shape, device="meta"), *args)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: bool):
+    """PyTorch's average-pool divisor factor along one dimension for outputs ``[lo, hi)``:
+    the window clipped to ``size + pad`` (``count_include_pad``) or to the input."""
+    windows = [(j * s - pad, min(j * s - pad + k, size + pad)) for j in range(lo, hi)]
+    return tuple(e - a if include_pad else min(e, size) - max(a, 0) for a, e in windows)
+
+
+def _window(x: DTensor, what: str, k, s, p, d, ceil_mode: bool, value: float):
+    """``(layout, local, tile window, op padding, geometries, sharded dims)`` of a pooling
+    op on ``x``: the halo of every sharded dim fetched (``value`` at the input's edges); the
+    local op pads the other dims itself."""
+    x, layout = spatial_layout(x, what, len(k) + 2, tiles=True)
+    shape = tuple(x.shape)
+    geoms = {i: ceil_geom(shape[i], k[i - 2], s[i - 2], d[i - 2], p[i - 2], ceil_mode)
+             for i in range(2, x.ndim)}  # fmt: skip
+    local = enter(x)
+    tw = tile_window(local, shape, layout, what, geoms, "zeros", value, pad_local=False)
+    sharded = {td for td, _ in layout_axes(layout)}
+    op_pad = tuple(0 if i + 2 in sharded else p[i] for i in range(x.ndim - 2))
+    return layout, local, tw, op_pad, geoms, sharded
+
+
+def max_pool(x: DTensor, k, s, p, d, ceil_mode: bool, return_indices: bool, what: str):
+    """``F.max_pool{1,2,3}d`` of a DTensor on any layout (one tuple entry per spatial dim);
+    with ``return_indices`` also the global flat indices of the maxima."""
+    _torch_checks("max", tuple(x.shape), k, s, p, d, ceil_mode, return_indices)
+    layout, local, tw, op_pad, _, sharded = _window(x, what, k, s, p, d, ceil_mode, float("-inf"))
+    with saving_tile_window(tw, local, float("-inf")):
+        out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
+    shape = tile_shape(tuple(x.shape), out, tw)
+    if not return_indices:
+        return leave(out, layout, shape)
+    # window flat index -> global flat index: each window coordinate moved by the window's
+    # start along the sharded dims (the op's own padding leaves the others' coordinates)
+    rest, flat, stride = idx, torch.zeros_like(idx), 1
+    for i in range(x.ndim - 1, 1, -1):
+        n = tw.window.shape[i]
+        start = tw.starts[i] if i in sharded else 0
+        flat = flat + (rest % n + start) * stride
+        rest, stride = rest // n, stride * x.shape[i]
+    return leave(out, layout, shape), leave(flat, layout, shape)
+
+
+def avg_pool(x: DTensor, k, s, p, ceil_mode, include_pad, divisor, what: str) -> DTensor:
+    """``F.avg_pool{1,2,3}d`` of a DTensor on any layout: padding and ceil-mode overhang are
+    counted exactly as PyTorch counts them on the whole input."""
+    _torch_checks("avg", tuple(x.shape), k, s, p, ceil_mode, include_pad, divisor)
+    ones = (1,) * (x.ndim - 2)
+    layout, _, tw, op_pad, geoms, sharded = _window(x, what, k, s, p, ones, ceil_mode, 0.0)
+    pool = _AVG[x.ndim]
+    # In the window the edge padding of a sharded dim is ordinary zeros, so the local op's
+    # divisor is right unless padding must not be counted or a ceil window overhangs.
+    local_divisor_right = all(
+        geoms[i][4] == p[i - 2] and (include_pad or p[i - 2] == 0) for i in sharded
+    )
+    if divisor or local_divisor_right:
+        out = pool(tw.window, k, s, op_pad, ceil_mode, include_pad, divisor)
+    else:
+        sums = pool(tw.window, k, s, op_pad, ceil_mode, True, 1)
+        div = sums.new_ones(())
+        for i in range(2, x.ndim):  # the outer product of the per-dim counts
+            j = i - 2
+            f = _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
+            view = [1] * (x.ndim - 2)
+            view[j] = -1
+            div = div * torch.tensor(f, dtype=sums.dtype, device=sums.device).view(view)
+        out = sums / div
+    return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
+
+
+def pool_args(ndim: int, kernel_size, stride, padding, dilation=1):
+    """``(k, s, p, d)``: the pooling arguments as one int per spatial dim (torch's default
+    stride: the kernel)."""
+    k = ntuple(kernel_size, ndim)
+    s = ntuple(stride, ndim) if stride else k
+    return k, s, ntuple(padding, ndim), ntuple(dilation, ndim)

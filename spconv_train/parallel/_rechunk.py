@@ -1,8 +1,8 @@
-"""Re-chunk along the width: build a new width-sharded tensor whose every column is a copy of
-some input column (or a fill value), with point-to-point traffic only.
+"""Re-chunk a sharded dim: a new sharded tensor whose every element along that dim is a copy
+of some input element (or a fill value), with point-to-point traffic only.
 
-Padding, cropping, slicing (``x[..., a:b:s]``), ``flip`` and ``roll`` along W (or along H
-of H x W tiles, ``remap_dim``) all change
+Padding, cropping, slicing (``x[..., a:b:s]``), ``flip`` and ``roll`` along any sharded dim
+of any layout (one dim at a time over its own mesh dim) all change
 which global column each output column reads and, since DTensor chunks the *new* width
 afresh, which rank owns it. A map is given as a few ``Segment``s (runs of output columns:
 a fill, or input columns ``start, start + step, ...``; step 0 repeats one column, step -1
@@ -19,11 +19,13 @@ import functools
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._geometry import ExchangePlan, all_shard_bounds
 from ._halo import gather_columns
 from ._sharding import enter, leave, spatial_layout
+from ._tiles import axis_of
 
 
 @dataclass(frozen=True)
@@ -103,36 +105,27 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
     return RemapPlan(plan, out_width, tuple(index), tuple(fills), tuple(identity))
 
 
-def remap_width(x: DTensor, segments, value: float = 0.0, what: str = "re-chunk") -> DTensor:
-    """The width-sharded DTensor whose columns ``segments`` describe (see ``Segment``),
-    with ``value`` in fill columns; a width-replicated input is remapped locally."""
-    return remap_dim(x, 3, segments, value, what)
-
-
-def remap_dim(x: DTensor, d: int, segments, value: float = 0.0, what: str = "re-chunk") -> DTensor:
-    """``remap_width`` along tensor dim ``d`` of an NCHW image: the width of strips, or H or
-    W of H x W tiles (re-chunked over the mesh dim that shards it; the other sharded dim is
-    untouched); a dim that is not sharded is remapped locally."""
-    x, layout = spatial_layout(x, what, tiles=True)
-    segments = tuple(segments)
-    if layout.is_tile:
-        from ._tiles import axis_of  # _tiles builds on this module's siblings
-
-        axis = axis_of(layout, d)
-    else:
-        axis = (layout.sp_size, layout.sp_rank, layout.sp_group)
-        axis = axis if layout.width_sharded and d == 3 else None
+def remap_axis(local: Tensor, d: int, size: int, segments, axis, value: float = 0.0) -> Tensor:
+    """Re-chunk dim ``d`` (global ``size``) of a local block into the elements ``segments``
+    describe, over ``axis`` (``(parts, rank, group)`` of the mesh dim sharding ``d``, or
+    None: ``d`` is whole on every rank and is remapped locally)."""
     parts, rank, group = axis or (1, 0, None)
-    plan = plan_remap(x.shape[d], parts, segments)
-    out = _pick(enter(x).movedim(d, -1), plan, rank, group, value).movedim(-1, d)
-    shape = list(x.shape)
-    shape[d] = plan.out_width
-    return leave(out, layout, tuple(shape))
+    plan = plan_remap(size, parts, tuple(segments))
+    g = gather_columns(
+        local.movedim(d, -1), plan.exchange, rank, group, 0, int(plan.fills[rank]), value
+    )
+    if not plan.identity[rank] or plan.fills[rank]:
+        g = g.index_select(-1, torch.tensor(plan.index[rank], dtype=torch.long, device=g.device))
+    return g.movedim(-1, d)
 
 
-def _pick(local: torch.Tensor, plan: RemapPlan, rank: int, group, value: float):
-    g = gather_columns(local, plan.exchange, rank, group, 0, int(plan.fills[rank]), value)
-    if plan.identity[rank] and not plan.fills[rank]:
-        return g
-    idx = torch.tensor(plan.index[rank], dtype=torch.long, device=local.device)
-    return g.index_select(-1, idx)
+def remap_dims(x: DTensor, maps: dict, what: str, value: float = 0.0) -> DTensor:
+    """The DTensor whose dim ``d`` holds the elements ``maps[d]`` describe (``Segment``s),
+    for every ``d`` in ``maps``: each sharded spatial dim of any layout (strips, tiles,
+    volumes, blocks) re-chunked over its own mesh dim in turn, the others locally."""
+    x, layout = spatial_layout(x, what, x.ndim, tiles=True)
+    local, shape = enter(x), list(x.shape)
+    for d, segments in maps.items():
+        local = remap_axis(local, d, x.shape[d], segments, axis_of(layout, d), value)
+        shape[d] = sum(s.length for s in segments)
+    return leave(local, layout, tuple(shape))

@@ -1,5 +1,6 @@
-"""Reductions and statistics over any dimensions of a sharded DTensor: ``sum``, ``mean``,
-``amax``, ``amin``, ``var``, ``std`` (functions and Tensor methods, any ``dim``/``keepdim``).
+"""Reductions and scans over any dimensions of a sharded DTensor (any layout): ``sum``,
+``mean``, ``amax``, ``amin``, ``var``, ``std`` (functions and Tensor methods, any
+``dim``/``keepdim``), ``softmax``, ``log_softmax`` and ``cumsum``.
 
 timm's squeeze-excitation blocks call ``x.mean((2, 3), keepdim=True)`` on the activation;
 DTensor would answer with a ``Partial`` (or all-to-all the activation first). Here each rank
@@ -11,6 +12,14 @@ reduction that keeps the sharded dims (over C, say) is purely local and stays sh
 Gradients: sums go through ``_SumReplicated`` (identity backward: the replicated output's
 gradient reaches every rank whole); ``amax``/``amin`` spread the gradient evenly over all
 elements equal to the extreme value on every rank, as torch does.
+
+Scans along an unsharded dim (softmax over channels, the usual case) run on each block.
+Along a sharded dim each block needs only small statistics of the others, never their
+elements: softmax the global row maximum (all-reduce MAX, no gradient: softmax does not
+depend on it) and the global sum of exponentials; cumsum the totals of the blocks before it
+(every rank's row totals, all-reduced into one small table). Those sums use the autograd-aware
+all-reduce of ``torch.distributed.nn``: each rank uses the global value with its own part of
+the gradient, and the backward sums those parts over the ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -102,16 +113,11 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     return wrap(out, x, _out_placements(x, dims, keepdim), shape)
 
 
-def _fallback(func, args, kwargs):
-    # Not a plain Shard/Replicate DTensor: DTensor's own rules (the no-gather guard watches).
-    return func(*args, **kwargs)
-
-
 def _sum_like(kind: str, func):
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         if not handled(input) or out is not None:
             kw = {"dtype": dtype} if dtype is not None else {}
-            return _fallback(func, (input, *(() if dim is None else (dim, keepdim))), kw)
+            return func(input, *(() if dim is None else (dim, keepdim)), **kw)  # DTensor's rules
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
 
     return handler
@@ -120,7 +126,7 @@ def _sum_like(kind: str, func):
 def _extreme_like(kind: str, func):
     def handler(input, dim=(), keepdim=False, *, out=None):
         if not handled(input) or out is not None:
-            return _fallback(func, (input, dim, keepdim), {})
+            return func(input, dim, keepdim)
         return reduce_sharded(input, kind, dim, keepdim)
 
     return handler
@@ -133,7 +139,7 @@ def _var_like(kind: str, func):
         if correction is None:
             correction = 0 if unbiased is False else 1
         if not handled(input) or out is not None:
-            return _fallback(func, (input, dim), {"correction": correction, "keepdim": keepdim})
+            return func(input, dim, correction=correction, keepdim=keepdim)
         return reduce_sharded(input, kind, dim, keepdim, correction=correction)
 
     return handler
@@ -149,3 +155,68 @@ for _kind, _make in (
 ):
     for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
         register_handler(_fn)(_make(_kind, _fn))
+
+
+def _group(x: DTensor, d: int):
+    i = sharded_dims(x).get(d)
+    return None if i is None else (x.device_mesh.get_group(i), x.device_mesh.get_local_rank(i))
+
+
+def _softmax_local(local: Tensor, d: int, group, log: bool) -> Tensor:
+    if local.shape[d]:
+        m = local.detach().amax(d, keepdim=True)
+    else:  # an empty strip contributes nothing
+        m = local.detach().sum(d, keepdim=True).fill_(float("-inf"))
+    dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
+    e = torch.exp(local - m)
+    s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=group)
+    return local - m - torch.log(s) if log else e / s
+
+
+def _softmax(x, dim, dtype, log: bool, plain):
+    if not handled(x) or dim is None:
+        return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
+    d = norm_dim(dim, x.ndim)
+    local = x.to_local() if dtype is None else x.to_local().to(dtype)
+    where = _group(x, d)
+    out = plain(local, d) if where is None else _softmax_local(local, d, where[0], log)
+    return wrap(out, x, x.placements, x.shape)
+
+
+def _softmax_args(input, dim=None, _stacklevel=3, dtype=None):
+    return input, dim, dtype
+
+
+@register_handler(F.softmax, torch.softmax, torch.Tensor.softmax)
+def spatial_softmax(*args, **kwargs):
+    """``softmax`` along any dim; along a sharded one via per-strip maxima and sums."""
+    x, dim, dtype = _softmax_args(*args, **kwargs)
+    return _softmax(x, dim, dtype, False, torch.softmax)
+
+
+@register_handler(F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
+def spatial_log_softmax(*args, **kwargs):
+    """``log_softmax`` along any dim; along a sharded one via per-strip maxima and sums."""
+    x, dim, dtype = _softmax_args(*args, **kwargs)
+    return _softmax(x, dim, dtype, True, torch.log_softmax)
+
+
+@register_handler(torch.cumsum, torch.Tensor.cumsum)
+def spatial_cumsum(input, dim, *, dtype=None, out=None):
+    """``cumsum`` along any dim; along a sharded one each strip adds the totals of the
+    strips before it."""
+    if not handled(input) or out is not None:
+        return torch.cumsum(input, dim, dtype=dtype, out=out)
+    d = norm_dim(dim, input.ndim)
+    local = input.to_local() if dtype is None else input.to_local().to(dtype)
+    result = local.cumsum(d)
+    where = _group(input, d)
+    if where is not None:
+        group, rank = where
+        n = dist.get_world_size(group)
+        total = local.sum(d, keepdim=True)
+        table = torch.zeros((n, *total.shape), dtype=total.dtype, device=total.device)
+        table = table.index_put((torch.tensor([rank], device=table.device),), total.unsqueeze(0))
+        table = dist_fn.all_reduce(table, group=group)
+        result = result + table[:rank].sum(0)
+    return wrap(result, input, input.placements, input.shape)

@@ -1,12 +1,12 @@
-"""How a width-sharded DTensor is laid out on its mesh, and the way in and out of local code.
+"""How a sharded DTensor is laid out on its mesh, and the way in and out of local code.
 
-A spatial op receives a DTensor whose placements hold exactly one ``Shard(3)`` (the spatial,
-"sp" mesh dimension); other mesh dimensions may be ``Shard(0)`` (data parallel: each rank a
-different part of the batch) or ``Replicate``. H x W tiles (``Shard(2)`` and ``Shard(3)`` on
-a ``(sp_h, sp_w)`` mesh, ``_tiles.py``) are read into ``SpatialLayout.axes`` for the ops that
-handle them (``spatial_layout(..., tiles=True)``). ``SpatialLayout`` reads that off the input,
-``enter`` hands the local strip to local code (differentiably), and ``leave`` wraps the
-local result back into a DTensor with the global shape.
+A spatial op's input shards one spatial dim over one mesh dim (strips: ``Shard(3)`` of an
+image, one of D, H, W of a volume) or several, one mesh dim each (H x W tiles, volume
+blocks: ``SpatialLayout.axes``, read only for ops that pass ``tiles=True``); other mesh
+dims may shard the batch (``Shard(0)``, data parallel) or replicate. ``spatial_layout``
+reads the layout off the input, ``enter`` hands the local block to local code
+(differentiably), and ``leave`` wraps the local result back into a DTensor of the global
+shape.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import GRID_MESH_DIMS, SP
+from ._dims import GRID_MESH_DIMS, SP, contiguous_stride
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 
-#: Tensor dimensions a spatial op accepts as sharded data today: the width of NCHW. Op code
-#: never uses this directly; it asks the layout (``layout.dim``), so sharding H and W
-#: together, or 3-D volumes, changes what ``spatial_layout`` records, not the ops.
+#: The sharded dim of a one-axis layout by default: the width of NCHW (ops ask ``layout.dim``).
 SPATIAL_DIMS = (3,)
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
 #: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
@@ -85,7 +83,7 @@ def _is_spatial_shard(p, ndim: int) -> bool:
 class SpatialLayout:
     """How a spatial op's input is laid out: the mesh, its placements, the spatial ("sp")
     mesh dimension, this rank's place in it, and which tensor dimensions hold data split
-    over the sp ranks (``dims``; ``(3,)``, the width of NCHW, today)."""
+    over the sp ranks (``dims``: one dim; every sharded spatial dim: ``axes``)."""
 
     mesh: DeviceMesh
     placements: tuple
@@ -185,11 +183,6 @@ def spatial_layout(
         )
     if len(sp_dims) > 1 or (ndim == 4 and placements[sp_dims[0]].dim % ndim == 2):
         return _tile_layout(x, placements, sp_dims, what, tiles)
-    if len(sp_dims) > 1:
-        raise SpatialShardingError(
-            f"{what}: the width is sharded over several mesh dimensions {placements}; "
-            f"spconv-train shards the width over exactly one ('sp')."
-        )
     _check_other_dims(placements, sp_dims[0], what)
     dim = placements[sp_dims[0]].dim % x.ndim
     return x, SpatialLayout(x.device_mesh, placements, sp_dims[0], dims=(dim,))
@@ -236,13 +229,6 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> 
             )
 
 
-def width_sharded_placements(layout: SpatialLayout) -> tuple:
-    """``layout``'s placements with the width sharded on the sp dimension."""
-    new = list(layout.placements)
-    new[layout.sp_dim] = Shard(layout.dim)
-    return tuple(new)
-
-
 def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
     """Run ``fn(local, *params)`` on a DTensor whose width is *not* sharded (e.g. the 1x1
     output of a global pooling in DeepLabV3's ASPP): every rank holds whole rows, so the
@@ -266,16 +252,11 @@ def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> 
     The backward of ``from_local`` redistributes an incoming gradient of any placement
     (``Replicate``, ``Partial``, ...) to this layout before handing it to local code.
     """
-    stride = []
-    acc = 1
-    for n in reversed(global_shape):
-        stride.append(acc)
-        acc *= n
     return DTensor.from_local(
         local,
         like.mesh,
         like.placements,
         run_check=False,
         shape=tuple(global_shape),
-        stride=tuple(reversed(stride)),
+        stride=contiguous_stride(tuple(global_shape)),
     )

@@ -1,10 +1,11 @@
 """Slicing (``x[..., a:b:s]``, centre crops), ``flip`` and ``roll`` on a sharded DTensor.
 
-Along the width of strips (and along H or W of H x W tiles) each is a re-chunk
-(``_rechunk``): neighbour/owner point-to-point traffic, never a gather. Along the other
-dimensions the op runs on each strip as is (the batch only when it is not sharded). Index
-forms handled: ints, slices (step > 0), ``...``; anything else (tensor or boolean indices,
-``None``) goes to DTensor's own rules.
+Along every sharded spatial dim of any layout (the width of strips, H and W of tiles, D, H
+or W of a volume, any of a block's) each is a re-chunk (``_rechunk.remap_dims``: one map
+per dim, neighbour/owner point-to-point traffic, never a gather). Along the other dims the
+op runs on each block as is (the batch only when it is not sharded). Index forms handled:
+ints, slices (step > 0), ``...``; anything else (tensor or boolean indices, ``None``) goes
+to DTensor's own rules.
 """
 
 from __future__ import annotations
@@ -14,15 +15,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ._dims import handled, norm_dim, sharded_dims, wrap
 from ._mode import register_handler
-from ._rechunk import Segment, cols, remap_dim
-
-
-def _meta_shape(x: DTensor, fn) -> tuple[int, ...]:
-    return tuple(fn(torch.empty(x.shape, device="meta")).shape)
+from ._rechunk import Segment, cols, remap_dims
+from ._sharding import SPATIAL_DIMS_BY_NDIM
 
 
 def _run_local(x: DTensor, fn, removed: tuple[int, ...] = ()) -> DTensor:
-    """``fn`` on every strip (it must not touch the sharded dims); ``removed`` lists the
+    """``fn`` on every block (it must not touch the sharded dims); ``removed`` lists the
     dims ``fn`` drops (integer indices), so the sharded dims' indices shift."""
     placements = []
     for p in x.placements:
@@ -30,7 +28,8 @@ def _run_local(x: DTensor, fn, removed: tuple[int, ...] = ()) -> DTensor:
             d = norm_dim(p.dim, x.ndim)
             p = Shard(d - sum(1 for r in removed if r < d))
         placements.append(p)
-    return wrap(fn(x.to_local()), x, placements, _meta_shape(x, fn))
+    shape = fn(torch.empty(x.shape, device="meta")).shape
+    return wrap(fn(x.to_local()), x, placements, shape)
 
 
 def _expand_index(index, ndim: int):
@@ -48,86 +47,75 @@ def _expand_index(index, ndim: int):
     return items if len(items) == ndim else None
 
 
-def _fallback(func, *args, **kwargs):
-    # DTensor's own rules (watched by the no-gather guard)
-    return func(*args, **kwargs)
-
-
-def _remapped(x: DTensor, dims) -> list[int]:
-    """The sharded dims among ``dims`` that a re-chunk handles: W of strips, H and W of
-    H x W tiles (NCHW images only)."""
+def _split(x, dims) -> list[int] | None:
+    """The sharded spatial dims among ``dims`` (each re-chunked), or None when ``dims``
+    touch another sharded dim (the batch): then DTensor's own rules run, watched by the
+    no-gather guard."""
     where = sharded_dims(x)
-    return [d for d in dims if d in where and d >= 2 and x.ndim == 4]
-
-
-def _unhandled(x: DTensor, dims) -> bool:
-    """Whether the op touches a sharded dim that no re-chunk handles (the batch, a
-    volume's): then DTensor's own rules run, watched by the no-gather guard."""
-    where, remapped = sharded_dims(x), _remapped(x, dims)
-    return any(d in where and d not in remapped for d in dims)
-
-
-@register_handler(torch.Tensor.__getitem__)
-def spatial_getitem(x, index):
-    """``x[index]`` with basic indexing; a slice of a sharded spatial dim (the width of
-    strips, H or W of tiles) re-chunks it."""
-    items = _expand_index(index, x.ndim) if handled(x) else None
-    touched = [] if items is None else [d for d, i in enumerate(items) if i != slice(None)]
-    if (
-        items is None
-        or _unhandled(x, touched)
-        or any(not isinstance(items[d], slice) for d in _remapped(x, touched))
-    ):
-        return _fallback(torch.Tensor.__getitem__, x, index)
-    for d in _remapped(x, touched):
-        start, stop, step = items[d].indices(x.shape[d])
-        n = len(range(start, stop, step))
-        x = remap_dim(x, d, [cols(start, n, step)] if n else [], what="slicing x[..., a:b:s]")
-        items = (*items[:d], slice(None), *items[d + 1 :])
-    if all(i == slice(None) for i in items):
-        return x
-    removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))
-    return _run_local(x, lambda t: t[items], removed)
+    remapped = [d for d in dims if d in where and d in SPATIAL_DIMS_BY_NDIM.get(x.ndim, ())]
+    return None if any(d in where and d not in remapped for d in dims) else remapped
 
 
 def _dims_list(dims) -> list[int]:
     return [dims] if isinstance(dims, int) else list(dims)
 
 
+@register_handler(torch.Tensor.__getitem__)
+def spatial_getitem(x, index):
+    """``x[index]`` with basic indexing; a slice of a sharded spatial dim re-chunks it."""
+    items = _expand_index(index, x.ndim) if handled(x) else None
+    touched = [] if items is None else [d for d, i in enumerate(items) if i != slice(None)]
+    remapped = None if items is None else _split(x, touched)
+    if remapped is None or any(not isinstance(items[d], slice) for d in remapped):
+        return torch.Tensor.__getitem__(x, index)
+    maps = {}
+    for d in remapped:
+        start, stop, step = items[d].indices(x.shape[d])
+        n = len(range(start, stop, step))
+        maps[d] = [cols(start, n, step)] if n else []
+        items = (*items[:d], slice(None), *items[d + 1 :])
+    x = remap_dims(x, maps, "slicing x[..., a:b:s]") if maps else x
+    if all(i == slice(None) for i in items):
+        return x
+    removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))
+    return _run_local(x, lambda t: t[items], removed)
+
+
 @register_handler(torch.flip, torch.Tensor.flip)
 def spatial_flip(x, *dims, **kwargs):
-    """``torch.flip`` / ``x.flip``: reversing the width mirrors the owners (rank r <->
+    """``torch.flip`` / ``x.flip``: reversing a sharded dim mirrors the owners (rank r <->
     rank n-1-r, point to point)."""
     given = kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims
-    if not handled(x) or x.ndim != 4:
-        return _fallback(torch.flip, x, given)
-    wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)]
-    if _unhandled(x, wanted):
-        return _fallback(torch.flip, x, wanted)
-    for d in _remapped(x, wanted):
-        n = x.shape[d]
-        x = remap_dim(x, d, [cols(n - 1, n, -1)], what="torch.flip")
-        wanted = [k for k in wanted if k != d]
-    return _run_local(x, lambda t: torch.flip(t, wanted)) if wanted else x
+    wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)] if handled(x) else []
+    remapped = _split(x, wanted) if handled(x) else None
+    if remapped is None:
+        return torch.flip(x, given)
+    n = x.shape
+    x = remap_dims(x, {d: [cols(n[d] - 1, n[d], -1)] for d in remapped}, "torch.flip")
+    rest = [d for d in wanted if d not in remapped]
+    return _run_local(x, lambda t: torch.flip(t, rest)) if rest else x
 
 
 @register_handler(torch.roll, torch.Tensor.roll)
 def spatial_roll(x, shifts, dims=None):
-    """``torch.roll`` along given dims; along the width a re-chunk with wrap-around."""
-    if dims is None or not handled(x) or x.ndim != 4:
-        return _fallback(torch.roll, x, shifts, dims)
-    shifts_l, dims_l = _dims_list(shifts), [norm_dim(d, 4) for d in _dims_list(dims)]
-    if len(shifts_l) != len(dims_l) or _unhandled(x, dims_l):
-        return _fallback(torch.roll, x, shifts, dims)
-    remapped = _remapped(x, dims_l)
+    """``torch.roll`` along given dims; along a sharded one a re-chunk with wrap-around."""
+    if dims is None or not handled(x):
+        return torch.roll(x, shifts, dims)
+    shifts_l, dims_l = _dims_list(shifts), [norm_dim(d, x.ndim) for d in _dims_list(dims)]
+    remapped = _split(x, dims_l) if len(shifts_l) == len(dims_l) else None
+    if remapped is None:
+        return torch.roll(x, shifts, dims)
+    totals: dict[int, int] = {}  # rolls along one dim add up
     local_s, local_d = [], []
     for s, d in zip(shifts_l, dims_l, strict=True):
         if d in remapped:
-            w = x.shape[d]
-            k = s % w
-            segs: list[Segment] = [cols(w - k, k), cols(0, w - k)]
-            x = remap_dim(x, d, [g for g in segs if g.length], what="torch.roll")
+            totals[d] = totals.get(d, 0) + s
         else:
             local_s.append(s)
             local_d.append(d)
+    maps: dict[int, list[Segment]] = {}
+    for d, s in totals.items():
+        n, k = x.shape[d], s % x.shape[d]
+        maps[d] = [g for g in (cols(n - k, k), cols(0, n - k)) if g.length]
+    x = remap_dims(x, maps, "torch.roll")
     return _run_local(x, lambda t: torch.roll(t, local_s, local_d)) if local_d else x
