@@ -56,18 +56,20 @@ def _prefix(shape: tuple[int, ...]) -> list[int]:
     return out
 
 
-def reshape_group(
-    shape: tuple[int, ...], out: tuple[int, ...], d: int
-) -> tuple[int, int, int, int] | None:
+def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
     """The smallest run of input dims ``[d0, d1)`` holding ``d`` that a reshape to ``out``
-    turns into the output dims ``[e0, e1)`` (the same number of elements before both runs
-    and in them); ``None`` for empty tensors."""
+    turns into whole output dims, and the output run ``[e0, e1)`` it becomes (leading
+    size-1 output dims included); ``past_units``: the run goes on past size-1 dims after
+    ``d``. ``None`` for empty tensors."""
     pin, pout = _prefix(shape), _prefix(out)
     if 0 in shape or pin[-1] != pout[-1]:
         return None
     d0 = max(i for i in range(d + 1) if pin[i] in pout)
-    d1 = min(i for i in range(d + 1, len(shape) + 1) if pin[i] in pout)
-    e0 = max(j for j, p in enumerate(pout) if p == pin[d0])
+    later = [i for i in range(d + 1, len(shape) + 1) if pin[i] in pout]
+    if past_units:
+        later = [i for i in later if pin[i] > pin[d]] or later
+    d1 = min(later)
+    e0 = min(j for j, p in enumerate(pout) if p == pin[d0])
     e1 = min(j for j, p in enumerate(pout) if p == pin[d1])
     return d0, d1, e0, e1
 
@@ -85,20 +87,53 @@ class Move:
     k: int
 
 
-def _move(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
-    """The factorisation (or merge) of a plain ``Shard``'s dim, or ``None``: the reshape
-    keeps the dim whole, mixes it otherwise, or the layout is a token layout."""
-    group = reshape_group(shape, out, lay.dim) if lay.split_factor == 1 else None
-    if group is None:
+#: ``(shape, dim)`` of the window-factorised maps whose split dim holds a single window
+#: (``dim`` of size 1, e.g. Swin's last stage, one 7 x 7 window): a reshape that merges
+#: such a size-1 split dim is the window reverse (into the dims after it), not a merge
+#: into the batch of windows (the dims before it), which the shape alone cannot tell.
+_SINGLE_WINDOW: set[tuple[tuple[int, ...], int]] = set()
+
+
+def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+    runs = _runs(shape, out, lay.dim, False)
+    if runs is None or runs[1] - runs[0] != 1:
         return None
-    d0, d1, e0, e1 = group
-    if d1 - d0 == 1 and e1 - e0 >= 2:
-        k = math.prod(out[e0 + 1 : e1])
-        return Move(lay, True, e0, k) if k > 1 else None
-    if e1 - e0 == 1 and d0 == lay.dim and d1 - d0 >= 2:
-        k = math.prod(shape[d0 + 1 : d1])
-        return Move(lay, False, e0, k) if k > 1 else None
+    _, _, e0, e1 = runs
+    big = [j for j in range(e0, e1) if out[j] > 1]
+    if len(big) >= 2:  # (windows, ws): the split goes to the windows factor
+        return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]))
+    # (1, W): one window along the dim when the reshape cuts two dims into windows (a
+    # partition of H and W); otherwise a size-1 dim added next to it (the dim stays split)
+    if big == [e1 - 1] and e1 - e0 >= 2 and len(out) >= len(shape) + 2:
+        if len(_SINGLE_WINDOW) > 1024:
+            _SINGLE_WINDOW.clear()
+        _SINGLE_WINDOW.add((tuple(out), e1 - 2))
+        return Move(lay, True, e1 - 2, out[e1 - 1])
     return None
+
+
+def _merge(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+    single = shape[lay.dim] == 1
+    if single and (tuple(shape), lay.dim) not in _SINGLE_WINDOW:
+        return None
+    runs = _runs(shape, out, lay.dim, single)
+    if runs is None:
+        return None
+    d0, d1, e0, e1 = runs
+    big = [j for j in range(e0, e1) if out[j] > 1] or [e1 - 1]
+    if d0 != lay.dim or d1 - d0 < 2 or len(big) != 1 or big[0] != e1 - 1:
+        return None
+    return Move(lay, False, e1 - 1, math.prod(shape[d0 + 1 : d1]))
+
+
+def _move(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+    """The factorisation (or merge) of a plain ``Shard``'s dim around window boundaries, or
+    ``None``: the reshape keeps the dim whole, mixes it otherwise, or the layout is a token
+    layout."""
+    if lay.split_factor != 1:
+        return None
+    m = _split(lay, shape, out)
+    return m if m is not None else _merge(lay, shape, out)
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,7 +157,8 @@ def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor
         return local
     group = x.device_mesh.get_group(move.lay.mesh_dim)
     out = gather_columns(local.movedim(d, -1), plan, move.lay.rank, group)
-    return out.movedim(-1, d)
+    # contiguous: DTensor takes the wrapped local tensor to be (its view ops rely on it)
+    return out.movedim(-1, d).contiguous()
 
 
 def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn=None) -> DTensor:
@@ -145,7 +181,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
             local_shape[m.dim] = n // m.k if m.split else n * m.k
             placements[lay.mesh_dim] = Shard(m.dim)
             continue
-        e, sf = _target(shape, lay, out_shape)  # callers checked it is not None
+        e, sf = _target(shape, lay, out_shape, last=True)  # _moves checked it is not None
         placements[lay.mesh_dim] = _tokens._placement(e, sf)
         local_shape[e] = sf * (local.shape[lay.dim] // lay.split_factor)
     out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
@@ -156,18 +192,20 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
 
 
 def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
-    """The window moves of a reshape of ``x`` to ``out_shape``, ``None`` when there are
-    none or another split dim cannot stay whole (the reshape handlers before this one
-    decide then)."""
+    """The window moves of a reshape of ``x`` to ``out_shape`` (an empty list: none, but
+    a split dim of size 1, a single window, stays local), ``None`` when this module has
+    nothing to do or another split dim cannot stay whole (the reshape handlers before this
+    one decide then: DTensor refuses size-1 split dims)."""
     shape = tuple(x.shape)
-    moves = []
+    moves, single = [], False
     for lay in split_layouts(x):
         m = _move(lay, shape, out_shape)
         if m is not None:
             moves.append(m)
         elif _target(shape, lay, out_shape) is None:
             return None
-    return moves or None
+        single = single or lay.inner == 1
+    return moves if moves or single else None
 
 
 def _chain(*functions):
@@ -198,7 +236,7 @@ def _reshaping(func, use_view: bool = False) -> None:
         if isinstance(x, DTensor) and not dtype:
             shape = _tokens._meta_shape(func, x, *args, **kwargs)
             moves = _moves(x, shape)
-            if moves:
+            if moves is not None:
                 return window_reshape(x, shape, moves, fn)
         return prev(x, *args, **kwargs)
 
