@@ -193,19 +193,22 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
 
 def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     """The window moves of a reshape of ``x`` to ``out_shape`` (an empty list: none, but
-    a split dim of size 1, a single window, stays local), ``None`` when this module has
-    nothing to do or another split dim cannot stay whole (the reshape handlers before this
-    one decide then: DTensor refuses size-1 split dims)."""
+    the reshape runs locally here), ``None`` when this module has nothing to do or a split
+    dim cannot stay whole (the reshape handlers before this one decide then)."""
     shape = tuple(x.shape)
-    moves, single = [], False
+    moves, local = [], False
     for lay in split_layouts(x):
         m = _move(lay, shape, out_shape)
         if m is not None:
             moves.append(m)
-        elif _target(shape, lay, out_shape) is None:
+            continue
+        found = _target(shape, lay, out_shape)
+        if found is None:
             return None
-        single = single or lay.inner == 1
-    return moves if moves or single else None
+        # a size-1 split dim (one window), or a plain Shard merged into the batch of
+        # windows as its inner factor: local (DTensor refuses, or gathers, some of them)
+        local = local or lay.inner == 1 or (lay.split_factor == 1 and found[1] > 1)
+    return moves if moves or local else None
 
 
 def _chain(*functions):
