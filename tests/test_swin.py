@@ -153,15 +153,19 @@ class TinySwin(nn.Module):
         return self.head(x.permute(0, 3, 1, 2))
 
 
-def swin_failures() -> list[str]:
-    dmesh = mesh(dist.get_world_size())
+def swin_failures(dp: int = 1) -> list[str]:
+    """One device against ``parallelize``: output, every parameter gradient, no-gather
+    audit. ``dp`` > 1: a ``(dp, sp)`` mesh, the batch split too (4 images)."""
+    world = dist.get_world_size()
+    dmesh = mesh((dp, world // dp), ("dp", "sp")) if dp > 1 else mesh(world)
+    placements = [Shard(0), Shard(3)] if dp > 1 else [Shard(3)]
     torch.manual_seed(0)
     model = TinySwin().double()
-    x = seeded(1, 2, 3, 8, 20, dtype=torch.float64)
+    x = seeded(1, 2 * dp, 3, 8, 20, dtype=torch.float64)
     par = parallelize(copy.deepcopy(model), dmesh)
-    xs = distribute_tensor(x, dmesh, [Shard(3)])
-    gy = seeded(2, 2, 2, 2, 5, dtype=torch.float64)
-    gys = distribute_tensor(gy, dmesh, [Shard(3)])
+    xs = distribute_tensor(x, dmesh, placements)
+    gy = seeded(2, 2 * dp, 2, 2, 5, dtype=torch.float64)
+    gys = distribute_tensor(gy, dmesh, placements)
     with CommAudit() as audit:
         y = par(xs)
         y.backward(gys)
@@ -178,7 +182,7 @@ def swin_failures() -> list[str]:
     shapes = {tuple(p.shape) for p in model.parameters()} | {(1, 2, 16, 16), (1, 2, 10, 10)}
     moved = audit.activation_sized(max(1, xs.to_local()[0].numel() // 4), shapes)
     failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
-    if audit.summary().get("p2p", {}).get("count", 0) == 0:
+    if dp == 1 and audit.summary().get("p2p", {}).get("count", 0) == 0:
         failures.append("no point-to-point (re-chunk) traffic recorded")
     return failures
 
@@ -186,4 +190,10 @@ def swin_failures() -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_tiny_swin_matches_single_device(dist_pool, world):
     for rank, failures in enumerate(dist_pool.run(world, swin_failures)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+def test_tiny_swin_batch_over_dp_matches_single_device(dist_pool):
+    # a (2, 1) mesh: two layouts on the batch of windows (dp's images, sp's windows)
+    for rank, failures in enumerate(dist_pool.run(2, swin_failures, 2)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)

@@ -42,11 +42,11 @@ from torch.distributed.tensor import DTensor, Shard
 from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
 from ._dims import wrap
 from ._errors import module_path
-from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
-from ._halo import gather_columns
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
+from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
 from ._registry import DEFAULT_REGISTRY
-from ._tokens import TokenLayout, _target, local_part, split_layouts
+from ._tokens import TokenLayout, _target, split_layouts
 
 
 def _prefix(shape: tuple[int, ...]) -> list[int]:
@@ -172,18 +172,25 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     for m in moves:
         if m.split:
             local = _rechunk(local, x, m, m.lay.dim, shape[m.lay.dim])
-    local_shape = list(out_shape)
+    # each split dim's share of the output dim it lands on (several can land on one: the
+    # batch over dp and the windows over sp both split the batch of windows)
+    share = {e: (1, 1) for e in range(len(out_shape))}
     by_mesh = {m.lay.mesh_dim: m for m in moves}
     for lay in split_layouts(x):
         m = by_mesh.get(lay.mesh_dim)
         if m is not None:
-            n = local.shape[lay.dim]
-            local_shape[m.dim] = n // m.k if m.split else n * m.k
-            placements[lay.mesh_dim] = Shard(m.dim)
-            continue
-        e, sf = _target(shape, lay, out_shape, last=True)  # _moves checked it is not None
-        placements[lay.mesh_dim] = _tokens._placement(e, sf)
-        local_shape[e] = sf * (local.shape[lay.dim] // lay.split_factor)
+            total = shape[lay.dim] // m.k if m.split else shape[lay.dim]
+            a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
+            e, own = m.dim, b - a
+            placements[lay.mesh_dim] = Shard(e)
+        else:
+            e, sf = _target(shape, lay, out_shape, last=True)  # _moves checked it is not None
+            placements[lay.mesh_dim] = _tokens._placement(e, sf)
+            own, total = lay.sizes()[lay.rank], shape[lay.dim]
+        share[e] = (share[e][0] * own, share[e][1] * total)
+    local_shape = [
+        n * own // total for n, (own, total) in zip(out_shape, share.values(), strict=True)
+    ]
     out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
     for m in moves:
         if not m.split:
@@ -196,8 +203,10 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     the reshape runs locally here), ``None`` when this module has nothing to do or a split
     dim cannot stay whole (the reshape handlers before this one decide then)."""
     shape = tuple(x.shape)
-    moves, local = [], False
-    for lay in split_layouts(x):
+    lays = split_layouts(x)
+    # two layouts on one dim (dp and sp on the batch of windows): their shares compose here
+    moves, local = [], len({lay.dim for lay in lays}) < len(lays)
+    for lay in lays:
         m = _move(lay, shape, out_shape)
         if m is not None:
             moves.append(m)
@@ -294,7 +303,19 @@ def _local_mask(mask, q: DTensor):
                 f"is not supported; pass a plain mask or one laid out like the queries."
             )
         return mask.to_local()
-    return local_part(mask, q)
+    part = sum_grad_over(mask, _tokens._grad_groups(q))
+    lead = q.ndim - part.ndim
+    rows: dict[int, Tensor] = {}
+    for lay in split_layouts(q):
+        # the entries every layout of the dim holds (dp's images and sp's windows of them)
+        idx = lay.indices().to(part.device)
+        rows[lay.dim] = (
+            idx if lay.dim not in rows else rows[lay.dim][torch.isin(rows[lay.dim], idx)]
+        )
+    for d, idx in rows.items():
+        if d >= lead and part.shape[d - lead] != 1:
+            part = part.index_select(d - lead, idx)
+    return part
 
 
 @_chain(F.scaled_dot_product_attention)
