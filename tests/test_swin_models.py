@@ -1,8 +1,9 @@
 """Library Swin models over a sharded map (issue 23 item 3): a small timm
 ``SwinTransformer`` (shifted windows, relative position bias, padding to whole windows,
-patch merging of odd sizes) and smp ``Unet`` on a timm Swin encoder (``tu-`` name, the
-window of the last stage covering the whole map) equal to one device in fp64 at 2 and 3
-ranks with no activation gather; window attention on H x W tiles refused by name."""
+patch merging of odd sizes) and smp ``Unet`` on a timm Swin encoder (``tu-`` name, built by
+the model registry as a config builds it; the window of the last stage covers the whole
+map) equal to one device in fp64 at 2 and 3 ranks with no activation gather; window
+attention on H x W tiles refused by name."""
 
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ def _timm_swin(h: int, w: int):
 
 
 def _smp_swin_unet(h: int, w: int):
-    import segmentation_models_pytorch as smp
+    from spconv_train.models.registry import create_model
 
-    return smp.Unet(
-        "tu-swin_tiny_patch4_window7_224", encoder_weights=None, classes=2,
+    # the registry builds it as `model: {name: smp.Unet, kwargs: ...}` in a config does
+    return create_model(
+        "smp.Unet", num_classes=2, encoder_name="tu-swin_tiny_patch4_window7_224",
         decoder_channels=(16, 16, 8, 8, 8), embed_dim=8, depths=(1, 1, 1, 1),
         num_heads=(1, 1, 1, 1), window_size=4, img_size=(h, w), drop_path_rate=0.0,
     )  # fmt: skip

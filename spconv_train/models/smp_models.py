@@ -8,9 +8,10 @@ local state dict into the encoder (``model.weights`` loads a whole model, as for
 model). smp and timm are an optional dependency (``pip install .[smp]``, which
 ``make install`` does); the error says so when they are missing.
 
-Encoders built on global self-attention (Mix Transformer ``mit_b*``, ViT/Swin-style timm
+Encoders built on global self-attention (Mix Transformer ``mit_b*``, ViT-style timm
 encoders) are refused here: every output pixel reads every pixel of the image, which a
-width-sharded run could only do by gathering the whole activation on every rank.
+width-sharded run could only do by gathering the whole activation on every rank. Swin
+encoders (``tu-swin*``) attend inside windows and run sharded (docs/attention.md).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ ARCHITECTURES = (
     "DPT",
 )
 #: Encoder name prefixes built on global self-attention (refused, see the module docstring).
-GLOBAL_ATTENTION_ENCODERS = ("mit_", "tu-vit", "tu-deit", "tu-swin", "tu-mvit", "tu-eva", "tu-beit")
+GLOBAL_ATTENTION_ENCODERS = ("mit_", "tu-vit", "tu-deit", "tu-mvit", "tu-eva", "tu-beit")
 #: Architectures whose *decoder* attends over all pixels.
 GLOBAL_ATTENTION_ARCHS = {
     "MAnet": "its position-attention block (flatten every pixel, matmul)",
