@@ -240,20 +240,18 @@ def _chain(*functions):
 
 
 def _reshaping(func, use_view: bool = False) -> None:
-    prev = DEFAULT_REGISTRY.handler(func) or func
+    """Window moves for the reshape-like ``func``, before the token / DTensor rules."""
     fn = (lambda t, s: t.view(s)) if use_view else None
 
-    def handler(x, *args, **kwargs):
-        dtype = "dtype" in kwargs or (args and isinstance(args[0], torch.dtype))
+    @_chain(func)
+    def handler(prev, x, *args, **kwargs):
+        dtype = "dtype" in kwargs or bool(args and isinstance(args[0], torch.dtype))
         if isinstance(x, DTensor) and not dtype:
             shape = _tokens._meta_shape(func, x, *args, **kwargs)
             moves = _moves(x, shape)
             if moves is not None:
                 return window_reshape(x, shape, moves, fn)
         return prev(x, *args, **kwargs)
-
-    handler.__name__ = f"window_{func.__name__}"
-    register_handler(func)(handler)
 
 
 for _fn in (torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten):
