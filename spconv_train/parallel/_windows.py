@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
-from ._dims import wrap
+from ._dims import DP, wrap
 from ._errors import module_path
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
@@ -102,9 +102,11 @@ def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Mo
     big = [j for j in range(e0, e1) if out[j] > 1]
     if len(big) >= 2:  # (windows, ws): the split goes to the windows factor
         return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]))
-    # (1, W): one window along the dim when the reshape cuts two dims into windows (a
-    # partition of H and W); otherwise a size-1 dim added next to it (the dim stays split)
-    if big == [e1 - 1] and e1 - e0 >= 2 and len(out) >= len(shape) + 2:
+    # (1, W) of a map dim (not the batch): one window along it when the reshape cuts two
+    # dims into windows (a partition of H and W); otherwise a size-1 dim added next to it
+    # (the dim stays split)
+    one = big == [e1 - 1] and e1 - e0 >= 2 and lay.dim > 0
+    if one and len(out) >= len(shape) + 2:
         if len(_SINGLE_WINDOW) > 1024:
             _SINGLE_WINDOW.clear()
         _SINGLE_WINDOW.add((tuple(out), e1 - 2))
@@ -124,6 +126,13 @@ def _merge(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Mo
     if d0 != lay.dim or d1 - d0 < 2 or len(big) != 1 or big[0] != e1 - 1:
         return None
     return Move(lay, False, e1 - 1, math.prod(shape[d0 + 1 : d1]))
+
+
+def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
+    """The batch split over a ``dp`` mesh dim of one rank: kept on dim 0 (with size-1
+    dims around, the shape alone could place it on any of them)."""
+    names = x.device_mesh.mesh_dim_names or ()
+    return lay.parts == 1 and lay.dim == 0 and names[lay.mesh_dim : lay.mesh_dim + 1] == (DP,)
 
 
 def _move(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
@@ -183,8 +192,12 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
             a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
             e, own = m.dim, b - a
             placements[lay.mesh_dim] = Shard(e)
+        elif _batch_of_one_rank(lay, x):
+            placements[lay.mesh_dim] = Shard(0)
+            continue
         else:
-            e, sf = _target(shape, lay, out_shape, last=True)  # _moves checked it is not None
+            # a size-1 split factor fits several output dims: the window index, innermost
+            e, sf = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
             placements[lay.mesh_dim] = _tokens._placement(e, sf)
             own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
@@ -207,6 +220,9 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     # two layouts on one dim (dp and sp on the batch of windows): their shares compose here
     moves, local = [], len({lay.dim for lay in lays}) < len(lays)
     for lay in lays:
+        if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
+            local = local or len(lays) > 1
+            continue
         m = _move(lay, shape, out_shape)
         if m is not None:
             moves.append(m)
