@@ -122,4 +122,5 @@ def test_window_attention_on_tiles_refused_with_module_path(dist_pool):
     # windows on H x W tiles would need a two-level token layout of the window batch
     for msgs in dist_pool.run(2, tile_refusals):
         for shape, msg in msgs.items():
-            assert "module 'b1" in msg and "not refused" not in msg, (shape, msg)
+            # refused by a handler that knows the op, not DTensor's error passed on
+            assert "module 'b1" in msg and "DTensor has no local rule" not in msg, (shape, msg)
