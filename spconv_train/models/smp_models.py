@@ -10,9 +10,10 @@ model). smp and timm are an optional dependency (``pip install .[smp]``, which
 
 Mix Transformer encoders (``mit_b0`` .. ``mit_b5``, SegFormer's) run sharded: their
 spatial-reduction attention is exact over the split pixel tokens by point-to-point ring
-matmuls (``docs/attention.md``). ViT/Swin-style timm encoders are refused here: their
-token handling (class token, windows) has no sharded form yet, so a width-sharded run
-could only gather the whole activation on every rank.
+matmuls; Swin encoders (``tu-swin*``) attend inside windows and run sharded
+(``docs/attention.md``). ViT-style timm encoders are refused here: their class token has
+no sharded form yet, so a width-sharded run could only gather the whole activation on
+every rank.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ ARCHITECTURES = (
     "DPT",
 )
 #: Encoder name prefixes refused (see the module docstring).
-GLOBAL_ATTENTION_ENCODERS = ("tu-vit", "tu-deit", "tu-swin", "tu-mvit", "tu-eva", "tu-beit")
+GLOBAL_ATTENTION_ENCODERS = ("tu-vit", "tu-deit", "tu-mvit", "tu-eva", "tu-beit")
 #: Architectures whose *decoder* attends over all pixels.
 GLOBAL_ATTENTION_ARCHS = {
     "MAnet": "its position-attention block (flatten every pixel, matmul)",

@@ -89,12 +89,17 @@ def _placement(dim: int, sf: int):
     return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
 
 
-def _target(shape: tuple[int, ...], lay: TokenLayout, out_shape: tuple[int, ...]):
+def _target(
+    shape: tuple[int, ...], lay: TokenLayout, out_shape: tuple[int, ...], last: bool = False
+):
     """The output dim holding ``lay``'s sharded factor after a reshape to ``out_shape``,
-    and its split factor there; ``None`` if the reshape mixes that factor with others."""
+    and its split factor there; ``None`` if the reshape mixes that factor with others.
+    A sharded factor of size 1 fits several output dims: the first, or with ``last`` the
+    innermost (``_windows.py``: a single window's index)."""
     before = math.prod(shape[: lay.dim]) * lay.split_factor
     after = math.prod(shape[lay.dim + 1 :])
-    for e, n in enumerate(out_shape):
+    dims = list(enumerate(out_shape))
+    for e, n in reversed(dims) if last else dims:
         if math.prod(out_shape[e + 1 :]) != after or n % max(lay.inner, 1):
             continue
         sf = n // max(lay.inner, 1)

@@ -1,0 +1,346 @@
+"""Window partition and reverse of a sharded map (Swin), and the ops that run per window.
+
+Swin cuts a channels-last map ``(B, H, W, C)`` into ``ws x ws`` windows::
+
+    x.view(B, H // ws, ws, W // ws, ws, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, C)
+
+and back (``window_reverse``: the same steps reversed). On a map split along W (strips; H
+and W on tiles) the first view *factorises* the split dim into ``(W // ws, ws)`` with the
+window factor split: DTensor's ``Shard`` of that factor gives rank ``r`` the windows
+``shard_bounds(W // ws, P, r)``, i.e. the columns ``[a * ws, b * ws)``. Those are the map's
+own columns ``shard_bounds(W, P, r)`` only when the map's chunks fall on window boundaries.
+When they do not (``W = 12``, ``ws = 4`` over 2 ranks: 6 + 6 columns, but 2 + 1 windows)
+the view first re-chunks the map to the window-aligned owners with point-to-point traffic
+(``gather_columns``: every rank receives from its neighbours exactly the columns of its
+windows, the backward sends the gradients back); the reverse view, which merges
+``(W // ws, ws)`` into ``W`` again, re-chunks to the map's own chunks. The same holds for
+any reshape that factorises a split dim with the split factor outermost (patch merging's
+``x.reshape(B, H // 2, 2, W // 2, 2, C)``) or merges such a factorisation back, in any
+layout of the other dims (NCHW as well as channels-last).
+
+The merge of ``(B, H // ws, W // ws)`` into the batch of windows is a token layout
+(``_tokens.py``): ``_StridedShard(0, split_factor=B * H // ws)``, every rank's windows are
+its local batch. Everything per window stays local: Linear, LayerNorm, softmax, the
+relative position bias (a ``(1, heads, N, N)`` plain tensor broadcast over the windows),
+the shifted-window mask (``(nW, N, N)``, indexed with the rank's windows by the token
+arithmetic of ``_tokens.py``), and here: ``q @ k.transpose(-2, -1)`` / ``attn @ v`` and
+``F.scaled_dot_product_attention`` on operands split only along their batch dims, with an
+attention mask sliced to the rank's windows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
+from ._dims import DP, wrap
+from ._errors import module_path
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
+from ._halo import gather_columns, sum_grad_over
+from ._mode import register_handler
+from ._registry import DEFAULT_REGISTRY
+from ._tokens import TokenLayout, _target, split_layouts
+
+
+def _prefix(shape: tuple[int, ...]) -> list[int]:
+    out = [1]
+    for n in shape:
+        out.append(out[-1] * n)
+    return out
+
+
+def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
+    """The smallest run of input dims ``[d0, d1)`` holding ``d`` that a reshape to ``out``
+    turns into whole output dims, and the output run ``[e0, e1)`` it becomes (leading
+    size-1 output dims included); ``past_units``: the run goes on past size-1 dims after
+    ``d``. ``None`` for empty tensors."""
+    pin, pout = _prefix(shape), _prefix(out)
+    if 0 in shape or pin[-1] != pout[-1]:
+        return None
+    d0 = max(i for i in range(d + 1) if pin[i] in pout)
+    later = [i for i in range(d + 1, len(shape) + 1) if pin[i] in pout]
+    if past_units:
+        later = [i for i in later if pin[i] > pin[d]] or later
+    d1 = min(later)
+    e0 = min(j for j, p in enumerate(pout) if p == pin[d0])
+    e1 = min(j for j, p in enumerate(pout) if p == pin[d1])
+    return d0, d1, e0, e1
+
+
+@dataclass(frozen=True)
+class Move:
+    """How a reshape moves a plain ``Shard`` of input dim ``lay.dim`` whose size it
+    factorises (``split``: into output dims starting at ``dim``, the split factor outermost,
+    ``k`` elements of the dim per outer entry) or merges (``split`` False: with the ``k``
+    entries of the input dims right after it, into output dim ``dim``)."""
+
+    lay: TokenLayout
+    split: bool
+    dim: int
+    k: int
+
+
+#: ``(shape, dim)`` of the window-factorised maps whose split dim holds a single window
+#: (``dim`` of size 1, e.g. Swin's last stage, one 7 x 7 window): a reshape that merges
+#: such a size-1 split dim is the window reverse (into the dims after it), not a merge
+#: into the batch of windows (the dims before it), which the shape alone cannot tell.
+_SINGLE_WINDOW: set[tuple[tuple[int, ...], int]] = set()
+
+
+def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+    runs = _runs(shape, out, lay.dim, False)
+    if runs is None or runs[1] - runs[0] != 1:
+        return None
+    _, _, e0, e1 = runs
+    big = [j for j in range(e0, e1) if out[j] > 1]
+    if len(big) >= 2:  # (windows, ws): the split goes to the windows factor
+        return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]))
+    # (1, W) of a map dim (not the batch): one window along it when the reshape cuts two
+    # dims into windows (a partition of H and W); otherwise a size-1 dim added next to it
+    # (the dim stays split)
+    one = big == [e1 - 1] and e1 - e0 >= 2 and lay.dim > 0
+    if one and len(out) >= len(shape) + 2:
+        if len(_SINGLE_WINDOW) > 1024:
+            _SINGLE_WINDOW.clear()
+        _SINGLE_WINDOW.add((tuple(out), e1 - 2))
+        return Move(lay, True, e1 - 2, out[e1 - 1])
+    return None
+
+
+def _merge(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+    single = shape[lay.dim] == 1
+    if single and (tuple(shape), lay.dim) not in _SINGLE_WINDOW:
+        return None
+    runs = _runs(shape, out, lay.dim, single)
+    if runs is None:
+        return None
+    d0, d1, e0, e1 = runs
+    big = [j for j in range(e0, e1) if out[j] > 1] or [e1 - 1]
+    if d0 != lay.dim or d1 - d0 < 2 or len(big) != 1 or big[0] != e1 - 1:
+        return None
+    return Move(lay, False, e1 - 1, math.prod(shape[d0 + 1 : d1]))
+
+
+def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
+    """The batch split over a ``dp`` mesh dim of one rank: kept on dim 0 (with size-1
+    dims around, the shape alone could place it on any of them)."""
+    names = x.device_mesh.mesh_dim_names or ()
+    return lay.parts == 1 and lay.dim == 0 and names[lay.mesh_dim : lay.mesh_dim + 1] == (DP,)
+
+
+def _move(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+    """The factorisation (or merge) of a plain ``Shard``'s dim around window boundaries, or
+    ``None``: the reshape keeps the dim whole, mixes it otherwise, or the layout is a token
+    layout."""
+    if lay.split_factor != 1:
+        return None
+    m = _split(lay, shape, out)
+    return m if m is not None else _merge(lay, shape, out)
+
+
+@functools.lru_cache(maxsize=256)
+def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan | None:
+    """The exchange between the map's own chunks of a ``size``-long dim and the chunks
+    aligned on ``k``-long windows (``to_windows``: map -> windows), ``None`` when they
+    are the same."""
+    own = tuple(all_shard_bounds(size, parts))
+    aligned = tuple((a * k, b * k) for a, b in all_shard_bounds(size // k, parts))
+    if own == aligned:
+        return None
+    owned, needed = (own, aligned) if to_windows else (aligned, own)
+    return ExchangePlan(size, owned, tuple((n,) for n in needed))
+
+
+def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor:
+    """``local``'s dim ``d`` (``size`` long globally) moved between the map's own chunks
+    and the window-aligned ones, point to point."""
+    plan = window_plan(size, move.lay.parts, move.k, move.split)
+    if plan is None:
+        return local
+    group = x.device_mesh.get_group(move.lay.mesh_dim)
+    out = gather_columns(local.movedim(d, -1), plan, move.lay.rank, group)
+    # contiguous: DTensor takes the wrapped local tensor to be (its view ops rely on it)
+    return out.movedim(-1, d).contiguous()
+
+
+def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn=None) -> DTensor:
+    """``x`` reshaped to the global ``out_shape`` on the local tensor (``fn(local, shape)``,
+    ``reshape`` by default): the dims in ``moves`` factorised / merged around window
+    boundaries (re-chunked where the chunks do not fall on them), every other split dim
+    kept whole (``_tokens.local_reshape``)."""
+    shape = tuple(x.shape)
+    placements = list(x.placements)
+    local = x.to_local()
+    for m in moves:
+        if m.split:
+            local = _rechunk(local, x, m, m.lay.dim, shape[m.lay.dim])
+    # each split dim's share of the output dim it lands on (several can land on one: the
+    # batch over dp and the windows over sp both split the batch of windows)
+    share = {e: (1, 1) for e in range(len(out_shape))}
+    by_mesh = {m.lay.mesh_dim: m for m in moves}
+    for lay in split_layouts(x):
+        m = by_mesh.get(lay.mesh_dim)
+        if m is not None:
+            total = shape[lay.dim] // m.k if m.split else shape[lay.dim]
+            a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
+            e, own = m.dim, b - a
+            placements[lay.mesh_dim] = Shard(e)
+        elif _batch_of_one_rank(lay, x):
+            placements[lay.mesh_dim] = Shard(0)
+            continue
+        else:
+            # a size-1 split factor fits several output dims: the window index, innermost
+            e, sf = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
+            placements[lay.mesh_dim] = _tokens._placement(e, sf)
+            own, total = lay.sizes()[lay.rank], shape[lay.dim]
+        share[e] = (share[e][0] * own, share[e][1] * total)
+    local_shape = [
+        n * own // total for n, (own, total) in zip(out_shape, share.values(), strict=True)
+    ]
+    out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
+    for m in moves:
+        if not m.split:
+            out = _rechunk(out, x, m, m.dim, out_shape[m.dim])
+    return wrap(out, x, placements, out_shape)
+
+
+def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
+    """The window moves of a reshape of ``x`` to ``out_shape`` (an empty list: none, but
+    the reshape runs locally here), ``None`` when this module has nothing to do or a split
+    dim cannot stay whole (the reshape handlers before this one decide then)."""
+    shape = tuple(x.shape)
+    lays = split_layouts(x)
+    # two layouts on one dim (dp and sp on the batch of windows): their shares compose here
+    moves, local = [], len({lay.dim for lay in lays}) < len(lays)
+    for lay in lays:
+        if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
+            local = local or len(lays) > 1
+            continue
+        m = _move(lay, shape, out_shape)
+        if m is not None:
+            moves.append(m)
+            continue
+        found = _target(shape, lay, out_shape)
+        if found is None:
+            return None
+        # a size-1 split dim (one window), or a plain Shard merged into the batch of
+        # windows as its inner factor: local (DTensor refuses, or gathers, some of them)
+        local = local or lay.inner == 1 or (lay.split_factor == 1 and found[1] > 1)
+    return moves if moves or local else None
+
+
+def _chain(*functions):
+    """Decorator: ``handler(prev, *args, **kwargs)`` replaces the handler registered for
+    each of ``functions`` before (``prev``, or the function itself), which it calls for
+    what it does not handle."""
+
+    def deco(handler):
+        for fn in functions:
+            prev = DEFAULT_REGISTRY.handler(fn) or fn
+
+            def run(*args, _prev=prev, **kwargs):
+                return handler(_prev, *args, **kwargs)
+
+            run.__name__ = f"window_{getattr(fn, '__name__', 'op')}"
+            register_handler(fn)(run)
+        return handler
+
+    return deco
+
+
+def _reshaping(func, use_view: bool = False) -> None:
+    """Window moves for the reshape-like ``func``, before the token / DTensor rules."""
+    fn = (lambda t, s: t.view(s)) if use_view else None
+
+    @_chain(func)
+    def handler(prev, x, *args, **kwargs):
+        dtype = "dtype" in kwargs or bool(args and isinstance(args[0], torch.dtype))
+        if isinstance(x, DTensor) and not dtype:
+            shape = _tokens._meta_shape(func, x, *args, **kwargs)
+            moves = _moves(x, shape)
+            if moves is not None:
+                return window_reshape(x, shape, moves, fn)
+        return prev(x, *args, **kwargs)
+
+
+for _fn in (torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten):
+    _reshaping(_fn)
+for _fn in (torch.unflatten, torch.Tensor.unflatten):
+    _reshaping(_fn)
+_reshaping(torch.Tensor.view, use_view=True)
+
+
+def batch_split(t) -> bool:
+    """True for a DTensor split (by any layout) only along dims before its last two: a
+    batch of windows (or of images), every matrix whole on one rank."""
+    if not isinstance(t, DTensor) or any(p.is_partial() for p in t.placements):
+        return False
+    lays = split_layouts(t)
+    return bool(lays) and all(lay.dim < t.ndim - 2 for lay in lays)
+
+
+def _alike(a: DTensor, b) -> bool:
+    return (
+        isinstance(b, DTensor)
+        and a.ndim == b.ndim
+        and a.placements == b.placements
+        and a.shape[:-2] == b.shape[:-2]
+    )
+
+
+@_chain(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
+def window_matmul(prev, a, b, *args, **kwargs):
+    """``a @ b`` of two batches split alike along their batch dims (attention scores per
+    window, ``q @ k.transpose(-2, -1)``, and ``attn @ v``): every matrix product local."""
+    if args or kwargs or not (batch_split(a) and _alike(a, b)):
+        return prev(a, b, *args, **kwargs)
+    out = torch.matmul(a.to_local(), b.to_local())
+    return wrap(out, a, a.placements, (*a.shape[:-1], b.shape[-1]))
+
+
+def _local_mask(mask, q: DTensor):
+    """The attention mask's entries for this rank's batch entries (windows)."""
+    if mask is None:
+        return None
+    if isinstance(mask, DTensor):
+        if mask.placements != q.placements or mask.ndim != q.ndim:
+            raise SpatialShardingError(
+                f"F.scaled_dot_product_attention in module '{module_path()}': an attention "
+                f"mask split as {mask.placements} next to queries split as {q.placements} "
+                f"is not supported; pass a plain mask or one laid out like the queries."
+            )
+        return mask.to_local()
+    part = sum_grad_over(mask, _tokens._grad_groups(q))
+    lead = q.ndim - part.ndim
+    rows: dict[int, Tensor] = {}
+    for lay in split_layouts(q):
+        # the entries every layout of the dim holds (dp's images and sp's windows of them)
+        idx = lay.indices().to(part.device)
+        rows[lay.dim] = (
+            idx if lay.dim not in rows else rows[lay.dim][torch.isin(rows[lay.dim], idx)]
+        )
+    for d, idx in rows.items():
+        if d >= lead and part.shape[d - lead] != 1:
+            part = part.index_select(d - lead, idx)
+    return part
+
+
+@_chain(F.scaled_dot_product_attention)
+def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
+    """``F.scaled_dot_product_attention`` on queries, keys and values split alike along
+    their batch dims only (windows): local attention per window, the mask (a relative
+    position bias, the shifted-window mask) sliced to the rank's windows."""
+    if not (batch_split(query) and _alike(query, key) and _alike(query, value)):
+        return prev(query, key, value, attn_mask, *args, **kwargs)
+    mask = _local_mask(attn_mask, query)
+    out = F.scaled_dot_product_attention(
+        query.to_local(), key.to_local(), value.to_local(), mask, *args, **kwargs
+    )
+    return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
