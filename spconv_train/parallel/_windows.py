@@ -70,6 +70,11 @@ def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool
         later = [i for i in later if pin[i] > pin[d]] or later
     d1 = min(later)
     e0 = min(j for j, p in enumerate(pout) if p == pin[d0])
+    # size-1 output dims at the start of the run go first to the size-1 input dims right
+    # before ``d0`` (a batch of one: (1, L, C) -> (1, L, 2, heads, e) keeps its 1 in front)
+    units_in = sum(1 for i in range(d0) if pin[i] == pin[d0])
+    units_out = sum(1 for j in range(e0 + 1, len(pout)) if pout[j] == pin[d0])
+    e0 += min(units_in, units_out)
     e1 = min(j for j, p in enumerate(pout) if p == pin[d1])
     return d0, d1, e0, e1
 
