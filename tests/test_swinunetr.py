@@ -4,16 +4,14 @@ output and every parameter gradient, with no activation-sized collective."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
-from spconv_train.parallel import CommAudit, parallelize
 from tests.dist_harness import mesh
-from tests.reference import rel_err, seeded
+from tests.op_check import check_module
+from tests.reference import seeded
 
 TOL = 1e-10
 
@@ -34,26 +32,8 @@ def swinunetr_failures(h: int, w: int) -> list[str]:
         norm_name="instance",
     ).double()
     x = seeded(1, 1, 3, h, w, dtype=torch.float64)
-    gy = seeded(2, 1, 2, h, w, dtype=torch.float64)
-    par = parallelize(copy.deepcopy(model), dmesh)
-    xs, gys = (distribute_tensor(t, dmesh, [Shard(3)]) for t in (x, gy))
-    with CommAudit() as audit:
-        y = par(xs)
-        y.backward(gys)
-    ref = model(x)
-    ref.backward(gy)
-    failures = []
-    if (e := rel_err(y.full_tensor(), ref)) > TOL:
-        failures.append(f"output: {e:.3g}")
-    got = dict(par.named_parameters())
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    floor = 1e-4 * max(float(g.abs().max()) for g in grads.values())
-    for name, g in grads.items():
-        if (e := rel_err(got[name].grad, g, floor)) > TOL:
-            failures.append(f"grad {name}: {e:.3g}")
-    shapes = {tuple(p.shape) for p in model.parameters()}
-    moved = audit.activation_sized(max(8, 12 * h * w // dist.get_world_size() // 4), shapes)
-    failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
+    failures: list[str] = []
+    check_module(model, x, dmesh, [Shard(3)], f"SwinUNETR {h}x{w}", failures, TOL)
     return failures
 
 
