@@ -20,8 +20,11 @@ from spconv_train.models import (
 )
 
 # smp.* models have their own grid with small encoders (tests/test_smp_models.py)
-# unet3d takes volumes: its own tests (tests/test_unet3d.py)
-BUILTIN_MODELS = [n for n in list_models() if not n.startswith("smp.") and n != "unet3d"]
+# unet3d takes volumes: its own tests (tests/test_unet3d.py); monai.* models (UNETR's size is
+# fixed by img_size) are tested small in tests/test_swinunetr.py
+BUILTIN_MODELS = [
+    n for n in list_models() if not n.startswith(("smp.", "monai.")) and n != "unet3d"
+]
 
 NUM_CLASSES = 3
 # Small enough to be fast on 2 CPU cores; 64 and 96 are divisible by 2**3 (unet depth 4).

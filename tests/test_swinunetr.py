@@ -44,3 +44,33 @@ def test_swinunetr_2d_matches_single_device(dist_pool, world, width):
     # W / 32 = 3 and 5 columns at the deepest stage: 2 + 1 and 2 + 2 + 1, uneven
     for rank, failures in enumerate(dist_pool.run(world, swinunetr_failures, 32, width)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
+
+
+MONAI_YAML = """\
+model:
+  name: {name}
+  num_classes: 2
+  kwargs: {kwargs}
+data: {{height: 32, width: 96, num_train: 2, num_val: 1}}
+schedule: {{warmup_steps: 2}}
+run_dir: /nonexistent/verify-never-written
+"""
+SWINUNETR = (
+    "{feature_size: 12, depths: [1, 1, 1, 1], num_heads: [1, 1, 1, 1], window_size: 4, "
+    "norm_name: instance}"
+)
+UNETR = "{img_size: [32, 96], feature_size: 4, hidden_size: 32, mlp_dim: 64, num_heads: 2}"
+
+
+@pytest.mark.parametrize("name, kwargs", [("monai.SwinUNETR", SWINUNETR), ("monai.UNETR", UNETR)])
+def test_monai_models_verify_from_yaml(dist_pool, tmp_path, name, kwargs):
+    pytest.importorskip("einops")
+    pytest.importorskip("monai")
+    from tests.test_segformer import verify_yaml
+
+    path = tmp_path / "monai.yaml"
+    path.write_text(MONAI_YAML.format(name=name, kwargs=kwargs))
+    report = dist_pool.run(2, verify_yaml, str(path), [], 2, True)[0]
+    assert report["passed"], report["verdict"] + "\n" + "\n".join(map(str, report["failures"][:10]))
+    assert report["mesh"] == {"dp": 1, "sp": 2}
+    assert not report["activation_sized_collectives"]

@@ -6,7 +6,13 @@ works right after ``import spconv_train.models``. Parallelism is applied elsewhe
 """
 
 # Imported for their side effect: each module registers its models on import.
-from spconv_train.models import smp_models, torchvision_models, unet, unet3d  # noqa: F401
+from spconv_train.models import (  # noqa: F401
+    monai_models,
+    smp_models,
+    torchvision_models,
+    unet,
+    unet3d,
+)
 from spconv_train.models.build import build_model, check_model_dims
 from spconv_train.models.registry import (
     UnknownModelError,
