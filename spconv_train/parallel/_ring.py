@@ -1,31 +1,17 @@
-"""The ring: blocks that travel around a process group point to point, and ring attention.
+"""The ring: blocks that travel around a process group point to point (``Ring``), and
+ring attention on it (``ring_attention``); the design is in ``docs/attention.md``.
 
-Every rank holds one block per operand (its own tokens: keys and values for attention, one
-operand of a ring matmul, ``_ring_matmul.py``). The blocks travel around the ring of the
-group (``post_p2p``), each cut into ``m`` pieces of about ``L / (P m)`` tokens, so a rank
-holds a few pieces at a time, not whole blocks. At every step a rank works on one piece;
-``P`` pieces circulate at once, one per rank. A rank injects its own piece ``j`` at step
-``j P``; the piece moves one rank on per step and after ``P`` steps (one visit per rank) it
-is retired, and its owner injects the next one. Rank ``r`` therefore works at step ``t`` on
-piece ``t // P`` of rank ``r - t % P``, and receives from the previous rank what that rank
-worked on one step earlier. Each piece's transfer is posted before the compute of the
-current piece, so it overlaps with it.
+Every rank holds one block per travelling operand (keys and values; one operand of a
+ring matmul, ``_ring_matmul.py``), cut into ``m`` pieces. ``P`` pieces circulate at once,
+one per rank, one hop per step (``post_p2p``); after ``P`` hops a piece retires and its
+owner injects its next one, so rank ``r`` works at step ``t`` on piece ``t // P`` of rank
+``r - t % P``. Each piece's transfer is posted before the current piece's compute, so
+they overlap. In the backward each piece's gradient accumulator follows one step behind
+it, every rank adds its part, and after ``P`` hops it is home: its compute overlaps too.
 
-The backward (``Ring.backward``) runs the same ring: the pieces travel again and, one step
-behind each, an accumulator of its gradients, to which every rank adds its part; after
-``P`` visits the accumulator is back at the piece's owner. It is posted right after the
-piece's compute and needed one step later, so it overlaps with the next piece's compute.
-
-Ring attention (``ring_attention``): exact softmax attention over a sequence split across
-the group. Every rank holds the queries, keys and values of *its own* tokens (any subset
-of the sequence, in any order: softmax over all keys does not depend on their order, only
-q, k and v must agree); it attends its queries to every key / value piece in turn and
-merges the partial results with an online log-sum-exp softmax. Memory per rank is
-O(L / P): its own tensors and a few pieces. Per piece, the CPU flash kernel
-(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which take the
-*global* output and log-sum-exp, the ring form of flash attention) runs where it applies;
-elsewhere (another device, a value head size different from the query's) the same piece
-is done with plain matmuls.
+Ring attention merges the per-piece results with an online log-sum-exp softmax (memory
+per rank O(L / P)); per piece the CPU flash kernel (and its backward, which takes the
+*global* output and log-sum-exp) runs where it applies, plain matmuls elsewhere.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
-"""Ring matmuls: the two products of explicitly written attention over a split sequence.
+"""Ring matmuls: the two products of explicitly written attention over a split sequence
+(``q @ k.transpose(-2, -1)`` -> softmax -> ``@ v``, as MiT / SegFormer and timm with fused
+attention off do it; ``docs/attention.md``).
 
-Attention written out (``q @ k.transpose(-2, -1)`` -> softmax -> ``@ v``, as MiT / SegFormer
-and timm with fused attention off do it) has two products whose contraction meets the
-tokens of every rank:
+* **scores** ``S = q @ k^T``: each rank computes its queries' rows of ``S`` against every
+  key, in the global key order, so the softmax over the keys is local afterwards;
+* **apply** ``O = A @ v``: this rank's rows of the weights ``A`` against every value.
 
-* **scores** ``S = q @ k^T``: this rank's queries against *all* keys. Each rank computes
-  its rows of ``S`` (its queries x every key, in the global key order), so the softmax
-  over the keys (the last dim) is local afterwards;
-* **apply** ``O = A @ v``: this rank's rows of the attention weights ``A`` (every key)
-  against the values of every rank.
-
-Either way the key (value) blocks travel around the ring of the spatial group point to
-point, whole (``_ring.Ring`` with one piece per block), one hop per step, the next
-block's transfer posted before the current block's compute; the keys are never assembled
-on one rank. The backward runs the same ring: the blocks travel again and, behind each,
-an accumulator of its gradient to which every rank adds its part, back at its owner after
-``P`` hops.
-
-Memory per rank: its rows of ``S`` (``L_q / P x L_k``: the one-device score matrix split
-``P`` ways; for spatial-reduction attention ``L_k = L / r^2``), its own blocks, the one in
-flight and one accumulator.
+The key (value) blocks travel whole around the ring of the spatial group (``_ring.Ring``
+with one piece per block), never assembled on one rank; the backward's accumulators
+follow them home. Memory per rank: its rows of ``S`` (``L_q / P x L_k``), its own blocks,
+the one in flight and one accumulator.
 """
 
 from __future__ import annotations
