@@ -33,7 +33,7 @@ from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, spatial_layout
-from ._tiles import ceil_geom, layout_axes, saving_tile_window, tile_shape, tile_window
+from ._tiles import ceil_geom, layout_axes, tile_shape, tile_window
 
 
 def _max_pool(rank: int):
@@ -230,7 +230,7 @@ def max_pool(x: DTensor, k, s, p, d, ceil_mode: bool, return_indices: bool, what
     with ``return_indices`` also the global flat indices of the maxima."""
     _torch_checks("max", tuple(x.shape), k, s, p, d, ceil_mode, return_indices)
     layout, local, tw, op_pad, _, sharded = _window(x, what, k, s, p, d, ceil_mode, float("-inf"))
-    with saving_tile_window(tw, local, float("-inf")):
+    with tw.saving():
         out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
     shape = tile_shape(tuple(x.shape), out, tw)
     if not return_indices:
