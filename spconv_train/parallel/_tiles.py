@@ -163,9 +163,7 @@ def tile_window(
             continue
         parts, rank, group = ax
         wp = plan_window(what, shape[d], parts, k, s, dil, lo, hi, mode)
-        t = along(
-            t, d, lambda m, wp=wp, rank=rank, group=group: _gather(m, wp, rank, group, mode, value)
-        )
+        t = along(t, d, lambda m, wp=wp, ax=ax: _gather(m, wp, *ax[1:], mode, value))
         pl, pr, cl, cr = wp.edges[rank]
         steps.append(WindowStep(d, wp.exchange, rank, pl, pr, t))
         cropped = cropped or bool(cl or cr)
@@ -205,25 +203,17 @@ def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[i
     return tuple(shape)
 
 
-def _per_dim(value, n: int, name: str, what: str) -> list:
-    """``value`` repeated for ``n`` spatial dims, or checked to hold one entry per dim."""
-    if isinstance(value, int):
-        return [value] * n
-    values = list(value)
-    if len(values) != n:
-        raise SpatialShardingError(
-            f"{what}: {name}={value!r} needs one entry per spatial dim ({n}) or a single int"
-        )
-    return values
-
-
 def _geoms(ndim: int, kernel, stride, padding, dilation, what: str) -> dict[int, Geom]:
     """``{tensor dim: (kernel, stride, dilation, pad_lo, pad_hi)}`` of every spatial dim."""
     n = ndim - 2
-    ks = _per_dim(kernel, n, "kernel", what)
-    ss = _per_dim(stride, n, "stride", what)
-    ds = _per_dim(dilation, n, "dilation", what)
-    ps = _per_dim(padding, n, "padding", what)
+    per_dim = {"kernel": kernel, "stride": stride, "dilation": dilation, "padding": padding}
+    for name, v in per_dim.items():
+        per_dim[name] = [v] * n if isinstance(v, int) else list(v)
+        if len(per_dim[name]) != n:
+            raise SpatialShardingError(
+                f"{what}: {name}={v!r} needs one entry per spatial dim ({n}) or a single int"
+            )
+    ks, ss, ds, ps = per_dim.values()
     pads = [(p, p) if isinstance(p, int) else tuple(p) for p in ps]
     if any(len(p) != 2 or min(p) < 0 for p in pads) or min(ks + ss + ds) < 1:
         raise SpatialShardingError(
