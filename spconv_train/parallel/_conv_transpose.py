@@ -40,23 +40,6 @@ from ._window import WindowStep, saving_steps_by_reference
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-def conv_transpose_out_size(
-    size: int, kernel: int, stride: int, dilation: int, padding: int, output_padding: int
-) -> int:
-    """Output length of a transposed convolution along one dimension."""
-    return (size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
-
-
-def conv_transpose_input_range(
-    out_start: int, out_stop: int, size: int, kernel: int, stride: int, dilation: int, pad: int
-) -> Interval:
-    """Input columns ``[lo, hi)`` (inside ``[0, size)``, possibly empty: ``hi <= lo``) that
-    contribute to the transposed convolution's outputs ``[out_start, out_stop)``."""
-    lo = max(0, -(-(out_start + pad - dilation * (kernel - 1)) // stride))
-    hi = min(size, (out_stop - 1 + pad) // stride + 1)
-    return lo, hi
-
-
 @dataclass(frozen=True)
 class TransposePlan:
     """Everything every rank needs to run one transposed convolution on its strip."""
@@ -89,15 +72,16 @@ def plan_conv_transpose(
             f"{what}: width output_padding {output_padding} must be smaller than the stride "
             f"({stride}) or the dilation ({dilation}); torch rejects this layer too."
         )
-    out_width = conv_transpose_out_size(width, kernel, stride, dilation, padding, output_padding)
+    out_width = (width - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
     if out_width < 1:
         raise SpatialShardingError(
             f"{what}: input width {width} gives output width {out_width}; torch rejects it too."
         )
     out_bounds = tuple(all_shard_bounds(out_width, parts))
     windows, needed = [], []
-    for o0, o1 in out_bounds:
-        lo, hi = conv_transpose_input_range(o0, o1, width, kernel, stride, dilation, padding)
+    for o0, o1 in out_bounds:  # input i adds into outputs i*s - p + t*d, t < k
+        lo = max(0, -(-(o0 + padding - dilation * (kernel - 1)) // stride))
+        hi = min(width, (o1 - 1 + padding) // stride + 1)
         if o1 <= o0 or hi <= lo:
             lo, hi = min(lo, width), min(lo, width)
         windows.append((lo, hi))
@@ -182,10 +166,6 @@ def spatial_conv_transpose(
         if axis_of(layout, d) is None:
             shape[d] = y.shape[d]
     return leave(y, layout, tuple(shape))
-
-
-#: the public per-rank names: the same implementation (the weight gives the spatial rank)
-spatial_conv_transpose2d = spatial_conv_transpose3d = spatial_conv_transpose
 
 
 class _SpatialConvTranspose:
