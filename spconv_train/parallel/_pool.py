@@ -36,65 +36,21 @@ from ._sharding import enter, leave, spatial_layout
 from ._tiles import ceil_geom, layout_axes, saving_tile_window, tile_shape, tile_window
 
 
-def _max_pool(rank: int):
-    def spatial_max_pool(
-        x: DTensor,
-        kernel_size,
-        stride=None,
-        padding=0,
-        dilation=1,
-        ceil_mode: bool = False,
-        return_indices: bool = False,
-        what: str = f"max_pool{rank}d",
-    ):
-        k, s, p, d = pool_args(rank, kernel_size, stride, padding, dilation)
-        _no_volume_indices(rank, return_indices, what)
-        return max_pool(x, k, s, p, d, ceil_mode, return_indices, what)
-
-    spatial_max_pool.__doc__ = f"""``F.max_pool{rank}d`` on a sharded DTensor (same values,
-    gradients and, for images with ``return_indices``, global indices into ``H*W``)."""
-    return spatial_max_pool
-
-
-def _avg_pool(rank: int):
-    def spatial_avg_pool(
-        x: DTensor,
-        kernel_size,
-        stride=None,
-        padding=0,
-        ceil_mode: bool = False,
-        count_include_pad: bool = True,
-        divisor_override: int | None = None,
-        what: str = f"avg_pool{rank}d",
-    ) -> DTensor:
-        k, s, p, _ = pool_args(rank, kernel_size, stride, padding)
-        return avg_pool(x, k, s, p, ceil_mode, count_include_pad, divisor_override, what)
-
-    spatial_avg_pool.__doc__ = f"""``F.avg_pool{rank}d`` on a sharded DTensor; padding and
-    ceil-mode overhang are counted exactly as PyTorch counts them on the whole input."""
-    return spatial_avg_pool
-
-
-def _adaptive_pool(rank: int, kind: str):
-    def spatial_adaptive_pool(
-        x: DTensor, output_size, return_indices: bool = False, what: str = ""
-    ) -> DTensor:
-        what = what or f"adaptive_{kind}_pool{rank}d"
-        size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
-        if len(size) != rank:
-            raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
-        shape = x.shape[2 : 2 + rank]
-        out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
-        if min(out) < 1:
-            raise ValueError(f"{what}: output size must be positive, got {output_size}")
-        _no_volume_indices(rank, return_indices, what)
-        return adaptive_pool(x, out, kind, return_indices, what)
-
-    spatial_adaptive_pool.__doc__ = f"""``F.adaptive_{kind}_pool{rank}d`` on a sharded DTensor:
-    the input's ``Shard`` when every rank gets an output element along its sharded dims,
-    else ``Replicate`` on the spatial mesh dims (global pooling); ties go to the first
-    element in row-major order and indices are global, as in torch."""
-    return spatial_adaptive_pool
+def _adaptive(x, output_size, return_indices: bool = False, *, rank: int, kind: str, what=""):
+    """``F.adaptive_{kind}_pool{rank}d`` on a sharded DTensor: the input's ``Shard`` when
+    every rank gets an output element along its sharded dims, else ``Replicate`` on the
+    spatial mesh dims (global pooling); ties go to the first element in row-major order
+    and indices are global, as in torch."""
+    what = what or f"adaptive_{kind}_pool{rank}d"
+    size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
+    if len(size) != rank:
+        raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
+    shape = x.shape[2 : 2 + rank]
+    out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
+    if min(out) < 1:
+        raise ValueError(f"{what}: output size must be positive, got {output_size}")
+    _no_volume_indices(rank, return_indices, what)
+    return adaptive_pool(x, out, kind, return_indices, what)
 
 
 def _no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
@@ -121,6 +77,128 @@ def _module(base: type, fn, *attrs: str) -> type:
     return register_spatial_module(base)(cls)
 
 
+#: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
+_MAX = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
+_AVG = {3: F.avg_pool1d, 4: F.avg_pool2d, 5: F.avg_pool3d}
+
+
+@functools.lru_cache(maxsize=1024)
+def _torch_checks(kind: str, shape: tuple[int, ...], *args) -> None:
+    """torch's own argument checks of a pool (they differ with and without indices), on a
+    meta tensor: once per geometry (a failing call is not cached and raises again)."""
+    pool = _MAX if kind == "max" else _AVG
+    pool[len(shape)](torch.empty(shape, device="meta"), *args)
+
+
+@functools.lru_cache(maxsize=1024)
+def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: bool):
+    """PyTorch's average-pool divisor factor along one dimension for outputs ``[lo, hi)``:
+    the window clipped to ``size + pad`` (``count_include_pad``) or to the input."""
+    windows = [(j * s - pad, min(j * s - pad + k, size + pad)) for j in range(lo, hi)]
+    return tuple(e - a if include_pad else min(e, size) - max(a, 0) for a, e in windows)
+
+
+def _window(x: DTensor, what: str, k, s, p, d, ceil_mode: bool, value: float):
+    """``(layout, local, tile window, op padding, geometries, sharded dims)`` of a pooling
+    op on ``x``: the halo of every sharded dim fetched (``value`` at the input's edges); the
+    local op pads the other dims itself."""
+    x, layout = spatial_layout(x, what, len(k) + 2, tiles=True)
+    shape = tuple(x.shape)
+    geoms = {i: ceil_geom(shape[i], k[i - 2], s[i - 2], d[i - 2], p[i - 2], ceil_mode)
+             for i in range(2, x.ndim)}  # fmt: skip
+    local = enter(x)
+    tw = tile_window(local, shape, layout, what, geoms, "zeros", value, pad_local=False)
+    sharded = {td for td, _ in layout_axes(layout)}
+    op_pad = tuple(0 if i + 2 in sharded else p[i] for i in range(x.ndim - 2))
+    return layout, local, tw, op_pad, geoms, sharded
+
+
+def max_pool(
+    x: DTensor,
+    kernel_size,
+    stride=None,
+    padding=0,
+    dilation=1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+    *,
+    rank: int,
+    what: str = "",
+):
+    """``F.max_pool{rank}d`` of a DTensor on any layout (same arguments, values and
+    gradients); with ``return_indices`` (images) also the global flat indices of the
+    maxima, as torch's."""
+    what = what or f"max_pool{rank}d"
+    _no_volume_indices(rank, return_indices, what)
+    k, s, p, d = pool_args(rank, kernel_size, stride, padding, dilation)
+    _torch_checks("max", tuple(x.shape), k, s, p, d, ceil_mode, return_indices)
+    layout, local, tw, op_pad, _, sharded = _window(x, what, k, s, p, d, ceil_mode, float("-inf"))
+    with saving_tile_window(tw, local, float("-inf")):
+        out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
+    shape = tile_shape(tuple(x.shape), out, tw)
+    if not return_indices:
+        return leave(out, layout, shape)
+    # window flat index -> global flat index: each window coordinate moved by the window's
+    # start along the sharded dims (the op's own padding leaves the others' coordinates)
+    rest, flat, stride = idx, torch.zeros_like(idx), 1
+    for i in range(x.ndim - 1, 1, -1):
+        n = tw.window.shape[i]
+        start = tw.starts[i] if i in sharded else 0
+        flat = flat + (rest % n + start) * stride
+        rest, stride = rest // n, stride * x.shape[i]
+    return leave(out, layout, shape), leave(flat, layout, shape)
+
+
+def avg_pool(
+    x: DTensor,
+    kernel_size,
+    stride=None,
+    padding=0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+    *,
+    rank: int,
+    what: str = "",
+) -> DTensor:
+    """``F.avg_pool{rank}d`` of a DTensor on any layout: padding and ceil-mode overhang are
+    counted exactly as PyTorch counts them on the whole input."""
+    what = what or f"avg_pool{rank}d"
+    k, s, p, _ = pool_args(rank, kernel_size, stride, padding)
+    include_pad, divisor = count_include_pad, divisor_override
+    _torch_checks("avg", tuple(x.shape), k, s, p, ceil_mode, include_pad, divisor)
+    ones = (1,) * (x.ndim - 2)
+    layout, _, tw, op_pad, geoms, sharded = _window(x, what, k, s, p, ones, ceil_mode, 0.0)
+    pool = _AVG[x.ndim]
+    # In the window the edge padding of a sharded dim is ordinary zeros, so the local op's
+    # divisor is right unless padding must not be counted or a ceil window overhangs.
+    local_divisor_right = all(
+        geoms[i][4] == p[i - 2] and (include_pad or p[i - 2] == 0) for i in sharded
+    )
+    if divisor or local_divisor_right:
+        out = pool(tw.window, k, s, op_pad, ceil_mode, include_pad, divisor)
+    else:
+        sums = pool(tw.window, k, s, op_pad, ceil_mode, True, 1)
+        div = sums.new_ones(())
+        for i in range(2, x.ndim):  # the outer product of the per-dim counts
+            j = i - 2
+            f = _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
+            view = [1] * (x.ndim - 2)
+            view[j] = -1
+            div = div * torch.tensor(f, dtype=sums.dtype, device=sums.device).view(view)
+        out = sums / div
+    return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
+
+
+def pool_args(ndim: int, kernel_size, stride, padding, dilation=1):
+    """``(k, s, p, d)``: the pooling arguments as one int per spatial dim (torch's default
+    stride: the kernel)."""
+    k = ntuple(kernel_size, ndim)
+    s = ntuple(stride, ndim) if stride else k
+    return k, s, ntuple(padding, ndim), ntuple(dilation, ndim)
+
+
+# The public names per spatial rank: functions, modules and torch-function routes.
 _MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
 _AVG_ARGS = (
     "kernel_size",
@@ -130,12 +208,12 @@ _AVG_ARGS = (
     "count_include_pad",
     "divisor_override",
 )
-spatial_max_pool2d, spatial_max_pool3d = _max_pool(2), _max_pool(3)
-spatial_avg_pool2d, spatial_avg_pool3d = _avg_pool(2), _avg_pool(3)
-spatial_adaptive_avg_pool2d = _adaptive_pool(2, "avg")
-spatial_adaptive_avg_pool3d = _adaptive_pool(3, "avg")
-spatial_adaptive_max_pool2d = _adaptive_pool(2, "max")
-spatial_adaptive_max_pool3d = _adaptive_pool(3, "max")
+spatial_max_pool2d, spatial_max_pool3d = (functools.partial(max_pool, rank=n) for n in (2, 3))
+spatial_avg_pool2d, spatial_avg_pool3d = (functools.partial(avg_pool, rank=n) for n in (2, 3))
+spatial_adaptive_avg_pool2d = functools.partial(_adaptive, rank=2, kind="avg")
+spatial_adaptive_avg_pool3d = functools.partial(_adaptive, rank=3, kind="avg")
+spatial_adaptive_max_pool2d = functools.partial(_adaptive, rank=2, kind="max")
+spatial_adaptive_max_pool3d = functools.partial(_adaptive, rank=3, kind="max")
 SpatialMaxPool2d = _module(nn.MaxPool2d, spatial_max_pool2d, *_MAX_ARGS)
 SpatialMaxPool3d = _module(nn.MaxPool3d, spatial_max_pool3d, *_MAX_ARGS)
 SpatialAvgPool2d = _module(nn.AvgPool2d, spatial_avg_pool2d, *_AVG_ARGS)
@@ -187,95 +265,3 @@ _pairs = (F.adaptive_max_pool2d_with_indices, _nn.adaptive_max_pool2d)
 _register(spatial_adaptive_max_pool2d, *_pairs, pair_after=2)
 _pairs = (F.adaptive_max_pool3d_with_indices, _nn.adaptive_max_pool3d)
 _register(spatial_adaptive_max_pool3d, *_pairs, pair_after=2)
-
-
-#: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
-_MAX = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
-_AVG = {3: F.avg_pool1d, 4: F.avg_pool2d, 5: F.avg_pool3d}
-
-
-@functools.lru_cache(maxsize=1024)
-def _torch_checks(kind: str, shape: tuple[int, ...], *args) -> None:
-    """torch's own argument checks of a pool (they differ with and without indices), on a
-    meta tensor: once per geometry (a failing call is not cached and raises again)."""
-    pool = _MAX if kind == "max" else _AVG
-    pool[len(shape)](torch.empty(shape, device="meta"), *args)
-
-
-@functools.lru_cache(maxsize=1024)
-def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: bool):
-    """PyTorch's average-pool divisor factor along one dimension for outputs ``[lo, hi)``:
-    the window clipped to ``size + pad`` (``count_include_pad``) or to the input."""
-    windows = [(j * s - pad, min(j * s - pad + k, size + pad)) for j in range(lo, hi)]
-    return tuple(e - a if include_pad else min(e, size) - max(a, 0) for a, e in windows)
-
-
-def _window(x: DTensor, what: str, k, s, p, d, ceil_mode: bool, value: float):
-    """``(layout, local, tile window, op padding, geometries, sharded dims)`` of a pooling
-    op on ``x``: the halo of every sharded dim fetched (``value`` at the input's edges); the
-    local op pads the other dims itself."""
-    x, layout = spatial_layout(x, what, len(k) + 2, tiles=True)
-    shape = tuple(x.shape)
-    geoms = {i: ceil_geom(shape[i], k[i - 2], s[i - 2], d[i - 2], p[i - 2], ceil_mode)
-             for i in range(2, x.ndim)}  # fmt: skip
-    local = enter(x)
-    tw = tile_window(local, shape, layout, what, geoms, "zeros", value, pad_local=False)
-    sharded = {td for td, _ in layout_axes(layout)}
-    op_pad = tuple(0 if i + 2 in sharded else p[i] for i in range(x.ndim - 2))
-    return layout, local, tw, op_pad, geoms, sharded
-
-
-def max_pool(x: DTensor, k, s, p, d, ceil_mode: bool, return_indices: bool, what: str):
-    """``F.max_pool{1,2,3}d`` of a DTensor on any layout (one tuple entry per spatial dim);
-    with ``return_indices`` also the global flat indices of the maxima."""
-    _torch_checks("max", tuple(x.shape), k, s, p, d, ceil_mode, return_indices)
-    layout, local, tw, op_pad, _, sharded = _window(x, what, k, s, p, d, ceil_mode, float("-inf"))
-    with saving_tile_window(tw, local, float("-inf")):
-        out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
-    shape = tile_shape(tuple(x.shape), out, tw)
-    if not return_indices:
-        return leave(out, layout, shape)
-    # window flat index -> global flat index: each window coordinate moved by the window's
-    # start along the sharded dims (the op's own padding leaves the others' coordinates)
-    rest, flat, stride = idx, torch.zeros_like(idx), 1
-    for i in range(x.ndim - 1, 1, -1):
-        n = tw.window.shape[i]
-        start = tw.starts[i] if i in sharded else 0
-        flat = flat + (rest % n + start) * stride
-        rest, stride = rest // n, stride * x.shape[i]
-    return leave(out, layout, shape), leave(flat, layout, shape)
-
-
-def avg_pool(x: DTensor, k, s, p, ceil_mode, include_pad, divisor, what: str) -> DTensor:
-    """``F.avg_pool{1,2,3}d`` of a DTensor on any layout: padding and ceil-mode overhang are
-    counted exactly as PyTorch counts them on the whole input."""
-    _torch_checks("avg", tuple(x.shape), k, s, p, ceil_mode, include_pad, divisor)
-    ones = (1,) * (x.ndim - 2)
-    layout, _, tw, op_pad, geoms, sharded = _window(x, what, k, s, p, ones, ceil_mode, 0.0)
-    pool = _AVG[x.ndim]
-    # In the window the edge padding of a sharded dim is ordinary zeros, so the local op's
-    # divisor is right unless padding must not be counted or a ceil window overhangs.
-    local_divisor_right = all(
-        geoms[i][4] == p[i - 2] and (include_pad or p[i - 2] == 0) for i in sharded
-    )
-    if divisor or local_divisor_right:
-        out = pool(tw.window, k, s, op_pad, ceil_mode, include_pad, divisor)
-    else:
-        sums = pool(tw.window, k, s, op_pad, ceil_mode, True, 1)
-        div = sums.new_ones(())
-        for i in range(2, x.ndim):  # the outer product of the per-dim counts
-            j = i - 2
-            f = _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
-            view = [1] * (x.ndim - 2)
-            view[j] = -1
-            div = div * torch.tensor(f, dtype=sums.dtype, device=sums.device).view(view)
-        out = sums / div
-    return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
-
-
-def pool_args(ndim: int, kernel_size, stride, padding, dilation=1):
-    """``(k, s, p, d)``: the pooling arguments as one int per spatial dim (torch's default
-    stride: the kernel)."""
-    k = ntuple(kernel_size, ndim)
-    s = ntuple(stride, ndim) if stride else k
-    return k, s, ntuple(padding, ndim), ntuple(dilation, ndim)
