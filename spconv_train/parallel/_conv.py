@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ._geometry import ntuple
 from ._halo import sum_grad_over
-from ._halo_conv import halo_conv, plan_split
+from ._halo_conv import _CONV, halo_conv, plan_split
 from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
@@ -40,9 +40,6 @@ from ._runtime import current_runtime
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._tiles import saving_tile_window, sharded_axes, tile_shape, tile_window
 from ._window import plan_window
-
-#: the local op per spatial rank
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 #: ``(before, after)`` padding per spatial dim
 Pads = tuple[tuple[int, int], ...]
@@ -99,7 +96,8 @@ def spatial_conv(
     axes = {d: (parts, rank, group) for d, parts, rank, group in sharded_axes(layout)}
     zeros = padding_mode == "zeros"
     # Symmetric zero padding of the dims no mesh dim shards is cheapest inside the conv.
-    inside = zeros and all(padding[d - 2][0] == padding[d - 2][1] for d in _whole(x, axes))
+    whole = [d for d in range(2, x.ndim) if d not in axes]
+    inside = zeros and all(padding[d - 2][0] == padding[d - 2][1] for d in whole)
     if all(parts == 1 for parts, _, _ in axes.values()):
         # Whole extents on every rank (replicated, or one part per axis): the plain op.
         plain = _plain(stride, padding, dilation, groups, padding_mode)
@@ -134,11 +132,6 @@ def spatial_conv(
     with saving_tile_window(tw, local):
         out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
     return leave(out, layout, tile_shape(shape, out, tw))
-
-
-def _whole(x: DTensor, axes: dict) -> list[int]:
-    """The spatial dims of ``x`` that no mesh dim shards."""
-    return [d for d in range(2, x.ndim) if d not in axes]
 
 
 def _plain(stride, padding: Pads, dilation, groups: int, padding_mode: str):

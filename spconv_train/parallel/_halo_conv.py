@@ -243,27 +243,17 @@ class _HaloConv(torch.autograd.Function):
         local, weight, *halo_bufs = ctx.saved_tensors
         wp, split, rank, group, geo, stats, halo_starts, has_bias = ctx.meta
         stride, pad_other, dilation, groups = geo
-        n = len(stride)
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
         halos = list(zip(halo_starts, halo_bufs, strict=True))
         need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = has_bias and ctx.needs_input_grad[2]
         bias_sizes = [weight.shape[0]] if has_bias else None
 
-        def conv_bwd(g, x, pad_w=0, mask=(need_in, need_w, need_b)):
-            return torch.ops.aten.convolution_backward(
-                g.contiguous(),
-                x,
-                weight,
-                bias_sizes,
-                list(stride),
-                [*pad_other, pad_w],
-                list(dilation),
-                False,
-                [0] * n,
-                groups,
-                list(mask),
-            )
+        def conv_bwd(g, x, w=weight, pad=(*pad_other, 0), mask=(need_in, need_w, need_b)):
+            k = w.ndim - 2  # a halo run's tap convolves the other dims only
+            args = (list(stride[:k]), list(pad), list(dilation[:k]), False, [0] * k, groups)
+            bias = bias_sizes if mask[2] else None
+            return torch.ops.aten.convolution_backward(g.contiguous(), x, w, bias, *args, mask)
 
         def add(x, y):
             return y if x is None else (x if y is None else x + y)
@@ -280,19 +270,8 @@ class _HaloConv(torch.autograd.Function):
                 hs, halo = halos[i]
                 batch = halo.shape[0]
                 g = _columns_to_batch(grad_out.narrow(-1, o, length))
-                gx, gwt, _ = torch.ops.aten.convolution_backward(
-                    g.contiguous(),
-                    _columns_to_batch(halo.narrow(-1, h, length)),
-                    weight[..., t],
-                    None,
-                    list(stride[:-1]),
-                    list(pad_other),
-                    list(dilation[:-1]),
-                    False,
-                    [0] * (n - 1),
-                    groups,
-                    [need_in, need_w, False],
-                )
+                cols = _columns_to_batch(halo.narrow(-1, h, length))
+                gx, gwt, _ = conv_bwd(g, cols, weight[..., t], pad_other, [need_in, need_w, False])
                 if need_in:
                     edge_grads.append((hs + h, _batch_to_columns(gx, batch)))
                 if need_w:
@@ -324,7 +303,8 @@ class _HaloConv(torch.autograd.Function):
             )
         # The interior (the big one) while the halo gradients travel.
         if split.whole_strip:
-            grad_local, gwi, gbi = conv_bwd(grad_out, local, _same_pad(weight, dilation))
+            pad = (*pad_other, _same_pad(weight, dilation))
+            grad_local, gwi, gbi = conv_bwd(grad_out, local, pad=pad)
         else:
             i0, i1 = split.interior
             c0, c1 = split.strip_cols
