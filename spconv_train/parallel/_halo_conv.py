@@ -196,14 +196,10 @@ class _HaloConv(torch.autograd.Function):
         conv, conv_less = _CONV[local.ndim - 2], _CONV[local.ndim - 3]
         stats = current_runtime().stats
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
-        halos = [
-            (s, local.new_empty((*local.shape[:-1], e - s)))
-            for q, s, e in ex.pieces(rank)
-            if q != rank
-        ]
+        pieces = [(q, s, e) for q, s, e in ex.pieces(rank) if q != rank]
+        recvs = [(q, local.new_empty((*local.shape[:-1], e - s))) for q, s, e in pieces]
+        halos = [(s, buf) for (_, s, _), (_, buf) in zip(pieces, recvs, strict=True)]
         sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in ex.sends(rank)]
-        peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
-        recvs = list(zip(peers, [h for _, h in halos], strict=True))
         pending = post_p2p(group, sends, recvs, stats)
         corrections = []  # the halo runs (_halo_corrections), reused by the backward
         if split.whole_strip:
@@ -284,23 +280,18 @@ class _HaloConv(torch.autograd.Function):
                 gi, gwe, gbe = conv_bwd(grad_out.narrow(-1, first, count), window)
                 edge_grads.append((lo, gi))
                 gw, gb = add(gw, gwe), add(gb, gbe)
-        pending = None
-        recvs = []
-        if need_in:
+        pending, recvs = None, []
+        if need_in:  # the halos' gradients back to their owners, ours from theirs
             sends = []
-            for start, buf in halos:
+            peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
+            for q, (start, buf) in zip(peers, halos, strict=True):
                 g = buf.new_zeros(buf.shape)
                 for lo, gi in edge_grads:
                     _add_thin_grad(lo, gi, start, g)
-                sends.append(g)
-            peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
-            recvs = [(s, local.new_empty((*local.shape[:-1], e - s))) for _, s, e in ex.sends(rank)]
-            pending = post_p2p(
-                group,
-                list(zip(peers, sends, strict=True)),
-                [(q, buf) for (q, _, _), (_, buf) in zip(ex.sends(rank), recvs, strict=True)],
-                stats,
-            )
+                sends.append((q, g))
+            shape = local.shape[:-1]
+            recvs = [(q, s, local.new_empty((*shape, e - s))) for q, s, e in ex.sends(rank)]
+            pending = post_p2p(group, sends, [(q, buf) for q, _, buf in recvs], stats)
         # The interior (the big one) while the halo gradients travel.
         if split.whole_strip:
             pad = (*pad_other, _same_pad(weight, dilation))
@@ -321,7 +312,7 @@ class _HaloConv(torch.autograd.Function):
         gw, gb = add(gw, gwi), add(gb, gbi)
         if need_in:
             pending.wait()
-            for s, buf in recvs:
+            for _, s, buf in recvs:
                 _add_thin_grad(s, buf, a, grad_local)
         return grad_local, gw, gb, None, None, None, None, None
 
