@@ -32,7 +32,7 @@ from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, che
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
-from ._sharding import SpatialLayout, enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
+from ._sharding import enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
 from ._tiles import sharded_axes
 
 
@@ -217,5 +217,4 @@ def _functional_linear(input, weight, bias=None):
     # partial sum of the weight gradient.
     groups = tuple(mesh.get_group(i) for i in sharding_mesh_dims(placements))
     out = F.linear(input.to_local(), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
-    layout = SpatialLayout(mesh, placements, 0)
-    return leave(out, layout, (*input.shape[:-1], out.shape[-1]))
+    return wrap(out, input, placements, (*input.shape[:-1], out.shape[-1]))
