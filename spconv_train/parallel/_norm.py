@@ -30,9 +30,10 @@ from ._compile import not_traced
 from ._halo import sum_grad_over
 from ._label import module_label
 from ._mode import register_handler
-from ._norm_stats import _all_reduce, _Cells, _moments, _Normalize
+from ._norm_stats import _Cells, _moments, _Normalize
 from ._parallelize import register_spatial_module
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
+from ._small_sum import sum_now
 
 
 def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
@@ -174,7 +175,7 @@ def spatial_instance_norm(
             layout.mesh.get_group(i) for i in layout.batch_dims if i not in layout.spatial_mesh_dims
         )
         avg = torch.stack([mean.sum(0), (var * (count / (count - 1))).sum(0)])
-        avg = _all_reduce(avg.contiguous(), dp) / n
+        avg = sum_now(avg.contiguous(), *dp) / n
         _update(running_mean, avg[0], momentum)
         _update(running_var, avg[1], momentum)
     return y
