@@ -20,6 +20,7 @@ instance norm's (on a (dp, sp) mesh) are local partial sums completed by
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +52,7 @@ def _as_nchw(shape) -> tuple[int, int, int, int]:
     """The 4-D view the statistics run on, for any spatial rank: ``(N, C, H, W)`` of an
     image, ``(N, C, D*H, W)`` of a volume, ``(N, C, 1, L)`` of a signal (statistics only
     count elements)."""
-    rows = 1
-    for n in shape[2:-1]:
-        rows *= n
-    return (shape[0], shape[1], rows, shape[-1])
+    return (shape[0], shape[1], math.prod(shape[2:-1]), shape[-1])
 
 
 @not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
