@@ -303,11 +303,8 @@ def spatial_conv_transpose(
     t = local = enter(x)
     pads, out_pads, shape = list(p), list(op), list(x.shape)
     placed, steps, fetched = [], [], True
-    for d in range(x.ndim - 1, 1, -1):
-        ax = axis_of(layout, d)
-        if ax is None:
-            continue
-        j, (parts, rank, group) = d - 2, ax
+    for d, parts, rank, group in reversed(sharded_axes(layout)):  # W first, then H, D
+        j = d - 2
         tp = plan_conv_transpose(
             what, x.shape[d], parts, weight.shape[d], s[j], dil[j], p[j], op[j]
         )
