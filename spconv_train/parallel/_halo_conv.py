@@ -22,9 +22,8 @@ the halo columns alone along the other dims (``_halo_corrections``: per kernel t
 of halo columns it meets folded into the batch, one convolution of one rank less with that
 tap's weight). In the backward the whole-strip gradients are complete for the strip's own
 columns; the same runs give the halo columns' input gradient (sent back) and their share of
-the weight gradient. (Folding the halo columns into *channels* instead would build a weight of size
-Cout*C*edge*halo*kh: 1.8 GB per edge for DeepLabV3's ASPP (dilation 12, 2048 channels) in
-fp64, enough to get a CI worker killed for memory.)
+the weight gradient. (Folding the halo columns into *channels* instead would build a
+weight of Cout*C*edge*halo*kh elements: 1.8 GB per edge for DeepLabV3's ASPP in fp64.)
 
 The backward mirrors it in one autograd node: the edge gradients first (thin), then the
 halo gradients are posted back to their owners, the interior's input and weight gradients
@@ -166,17 +165,11 @@ def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor,
     return found
 
 
-# The halo's share of a run of edge outputs, through one kernel tap, is a convolution
-# along the other dims only: fold the run's columns into the batch, (N, C, *S, L) ->
-# (N*L, C, *S), and one convolution of one rank less with that tap's weight slice computes
-# them all. The cost is
-# what the outputs need (no weight is expanded: a tap's weight is a view). A thin 2-D
-# convolution would do the same arithmetic, but PyTorch runs it on its slow im2col kernel
-# (inputs under 20480 elements skip oneDNN), ~4x slower here.
-
-
 def _columns_to_batch(x: Tensor) -> Tensor:
-    """``(N, C, *S, L)`` -> ``(N*L, C, *S)``."""
+    """``(N, C, *S, L)`` -> ``(N*L, C, *S)``: a run of halo columns folded into the batch,
+    so one convolution of one rank less with a tap's weight (a view) gives that tap's share
+    of every output of the run. (A thin full-rank convolution does the same arithmetic on
+    PyTorch's im2col kernel, which inputs under 20480 elements get: ~4x slower.)"""
     n, w = x.shape[0], x.shape[-1]
     return x.squeeze(-1) if w == 1 else x.movedim(-1, 1).reshape(n * w, *x.shape[1:-1])
 
