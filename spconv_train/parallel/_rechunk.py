@@ -215,10 +215,9 @@ def spatial_flip(x, *dims, **kwargs):
     remapped = _split(x, wanted) if handled(x) else None
     if remapped is None:
         return torch.flip(x, given)
-    n = x.shape
-    x = remap_dims(x, {d: [cols(n[d] - 1, n[d], -1)] for d in remapped}, "torch.flip")
-    rest = [d for d in wanted if d not in remapped]
-    return _run_local(x, lambda t: torch.flip(t, rest)) if rest else x
+    n, rest = x.shape, [d for d in wanted if d not in remapped]
+    maps = {d: [cols(n[d] - 1, n[d], -1)] for d in remapped}
+    return remap_dims(x, maps, "torch.flip", then=(lambda t: torch.flip(t, rest)) if rest else None)
 
 
 @register_handler(torch.roll, torch.Tensor.roll)
@@ -242,8 +241,8 @@ def spatial_roll(x, shifts, dims=None):
     for d, s in totals.items():
         n, k = x.shape[d], s % x.shape[d]
         maps[d] = [g for g in (cols(n - k, k), cols(0, n - k)) if g.length]
-    x = remap_dims(x, maps, "torch.roll")
-    return _run_local(x, lambda t: torch.roll(t, local_s, local_d)) if local_d else x
+    then = (lambda t: torch.roll(t, local_s, local_d)) if local_d else None
+    return remap_dims(x, maps, "torch.roll", then=then)
 
 
 def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
