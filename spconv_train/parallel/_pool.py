@@ -200,14 +200,8 @@ def pool_args(ndim: int, kernel_size, stride, padding, dilation=1):
 
 # The public names per spatial rank: functions, modules and torch-function routes.
 _MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-_AVG_ARGS = (
-    "kernel_size",
-    "stride",
-    "padding",
-    "ceil_mode",
-    "count_include_pad",
-    "divisor_override",
-)
+_AVG_ARGS = (*_MAX_ARGS[:3], "ceil_mode", "count_include_pad", "divisor_override")
+_AMAX_ARGS = ("output_size", "return_indices")
 spatial_max_pool2d, spatial_max_pool3d = (functools.partial(max_pool, rank=n) for n in (2, 3))
 spatial_avg_pool2d, spatial_avg_pool3d = (functools.partial(avg_pool, rank=n) for n in (2, 3))
 spatial_adaptive_avg_pool2d = functools.partial(_adaptive, rank=2, kind="avg")
@@ -220,13 +214,8 @@ SpatialAvgPool2d = _module(nn.AvgPool2d, spatial_avg_pool2d, *_AVG_ARGS)
 SpatialAvgPool3d = _module(nn.AvgPool3d, spatial_avg_pool3d, *_AVG_ARGS)
 SpatialAdaptiveAvgPool2d = _module(nn.AdaptiveAvgPool2d, spatial_adaptive_avg_pool2d, "output_size")
 SpatialAdaptiveAvgPool3d = _module(nn.AdaptiveAvgPool3d, spatial_adaptive_avg_pool3d, "output_size")
-_ADAPTIVE_MAX_ARGS = ("output_size", "return_indices")
-SpatialAdaptiveMaxPool2d = _module(
-    nn.AdaptiveMaxPool2d, spatial_adaptive_max_pool2d, *_ADAPTIVE_MAX_ARGS
-)
-SpatialAdaptiveMaxPool3d = _module(
-    nn.AdaptiveMaxPool3d, spatial_adaptive_max_pool3d, *_ADAPTIVE_MAX_ARGS
-)
+SpatialAdaptiveMaxPool2d = _module(nn.AdaptiveMaxPool2d, spatial_adaptive_max_pool2d, *_AMAX_ARGS)
+SpatialAdaptiveMaxPool3d = _module(nn.AdaptiveMaxPool3d, spatial_adaptive_max_pool3d, *_AMAX_ARGS)
 
 
 def _register(fn, *functions, pair_after: int = 0) -> None:
