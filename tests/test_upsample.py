@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, current_runtime, parallelize
-from spconv_train.parallel._conv_transpose import plan_conv_transpose
+from spconv_train.parallel._conv import plan_conv_transpose
 from spconv_train.parallel._interpolate import _apply, _local_table, resize_sizes
 from tests.dist_harness import mesh
 from tests.reference import compare_module, seeded

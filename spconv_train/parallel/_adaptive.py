@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
-from ._small_sum import sum_now
+from ._small_sum import sum_replicated
 from ._tiles import along, layout_axes, sharded_axes
 
 Segments = tuple[tuple[int, int], ...]
@@ -99,20 +99,6 @@ def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
     vals = gp.index_select(-1, idx.flatten()).unflatten(-1, idx.shape)
     v, arg = vals.max(-1)
     return v, idx.expand(*arg.shape, length).gather(-1, arg.unsqueeze(-1)).squeeze(-1)
-
-
-class _SumReplicated(torch.autograd.Function):
-    """All-reduce (sum) per-rank partial results into a replicated tensor. The gradient of
-    the Replicate output reaches every rank whole (``from_local``'s backward redistributes
-    it), and each partial entered the sum once, so the backward is the identity."""
-
-    @staticmethod
-    def forward(ctx, t: Tensor, group) -> Tensor:
-        return sum_now(t.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -236,8 +222,7 @@ def adaptive_pool(x: DTensor, out: tuple, kind: str, return_indices: bool, what:
         v = _reduce_avg(t, plans, sharded)
         if halo:
             return leave(v, layout, shape)
-        for _, parts, _, group in axes:
-            v = _SumReplicated.apply(v, group) if parts > 1 else v
+        v = sum_replicated(v, [group for *_, group in axes])
         return leave(v, _replicated(layout), shape)
     v, idx, valid = _reduce_max(t, plans, sizes)
     if halo:

@@ -28,13 +28,12 @@ from torch.distributed.tensor import DTensor
 
 from ._broadcast import _local_part
 from ._dims import handled, norm_dim, sharded_dims, wrap
-from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
-from ._sharding import SpatialLayout, enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
+from ._sharding import enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
 from ._tiles import sharded_axes
-from ._window import gather_window, plan_window
 
 
 def _groups(x: DTensor) -> tuple:
@@ -99,14 +98,23 @@ def spatial_split(tensor, split_size_or_sections, dim=0):
 
 
 @functools.lru_cache(maxsize=256)
-def _shuffle_plan(width: int, parts: int, r: int) -> ExchangePlan:
-    """Input columns each rank needs for its chunk of the ``width * r`` shuffled columns."""
-    owned = all_shard_bounds(width, parts)
-    needed = tuple(
-        ((o0 // r, -(-o1 // r)),) if o1 > o0 else ()
-        for o0, o1 in all_shard_bounds(width * r, parts)
-    )
-    return ExchangePlan(width, tuple(owned), needed)
+def _shuffle_plan(width: int, parts: int, r: int, up: bool):
+    """The exchange of a pixel shuffle (``up``: output ``j`` of a dim is input ``j // r``)
+    or unshuffle (output ``j`` is inputs ``[j * r, j * r + r)``, a window of kernel = stride
+    = r: every rank needs an input and an output position, and only neighbours lend), and
+    every rank's output chunk."""
+    what = "F.pixel_shuffle" if up else "F.pixel_unshuffle"
+    if up:
+        owned, out = all_shard_bounds(width, parts), all_shard_bounds(width * r, parts)
+    else:
+        owned = check_strips(what, width, parts)
+        out = check_strips(what, width // r, parts, "output")
+    reads = [((o0 // r, -(-o1 // r)) if up else (o0 * r, o1 * r), o0 < o1) for o0, o1 in out]
+    needed = tuple((span,) if some else () for span, some in reads)
+    plan = ExchangePlan(width, tuple(owned), needed)
+    if not up:
+        plan.check_neighbours(what)
+    return plan, tuple(out)
 
 
 def _shuffle_layout(input, what: str):
@@ -122,41 +130,37 @@ def _shuffle_layout(input, what: str):
     return spatial_layout(input, what, n, tiles=True)
 
 
+def _shuffle(input, r: int, up: bool):
+    """``pixel_shuffle`` (``up``) or ``pixel_unshuffle`` by ``r``: along each sharded dim in
+    turn every rank fetches the input positions of its output chunk (P2P), then the op runs
+    locally and each rank keeps its chunk."""
+    fn = F.pixel_shuffle if up else F.pixel_unshuffle
+    found = _shuffle_layout(input, f"F.{fn.__name__}")
+    if found is None:
+        return fn(input, r)
+    x, layout = found
+    local, crops = enter(x), []
+    for d, parts, rank, group in sharded_axes(layout):
+        plan, out = _shuffle_plan(x.shape[d], parts, r, up)
+        local = gather_columns(local.movedim(d, -1), plan, rank, group).movedim(-1, d)
+        (o0, o1), lo = out[rank], plan.needed[rank][0][0] if plan.needed[rank] else 0
+        crops.append((d, o0 - lo * r if up else 0, o1 - o0))
+    out = fn(local, r)
+    for d, start, n in crops:
+        out = out.narrow(d, start, n)
+    return leave(out, layout, tuple(fn(torch.empty(x.shape, device="meta"), r).shape))
+
+
 @register_handler(F.pixel_shuffle, torch.pixel_shuffle)
 def spatial_pixel_shuffle(input, upscale_factor):
-    """``pixel_shuffle``: output position ``j`` of a sharded dim comes from input position
-    ``j // r``; along each sharded dim in turn every rank fetches the input positions of its
-    output chunk (P2P), then shuffles locally and crops its chunk."""
-    r = int(upscale_factor)
-    found = _shuffle_layout(input, "F.pixel_shuffle")
-    if found is None:
-        return F.pixel_shuffle(input, r)
-    x, layout = found
-    local = enter(x)
-    for d, parts, rank, group in sharded_axes(layout):
-        plan = _shuffle_plan(x.shape[d], parts, r)
-        local = gather_columns(local.movedim(d, -1), plan, rank, group).movedim(-1, d)
-    out = F.pixel_shuffle(local, r)
-    for d, parts, rank, _ in sharded_axes(layout):
-        o0, o1 = all_shard_bounds(x.shape[d] * r, parts)[rank]
-        out = out.narrow(d, o0 - (o0 // r) * r if o1 > o0 else 0, o1 - o0)
-    return leave(out, layout, tuple(F.pixel_shuffle(torch.empty(x.shape, device="meta"), r).shape))
+    """``F.pixel_shuffle`` on a sharded input (``_shuffle``)."""
+    return _shuffle(input, int(upscale_factor), True)
 
 
 @register_handler(F.pixel_unshuffle, torch.pixel_unshuffle)
 def spatial_pixel_unshuffle(input, downscale_factor):
-    """``pixel_unshuffle``: a window of kernel = stride = r along each sharded dim in turn."""
-    r = int(downscale_factor)
-    found = _shuffle_layout(input, "F.pixel_unshuffle")
-    if found is None:
-        return F.pixel_unshuffle(input, r)
-    x, layout = found
-    local = enter(x)
-    for d, parts, rank, group in sharded_axes(layout):
-        wp = plan_window("F.pixel_unshuffle", x.shape[d], parts, r, r, 1, 0, 0)
-        local = gather_window(local.movedim(d, -1), wp, rank, group).movedim(-1, d)
-    shape = F.pixel_unshuffle(torch.empty(x.shape, device="meta"), r).shape
-    return leave(F.pixel_unshuffle(local, r), layout, tuple(shape))
+    """``F.pixel_unshuffle`` on a sharded input (``_shuffle``)."""
+    return _shuffle(input, int(downscale_factor), False)
 
 
 @register_spatial_module(nn.PixelShuffle)
@@ -213,5 +217,4 @@ def _functional_linear(input, weight, bias=None):
     # partial sum of the weight gradient.
     groups = tuple(mesh.get_group(i) for i in sharding_mesh_dims(placements))
     out = F.linear(input.to_local(), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
-    layout = SpatialLayout(mesh, placements, 0)
-    return leave(out, layout, (*input.shape[:-1], out.shape[-1]))
+    return wrap(out, input, placements, (*input.shape[:-1], out.shape[-1]))

@@ -32,20 +32,9 @@ def norm_dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 
 
-def shard_dim(x: DTensor, i: int) -> int | None:
-    """Tensor dim that mesh dim ``i`` shards (non-negative), or None."""
-    p = x.placements[i]
-    return norm_dim(p.dim, x.ndim) if isinstance(p, Shard) else None
-
-
 def sharded_dims(x: DTensor) -> dict[int, int]:
-    """``{tensor dim: mesh dim}`` for every sharded dimension of ``x``."""
-    out = {}
-    for i in range(len(x.placements)):
-        d = shard_dim(x, i)
-        if d is not None:
-            out[d] = i
-    return out
+    """``{tensor dim: mesh dim}`` for every sharded dimension of ``x`` (non-negative)."""
+    return {norm_dim(p.dim, x.ndim): i for i, p in enumerate(x.placements) if isinstance(p, Shard)}
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

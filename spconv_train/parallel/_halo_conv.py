@@ -22,9 +22,8 @@ the halo columns alone along the other dims (``_halo_corrections``: per kernel t
 of halo columns it meets folded into the batch, one convolution of one rank less with that
 tap's weight). In the backward the whole-strip gradients are complete for the strip's own
 columns; the same runs give the halo columns' input gradient (sent back) and their share of
-the weight gradient. (Folding the halo columns into *channels* instead would build a weight of size
-Cout*C*edge*halo*kh: 1.8 GB per edge for DeepLabV3's ASPP (dilation 12, 2048 channels) in
-fp64, enough to get a CI worker killed for memory.)
+the weight gradient. (Folding the halo columns into *channels* instead would build a
+weight of Cout*C*edge*halo*kh elements: 1.8 GB per edge for DeepLabV3's ASPP in fp64.)
 
 The backward mirrors it in one autograd node: the edge gradients first (thin), then the
 halo gradients are posted back to their owners, the interior's input and weight gradients
@@ -166,17 +165,11 @@ def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor,
     return found
 
 
-# The halo's share of a run of edge outputs, through one kernel tap, is a convolution
-# along the other dims only: fold the run's columns into the batch, (N, C, *S, L) ->
-# (N*L, C, *S), and one convolution of one rank less with that tap's weight slice computes
-# them all. The cost is
-# what the outputs need (no weight is expanded: a tap's weight is a view). A thin 2-D
-# convolution would do the same arithmetic, but PyTorch runs it on its slow im2col kernel
-# (inputs under 20480 elements skip oneDNN), ~4x slower here.
-
-
 def _columns_to_batch(x: Tensor) -> Tensor:
-    """``(N, C, *S, L)`` -> ``(N*L, C, *S)``."""
+    """``(N, C, *S, L)`` -> ``(N*L, C, *S)``: a run of halo columns folded into the batch,
+    so one convolution of one rank less with a tap's weight (a view) gives that tap's share
+    of every output of the run. (A thin full-rank convolution does the same arithmetic on
+    PyTorch's im2col kernel, which inputs under 20480 elements get: ~4x slower.)"""
     n, w = x.shape[0], x.shape[-1]
     return x.squeeze(-1) if w == 1 else x.movedim(-1, 1).reshape(n * w, *x.shape[1:-1])
 
@@ -196,14 +189,10 @@ class _HaloConv(torch.autograd.Function):
         conv, conv_less = _CONV[local.ndim - 2], _CONV[local.ndim - 3]
         stats = current_runtime().stats
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
-        halos = [
-            (s, local.new_empty((*local.shape[:-1], e - s)))
-            for q, s, e in ex.pieces(rank)
-            if q != rank
-        ]
+        pieces = [(q, s, e) for q, s, e in ex.pieces(rank) if q != rank]
+        recvs = [(q, local.new_empty((*local.shape[:-1], e - s))) for q, s, e in pieces]
+        halos = [(s, buf) for (_, s, _), (_, buf) in zip(pieces, recvs, strict=True)]
         sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in ex.sends(rank)]
-        peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
-        recvs = list(zip(peers, [h for _, h in halos], strict=True))
         pending = post_p2p(group, sends, recvs, stats)
         corrections = []  # the halo runs (_halo_corrections), reused by the backward
         if split.whole_strip:
@@ -243,27 +232,17 @@ class _HaloConv(torch.autograd.Function):
         local, weight, *halo_bufs = ctx.saved_tensors
         wp, split, rank, group, geo, stats, halo_starts, has_bias = ctx.meta
         stride, pad_other, dilation, groups = geo
-        n = len(stride)
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
         halos = list(zip(halo_starts, halo_bufs, strict=True))
         need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = has_bias and ctx.needs_input_grad[2]
         bias_sizes = [weight.shape[0]] if has_bias else None
 
-        def conv_bwd(g, x, pad_w=0, mask=(need_in, need_w, need_b)):
-            return torch.ops.aten.convolution_backward(
-                g.contiguous(),
-                x,
-                weight,
-                bias_sizes,
-                list(stride),
-                [*pad_other, pad_w],
-                list(dilation),
-                False,
-                [0] * n,
-                groups,
-                list(mask),
-            )
+        def conv_bwd(g, x, w=weight, pad=(*pad_other, 0), mask=(need_in, need_w, need_b)):
+            k = w.ndim - 2  # a halo run's tap convolves the other dims only
+            args = (list(stride[:k]), list(pad), list(dilation[:k]), False, [0] * k, groups)
+            bias = bias_sizes if mask[2] else None
+            return torch.ops.aten.convolution_backward(g.contiguous(), x, w, bias, *args, mask)
 
         def add(x, y):
             return y if x is None else (x if y is None else x + y)
@@ -280,19 +259,8 @@ class _HaloConv(torch.autograd.Function):
                 hs, halo = halos[i]
                 batch = halo.shape[0]
                 g = _columns_to_batch(grad_out.narrow(-1, o, length))
-                gx, gwt, _ = torch.ops.aten.convolution_backward(
-                    g.contiguous(),
-                    _columns_to_batch(halo.narrow(-1, h, length)),
-                    weight[..., t],
-                    None,
-                    list(stride[:-1]),
-                    list(pad_other),
-                    list(dilation[:-1]),
-                    False,
-                    [0] * (n - 1),
-                    groups,
-                    [need_in, need_w, False],
-                )
+                cols = _columns_to_batch(halo.narrow(-1, h, length))
+                gx, gwt, _ = conv_bwd(g, cols, weight[..., t], pad_other, [need_in, need_w, False])
                 if need_in:
                     edge_grads.append((hs + h, _batch_to_columns(gx, batch)))
                 if need_w:
@@ -305,26 +273,22 @@ class _HaloConv(torch.autograd.Function):
                 gi, gwe, gbe = conv_bwd(grad_out.narrow(-1, first, count), window)
                 edge_grads.append((lo, gi))
                 gw, gb = add(gw, gwe), add(gb, gbe)
-        pending = None
-        recvs = []
-        if need_in:
+        pending, recvs = None, []
+        if need_in:  # the halos' gradients back to their owners, ours from theirs
             sends = []
-            for start, buf in halos:
+            peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
+            for q, (start, buf) in zip(peers, halos, strict=True):
                 g = buf.new_zeros(buf.shape)
                 for lo, gi in edge_grads:
                     _add_thin_grad(lo, gi, start, g)
-                sends.append(g)
-            peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
-            recvs = [(s, local.new_empty((*local.shape[:-1], e - s))) for _, s, e in ex.sends(rank)]
-            pending = post_p2p(
-                group,
-                list(zip(peers, sends, strict=True)),
-                [(q, buf) for (q, _, _), (_, buf) in zip(ex.sends(rank), recvs, strict=True)],
-                stats,
-            )
+                sends.append((q, g))
+            shape = local.shape[:-1]
+            recvs = [(q, s, local.new_empty((*shape, e - s))) for q, s, e in ex.sends(rank)]
+            pending = post_p2p(group, sends, [(q, buf) for q, _, buf in recvs], stats)
         # The interior (the big one) while the halo gradients travel.
         if split.whole_strip:
-            grad_local, gwi, gbi = conv_bwd(grad_out, local, _same_pad(weight, dilation))
+            pad = (*pad_other, _same_pad(weight, dilation))
+            grad_local, gwi, gbi = conv_bwd(grad_out, local, pad=pad)
         else:
             i0, i1 = split.interior
             c0, c1 = split.strip_cols
@@ -341,7 +305,7 @@ class _HaloConv(torch.autograd.Function):
         gw, gb = add(gw, gwi), add(gb, gbi)
         if need_in:
             pending.wait()
-            for s, buf in recvs:
+            for _, s, buf in recvs:
                 _add_thin_grad(s, buf, a, grad_local)
         return grad_local, gw, gb, None, None, None, None, None
 

@@ -19,6 +19,9 @@ instance norm's (on a (dp, sp) mesh) are local partial sums completed by
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -28,9 +31,10 @@ from ._compile import not_traced
 from ._halo import sum_grad_over
 from ._label import module_label
 from ._mode import register_handler
-from ._norm_stats import _all_reduce, _Cells, _moments, _Normalize
+from ._norm_stats import _Cells, _moments, _Normalize
 from ._parallelize import register_spatial_module
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
+from ._small_sum import sum_now
 
 
 def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
@@ -48,10 +52,7 @@ def _as_nchw(shape) -> tuple[int, int, int, int]:
     """The 4-D view the statistics run on, for any spatial rank: ``(N, C, H, W)`` of an
     image, ``(N, C, D*H, W)`` of a volume, ``(N, C, 1, L)`` of a signal (statistics only
     count elements)."""
-    rows = 1
-    for n in shape[2:-1]:
-        rows *= n
-    return (shape[0], shape[1], rows, shape[-1])
+    return (shape[0], shape[1], math.prod(shape[2:-1]), shape[-1])
 
 
 @not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
@@ -86,7 +87,7 @@ def _update(running: Tensor | None, value: Tensor, momentum: float) -> None:
 
 
 def spatial_batch_norm(
-    x: DTensor,
+    input: DTensor,
     running_mean: Tensor | None,
     running_var: Tensor | None,
     weight: Tensor | None = None,
@@ -99,7 +100,7 @@ def spatial_batch_norm(
     """``F.batch_norm`` of a sharded DTensor: in training, statistics over the whole
     global batch and image (reduced over the spatial and data-parallel ranks) and the running
     statistics updated in place exactly as torch does, identically on every rank."""
-    x, layout = _layout(x, what)
+    x, layout = _layout(input, what)
     n, c, h, w = _as_nchw(x.shape)
     _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
     if not training:
@@ -117,7 +118,7 @@ def spatial_batch_norm(
 
 
 def spatial_group_norm(
-    x: DTensor,
+    input: DTensor,
     num_groups: int,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
@@ -126,7 +127,7 @@ def spatial_group_norm(
 ) -> DTensor:
     """``F.group_norm`` of a sharded DTensor: per sample and group, statistics over
     its channels and the whole image (reduced over the spatial group only)."""
-    x, layout = _layout(x, what)
+    x, layout = _layout(input, what)
     n, c, h, w = _as_nchw(x.shape)
     if c % num_groups:
         raise RuntimeError(
@@ -142,7 +143,7 @@ def spatial_group_norm(
 
 
 def spatial_instance_norm(
-    x: DTensor,
+    input: DTensor,
     running_mean: Tensor | None = None,
     running_var: Tensor | None = None,
     weight: Tensor | None = None,
@@ -155,7 +156,7 @@ def spatial_instance_norm(
     """``F.instance_norm`` of a sharded DTensor: per sample and channel, statistics
     over the whole image. Running statistics (when given) are updated like torch's: with the
     batch average of the per-sample mean and unbiased variance, over the global batch."""
-    x, layout = _layout(x, what)
+    x, layout = _layout(input, what)
     n, c, h, w = _as_nchw(x.shape)
     _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
     if not use_input_stats:
@@ -172,7 +173,7 @@ def spatial_instance_norm(
             layout.mesh.get_group(i) for i in layout.batch_dims if i not in layout.spatial_mesh_dims
         )
         avg = torch.stack([mean.sum(0), (var * (count / (count - 1))).sum(0)])
-        avg = _all_reduce(avg.contiguous(), dp) / n
+        avg = sum_now(avg.contiguous(), *dp) / n
         _update(running_mean, avg[0], momentum)
         _update(running_var, avg[1], momentum)
     return y
@@ -257,65 +258,25 @@ class SpatialInstanceNorm3d(_SpatialInstanceNorm, nn.InstanceNorm3d):
     """``nn.InstanceNorm3d`` on a sharded volume (statistics reduced over the spatial ranks)."""
 
 
-# The functional handlers: ``F.*_norm`` and ``torch.*_norm`` are different functions with
-# different argument orders (weight and bias first, plus a required ``cudnn_enabled``), so
-# each gets its own handler.
-@register_handler(F.batch_norm)
-def _functional_batch_norm(
-    input,
-    running_mean,
-    running_var,
-    weight=None,
-    bias=None,
-    training=False,
-    momentum=0.1,
-    eps=1e-5,
-):
-    """``F.batch_norm`` on a sharded input."""
-    args = (running_mean, running_var, weight, bias, training, momentum, eps)
-    return spatial_batch_norm(input, *args, what="F.batch_norm")
+# The functional handlers. ``F.batch_norm`` and ``F.instance_norm`` take the arguments of
+# the functions above; ``torch.batch_norm`` / ``torch.instance_norm`` put weight and bias
+# first and end with a required ``cudnn_enabled``.
+register_handler(F.batch_norm)(functools.partial(spatial_batch_norm, what="F.batch_norm"))
+register_handler(F.instance_norm)(functools.partial(spatial_instance_norm, what="F.instance_norm"))
 
 
-@register_handler(torch.batch_norm)
-def _torch_batch_norm(
-    input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
-):
-    """``torch.batch_norm`` on a sharded input."""
-    args = (running_mean, running_var, weight, bias, training, momentum, eps)
-    return spatial_batch_norm(input, *args, what="torch.batch_norm")
+def _weight_first(fn, what: str):
+    """A handler of ``torch.batch_norm`` / ``torch.instance_norm`` calling ``fn``."""
+
+    def handler(input, weight, bias, running_mean, running_var, *args, **kwargs):
+        kwargs.pop("cudnn_enabled", None)
+        return fn(input, running_mean, running_var, weight, bias, *args[:3], what=what, **kwargs)
+
+    return handler
 
 
-@register_handler(F.instance_norm)
-def _functional_instance_norm(
-    input,
-    running_mean=None,
-    running_var=None,
-    weight=None,
-    bias=None,
-    use_input_stats=True,
-    momentum=0.1,
-    eps=1e-5,
-):
-    """``F.instance_norm`` on a sharded input."""
-    args = (running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
-    return spatial_instance_norm(input, *args, what="F.instance_norm")
-
-
-@register_handler(torch.instance_norm)
-def _torch_instance_norm(
-    input,
-    weight,
-    bias,
-    running_mean,
-    running_var,
-    use_input_stats,
-    momentum,
-    eps,
-    cudnn_enabled,
-):
-    """``torch.instance_norm`` on a sharded input."""
-    args = (running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
-    return spatial_instance_norm(input, *args, what="torch.instance_norm")
+register_handler(torch.batch_norm)(_weight_first(spatial_batch_norm, "torch.batch_norm"))
+register_handler(torch.instance_norm)(_weight_first(spatial_instance_norm, "torch.instance_norm"))
 
 
 @register_handler(F.group_norm, torch.group_norm)  # same leading arguments

@@ -18,14 +18,6 @@ from torch.autograd.function import once_differentiable
 from ._small_sum import sum_now
 
 
-def _all_reduce(t: Tensor, groups: tuple) -> Tensor:
-    """Sum ``t`` in place over each process group in turn (skipping one-rank groups); small
-    CPU sums by exchange (``_small_sum``: one round of messages, the same bits everywhere)."""
-    for group in groups:
-        sum_now(t, group)
-    return t
-
-
 @dataclass(frozen=True)
 class _Cells:
     """A layer's statistics: "batch" (per channel), "group" (per sample and channel group) or
@@ -161,7 +153,7 @@ class _Normalize(torch.autograd.Function):
         shared = [t for t in (local_dw, local_db) if t is not None and ctx.reduce_affine]
         flat = [t.reshape(-1) for t in parts + shared]
         if flat:
-            red = _all_reduce(torch.cat(flat), cells.groups)
+            red = sum_now(torch.cat(flat), *cells.groups)
             sizes = [t.numel() for t in flat]
             pieces = list(red.split(sizes))
             if want_dx:
@@ -198,7 +190,7 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     )
     if want_dx or ctx.reduce_affine:
         # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts
-        sums = _all_reduce(torch.cat([gw, gb]), cells.groups).split(gw.numel())
+        sums = sum_now(torch.cat([gw, gb]), *cells.groups).split(gw.numel())
         if ctx.reduce_affine:
             gw, gb = sums
     dx = None

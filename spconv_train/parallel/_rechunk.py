@@ -1,16 +1,23 @@
 """Re-chunk a sharded dim: a new sharded tensor whose every element along that dim is a copy
-of some input element (or a fill value), with point-to-point traffic only.
+of some input element (or a fill value), with point-to-point traffic only; and the ops that
+are such a re-chunk: ``F.pad`` (every mode, negative amounts crop), slicing
+(``x[..., a:b:s]``, centre crops), ``flip`` and ``roll``.
 
-Padding, cropping, slicing (``x[..., a:b:s]``), ``flip`` and ``roll`` along any sharded dim
-of any layout (one dim at a time over its own mesh dim) all change
-which global column each output column reads and, since DTensor chunks the *new* width
-afresh, which rank owns it. A map is given as a few ``Segment``s (runs of output columns:
-a fill, or input columns ``start, start + step, ...``; step 0 repeats one column, step -1
+Each of them changes, along every sharded spatial dim of any layout (the width of strips, H
+and W of tiles, D, H or W of a volume, any of a block's; one dim at a time over its own mesh
+dim), which global column each output column reads and, since DTensor chunks the *new* size
+afresh, which rank owns it. A map is given as a few ``Segment``s (runs of output columns: a
+fill, or input columns ``start, start + step, ...``; step 0 repeats one column, step -1
 mirrors). Every rank computes every rank's needs from the map (no metadata exchange),
 receives from each owner the hull of the columns it needs (one message per owner pair,
 ``gather_columns``), and picks its columns locally (``index_select``, whose backward adds
 duplicated reads, e.g. reflect padding, back up). Flip pairs rank r with rank n-1-r: P2P
 with the owner, never a gather. The backward returns every gradient column to its owner.
+
+Along the other dims the op runs on each block as is (the batch only when it is not
+sharded): padding is separable per dim, so the dims no mesh dim shards are padded locally.
+Index forms handled: ints, slices (step > 0), ``...``; anything else (tensor or boolean
+indices, ``None``) goes to DTensor's own rules.
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-from ._geometry import ExchangePlan, all_shard_bounds
+from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
-from ._sharding import enter, leave, spatial_layout
+from ._mode import register_handler
+from ._sharding import SPATIAL_DIMS_BY_NDIM, enter, leave, spatial_layout
 from ._tiles import axis_of
 
 
@@ -119,13 +129,167 @@ def remap_axis(local: Tensor, d: int, size: int, segments, axis, value: float = 
     return g.movedim(-1, d)
 
 
-def remap_dims(x: DTensor, maps: dict, what: str, value: float = 0.0) -> DTensor:
+def remap_dims(x: DTensor, maps: dict, what: str, value: float = 0.0, then=None, shape=None):
     """The DTensor whose dim ``d`` holds the elements ``maps[d]`` describe (``Segment``s),
     for every ``d`` in ``maps``: each sharded spatial dim of any layout (strips, tiles,
-    volumes, blocks) re-chunked over its own mesh dim in turn, the others locally."""
+    volumes, blocks) re-chunked over its own mesh dim in turn, the others locally.
+    ``then``: a local op run on each block afterwards (along unsharded dims), giving a
+    result of global ``shape``."""
     x, layout = spatial_layout(x, what, x.ndim, tiles=True)
-    local, shape = enter(x), list(x.shape)
+    local = enter(x)
     for d, segments in maps.items():
         local = remap_axis(local, d, x.shape[d], segments, axis_of(layout, d), value)
-        shape[d] = sum(s.length for s in segments)
-    return leave(local, layout, tuple(shape))
+    if shape is None:
+        shape = [sum(s.length for s in maps[d]) if d in maps else n for d, n in enumerate(x.shape)]
+    return leave(then(local) if then else local, layout, tuple(shape))
+
+
+def _run_local(x: DTensor, fn, removed: tuple[int, ...] = ()) -> DTensor:
+    """``fn`` on every block (it must not touch the sharded dims); ``removed`` lists the
+    dims ``fn`` drops (integer indices), so the sharded dims' indices shift."""
+    placements = []
+    for p in x.placements:
+        if isinstance(p, Shard):
+            d = norm_dim(p.dim, x.ndim)
+            p = Shard(d - sum(1 for r in removed if r < d))
+        placements.append(p)
+    shape = fn(torch.empty(x.shape, device="meta")).shape
+    return wrap(fn(x.to_local()), x, placements, shape)
+
+
+def _expand_index(index, ndim: int):
+    """``index`` as one entry per dim (ints and slices), or None if it has other forms."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(not isinstance(i, (int, slice)) and i is not Ellipsis for i in items):
+        return None
+    if any(isinstance(i, bool) for i in items) or sum(i is Ellipsis for i in items) > 1:
+        return None
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        fill = ndim - (len(items) - 1)
+        items = (*items[:k], *(slice(None),) * fill, *items[k + 1 :])
+    items = (*items, *(slice(None),) * (ndim - len(items)))
+    return items if len(items) == ndim else None
+
+
+def _split(x, dims) -> list[int] | None:
+    """The sharded spatial dims among ``dims`` (each re-chunked), or None when ``dims``
+    touch another sharded dim (the batch): then DTensor's own rules run, watched by the
+    no-gather guard."""
+    where = sharded_dims(x)
+    remapped = [d for d in dims if d in where and d in SPATIAL_DIMS_BY_NDIM.get(x.ndim, ())]
+    return None if any(d in where and d not in remapped for d in dims) else remapped
+
+
+def _dims_list(dims) -> list[int]:
+    return [dims] if isinstance(dims, int) else list(dims)
+
+
+@register_handler(torch.Tensor.__getitem__)
+def spatial_getitem(x, index):
+    """``x[index]`` with basic indexing; a slice of a sharded spatial dim re-chunks it."""
+    items = _expand_index(index, x.ndim) if handled(x) else None
+    touched = [] if items is None else [d for d, i in enumerate(items) if i != slice(None)]
+    remapped = None if items is None else _split(x, touched)
+    if remapped is None or any(not isinstance(items[d], slice) for d in remapped):
+        return torch.Tensor.__getitem__(x, index)
+    maps = {}
+    for d in remapped:
+        start, stop, step = items[d].indices(x.shape[d])
+        n = len(range(start, stop, step))
+        maps[d] = [cols(start, n, step)] if n else []
+        items = (*items[:d], slice(None), *items[d + 1 :])
+    x = remap_dims(x, maps, "slicing x[..., a:b:s]") if maps else x
+    if all(i == slice(None) for i in items):
+        return x
+    removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))
+    return _run_local(x, lambda t: t[items], removed)
+
+
+@register_handler(torch.flip, torch.Tensor.flip)
+def spatial_flip(x, *dims, **kwargs):
+    """``torch.flip`` / ``x.flip``: reversing a sharded dim mirrors the owners (rank r <->
+    rank n-1-r, point to point)."""
+    given = kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims
+    wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)] if handled(x) else []
+    remapped = _split(x, wanted) if handled(x) else None
+    if remapped is None:
+        return torch.flip(x, given)
+    n, rest = x.shape, [d for d in wanted if d not in remapped]
+    maps = {d: [cols(n[d] - 1, n[d], -1)] for d in remapped}
+    return remap_dims(x, maps, "torch.flip", then=(lambda t: torch.flip(t, rest)) if rest else None)
+
+
+@register_handler(torch.roll, torch.Tensor.roll)
+def spatial_roll(x, shifts, dims=None):
+    """``torch.roll`` along given dims; along a sharded one a re-chunk with wrap-around."""
+    if dims is None or not handled(x):
+        return torch.roll(x, shifts, dims)
+    shifts_l, dims_l = _dims_list(shifts), [norm_dim(d, x.ndim) for d in _dims_list(dims)]
+    remapped = _split(x, dims_l) if len(shifts_l) == len(dims_l) else None
+    if remapped is None:
+        return torch.roll(x, shifts, dims)
+    totals: dict[int, int] = {}  # rolls along one dim add up
+    local_s, local_d = [], []
+    for s, d in zip(shifts_l, dims_l, strict=True):
+        if d in remapped:
+            totals[d] = totals.get(d, 0) + s
+        else:
+            local_s.append(s)
+            local_d.append(d)
+    maps: dict[int, list[Segment]] = {}
+    for d, s in totals.items():
+        n, k = x.shape[d], s % x.shape[d]
+        maps[d] = [g for g in (cols(n - k, k), cols(0, n - k)) if g.length]
+    then = (lambda t: torch.roll(t, local_s, local_d)) if local_d else None
+    return remap_dims(x, maps, "torch.roll", then=then)
+
+
+def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
+    """Re-chunk map of padding a dim of ``width`` by ``left``/``right`` (negative: crop)."""
+    a, b = max(0, -left), width - max(0, -right)
+    if b <= a:
+        raise SpatialShardingError(f"F.pad: cropping ({left}, {right}) leaves no column of {width}")
+    pl, pr = max(left, 0), max(right, 0)
+    mid = cols(a, b - a)
+    if mode == "constant":
+        sides = fill(pl), fill(pr)
+    elif mode == "reflect":
+        sides = cols(pl, pl, -1), cols(width - 2, pr, -1)
+    elif mode == "replicate":
+        sides = cols(0, pl, 0), cols(width - 1, pr, 0)
+    else:  # circular wraps within the cropped part, as torch does
+        sides = cols(b - pl, pl), cols(a, pr)
+    return [s for s in (sides[0], mid, sides[1]) if s.length]
+
+
+@functools.lru_cache(maxsize=1024)
+def _out_shape(shape: tuple[int, ...], pad: tuple[int, ...], mode: str, value) -> tuple:
+    """torch's own checks and output shape of the pad, on a meta tensor, once per geometry."""
+    return tuple(F.pad(torch.empty(shape, device="meta"), pad, mode, value).shape)
+
+
+@register_handler(F.pad, torch._C._nn.pad)
+def spatial_pad(input, pad, mode: str = "constant", value=None):
+    """``F.pad`` of a sharded image or volume (exact, differentiable, neighbour traffic
+    only); each sharded dim re-chunked, the others padded locally. Same arguments as
+    ``F.pad``."""
+    if not handled(input) or input.ndim not in (4, 5):
+        return F.pad(input, pad, mode, value)
+    pad, ndim = [int(p) for p in pad], input.ndim
+    shape = _out_shape(tuple(input.shape), tuple(pad), mode, value)
+    batch = 2 * (ndim - 1)  # F.pad's entries from here on pad the batch dim
+    if len(pad) > batch and any(pad[batch:]) and 0 in sharded_dims(input):
+        raise SpatialShardingError(
+            "F.pad: padding the batch dimension of a batch-sharded tensor is not supported"
+        )
+    rest, maps = list(pad), {}
+    for d in _split(input, range(2, ndim)):  # the sharded spatial dims
+        i = 2 * (ndim - 1 - d)  # F.pad lists the last dim first
+        if any(pad[i : i + 2]):
+            maps[d] = _pad_segments(input.shape[d], *pad[i : i + 2], mode)
+            rest[i : i + 2] = (0, 0)
+    args = (rest, mode, value) if mode == "constant" else (rest, mode)
+    then = (lambda t: F.pad(t, *args)) if any(rest) else None
+    v = 0.0 if value is None else float(value)
+    return remap_dims(input, maps, "F.pad", v, then, shape)

@@ -9,7 +9,7 @@ counts; variances in two passes: global mean, then squared deviations) over the 
 dimensions that shard a reduced dimension give the exact value, replicated there. A
 reduction that keeps the sharded dims (over C, say) is purely local and stays sharded.
 
-Gradients: sums go through ``_SumReplicated`` (identity backward: the replicated output's
+Gradients: sums go through ``sum_replicated`` (identity backward: the replicated output's
 gradient reaches every rank whole); ``amax``/``amin`` spread the gradient evenly over all
 elements equal to the extreme value on every rank, as torch does.
 
@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._adaptive import _SumReplicated
 from ._dims import handled, norm_dim, sharded_dims, wrap
 from ._mode import register_handler
+from ._small_sum import sum_replicated
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
@@ -43,13 +43,6 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     return tuple(sorted({norm_dim(int(d), ndim) for d in dims}))
-
-
-def _sum_over(t: Tensor, groups: list) -> Tensor:
-    for g in groups:
-        if dist.get_world_size(g) > 1:
-            t = _SumReplicated.apply(t, g)
-    return t
 
 
 def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
@@ -82,7 +75,7 @@ def _extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
     for g in groups:
         dist.all_reduce(count, group=g)
     part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
-    return _sum_over(part / count, groups)
+    return sum_replicated(part / count, groups)
 
 
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
@@ -94,15 +87,15 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     local = x.to_local()
     count = math.prod(x.shape[d] for d in dims)
     if kind in ("sum", "mean"):
-        out = _sum_over(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
+        out = sum_replicated(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
         out = out / count if kind == "mean" else out
     elif kind in ("amax", "amin"):
         out = _extreme(local, dims, groups, kind[1:])
     else:
         # The mean's own gradient contribution is zero (deviations sum to zero), so it
         # is detached: each rank would only see its part of that zero sum.
-        mean = _sum_over(local.detach().sum(dims, keepdim=True), groups) / count
-        sq = _sum_over((local - mean).square().sum(dims, keepdim=True), groups)
+        mean = sum_replicated(local.detach().sum(dims, keepdim=True), groups) / count
+        sq = sum_replicated((local - mean).square().sum(dims, keepdim=True), groups)
         out = sq / (count - opts.get("correction", 1))
         out = out.sqrt() if kind == "std" else out
     if not keepdim:

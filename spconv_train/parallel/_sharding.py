@@ -19,12 +19,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import GRID_MESH_DIMS, SP, contiguous_stride
+from ._dims import GRID_MESH_DIMS, ParallelDims, contiguous_stride
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 
-#: The sharded dim of a one-axis layout by default: the width of NCHW (ops ask ``layout.dim``).
-SPATIAL_DIMS = (3,)
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
 #: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
 SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
@@ -92,15 +90,10 @@ class SpatialLayout:
     #: every rank holds whole rows, so window ops run the plain local op (``run_unsharded``).
     width_sharded: bool = True
     #: tensor dimensions sharded as data over the sp mesh dimension
-    dims: tuple[int, ...] = SPATIAL_DIMS
+    dims: tuple[int, ...] = (3,)
     #: H x W tiles (``_tiles.py``): ``(tensor dim, mesh dim)`` of every sharded spatial dim,
     #: empty for a one-dim layout (then ``dims`` over ``sp_dim``).
     axes: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def is_tile(self) -> bool:
-        """True for an image sharded over a 2-D spatial mesh (or along H): see ``_tiles.py``."""
-        return bool(self.axes)
 
     @property
     def dim(self) -> int:
@@ -166,8 +159,7 @@ def spatial_layout(
     sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
-        sp = next((names.index(n) for n in (SP, *TILE_MESH_NAMES[::-1]) if n in names), None)
-        sp = 0 if sp is None and x.device_mesh.ndim == 1 else sp
+        sp = ParallelDims.spatial_mesh_dim(x.device_mesh)
         # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
         tiles_replicated = all(
             isinstance(placements[names.index(n)], Replicate) for n in TILE_MESH_NAMES if n in names

@@ -13,7 +13,8 @@ place among the other messages can differ between ranks) on ``BUCKET_TAG``, and 
 synchronous sums of norm statistics and global pools (posted in the same order on every
 rank, as a collective would have to be) on ``STATS_TAG``. CUDA tensors, and tensors that
 would send more than ``EXCHANGE_SUM_BYTES`` per rank, take ``all_reduce`` (NCCL's, or
-gloo's bandwidth-optimal ring).
+gloo's bandwidth-optimal ring). ``sum_replicated`` is the differentiable form, for the
+global value of a reduction (pooling, ``sum`` / ``mean`` / ``var`` over sharded dims).
 """
 
 from __future__ import annotations
@@ -76,9 +77,33 @@ def sum_async(buffer: Tensor, group, tag: int = BUCKET_TAG):
     return dist.all_reduce(buffer, group=group, async_op=True)
 
 
-def sum_now(t: Tensor, group) -> Tensor:
-    """Sum ``t`` in place over ``group`` now and return it: a norm layer's statistics, a
-    global pool's partial sums (posted in the same order on every rank)."""
-    if dist.get_world_size(group) > 1:
-        sum_async(t, group, STATS_TAG).wait()
+def sum_now(t: Tensor, *groups) -> Tensor:
+    """Sum ``t`` in place over each of ``groups`` in turn now and return it: a norm layer's
+    statistics, a global pool's partial sums (posted in the same order on every rank)."""
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            sum_async(t, group, STATS_TAG).wait()
+    return t
+
+
+class _SumReplicated(torch.autograd.Function):
+    """Sum per-rank partial results over a group into a replicated tensor. The gradient of
+    the replicated output reaches every rank whole (``from_local``'s backward redistributes
+    it), and each partial entered the sum once, so the backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, group) -> Tensor:
+        return sum_now(t.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def sum_replicated(t: Tensor, groups) -> Tensor:
+    """``t`` summed over each of ``groups`` in turn, differentiably (``_SumReplicated``):
+    the global value of a reduction whose parts the ranks of ``groups`` hold."""
+    for group in groups:
+        if dist.get_world_size(group) > 1:
+            t = _SumReplicated.apply(t, group)
     return t
