@@ -13,7 +13,7 @@ tokens, one thread per process, gloo on CPU, as ``L`` grows. Rows:
   of the ring's time (its memory holds the whole key / value sequence: not a memory row);
 - ``ring (spconv)``: ``spconv_train.parallel._ring.ring_attention``: exact attention of each
   rank's queries to all keys, key / value blocks passed around the ring in ``m`` pieces
-  (``_ring.py``; ``m`` automatic, ``_ring_blocks.auto_pieces``, or ``--pieces``);
+  (``_ring.py``; ``m`` automatic, ``_ring.auto_pieces``, or ``--pieces``);
 - ``ring, whole blocks (m = 1)``: the same with each block sent whole.
 
 Columns: "ms/step" median over the rounds (max over the ranks); "x floor" / "x compute

@@ -5,7 +5,7 @@ distinct tensor storage that autograd saves for the backward (``saved_tensors_ho
 which is what spatial parallelism divides by N. One rank runs the plain, unparallelized
 model (the true single-device baseline). The sharded windows of convolutions and max
 pools are saved as a reference to the strip plus their halo columns
-(``parallel._window.saving_window_by_reference``); those few halo columns per layer are not
+(``parallel._window.saving_steps_by_reference``); those few halo columns per layer are not
 in this count. Also reported: peak memory of the step
 (CUDA allocator peak, or the growth of the process's peak RSS on CPU), time per step, and
 the widest image that fits a per-rank activation budget (extrapolated linearly in width:

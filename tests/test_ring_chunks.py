@@ -1,4 +1,4 @@
-"""Ring attention with key / value blocks travelling in pieces (``_ring_blocks.py``): exact
+"""Ring attention with key / value blocks travelling in pieces (``_ring.py``): exact
 in fp64 against one-device SDPA for every piece count, uneven blocks and pieces with no
 tokens; and the peak of live bytes per rank below the whole-block ring's."""
 
@@ -10,8 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spconv_train.parallel._live_bytes import PeakBytes
-from spconv_train.parallel._ring import ring_attention
-from spconv_train.parallel._ring_blocks import auto_pieces
+from spconv_train.parallel._ring import auto_pieces, ring_attention
 from tests.reference import rel_err, seeded
 
 TOL = 1e-12

@@ -54,7 +54,6 @@ from ._tiles import (
     along,
     axis_of,
     layout_axes,
-    saving_tile_window,
     sharded_axes,
     tile_shape,
     tile_window,
@@ -139,7 +138,7 @@ def spatial_conv(
             tw = tile_window(local, shape, layout, what, others, pad_local=False)
             pad_other = tuple(0 if d in axes else padding[d - 2][0] for d in range(2, last))
             # The other dims' window is saved as the part by reference + thin halo slabs.
-            saving = saving_tile_window(tw, local) if others else contextlib.nullcontext()
+            saving = tw.saving() if others else contextlib.nullcontext()
             with saving:
                 args = (wp, split, rank, group, stride, pad_other, dilation, groups)
                 out = halo_conv(tw.window, w, b, *args)
@@ -149,7 +148,7 @@ def spatial_conv(
     tw = tile_window(local, shape, layout, what, geoms, padding_mode, pad_local=not inside)
     conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in geoms)
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).
-    with saving_tile_window(tw, local):
+    with tw.saving():
         out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
     return leave(out, layout, tile_shape(shape, out, tw))
 

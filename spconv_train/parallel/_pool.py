@@ -33,7 +33,7 @@ from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, spatial_layout
-from ._tiles import ceil_geom, layout_axes, saving_tile_window, tile_shape, tile_window
+from ._tiles import ceil_geom, layout_axes, tile_shape, tile_window
 
 
 def _adaptive(x, output_size, return_indices: bool = False, *, rank: int, kind: str, what=""):
@@ -133,7 +133,7 @@ def max_pool(
     k, s, p, d = pool_args(rank, kernel_size, stride, padding, dilation)
     _torch_checks("max", tuple(x.shape), k, s, p, d, ceil_mode, return_indices)
     layout, local, tw, op_pad, _, sharded = _window(x, what, k, s, p, d, ceil_mode, float("-inf"))
-    with saving_tile_window(tw, local, float("-inf")):
+    with tw.saving():
         out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
     shape = tile_shape(tuple(x.shape), out, tw)
     if not return_indices:

@@ -1,34 +1,212 @@
-"""Ring attention: exact softmax attention over a sequence split across a process group.
+"""The ring: blocks that travel around a process group point to point (``Ring``), and
+ring attention on it (``ring_attention``); the design is in ``docs/attention.md``.
 
-Every rank holds the queries, keys and values of *its own* tokens (any subset of the
-sequence, in any order: softmax over all keys does not depend on their order, only q, k
-and v must agree). The key / value blocks travel around the ring of the group point to
-point (``post_p2p``), cut into ``m`` pieces (``_ring_blocks.py``: the schedule); each rank
-attends its queries to every piece in turn and merges the partial results with an online
-log-sum-exp softmax. Memory per rank is O(L / P): its own tensors and a few pieces of
-``L / (P m)`` tokens.
+Every rank holds one block per travelling operand (keys and values; one operand of a
+ring matmul, ``_ring_matmul.py``), cut into ``m`` pieces. ``P`` pieces circulate at once,
+one per rank, one hop per step (``post_p2p``); after ``P`` hops a piece retires and its
+owner injects its next one, so rank ``r`` works at step ``t`` on piece ``t // P`` of rank
+``r - t % P``. Each piece's transfer is posted before the current piece's compute, so
+they overlap. In the backward each piece's gradient accumulator follows one step behind
+it, every rank adds its part, and after ``P`` hops it is home: its compute overlaps too.
 
-The backward runs the same ring: the pieces travel again and, one step behind each, an
-accumulator of its key / value gradients, to which every rank adds its part; after ``P``
-visits the accumulator is back at the piece's owner. Each piece's transfer is posted before
-the compute of the current piece, so it overlaps with it; the accumulator of a piece is
-posted right after its compute and is needed one step later, so it overlaps with the next
-piece's compute.
-
-Per piece, the CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and
-its backward, which take the *global* output and log-sum-exp, the ring form of flash
-attention) runs where it applies; elsewhere (another device, a value head size different
-from the query's) the same piece is done with plain matmuls.
+Ring attention merges the per-piece results with an online log-sum-exp softmax (memory
+per rank O(L / P)); per piece the CPU flash kernel (and its backward, which takes the
+*global* output and log-sum-exp) runs where it applies, plain matmuls elsewhere.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from ._ring_blocks import Ring, auto_pieces, block_backward, block_forward
+from ._halo import PendingExchange, post_p2p
+from ._runtime import current_runtime
+
+#: Pieces per block (``m``) when not given: the pieces a rank holds besides its own tensors
+#: at the peak (the one worked on, the one in flight, the received gradient accumulator and
+#: the piece's gradients: four key / value pairs) then add up to one block, as large as the
+#: unavoidable query-gradient block of the kernel. More pieces save less and cost a kernel
+#: call and a message each.
+PIECES = 8
+#: Smallest piece (tokens) the automatic choice makes: below it the per-piece kernel call
+#: and message overheads show in the time.
+MIN_PIECE_TOKENS = 64
+
+KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
+
+Blocks = tuple[Tensor, ...]  # one piece (or block) of every operand that travels
+Item = tuple[int, int]  # (owner rank, piece)
+
+
+def auto_pieces(sizes: tuple[int, ...]) -> int:
+    """``m`` for blocks of ``sizes`` tokens: ``PIECES``, fewer where pieces would fall
+    under ``MIN_PIECE_TOKENS`` tokens (1 for small blocks). The same on every rank."""
+    return max(1, min(PIECES, max(sizes) // MIN_PIECE_TOKENS))
+
+
+class Ring:
+    """The schedule of one ring call: who sends which piece to whom, when.
+
+    ``sizes``: tokens (dim -2) of every rank's blocks; ``pieces``: ``m``; ``blocks``: this
+    rank's blocks (their leading dims, last dim, dtype and device are those of every
+    rank's)."""
+
+    def __init__(self, group, sizes: tuple[int, ...], pieces: int, blocks: Blocks):
+        self.group, self.pieces, self.parts = group, pieces, len(sizes)
+        self.specs = tuple((t.shape[:-2], t.shape[-1]) for t in blocks)
+        self.like = blocks[0]
+        self.steps = self.parts * pieces
+        self.rank = dist.get_rank(group)
+        self.next, self.prev = (self.rank + 1) % self.parts, (self.rank - 1) % self.parts
+        # pieces of every owner's block, as token ranges, within one token of each other
+        self.bounds = [
+            [(n * j // pieces, n * (j + 1) // pieces) for j in range(pieces)] for n in sizes
+        ]
+
+    def item(self, step: int, rank: int | None = None) -> Item:
+        """``(owner, piece)`` that ``rank`` (this one by default) works on at ``step``."""
+        rank = self.rank if rank is None else rank
+        return (rank - step % self.parts) % self.parts, step // self.parts
+
+    def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
+        """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors; a
+        view when the leading dims are 1) or, ``dense=False``, as views to write into."""
+        lo, hi = self.bounds[self.rank][piece]
+        views = tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
+        return tuple(t.contiguous() for t in views) if dense else views
+
+    def empty(self, item: Item) -> Blocks:
+        """Uninitialised tensors of a piece, one per operand."""
+        lo, hi = self.bounds[item[0]][item[1]]
+        return tuple(self.like.new_empty(*lead, hi - lo, e) for lead, e in self.specs)
+
+    def _post(self, sends: Blocks | None, recv: Blocks | None, tag: int) -> PendingExchange:
+        # empty pieces are not sent: both sides know every piece's size
+        sends = [(self.next, t) for t in sends] if sends and sends[0].shape[-2] else []
+        recvs = [(self.prev, t) for t in recv] if recv and recv[0].shape[-2] else []
+        return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag)
+
+    def pass_on(self, step: int, piece: Blocks) -> tuple[PendingExchange, Blocks | None]:
+        """Post the send of the piece worked on at ``step`` to the next rank and the receive
+        of the piece for ``step + 1`` from the previous one, unless the piece's round ends
+        here (then the next step works on an own piece): ``(pending, next piece)``."""
+        if (step + 1) % self.parts == 0:
+            return self._post(None, None, KV), None
+        nxt = self.empty(self.item(step + 1))
+        return self._post(piece, nxt, KV), nxt
+
+    def recv_grads(self, step: int) -> tuple[PendingExchange, Blocks]:
+        """Post the receive of the gradient accumulator the previous rank sent at
+        ``step - 1``: the one of this step's piece or, at an own piece's step (``step % P
+        == 0``, and after the last step), this rank's piece ``step // P - 1`` home."""
+        buf = self.empty(self.item(step - 1, self.prev))
+        return self._post(None, buf, GRAD), buf
+
+    def send_grads(self, grads: Blocks) -> PendingExchange:
+        """Post the send of a gradient accumulator to the next rank."""
+        return self._post(tuple(t.contiguous() for t in grads), None, GRAD)
+
+    def forward(self, blocks: Blocks, work: Callable[[Item, Blocks], None]) -> None:
+        """``work(item, piece)`` on every piece of every rank's ``blocks``, in ring order,
+        the next piece's transfer overlapped with each call."""
+        cur = None
+        for step in range(self.steps):
+            if step % self.parts == 0:
+                cur = self.own(blocks, step // self.parts)
+            pending, nxt = self.pass_on(step, cur)
+            work(self.item(step), cur)
+            pending.wait()
+            cur = nxt
+
+    def backward(self, blocks: Blocks, grads_of: Callable[[Item, Blocks], Blocks]) -> Blocks:
+        """The gradients of this rank's ``blocks``: ``grads_of(item, piece)`` (this rank's
+        part of a piece's gradients) summed over the ranks by the accumulators that follow
+        the pieces around the ring."""
+        home_grads = _HomeGrads(self, blocks)
+        cur = sent = None  # the piece worked on; the accumulator sent last step
+        for step in range(self.steps):
+            home = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
+            if home:
+                cur = self.own(blocks, step // self.parts)
+            acc = self.recv_grads(step) if step else None
+            pending, nxt = self.pass_on(step, cur)
+            if sent is not None:
+                # the next rank posted its receive at the start of this step too: the wait
+                # is short, and frees the accumulator before this compute
+                sent.wait()
+                sent = None  # (it holds a buffer)
+            grads = grads_of(self.item(step), cur)
+            cur = None
+            if acc is not None:
+                acc[0].wait()
+                if home:  # an own piece's gradients, after their last visit
+                    home_grads.store(step // self.parts - 1, acc[1])
+                else:  # add this rank's part into the received accumulator
+                    grads = tuple(s.add_(g) for s, g in zip(acc[1], grads, strict=True))
+            acc = None
+            sent = self.send_grads(grads)
+            del grads
+            pending.wait()
+            cur = nxt
+        last, grads = self.recv_grads(self.steps)  # this rank's last piece, home
+        last.wait()
+        home_grads.store(self.pieces - 1, grads)
+        sent.wait()
+        return home_grads.grads
+
+
+class _HomeGrads:
+    """This rank's block gradients, filled piece by piece as the accumulators come home;
+    allocated at the first (with one piece: after the ring, when the pieces in flight are
+    gone, so the peak does not hold them)."""
+
+    def __init__(self, ring: Ring, blocks: Blocks) -> None:
+        self.ring, self.like, self.grads = ring, blocks, None
+
+    def store(self, piece: int, grads: Blocks) -> None:
+        if self.ring.pieces == 1:  # the whole block: the received buffers are the gradients
+            self.grads = grads
+            return
+        if self.grads is None:
+            self.grads = tuple(torch.empty_like(t) for t in self.like)
+        for dst, src in zip(self.ring.own(self.grads, piece, dense=False), grads, strict=True):
+            dst.copy_(src)
+
+
+def _flash_ok(q: Tensor, v: Tensor) -> bool:
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` to one key / value block: ``(out, lse)``, ``lse`` the log-sum-exp
+    of the scaled scores per query (shape ``q.shape[:-1]``)."""
+    if _flash_ok(q, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, scale=scale
+        )
+        return out, lse
+    s = (q @ k.transpose(-2, -1)) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+
+
+def block_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one block given the *global* ``out`` and ``lse`` of the queries."""
+    if _flash_ok(q, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, scale=scale
+        )
+    p = torch.exp((q @ k.transpose(-2, -1)) * scale - lse.unsqueeze(-1))
+    dv = p.transpose(-2, -1) @ dout
+    dp = dout @ v.transpose(-2, -1)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
 
 
 class RingAttention(torch.autograd.Function):
@@ -44,23 +222,20 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, group, sizes: tuple[int, ...], pieces: int):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ring = Ring(group, sizes, pieces, q, q.shape[-1], v.shape[-1])
+        ring = Ring(group, sizes, pieces, (k, v))
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
-        cur = None
-        for step in range(ring.steps):
-            if step % ring.parts == 0:
-                cur = ring.own((k, v), step // ring.parts)
-            pending, nxt = ring.pass_on(step, cur)  # the next piece travels meanwhile
-            if q.shape[-2] and cur[0].shape[-2]:
-                o_b, lse_b = block_forward(q, *cur, scale)
+
+        def work(item: Item, kv: Blocks) -> None:
+            nonlocal lse
+            if q.shape[-2] and kv[0].shape[-2]:
+                o_b, lse_b = block_forward(q, *kv, scale)
                 new = torch.logaddexp(lse, lse_b)
                 out.mul_(torch.exp(lse - new).unsqueeze(-1))
                 out.add_(o_b.mul_(torch.exp(lse_b - new).unsqueeze(-1)))
                 lse = new
-                del o_b, lse_b
-            pending.wait()
-            cur = nxt
+
+        ring.forward((k, v), work)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale = ring, scale
         return out
@@ -71,63 +246,16 @@ class RingAttention(torch.autograd.Function):
         ring, scale = ctx.ring, ctx.scale
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
-        # dk, dv take the own pieces' gradients as they come home (the first after P steps)
-        home_grads = _HomeGrads(ring, k, v)
-        cur = sent = None  # the piece worked on; the accumulator sent last step
-        for step in range(ring.steps):
-            home = step % ring.parts == 0  # an own piece (and a finished accumulator arrives)
-            if home:
-                cur = ring.own((k, v), step // ring.parts)
-            acc = ring.recv_grads(step) if step else None
-            pending, nxt = ring.pass_on(step, cur)
-            if sent is not None:
-                # the next rank posted its receive at the start of this step too: the wait
-                # is short, and frees the accumulator before this compute
-                sent.wait()
-                sent = None  # (it holds a buffer)
-            if q.shape[-2] and cur[0].shape[-2]:
-                dq_b, dk_b, dv_b = block_backward(dout, q, *cur, out, lse, scale)
-                dq += dq_b
-                del dq_b
-            else:
-                dk_b, dv_b = (t.zero_() for t in ring.empty(ring.item(step)))
-            cur = None
-            if acc is not None:
-                acc[0].wait()
-                if home:  # an own piece's gradients, after their last visit
-                    home_grads.store(step // ring.parts - 1, acc[1])
-                else:  # add this rank's part into the received accumulator
-                    acc[1][0].add_(dk_b)
-                    acc[1][1].add_(dv_b)
-                    dk_b, dv_b = acc[1]
-            acc = None
-            sent = ring.send_grads((dk_b, dv_b))
-            del dk_b, dv_b
-            pending.wait()
-            cur = nxt
-        last, grads = ring.recv_grads(ring.steps)  # this rank's last piece, home
-        last.wait()
-        home_grads.store(ring.pieces - 1, grads)
-        sent.wait()
-        return dq, *home_grads.grads, None, None, None, None
 
+        def grads_of(item: Item, kv: Blocks) -> Blocks:
+            if not (q.shape[-2] and kv[0].shape[-2]):
+                return tuple(t.zero_() for t in ring.empty(item))
+            dq_b, dk_b, dv_b = block_backward(dout, q, *kv, out, lse, scale)
+            dq.add_(dq_b)
+            return dk_b, dv_b
 
-class _HomeGrads:
-    """This rank's key / value gradients, filled piece by piece as the accumulators come
-    home; allocated at the first (with one piece: after the ring, when the pieces in flight
-    are gone, so the peak does not hold them)."""
-
-    def __init__(self, ring: Ring, k: Tensor, v: Tensor) -> None:
-        self.ring, self.like, self.grads = ring, (k, v), None
-
-    def store(self, piece: int, grads: tuple[Tensor, Tensor]) -> None:
-        if self.ring.pieces == 1:  # the whole block: the received buffers are the gradients
-            self.grads = grads
-            return
-        if self.grads is None:
-            self.grads = tuple(torch.empty_like(t) for t in self.like)
-        for dst, src in zip(self.ring.own_slice(self.grads, piece), grads, strict=True):
-            dst.copy_(src)
+        dk, dv = ring.backward((k, v), grads_of)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attention(
@@ -143,7 +271,7 @@ def ring_attention(
     every rank of ``group`` (``sizes``: how many each holds), differentiable. ``q``, ``k``,
     ``v`` hold this rank's tokens in the same order; the result is this rank's queries'.
     ``pieces``: how many pieces each key / value block travels in (``m``, the same on
-    every rank; by default ``_ring_blocks.auto_pieces(sizes)``)."""
+    every rank; by default ``auto_pieces(sizes)``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)

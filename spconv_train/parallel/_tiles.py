@@ -1,46 +1,51 @@
-"""H x W tiles: an NCHW image sharded along H and W over a 2-D spatial mesh.
+"""The layout's sharded axes, and the halo window of any window op over them
+(``docs/tiles.md``, ``docs/extending.md``).
 
-``[Shard(2), Shard(3)]`` on a ``(sp_h, sp_w)`` mesh (``[Shard(0), Shard(2), Shard(3)]`` on
-``(dp, sp_h, sp_w)``) gives every rank a tile; ``SpatialLayout.axes`` lists the
-``(tensor dim, mesh dim)`` of each sharded spatial dim. No new halo code: the one-dim window
-machinery (``plan_window``, ``gather_window``, ``gather_columns``) works along the last
-tensor dim, so a tile op moves one sharded dim last at a time (``along``), as every layout
-does (a volume sharded along D or H too). The halo is fetched along W first over the ``sp_w`` group,
-then along H over the ``sp_h`` group *on the W window*, halo columns included: the H
-neighbour's W halo is the diagonal neighbour's data, so the corners arrive in two
-neighbour-only exchanges. The backward is the adjoint of that composition (autograd chains
-the two exchanges' adjoints). Padding is separable per dim, so padding each sharded dim
-inside its exchange and the unsharded ones locally equals padding all at once.
+A layout shards some spatial dims, each over one mesh dim (``layout_axes``: a strip's one
+axis, a tile's or block's two or three, none when replicated). A window op computes
+output ``j`` of a dim from inputs ``j * stride - pad_lo + t * dilation``, ``t < kernel``,
+so each rank needs its part, a halo from its neighbours and the image edges padded in the
+op's mode. ``tile_window`` builds that window on every layout with the one-dim machinery
+(``_window``), one sharded dim moved last at a time: W first, then H *on the W window*,
+then D, so the corners come from the diagonal neighbours in neighbour-only exchanges, and
+the backward is the chain of the exchanges' adjoints. The unchanged local op then runs on
+the window with padding 0; ``HaloWindow.wrap`` makes its result the output DTensor.
+``halo_window`` is the same for op authors, the geometry given as ``F.conv*d`` takes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
-from ._geometry import window_out_size
-from ._sharding import SpatialLayout
-from ._window import WindowStep, gather_window, plan_window, saving_steps_by_reference
+from ._geometry import SpatialShardingError, window_out_size
+from ._sharding import SpatialLayout, enter, leave, spatial_layout
+from ._window import PAD_MODES, WindowStep, gather_window, plan_window, saving_steps_by_reference
 
 #: one spatial dim's window geometry: kernel, stride, dilation, padding before, padding after
 Geom = tuple[int, int, int, int, int]
+IntOrSeq = int | Sequence[int]
 
 
-def layout_axes(layout: SpatialLayout) -> tuple[tuple[int, int], ...]:
+def layout_axes(layout: SpatialLayout | None) -> tuple[tuple[int, int], ...]:
     """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout, in tensor-dim
     order: a tile's or block's axes, a strip's one axis, none for a spatially replicated
-    input. Ops written over this list run on every layout (strips are the one-axis case)."""
+    input (or ``None``, a plain tensor). Ops written over this list run on every layout
+    (strips are the one-axis case)."""
+    if layout is None:
+        return ()
     if layout.axes:
         return layout.axes
     return ((layout.dim, layout.sp_dim),) if layout.width_sharded else ()
 
 
-def axis_of(layout: SpatialLayout, d: int) -> tuple[int, int, object] | None:
+def axis_of(layout: SpatialLayout | None, d: int) -> tuple[int, int, object] | None:
     """``(parts, rank, group)`` of the mesh dimension sharding tensor dim ``d`` of any
     layout (``layout_axes``), or ``None`` when ``d`` is not sharded."""
     for td, m in layout_axes(layout):
@@ -68,37 +73,84 @@ def ceil_geom(size: int, k: int, s: int, d: int, p: int, ceil_mode: bool) -> Geo
 
 
 @dataclass(frozen=True)
-class TileWindow:
-    """A tile's window and where its outputs go, per spatial tensor dim."""
+class HaloWindow:
+    """This rank's input window for a window op, and the way back to the output DTensor."""
 
+    #: the window (local part + halos + edge padding): run the op on it with padding 0
     window: Tensor
-    #: global output size per spatial dim
+    #: the input's layout (``None`` for a plain tensor)
+    layout: SpatialLayout | None
+    #: the global input shape
+    input_shape: tuple[int, ...]
+    #: ``{spatial tensor dim: size}``: the global output size
     out_sizes: dict[int, int]
-    #: this rank's global output range per spatial dim
+    #: ``{spatial tensor dim: (start, stop)}``: the global output positions this rank computes
     out_ranges: dict[int, tuple[int, int]]
     #: global input index of the window's first element per spatial dim (may be negative)
     starts: dict[int, int]
-    #: the exchanges that built ``window`` from the local tile, in order (W, then H, then D)
+    what: str = "halo_window"
+    #: the exchanges that built ``window`` from the local part, in order (W, then H, then D)
     steps: tuple[WindowStep, ...] = ()
     #: ``window`` is not just the chain of ``steps`` (padded locally afterwards, or cropped)
     reshaped: bool = True
+    #: the local part the window was built from, and the edge padding value
+    source: Tensor | None = None
+    value: float = 0.0
+
+    @property
+    def local(self) -> Tensor:
+        """The window (the name op authors use: the local input of the op)."""
+        return self.window
+
+    @property
+    def grad_groups(self) -> tuple:
+        """Groups over which a parameter gradient computed on this window is a partial sum
+        (give them to ``sum_grad_over``); empty for a plain tensor."""
+        return self.layout.grad_groups if self.layout is not None else ()
+
+    def wrap(self, out: Tensor) -> Tensor:
+        """The op's local result on ``local`` as the output DTensor (laid out like the
+        input; its spatial dims have the global output sizes, its other dims are what
+        ``out`` has). A plain tensor is returned as it is."""
+        for d, (lo, hi) in self.out_ranges.items():
+            if out.ndim != len(self.input_shape) or out.shape[d] != hi - lo:
+                raise SpatialShardingError(
+                    f"{self.what}: the local result has shape {tuple(out.shape)}; dim {d} must "
+                    f"hold this rank's {hi - lo} output positions (run the op on "
+                    f"HaloWindow.local with padding 0 and the same kernel, stride, dilation)"
+                )
+        if self.layout is None:
+            return out
+        return leave(out, self.layout, tile_shape(self.input_shape, out, self))
+
+    def saving(self):
+        """Context: an op run inside it that saves ``local`` for its backward keeps the local
+        part by reference plus the thin halo slabs of every exchange (edges and corners)
+        instead of the window copy, and rebuilds the window in the backward (activation
+        memory of a sharded conv: one device's / N; ``_window.saving_steps_by_reference``).
+        A no-op for windows padded locally, cropped or built in a non-constant mode, and
+        for plain tensors."""
+        if self.reshaped or not self.steps or not torch.is_grad_enabled():
+            return contextlib.nullcontext()
+        return saving_steps_by_reference(self.window, self.source, self.steps, self.value)
 
 
 def tile_window(
     local: Tensor,
     shape: tuple[int, ...],
-    layout: SpatialLayout,
+    layout: SpatialLayout | None,
     what: str,
     geoms: dict[int, Geom],
     mode: str = "zeros",
     value: float = 0.0,
     pad_local: bool = True,
-) -> TileWindow:
+) -> HaloWindow:
     """This rank's window (halos and corners fetched, every image edge padded in ``mode``)
     for a window op of geometry ``geoms`` (one per spatial tensor dim of the global
-    ``shape``). The local op then runs with padding 0 and ``ceil_mode`` off. Differentiable.
-    ``pad_local=False`` leaves the padding of the dims no mesh dim shards to the local op.
-    Raises ``SpatialShardingError`` (naming ``what``) for tiles narrower than the halo."""
+    ``shape``; ``layout=None``: ``local`` is a plain tensor). The local op then runs with
+    padding 0 and ``ceil_mode`` off. Differentiable. ``pad_local=False`` leaves the padding
+    of the dims no mesh dim shards to the local op. Raises ``SpatialShardingError``
+    (naming ``what``) for parts narrower than the halo."""
     t = local
     sizes, ranges, starts = {}, {}, {}
     steps, cropped = [], False
@@ -111,9 +163,7 @@ def tile_window(
             continue
         parts, rank, group = ax
         wp = plan_window(what, shape[d], parts, k, s, dil, lo, hi, mode)
-        t = along(
-            t, d, lambda m, wp=wp, rank=rank, group=group: _gather(m, wp, rank, group, mode, value)
-        )
+        t = along(t, d, lambda m, wp=wp, ax=ax: _gather(m, wp, *ax[1:], mode, value))
         pl, pr, cl, cr = wp.edges[rank]
         steps.append(WindowStep(d, wp.exchange, rank, pl, pr, t))
         cropped = cropped or bool(cl or cr)
@@ -129,17 +179,9 @@ def tile_window(
         else:
             t = F.pad(t, pads, mode=mode)
     reshaped = cropped or any(pads) or mode not in ("zeros", "constant")
-    return TileWindow(t, sizes, ranges, starts, tuple(steps), reshaped)
-
-
-def saving_tile_window(tw: TileWindow, local: Tensor, value: float = 0.0):
-    """While active, an op that saves ``tw.window`` for its backward keeps the local tile by
-    reference plus the thin halo slabs of every exchange (edges and corners) instead of the
-    window copy, and rebuilds the window in the backward (``_window.saving_steps_by_reference``).
-    A no-op context for a window padded locally, cropped or built in a non-constant mode."""
-    if tw.reshaped or not tw.steps or not torch.is_grad_enabled():
-        return contextlib.nullcontext()
-    return saving_steps_by_reference(tw.window, local, tw.steps, value)
+    return HaloWindow(
+        t, layout, shape, sizes, ranges, starts, what, tuple(steps), reshaped, local, value
+    )
 
 
 def _gather(m: Tensor, wp, rank: int, group, mode: str, value: float) -> Tensor:
@@ -152,10 +194,63 @@ def _gather(m: Tensor, wp, rank: int, group, mode: str, value: float) -> Tensor:
     return g.reshape(*shape[:-1], g.shape[-1])
 
 
-def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: TileWindow) -> tuple[int, ...]:
+def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[int, ...]:
     """Global shape of a window op's output ``out``: global batch, the spatial dims' global
     output sizes, the other dims as computed."""
     shape = [x_shape[0], *out.shape[1:]]
     for d, n in tw.out_sizes.items():
         shape[d] = n
     return tuple(shape)
+
+
+def _geoms(ndim: int, kernel, stride, padding, dilation, what: str) -> dict[int, Geom]:
+    """``{tensor dim: (kernel, stride, dilation, pad_lo, pad_hi)}`` of every spatial dim."""
+    n = ndim - 2
+    per_dim = {"kernel": kernel, "stride": stride, "dilation": dilation, "padding": padding}
+    for name, v in per_dim.items():
+        per_dim[name] = [v] * n if isinstance(v, int) else list(v)
+        if len(per_dim[name]) != n:
+            raise SpatialShardingError(
+                f"{what}: {name}={v!r} needs one entry per spatial dim ({n}) or a single int"
+            )
+    ks, ss, ds, ps = per_dim.values()
+    pads = [(p, p) if isinstance(p, int) else tuple(p) for p in ps]
+    if any(len(p) != 2 or min(p) < 0 for p in pads) or min(ks + ss + ds) < 1:
+        raise SpatialShardingError(
+            f"{what}: kernel, stride, dilation must be >= 1 and padding >= 0 (an int or a "
+            f"(before, after) pair per dim), got kernel={kernel}, stride={stride}, "
+            f"dilation={dilation}, padding={padding}"
+        )
+    return {2 + i: (ks[i], ss[i], ds[i], *pads[i]) for i in range(n)}
+
+
+def halo_window(
+    x: Tensor,
+    kernel: IntOrSeq,
+    stride: IntOrSeq = 1,
+    padding: IntOrSeq | Sequence[tuple[int, int]] = 0,
+    dilation: IntOrSeq = 1,
+    padding_mode: str = "zeros",
+    value: float = 0.0,
+    what: str = "halo_window",
+) -> HaloWindow:
+    """This rank's input window for a window op of the given geometry on ``x`` (an NCHW
+    image or NCDHW volume, sharded in any layout, replicated, or a plain tensor).
+
+    ``kernel``, ``stride``, ``dilation``: an int or one per spatial dim; ``padding``: an int,
+    or per spatial dim an int or a ``(before, after)`` pair. ``padding_mode`` is one of
+    ``"zeros"``, ``"constant"`` (with ``value``; e.g. ``-inf`` for a max), ``"reflect"``,
+    ``"replicate"``, ``"circular"`` (as ``F.pad``). Raises ``SpatialShardingError`` naming
+    ``what`` when a rank's part is narrower than the halo it must lend, or would have no
+    output. Differentiable: the halo's backward sends the gradients of borrowed positions
+    back to their owners."""
+    if padding_mode not in PAD_MODES:
+        raise SpatialShardingError(
+            f"{what}: padding_mode {padding_mode!r} is not one of {list(PAD_MODES)}"
+        )
+    geoms = _geoms(x.ndim, kernel, stride, padding, dilation, what)
+    layout = None
+    if isinstance(x, DTensor):
+        x, layout = spatial_layout(x, what, ndim=x.ndim, tiles=True)
+    local = enter(x) if layout is not None else x
+    return tile_window(local, tuple(x.shape), layout, what, geoms, padding_mode, value)

@@ -1,9 +1,10 @@
-"""Window ops (convolution, pooling) on width strips: plan the halo, fetch it, pad the edges.
+"""A window op's halo along one sharded dim (the last), and windows saved by reference.
 
-``plan_window`` turns a layer's width geometry into an ``ExchangePlan`` plus, per rank, the
-padding to add at the image edges and the columns to crop afterwards. ``gather_window``
-runs it: after it, the unchanged local op runs with width padding 0 and produces exactly
-this rank's output columns (DTensor chunking of the output width).
+``plan_window`` turns a layer's geometry along the dim into an ``ExchangePlan`` plus, per
+rank, the padding to add at the image edges and the positions to crop afterwards.
+``gather_window`` runs it: the unchanged local op then runs with padding 0 along the dim
+and produces exactly this rank's outputs (DTensor chunking). ``_tiles.tile_window`` chains
+it over every sharded dim of a layout. ``saving_steps_by_reference``: below.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ def plan_window(
     pad_lo: int,
     pad_hi: int,
     mode: str = "zeros",
-    ceil_mode: bool = False,
 ) -> WindowPlan:
-    """Plan a window op of the given width geometry over ``parts`` spatial ranks.
+    """Plan a window op of the given width geometry over ``parts`` spatial ranks (a pool's
+    ``ceil_mode``: as extra ``pad_hi``, ``_tiles.ceil_geom``).
 
     Raises ``SpatialShardingError`` (naming ``what``) when a strip is empty or narrower than
     the halo it must give to its neighbour.
@@ -90,15 +91,13 @@ def plan_window(
     if mode not in PAD_MODES:
         raise SpatialShardingError(f"{what}: padding mode {mode!r} is not supported")
     owned = check_strips(what, width, parts, "input")
-    out_width = window_out_size(width, kernel, stride, dilation, pad_lo, pad_hi, ceil_mode)
+    out_width = window_out_size(width, kernel, stride, dilation, pad_lo, pad_hi)
     if out_width < 1:
         raise SpatialShardingError(f"{what}: input width {width} is too small for this window")
     out_bounds = check_strips(what, out_width, parts, "output")
     needed, edges = [], []
     for o0, o1 in out_bounds:
         lo, hi = window_input_range(o0, o1, kernel, stride, dilation, pad_lo)
-        if ceil_mode:
-            hi = min(hi, width + pad_hi)  # ceil_mode windows may run past the padding: clip
         srcs = _sources(lo, hi, width, mode)
         needed.append(tuple(srcs))
         if mode == "circular":
@@ -120,46 +119,24 @@ def gather_window(
     group,
     mode: str = "zeros",
     value: float = 0.0,
-    pad_h: tuple[int, int] = (0, 0),
 ) -> Tensor:
-    """Fetch this rank's window (halo included) and pad it at the image edges.
+    """Fetch this rank's window (halo included) along the last dim and pad it at the image
+    edges, so the local op afterwards runs with padding 0 along that dim.
 
     ``mode`` "zeros"/"constant" pads with ``value`` (e.g. ``-inf`` for max pooling);
-    "reflect"/"replicate"/"circular" follow ``F.pad``. ``pad_h`` pads the height the same way,
-    so the local op afterwards runs with padding 0.
+    "reflect"/"replicate"/"circular" follow ``F.pad``. ``halo_window`` does the same for
+    every sharded dim of any layout.
     """
     pl, pr, cl, cr = wp.edges[rank]
     if mode in ("zeros", "constant"):
         # The width padding is written straight into the window buffer (no extra copy).
         g = gather_columns(local, wp.exchange, rank, group, pl, pr, value)
-        if any(pad_h):
-            g = F.pad(g, (0, 0, *pad_h), mode="constant", value=value)
-        return g.narrow(-1, cl, g.shape[-1] - cl - cr) if cl or cr else g
-    g = gather_columns(local, wp.exchange, rank, group)
-    if mode == "circular":
-        if any(pad_h):
-            g = F.pad(g, (0, 0, *pad_h), mode="circular")
-    elif pl or pr or any(pad_h):
-        g = F.pad(g, (pl, pr, *pad_h), mode=mode)
-    if cl or cr:
-        g = g.narrow(-1, cl, g.shape[-1] - cl - cr)
-    return g
-
-
-def saving_plain_window(
-    window: Tensor, local: Tensor, wp: WindowPlan, rank: int, value=0.0, dim: int = -1
-):
-    """``saving_window_by_reference`` for a window from ``gather_window`` (along tensor dim
-    ``dim``) in a constant mode with no other padding and no crop (a no-op context
-    otherwise, or without autograd)."""
-    pl, pr, cl, cr = wp.edges[rank]
-    dim %= window.dim()
-    pairs = zip(window.shape, local.shape, strict=True)
-    padded = any(n != m for i, (n, m) in enumerate(pairs) if i != dim)  # e.g. pad_h
-    if cl or cr or padded or not torch.is_grad_enabled():
-        return contextlib.nullcontext()
-    step = WindowStep(dim, wp.exchange, rank, pl, pr, window)
-    return saving_steps_by_reference(window, local, (step,), value)
+    else:
+        g = gather_columns(local, wp.exchange, rank, group)
+        if pl or pr:  # (a circular window wraps around in the exchange: never padded)
+            # two dims listed: F.pad's modes take a 3-D or a 4-D tensor then
+            g = F.pad(g, (pl, pr, 0, 0), mode=mode)
+    return g.narrow(-1, cl, g.shape[-1] - cl - cr) if cl or cr else g
 
 
 @dataclass(frozen=True)
@@ -249,30 +226,21 @@ def _cut(t: Tensor, cuts: dict) -> Tensor:
     return t
 
 
-def saving_window_by_reference(
-    window: Tensor, local: Tensor, exchange, rank: int, pad_lo=0, pad_hi=0, value=0.0
-):
-    """While active, an op that saves ``window`` (built by ``gather_columns`` from ``local``
-    with ``exchange``, ``pad_lo``/``pad_hi`` columns of ``value`` around it) for its backward
-    saves a recipe instead (the strip by reference plus its halo columns) and rebuilds the
-    window in the backward.
-
-    Without it, a convolution's saved input (strip + halo, a separate buffer) would sit next
-    to the strip itself, saved by the op before it: twice the activation memory of one device.
-    A no-op when the current runtime's ``save_windows_by_reference`` option is off.
-    """
-    step = WindowStep(window.dim() - 1, exchange, rank, pad_lo, pad_hi, window)
-    return saving_steps_by_reference(window, local, (step,), value)
-
-
 def _shares(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 @contextlib.contextmanager
 def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
-    """``saving_window_by_reference`` for a window built from ``local`` by the exchanges
-    ``steps`` (``WindowStep``, in order; one per sharded dim of a tile or volume)."""
+    """While active, an op that saves ``window`` (built from ``local`` by the exchanges
+    ``steps``, ``WindowStep``, in order: one per sharded dim; edge padding of ``value``) for
+    its backward saves a recipe instead (``local`` by reference plus its halo slabs) and
+    rebuilds the window in the backward.
+
+    Without it, a convolution's saved input (part + halo, a separate buffer) would sit next
+    to the part itself, saved by the op before it: twice the activation memory of one
+    device. A no-op when the current runtime's ``save_windows_by_reference`` option is off.
+    """
 
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``

@@ -30,7 +30,6 @@ from torch import nn
 from . import _mode, _parallelize
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
-from ._halo_window import HaloWindow, halo_window
 from ._install import install
 from ._mode import SpatialMode
 from ._registry import HandlerRegistry
@@ -46,6 +45,7 @@ from ._sharding import (
     sharding_mesh_dims,
     spatial_layout,
 )
+from ._tiles import HaloWindow, halo_window
 from ._window import WindowPlan, gather_window, plan_window
 
 __all__ = [
