@@ -1,5 +1,10 @@
 """Name the module an op runs in, and turn DTensor's own errors into clear refusals.
 
+``module_label`` formats a spatial layer's ``path (Type(extra_repr))`` once per module and
+keeps it there: the hyperparameters are fixed once it is built, so formatting
+``extra_repr`` on every forward would be repeated work. ``parallelize`` renaming the module
+(its ``spatial_name``) rebuilds it.
+
 An op without a spatial handler falls through to DTensor, whose failures on a sharded
 activation read like internal errors ("aten.native_layer_norm.default got mixed
 torch.Tensor and DTensor", "Cannot unflatten unevenly sharded tensor"). ``SpatialMode``
@@ -10,6 +15,7 @@ original message kept as the cause.
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._dtensor_guard import _active
@@ -31,6 +37,18 @@ def module_path() -> str:
     outside one)."""
     guard = _active()
     return guard.modules[-1] if guard is not None and guard.modules else "<model>"
+
+
+def module_label(module: nn.Module) -> str:
+    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module``, cached on it (the
+    class is the first ``torch.*`` one in its MRO: ``Conv2d`` for ``SpatialConv2d``)."""
+    name = getattr(module, "spatial_name", "") or "<module>"
+    cached = module.__dict__.get("_spatial_label")
+    if cached is None or cached[0] != name:
+        base = next(c for c in type(module).__mro__ if c.__module__.startswith("torch."))
+        cached = (name, f"{name} ({base.__name__}({module.extra_repr()}))")
+        module.__dict__["_spatial_label"] = cached  # plain attribute, not a parameter or buffer
+    return cached[1]
 
 
 def _placements(args, kwargs) -> list[str]:

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from ._errors import module_label
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
-from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._runtime import current_runtime
