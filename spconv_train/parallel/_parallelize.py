@@ -23,9 +23,9 @@ from ._dtensor_guard import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._install import install
 from ._mode import SpatialMode
+from ._replicas import broadcast_model_state
 from ._runtime import SpatialOptions, SpatialRuntime
 from ._sharding import TILE_MESH_NAMES
-from ._sync import broadcast_model_state
 
 _SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
 _REFUSED_MODULES: dict[type[nn.Module], str] = {
