@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ._compile import not_traced, run_eagerly
 from ._dims import SP
-from ._dtensor_guard import gather_guard, track_module_paths
+from ._errors import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._install import install
 from ._mode import SpatialMode
