@@ -37,15 +37,6 @@ import os
 import time
 from collections.abc import Iterator
 
-__all__ = [
-    "ENV",
-    "GLOO_THREAD_PREFIXES",
-    "gloo_thread_ids",
-    "gloo_threads_idle",
-    "restore_gloo_threads",
-    "yield_gloo_threads",
-]
-
 ENV = "SPCONV_GLOO_THREADS"
 #: ``/proc/<pid>/task/<tid>/comm`` prefixes of gloo's loop thread and ProcessGroupGloo's
 #: collective workers (``gloo_tcp_loop``, ``pt_gloo_runloop``).
