@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import GRID_MESH_DIMS, ParallelDims, contiguous_stride
+from ._dims import GRID_MESH_DIMS, ParallelDims, from_local
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 
@@ -244,11 +244,4 @@ def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> 
     The backward of ``from_local`` redistributes an incoming gradient of any placement
     (``Replicate``, ``Partial``, ...) to this layout before handing it to local code.
     """
-    return DTensor.from_local(
-        local,
-        like.mesh,
-        like.placements,
-        run_check=False,
-        shape=tuple(global_shape),
-        stride=contiguous_stride(tuple(global_shape)),
-    )
+    return from_local(local, like.mesh, like.placements, global_shape)
