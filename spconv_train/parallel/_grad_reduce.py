@@ -30,6 +30,7 @@ on CPU (gloo) is summed by one exchange instead, on its own message tag
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -65,11 +66,8 @@ def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Buc
     open_: dict[tuple, tuple[list, int]] = {}
 
     def close(key: tuple) -> None:
-        params, size = open_.pop(key)
-        offsets, at = [], 0
-        for p in params:
-            offsets.append(at)
-            at += p.numel()
+        params, _ = open_.pop(key)
+        *offsets, at = itertools.accumulate((p.numel() for p in params), initial=0)
         buffer = params[0].new_empty(at + len(params))
         buckets.append(_Bucket(key[0], params, offsets, buffer, at))
 
