@@ -29,14 +29,15 @@ from ._comm_threads import gloo_threads_idle, restore_gloo_threads
 from ._dims import ParallelDims
 from ._geometry import SpatialShardingError
 from ._parallelize import parallelize
-from ._replicas import (
-    full_parameters,
-    is_sharded,
+from ._replicas import full_parameters, is_sharded, replicate_gradients, shard_parameters
+from ._runtime import (
+    SpatialOptions,
+    SpatialRuntime,
+    SpatialStats,
+    current_runtime,
     local_module,
-    replicate_gradients,
-    shard_parameters,
+    runtime_of,
 )
-from ._runtime import SpatialOptions, SpatialRuntime, SpatialStats, current_runtime, runtime_of
 
 __all__ = [
     "CommAudit",

@@ -75,7 +75,7 @@ class _Guard:
 #: The active guard, per thread. A ``threading.local`` on purpose: Dynamo cannot trace it,
 #: so under ``torch.compile`` it graph-breaks where the parallelized forward enters the
 #: guard and runs that entry eagerly (``_parallelize._SpatialContext``); a traceable store
-#: (a context variable's list) made Dynamo trace into the entry and break inside it.
+#: (a context variable's list) would let Dynamo trace into the entry and break inside it.
 _local = threading.local()
 #: Allowed gathers (``allow_gather=True``) in this process, oldest first.
 GATHER_EVENTS: list[GatherEvent] = []

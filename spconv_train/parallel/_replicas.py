@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ._comm_threads import gloo_threads_idle
-from ._runtime import runtime_of
+from ._runtime import local_module, runtime_of
 
 
 def _broadcast_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
@@ -179,7 +179,7 @@ def replicate_gradients(model: nn.Module) -> nn.Module:
     prefix; ``local_module`` gives the wrapped model back.
     """
     runtime = runtime_of(model)
-    if isinstance(model, DistributedDataParallel):
+    if local_module(model) is not model:
         raise ValueError("replicate_gradients: the model is wrapped in DDP already")
     mesh = flat_mesh(runtime.mesh)
     if mesh.size() == 1:
@@ -191,10 +191,3 @@ def replicate_gradients(model: nn.Module) -> nn.Module:
         static_graph=True,
         forward_sync_buffers=False,
     )
-
-
-def local_module(model: nn.Module) -> nn.Module:
-    """The parallelized model inside a ``replicate_gradients`` (DDP) wrapper; any other
-    model as it is. Validation and start-up probes call it: its forwards need no DDP
-    bookkeeping and no lock-step between data-parallel replicas."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
