@@ -64,9 +64,9 @@ def _worker(rank: int, world: int, port: int, name: str, args, queue) -> None:
 
     mesh = init_worker(rank, world, port, args)
     torch.manual_seed(0)
-    eager = parallelize(
-        build(name, args).to(args.device), mesh, trace_under_compile=args.trace_under_compile
-    )
+    opts = {"trace_under_compile": args.trace_under_compile}
+    opts["trace_dtensor_ops"] = args.trace_dtensor_ops
+    eager = parallelize(build(name, args).to(args.device), mesh, **opts)
     compiled = torch.compile(copy.deepcopy(eager), backend=args.backend, dynamic=False)
     g = torch.Generator().manual_seed(1)
     img = torch.randn(1, 3, args.height, args.width, generator=g).to(args.device)
@@ -150,11 +150,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="parallelize(..., trace_under_compile=True): Dynamo traces the model's code",
     )
+    ap.add_argument(
+        "--trace-dtensor-ops",
+        action="store_true",
+        help="parallelize(..., trace_dtensor_ops=True): DTensor ops in the compiled graphs",
+    )
     args = ap.parse_args(argv)
     print(
         f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
         f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
         f"backend {args.backend}, trace_under_compile {args.trace_under_compile}, "
+        f"trace_dtensor_ops {args.trace_dtensor_ops}, "
         f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
         file=sys.stderr,
     )

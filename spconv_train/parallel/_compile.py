@@ -41,6 +41,8 @@ from torch import Tensor
 
 __all__ = [
     "eager_from_eager",
+    "graph_handler",
+    "in_dtensor_graphs",
     "not_traced",
     "route_through_modes",
     "run_eagerly",
@@ -86,6 +88,21 @@ def eager_from_eager(fn: F) -> F:
 def run_eagerly(fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)``, eagerly under ``torch.compile`` (a graph break)."""
     return fn(*args, **kwargs)
+
+
+def graph_handler(handler: F) -> F:
+    """Mark ``handler`` as graph material under the ``trace_dtensor_ops`` option: its only
+    DTensor work is ``to_local`` / ``from_local`` around plain local ops (no exchange, no
+    collective, no cached plan), so Dynamo may inline it into a graph with DTensor inputs."""
+    # an attribute, not a set: Dynamo cannot guard a set lookup of an object it reached
+    # through the mode stack (NameError in its guard code, torch 2.14.1)
+    handler.in_dtensor_graphs = True
+    return handler
+
+
+def in_dtensor_graphs(handler: Callable) -> bool:
+    """Whether ``handler`` is traced under ``trace_dtensor_ops`` (``graph_handler``)."""
+    return getattr(handler, "in_dtensor_graphs", False)
 
 
 def traced_dtensor_op(func: Callable) -> bool:
