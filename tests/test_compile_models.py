@@ -113,11 +113,20 @@ def _step(run, x) -> DTensor:
     return out.detach()
 
 
-def compile_case(name: str, trace: bool = True) -> dict:
+#: ``parallelize`` options per mode of ``compile_case``
+MODES = {
+    "default": {},
+    "trace": {"trace_under_compile": True},
+    "dtensor": {"trace_dtensor_ops": True},
+}
+
+
+def compile_case(name: str, mode: str = "trace") -> dict:
     """Eager vs compiled over two steps (new input each step); what Dynamo did.
-    ``trace``: the ``trace_under_compile`` option."""
+    ``mode``: a key of ``MODES``; graphs with DTensor inputs fail the case unless it is
+    ``"dtensor"``."""
     dmesh = mesh(2)
-    eager = parallelize(build(name), dmesh, trace_under_compile=trace)
+    eager = parallelize(build(name), dmesh, **MODES[mode])
     comp_model = copy.deepcopy(eager)
     backend = RecordingBackend()
     compiled = torch.compile(comp_model, backend=backend, dynamic=False)
@@ -142,7 +151,9 @@ def compile_case(name: str, trace: bool = True) -> dict:
             check_close(f"step {step} {pname} grad", p.grad, q.grad, 1e-10, failures)
     counters = dynamo.utils.counters
     return {
-        "failures": failures + backend.dtensor_graphs,
+        "failures": failures + (backend.dtensor_graphs if mode != "dtensor" else []),
+        "graphs": backend.graphs,
+        "dtensor_graphs": len(backend.dtensor_graphs),
         "graph_breaks": sum(counters["graph_break"].values()),
         "frames_first": frames_first,
         "frames_later": counters["frames"]["ok"] - frames_first,
@@ -166,7 +177,18 @@ def test_compiled_equals_eager(dist_pool, name):
 def test_default_runs_parallelized_forward_eagerly(dist_pool, name):
     """Without ``trace_under_compile`` the parallelized forward is one graph break: equal
     to eager, nothing traced inside it, nothing recompiled."""
-    for rank, res in enumerate(dist_pool.run(2, compile_case, name, False)):
+    for rank, res in enumerate(dist_pool.run(2, compile_case, name, "default")):
         assert not res["failures"], f"{name}, rank {rank}:\n" + "\n".join(res["failures"])
         assert res["frames_later"] == 0, f"{name}: {res['frames_later']} frames recompiled"
         assert res["graph_breaks"] == 1 and res["frames_first"] <= 4, res
+
+
+@pytest.mark.parametrize("name", ["smp_unet"])  # the U-Net: tests/test_compile.py
+def test_dtensor_graphs_equal_eager(dist_pool, name):
+    """``trace_dtensor_ops``: DTensor ops and element-wise handlers are compiled (graphs
+    with DTensor inputs: smp's residual ``out += identity`` + ReLU, its ReLUs), forward
+    and every gradient equal eager, nothing recompiled."""
+    for rank, res in enumerate(dist_pool.run(2, compile_case, name, "dtensor")):
+        assert not res["failures"], f"{name}, rank {rank}:\n" + "\n".join(res["failures"])
+        assert res["frames_later"] == 0, f"{name}: {res['frames_later']} frames recompiled"
+        assert res["dtensor_graphs"] > 0 and res["graphs"] == res["dtensor_graphs"], res

@@ -43,6 +43,7 @@ __all__ = [
     "eager_from_eager",
     "graph_handler",
     "in_dtensor_graphs",
+    "out_of_place",
     "not_traced",
     "route_through_modes",
     "run_eagerly",
@@ -103,6 +104,28 @@ def graph_handler(handler: F) -> F:
 def in_dtensor_graphs(handler: Callable) -> bool:
     """Whether ``handler`` is traced under ``trace_dtensor_ops`` (``graph_handler``)."""
     return getattr(handler, "in_dtensor_graphs", False)
+
+
+# ``a += b`` on a DTensor graph input is an input mutation AOTAutograd cannot
+# differentiate through a later ``to_local`` (torch 2.14.1: "aten.add.Tensor got mixed
+# torch.Tensor and DTensor" while tracing the joint graph; the residual blocks of
+# torchvision's and smp's ResNets). Dynamo hands ``a += b`` to the mode as ``Tensor.add_``;
+# the statement rebinds ``a`` to the result, so the out-of-place op gives the same value.
+# Code that calls ``x.add_(y)`` on a DTensor activation for its side effect alone is not
+# supported under ``trace_dtensor_ops`` (the result it drops is the update).
+_OUT_OF_PLACE = {
+    Tensor.__iadd__: Tensor.__add__,
+    Tensor.__isub__: Tensor.__sub__,
+    Tensor.__imul__: Tensor.__mul__,
+    Tensor.__itruediv__: Tensor.__truediv__,
+    Tensor.add_: Tensor.add,
+}
+
+
+def out_of_place(func: Callable) -> Callable:
+    """The out-of-place form of an augmented assignment (``a += b``), else ``func``: in
+    DTensor graphs (``trace_dtensor_ops``) a graph input is not mutated (see above)."""
+    return _OUT_OF_PLACE.get(func, func)
 
 
 def traced_dtensor_op(func: Callable) -> bool:

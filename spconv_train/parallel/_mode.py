@@ -22,7 +22,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from ._compile import eager_from_eager, in_dtensor_graphs, run_eagerly, traced_dtensor_op
+from ._compile import (
+    eager_from_eager,
+    in_dtensor_graphs,
+    out_of_place,
+    run_eagerly,
+    traced_dtensor_op,
+)
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._install import install
@@ -95,6 +101,8 @@ class SpatialMode(TorchFunctionMode):
         kwargs = kwargs or {}
         entry = self.runtime.registry.lookup(func)
         graphs = torch.compiler.is_compiling() and self.dtensor_graphs
+        if graphs:
+            func = out_of_place(func)
         if entry is not None and _has_dtensor(args, kwargs):
             if entry.handler is not None:
                 if graphs and in_dtensor_graphs(entry.handler):
