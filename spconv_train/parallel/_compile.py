@@ -44,6 +44,7 @@ __all__ = [
     "graph_handler",
     "in_dtensor_graphs",
     "out_of_place",
+    "returns_view",
     "not_traced",
     "route_through_modes",
     "run_eagerly",
@@ -120,6 +121,29 @@ _OUT_OF_PLACE = {
     Tensor.__itruediv__: Tensor.__truediv__,
     Tensor.add_: Tensor.add,
 }
+
+
+# A graph whose output is a view of its DTensor input has AOTAutograd regenerate the view
+# outside the graph, and the backward of that view calls ``as_strided`` on a DTensor,
+# which DTensor refuses (torch 2.14.1: "as_strided not supported with DTensor", the
+# ConvNeXt block's ``permute``). A view costs nothing eagerly, so under
+# ``trace_dtensor_ops`` DTensor views run eagerly, between graphs.
+# fmt: off
+_VIEWS = frozenset({
+    Tensor.permute, torch.permute, Tensor.transpose, torch.transpose, Tensor.view,
+    Tensor.view_as, Tensor.reshape, torch.reshape, Tensor.reshape_as, Tensor.flatten,
+    torch.flatten, Tensor.unflatten, Tensor.squeeze, torch.squeeze, Tensor.unsqueeze,
+    torch.unsqueeze, Tensor.expand, Tensor.expand_as, Tensor.narrow, torch.narrow,
+    Tensor.movedim, torch.movedim, Tensor.t, Tensor.unbind, torch.unbind, Tensor.split,
+    torch.split, Tensor.chunk, torch.chunk, Tensor.detach, Tensor.__getitem__,
+    Tensor.contiguous,
+})
+# fmt: on
+
+
+def returns_view(func: Callable) -> bool:
+    """Whether ``func`` may return a view of its input (run eagerly in DTensor graphs)."""
+    return func in _VIEWS
 
 
 def out_of_place(func: Callable) -> Callable:

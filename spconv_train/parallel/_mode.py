@@ -26,6 +26,7 @@ from ._compile import (
     eager_from_eager,
     in_dtensor_graphs,
     out_of_place,
+    returns_view,
     run_eagerly,
     traced_dtensor_op,
 )
@@ -113,7 +114,7 @@ class SpatialMode(TorchFunctionMode):
             )
         if (
             torch.compiler.is_compiling()
-            and not graphs
+            and (not graphs or returns_view(func))
             and not traced_dtensor_op(func)
             and _has_dtensor(args, kwargs)
         ):
