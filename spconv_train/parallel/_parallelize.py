@@ -139,7 +139,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     raises ``SpatialShardingError`` naming the op and module; True: logged and counted in
     the runtime's ``stats.gathers``), ``trace_under_compile`` (default False: under
     ``torch.compile`` the parallelized forward runs eagerly as a whole; True: Dynamo traces
-    its plain-tensor code, see ``SpatialOptions``). Raises
+    its plain-tensor code, see ``SpatialOptions``), ``trace_dtensor_ops`` (default False;
+    True: DTensor ops and element-wise handlers are compiled too, ``_compile.py``). Raises
     ``SpatialShardingError`` naming every module that cannot run width-sharded, before
     changing anything; ``TypeError`` for an unknown option.
     """
