@@ -7,15 +7,16 @@ and what Dynamo made of it (graphs, graph breaks, frames compiled after the firs
 Models (``--models``): the built-in U-Net, ``lraspp`` (torchvision LR-ASPP MobileNetV3),
 ``smp_unet`` (smp Unet on resnet18, random init) and ``convnext`` (the ConvNeXt-style
 user block of ``tests/test_compile_models.py``).
+``--trace-under-compile`` and ``--trace-dtensor-ops`` select the ``parallelize`` option of
+that name (``spconv_train/parallel/_compile.py``: what each compiles).
 A second table times single element-wise ops compiled alone vs eager on one process, to
 show what inductor's CPU kernels cost on this machine independently of this project: on
-AVX2 CPUs (torch 2.14.1) a ``bool`` result (``t > 0``, the mask a ReLU saves for its
-backward) is stored through scalar loops and runs ~25x slower than eager, which is why the
-spatial layer keeps element-wise handlers eager under compile on CPU
-(``spconv_train/parallel/_compile.py``).
+the CPUs measured (torch 2.14.1) a ``bool`` result (``t > 0``, the mask a ReLU saves for
+its backward) runs 20-60x slower than eager, which makes the ReLU graphs of
+``trace_dtensor_ops`` slower than eager on CPU (docs/benchmarks.md).
 
 Usage: ``python scripts/bench_compile.py [--models unet lraspp --worlds 1 2 --height 256
---width 1024 --rounds 7]``
+--width 1024 --rounds 7 --trace-dtensor-ops]``
 (``make bench-compile``); ``--markdown`` prints Markdown tables for ``docs/benchmarks.md``.
 """
 
