@@ -11,9 +11,10 @@ Three modes, chosen by ``parallelize`` options (``SpatialOptions``):
 3. ``trace_dtensor_ops`` (opt-in): as 2, but DTensor's own ops (residual adds, products)
    and the element-wise handlers (``graph_handler``: ``to_local``, the plain op,
    ``from_local``) are traced into graphs with DTensor inputs and outputs
-   (``DTensorGraphMode``). Exact on the U-Net, LR-ASPP, smp Unet and a ConvNeXt-style
-   block at 2 ranks (fp64, ``tests/test_compile.py``, ``tests/test_compile_models.py``),
-   with torch 2.14.1 once two AOTAutograd failures are kept out of the graphs:
+   (``DTensorGraphMode``). Exact on the U-Net, smp Unet and a ConvNeXt-style block at 2
+   ranks (fp64, ``tests/test_compile.py``, ``tests/test_compile_models.py``; LR-ASPP is
+   exact too but compiles one frame again in its second step, docs/benchmarks.md), with
+   torch 2.14.1, once two AOTAutograd failures are kept out of the graphs:
 
    - ``a += b`` on a DTensor graph input (Dynamo hands it over as ``Tensor.add_``) is an
      input mutation whose joint graph fails ("aten.add.Tensor got mixed torch.Tensor and
