@@ -100,10 +100,10 @@ class SpatialMode(TorchFunctionMode):
     @eager_from_eager  # see _compile.py
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        entry = self.runtime.registry.lookup(func)
         graphs = torch.compiler.is_compiling() and self.dtensor_graphs
-        if graphs:
+        if graphs:  # before the lookup: ``a += p`` with a plain ``p`` takes ``add``'s handler
             func = out_of_place(func)
+        entry = self.runtime.registry.lookup(func)
         if entry is not None and _has_dtensor(args, kwargs):
             if entry.handler is not None:
                 if graphs and in_dtensor_graphs(entry.handler):
