@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ._compile import graph_handler
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._registry import function_name
@@ -81,7 +82,7 @@ def _make_local_handler(fn):
         return _wrap(input, fn(*bound.args, **bound.kwargs))
 
     handler.__name__ = f"spatial_{fn.__name__}"
-    return handler
+    return graph_handler(handler)
 
 
 for _name in _ELEMENTWISE:
