@@ -180,8 +180,10 @@ def test_default_runs_parallelized_forward_eagerly(dist_pool, name):
         assert res["graph_breaks"] == 1 and res["frames_first"] <= 4, res
 
 
-# (graph breaks, frames compiled) of the first step with ``trace_dtensor_ops``, torch 2.14.1
-MAX_BREAKS_FRAMES_DTENSOR = {"smp_unet": (31, 61), "convnext": (12, 27)}
+# (graph breaks, frames compiled, graphs) of the first step with ``trace_dtensor_ops``,
+# torch 2.14.1. smp's ResNet runs its in-place ReLUs and ``out += identity`` eagerly, in
+# place (parallel/_compile.py), so it compiles no graph: exact, and no recompile.
+MAX_BREAKS_FRAMES_DTENSOR = {"smp_unet": (36, 58, 0), "convnext": (12, 27, 2)}
 
 
 # the U-Net: tests/test_compile.py; LR-ASPP is exact too but compiles one frame again in
@@ -189,12 +191,12 @@ MAX_BREAKS_FRAMES_DTENSOR = {"smp_unet": (31, 61), "convnext": (12, 27)}
 @pytest.mark.parametrize("name", list(MAX_BREAKS_FRAMES_DTENSOR))
 def test_dtensor_graphs_equal_eager(dist_pool, name):
     """``trace_dtensor_ops``: DTensor ops and element-wise handlers are compiled (graphs
-    with DTensor inputs: smp's residual ``out += identity`` + ReLU and its ReLUs; the
-    ConvNeXt block's GELU and residual add, its ``permute`` views eager between graphs),
+    with DTensor inputs: the ConvNeXt block's GELU and residual add, its ``permute`` views
+    eager between graphs; smp's in-place ReLUs and residual adds eager, in place),
     forward and every gradient equal eager, nothing recompiled."""
     for rank, res in enumerate(dist_pool.run(2, compile_case, name, "dtensor")):
         assert not res["failures"], f"{name}, rank {rank}:\n" + "\n".join(res["failures"])
         assert res["frames_later"] == 0, f"{name}: {res['frames_later']} frames recompiled"
-        assert res["dtensor_graphs"] > 0 and res["graphs"] == res["dtensor_graphs"], res
-        breaks, frames = MAX_BREAKS_FRAMES_DTENSOR[name]
+        breaks, frames, graphs = MAX_BREAKS_FRAMES_DTENSOR[name]
+        assert res["dtensor_graphs"] >= graphs and res["graphs"] == res["dtensor_graphs"], res
         assert res["graph_breaks"] <= breaks and res["frames_first"] <= frames, res

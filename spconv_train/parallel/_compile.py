@@ -18,8 +18,9 @@ Three modes, chosen by ``parallelize`` options (``SpatialOptions``):
 
    - ``a += b`` on a DTensor graph input (Dynamo hands it over as ``Tensor.add_``) is an
      input mutation whose joint graph fails ("aten.add.Tensor got mixed torch.Tensor and
-     DTensor"): it runs out of place (``out_of_place``), which is the same value because
-     the statement rebinds ``a``;
+     DTensor"): in-place ops on DTensors run eagerly between graphs (``mutates_input``),
+     in place (running them out of place would drop the update of ``x.add_(y)`` called
+     for its side effect);
    - a graph output that views a DTensor input (a ``permute``) is regenerated outside the
      graph and its backward calls ``as_strided`` on a DTensor ("as_strided not supported
      with DTensor"): DTensor views run eagerly between graphs (``returns_view``).
@@ -27,7 +28,7 @@ Three modes, chosen by ``parallelize`` options (``SpatialOptions``):
    The other failures seen with DTensor graphs (``hardsigmoid_backward`` without a sharding
    strategy, tangents "must implement ``__coerce_same_metadata_as_tangent__``") do not
    occur once the element-wise functions go through their handlers (the plain op on the
-   local tensor) and the residual adds run out of place.
+   local tensor) and the residual adds run eagerly.
 
 In every mode:
 
@@ -61,7 +62,7 @@ __all__ = [
     "eager_from_eager",
     "graph_handler",
     "in_dtensor_graphs",
-    "out_of_place",
+    "mutates_input",
     "returns_view",
     "not_traced",
     "route_through_modes",
@@ -128,17 +129,14 @@ def in_dtensor_graphs(handler: Callable) -> bool:
 # ``a += b`` on a DTensor graph input is an input mutation AOTAutograd cannot
 # differentiate through a later ``to_local`` (torch 2.14.1: "aten.add.Tensor got mixed
 # torch.Tensor and DTensor" while tracing the joint graph; the residual blocks of
-# torchvision's and smp's ResNets). Dynamo hands ``a += b`` to the mode as ``Tensor.add_``;
-# the statement rebinds ``a`` to the result, so the out-of-place op gives the same value.
-# Code that calls ``x.add_(y)`` on a DTensor activation for its side effect alone is not
-# supported under ``trace_dtensor_ops`` (the result it drops is the update).
-_OUT_OF_PLACE = {
-    Tensor.__iadd__: Tensor.__add__,
-    Tensor.__isub__: Tensor.__sub__,
-    Tensor.__imul__: Tensor.__mul__,
-    Tensor.__itruediv__: Tensor.__truediv__,
-    Tensor.add_: Tensor.add,
-}
+# torchvision's and smp's ResNets). Dynamo hands ``a += b`` to the mode as ``Tensor.add_``.
+# Under ``trace_dtensor_ops`` such ops run eagerly, in place, between graphs.
+# fmt: off
+_IN_PLACE = frozenset({
+    Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.__itruediv__, Tensor.add_,
+    Tensor.sub_, Tensor.mul_, Tensor.div_,
+})
+# fmt: on
 
 
 # A graph whose output is a view of its DTensor input has AOTAutograd regenerate the view
@@ -164,10 +162,9 @@ def returns_view(func: Callable) -> bool:
     return func in _VIEWS
 
 
-def out_of_place(func: Callable) -> Callable:
-    """The out-of-place form of an augmented assignment (``a += b``), else ``func``: in
-    DTensor graphs (``trace_dtensor_ops``) a graph input is not mutated (see above)."""
-    return _OUT_OF_PLACE.get(func, func)
+def mutates_input(func: Callable) -> bool:
+    """Whether ``func`` is an in-place arithmetic op (run eagerly in DTensor graphs)."""
+    return func in _IN_PLACE
 
 
 def traced_dtensor_op(func: Callable) -> bool:

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from ._compile import (
     eager_from_eager,
     in_dtensor_graphs,
-    out_of_place,
+    mutates_input,
     returns_view,
     run_eagerly,
     traced_dtensor_op,
@@ -101,8 +101,9 @@ class SpatialMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         graphs = torch.compiler.is_compiling() and self.dtensor_graphs
-        if graphs:  # before the lookup: ``a += p`` with a plain ``p`` takes ``add``'s handler
-            func = out_of_place(func)
+        if graphs and mutates_input(func) and _has_dtensor(args, kwargs):
+            # in place, eagerly between graphs (see _compile.py); not compiling there
+            return run_eagerly(self.__torch_function__, func, types, args, kwargs)
         entry = self.runtime.registry.lookup(func)
         if entry is not None and _has_dtensor(args, kwargs):
             if entry.handler is not None:
