@@ -39,6 +39,10 @@ ARCHITECTURES = (
     "Segformer",
     "DPT",
 )
+#: SegFormer's Mix Transformer encoders, exact when sharded (``docs/attention.md``).
+MIT_ENCODERS = tuple(f"mit_b{i}" for i in range(6))
+#: Architectures that smp itself builds on no ``mit_*`` encoder.
+NO_MIT_ARCHS = ("UnetPlusPlus", "Linknet")
 #: Encoder name prefixes refused (see the module docstring).
 GLOBAL_ATTENTION_ENCODERS = ("tu-vit", "tu-deit", "tu-mvit", "tu-eva", "tu-beit")
 #: Architectures whose *decoder* attends over all pixels.
@@ -59,7 +63,19 @@ def _smp():
     return smp
 
 
+def mit_architectures() -> tuple[str, ...]:
+    """The registry's smp architectures that take the ``mit_*`` encoders."""
+    no = (*NO_MIT_ARCHS, *GLOBAL_ATTENTION_ARCHS)
+    return tuple(a for a in ARCHITECTURES if a not in no)
+
+
 def _check_encoder(arch: str, encoder: str) -> None:
+    if encoder.startswith("mit_b") and arch in NO_MIT_ARCHS:
+        raise ValueError(
+            f"model smp.{arch}: smp builds no {arch} on a Mix Transformer encoder "
+            f"({encoder!r}). Use it in one of "
+            f"{', '.join(f'smp.{a}' for a in mit_architectures())}, or another encoder."
+        )
     why = GLOBAL_ATTENTION_ARCHS.get(arch)
     if encoder.startswith(GLOBAL_ATTENTION_ENCODERS):
         why = f"encoder {encoder!r} uses global self-attention"
