@@ -117,6 +117,11 @@ SWIN_UNET = (
     "decoder_channels: [16, 16, 8, 8, 8], drop_path_rate: 0.0}"
 )
 UNETR = "{img_size: [32, %d], feature_size: 4, hidden_size: 32, mlp_dim: 64, num_heads: 2}"
+VIT_DPT = (
+    "{encoder_name: tu-vit_tiny_patch16_224, class_token: false, img_size: [32, 112], "
+    "embed_dim: 16, num_heads: 2, encoder_depth: 2, decoder_intermediate_channels: [8, 8], "
+    "decoder_fusion_channels: 8}"
+)
 # (label, world, registry name, model.kwargs, overrides); widths uneven at every stage
 YAML_CASES = [
     ("verify smp.Unet tu-swin @2", 2, "smp.Unet", SWIN_UNET % 96, ["data.height=64"]),
@@ -126,11 +131,19 @@ YAML_CASES = [
     ("verify monai.UNETR @3", 3, "monai.UNETR", UNETR % 112, ["data.width=112"]),
     ("verify monai.SwinUNETR @2", 2, "monai.SwinUNETR", None, []),
     ("verify monai.SwinUNETR @3", 3, "monai.SwinUNETR", None, ["data.width=160"]),
+    ("verify smp.DPT tu-vit @2", 2, "smp.DPT", VIT_DPT, ["data.width=112"]),
+    ("verify smp.DPT tu-vit @3", 3, "smp.DPT", VIT_DPT, ["data.width=112"]),
 ]  # fmt: skip
+# (label, world, kind of tests/test_swin_models.py, H, W)
+LIBRARY_CASES = [("smp.DPT tu-vit @3", 3, "smp_vit", 32, 80)]
+#: refused with SpatialShardingError (docs/attention.md, "Models"): token layouts of a
+#: volume split along H (the middle of the flattened D x H x W), a channels-last D split
+REFUSED = {"UNETR 3-D H @2", "UNETR 3-D H uneven @2", "SwinUNETR 3-D H @2", "SwinUNETR 3-D D @2"}
 # (label, world, kind, volume D x H x W, split tensor dim)
 VOLUME_CASES = [
     ("UNETR 3-D W @2", 2, "UNETR", (32, 32, 48), 4),
-    ("UNETR 3-D H @2", 2, "UNETR", (32, 48, 32), 3),
+    ("UNETR 3-D H @2", 2, "UNETR", (32, 64, 32), 3),
+    ("UNETR 3-D H uneven @2", 2, "UNETR", (32, 48, 32), 3),
     ("UNETR 3-D W @3", 3, "UNETR", (16, 32, 80), 4),
     ("SwinUNETR 3-D W @2", 2, "SwinUNETR", (32, 32, 96), 4),
     ("SwinUNETR 3-D H @2", 2, "SwinUNETR", (32, 96, 32), 3),
@@ -189,9 +202,11 @@ def transformer_checks(pool: DistPool, only: str) -> None:
     import time
 
     from tests.test_monai_3d import volume_failures
+    from tests.test_swin_models import model_failures
 
     jobs = [(c[0], c[1], yaml_check, c[2:]) for c in YAML_CASES]
     jobs += [(c[0], c[1], volume_failures, c[2:]) for c in VOLUME_CASES]
+    jobs += [(c[0], c[1], model_failures, c[2:]) for c in LIBRARY_CASES]
     jobs += [(c[0], c[1], mit_check, (c[1], *c[2:])) for c in MIT_CASES]
     for label, world, fn, args in jobs:
         if only not in label:
@@ -203,9 +218,32 @@ def transformer_checks(pool: DistPool, only: str) -> None:
             res = [[str(exc)[-600:]]]
         bad = sorted({line for rank in res for line in rank})
         took = time.perf_counter() - start
-        print(f"{label}: {'FAILED' if bad else 'OK'} ({took:.0f} s)", flush=True)
+        refused = label in REFUSED and all(b.startswith("SpatialShardingError") for b in bad)
+        verdict = "REFUSED as expected" if bad and refused else "FAILED" if bad else "OK"
+        print(f"{label}: {verdict} ({took:.0f} s)", flush=True)
         for line in bad[:8]:
             print("   ", line, flush=True)
+    if only in "mit grid":
+        mit_grid()
+
+
+def mit_grid() -> None:
+    """Every mit_b* encoder in every smp architecture that takes them, built through the
+    registry on the meta device (as tests/test_smp_mit_registry.py does for a part)."""
+    from unittest import mock
+
+    from segmentation_models_pytorch.encoders import mix_transformer
+
+    from spconv_train.models.smp_models import MIT_ENCODERS, mit_architectures
+    from tests.test_smp_mit_registry import built_encoders
+
+    linspace = torch.linspace
+    on_cpu = mock.patch.object(torch, "linspace", lambda *a, **k: linspace(*a, device="cpu"))
+    no_init = mock.patch.object(mix_transformer, "trunc_normal_", lambda t, **k: t)
+    with on_cpu, no_init, torch.device("meta"):
+        built = built_encoders(mit_architectures(), MIT_ENCODERS)
+    print(f"mit grid: {len(built)} models built ({', '.join(mit_architectures())} on", end=" ")
+    print(f"{', '.join(MIT_ENCODERS)})", flush=True)
 
 
 if __name__ == "__main__":
