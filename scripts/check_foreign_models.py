@@ -135,7 +135,10 @@ YAML_CASES = [
     ("verify smp.DPT tu-vit @3", 3, "smp.DPT", VIT_DPT, ["data.width=112"]),
 ]  # fmt: skip
 # (label, world, kind of tests/test_swin_models.py, H, W)
-LIBRARY_CASES = [("smp.DPT tu-vit @3", 3, "smp_vit", 32, 80)]
+LIBRARY_CASES = [
+    ("smp.DPT tu-vit @3", 3, "smp_vit", 32, 80),
+    ("smp.Unet tu-swin @3", 3, "smp", 64, 128),
+]
 #: refused with SpatialShardingError (docs/attention.md, "Models"): token layouts of a
 #: volume split along H (the middle of the flattened D x H x W), a channels-last D split
 REFUSED = {"UNETR 3-D H @2", "UNETR 3-D H uneven @2", "SwinUNETR 3-D H @2", "SwinUNETR 3-D D @2"}
@@ -145,6 +148,7 @@ VOLUME_CASES = [
     ("UNETR 3-D H @2", 2, "UNETR", (32, 64, 32), 3),
     ("UNETR 3-D H uneven @2", 2, "UNETR", (32, 48, 32), 3),
     ("UNETR 3-D W @3", 3, "UNETR", (16, 32, 80), 4),
+    ("UNETR 3-D D @3", 3, "UNETR", (80, 16, 16), 2),
     ("SwinUNETR 3-D W @2", 2, "SwinUNETR", (32, 32, 96), 4),
     ("SwinUNETR 3-D H @2", 2, "SwinUNETR", (32, 96, 32), 3),
     ("SwinUNETR 3-D D @2", 2, "SwinUNETR", (96, 32, 32), 2),

@@ -1,6 +1,8 @@
-"""MONAI's UNETR and SwinUNETR in 3-D (``spatial_dims=3``) on a volume sharded along W or D
-equal one device in fp64: output, input gradient and every parameter gradient, with no
-activation-sized collective (the attention's keys travel point to point)."""
+"""MONAI's UNETR in 3-D (``spatial_dims=3``) on a volume split along W equals one device
+in fp64: output, input gradient and every parameter gradient, with no activation-sized
+collective (the attention's keys travel point to point); SwinUNETR in 3-D split along D is
+refused naming the op and the module. Larger volumes, other splits and SwinUNETR split
+along W: ``scripts/check_foreign_models.py --transformers``."""
 
 from __future__ import annotations
 
@@ -72,18 +74,10 @@ def volume_failures(kind: str, shape: tuple[int, int, int], dim: int) -> list[st
     return failures
 
 
-@pytest.mark.parametrize(
-    "world, shape, dim",
-    [
-        # 3 patches along W: 2 + 1; the patch grid 1 x 1 x 3 makes the tokens a plain Shard
-        # (no _StridedShard) that the view back to a volume must keep on W
-        (2, (16, 16, 48), 4),
-        # along D: 5 patches, 2 + 2 + 1
-        (3, (80, 16, 16), 2),
-    ],
-)
-def test_unetr_3d_matches_single_device(dist_pool, world, shape, dim):
-    for rank, failures in enumerate(dist_pool.run(world, volume_failures, "UNETR", shape, dim)):
+def test_unetr_3d_matches_single_device(dist_pool):
+    # 3 patches along W: 2 + 1; the patch grid 1 x 1 x 3 makes the tokens a plain Shard
+    # (no _StridedShard) that the view back to a volume must keep on W
+    for rank, failures in enumerate(dist_pool.run(2, volume_failures, "UNETR", (16, 16, 48), 4)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
 
 
