@@ -117,6 +117,11 @@ SWIN_UNET = (
     "decoder_channels: [16, 16, 8, 8, 8], drop_path_rate: 0.0}"
 )
 UNETR = "{img_size: [32, %d], feature_size: 4, hidden_size: 32, mlp_dim: 64, num_heads: 2}"
+UNETR_3D = (
+    "{spatial_dims: 3, img_size: [16, 16, %d], feature_size: 4, hidden_size: 24, mlp_dim: 32, "
+    "num_heads: 2, norm_name: instance}"
+)
+VOLUME = ["data.kind=volume", "data.depth=16", "data.height=16", "model.in_channels=1"]
 VIT_DPT = (
     "{encoder_name: tu-vit_tiny_patch16_224, class_token: false, img_size: [32, 112], "
     "embed_dim: 16, num_heads: 2, encoder_depth: 2, decoder_intermediate_channels: [8, 8], "
@@ -131,6 +136,8 @@ YAML_CASES = [
     ("verify monai.UNETR @3", 3, "monai.UNETR", UNETR % 112, ["data.width=112"]),
     ("verify monai.SwinUNETR @2", 2, "monai.SwinUNETR", None, []),
     ("verify monai.SwinUNETR @3", 3, "monai.SwinUNETR", None, ["data.width=160"]),
+    ("verify monai.UNETR 3-D @2", 2, "monai.UNETR", UNETR_3D % 48, [*VOLUME, "data.width=48"]),
+    ("verify monai.UNETR 3-D @3", 3, "monai.UNETR", UNETR_3D % 80, [*VOLUME, "data.width=80"]),
     ("verify smp.DPT tu-vit @2", 2, "smp.DPT", VIT_DPT, ["data.width=112"]),
     ("verify smp.DPT tu-vit @3", 3, "smp.DPT", VIT_DPT, ["data.width=112"]),
 ]  # fmt: skip
