@@ -7,15 +7,16 @@ and what Dynamo made of it (graphs, graph breaks, frames compiled after the firs
 Models (``--models``): the built-in U-Net, ``lraspp`` (torchvision LR-ASPP MobileNetV3),
 ``smp_unet`` (smp Unet on resnet18, random init) and ``convnext`` (the ConvNeXt-style
 user block of ``tests/test_compile_models.py``).
+``--trace-under-compile`` and ``--trace-dtensor-ops`` select the ``parallelize`` option of
+that name (``spconv_train/parallel/_compile.py``: what each compiles).
 A second table times single element-wise ops compiled alone vs eager on one process, to
 show what inductor's CPU kernels cost on this machine independently of this project: on
-AVX2 CPUs (torch 2.14.1) a ``bool`` result (``t > 0``, the mask a ReLU saves for its
-backward) is stored through scalar loops and runs ~25x slower than eager, which is why the
-spatial layer keeps element-wise handlers eager under compile on CPU
-(``spconv_train/parallel/_compile.py``).
+the CPUs measured (torch 2.14.1) a ``bool`` result (``t > 0``, the mask a ReLU saves for
+its backward) runs 20-60x slower than eager, which makes the ReLU graphs of
+``trace_dtensor_ops`` slower than eager on CPU (docs/benchmarks.md).
 
 Usage: ``python scripts/bench_compile.py [--models unet lraspp --worlds 1 2 --height 256
---width 1024 --rounds 7]``
+--width 1024 --rounds 7 --trace-dtensor-ops]``
 (``make bench-compile``); ``--markdown`` prints Markdown tables for ``docs/benchmarks.md``.
 """
 
@@ -64,9 +65,9 @@ def _worker(rank: int, world: int, port: int, name: str, args, queue) -> None:
 
     mesh = init_worker(rank, world, port, args)
     torch.manual_seed(0)
-    eager = parallelize(
-        build(name, args).to(args.device), mesh, trace_under_compile=args.trace_under_compile
-    )
+    opts = {"trace_under_compile": args.trace_under_compile}
+    opts["trace_dtensor_ops"] = args.trace_dtensor_ops
+    eager = parallelize(build(name, args).to(args.device), mesh, **opts)
     compiled = torch.compile(copy.deepcopy(eager), backend=args.backend, dynamic=False)
     g = torch.Generator().manual_seed(1)
     img = torch.randn(1, 3, args.height, args.width, generator=g).to(args.device)
@@ -150,11 +151,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="parallelize(..., trace_under_compile=True): Dynamo traces the model's code",
     )
+    ap.add_argument(
+        "--trace-dtensor-ops",
+        action="store_true",
+        help="parallelize(..., trace_dtensor_ops=True): DTensor ops in the compiled graphs",
+    )
     args = ap.parse_args(argv)
     print(
         f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
         f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
         f"backend {args.backend}, trace_under_compile {args.trace_under_compile}, "
+        f"trace_dtensor_ops {args.trace_dtensor_ops}, "
         f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
         file=sys.stderr,
     )

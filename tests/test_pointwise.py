@@ -13,7 +13,7 @@ from tests.reference import compare_module, seeded
 
 
 class Activations(nn.Module):
-    """Every routed activation, in-place flags included (they must run out of place)."""
+    """Every routed activation, in-place flags included."""
 
     def __init__(self):
         super().__init__()

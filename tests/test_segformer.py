@@ -28,14 +28,16 @@ CASES = {
 }
 
 
-def mit_checks(world: int, width: int, labels: tuple[str, ...]) -> list[str]:
+def mit_checks(
+    world: int, width: int, labels: tuple[str, ...], encoder: str = "mit_b0", batch: int = 1
+) -> list[str]:
     dmesh = mesh(world)
     failures: list[str] = []
-    x = seeded(1, 1, 3, 32, width, dtype=torch.float64)
+    x = seeded(1, batch, 3, 32, width, dtype=torch.float64)
     for label in labels:
         name, kwargs = CASES[label]
         torch.manual_seed(0)  # the same weights on every rank
-        model = create_model(name, num_classes=2, encoder_name="mit_b0", **kwargs)
+        model = create_model(name, num_classes=2, encoder_name=encoder, **kwargs)
         model = model.double().train()
         for m in model.modules():  # per-strip dropout masks cannot equal one device's
             if isinstance(m, nn.modules.dropout._DropoutNd):
@@ -51,7 +53,7 @@ def mit_checks(world: int, width: int, labels: tuple[str, ...]) -> list[str]:
         with CommAudit() as audit:
             y = par(xs)
             y.backward(gs)
-        where = f"{label} @{world} w={width}"
+        where = f"{label} {encoder} @{world} w={width}"
         check_close(f"{where} output", y, yr, TOL, failures)
         # mathematically zero gradients (a bias before a norm) are rounding noise: compare
         # relative to the largest gradient of the model

@@ -3,7 +3,8 @@
 patch merging of odd sizes) and smp ``Unet`` on a timm Swin encoder (``tu-`` name, built by
 the model registry as a config builds it; the window of the last stage covers the whole
 map) equal to one device in fp64 at 2 and 3 ranks with no activation gather; window
-attention on H x W tiles refused by name."""
+attention on H x W tiles refused by name. Also smp ``DPT`` on a timm ViT without class
+token (global attention on the ring), built by the registry."""
 
 from __future__ import annotations
 
@@ -52,7 +53,25 @@ def _timm_swin_fused(h: int, w: int):
     return model
 
 
-BUILDERS = {"timm": _timm_swin, "timm_fused": _timm_swin_fused, "smp": _smp_swin_unet}
+def _smp_vit_dpt(h: int, w: int):
+    from spconv_train.models.registry import create_model
+
+    # a timm ViT (global attention: the ring) without class token in smp's DPT
+    model = create_model(
+        "smp.DPT", num_classes=2, encoder_name="tu-vit_tiny_patch16_224", class_token=False,
+        img_size=(h, w), embed_dim=16, num_heads=2, encoder_depth=2,
+        decoder_intermediate_channels=(8, 8), decoder_fusion_channels=8,
+    )  # fmt: skip
+    for m in model.modules():  # the head's dropout: per-strip masks cannot equal one device's
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+BUILDERS = {
+    "timm": _timm_swin, "timm_fused": _timm_swin_fused, "smp": _smp_swin_unet,
+    "smp_vit": _smp_vit_dpt,
+}  # fmt: skip
 
 
 def model_failures(kind: str, h: int, w: int) -> list[str]:
@@ -77,6 +96,9 @@ def model_failures(kind: str, h: int, w: int) -> list[str]:
         failures.append(f"output: {e:.3g}")
     got = dict(par.named_parameters())
     for name, p in model.named_parameters():
+        if p.grad is None or got[name].grad is None:  # unused (ViT blocks DPT never reads)
+            failures += [f"grad {name}: on one side only"] if p.grad is not got[name].grad else []
+            continue
         if (e := rel_err(got[name].grad, p.grad)) > TOL:
             failures.append(f"grad {name}: {e:.3g}")
     shapes = {tuple(p.shape) for p in model.parameters()}
@@ -92,13 +114,20 @@ def model_failures(kind: str, h: int, w: int) -> list[str]:
 
 # timm, 16 x 24: 8 x 12 tokens, 3 windows of 4 along W (strips 6 + 6 at 2 ranks, 4 + 4 + 4
 # at 3); merged to 4 x 6, padded to 2 windows. smp, 64 x 96: stages 16 x 24, 8 x 12
-# (3 windows: strips 6 + 6, windows 8 + 4), 4 x 6 and 2 x 3 (one window over all ranks).
-CASES = [("timm", 16, 24, 2), ("timm_fused", 16, 24, 2), ("timm", 20, 26, 3), ("smp", 64, 96, 2)]
+# (3 windows: strips 6 + 6, windows 8 + 4), 4 x 6 and 2 x 3 (one window over all ranks);
+# 32 x 128 at 3 ranks: every stage uneven, 32 (11 + 11 + 10), 16 (6 + 5 + 5), 8 (3 + 3 + 2),
+# 4 (2 + 1 + 1): the last stage 1 x 4, its window clipped to one row, (B, 1, 1, 1, 4, C),
+# is no single-window cut of W (the W dim stays split).
+# smp_vit: DPT on a ViT of 16 x 16 patches, 2 x 3 tokens split 2 + 1.
+CASES = [
+    ("timm", 16, 24, 2), ("timm_fused", 16, 24, 2), ("timm", 20, 26, 3), ("smp", 64, 96, 2),
+    ("smp", 32, 128, 3), ("smp_vit", 32, 48, 2),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "h", "w", "world"), CASES)
 def test_swin_model_matches_single_device(dist_pool, kind, h, w, world):
-    pytest.importorskip("segmentation_models_pytorch") if kind == "smp" else None
+    pytest.importorskip("segmentation_models_pytorch") if kind.startswith("smp") else None
     for rank, failures in enumerate(dist_pool.run(world, model_failures, kind, h, w)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
 

@@ -59,18 +59,27 @@ SWINUNETR = (
     "{feature_size: 12, depths: [1, 1, 1, 1], num_heads: [1, 1, 1, 1], window_size: 4, "
     "norm_name: instance}"
 )
-UNETR = "{img_size: [32, 96], feature_size: 4, hidden_size: 32, mlp_dim: 64, num_heads: 2}"
+# 112 / 16 = 7 patch columns: 3 + 2 + 2 at 3 ranks
+UNETR = "{img_size: [32, 112], feature_size: 4, hidden_size: 32, mlp_dim: 64, num_heads: 2}"
 
 
-@pytest.mark.parametrize("name, kwargs", [("monai.SwinUNETR", SWINUNETR), ("monai.UNETR", UNETR)])
-def test_monai_models_verify_from_yaml(dist_pool, tmp_path, name, kwargs):
+@pytest.mark.parametrize(
+    "name, kwargs, world, overrides",
+    [
+        ("monai.SwinUNETR", SWINUNETR, 2, []),
+        # UNETR at 2 ranks from the library (tests/test_attention_explicit.py); all three
+        # transformer models at 2 and 3 ranks: scripts/check_foreign_models.py --yaml
+        ("monai.UNETR", UNETR, 3, ["data.width=112"]),
+    ],
+)
+def test_monai_models_verify_from_yaml(dist_pool, tmp_path, name, kwargs, world, overrides):
     pytest.importorskip("einops")
     pytest.importorskip("monai")
     from tests.test_segformer import verify_yaml
 
     path = tmp_path / "monai.yaml"
     path.write_text(MONAI_YAML.format(name=name, kwargs=kwargs))
-    report = dist_pool.run(2, verify_yaml, str(path), [], 2, True)[0]
+    report = dist_pool.run(world, verify_yaml, str(path), overrides, 2, True)[0]
     assert report["passed"], report["verdict"] + "\n" + "\n".join(map(str, report["failures"][:10]))
-    assert report["mesh"] == {"dp": 1, "sp": 2}
+    assert report["mesh"] == {"dp": 1, "sp": world}
     assert not report["activation_sized_collectives"]

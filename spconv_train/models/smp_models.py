@@ -11,9 +11,10 @@ model). smp and timm are an optional dependency (``pip install .[smp]``, which
 Mix Transformer encoders (``mit_b0`` .. ``mit_b5``, SegFormer's) run sharded: their
 spatial-reduction attention is exact over the split pixel tokens by point-to-point ring
 matmuls; Swin encoders (``tu-swin*``) attend inside windows and run sharded
-(``docs/attention.md``). ViT-style timm encoders are refused here: their class token has
-no sharded form yet, so a width-sharded run could only gather the whole activation on
-every rank.
+(``docs/attention.md``). timm ViT encoders (``tu-vit_*``, in ``smp.DPT``) run sharded
+without their class token (``class_token: false``): the class token has no sharded form
+yet and is refused by name, as are the other ViT-style timm encoders (DeiT, EVA, BEiT,
+MViT), untested.
 """
 
 from __future__ import annotations
@@ -39,13 +40,18 @@ ARCHITECTURES = (
     "Segformer",
     "DPT",
 )
+#: SegFormer's Mix Transformer encoders, exact when sharded (``docs/attention.md``).
+MIT_ENCODERS = tuple(f"mit_b{i}" for i in range(6))
+#: Architectures that smp itself builds on no ``mit_*`` encoder.
+NO_MIT_ARCHS = ("UnetPlusPlus", "Linknet", "DPT")
+#: timm ViT encoders (smp.DPT): their global attention runs as ring attention; a class
+#: token (or register tokens) prepended to the pixel tokens has no sharded layout, so
+#: they are built without one (``class_token: false``).
+VIT_ENCODERS = "tu-vit_"
 #: Encoder name prefixes refused (see the module docstring).
-GLOBAL_ATTENTION_ENCODERS = ("tu-vit", "tu-deit", "tu-mvit", "tu-eva", "tu-beit")
+GLOBAL_ATTENTION_ENCODERS = ("tu-deit", "tu-mvit", "tu-eva", "tu-beit")
 #: Architectures whose *decoder* attends over all pixels.
-GLOBAL_ATTENTION_ARCHS = {
-    "MAnet": "its position-attention block (flatten every pixel, matmul)",
-    "DPT": "it needs a ViT encoder",
-}
+GLOBAL_ATTENTION_ARCHS = {"MAnet": "its position-attention block (flatten every pixel, matmul)"}
 
 
 def _smp():
@@ -59,16 +65,41 @@ def _smp():
     return smp
 
 
-def _check_encoder(arch: str, encoder: str) -> None:
+def mit_architectures() -> tuple[str, ...]:
+    """The registry's smp architectures that take the ``mit_*`` encoders."""
+    no = (*NO_MIT_ARCHS, *GLOBAL_ATTENTION_ARCHS)
+    return tuple(a for a in ARCHITECTURES if a not in no)
+
+
+def _check_encoder(arch: str, encoder: str, kwargs: dict) -> None:
+    if encoder.startswith(VIT_ENCODERS) and (
+        kwargs.get("class_token", True) or kwargs.get("reg_tokens")
+    ):
+        raise ValueError(
+            f"model smp.{arch}: encoder {encoder!r} prepends a class token (or register "
+            f"tokens) to the pixel tokens; split over the ranks by pixel, they have no "
+            f"sharded layout. Set model.kwargs.class_token: false (and no reg_tokens): the "
+            f"attention over all pixels then runs sharded, exactly (docs/attention.md)."
+        )
+    if encoder.startswith("mit_b") and arch in NO_MIT_ARCHS:
+        raise ValueError(
+            f"model smp.{arch}: smp builds no {arch} on a Mix Transformer encoder "
+            f"({encoder!r}). Use it in one of "
+            f"{', '.join(f'smp.{a}' for a in mit_architectures())}, or another encoder."
+        )
     why = GLOBAL_ATTENTION_ARCHS.get(arch)
     if encoder.startswith(GLOBAL_ATTENTION_ENCODERS):
-        why = f"encoder {encoder!r} uses global self-attention"
+        why = (
+            f"encoder {encoder!r} attends over all pixels with prefix tokens, relative or "
+            f"rotary position embeddings or pooled keys, none of which has a sharded form yet"
+        )
     if why:
         raise ValueError(
-            f"model smp.{arch}: {why}: every output pixel reads every pixel of the image, so "
-            f"a width-sharded run would have to gather the whole activation on every rank. "
-            f"Use a convolutional encoder (model.kwargs.encoder_name: resnet34, "
-            f"efficientnet-b0, tu-convnext_atto, ...) or another architecture."
+            f"model smp.{arch}: {why}: a width-sharded run would have to gather the whole "
+            f"activation on every rank. Use a convolutional encoder (model.kwargs."
+            f"encoder_name: resnet34, efficientnet-b0, tu-convnext_atto, ...), mit_b0 .. "
+            f"mit_b5, tu-swin_*, tu-vit_* with class_token: false (smp.DPT), or another "
+            f"architecture."
         )
 
 
@@ -124,7 +155,11 @@ def _builder(arch: str):
     def build(*, num_classes: int, in_channels: int = 3, **kwargs) -> nn.Module:
         encoder = kwargs.pop("encoder_name", "resnet34")
         weights = kwargs.pop("encoder_weights", None)
-        _check_encoder(arch, encoder)
+        _check_encoder(arch, encoder, kwargs)
+        if encoder.startswith(VIT_ENCODERS):
+            # timm pools a ViT without class token by "avg" only; the segmentation models
+            # never use the pooled output
+            kwargs.setdefault("global_pool", "avg")
         smp = _smp()
         model = smp.create_model(
             arch,

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ._broadcast import _local_part
 from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._errors import run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
@@ -190,8 +191,8 @@ def spatial_cat(tensors, dim=0, **kwargs):
             for t in tensors
         )
     )
-    if not ok:
-        return torch.cat(tensors, dim, **kwargs)
+    if not ok:  # DTensor's own rules; its errors named (a class token cat to the pixels)
+        return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     parts = [t.to_local() if isinstance(t, DTensor) else _local_part(t, first) for t in tensors]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat(parts, d), first, first.placements, shape)

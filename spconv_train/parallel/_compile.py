@@ -1,34 +1,53 @@
 """How the parallel layer meets ``torch.compile`` (the one place that touches Dynamo).
 
-By default the parallelized forward runs eagerly as a whole under ``torch.compile`` (one
-graph break, ``_parallelize.py``): the built-in, torchvision and smp models leave nothing to
-compile there, and each of their 7-64 graph breaks would cost Dynamo's guard checks on
-DTensor inputs every step (LR-ASPP at 32x128 on one CPU rank: +10 % per step). With the
-``trace_under_compile`` option Dynamo traces the model's code; compiled graphs hold plain
-tensors only and every DTensor op runs eagerly, between graphs:
+Three modes, chosen by ``parallelize`` options (``SpatialOptions``):
 
-- Spatial layers and handlers run eagerly, a graph break around each: their exchanges break
-  the graph anyway, and traced, their Python (cached plans, labels, saved-tensor hooks
-  comparing data pointers) made Dynamo guard on names, sizes and pointers and recompile
-  every layer; through their autograd functions Dynamo would differentiate the decomposed
-  forward instead of running the one-pass backward.
-- DTensor's own ops (residual adds, SE products, permutes, ...) run eagerly too
-  (``run_eagerly``, called by ``SpatialMode``): AOTAutograd fails on DTensor graph inputs
-  and outputs in torch 2.14.1 (backward ops without a DTensor strategy such as
-  ``hardsigmoid_backward``; tangents of another placement, "must implement
-  ``__coerce_same_metadata_as_tangent__``"; outputs that view an input replayed with
-  ``as_strided``, which DTensor refuses).
+1. Default: the parallelized forward runs eagerly as a whole under ``torch.compile`` (one
+   graph break, ``_parallelize.py``); nothing inside it is compiled.
+2. ``trace_under_compile``: Dynamo traces the model's code; compiled graphs hold plain
+   tensors only and every DTensor op runs eagerly, between graphs (``run_eagerly``, called
+   by ``SpatialMode``). What is compiled is plain-tensor model code (the loss, code on
+   ``to_local()`` blocks); the built-in, torchvision and smp models have none.
+3. ``trace_dtensor_ops`` (opt-in): as 2, but DTensor's own ops (residual adds, products)
+   and the element-wise handlers (``graph_handler``: ``to_local``, the plain op,
+   ``from_local``) are traced into graphs with DTensor inputs and outputs
+   (``DTensorGraphMode``). Exact on the U-Net, smp Unet and a ConvNeXt-style block at 2
+   ranks (fp64, ``tests/test_compile.py``, ``tests/test_compile_models.py``; LR-ASPP is
+   exact too but compiles one frame again in its second step, docs/benchmarks.md), with
+   torch 2.14.1, once two AOTAutograd failures are kept out of the graphs:
+
+   - ``a += b`` on a DTensor graph input (Dynamo hands it over as ``Tensor.add_``) is an
+     input mutation whose joint graph fails ("aten.add.Tensor got mixed torch.Tensor and
+     DTensor"): in-place ops on DTensors run eagerly between graphs (``mutates_input``),
+     in place (running them out of place would drop the update of ``x.add_(y)`` called
+     for its side effect);
+   - a graph output that views a DTensor input (a ``permute``) is regenerated outside the
+     graph and its backward calls ``as_strided`` on a DTensor ("as_strided not supported
+     with DTensor"): DTensor views run eagerly between graphs (``returns_view``).
+
+   The other failures seen with DTensor graphs (``hardsigmoid_backward`` without a sharding
+   strategy, tangents "must implement ``__coerce_same_metadata_as_tangent__``") do not
+   occur once the element-wise functions go through their handlers (the plain op on the
+   local tensor) and the residual adds run eagerly.
+
+In every mode:
+
+- Spatial layers and the other handlers run eagerly, a graph break around each: their
+  exchanges break the graph anyway, and traced, their Python (cached plans, labels,
+  saved-tensor hooks comparing data pointers) made Dynamo guard on names, sizes and
+  pointers and recompile every layer; through their autograd functions Dynamo would
+  differentiate the decomposed forward instead of running the one-pass backward.
 - Dynamo sends a function through the active ``TorchFunctionMode`` only when it is in its
   list of overridable functions, which lacks some that dispatch in eager (``F.hardsigmoid``,
   ``F.hardswish``, the ``torch._C._nn`` functions); ``route_through_modes`` adds every
   function the registry has an entry for.
-- Element-wise handlers (``_pointwise.py``) run eagerly: between graph breaks there is
-  nothing to fuse, and on CPU inductor's backward mask for them is far slower than eager on
-  AVX2 machines (docs/benchmarks.md).
 
-What is compiled is the model's plain-tensor code (the loss, code on ``to_local()``
-blocks). ``tests/test_compile.py``, ``tests/test_compile_models.py`` and
-``tests/test_train_e2e.py::test_compile_changes_nothing`` exercise it.
+Why mode 3 is not the default: between two spatial layers the U-Net has one ReLU and a
+ResNet block an add and a ReLU, nothing for inductor to fuse, and on CPU inductor's
+kernels that store a ReLU's ``bool`` backward mask ran 30-60x slower than eager on the
+machine measured (docs/benchmarks.md, ``torch.compile``). ``tests/test_compile.py``,
+``tests/test_compile_models.py`` and ``tests/test_train_e2e.py::test_compile_changes_nothing``
+exercise the modes.
 """
 
 from __future__ import annotations
@@ -41,6 +60,10 @@ from torch import Tensor
 
 __all__ = [
     "eager_from_eager",
+    "graph_handler",
+    "in_dtensor_graphs",
+    "mutates_input",
+    "returns_view",
     "not_traced",
     "route_through_modes",
     "run_eagerly",
@@ -86,6 +109,62 @@ def eager_from_eager(fn: F) -> F:
 def run_eagerly(fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)``, eagerly under ``torch.compile`` (a graph break)."""
     return fn(*args, **kwargs)
+
+
+def graph_handler(handler: F) -> F:
+    """Mark ``handler`` as graph material under the ``trace_dtensor_ops`` option: its only
+    DTensor work is ``to_local`` / ``from_local`` around plain local ops (no exchange, no
+    collective, no cached plan), so Dynamo may inline it into a graph with DTensor inputs."""
+    # an attribute, not a set: Dynamo cannot guard a set lookup of an object it reached
+    # through the mode stack (NameError in its guard code, torch 2.14.1)
+    handler.in_dtensor_graphs = True
+    return handler
+
+
+def in_dtensor_graphs(handler: Callable) -> bool:
+    """Whether ``handler`` is traced under ``trace_dtensor_ops`` (``graph_handler``)."""
+    return getattr(handler, "in_dtensor_graphs", False)
+
+
+# ``a += b`` on a DTensor graph input is an input mutation AOTAutograd cannot
+# differentiate through a later ``to_local`` (torch 2.14.1: "aten.add.Tensor got mixed
+# torch.Tensor and DTensor" while tracing the joint graph; the residual blocks of
+# torchvision's and smp's ResNets). Dynamo hands ``a += b`` to the mode as ``Tensor.add_``.
+# Under ``trace_dtensor_ops`` such ops run eagerly, in place, between graphs.
+# fmt: off
+_IN_PLACE = frozenset({
+    Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.__itruediv__, Tensor.add_,
+    Tensor.sub_, Tensor.mul_, Tensor.div_,
+})
+# fmt: on
+
+
+# A graph whose output is a view of its DTensor input has AOTAutograd regenerate the view
+# outside the graph, and the backward of that view calls ``as_strided`` on a DTensor,
+# which DTensor refuses (torch 2.14.1: "as_strided not supported with DTensor", the
+# ConvNeXt block's ``permute``). A view costs nothing eagerly, so under
+# ``trace_dtensor_ops`` DTensor views run eagerly, between graphs.
+# fmt: off
+_VIEWS = frozenset({
+    Tensor.permute, torch.permute, Tensor.transpose, torch.transpose, Tensor.view,
+    Tensor.view_as, Tensor.reshape, torch.reshape, Tensor.reshape_as, Tensor.flatten,
+    torch.flatten, Tensor.unflatten, Tensor.squeeze, torch.squeeze, Tensor.unsqueeze,
+    torch.unsqueeze, Tensor.expand, Tensor.expand_as, Tensor.narrow, torch.narrow,
+    Tensor.movedim, torch.movedim, Tensor.t, Tensor.unbind, torch.unbind, Tensor.split,
+    torch.split, Tensor.chunk, torch.chunk, Tensor.detach, Tensor.__getitem__,
+    Tensor.contiguous,
+})
+# fmt: on
+
+
+def returns_view(func: Callable) -> bool:
+    """Whether ``func`` may return a view of its input (run eagerly in DTensor graphs)."""
+    return func in _VIEWS
+
+
+def mutates_input(func: Callable) -> bool:
+    """Whether ``func`` is an in-place arithmetic op (run eagerly in DTensor graphs)."""
+    return func in _IN_PLACE
 
 
 def traced_dtensor_op(func: Callable) -> bool:

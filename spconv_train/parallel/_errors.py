@@ -23,10 +23,18 @@ non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of i
 counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` /
 ``full_tensor()`` calls in user code are not implicit and stay allowed.
 
-This is the project's only use of DTensor dispatch internals: DTensor's dispatcher reports
-every implicit redistribution to ``ExplicitRedistributionContext.observe_redistribution``
-(``torch.distributed.tensor._utils``; checked against torch 2.14.1, guarded by
-``tests/test_no_gather.py``), which ``install_guard`` wraps.
+This module holds the project's uses of DTensor dispatch internals (checked against torch
+2.14.1):
+
+- DTensor's dispatcher reports every implicit redistribution to
+  ``ExplicitRedistributionContext.observe_redistribution`` (``torch.distributed.tensor._utils``,
+  guarded by ``tests/test_no_gather.py``), which ``install_guard`` wraps;
+- DTensor has no sharding strategy for the backward of three element-wise ops
+  (``hardtanh_backward``, ``hardswish_backward``, ``hardsigmoid_backward``: ReLU6,
+  MobileNetV3), so their in-place forms (``F.relu6(x, inplace=True)``), which must run as
+  DTensor's own in-place op to keep their meaning (``_pointwise.py``), could not be
+  differentiated; ``add_pointwise_strategies`` registers the pointwise rule for them
+  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
@@ -160,6 +169,23 @@ def install_guard() -> None:
     current = ExplicitRedistributionContext.observe_redistribution.__func__
     if current is not _observe:
         ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
+
+
+#: Backward ops of element-wise functions that DTensor (torch 2.14.1) has no strategy for.
+_POINTWISE_BACKWARDS = ("hardtanh_backward", "hardswish_backward", "hardsigmoid_backward")
+
+
+def add_pointwise_strategies() -> None:
+    """Give DTensor the element-wise sharding rule for ``_POINTWISE_BACKWARDS`` where it has
+    none (idempotent; called by ``_install.install``, never at import)."""
+    from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in _POINTWISE_BACKWARDS:
+        op = getattr(torch.ops.aten, name).default
+        known = (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs)
+        if not any(op in funcs for funcs in known):
+            _register_single_dim_pointwise(op)
 
 
 def track_module_paths(model: nn.Module) -> None:

@@ -22,7 +22,14 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from ._compile import eager_from_eager, run_eagerly, traced_dtensor_op
+from ._compile import (
+    eager_from_eager,
+    in_dtensor_graphs,
+    mutates_input,
+    returns_view,
+    run_eagerly,
+    traced_dtensor_op,
+)
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._install import install
@@ -63,6 +70,12 @@ class SpatialMode(TorchFunctionMode):
     """Active while a parallelized model runs its forward (``parallelize`` installs it);
     makes ``runtime`` current and dispatches to its registry."""
 
+    #: Under ``torch.compile``: DTensor's own ops and the element-wise handlers are traced
+    #: into the graphs (``DTensorGraphMode``, the ``trace_dtensor_ops`` option). A class
+    #: attribute: Dynamo guards on the mode's type; reading the runtime's options from the
+    #: traced mode made Dynamo emit a guard it cannot evaluate (torch 2.14.1).
+    dtensor_graphs = False
+
     def __init__(self, runtime: SpatialRuntime | None = None) -> None:
         super().__init__()
         if runtime is None:
@@ -87,15 +100,22 @@ class SpatialMode(TorchFunctionMode):
     @eager_from_eager  # see _compile.py
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        graphs = torch.compiler.is_compiling() and self.dtensor_graphs
+        if graphs and mutates_input(func) and _has_dtensor(args, kwargs):
+            # in place, eagerly between graphs (see _compile.py); not compiling there
+            return run_eagerly(self.__torch_function__, func, types, args, kwargs)
         entry = self.runtime.registry.lookup(func)
         if entry is not None and _has_dtensor(args, kwargs):
             if entry.handler is not None:
+                if graphs and in_dtensor_graphs(entry.handler):
+                    return entry.handler(*args, **kwargs)
                 return entry.run(*args, **kwargs)
             raise SpatialShardingError(
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
         if (
             torch.compiler.is_compiling()
+            and (not graphs or returns_view(func))
             and not traced_dtensor_op(func)
             and _has_dtensor(args, kwargs)
         ):
@@ -105,3 +125,9 @@ class SpatialMode(TorchFunctionMode):
         if _has_dtensor(args, kwargs):  # DTensor's own rules; its errors named (_errors.py)
             return run_dtensor_op(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+class DTensorGraphMode(SpatialMode):
+    """``SpatialMode`` for the ``trace_dtensor_ops`` option (see ``dtensor_graphs``)."""
+
+    dtensor_graphs = True

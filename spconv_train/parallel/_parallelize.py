@@ -22,7 +22,7 @@ from ._dims import GRID_MESH_DIMS, SP
 from ._errors import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._install import install
-from ._mode import SpatialMode
+from ._mode import DTensorGraphMode, SpatialMode
 from ._replicas import broadcast_model_state
 from ._runtime import SpatialOptions, SpatialRuntime
 
@@ -71,7 +71,8 @@ class _SpatialRoot:
     # frame; two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1"
     # assertion when a graph break falls inside them.
     def forward(self, *args, **kwargs):
-        traced = self.spatial_runtime.options.trace_under_compile
+        opts = self.spatial_runtime.options
+        traced = opts.trace_under_compile or opts.trace_dtensor_ops
         if torch.compiler.is_compiling() and not traced:
             return run_eagerly(self.forward, *args, **kwargs)  # see SpatialOptions
         with _SpatialContext(self.spatial_runtime):
@@ -82,7 +83,9 @@ class _SpatialContext:
     """``SpatialMode(runtime)`` and the no-silent-gather guard, entered together."""
 
     def __init__(self, runtime: SpatialRuntime) -> None:
-        self.contexts = (SpatialMode(runtime), gather_guard(runtime.options.allow_gather))
+        graphs = runtime.options.trace_dtensor_ops
+        mode = (DTensorGraphMode if graphs else SpatialMode)(runtime)
+        self.contexts = (mode, gather_guard(runtime.options.allow_gather))
 
     def __enter__(self) -> None:
         for c in self.contexts:
@@ -135,7 +138,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     raises ``SpatialShardingError`` naming the op and module; True: logged and counted in
     the runtime's ``stats.gathers``), ``trace_under_compile`` (default False: under
     ``torch.compile`` the parallelized forward runs eagerly as a whole; True: Dynamo traces
-    its plain-tensor code, see ``SpatialOptions``). Raises
+    its plain-tensor code, see ``SpatialOptions``), ``trace_dtensor_ops`` (default False;
+    True: DTensor ops and element-wise handlers are compiled too, ``_compile.py``). Raises
     ``SpatialShardingError`` naming every module that cannot run width-sharded, before
     changing anything; ``TypeError`` for an unknown option.
     """

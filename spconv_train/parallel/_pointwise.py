@@ -5,8 +5,12 @@ these handlers run eagerly like every other (see ``_compile.py``). DTensor runs 
 itself but lacks backward strategies for some (``hardswish_backward``,
 ``hardsigmoid_backward`` in torch 2.14, used by MobileNetV3), so the functional forms are
 all routed here: the plain op runs on the local tensor and autograd does the rest.
-In-place variants run out of place (an in-place op on a DTensor's local view would bypass
-autograd's view tracking).
+In-place requests (``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, in-place
+dropout) change ``x`` itself, as on one device: code may call them for the side effect and
+go on with ``x``. They run as DTensor's own in-place op on the DTensor (an in-place op on its
+``to_local()`` view would bypass autograd's view tracking), eagerly under ``torch.compile``
+(a mutated graph input fails AOTAutograd's DTensor graphs, ``_compile.py``); DTensor lacks
+the backward rule of three of them, which ``_errors.add_pointwise_strategies`` adds.
 
 Dropout: every rank draws its own mask for its own strip, so a sharded run is *not*
 bit-identical to a single-device run while dropout is active (compare with ``p=0`` or in
@@ -24,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ._compile import graph_handler, run_eagerly
+from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._registry import function_name
@@ -75,13 +81,13 @@ def _make_local_handler(fn):
         if sig is None:
             return _wrap(input, fn(local, *args, **kwargs))
         bound = sig.bind(input, *args, **kwargs)
-        if "inplace" in sig.parameters:
-            bound.arguments["inplace"] = False
+        if bound.arguments.get("inplace", False):  # in place, eagerly (module docstring)
+            return run_eagerly(run_dtensor_op, fn, (input, *args), kwargs)
         bound.arguments["input"] = local
         return _wrap(input, fn(*bound.args, **bound.kwargs))
 
     handler.__name__ = f"spatial_{fn.__name__}"
-    return handler
+    return graph_handler(handler)
 
 
 for _name in _ELEMENTWISE:
@@ -123,7 +129,10 @@ def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
         g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())
         shape = local.shape
     keep = torch.rand(shape, generator=g, device=local.device) >= p
-    return _wrap(input, local * keep.to(local.dtype) / (1.0 - p))
+    scale = keep.to(local.dtype) / (1.0 - p)
+    if inplace:  # on the DTensor itself (module docstring)
+        return run_eagerly(input.mul_, _wrap(input, scale.expand_as(local).contiguous()))
+    return _wrap(input, local * scale)
 
 
 @register_handler(F.dropout, torch.dropout)  # same leading arguments

@@ -57,6 +57,11 @@ class SpatialOptions:
     #: and each of their 7-64 graph breaks costs guard checks on DTensor inputs every step
     #: (LR-ASPP at 32x128 on CPU: +10 % per step, docs/benchmarks.md).
     trace_under_compile: bool = False
+    #: Under ``torch.compile`` (implies ``trace_under_compile``), let DTensor's own ops
+    #: (residual adds, products, views) and the element-wise handlers be traced into the
+    #: compiled graphs, with DTensor graph inputs and outputs; spatial layers and the other
+    #: handlers stay graph breaks (``_compile.py`` lists the models it is exact on).
+    trace_dtensor_ops: bool = False
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:

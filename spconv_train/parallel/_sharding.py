@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._dims import GRID_MESH_DIMS, ParallelDims, from_local
+from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 
@@ -164,7 +165,8 @@ def spatial_layout(
             _check_other_dims(placements, sp, what)
             return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
         raise SpatialShardingError(
-            f"{what}: input placements {placements} have no Shard(3) (width) dimension. "
+            f"{what} in module '{module_path()}': input placements {placements} have no "
+            f"Shard(3) (width) dimension. "
             f"Distribute the image with distribute_tensor(img, mesh, [Shard(3)]) "
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")

@@ -109,8 +109,11 @@ def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Mo
         return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]))
     # (1, W) of a map dim (not the batch): one window along it when the reshape cuts two
     # dims into windows (a partition of H and W); otherwise a size-1 dim added next to it
-    # (the dim stays split)
-    one = big == [e1 - 1] and e1 - e0 >= 2 and lay.dim > 0
+    # (the dim stays split). A split dim that becomes three or more dims is no window cut
+    # either and stays split: a token dim unflattened to a grid with leading size-1 dims
+    # ((N, L, C) -> (N, 1, 1, W, C): a 3-D ViT's patches of a thin volume), a map one
+    # window high and one row deep ((B, 1, W, C) -> (B, 1, 1, 1, W, C)).
+    one = big == [e1 - 1] and e1 - e0 == 2 and lay.dim > 0
     if one and len(out) >= len(shape) + 2:
         if len(_SINGLE_WINDOW) > 1024:
             _SINGLE_WINDOW.clear()
