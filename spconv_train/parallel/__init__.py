@@ -26,12 +26,18 @@ built-in handlers (``extend.install``). Every name in ``__all__`` is public and 
 
 from ._comm_audit import CommAudit
 from ._comm_threads import gloo_threads_idle, restore_gloo_threads
-from ._ddp import local_module, replicate_gradients
 from ._dims import ParallelDims
-from ._fsdp import full_parameters, is_sharded, shard_parameters
 from ._geometry import SpatialShardingError
 from ._parallelize import parallelize
-from ._runtime import SpatialOptions, SpatialRuntime, SpatialStats, current_runtime, runtime_of
+from ._replicas import full_parameters, is_sharded, replicate_gradients, shard_parameters
+from ._runtime import (
+    SpatialOptions,
+    SpatialRuntime,
+    SpatialStats,
+    current_runtime,
+    local_module,
+    runtime_of,
+)
 
 __all__ = [
     "CommAudit",

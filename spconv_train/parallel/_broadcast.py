@@ -21,16 +21,8 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 
 _OPS = ("add", "sub", "mul", "div")
-_DUNDERS = (
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-)
+#: the operators: ``__add__``, ``__radd__``, ... ``__rtruediv__``
+_DUNDERS = [f"__{r}{op}__" for op in ("add", "sub", "mul", "truediv") for r in ("", "r")]
 
 
 def _local_part(plain: Tensor, x: DTensor) -> Tensor:

@@ -12,12 +12,14 @@ point-to-point halo traffic and plain ``dist.all_reduce`` calls.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _P2P = ("send", "recv", "recv_", "recv_any_source_")
@@ -33,14 +35,6 @@ _GATHER_LIKE = (
     "broadcast",
     "gather",
 )
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    return []
 
 
 @dataclass
@@ -86,23 +80,17 @@ class CommAudit(TorchDispatchMode):
         if func.namespace in _NAMESPACES:
             name = func.__name__.split(".")[0]
             if name not in _SKIP:
-                ts = _tensors(args) + _tensors(list(kwargs.values()))
-                big = max(ts, key=lambda t: t.numel(), default=None)
+                ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+                shape = tuple(max(ts, key=torch.Tensor.numel).shape) if ts else ()
                 kind = (
                     "p2p"
                     if name in _P2P
-                    else ("param" if big is not None and big.ndim == 1 else "gather")
+                    else ("param" if len(shape) == 1 else "gather")
                     if any(g in name for g in _GATHER_LIKE)
                     else "reduce"
                 )
-                self.records.append(
-                    CommRecord(
-                        name,
-                        kind,
-                        big.numel() if big is not None else 0,
-                        tuple(big.shape) if big is not None else (),
-                    )
-                )
+                numel = math.prod(shape) if ts else 0
+                self.records.append(CommRecord(name, kind, numel, shape))
         return func(*args, **kwargs)
 
     def summary(self) -> dict[str, dict[str, int]]:

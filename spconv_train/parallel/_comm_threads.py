@@ -37,15 +37,6 @@ import os
 import time
 from collections.abc import Iterator
 
-__all__ = [
-    "ENV",
-    "GLOO_THREAD_PREFIXES",
-    "gloo_thread_ids",
-    "gloo_threads_idle",
-    "restore_gloo_threads",
-    "yield_gloo_threads",
-]
-
 ENV = "SPCONV_GLOO_THREADS"
 #: ``/proc/<pid>/task/<tid>/comm`` prefixes of gloo's loop thread and ProcessGroupGloo's
 #: collective workers (``gloo_tcp_loop``, ``pt_gloo_runloop``).
@@ -85,21 +76,26 @@ def _disabled() -> bool:
     return os.environ.get(ENV, "idle").strip().lower() in off or not hasattr(os, "SCHED_IDLE")
 
 
-def yield_gloo_threads() -> int:
-    """Give this process's gloo helper threads the ``SCHED_IDLE`` policy (see the module
-    docstring); returns how many threads now have it. Idempotent and cheap; does nothing
-    (returns 0) off Linux or with ``SPCONV_GLOO_THREADS=normal``."""
-    if _disabled():
-        return 0
+def _set_policy(policy: int, only_from: int | None = None) -> int:
+    """Give ``policy`` to the gloo threads that have another one (only those with
+    ``only_from``, if given); returns how many threads it saw."""
     done = 0
     for tid in gloo_thread_ids():
         try:
-            if os.sched_getscheduler(tid) != os.SCHED_IDLE:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            now = os.sched_getscheduler(tid)
+            if now != policy and only_from in (None, now):
+                os.sched_setscheduler(tid, policy, os.sched_param(0))
             done += 1
         except OSError:  # ended meanwhile, or a sandbox that forbids it: leave it
             continue
     return done
+
+
+def yield_gloo_threads() -> int:
+    """Give this process's gloo helper threads the ``SCHED_IDLE`` policy (see the module
+    docstring); returns how many threads now have it. Idempotent and cheap; does nothing
+    (returns 0) off Linux or with ``SPCONV_GLOO_THREADS=normal``."""
+    return 0 if _disabled() else _set_policy(os.SCHED_IDLE)
 
 
 def restore_gloo_threads() -> None:
@@ -108,12 +104,8 @@ def restore_gloo_threads() -> None:
     interpreter exit), so that they finish their last work promptly: a gloo worker still
     releasing a finished collective when Python finalizes aborts the process
     (``distributed.shutdown`` explains the race)."""
-    for tid in gloo_thread_ids():
-        try:
-            if os.sched_getscheduler(tid) == os.SCHED_IDLE:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        except OSError:
-            continue
+    if hasattr(os, "SCHED_IDLE"):  # Linux only
+        _set_policy(os.SCHED_OTHER, only_from=os.SCHED_IDLE)
 
 
 @contextlib.contextmanager

@@ -42,10 +42,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ._errors import module_label
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds, ntuple
 from ._halo import gather_columns, sum_grad_over
 from ._halo_conv import _CONV, halo_conv, plan_split
-from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._runtime import current_runtime

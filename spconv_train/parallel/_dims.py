@@ -37,25 +37,21 @@ def sharded_dims(x: DTensor) -> dict[int, int]:
     return {norm_dim(p.dim, x.ndim): i for i, p in enumerate(x.placements) if isinstance(p, Shard)}
 
 
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides of ``shape``."""
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
+def from_local(local: Tensor, mesh, placements, shape) -> DTensor:
+    """``local`` as a DTensor on ``mesh`` with ``placements`` and the contiguous global
+    ``shape`` (given, not inferred: no collective to learn the other ranks' sizes)."""
+    shape, stride, acc = tuple(shape), [], 1
+    for n in reversed(shape):  # row-major
+        stride.insert(0, acc)
         acc *= max(n, 1)
-    return tuple(reversed(stride))
+    return DTensor.from_local(
+        local, mesh, tuple(placements), run_check=False, shape=shape, stride=tuple(stride)
+    )
 
 
 def wrap(local: Tensor, x: DTensor, placements, shape) -> DTensor:
     """``local`` as a DTensor on ``x``'s mesh with ``placements`` and global ``shape``."""
-    return DTensor.from_local(
-        local,
-        x.device_mesh,
-        tuple(placements),
-        run_check=False,
-        shape=tuple(shape),
-        stride=contiguous_stride(tuple(shape)),
-    )
+    return from_local(local, x.device_mesh, placements, shape)
 
 
 #: The data-parallel mesh dim (shards the batch) and the one-split-dim spatial mesh dim.

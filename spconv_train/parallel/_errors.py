@@ -1,4 +1,10 @@
-"""Name the module an op runs in, and turn DTensor's own errors into clear refusals.
+"""Name the module an op runs in, and turn what DTensor does with ops it has no spatial
+rule for into clear refusals.
+
+``module_label`` formats a spatial layer's ``path (Type(extra_repr))`` once per module and
+keeps it there: the hyperparameters are fixed once it is built, so formatting
+``extra_repr`` on every forward would be repeated work. ``parallelize`` renaming the module
+(its ``spatial_name``) rebuilds it.
 
 An op without a spatial handler falls through to DTensor, whose failures on a sharded
 activation read like internal errors ("aten.native_layer_norm.default got mixed
@@ -6,16 +12,49 @@ torch.Tensor and DTensor", "Cannot unflatten unevenly sharded tensor"). ``Spatia
 runs such ops through ``run_dtensor_op``: a DTensor error becomes a
 ``SpatialShardingError`` naming the op, the module path and the placements, with the
 original message kept as the cause.
+
+No silent gather: where DTensor's own sharding rules would instead all-gather or
+all-to-all the sharded activation to run the op (the whole image on every rank: the memory
+saving gone, silently), ``gather_guard`` checks every implicit redistribution DTensor
+decides on while a parallelized model runs its forward. One that moves a ``Shard`` of a
+non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of it) raises
+``SpatialShardingError`` naming the op, the module path and the way out; with
+``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
+counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` /
+``full_tensor()`` calls in user code are not implicit and stay allowed.
+
+This module holds the project's uses of DTensor dispatch internals (checked against torch
+2.14.1):
+
+- DTensor's dispatcher reports every implicit redistribution to
+  ``ExplicitRedistributionContext.observe_redistribution`` (``torch.distributed.tensor._utils``,
+  guarded by ``tests/test_no_gather.py``), which ``install_guard`` wraps;
+- DTensor has no sharding strategy for the backward of three element-wise ops
+  (``hardtanh_backward``, ``hardswish_backward``, ``hardsigmoid_backward``: ReLU6,
+  MobileNetV3), so their in-place forms (``F.relu6(x, inplace=True)``), which must run as
+  DTensor's own in-place op to keep their meaning (``_pointwise.py``), could not be
+  differentiated; ``add_pointwise_strategies`` registers the pointwise rule for them
+  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``).
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor import DTensor
+import contextlib
+import logging
+import re
+import threading
+from dataclasses import dataclass, field
 
-from ._dtensor_guard import _active
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import ExplicitRedistributionContext
+
 from ._geometry import SpatialShardingError
 from ._registry import function_name
+from ._runtime import current_runtime
 
+log = logging.getLogger("spconv_train.parallel")
 #: Fragments of DTensor's own error messages (torch 2.14) that mean "no sharding rule".
 _DTENSOR_ERRORS = (
     "DTensor",
@@ -26,11 +65,151 @@ _DTENSOR_ERRORS = (
 )
 
 
+@dataclass
+class GatherEvent:
+    """One implicit redistribution of a sharded activation that was allowed."""
+
+    op: str
+    module: str
+    src: str
+    dst: str
+
+
+@dataclass
+class _Guard:
+    allow: bool
+    modules: list[str] = field(default_factory=list)
+
+
+#: The active guard, per thread. A ``threading.local`` on purpose: Dynamo cannot trace it,
+#: so under ``torch.compile`` it graph-breaks where the parallelized forward enters the
+#: guard and runs that entry eagerly (``_parallelize._SpatialContext``); a traceable store
+#: (a context variable's list) would let Dynamo trace into the entry and break inside it.
+_local = threading.local()
+#: Allowed gathers (``allow_gather=True``) in this process, oldest first.
+GATHER_EVENTS: list[GatherEvent] = []
+
+
+def _active() -> _Guard | None:
+    return getattr(_local, "guard", None)
+
+
+@contextlib.contextmanager
+def gather_guard(allow: bool = False):
+    """While active, DTensor's implicit moves of a sharded activation raise (or, with
+    ``allow``, are logged and counted in ``GATHER_EVENTS``)."""
+    prev = _active()
+    _local.guard = _Guard(allow, list(prev.modules) if prev else [])
+    try:
+        yield _local.guard
+    finally:
+        _local.guard = prev
+
+
 def module_path() -> str:
     """Path of the innermost module of the parallelized model running now (``<model>``
     outside one)."""
     guard = _active()
     return guard.modules[-1] if guard is not None and guard.modules else "<model>"
+
+
+def module_label(module: nn.Module) -> str:
+    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module``, cached on it (the
+    class is the first ``torch.*`` one in its MRO: ``Conv2d`` for ``SpatialConv2d``)."""
+    name = getattr(module, "spatial_name", "") or "<module>"
+    cached = module.__dict__.get("_spatial_label")
+    if cached is None or cached[0] != name:
+        base = next(c for c in type(module).__mro__ if c.__module__.startswith("torch."))
+        cached = (name, f"{name} ({base.__name__}({module.extra_repr()}))")
+        module.__dict__["_spatial_label"] = cached  # plain attribute, not a parameter or buffer
+    return cached[1]
+
+
+def _moves_activation(src, dst) -> bool:
+    for p, q in zip(src.placements, dst.placements, strict=False):
+        if p == q or isinstance(p, Replicate):
+            continue
+        if isinstance(p, Shard) and p.dim == 0 and type(p) is Shard:
+            continue  # a batch shard: a data-parallel matter, not the image
+        if p.is_shard() or type(p).__name__ == "_StridedShard":
+            return True
+    return False
+
+
+_original = ExplicitRedistributionContext.observe_redistribution.__func__
+
+
+def _observe(cls, src_spec, dst_spec, message):
+    guard = _active()
+    if guard is not None and _moves_activation(src_spec, dst_spec):
+        found = re.search(r"for (\S+?)[(\s]", str(message))
+        op = found.group(1) if found else str(message)
+        where = module_path()
+        event = GatherEvent(op, where, str(src_spec.placements), str(dst_spec.placements))
+        if not guard.allow:
+            raise SpatialShardingError(
+                f"an op in module '{where}' ({op}) has no spatial implementation, and "
+                f"DTensor would redistribute the width-sharded activation {event.src} -> "
+                f"{event.dst} to run it (gathering the image on every rank). Replace the op "
+                f"with a supported one, make it spatial (spconv_train.parallel.extend."
+                f"register_handler, docs/extending.md), or accept the gather explicitly with "
+                f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
+            )
+        GATHER_EVENTS.append(event)
+        stats = current_runtime().stats
+        stats.gathers += 1
+        stats.gathered_ops[op] = stats.gathered_ops.get(op, 0) + 1
+        log.warning("allowed gather of a sharded activation in %s: %s", where, op)
+    return _original(cls, src_spec, dst_spec, message)
+
+
+def install_guard() -> None:
+    """Route DTensor's reports of implicit redistributions through the guard (idempotent;
+    called by ``_install.install``, never at import)."""
+    current = ExplicitRedistributionContext.observe_redistribution.__func__
+    if current is not _observe:
+        ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
+
+
+#: Backward ops of element-wise functions that DTensor (torch 2.14.1) has no strategy for.
+_POINTWISE_BACKWARDS = ("hardtanh_backward", "hardswish_backward", "hardsigmoid_backward")
+
+
+def add_pointwise_strategies() -> None:
+    """Give DTensor the element-wise sharding rule for ``_POINTWISE_BACKWARDS`` where it has
+    none (idempotent; called by ``_install.install``, never at import)."""
+    from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in _POINTWISE_BACKWARDS:
+        op = getattr(torch.ops.aten, name).default
+        known = (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs)
+        if not any(op in funcs for funcs in known):
+            _register_single_dim_pointwise(op)
+
+
+def track_module_paths(model: nn.Module) -> None:
+    """Forward pre-/post-hooks that let the guard name the module an op runs in."""
+
+    def enter(path):
+        def hook(module, args):
+            guard = _active()
+            if guard is not None:
+                guard.modules.append(path)
+
+        return hook
+
+    def leave(module, args, output):
+        guard = _active()
+        if guard is not None and guard.modules:
+            guard.modules.pop()
+
+    for path, module in model.named_modules():
+        if getattr(module, "_spatial_tracked", False):
+            continue
+        module.register_forward_pre_hook(enter(path or type(model).__name__))
+        module.register_forward_hook(leave)
+        module._spatial_tracked = True
 
 
 def _placements(args, kwargs) -> list[str]:

@@ -18,12 +18,9 @@ the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
   that no rank got a gradient for (a flag per parameter rides in the bucket) keeps
   ``.grad`` None, as it would on one device.
 
-Under FSDP2 (``shard_parameters``, ``_fsdp.py``) and under DDP (``replicate_gradients``,
-``_ddp.py``, the training default) the reducer steps aside: the wrapper reduces every
-gradient and averages it over all ``world`` ranks of the mesh, so a
-marked parameter's partial gradient is only multiplied by the size of its groups (then the
-average over the world is the sum over the groups) and nothing is reduced here
-(``defer_to``).
+Under DDP and FSDP2 (``_replicas.py``) the reducer steps aside (``defer_to``): a marked
+parameter's partial gradient is only multiplied by the size of its groups, and the
+wrapper's average over the world is then the sum over the groups.
 
 One all-reduce per bucket and group instead of one per parameter and use. A small bucket
 on CPU (gloo) is summed by one exchange instead, on its own message tag
@@ -33,6 +30,7 @@ on CPU (gloo) is summed by one exchange instead, on its own message tag
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -68,11 +66,8 @@ def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Buc
     open_: dict[tuple, tuple[list, int]] = {}
 
     def close(key: tuple) -> None:
-        params, size = open_.pop(key)
-        offsets, at = [], 0
-        for p in params:
-            offsets.append(at)
-            at += p.numel()
+        params, _ = open_.pop(key)
+        *offsets, at = itertools.accumulate((p.numel() for p in params), initial=0)
         buffer = params[0].new_empty(at + len(params))
         buckets.append(_Bucket(key[0], params, offsets, buffer, at))
 

@@ -13,6 +13,7 @@ primitive in the other direction.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -133,10 +134,7 @@ class _GatherColumns(torch.autograd.Function):
         a, b = plan.owned[rank]
         pieces = plan.pieces(rank)
         given = plan.sends(rank)
-        offsets, offset = [], ctx.pad_lo
-        for _, s, e in pieces:
-            offsets.append(offset)
-            offset += e - s
+        *offsets, _ = itertools.accumulate((e - s for _, s, e in pieces), initial=ctx.pad_lo)
         own = [(off, s, e) for off, (q, s, e) in zip(offsets, pieces, strict=True) if q == rank]
         if len(own) == 1 and own[0][1:] == (a, b):
             # The usual case: the window holds the whole strip once; no zero-fill needed.

@@ -29,14 +29,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+from ._dims import GRID_MESH_DIMS
+from ._errors import module_label
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
-from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._runtime import current_runtime
 from ._sharding import (
-    TILE_MESH_NAMES,
     SpatialLayout,
     enter,
     leave,
@@ -233,7 +233,7 @@ def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int],
     names = layout.mesh.mesh_dim_names or ()
     axes = tuple(
         (i + ndim - 3, names.index(n))
-        for i, n in enumerate(TILE_MESH_NAMES)
+        for i, n in enumerate(GRID_MESH_DIMS)
         if n in names and i + ndim - 3 >= 2
     )
     if len(axes) > 1:

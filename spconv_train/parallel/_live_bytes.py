@@ -5,7 +5,7 @@ created while the meter is active that are still referenced when ``live()`` is a
 (after a forward: what autograd saved, plus the output). A storage is alive while any
 tensor uses it, including autograd's saved copies whose Python object is long gone, so
 the meter holds a C++-level weak reference to the *storage* (``StorageWeakRef``), not a
-Python weakref to the tensor object (which dies with its wrapper and undercounted).
+Python weakref to the tensor object (which dies with its wrapper: an undercount).
 Activation checkpointing shows up here (recomputed tensors are freed after the forward),
 where a saved-tensor hook placed outside the checkpointed blocks would not see them.
 """

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced
+from ._errors import module_label
 from ._halo import sum_grad_over
-from ._label import module_label
 from ._mode import register_handler
 from ._norm_stats import _Cells, _moments, _Normalize
 from ._parallelize import register_spatial_module

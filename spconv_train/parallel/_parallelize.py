@@ -18,14 +18,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._compile import not_traced, run_eagerly
-from ._dims import SP
-from ._dtensor_guard import gather_guard, track_module_paths
+from ._dims import GRID_MESH_DIMS, SP
+from ._errors import gather_guard, track_module_paths
 from ._geometry import SpatialShardingError
 from ._install import install
 from ._mode import DTensorGraphMode, SpatialMode
+from ._replicas import broadcast_model_state
 from ._runtime import SpatialOptions, SpatialRuntime
-from ._sharding import TILE_MESH_NAMES
-from ._sync import broadcast_model_state
 
 _SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
 _REFUSED_MODULES: dict[type[nn.Module], str] = {
@@ -101,7 +100,7 @@ def _sp_mesh_dim(mesh: DeviceMesh) -> int:
     names = mesh.mesh_dim_names
     if mesh.ndim == 1:
         return 0
-    tile_dims = [names.index(n) for n in TILE_MESH_NAMES if names and n in names]
+    tile_dims = [names.index(n) for n in GRID_MESH_DIMS if names and n in names]
     if len(tile_dims) > 1:  # H x W tiles (_tiles.py), volumes over 2-3 of D, H, W
         return tile_dims[-1]
     if not names or SP not in names:

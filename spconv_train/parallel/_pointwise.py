@@ -10,7 +10,7 @@ dropout) change ``x`` itself, as on one device: code may call them for the side 
 go on with ``x``. They run as DTensor's own in-place op on the DTensor (an in-place op on its
 ``to_local()`` view would bypass autograd's view tracking), eagerly under ``torch.compile``
 (a mutated graph input fails AOTAutograd's DTensor graphs, ``_compile.py``); DTensor lacks
-the backward rule of three of them, which ``_dtensor_guard.add_pointwise_strategies`` adds.
+the backward rule of three of them, which ``_errors.add_pointwise_strategies`` adds.
 
 Dropout: every rank draws its own mask for its own strip, so a sharded run is *not*
 bit-identical to a single-device run while dropout is active (compare with ``p=0`` or in

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._adaptive import adaptive_pool
+from ._errors import module_label
 from ._geometry import SpatialShardingError, ntuple
-from ._label import module_label
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, spatial_layout

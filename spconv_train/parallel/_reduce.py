@@ -59,18 +59,23 @@ def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
     return out
 
 
+def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
+    """The max or min of ``local`` over ``dims`` and the ranks of ``groups`` (detached,
+    keepdim); an empty part holds no candidate."""
+    big = float("inf") if kind == "min" else float("-inf")
+    if local.numel():
+        m = (torch.amax if kind == "max" else torch.amin)(local.detach(), dims, keepdim=True)
+    else:
+        m = local.detach().sum(dims, keepdim=True).fill_(big)
+    for g in groups:
+        dist.all_reduce(m, dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN, group=g)
+    return m
+
+
 def _extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
     """amax/amin with torch's gradient: spread evenly over every element equal to the
     extreme value (on every rank)."""
-    ext = torch.amax if kind == "max" else torch.amin
-    fill = float("-inf") if kind == "max" else float("inf")
-    if local.numel():
-        m = ext(local.detach(), dims, keepdim=True)
-    else:  # an empty strip holds no candidate
-        m = local.detach().sum(dims, keepdim=True).fill_(fill)
-    for g in groups:
-        dist.all_reduce(m, dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN, group=g)
-    hit = local.detach() == m
+    hit = local.detach() == _global_extreme(local, dims, groups, kind)
     count = hit.sum(dims, keepdim=True).to(local.dtype)
     for g in groups:
         dist.all_reduce(count, group=g)
@@ -98,11 +103,10 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
         sq = sum_replicated((local - mean).square().sum(dims, keepdim=True), groups)
         out = sq / (count - opts.get("correction", 1))
         out = out.sqrt() if kind == "std" else out
-    if not keepdim:
-        out = out.squeeze(dims) if dims else out
-    shape = [n for d, n in enumerate(x.shape) if keepdim or d not in dims]
     if keepdim:
         shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
+    else:
+        out, shape = out.squeeze(dims), [n for d, n in enumerate(x.shape) if d not in dims]
     return wrap(out, x, _out_placements(x, dims, keepdim), shape)
 
 
@@ -156,11 +160,7 @@ def _group(x: DTensor, d: int):
 
 
 def _softmax_local(local: Tensor, d: int, group, log: bool) -> Tensor:
-    if local.shape[d]:
-        m = local.detach().amax(d, keepdim=True)
-    else:  # an empty strip contributes nothing
-        m = local.detach().sum(d, keepdim=True).fill_(float("-inf"))
-    dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
+    m = _global_extreme(local, d, (group,), "max")
     e = torch.exp(local - m)
     s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=group)
     return local - m - torch.log(s) if log else e / s

@@ -183,12 +183,17 @@ def runtime_of(model: nn.Module) -> SpatialRuntime:
     """The runtime ``parallelize`` attached to ``model`` (or to the model inside its
     ``DistributedDataParallel`` wrapper, ``parallel.grad_reduce: ddp``); raises
     ``ValueError`` for a model that was not parallelized."""
-    if isinstance(model, DistributedDataParallel):
-        model = model.module
-    runtime = getattr(model, "spatial_runtime", None)
+    runtime = getattr(local_module(model), "spatial_runtime", None)
     if not isinstance(runtime, SpatialRuntime):
         raise ValueError(
             f"{type(model).__name__} was not parallelized: call "
             f"spconv_train.parallel.parallelize(model, mesh) first"
         )
     return runtime
+
+
+def local_module(model: nn.Module) -> nn.Module:
+    """The parallelized model inside a ``replicate_gradients`` (DDP) wrapper; any other
+    model as it is. Validation and start-up probes call it: its forwards need no DDP
+    bookkeeping and no lock-step between data-parallel replicas."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import GRID_MESH_DIMS, ParallelDims, contiguous_stride
+from ._dims import GRID_MESH_DIMS, ParallelDims, from_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
@@ -27,10 +27,6 @@ from ._halo import sum_grad_over
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
 #: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
 SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
-#: Mesh dim names of a multi-dim spatial mesh: images ``(sp_h, sp_w)``; volumes any two or
-#: three of ``(sp_d, sp_h, sp_w)`` (``sp_d`` shards D, ``sp_h`` H, ``sp_w`` W), optionally
-#: after a ``dp`` dim. The layout itself is read off the placements, not the names.
-TILE_MESH_NAMES = GRID_MESH_DIMS
 
 
 def sharded_dim(placement) -> int | None:
@@ -163,7 +159,7 @@ def spatial_layout(
         sp = ParallelDims.spatial_mesh_dim(x.device_mesh)
         # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
         tiles_replicated = all(
-            isinstance(placements[names.index(n)], Replicate) for n in TILE_MESH_NAMES if n in names
+            isinstance(placements[names.index(n)], Replicate) for n in GRID_MESH_DIMS if n in names
         )
         if sp is not None and isinstance(placements[sp], Replicate) and tiles_replicated:
             _check_other_dims(placements, sp, what)
@@ -246,11 +242,4 @@ def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> 
     The backward of ``from_local`` redistributes an incoming gradient of any placement
     (``Replicate``, ``Partial``, ...) to this layout before handing it to local code.
     """
-    return DTensor.from_local(
-        local,
-        like.mesh,
-        like.placements,
-        run_check=False,
-        shape=tuple(global_shape),
-        stride=contiguous_stride(tuple(global_shape)),
-    )
+    return from_local(local, like.mesh, like.placements, global_shape)
