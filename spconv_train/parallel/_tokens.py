@@ -178,16 +178,16 @@ def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> 
     )
 
 
-def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str, last: bool = False):
+def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
     """``(placements, local shape)`` of ``x`` reshaped to ``out_shape`` with every sharded
     factor kept whole; refuses (``SpatialShardingError`` naming ``what`` and the module) a
     reshape that mixes the tokens of several ranks or nests them in a way the placements
-    cannot say (e.g. a map split along H alone flattened: runs of ``W`` tokens per rank)."""
+    cannot say (e.g. the token dim merged with the channels: runs of ``C`` entries)."""
     placements = list(x.placements)
     lays = split_layouts(x)
     placed = {}
     for lay in lays:
-        found = _target(tuple(x.shape), lay, out_shape, last)
+        found = _target(tuple(x.shape), lay, out_shape)
         if found is None:
             raise _mixes(x, out_shape, what, lay, "")
         placed[lay.mesh_dim] = found
