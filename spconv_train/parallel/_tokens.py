@@ -158,14 +158,18 @@ def _target(
     before = math.prod(shape[: lay.dim]) * lay.split_factor
     after = math.prod(shape[lay.dim + 1 :]) * lay.unit
     dims = list(enumerate(out_shape))
+    found = []
     for e, n in reversed(dims) if last else dims:
         head, tail = math.prod(out_shape[:e]), math.prod(out_shape[e + 1 :])
         if not head or not tail or before % head or after % tail:
             continue
         sf, unit = before // head, after // tail
         if sf * max(lay.inner, 1) * unit == n and (n > 1 or lay.inner <= 1):
-            return e, sf, unit
-    return None
+            found.append((e, sf, unit))
+    # a factor followed by the same runs as before (``unit`` kept) first: the others put
+    # it before (part of) the dims after it, which the placements say only when nested
+    kept = [f for f in found if f[2] == lay.unit]
+    return (kept or found or [None])[0]
 
 
 def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> Exception:
