@@ -197,6 +197,14 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
         placed[lay.mesh_dim] = found
         placements[lay.mesh_dim] = _placement(found[0], found[1])
     names = x.device_mesh.mesh_dim_names or ()
+    spatial = [m for m, (e, _, _) in placed.items() if e == 0 and names[m : m + 1] != (DP,)]
+    if len(spatial) > 1:
+        raise SpatialShardingError(
+            f"{what} from {tuple(x.shape)} to {tuple(out_shape)} in module '{module_path()}' "
+            f"merges a map split over several mesh dims ({x.placements}: H x W tiles or rows) "
+            f"into the batch (a batch of windows): window attention is not supported there "
+            f"yet. Shard the width only (mesh ('sp',), [Shard(3)])."
+        )
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
         chain = sorted(
