@@ -225,6 +225,19 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     return wrap(out, x, placements, out_shape)
 
 
+def _spatial_dims(x: DTensor, lays: list[TokenLayout], lay: TokenLayout) -> frozenset[int]:
+    """The other dims split by a spatial mesh dim when ``lay`` is spatial too (H and W of a
+    tile: their merge is the tiles' token layout, ``_tokens.py``, not a window move)."""
+    names = x.device_mesh.mesh_dim_names or ()
+
+    def spatial(o: TokenLayout) -> bool:
+        return names[o.mesh_dim : o.mesh_dim + 1] != (DP,)
+
+    if not spatial(lay):
+        return frozenset()
+    return frozenset(o.dim for o in lays if spatial(o)) - {lay.dim}
+
+
 def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     """The window moves of a reshape of ``x`` to ``out_shape`` (an empty list: none, but
     the reshape runs locally here), ``None`` when this module has nothing to do or a split
@@ -237,7 +250,7 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
         if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
             local = local or len(lays) > 1
             continue
-        m = _move(lay, shape, out_shape, frozenset(o.dim for o in lays) - {lay.dim})
+        m = _move(lay, shape, out_shape, _spatial_dims(x, lays, lay))
         if m is not None:
             moves.append(m)
             continue
