@@ -74,6 +74,11 @@ class TokenLayout:
         return (outer + mid + torch.arange(self.unit).view(1, 1, -1)).reshape(-1)
 
 
+def is_dp(x: DTensor, mesh_dim: int) -> bool:
+    """Whether ``mesh_dim`` of ``x``'s mesh is the data-parallel one (splits whole images)."""
+    return (x.device_mesh.mesh_dim_names or ())[mesh_dim : mesh_dim + 1] == (DP,)
+
+
 def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
     """``{mesh dim: (inner, unit)}`` of the mesh dims splitting one ``n``-long dim,
     ``chain`` their ``(split_factor, mesh dim)`` sorted: each chunks the factor between its
@@ -93,7 +98,7 @@ def split_layouts(x: DTensor) -> list[TokenLayout]:
     """One ``TokenLayout`` per mesh dimension that shards a dimension of ``x``, in mesh
     dim order. Several mesh dims on one tensor dim nest by their split factors
     (``_nest``), except a ``dp`` mesh dim: it splits whole images (its one-dim meaning)."""
-    mesh, names = x.device_mesh, x.device_mesh.mesh_dim_names or ()
+    mesh = x.device_mesh
     chains: dict[int, list[tuple[int, int]]] = {}
     found: dict[int, tuple[int, int, int, int]] = {}  # mesh dim: dim, split factor, inner, unit
     for i, p in enumerate(x.placements):
@@ -102,7 +107,7 @@ def split_layouts(x: DTensor) -> list[TokenLayout]:
             continue
         d %= x.ndim
         sf = p.split_factor if isinstance(p, _StridedShard) else 1
-        if names[i : i + 1] == (DP,):
+        if is_dp(x, i):
             found[i] = (d, sf, x.shape[d] // sf, 1)
         else:
             chains.setdefault(d, []).append((sf, i))
@@ -143,8 +148,7 @@ def is_nested(x) -> bool:
     ``(sp_h, sp_w)`` mesh, their tokens): a reshape of it runs on the local tensor here."""
     if not isinstance(x, DTensor):
         return False
-    names = x.device_mesh.mesh_dim_names or ()
-    lays = [m for m in split_layouts(x) if names[m.mesh_dim : m.mesh_dim + 1] != (DP,)]
+    lays = [m for m in split_layouts(x) if not is_dp(x, m.mesh_dim)]
     return len(lays) > 1 and any(m.dim for m in lays)
 
 
@@ -196,8 +200,7 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
             raise _mixes(x, out_shape, what, lay, "")
         placed[lay.mesh_dim] = found
         placements[lay.mesh_dim] = _placement(found[0], found[1])
-    names = x.device_mesh.mesh_dim_names or ()
-    spatial = [m for m, (e, _, _) in placed.items() if e == 0 and names[m : m + 1] != (DP,)]
+    spatial = [m for m, (e, _, _) in placed.items() if e == 0 and not is_dp(x, m)]
     if len(spatial) > 1:
         raise SpatialShardingError(
             f"{what} from {tuple(x.shape)} to {tuple(out_shape)} in module '{module_path()}' "
@@ -207,9 +210,7 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
         )
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
-        chain = sorted(
-            (f, m) for m, (d, f, _) in placed.items() if d == e and names[m : m + 1] != (DP,)
-        )
+        chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))
         want = _nest(out_shape[e], chain).get(lay.mesh_dim, (out_shape[e] // sf, 1))
         if want[1] != unit:
             raise _mixes(x, out_shape, what, lay, f" (runs of {unit} entries of dim {e})")

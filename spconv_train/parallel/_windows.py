@@ -228,14 +228,9 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
 def _spatial_dims(x: DTensor, lays: list[TokenLayout], lay: TokenLayout) -> frozenset[int]:
     """The other dims split by a spatial mesh dim when ``lay`` is spatial too (H and W of a
     tile: their merge is the tiles' token layout, ``_tokens.py``, not a window move)."""
-    names = x.device_mesh.mesh_dim_names or ()
-
-    def spatial(o: TokenLayout) -> bool:
-        return names[o.mesh_dim : o.mesh_dim + 1] != (DP,)
-
-    if not spatial(lay):
+    if _tokens.is_dp(x, lay.mesh_dim):
         return frozenset()
-    return frozenset(o.dim for o in lays if spatial(o)) - {lay.dim}
+    return frozenset(o.dim for o in lays if not _tokens.is_dp(x, o.mesh_dim)) - {lay.dim}
 
 
 def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
