@@ -14,11 +14,10 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from . import _slicing  # noqa: F401  (its __getitem__ handler is chained below)
 from ._dims import norm_dim, wrap
 from ._mode import register_handler
+from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
 from ._registry import DEFAULT_REGISTRY
-from ._slicing import _expand_index
 from ._tokens import is_nested, is_tokens, split_layouts
 
 
