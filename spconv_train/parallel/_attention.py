@@ -28,6 +28,7 @@ from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._ring import ring_attention
+from ._token_ring import token_ring
 from ._tokens import TokenLayout, split_layouts
 
 log = logging.getLogger("spconv_train.parallel")
@@ -40,33 +41,40 @@ def _refuse(what: str, why: str) -> SpatialShardingError:
     )
 
 
-def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> TokenLayout | None:
-    """The layout that splits ``q``'s sequence dim (``None``: not split); refuses any other
+#: the layouts splitting the sequence dim of the queries (every mesh dim that splits it:
+#: one on strips, ``sp_h`` and ``sp_w`` on tiles), empty when it is whole
+Seq = tuple[TokenLayout, ...]
+
+
+def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
+    """The layouts that split ``q``'s sequence dim (empty: not split); refuses any other
     split but a plain one of the batch dim."""
-    found = None
+    found = []
     for lay in split_layouts(q):
         if lay.dim == seq_dim:
-            found = lay
+            found.append(lay)
         elif lay.dim != batch_dim or lay.split_factor != 1:
             raise _refuse(what, f"a split of dim {lay.dim} ({q.placements})")
-    return found
+    return tuple(found)
 
 
-def _kv_mode(q: DTensor, k, v, seq: TokenLayout, what: str) -> tuple[str, TokenLayout]:
-    """``("ring", layout of k's sequence)``: k, v split over the same ranks as q's
+def _kv_mode(q: DTensor, k, v, seq: Seq, what: str) -> tuple[str, Seq]:
+    """``("ring", layouts of k's sequence)``: k, v split over the same mesh dims as q's
     sequence (their own token counts: e.g. keys from a strided conv of the map, as in
     spatial-reduction attention); ``("local", seq)``: k, v whole on those ranks, split
     like q elsewhere (the batch)."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _refuse(what, "plain-tensor keys / values next to sharded queries")
-    others = [(m.mesh_dim, m.dim) for m in split_layouts(q) if m.mesh_dim != seq.mesh_dim]
+    dims = {m.mesh_dim for m in seq}
+    others = [(m.mesh_dim, m.dim) for m in split_layouts(q) if m.mesh_dim not in dims]
     if k.placements == v.placements:
         lays = split_layouts(k)
-        rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim != seq.mesh_dim]
-        kseq = [m for m in lays if m.mesh_dim == seq.mesh_dim and m.dim == seq.dim]
-        if rest == others and kseq:
-            return "ring", kseq[0]
-        if rest == others and not [m for m in lays if m.mesh_dim == seq.mesh_dim]:
+        rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]
+        kseq = tuple(m for m in lays if m.mesh_dim in dims)
+        on_seq = all(m.dim == seq[0].dim for m in kseq)
+        if rest == others and {m.mesh_dim for m in kseq} == dims and on_seq:
+            return "ring", kseq
+        if rest == others and not kseq:
             return "local", seq
     raise _refuse(
         what,
@@ -74,22 +82,23 @@ def _kv_mode(q: DTensor, k, v, seq: TokenLayout, what: str) -> tuple[str, TokenL
     )
 
 
-def _replicated_local(t: DTensor, q: DTensor, seq: TokenLayout) -> Tensor:
+def _replicated_local(t: DTensor, seq: Seq) -> Tensor:
     """``t``'s local tensor (whole on the sequence ranks); each rank uses it for its own
     queries only, so its gradient is a partial sum there."""
     grad = list(t.placements)
-    grad[seq.mesh_dim] = Partial()
+    for lay in seq:
+        grad[lay.mesh_dim] = Partial()
     return t.to_local(grad_placements=tuple(grad))
 
 
 def _attend(
-    ql: Tensor, kl: Tensor, vl: Tensor, mode: str, seq: TokenLayout, q: DTensor, scale: float | None
+    ql: Tensor, kl: Tensor, vl: Tensor, mode: str, kseq: Seq, q: DTensor, scale: float | None
 ) -> Tensor:
     """Attention of local queries ``(..., L_r, E)`` to all keys (ring or local)."""
     if mode == "local":
         return F.scaled_dot_product_attention(ql, kl, vl, scale=scale)
-    group = q.device_mesh.get_group(seq.mesh_dim)
-    return ring_attention(ql, kl, vl, group, seq.sizes(), scale)
+    ring = token_ring(q.device_mesh, kseq)
+    return ring_attention(ql, kl, vl, ring.group, ring.sizes(), scale)
 
 
 @register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
@@ -110,13 +119,13 @@ def spatial_sdpa(
         if bad:
             raise _refuse(what, why)
     seq = _sequence_layout(query, query.ndim - 2, 0, what)
-    if seq is None:
+    if not seq:
         return F.scaled_dot_product_attention(query, key, value, scale=scale)  # DTensor's
     mode, kseq = _kv_mode(query, key, value, seq, what)
     if mode == "ring":
         kl, vl = key.to_local(), value.to_local()
     else:
-        kl, vl = _replicated_local(key, query, seq), _replicated_local(value, query, seq)
+        kl, vl = _replicated_local(key, seq), _replicated_local(value, seq)
     out = _attend(query.to_local(), kl, vl, mode, kseq, query, scale)
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
@@ -159,7 +168,7 @@ def spatial_multi_head_attention(*args, **kwargs):
     if why:
         raise _refuse(what, why)
     seq = _sequence_layout(q, 0, 1, what)
-    if seq is None or q.ndim != 3:
+    if not seq or q.ndim != 3:
         raise _refuse(
             what,
             f"queries {tuple(q.shape)} {q.placements} without a split "
@@ -178,7 +187,7 @@ def spatial_multi_head_attention(*args, **kwargs):
     local = [q.to_local()] + (
         [k.to_local(), v.to_local()]
         if mode == "ring"
-        else [_replicated_local(t, q, seq) for t in (k, v)]
+        else [_replicated_local(t, seq) for t in (k, v)]
     )
 
     def project(x: Tensor, w, b) -> Tensor:  # (L, N, E) -> (N, heads, L, E / heads)

@@ -18,27 +18,27 @@ aten op and the module (``allow_gather`` runs it gathered), and a DTensor error 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import _attention  # noqa: F401  (registers first; its helpers are reused)
-from ._attention import _replicated_local
+from ._attention import Seq, _replicated_local
 from ._dims import wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._registry import DEFAULT_REGISTRY
 from ._ring_matmul import APPLY, SCORES, ring_matmul
-from ._tokens import TokenLayout, split_layouts
+from ._token_ring import token_ring
+from ._tokens import split_layouts
 
 LOCAL = "local"
 
 
-def _plan(a, b) -> tuple[str, TokenLayout, TokenLayout] | None:
-    """``(kind, rows layout of a, layout of b on the same ranks)`` for ``a @ b`` with the
-    rows of ``a`` split; ``None`` when the product is not one of the attention forms."""
+def _plan(a, b) -> tuple[str, Seq, Seq] | None:
+    """``(kind, rows layouts of a, layouts of b on the same mesh dims)`` for ``a @ b`` with
+    the rows of ``a`` split (over one mesh dim, or nested over several: tiles); ``None``
+    when the product is not one of the attention forms."""
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         return None
     if any(p.is_partial() for p in (*a.placements, *b.placements)):
@@ -47,23 +47,25 @@ def _plan(a, b) -> tuple[str, TokenLayout, TokenLayout] | None:
         return None
     la = {m.mesh_dim: m for m in split_layouts(a)}
     lb = {m.mesh_dim: m for m in split_layouts(b)}
-    rows = [m for m in la.values() if m.dim == a.ndim - 2]
-    if len(rows) != 1 or a.shape[-1] != b.shape[-2]:
+    rows = tuple(m for m in la.values() if m.dim == a.ndim - 2)
+    if not rows or a.shape[-1] != b.shape[-2]:
         return None
-    seq = rows[0]
-    for mesh_dim in (set(la) | set(lb)) - {seq.mesh_dim}:  # batch splits, alike on both
+    seq = {m.mesh_dim for m in rows}
+    for mesh_dim in (set(la) | set(lb)) - seq:  # batch splits, alike on both
         x, y = la.get(mesh_dim), lb.get(mesh_dim)
         if x is None or y is None or (x.dim, x.split_factor) != (y.dim, y.split_factor):
             return None
         if x.dim >= a.ndim - 2:
             return None
-    kb = lb.get(seq.mesh_dim)
-    if kb is None:
-        return LOCAL, seq, seq
-    if kb.dim == b.ndim - 1:
-        return SCORES, seq, kb
-    if kb.dim == b.ndim - 2:
-        return APPLY, seq, kb
+    kb = tuple(lb[m] for m in sorted(seq) if m in lb)
+    if not kb:
+        return LOCAL, rows, rows
+    if len(kb) != len(rows) or len({m.dim for m in kb}) != 1:
+        return None
+    if kb[0].dim == b.ndim - 1:
+        return SCORES, rows, kb
+    if kb[0].dim == b.ndim - 2:
+        return APPLY, rows, kb
     return None
 
 
@@ -76,14 +78,15 @@ def token_matmul(a, b) -> DTensor | None:
     kind, seq, kb = plan
     shape = (*a.shape[:-1], b.shape[-1])
     if kind == LOCAL:
-        out = a.to_local() @ _replicated_local(b, a, seq)
+        out = a.to_local() @ _replicated_local(b, seq)
         return wrap(out, a, a.placements, shape)
     t = b.to_local()
     if kind == SCORES:
         t = t.transpose(-2, -1)
-    cols = tuple(dataclasses.replace(kb, rank=j).indices().to(t.device) for j in range(kb.parts))
-    group = a.device_mesh.get_group(seq.mesh_dim)
-    out = ring_matmul(kind, a.to_local(), t, group, kb.sizes(), cols, b.shape[kb.dim])
+    ring = token_ring(a.device_mesh, kb)
+    out = ring_matmul(
+        kind, a.to_local(), t, ring.group, ring.sizes(), ring.columns(t.device), b.shape[kb[0].dim]
+    )
     return wrap(out, a, a.placements, shape)
 
 

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _broadcast, _channels  # noqa: F401  (their handlers are wrapped below)
-from ._dims import wrap
+from ._dims import DP, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
@@ -42,9 +42,13 @@ from ._sharding import sharded_dim, sharding_mesh_dims
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """How one mesh dimension splits a tensor dimension: viewed as ``(split_factor,
-    inner)``, ``inner`` chunked like DTensor's ``Shard`` (``split_factor`` 1: a plain
-    ``Shard``)."""
+    """How one mesh dimension splits a tensor dimension: the dim viewed as
+    ``(split_factor, inner, unit)``, ``inner`` chunked like DTensor's ``Shard``, every
+    entry of it a whole run of ``unit`` (``split_factor`` and ``unit`` 1: a plain ``Shard``;
+    ``unit`` 1: DTensor's ``_StridedShard``). Several mesh dims splitting one dim nest
+    (``split_layouts``): on H x W tiles the tokens ``L = H * W`` are ``(1, H, W)`` chunked
+    over ``sp_h`` and ``(H, W, 1)`` over ``sp_w``; a rank holds the tokens every one of them
+    gives it (``held_indices``)."""
 
     dim: int
     mesh_dim: int
@@ -52,32 +56,82 @@ class TokenLayout:
     inner: int
     parts: int
     rank: int
+    unit: int = 1
 
     def sizes(self) -> tuple[int, ...]:
-        """How many entries of ``dim`` every rank holds."""
+        """How many entries of ``dim`` every rank holds (this mesh dim's split alone)."""
         return tuple(
-            self.split_factor * (b - a) for a, b in all_shard_bounds(self.inner, self.parts)
+            self.split_factor * (b - a) * self.unit
+            for a, b in all_shard_bounds(self.inner, self.parts)
         )
 
     def indices(self) -> Tensor:
-        """Global indices along ``dim`` that this rank holds, in its local order."""
+        """Global indices along ``dim`` that this rank holds (this mesh dim's split alone),
+        in its local order."""
         a, b = shard_bounds(self.inner, self.parts, self.rank)
-        outer = torch.arange(self.split_factor).unsqueeze(1) * self.inner
-        return (outer + torch.arange(a, b).unsqueeze(0)).reshape(-1)
+        outer = torch.arange(self.split_factor).view(-1, 1, 1) * (self.inner * self.unit)
+        mid = torch.arange(a, b).view(1, -1, 1) * self.unit
+        return (outer + mid + torch.arange(self.unit).view(1, 1, -1)).reshape(-1)
+
+
+def is_dp(x: DTensor, mesh_dim: int) -> bool:
+    """Whether ``mesh_dim`` of ``x``'s mesh is the data-parallel one (splits whole images)."""
+    return (x.device_mesh.mesh_dim_names or ())[mesh_dim : mesh_dim + 1] == (DP,)
+
+
+def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """``{mesh dim: (inner, unit)}`` of the mesh dims splitting one ``n``-long dim,
+    ``chain`` their ``(split_factor, mesh dim)`` sorted: each chunks the factor between its
+    split factor and the next one's (the last: the rest). Split factors that do not nest
+    (equal ones) keep the one-dim meaning: the rest of the dim chunked, ``unit`` 1."""
+    out = {}
+    for j, (sf, m) in enumerate(chain):
+        nxt = chain[j + 1][0] if j + 1 < len(chain) else n
+        if nxt > sf and nxt % sf == 0 and n % max(nxt, 1) == 0:
+            out[m] = (nxt // sf, n // nxt)
+        else:
+            out[m] = (n // sf, 1)
+    return out
 
 
 def split_layouts(x: DTensor) -> list[TokenLayout]:
-    """One ``TokenLayout`` per mesh dimension that shards a dimension of ``x``."""
-    out = []
+    """One ``TokenLayout`` per mesh dimension that shards a dimension of ``x``, in mesh
+    dim order. Several mesh dims on one tensor dim nest by their split factors
+    (``_nest``), except a ``dp`` mesh dim: it splits whole images (its one-dim meaning)."""
+    mesh = x.device_mesh
+    chains: dict[int, list[tuple[int, int]]] = {}
+    found: dict[int, tuple[int, int, int, int]] = {}  # mesh dim: dim, split factor, inner, unit
     for i, p in enumerate(x.placements):
         d = sharded_dim(p)
         if d is None:
             continue
         d %= x.ndim
         sf = p.split_factor if isinstance(p, _StridedShard) else 1
-        mesh = x.device_mesh
-        out.append(TokenLayout(d, i, sf, x.shape[d] // sf, mesh.size(i), mesh.get_local_rank(i)))
-    return out
+        if is_dp(x, i):
+            found[i] = (d, sf, x.shape[d] // sf, 1)
+        else:
+            chains.setdefault(d, []).append((sf, i))
+    for d, chain in chains.items():
+        nest = _nest(x.shape[d], sorted(chain))
+        found.update({i: (d, sf, *nest[i]) for sf, i in chain})
+    return [
+        TokenLayout(d, i, sf, inner, mesh.size(i), mesh.get_local_rank(i), unit)
+        for i, (d, sf, inner, unit) in sorted(found.items())
+    ]
+
+
+def dim_layouts(lays: list[TokenLayout], dim: int) -> tuple[TokenLayout, ...]:
+    """The layouts of ``lays`` that split ``dim``."""
+    return tuple(lay for lay in lays if lay.dim == dim)
+
+
+def held_indices(lays: tuple[TokenLayout, ...]) -> Tensor:
+    """Global indices along one dim that the rank of ``lays`` (every layout splitting the
+    dim, each with that rank's place on its mesh dim) holds, in its local order."""
+    idx = lays[0].indices()
+    for lay in lays[1:]:
+        idx = idx[torch.isin(idx, lay.indices())]
+    return idx
 
 
 def is_tokens(x) -> bool:
@@ -89,46 +143,95 @@ def _placement(dim: int, sf: int):
     return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
 
 
+def is_nested(x) -> bool:
+    """True for a DTensor split over several spatial mesh dims (H x W tiles, rows on a
+    ``(sp_h, sp_w)`` mesh, their tokens): a reshape of it runs on the local tensor here."""
+    if not isinstance(x, DTensor):
+        return False
+    lays = [m for m in split_layouts(x) if not is_dp(x, m.mesh_dim)]
+    return len(lays) > 1 and any(m.dim for m in lays)
+
+
 def _target(
     shape: tuple[int, ...], lay: TokenLayout, out_shape: tuple[int, ...], last: bool = False
 ):
-    """The output dim holding ``lay``'s sharded factor after a reshape to ``out_shape``,
-    and its split factor there; ``None`` if the reshape mixes that factor with others.
-    A sharded factor of size 1 fits several output dims: the first, or with ``last`` the
-    innermost (``_windows.py``: a single window's index)."""
+    """``(output dim, split factor, unit)`` of ``lay``'s sharded factor after a reshape to
+    ``out_shape``; ``None`` if the reshape mixes that factor with others. A sharded factor
+    of size 1 fits several output dims: the first, or with ``last`` the innermost
+    (``_windows.py``: a single window's index)."""
     before = math.prod(shape[: lay.dim]) * lay.split_factor
-    after = math.prod(shape[lay.dim + 1 :])
+    after = math.prod(shape[lay.dim + 1 :]) * lay.unit
     dims = list(enumerate(out_shape))
+    found = []
     for e, n in reversed(dims) if last else dims:
-        if math.prod(out_shape[e + 1 :]) != after or n % max(lay.inner, 1):
+        head, tail = math.prod(out_shape[:e]), math.prod(out_shape[e + 1 :])
+        if not head or not tail or before % head or after % tail:
             continue
-        sf = n // max(lay.inner, 1)
-        if math.prod(out_shape[:e]) * sf == before and (n > 1 or lay.inner <= 1):
-            return e, sf
-    return None
+        sf, unit = before // head, after // tail
+        if sf * max(lay.inner, 1) * unit == n and (n > 1 or lay.inner <= 1):
+            found.append((e, sf, unit))
+    # a factor followed by the same runs as before (``unit`` kept) first: the others put
+    # it before (part of) the dims after it, which the placements say only when nested
+    kept = [f for f in found if f[2] == lay.unit]
+    return (kept or found or [None])[0]
+
+
+def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> Exception:
+    return SpatialShardingError(
+        f"{what} from {tuple(x.shape)} to {tuple(out_shape)} in module '{module_path()}' "
+        f"would mix the tokens (pixels) of different ranks: dim {lay.dim} is split over mesh "
+        f"dim {lay.mesh_dim} as {x.placements[lay.mesh_dim]}{why}. Reshape so that the token "
+        f"dim stays whole (e.g. (N, L, C) <-> (N, L, heads, d), or back to (N, C, H, W)), "
+        f"or gather explicitly (x.full_tensor())."
+    )
+
+
+def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
+    """``(placements, local shape)`` of ``x`` reshaped to ``out_shape`` with every sharded
+    factor kept whole; refuses (``SpatialShardingError`` naming ``what`` and the module) a
+    reshape that mixes the tokens of several ranks or nests them in a way the placements
+    cannot say (e.g. the token dim merged with the channels: runs of ``C`` entries)."""
+    placements = list(x.placements)
+    lays = split_layouts(x)
+    placed = {}
+    for lay in lays:
+        found = _target(tuple(x.shape), lay, out_shape)
+        if found is None:
+            raise _mixes(x, out_shape, what, lay, "")
+        placed[lay.mesh_dim] = found
+        placements[lay.mesh_dim] = _placement(found[0], found[1])
+    spatial = [m for m, (e, _, _) in placed.items() if e == 0 and not is_dp(x, m)]
+    if len(spatial) > 1:
+        raise SpatialShardingError(
+            f"{what} from {tuple(x.shape)} to {tuple(out_shape)} in module '{module_path()}' "
+            f"merges a map split over several mesh dims ({x.placements}: H x W tiles or rows) "
+            f"into the batch (a batch of windows): window attention is not supported there "
+            f"yet. Shard the width only (mesh ('sp',), [Shard(3)])."
+        )
+    for lay in lays:
+        e, sf, unit = placed[lay.mesh_dim]
+        chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))
+        want = _nest(out_shape[e], chain).get(lay.mesh_dim, (out_shape[e] // sf, 1))
+        if want[1] != unit:
+            raise _mixes(x, out_shape, what, lay, f" (runs of {unit} entries of dim {e})")
+    shares = {}
+    for lay in lays:
+        e = placed[lay.mesh_dim][0]
+        a, b = shard_bounds(lay.inner, lay.parts, lay.rank)
+        own, total = shares.get(e, (1, 1))
+        shares[e] = (own * (b - a), total * max(lay.inner, 1))
+    local_shape = [
+        n * shares[e][0] // shares[e][1] if e in shares else n for e, n in enumerate(out_shape)
+    ]
+    return placements, tuple(local_shape)
 
 
 def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) -> DTensor:
     """``x`` reshaped to the global ``out_shape`` on the local tensor, each sharded factor
     kept whole (``fn(local, local_shape)``: the op, ``reshape`` by default)."""
-    placements = list(x.placements)
+    placements, local_shape = reshaped_layout(x, out_shape, what)
     local = x.to_local()
-    local_shape = list(out_shape)
-    for lay in split_layouts(x):
-        found = _target(tuple(x.shape), lay, out_shape)
-        if found is None:
-            raise SpatialShardingError(
-                f"{what} from {tuple(x.shape)} to {tuple(out_shape)} in module "
-                f"'{module_path()}' would mix the tokens (pixels) of different ranks: dim "
-                f"{lay.dim} is split over mesh dim {lay.mesh_dim} as {x.placements[lay.mesh_dim]}."
-                f" Reshape so that the token dim stays whole (e.g. (N, L, C) <-> "
-                f"(N, L, heads, d), or back to (N, C, H, W)), or gather explicitly "
-                f"(x.full_tensor())."
-            )
-        e, sf = found
-        placements[lay.mesh_dim] = _placement(e, sf)
-        local_shape[e] = sf * (local.shape[lay.dim] // lay.split_factor)
-    out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
+    out = fn(local, local_shape) if fn else local.reshape(local_shape)
     return wrap(out, x, placements, out_shape)
 
 
@@ -141,8 +244,9 @@ def _reshaping(func, use_view: bool = False):
     what = function_name(func)
 
     def handler(x, *args, **kwargs):
-        if not is_tokens(x) or (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
-            # DTensor's own ("Cannot flatten unevenly sharded tensor" on H x W tiles: named)
+        tokens = is_tokens(x) or is_nested(x)
+        if not tokens or (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
+            # DTensor's own
             return run_dtensor_op(func, (x, *args), kwargs)
         shape = _meta_shape(func, x, *args, **kwargs)
         fn = (lambda t, s: t.view(s)) if use_view else None
@@ -207,10 +311,12 @@ def local_part(plain: Tensor, x: DTensor) -> Tensor:
     summed over the ranks that split ``x``."""
     part = sum_grad_over(plain, _grad_groups(x))
     lead = x.ndim - part.ndim
-    for lay in split_layouts(x):
-        k = lay.dim - lead
+    lays = split_layouts(x)
+    for d in sorted({lay.dim for lay in lays}):
+        k = d - lead
         if k >= 0 and part.shape[k] != 1:
-            part = part.index_select(k, lay.indices().to(part.device))
+            idx = held_indices(dim_layouts(lays, d))
+            part = part.index_select(k, idx.to(part.device))
     return part
 
 

@@ -122,7 +122,9 @@ def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Mo
     return None
 
 
-def _merge(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+def _merge(
+    lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...], split_dims=frozenset()
+) -> Move | None:
     single = shape[lay.dim] == 1
     if single and (tuple(shape), lay.dim) not in _SINGLE_WINDOW:
         return None
@@ -132,6 +134,8 @@ def _merge(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Mo
     d0, d1, e0, e1 = runs
     big = [j for j in range(e0, e1) if out[j] > 1] or [e1 - 1]
     if d0 != lay.dim or d1 - d0 < 2 or len(big) != 1 or big[0] != e1 - 1:
+        return None
+    if split_dims.intersection(range(d0 + 1, d1)):  # H and W of a tile: tokens (_tokens.py)
         return None
     return Move(lay, False, e1 - 1, math.prod(shape[d0 + 1 : d1]))
 
@@ -143,14 +147,16 @@ def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
     return lay.parts == 1 and lay.dim == 0 and names[lay.mesh_dim : lay.mesh_dim + 1] == (DP,)
 
 
-def _move(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
+def _move(
+    lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...], split_dims=frozenset()
+) -> Move | None:
     """The factorisation (or merge) of a plain ``Shard``'s dim around window boundaries, or
     ``None``: the reshape keeps the dim whole, mixes it otherwise, or the layout is a token
     layout."""
-    if lay.split_factor != 1:
+    if lay.split_factor != 1 or lay.unit != 1:
         return None
     m = _split(lay, shape, out)
-    return m if m is not None else _merge(lay, shape, out)
+    return m if m is not None else _merge(lay, shape, out, split_dims)
 
 
 @functools.lru_cache(maxsize=256)
@@ -205,7 +211,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
             continue
         else:
             # a size-1 split factor fits several output dims: the window index, innermost
-            e, sf = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
+            e, sf, _ = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
             placements[lay.mesh_dim] = _tokens._placement(e, sf)
             own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
@@ -217,6 +223,14 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
         if not m.split:
             out = _rechunk(out, x, m, m.dim, out_shape[m.dim])
     return wrap(out, x, placements, out_shape)
+
+
+def _spatial_dims(x: DTensor, lays: list[TokenLayout], lay: TokenLayout) -> frozenset[int]:
+    """The other dims split by a spatial mesh dim when ``lay`` is spatial too (H and W of a
+    tile: their merge is the tiles' token layout, ``_tokens.py``, not a window move)."""
+    if _tokens.is_dp(x, lay.mesh_dim):
+        return frozenset()
+    return frozenset(o.dim for o in lays if not _tokens.is_dp(x, o.mesh_dim)) - {lay.dim}
 
 
 def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
@@ -231,7 +245,7 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
         if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
             local = local or len(lays) > 1
             continue
-        m = _move(lay, shape, out_shape)
+        m = _move(lay, shape, out_shape, _spatial_dims(x, lays, lay))
         if m is not None:
             moves.append(m)
             continue
@@ -241,6 +255,8 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
         # a size-1 split dim (one window), or a plain Shard merged into the batch of
         # windows as its inner factor: local (DTensor refuses, or gathers, some of them)
         local = local or lay.inner == 1 or (lay.split_factor == 1 and found[1] > 1)
+    if not moves and _tokens.is_nested(x):  # tiles' tokens: _tokens.py nests the splits
+        return None
     return moves if moves or local else None
 
 

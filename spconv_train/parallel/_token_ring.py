@@ -1,0 +1,76 @@
+"""The ring over every rank that holds part of a token sequence.
+
+Attention over sharded pixel tokens passes key / value blocks around the ranks that split
+the sequence (``_ring.py``, ``_ring_matmul.py``). On strips that is one mesh dim's group;
+on H x W tiles (and rows on a ``(sp_h, sp_w)`` mesh) the tokens are split over two mesh
+dims (``_tokens.py``: nested layouts), so the ring runs over the process group of both:
+the sub-mesh of those dims flattened to one (``_replicas.flat_mesh``, DeviceMesh's
+``_flatten``: created collectively the first time, on every rank at once as every rank
+runs the same attention, and kept by the root mesh, so later calls reuse it). The group's
+members are ordered by ``dist.get_process_group_ranks``; each member's place on the mesh
+gives its token count and global token indices, which the ring ops take per group rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._replicas import flat_mesh
+from ._tokens import TokenLayout, held_indices
+
+
+@functools.lru_cache(maxsize=64)
+def _group_of(mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> tuple[object, tuple]:
+    """``(group, coords)``: the process group over ``mesh_dims`` holding this rank, and the
+    mesh coordinates of its members in group-rank order."""
+    if len(mesh_dims) == 1:
+        group = mesh.get_group(mesh_dims[0])
+    else:
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError(
+                "attention over tokens split over several mesh dims needs a mesh with "
+                "mesh_dim_names (e.g. ('sp_h', 'sp_w'))"
+            )
+        group = flat_mesh(mesh[tuple(names[m] for m in mesh_dims)]).get_group()
+    ranks = torch.as_tensor(dist.get_process_group_ranks(group))
+    coords = tuple(tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks.tolist())
+    return group, coords
+
+
+@dataclass(frozen=True)
+class TokenRing:
+    """The ring over the ranks that split one token dim: its ``group`` and, per member in
+    group-rank order, the layouts of that dim as that member holds them."""
+
+    group: object
+    members: tuple[tuple[TokenLayout, ...], ...]
+
+    @property
+    def mesh_dims(self) -> tuple[int, ...]:
+        return tuple(lay.mesh_dim for lay in self.members[0])
+
+    def sizes(self) -> tuple[int, ...]:
+        """How many tokens every member holds."""
+        return tuple(int(held_indices(m).numel()) for m in self.members)
+
+    def columns(self, device) -> tuple[Tensor, ...]:
+        """The global token indices every member holds, in its local order."""
+        return tuple(held_indices(m).to(device) for m in self.members)
+
+
+def token_ring(mesh: DeviceMesh, lays: tuple[TokenLayout, ...]) -> TokenRing:
+    """The ring of the ranks splitting the token dim of ``lays`` (every layout of that
+    dim of one tensor; a ``dp`` split of the same dim is left to the batch)."""
+    group, coords = _group_of(mesh, tuple(lay.mesh_dim for lay in lays))
+    members = tuple(
+        tuple(dataclasses.replace(lay, rank=c[lay.mesh_dim]) for lay in lays) for c in coords
+    )
+    return TokenRing(group, members)
