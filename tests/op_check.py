@@ -69,3 +69,52 @@ def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures
     check_fn(run, x, dmesh, placements, label, failures, tol, shapes)
     for (name, p), pr in zip(par.named_parameters(), ref.parameters(), strict=True):
         check_close(f"{label} {name}.grad", p.grad, pr.grad, tol, failures)
+
+
+def check_model_audited(
+    model,
+    x: torch.Tensor,
+    gy: torch.Tensor,
+    dmesh,
+    placements,
+    *,
+    gather_numel: int | None = None,
+    param_shapes=frozenset(),
+    grad_floor: float = 0.0,
+    buffers: bool = False,
+    traffic: str | None = "ring",
+    tol: float = 1e-12,
+) -> list[str]:
+    """A ``parallelize``d copy of ``model`` against ``model`` on one device, backward of
+    ``gy``: output, every parameter gradient (relative to ``grad_floor`` times the largest
+    one when given: mathematically zero gradients are rounding noise), buffers with
+    ``buffers``; no collective over ``gather_numel`` elements (default: a quarter of the
+    rank's strip of one sample; parameter-shaped ones and ``param_shapes`` aside) and,
+    unless ``traffic`` is None, point-to-point messages recorded (``traffic`` names them:
+    ring, re-chunk). Returns the failures."""
+    par = parallelize(copy.deepcopy(model), dmesh)
+    xs, gys = (distribute_tensor(t, dmesh, placements) for t in (x, gy))
+    with CommAudit() as audit:
+        y = par(xs)
+        y.backward(gys)
+    ref = model(x)
+    ref.backward(gy)
+    failures: list[str] = []
+    check_close("output", y, ref, tol, failures)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    floor = grad_floor * max(float(g.abs().max()) for g in grads.values() if g is not None)
+    got = dict(par.named_parameters())
+    for name, g in grads.items():
+        if g is not None or not grad_floor:
+            check_close(f"grad {name}", got[name].grad, g, tol, failures, floor)
+    if buffers:
+        for (name, b), br in zip(par.named_buffers(), model.buffers(), strict=True):
+            check_close(f"buffer {name}", b, br, tol, failures)
+    shapes = {tuple(p.shape) for p in model.parameters()} | set(param_shapes)
+    if gather_numel is None:
+        gather_numel = xs.to_local()[0].numel() // 4
+    moved = audit.activation_sized(max(1, gather_numel), shapes)
+    failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
+    if traffic and audit.summary().get("p2p", {}).get("count", 0) == 0:
+        failures.append(f"no point-to-point ({traffic}) traffic recorded")
+    return failures

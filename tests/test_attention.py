@@ -6,8 +6,6 @@ refusals of what is not supported."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,10 +14,10 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, parallelize
-from spconv_train.parallel._comm_audit import CommAudit
 from spconv_train.parallel._geometry import all_shard_bounds
 from spconv_train.parallel._ring import ring_attention
 from tests.dist_harness import mesh
+from tests.op_check import check_model_audited
 from tests.reference import rel_err, seeded
 
 TOL = 1e-12
@@ -120,28 +118,8 @@ def block_failures(h: int, w: int) -> list[str]:
     torch.manual_seed(0)
     model = TokenBlock(h, w).double()
     x = seeded(1, 2, 3, h, w, dtype=torch.float64)
-    par = parallelize(copy.deepcopy(model), dmesh)
-    xs = distribute_tensor(x, dmesh, [Shard(3)])
     gy = seeded(2, 2, 2, h, w, dtype=torch.float64)
-    gys = distribute_tensor(gy, dmesh, [Shard(3)])
-    with CommAudit() as audit:
-        y = par(xs)
-        y.backward(gys)
-    ref = model(x)
-    ref.backward(gy)
-    failures = []
-    if (e := rel_err(y, ref)) > TOL:
-        failures.append(f"output: {e:.3g}")
-    got = dict(par.named_parameters())
-    for name, p in model.named_parameters():
-        if (e := rel_err(got[name].grad, p.grad)) > TOL:
-            failures.append(f"grad {name}: {e:.3g}")
-    shapes = {tuple(p.shape) for p in model.parameters()}
-    moved = audit.activation_sized(max(1, xs.to_local()[0].numel() // 4), shapes)
-    failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
-    if audit.summary().get("p2p", {}).get("count", 0) == 0:
-        failures.append("no point-to-point (ring) traffic recorded")
-    return failures
+    return check_model_audited(model, x, gy, dmesh, [Shard(3)])
 
 
 @pytest.mark.parametrize("world", [2, 3])

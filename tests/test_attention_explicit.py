@@ -9,8 +9,6 @@ refused naming the op and the module (DTensor's own rules and the no-gather guar
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,10 +17,10 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, parallelize
-from spconv_train.parallel._comm_audit import CommAudit
 from spconv_train.parallel._geometry import all_shard_bounds
 from spconv_train.parallel._ring_matmul import APPLY, SCORES, ring_matmul
 from tests.dist_harness import mesh
+from tests.op_check import check_model_audited
 from tests.reference import rel_err, seeded
 
 TOL = 1e-12
@@ -120,33 +118,12 @@ def block_failures(h: int, w: int, kind: str = "block") -> list[str]:
     model = ExplicitBlock().double() if kind == "block" else unetr(h, w, kind).double()
     x = seeded(1, 2, 3, h, w, dtype=torch.float64)
     gy = seeded(2, 2, 2, h, w, dtype=torch.float64)
-    par = parallelize(copy.deepcopy(model), dmesh)
-    xs, gys = (distribute_tensor(t, dmesh, [Shard(3)]) for t in (x, gy))
-    with CommAudit() as audit:
-        y = par(xs)
-        y.backward(gys)
-    ref = model(x)
-    ref.backward(gy)
-    failures = []
-    if (e := rel_err(y, ref)) > TOL:
-        failures.append(f"output: {e:.3g}")
-    got = dict(par.named_parameters())
     # mathematically zero gradients (a bias before a norm) are rounding noise: compare
     # relative to the largest gradient of the model
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    floor = 1e-4 * max(float(g.abs().max()) for g in grads.values())
-    for name, g in grads.items():
-        if (e := rel_err(got[name].grad, g, floor)) > TOL:
-            failures.append(f"grad {name}: {e:.3g}")
-    for (name, b), br in zip(par.named_buffers(), model.buffers(), strict=True):
-        if (e := rel_err(b, br)) > TOL:
-            failures.append(f"buffer {name}: {e:.3g}")
-    shapes = {tuple(p.shape) for p in model.parameters()}
-    moved = audit.activation_sized(max(1, 2 * 8 * h * w // dist.get_world_size() // 4), shapes)
-    failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
-    if audit.summary().get("p2p", {}).get("count", 0) == 0:
-        failures.append("no point-to-point (ring) traffic recorded")
-    return failures
+    gather = 2 * 8 * h * w // dist.get_world_size() // 4
+    return check_model_audited(
+        model, x, gy, dmesh, [Shard(3)], gather_numel=gather, grad_floor=1e-4, buffers=True
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -6,21 +6,16 @@ the strips' own boundaries, and no activation gather."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
-from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
 from tests.dist_harness import mesh
-from tests.reference import rel_err, seeded
-
-TOL = 1e-12
+from tests.op_check import check_model_audited
+from tests.reference import seeded
 
 
 def partition(x, wh: int, ww: int, nchw: bool = False):
@@ -162,29 +157,17 @@ def swin_failures(dp: int = 1) -> list[str]:
     torch.manual_seed(0)
     model = TinySwin().double()
     x = seeded(1, 2 * dp, 3, 8, 20, dtype=torch.float64)
-    par = parallelize(copy.deepcopy(model), dmesh)
-    xs = distribute_tensor(x, dmesh, placements)
     gy = seeded(2, 2 * dp, 2, 2, 5, dtype=torch.float64)
-    gys = distribute_tensor(gy, dmesh, placements)
-    with CommAudit() as audit:
-        y = par(xs)
-        y.backward(gys)
-    ref = model(x)
-    ref.backward(gy)
-    failures = []
-    if (e := rel_err(y, ref)) > TOL:
-        failures.append(f"output: {e:.3g}")
-    got = dict(par.named_parameters())
-    for name, p in model.named_parameters():
-        if (e := rel_err(got[name].grad, p.grad)) > TOL:
-            failures.append(f"grad {name}: {e:.3g}")
     # the relative position bias (heads x N x N, whatever the image size) is summed too
-    shapes = {tuple(p.shape) for p in model.parameters()} | {(1, 2, 16, 16), (1, 2, 10, 10)}
-    moved = audit.activation_sized(max(1, xs.to_local()[0].numel() // 4), shapes)
-    failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
-    if dp == 1 and audit.summary().get("p2p", {}).get("count", 0) == 0:
-        failures.append("no point-to-point (re-chunk) traffic recorded")
-    return failures
+    return check_model_audited(
+        model,
+        x,
+        gy,
+        dmesh,
+        placements,
+        param_shapes={(1, 2, 16, 16), (1, 2, 10, 10)},
+        traffic="re-chunk" if dp == 1 else None,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
