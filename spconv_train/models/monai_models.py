@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from spconv_train.models.registry import register_model
+from spconv_train.models.registry import register_family
 
 #: the MONAI classes offered, by registry name
 NETWORKS = ("UNETR", "SwinUNETR")
@@ -37,10 +37,7 @@ def _builder(name: str):
         model.spatial_dims = dims  # volumes need a 3-D model (models/build.py)
         return model
 
-    build.__name__ = f"monai_{name}"
-    build.__doc__ = f"monai.{name} (``model.kwargs`` go to ``monai.networks.nets.{name}``)."
     return build
 
 
-for _name in NETWORKS:
-    register_model(f"monai.{_name}")(_builder(_name))
+register_family("monai", NETWORKS, _builder, "monai.networks.nets.{name}")

@@ -72,6 +72,18 @@ def register_model(name: str) -> Callable[[_B], _B]:
     return decorator
 
 
+def register_family(
+    library: str, names: tuple[str, ...], make: Callable[[str], Callable], target: str
+) -> None:
+    """Register ``library.<name>`` for each of ``names``: ``make(name)`` returns its
+    builder, whose ``model.kwargs`` go to ``target`` (``{name}`` filled in; for the help)."""
+    for name in names:
+        build = make(name)
+        build.__name__ = f"{library}_{name}"
+        build.__doc__ = f"{library}.{name} (``model.kwargs`` go to ``{target.format(name=name)}``)."
+        register_model(f"{library}.{name}")(build)
+
+
 def list_models() -> list[str]:
     """Return the names of all registered models, sorted."""
     return sorted(_REGISTRY)

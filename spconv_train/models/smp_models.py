@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spconv_train.models.registry import WeightsLoadError, register_model
+from spconv_train.models.registry import WeightsLoadError, register_family
 
 ARCHITECTURES = (
     "Unet",
@@ -174,10 +174,7 @@ def _builder(arch: str):
             _load_encoder(model, weights)
         return model
 
-    build.__name__ = f"smp_{arch}"
-    build.__doc__ = f"smp.{arch} (``model.kwargs`` go to ``smp.create_model``)."
     return build
 
 
-for _arch in ARCHITECTURES:
-    register_model(f"smp.{_arch}")(_builder(_arch))
+register_family("smp", ARCHITECTURES, _builder, "smp.create_model")
