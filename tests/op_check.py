@@ -74,7 +74,7 @@ def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures
 def check_model_audited(
     model,
     x: torch.Tensor,
-    gy: torch.Tensor,
+    gy,
     dmesh,
     placements,
     *,
@@ -83,38 +83,51 @@ def check_model_audited(
     grad_floor: float = 0.0,
     buffers: bool = False,
     traffic: str | None = "ring",
+    seed: int | None = None,
+    same_placements: bool = False,
+    label: str = "",
     tol: float = 1e-12,
 ) -> list[str]:
     """A ``parallelize``d copy of ``model`` against ``model`` on one device, backward of
-    ``gy``: output, every parameter gradient (relative to ``grad_floor`` times the largest
-    one when given: mathematically zero gradients are rounding noise), buffers with
-    ``buffers``; no collective over ``gather_numel`` elements (default: a quarter of the
-    rank's strip of one sample; parameter-shaped ones and ``param_shapes`` aside) and,
-    unless ``traffic`` is None, point-to-point messages recorded (``traffic`` names them:
-    ring, re-chunk). Returns the failures."""
+    ``gy`` (a tensor, or a function of the output shape that returns one): output, every
+    parameter gradient (relative to ``grad_floor`` times the largest one when given:
+    mathematically zero gradients are rounding noise), buffers with ``buffers``; no
+    collective over ``gather_numel`` elements (default: a quarter of the rank's strip of one
+    sample; parameter-shaped ones and ``param_shapes`` aside) and, unless ``traffic`` is
+    None, point-to-point messages recorded (``traffic`` names them: ring, re-chunk).
+    ``seed``: drawn before each forward (stochastic depth and drop-connect draw the same
+    masks); ``same_placements``: the output keeps the input's placements. Failures start
+    with ``label``; returns them."""
     par = parallelize(copy.deepcopy(model), dmesh)
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref = model(x)
+    gy = gy(ref.shape) if callable(gy) else gy
+    ref.backward(gy)
     xs, gys = (distribute_tensor(t, dmesh, placements) for t in (x, gy))
     with CommAudit() as audit:
+        if seed is not None:
+            torch.manual_seed(seed)
         y = par(xs)
         y.backward(gys)
-    ref = model(x)
-    ref.backward(gy)
     failures: list[str] = []
-    check_close("output", y, ref, tol, failures)
+    if same_placements and tuple(y.placements) != tuple(placements):
+        failures.append(f"{label}output placements {y.placements}")
+    check_close(f"{label}output", y, ref, tol, failures)
     grads = {n: p.grad for n, p in model.named_parameters()}
     floor = grad_floor * max(float(g.abs().max()) for g in grads.values() if g is not None)
     got = dict(par.named_parameters())
     for name, g in grads.items():
         if g is not None or not grad_floor:
-            check_close(f"grad {name}", got[name].grad, g, tol, failures, floor)
+            check_close(f"{label}grad {name}", got[name].grad, g, tol, failures, floor)
     if buffers:
         for (name, b), br in zip(par.named_buffers(), model.buffers(), strict=True):
-            check_close(f"buffer {name}", b, br, tol, failures)
+            check_close(f"{label}buffer {name}", b, br, tol, failures)
     shapes = {tuple(p.shape) for p in model.parameters()} | set(param_shapes)
     if gather_numel is None:
         gather_numel = xs.to_local()[0].numel() // 4
     moved = audit.activation_sized(max(1, gather_numel), shapes)
-    failures += [f"gathered activation: {r.op} {r.shape}" for r in moved]
+    failures += [f"{label}gathered activation: {r.op} {r.shape}" for r in moved]
     if traffic and audit.summary().get("p2p", {}).get("count", 0) == 0:
-        failures.append(f"no point-to-point ({traffic}) traffic recorded")
+        failures.append(f"{label}no point-to-point ({traffic}) traffic recorded")
     return failures

@@ -7,18 +7,15 @@ runs (sharded, one device) stay equal."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
 from spconv_train.models import create_model
-from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
 from tests.dist_harness import mesh
-from tests.reference import check_close, seeded
+from tests.op_check import check_model_audited
+from tests.reference import seeded
 
 TOL = 1e-9
 CASES = {
@@ -42,33 +39,22 @@ def mit_checks(
         for m in model.modules():  # per-strip dropout masks cannot equal one device's
             if isinstance(m, nn.modules.dropout._DropoutNd):
                 m.p = 0.0
-        ref = copy.deepcopy(model)
-        torch.manual_seed(7)  # MiT's stochastic depth draws per-sample masks: the same draw
-        yr = ref(x)
-        g = seeded(5, *yr.shape, dtype=torch.float64)
-        yr.backward(g)
-        par = parallelize(model, dmesh)
-        xs, gs = distribute_tensor(x, dmesh, [Shard(3)]), distribute_tensor(g, dmesh, [Shard(3)])
-        torch.manual_seed(7)
-        with CommAudit() as audit:
-            y = par(xs)
-            y.backward(gs)
-        where = f"{label} {encoder} @{world} w={width}"
-        check_close(f"{where} output", y, yr, TOL, failures)
-        # mathematically zero gradients (a bias before a norm) are rounding noise: compare
-        # relative to the largest gradient of the model
-        scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-        for (n, p), pr in zip(par.named_parameters(), ref.parameters(), strict=True):
-            if pr.grad is not None:
-                check_close(f"{where} {n}.grad", p.grad, pr.grad, TOL, failures, 1e-4 * scale)
-        for (n, b), br in zip(par.named_buffers(), ref.buffers(), strict=True):
-            check_close(f"{where} buffer {n}", b, br, TOL, failures)
-        shapes = {tuple(p.shape) for p in par.parameters()}
-        moved = audit.activation_sized(x[..., : width // world].numel() // 8, shapes)
-        if moved:
-            failures.append(f"{where}: activation-sized collectives {moved[:3]}")
-        if audit.summary().get("p2p", {}).get("count", 0) == 0:
-            failures.append(f"{where}: no point-to-point (ring) traffic recorded")
+        g = seeded(5, batch, 2, 32, width, dtype=torch.float64)
+        # MiT's stochastic depth draws per-sample masks: the same draw (seed); mathematically
+        # zero gradients (a bias before a norm) are rounding noise (grad_floor)
+        failures += check_model_audited(
+            model,
+            x,
+            g,
+            dmesh,
+            [Shard(3)],
+            gather_numel=x[..., : width // world].numel() // 8,
+            grad_floor=1e-4,
+            buffers=True,
+            seed=7,
+            tol=TOL,
+            label=f"{label} {encoder} @{world} w={width}: ",
+        )
     return failures
 
 

@@ -5,18 +5,15 @@ encoders are refused with the reason."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
 from spconv_train.models import create_model
-from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
 from tests.dist_harness import mesh
-from tests.reference import check_close, seeded
+from tests.op_check import check_model_audited
+from tests.reference import seeded
 
 TOL = 1e-9
 CASES = {
@@ -58,32 +55,26 @@ def smp_checks(world: int, width: int, names: tuple[str, ...]) -> list[str]:
         for m in model.modules():  # per-strip dropout masks cannot equal one device's
             if isinstance(m, nn.modules.dropout._DropoutNd):
                 m.p = 0.0
-        ref = copy.deepcopy(model)
-        torch.manual_seed(7)  # EfficientNet's drop-connect draws its mask: the same draw
-        yr = ref(x)
-        g = seeded(5, *yr.shape, dtype=torch.float64)
-        yr.backward(g)
-        par = parallelize(model, dmesh)
-        xs, gs = distribute_tensor(x, dmesh, [Shard(3)]), distribute_tensor(g, dmesh, [Shard(3)])
-        torch.manual_seed(7)
-        with CommAudit() as audit:
-            y = par(xs)
-            y.backward(gs)
-        where = f"{label} @{world} w={width}"
-        if tuple(y.placements) != (Shard(3),):
-            failures.append(f"{where}: output placements {y.placements}")
-        check_close(f"{where} output", y, yr, TOL, failures)
-        # gradients that are mathematically zero (a bias before a norm) are rounding noise:
-        # compare relative to the largest gradient of the model
-        scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-        for (n, p), pr in zip(par.named_parameters(), ref.parameters(), strict=True):
-            if pr.grad is None:
-                continue
-            check_close(f"{where} {n}.grad", p.grad, pr.grad, TOL, failures, floor=1e-4 * scale)
-        shapes = {tuple(p.shape) for p in par.parameters()}
-        moved = audit.activation_sized(x[..., : width // world].numel() // 8, shapes)
-        if moved:
-            failures.append(f"{where}: activation-sized collectives {moved[:3]}")
+
+        def g(shape):
+            return seeded(5, *shape, dtype=torch.float64)
+
+        # EfficientNet's drop-connect draws its mask: the same draw (seed); gradients that
+        # are mathematically zero (a bias before a norm) are rounding noise (grad_floor)
+        failures += check_model_audited(
+            model,
+            x,
+            g,
+            dmesh,
+            [Shard(3)],
+            gather_numel=x[..., : width // world].numel() // 8,
+            grad_floor=1e-4,
+            traffic=None,
+            seed=7,
+            tol=TOL,
+            same_placements=True,
+            label=f"{label} @{world} w={width}: ",
+        )
     return failures
 
 
