@@ -73,9 +73,12 @@ class SelfAttention(nn.Module):
             m = self.sr(x.permute(0, 2, 1).reshape(b, c, h, w))
             x = self.norm(m.reshape(b, c, -1).permute(0, 2, 1))
         kv = self.kv(x).reshape(b, -1, 2, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        k, v = kv.unbind(0)
-        o = F.scaled_dot_product_attention(q, k, v, scale=0.4)
+        o = self.attend(q, *kv.unbind(0))
         return self.proj(o.transpose(1, 2).reshape(b, n, c))
+
+    def attend(self, q, k, v):
+        """The attention product of (batch, heads, tokens, dim) queries, keys, values."""
+        return F.scaled_dot_product_attention(q, k, v, scale=0.4)
 
 
 class TokenBlock(nn.Module):

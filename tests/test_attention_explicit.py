@@ -22,6 +22,7 @@ from spconv_train.parallel._ring_matmul import APPLY, SCORES, ring_matmul
 from tests.dist_harness import mesh
 from tests.op_check import check_model_audited
 from tests.reference import rel_err, seeded
+from tests.test_attention import SelfAttention
 
 TOL = 1e-12
 
@@ -60,33 +61,20 @@ def test_ring_matmuls_match_plain_products(dist_pool, world):
         assert max(errs.values()) < TOL, errs
 
 
-class ExplicitAttention(nn.Module):
+class ExplicitAttention(SelfAttention):
     """MiT-style attention written out: ``form`` "matmul" (``q @ k.transpose(-2, -1)``,
     ``attn @ v``) or "einsum" (MONAI's ``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``);
     ``reduction`` > 1: keys / values from a strided conv of the map."""
 
     def __init__(self, c: int, heads: int, form: str, reduction: int = 1):
-        super().__init__()
-        self.heads, self.form, self.r = heads, form, reduction
-        self.q, self.kv, self.proj = nn.Linear(c, c), nn.Linear(c, 2 * c), nn.Linear(c, c)
-        if reduction > 1:
-            self.sr, self.norm = nn.Conv2d(c, c, reduction, reduction), nn.LayerNorm(c)
+        super().__init__(c, heads, reduction)
+        self.form = form
 
-    def forward(self, x, h, w):
-        b, n, c = x.shape
-        q = self.q(x).reshape(b, n, self.heads, c // self.heads).permute(0, 2, 1, 3)
-        if self.r > 1:
-            m = self.sr(x.permute(0, 2, 1).reshape(b, c, h, w))
-            x = self.norm(m.reshape(b, c, -1).permute(0, 2, 1))
-        kv = self.kv(x).reshape(b, -1, 2, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        k, v = kv[0], kv[1]
+    def attend(self, q, k, v):
         if self.form == "einsum":
             attn = torch.einsum("bhxd,bhyd->bhxy", q, k) * 0.4
-            o = torch.einsum("bhxy,bhyd->bhxd", attn.softmax(dim=-1), v)
-        else:
-            attn = (q @ k.transpose(-2, -1)) * 0.4
-            o = attn.softmax(dim=-1) @ v
-        return self.proj(o.transpose(1, 2).reshape(b, n, c))
+            return torch.einsum("bhxy,bhyd->bhxd", attn.softmax(dim=-1), v)
+        return ((q @ k.transpose(-2, -1)) * 0.4).softmax(dim=-1) @ v
 
 
 class ExplicitBlock(nn.Module):
