@@ -84,3 +84,12 @@ def compare_module(model, x, dmesh, placements, grad_kind, label, failures, tol=
     for (name, p), (_, pr) in zip(par.named_parameters(), ref.named_parameters(), strict=True):
         check_close(f"{label} {name}.grad", p.grad, pr.grad, tol, failures)
     return par, ref
+
+
+def dropout_off(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every dropout at p = 0: per-strip (per-tile) masks cannot equal one
+    device's. Stochastic depth stays: tests draw its masks from the same seed."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    return model

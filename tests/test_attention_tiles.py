@@ -21,7 +21,7 @@ from spconv_train.models import create_model
 from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.parallel._comm_audit import CommAudit
 from tests.meshes import mesh_and_placements
-from tests.reference import check_close, seeded
+from tests.reference import check_close, dropout_off, seeded
 from tests.test_attention import TokenBlock
 from tests.test_attention_explicit import ExplicitBlock
 from tests.test_segformer import CASES
@@ -70,9 +70,7 @@ def _segformer(label: str) -> nn.Module:
     name, kwargs = CASES[label]
     torch.manual_seed(0)  # the same weights on every rank
     model = create_model(name, num_classes=2, encoder_name="mit_b0", **kwargs).double().train()
-    for m in model.modules():  # per-tile dropout masks cannot equal one device's
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.p = 0.0
+    dropout_off(model)
     return model
 
 

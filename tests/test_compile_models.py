@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
 from tests.dist_harness import mesh
-from tests.reference import check_close, seeded
+from tests.reference import check_close, dropout_off, seeded
 
 # (height, width) per model; odd widths give uneven strips at 2 ranks (smp's encoders need
 # widths divisible by 2 ** depth, so its strips are even).
@@ -83,9 +83,7 @@ def build(name: str) -> nn.Module:
         )
     else:
         model = ConvNeXtStyle()
-    for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd):
-            m.p = 0.0
+    dropout_off(model)
     return model.double()
 
 

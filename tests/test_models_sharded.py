@@ -28,7 +28,7 @@ from spconv_train.models import create_model, list_models
 from spconv_train.parallel import CommAudit, parallelize
 from spconv_train.train import cross_entropy
 from tests.dist_harness import mesh
-from tests.reference import check_close, seeded
+from tests.reference import check_close, dropout_off, seeded
 
 # smp.* models have their own grid with small encoders (tests/test_smp_models.py)
 # unet3d takes volumes: its own tests (tests/test_unet3d.py)
@@ -65,9 +65,7 @@ def _build(name: str):
     torch.manual_seed(0)
     model = create_model(name, num_classes=NUM_CLASSES, **KWARGS.get(name, {}))
     model = model.to(_dtype(name))
-    for m in model.modules():
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            m.p = 0.0
+    dropout_off(model)
     return model
 
 

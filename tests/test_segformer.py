@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.tensor import Shard
 
 from spconv_train.models import create_model
 from tests.dist_harness import mesh
 from tests.op_check import check_model_audited
-from tests.reference import seeded
+from tests.reference import dropout_off, seeded
 
 TOL = 1e-9
 CASES = {
@@ -36,9 +35,7 @@ def mit_checks(
         torch.manual_seed(0)  # the same weights on every rank
         model = create_model(name, num_classes=2, encoder_name=encoder, **kwargs)
         model = model.double().train()
-        for m in model.modules():  # per-strip dropout masks cannot equal one device's
-            if isinstance(m, nn.modules.dropout._DropoutNd):
-                m.p = 0.0
+        dropout_off(model)
         g = seeded(5, batch, 2, 32, width, dtype=torch.float64)
         # MiT's stochastic depth draws per-sample masks: the same draw (seed); mathematically
         # zero gradients (a bias before a norm) are rounding noise (grad_floor)

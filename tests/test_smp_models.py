@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.distributed.tensor import Shard
 
 from spconv_train.models import create_model
 from tests.dist_harness import mesh
 from tests.op_check import check_model_audited
-from tests.reference import seeded
+from tests.reference import dropout_off, seeded
 
 TOL = 1e-9
 CASES = {
@@ -52,9 +51,7 @@ def smp_checks(world: int, width: int, names: tuple[str, ...]) -> list[str]:
         kwargs = {**SMALL, "encoder_depth": 3, **kwargs} if "Unet" in label else {**SMALL, **kwargs}
         torch.manual_seed(0)  # the same weights on every rank
         model = create_model(name, num_classes=3, **kwargs).double().train()
-        for m in model.modules():  # per-strip dropout masks cannot equal one device's
-            if isinstance(m, nn.modules.dropout._DropoutNd):
-                m.p = 0.0
+        dropout_off(model)
 
         def g(shape):
             return seeded(5, *shape, dtype=torch.float64)

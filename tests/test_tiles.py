@@ -18,7 +18,7 @@ from spconv_train.parallel._sharding import block_slices, mesh_coords, spatial_l
 from spconv_train.parallel._tiles import tile_window
 from tests.meshes import each_mesh, mesh_and_placements
 from tests.op_check import check_module
-from tests.reference import seeded
+from tests.reference import dropout_off, seeded
 
 #: (mesh shape, mesh dim names, placements) per world size; "dp" shards the batch
 TILE_MESHES = {
@@ -235,9 +235,7 @@ def model_tiles(
     dmesh, pl = mesh_and_placements(shape, names)
     torch.manual_seed(0)
     ref = create_model(name, num_classes=3, **kwargs).double()
-    for m in ref.modules():  # per-tile dropout masks cannot equal one device's
-        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-            m.p = 0.0
+    dropout_off(ref)
     par = parallelize(copy.deepcopy(ref), dmesh)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9)
     opt_p = torch.optim.SGD(par.parameters(), lr=0.01, momentum=0.9)
