@@ -134,15 +134,23 @@ def tied(seed: int, shape: tuple[int, ...], pl, dmesh) -> torch.Tensor:
     return x
 
 
+def runs_window(world: int, name: str, ci: int) -> bool:
+    """Whether window config ``ci`` runs on layout ``name`` at ``world``: at two of the
+    worlds, on the layout its index picks there (three mesh dims, the costliest layouts, run
+    ties and adaptive pools only); at one rank every eighth config."""
+    if world == 1:
+        return ci % 8 == 0
+    names = [k for k, v in LAYOUTS[world].items() if len(v[0]) < 3]
+    if name not in names or WORLDS[ci % 3] == world:
+        return False
+    return (ci // 3) % len(names) == names.index(name)
+
+
 def _window_cases(world: int, li: int, name: str, spec, dmesh, failures: list[str]) -> None:
     shape, names, ndim, pl = spec
     n, batch = ndim - 2, 2 if "dp" in names else 1
-    if len(shape) == 3:  # three mesh dims: the costliest layouts run ties and adaptive only
-        return
     for ci, (kind, cfg) in enumerate(window_configs()):
-        if world > 1 and (WORLDS[ci % 3] == world or (ci // 3) % len(LAYOUTS[world]) != li):
-            continue
-        if world == 1 and ci % 8:
+        if not runs_window(world, name, ci):
             continue
         cfg = _for_rank(cfg, n)
         parts = _parts(dmesh, pl, ndim)
@@ -219,14 +227,23 @@ def test_pool_grid_matches_single_device(dist_pool, world):
 
 
 def test_grid_covers_every_config_on_two_worlds():
-    """Each window config and adaptive size runs at two worlds, on layouts of both kinds
-    of a world (the index rotation), and every kind of config is in the grid."""
+    """Each window config runs at two worlds, once at each, and both kinds of layout (one
+    sharded axis, several) get configs of every kind; each adaptive size runs at two worlds."""
     cfgs = window_configs()
-    for i in range(len(cfgs)):
-        assert sum(WORLDS[i % 3] != w for w in WORLDS) == 2
     kinds = {(k, c["ceil_mode"], c.get("count_include_pad")) for k, c in cfgs}
     for ceil in (False, True):  # max, avg counting padding or not, with and without ceil
         assert {("max", ceil, None), ("avg", ceil, True), ("avg", ceil, False)} <= kinds
+    ran: dict[str, set] = {"one": set(), "multi": set()}
+    for ci, (kind, cfg) in enumerate(cfgs):
+        runs = [(w, n) for w in WORLDS for n in LAYOUTS[w] if runs_window(w, n, ci)]
+        assert sorted(w for w, _ in runs) == sorted(set(w for w, _ in runs)), runs
+        assert len(runs) == 2, (cfg, runs)
+        for w, n in runs:
+            multi = sum(p.dim >= 2 for p in LAYOUTS[w][n][3]) > 1
+            ran["multi" if multi else "one"].add((kind, cfg["ceil_mode"]))
+    assert ran["one"] == ran["multi"] == {(k, c) for k in ("max", "avg") for c in (False, True)}
+    for si in range(len(ADAPTIVE_SIZES)):
+        assert sum(WORLDS[si % 3] != w for w in WORLDS) == 2
     assert {name.split()[0] for w in WORLDS for name in LAYOUTS[w]} >= {
         "strips", "rows", "tiles", "volume", "blocks", "dp"
     }  # fmt: skip
