@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from spconv_train.parallel import CommAudit, parallelize
 from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import device
-from tests.reference import check_close, full, seeded
+from tests.reference import check_close, full, grad_dtensor, seeded
 
 TOL = 1e-10
 
@@ -21,12 +21,25 @@ def _first(y):
 
 
 def check_fn(
-    fn, x: torch.Tensor, dmesh, placements, label, failures, tol=TOL, param_shapes=frozenset()
+    fn,
+    x: torch.Tensor,
+    dmesh,
+    placements,
+    label,
+    failures,
+    tol=TOL,
+    param_shapes=frozenset(),
+    grad: str = "shard",
+    out_placements=None,
 ):
     """Run ``fn`` on ``x`` and on ``x`` distributed with ``placements`` (under
     ``SpatialMode``), backward a seeded upstream gradient through both, and append every
-    mismatch (output, input gradient, output placements not plain, a gather-like collective)
-    to ``failures``. Tuple outputs: every element is compared, the first is differentiated."""
+    mismatch (output, input gradient, output placements not plain or not ``out_placements``
+    when given, a gather-like collective) to ``failures``. Tuple outputs: every element is
+    compared, the first is differentiated. ``grad``: the upstream gradient's placements
+    ("shard": the output's, "replicate" or "partial"; ``tests/reference.grad_dtensor``);
+    only a "shard" gradient's backward is audited (DTensor first redistributes the others,
+    a ``Partial`` one by a reduction of the output's size)."""
     x = x.to(device())  # SPCONV_TEST_DEVICE (tests/dist_harness.py)
     xr = x.clone().requires_grad_()
     yr = fn(xr)
@@ -41,10 +54,13 @@ def check_fn(
     if not all(isinstance(o, DTensor) for o in outs):
         failures.append(f"{label}: output is not a DTensor")
         return
-    gs = distribute_tensor(g, dmesh, outs[0].placements)
+    if out_placements is not None and list(outs[0].placements) != list(out_placements):
+        failures.append(f"{label}: output placements {outs[0].placements} != {out_placements}")
+    gs = grad_dtensor(g, dmesh, grad, outs[0].placements)
     with CommAudit() as back:
         outs[0].backward(gs)
-    audit.records += back.records
+    if grad == "shard":  # DTensor redistributes another gradient first (Partial: a reduce)
+        audit.records += back.records
     refs = yr if isinstance(yr, (tuple, list)) else (yr,)
     for i, (o, r) in enumerate(zip(outs, refs, strict=True)):
         check_close(f"{label} output[{i}]", full(o), r, tol, failures)
@@ -55,9 +71,9 @@ def check_fn(
         failures.append(f"{label}: activation-sized collectives {moved}")
 
 
-def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures, tol=TOL):
+def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures, tol=TOL, **check):
     """``check_fn`` for a module: the plain copy against a ``parallelize``d copy, and every
-    parameter gradient too."""
+    parameter gradient too; ``check``: ``check_fn``'s ``grad`` and ``out_placements``."""
     model = model.to(device())
     ref = copy.deepcopy(model)
     par = parallelize(copy.deepcopy(model), dmesh)
@@ -66,7 +82,7 @@ def check_module(model, x: torch.Tensor, dmesh, placements, label: str, failures
     def run(t):
         return (par if isinstance(t, DTensor) else ref)(t)
 
-    check_fn(run, x, dmesh, placements, label, failures, tol, shapes)
+    check_fn(run, x, dmesh, placements, label, failures, tol, shapes, **check)
     for (name, p), pr in zip(par.named_parameters(), ref.parameters(), strict=True):
         check_close(f"{label} {name}.grad", p.grad, pr.grad, tol, failures)
 

@@ -1,7 +1,7 @@
 """More 3-D ops on an NCDHW volume sharded along D, H or W against one device (fp64: forward,
-input gradient, no activation gather): ``F.interpolate`` (nearest, nearest-exact, trilinear),
-``F.pad`` and the ``*Pad3d`` modules, adaptive 3-D pools, and ``unet3d`` with
-``up="bilinear"`` (trilinear up-sampling)."""
+input gradient, no activation gather): the ``nn.Upsample`` modules (the ``F.interpolate``
+grid is ``tests/test_resize_grid.py``), ``F.pad`` and the ``*Pad3d`` modules, adaptive 3-D
+pools, and ``unet3d`` with ``up="bilinear"`` (trilinear up-sampling)."""
 
 from __future__ import annotations
 
@@ -27,44 +27,6 @@ def _volume(seed: int, world: int, dim: int, base=(4, 5, 6), extra: int = 1) -> 
 
 
 # ---------------------------------------------------------------- F.interpolate
-
-
-def _interp_cases() -> dict:
-    tri = dict(mode="trilinear")
-    return {
-        "nearest x2": dict(scale_factor=2),
-        "nearest size": dict(size=(5, 7, 3)),
-        "nearest (1.5, 0.7, 2.3)": dict(scale_factor=(1.5, 0.7, 2.3)),
-        "nearest-exact size": dict(size=(6, 4, 9), mode="nearest-exact"),
-        "trilinear x2": dict(scale_factor=2, **tri),
-        "trilinear x2 align": dict(scale_factor=2, align_corners=True, **tri),
-        "trilinear size": dict(size=(7, 3, 11), **tri),
-        "trilinear size align": dict(size=(7, 3, 11), align_corners=True, **tri),
-        "trilinear 0.6 recompute": dict(scale_factor=0.6, recompute_scale_factor=True, **tri),
-    }
-
-
-def interpolate3d_grid(world: int) -> list[str]:
-    dmesh = mesh(world)
-    failures: list[str] = []
-    for j, (label, kw) in enumerate(_interp_cases().items()):
-        for dim in (2, 3, 4):
-            x = _volume(j, world, dim, extra=1 + (j + dim) % 2)
-            check_fn(
-                lambda t, kw=kw: F.interpolate(t, **kw),
-                x,
-                dmesh,
-                [Shard(dim)],
-                f"interpolate {label} Shard({dim}) {tuple(x.shape)}",
-                failures,
-            )
-    return failures
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_interpolate3d_matches_single_device(dist_pool, world):
-    failures = dist_pool.run(world, interpolate3d_grid, world)[0]
-    assert not failures, "\n".join(failures)
 
 
 def upsample3d_modules(world: int) -> list[str]:

@@ -1,4 +1,6 @@
-"""Width-sharded pooling against single-process PyTorch, forward, gradients and indices."""
+"""Pooling through every route (the functional forms, ``*_with_indices``, torch.*), on a
+(dp, sp) mesh, in a small classifier, its errors, ceil-mode geometry and the module swap;
+the op grid over configs, layouts and world sizes is ``tests/test_pool_grid.py``."""
 
 from __future__ import annotations
 
@@ -16,63 +18,6 @@ from spconv_train.parallel._tiles import ceil_geom
 from spconv_train.parallel._window import plan_window
 from tests.dist_harness import device, mesh
 from tests.reference import check_close, compare_module, grad_dtensor, seeded
-
-ADAPTIVE_SIZES = [1, (3, 5), (None, 4), (2, 1), (4, 2), 3, (1, 7), (2, 13)]
-
-
-def _window_configs() -> list[tuple[type, dict]]:
-    """(module class, kwargs) of the MaxPool2d / AvgPool2d grid."""
-    cfgs: list[tuple[type, dict]] = []
-    for ceil in (False, True):
-        for k, s, p in [(2, 2, 0), (3, 2, 1), (3, 1, 1), (3, 3, 1), (4, 3, 2), (5, 2, 2)]:
-            cfgs.append((nn.MaxPool2d, dict(kernel_size=k, stride=s, padding=p, ceil_mode=ceil)))
-            for cip in (True, False):
-                kw = dict(kernel_size=k, stride=s, padding=p, ceil_mode=ceil)
-                cfgs.append((nn.AvgPool2d, dict(kw, count_include_pad=cip)))
-        for d in (2, 3):
-            kw = dict(kernel_size=3, stride=2, padding=1, dilation=d, ceil_mode=ceil)
-            cfgs.append((nn.MaxPool2d, kw))
-        cfgs.append((nn.MaxPool2d, dict(kernel_size=(3, 2), stride=(1, 3), padding=(1, 1),
-                                         dilation=(2, 3), ceil_mode=ceil)))  # fmt: skip
-        cfgs.append((nn.AvgPool2d, dict(kernel_size=3, stride=2, padding=1, ceil_mode=ceil,
-                                        divisor_override=5)))  # fmt: skip
-        cfgs.append((nn.AvgPool2d, dict(kernel_size=(2, 5), stride=(3, 2), padding=(1, 2),
-                                        ceil_mode=ceil, count_include_pad=False)))  # fmt: skip
-    return cfgs
-
-
-def _width(mod: nn.Module, world: int, i: int) -> int:
-    """A width every rank can run; its remainder modulo the stride (which decides whether a
-    ceil-mode window overhangs the padding) cycles with the config index and world size."""
-    pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
-    k, s, p = pair(mod.kernel_size)[1], pair(mod.stride)[1], pair(mod.padding)[1]
-    d = pair(getattr(mod, "dilation", 1))[1]
-    return world * s * (d * (k - 1) + p + 2) + (i + world) % 3
-
-
-#: the world sizes of the window grid; each config runs at two of them (never the one at
-#: ``WORLDS[i % 3]``), so every config meets a middle rank (3 or 4 ranks) (suite time)
-WORLDS = (2, 3, 4)
-GRAD_KINDS = ("shard", "replicate", "partial")
-
-
-def window_grid(world: int) -> list[str]:
-    dmesh, failures = mesh(world), []
-    for i, (cls, cfg) in enumerate(_window_configs()):
-        if WORLDS[i % 3] == world:
-            continue
-        w = _width(cls(**cfg), world, i)
-        x = seeded(100 + i + w, 2, 3, 7, w)
-        kind = GRAD_KINDS[(i + world) % 3]  # every upstream gradient placement per world
-        label = f"{cls.__name__}({cfg}) W={w} grad={kind}"
-        compare_module(cls(**cfg), x, dmesh, [Shard(3)], kind, label, failures)
-    return failures
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_window_pools_match_single_device(dist_pool, world):
-    failures = dist_pool.run(world, window_grid, world)[0]
-    assert not failures, "\n".join(failures)
 
 
 def compare_any(model, x, dmesh, placements, want, grad_kind, label, failures, ctx=None):
@@ -110,39 +55,6 @@ def _sharded_out(ow: int, world: int) -> bool:
     per = -(-ow // world)
     # every rank gets an output column; a global pool (one column) is Replicate regardless
     return ow > 1 and per * (world - 1) < ow
-
-
-def adaptive_grid(world: int) -> list[str]:
-    dmesh, failures = mesh(world), []
-    for i, size in enumerate(ADAPTIVE_SIZES):
-        # one of the two widths per size, alternating with the world size (suite time):
-        # across the worlds every size meets both
-        for w in ((5 * world + 2, 9 * world + 1)[(i + world) % 2],):
-            sz = size if isinstance(size, tuple) else (size, size)
-            ow = w if sz[1] is None else sz[1]
-            want = [Shard(3)] if _sharded_out(ow, world) else [Replicate()]
-            x = seeded(7 * i + w, 2, 3, 6, w)
-            for j, cls in enumerate((nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)):
-                kind = ("shard", "replicate", "partial")[(i + j) % 3]
-                label = f"{cls.__name__}({size}) W={w} grad={kind}"
-                compare_any(cls(size), x, dmesh, [Shard(3)], want, kind, label, failures)
-            # ties across ranks and rows: the gradient must reach the same (first, row-major)
-            # element as on one device, and the indices must agree. Channel 0 is all zeros
-            # (a dead ReLU), channel 1 repeats its maximum in the first and last column, channel
-            # 2 at the top right and bottom left (row-major order picks the top right one).
-            xt = torch.relu(x - 1.0)
-            xt[:, 0] = 0.0
-            xt[:, 1, :, 0] = xt[:, 1, :, -1] = 5.0
-            xt[:, 2, 0, -1] = xt[:, 2, -1, 0] = 7.0
-            mod = nn.AdaptiveMaxPool2d(size, return_indices=True)
-            compare_any(mod, xt, dmesh, [Shard(3)], want, "shard", f"ties {size}", failures)
-    return failures
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_adaptive_pools_match_single_device(dist_pool, world):
-    failures = dist_pool.run(world, adaptive_grid, world)[0]
-    assert not failures, "\n".join(failures)
 
 
 class _Functional(nn.Module):

@@ -1,4 +1,6 @@
-"""Width-sharded ConvTranspose2d and interpolation against the single-process ops."""
+"""Width-sharded ConvTranspose2d against the single-process op, the functional and (dp, sp)
+paths, and interpolation's index tables, routes and refusals (the interpolation grid over
+modes, layouts and world sizes is ``tests/test_resize_grid.py``)."""
 
 from __future__ import annotations
 
@@ -158,49 +160,6 @@ def test_functional_and_dp(dist_pool):
 
 
 # ---------------------------------------------------------------- interpolate
-
-
-def _interp_configs(world: int) -> list[tuple[dict, tuple[int, int]]]:
-    """(nn.Upsample kwargs, input (H, W)): scales 2, 3, 1.5, 0.5 and size targets with
-    non-integer ratios, every mode / align_corners / recompute_scale_factor."""
-    w = 5 * world + 2
-    modes = [("nearest", None), ("nearest-exact", None), ("bilinear", False), ("bilinear", True)]
-    cfgs = []
-    for (mode, ac), rc in itertools.product(modes, (None, True)):
-        for sf in (2, 3, 1.5, 0.5, (1.5, 2.5)):
-            cfgs.append((dict(scale_factor=sf, recompute_scale_factor=rc), (5, w)))
-        if rc is None:
-            for size, hw in (((9, 40), (5, 17)), ((4, 9), (6, 23)), ((5, 2 * w + 1), (5, w))):
-                cfgs.append((dict(size=size), hw))
-        for c, _ in cfgs[-8:]:
-            c.update(mode=mode, align_corners=ac)
-    return cfgs
-
-
-def interp_grid(world: int, grad_kind: str) -> list[str]:
-    dmesh = mesh(world)
-    failures: list[str] = []
-    for i, (cfg, (h, w)) in enumerate(_interp_configs(world)):
-        x = seeded(3000 + i, 2, 3, h, w)
-        label = f"Upsample({cfg}) {h}x{w}"
-        compare_module(nn.Upsample(**cfg), x, dmesh, [Shard(3)], grad_kind, label, failures)
-    return failures
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_interpolate_grid_matches_single_device(dist_pool, world):
-    failures = dist_pool.run(world, interp_grid, world, GRAD_KINDS[world])[0]
-    assert not failures, "\n".join(failures)
-
-
-def test_interp_grid_covers_the_issue():
-    cfgs = [c for c, _ in _interp_configs(3)]
-    assert {c.get("scale_factor") for c in cfgs} >= {2, 3, 1.5, 0.5}
-    assert {(c["mode"], c["align_corners"]) for c in cfgs} == {
-        ("nearest", None), ("nearest-exact", None), ("bilinear", False), ("bilinear", True)
-    }  # fmt: skip
-    assert {c.get("recompute_scale_factor") for c in cfgs} == {None, True}
-    assert sum("size" in c for c in cfgs) == 12
 
 
 def _resize_whole(x, size, sf, mode, ac, rc):

@@ -30,11 +30,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from ._dims import GRID_MESH_DIMS
-from ._errors import module_label
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import register_handler
-from ._parallelize import register_spatial_module
+from ._parallelize import spatial_module
 from ._runtime import current_runtime
 from ._sharding import (
     SpatialLayout,
@@ -338,34 +337,13 @@ def _area(x, out_sizes: tuple[int, ...], what: str):
     return handler(x, out_sizes)
 
 
-class _SpatialUpsampleMixin:
-    """Forward of the spatial ``nn.Upsample`` family: DTensors go to ``spatial_interpolate``."""
-
-    spatial_name: str = ""
-
-    def forward(self, input: Tensor) -> Tensor:
-        if not isinstance(input, DTensor):
-            return super().forward(input)
-        args = (self.size, self.scale_factor, self.mode, self.align_corners)
-        rc = self.recompute_scale_factor
-        return spatial_interpolate(input, *args, rc, what=module_label(self))
-
-
-@register_spatial_module(nn.Upsample)
-class SpatialUpsample(_SpatialUpsampleMixin, nn.Upsample):
-    """``nn.Upsample`` that resizes a sharded DTensor part by part with global coordinates
-    (``parallelize`` swaps it in place; plain tensors run as usual)."""
-
-
-@register_spatial_module(nn.UpsamplingNearest2d)
-class SpatialUpsamplingNearest2d(_SpatialUpsampleMixin, nn.UpsamplingNearest2d):
-    """``nn.UpsamplingNearest2d`` on a sharded DTensor (see ``SpatialUpsample``)."""
-
-
-@register_spatial_module(nn.UpsamplingBilinear2d)
-class SpatialUpsamplingBilinear2d(_SpatialUpsampleMixin, nn.UpsamplingBilinear2d):
-    """``nn.UpsamplingBilinear2d`` on a sharded DTensor (see ``SpatialUpsample``)."""
-
+# ``nn.Upsample`` and its two fixed-mode subclasses: parallelize swaps them in place, and a
+# sharded input is resized part by part with global coordinates.
+_UPSAMPLE_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
+SpatialUpsample, SpatialUpsamplingNearest2d, SpatialUpsamplingBilinear2d = (
+    spatial_module(base, spatial_interpolate, *_UPSAMPLE_ARGS, module=__name__)
+    for base in (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)
+)
 
 # F.interpolate (called by model code or by nn.Upsample) has spatial_interpolate's arguments
 register_handler(F.interpolate)(functools.partial(spatial_interpolate, what="F.interpolate"))

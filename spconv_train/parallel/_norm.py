@@ -32,7 +32,7 @@ from ._errors import module_label
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._norm_stats import _Cells, _moments, _Normalize
-from ._parallelize import register_spatial_module
+from ._parallelize import register_spatial_module, spatial_module
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_now
 
@@ -219,18 +219,10 @@ class SpatialSyncBatchNorm(_SpatialBatchNorm, nn.SyncBatchNorm):
     (spatial and data-parallel dimensions); its ``process_group`` is not used."""
 
 
-@register_spatial_module(nn.GroupNorm)
-class SpatialGroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` on a sharded image or volume (statistics reduced over the spatial
-    mesh dims)."""
-
-    spatial_name: str = ""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(x, DTensor):
-            return super().forward(x)
-        what = module_label(self)
-        return spatial_group_norm(x, self.num_groups, self.weight, self.bias, self.eps, what)
+_GROUP_NORM_ARGS = ("num_groups", "weight", "bias", "eps")
+SpatialGroupNorm = spatial_module(
+    nn.GroupNorm, spatial_group_norm, *_GROUP_NORM_ARGS, module=__name__
+)  # statistics reduced over the spatial mesh dims
 
 
 class _SpatialInstanceNorm:

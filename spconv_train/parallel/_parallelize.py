@@ -16,10 +16,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced, run_eagerly
 from ._dims import GRID_MESH_DIMS, SP
-from ._errors import gather_guard, track_module_paths
+from ._errors import gather_guard, module_label, track_module_paths
 from ._geometry import SpatialShardingError
 from ._install import install
 from ._mode import DTensorGraphMode, SpatialMode
@@ -52,6 +53,24 @@ def register_spatial_module(base: type[nn.Module]) -> Callable[[type], type]:
         return cls
 
     return deco
+
+
+def spatial_module(base: type[nn.Module], fn: Callable, *attrs: str, module: str) -> type:
+    """``Spatial<base>``: ``base`` running ``fn(x, *attributes, what=label)`` on a DTensor
+    input (its own forward on a plain tensor), registered for ``parallelize`` to swap in;
+    ``module``: the defining module's ``__name__``. One class per layer whose sharded form
+    is a function of its attributes (pools, resizes, group norm)."""
+
+    def forward(self, x):
+        if not isinstance(x, DTensor):
+            return base.forward(self, x)
+        return fn(x, *(getattr(self, a) for a in attrs), what=module_label(self))
+
+    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
+    name = f"Spatial{base.__name__}"
+    cls = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": module})
+    cls.__qualname__ = name
+    return register_spatial_module(base)(cls)
 
 
 def refuse_module(base: type[nn.Module], reason: str) -> None:

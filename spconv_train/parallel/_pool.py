@@ -24,14 +24,13 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._adaptive import adaptive_pool
-from ._errors import module_label
 from ._geometry import SpatialShardingError, ntuple
 from ._mode import register_handler
-from ._parallelize import register_spatial_module
+from ._parallelize import spatial_module
 from ._sharding import enter, leave, spatial_layout
 from ._tiles import ceil_geom, layout_axes, tile_shape, tile_window
 
@@ -59,22 +58,6 @@ def _no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
             f"{what}: return_indices is not supported on a sharded volume (no MaxUnpool3d "
             f"either); use the values only"
         )
-
-
-def _module(base: type, fn, *attrs: str) -> type:
-    """``Spatial<base>``: ``base`` running ``fn(x, *attributes)`` on a DTensor input (its
-    own forward on a plain tensor), registered for ``parallelize`` to swap in."""
-
-    def forward(self, x: Tensor):
-        if not isinstance(x, DTensor):
-            return base.forward(self, x)
-        return fn(x, *(getattr(self, a) for a in attrs), what=module_label(self))
-
-    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
-    name = f"Spatial{base.__name__}"
-    cls = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__})
-    cls.__qualname__ = name
-    return register_spatial_module(base)(cls)
 
 
 #: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
@@ -208,6 +191,7 @@ spatial_adaptive_avg_pool2d = functools.partial(_adaptive, rank=2, kind="avg")
 spatial_adaptive_avg_pool3d = functools.partial(_adaptive, rank=3, kind="avg")
 spatial_adaptive_max_pool2d = functools.partial(_adaptive, rank=2, kind="max")
 spatial_adaptive_max_pool3d = functools.partial(_adaptive, rank=3, kind="max")
+_module = functools.partial(spatial_module, module=__name__)
 SpatialMaxPool2d = _module(nn.MaxPool2d, spatial_max_pool2d, *_MAX_ARGS)
 SpatialMaxPool3d = _module(nn.MaxPool3d, spatial_max_pool3d, *_MAX_ARGS)
 SpatialAvgPool2d = _module(nn.AvgPool2d, spatial_avg_pool2d, *_AVG_ARGS)
