@@ -34,7 +34,13 @@ This module holds the project's uses of DTensor dispatch internals (checked agai
   MobileNetV3), so their in-place forms (``F.relu6(x, inplace=True)``), which must run as
   DTensor's own in-place op to keep their meaning (``_pointwise.py``), could not be
   differentiated; ``add_pointwise_strategies`` registers the pointwise rule for them
-  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``).
+  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``);
+- pixel tokens of a map split over several mesh dims (H x W tiles, rows: ``_tokens.py``
+  nests ``Shard`` / ``_StridedShard`` of one dim over two mesh dims) mean something else to
+  DTensor's own chunking, so ``DTensor.full_tensor`` and ``DTensor.redistribute`` (and the
+  dispatcher's implicit redistributions, reported to ``_observe``) would return wrong
+  values; ``install_token_guard`` wraps both methods to refuse them by name
+  (``tests/test_tile_tokens_guard.py``).
 """
 
 from __future__ import annotations
@@ -140,6 +146,11 @@ _original = ExplicitRedistributionContext.observe_redistribution.__func__
 
 
 def _observe(cls, src_spec, dst_spec, message):
+    meta = src_spec.tensor_meta
+    if meta is not None:
+        found = re.search(r"for (\S+?)[(\s]", str(message))
+        what = f"an implicit redistribution for {found.group(1) if found else 'an op'}"
+        check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
     guard = _active()
     if guard is not None and _moves_activation(src_spec, dst_spec):
         found = re.search(r"for (\S+?)[(\s]", str(message))
@@ -169,6 +180,99 @@ def install_guard() -> None:
     current = ExplicitRedistributionContext.observe_redistribution.__func__
     if current is not _observe:
         ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
+
+
+def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
+    """``{tensor dim: mesh dims}`` of the dims that hold pixel tokens split over several
+    spatial mesh dims (``_tokens.split_layouts``: a ``_StridedShard`` nested with another
+    split of the dim) whose ranks' entries DTensor's own chunking of those placements
+    reads differently: two mesh dims of more than one rank, or one whose chunks differ
+    (uneven rows)."""
+    if not any(type(p).__name__ == "_StridedShard" for p in placements):
+        return {}
+    from ._tokens import TokenLayout, is_dp, split_layouts  # _tokens imports this module
+
+    view = _SpecView(mesh, tuple(placements), tuple(shape))
+    by_dim: dict[int, list] = {}
+    for lay in split_layouts(view):
+        if not is_dp(view, lay.mesh_dim):
+            by_dim.setdefault(lay.dim, []).append(lay)
+    found = {}
+    for d, lays in by_dim.items():
+        if len(lays) < 2 or all(lay.split_factor == 1 for lay in lays):
+            continue
+        many = [lay for lay in lays if lay.parts > 1]
+        if len(many) == 1:  # the one split that moves: DTensor's one-dim meaning of it
+            lay = many[0]
+            inner = shape[d] // lay.split_factor
+            own = TokenLayout(d, lay.mesh_dim, lay.split_factor, inner, lay.parts, lay.rank)
+            if own.sizes() == lay.sizes():
+                continue
+        if many:
+            found[d] = tuple(lay.mesh_dim for lay in lays)
+    return found
+
+
+@dataclass(frozen=True)
+class _SpecView:
+    """What ``_tokens.split_layouts`` reads of a DTensor, from a spec's parts."""
+
+    device_mesh: object
+    placements: tuple
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
+    """Raise ``SpatialShardingError`` naming ``what`` when moving a tensor of ``shape`` laid
+    out as ``placements`` on ``mesh`` to ``target`` (all ``Replicate`` when ``None``)
+    changes a mesh dim of nested pixel tokens that DTensor would read wrongly."""
+    for d, mesh_dims in _misread_mesh_dims(mesh, placements, shape).items():
+        if target is not None and all(target[m] == placements[m] for m in mesh_dims):
+            continue
+        names = mesh.mesh_dim_names or ()
+        on = [names[m] if m < len(names) else str(m) for m in mesh_dims]
+        raise SpatialShardingError(
+            f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
+            f"'{module_path()}' is not supported: dim {d} holds the pixel tokens of a map "
+            f"split over mesh dims {on} (H x W tiles or rows), nested splits that DTensor "
+            f"reads as its own chunking (wrong values). Reshape the tokens back to the map "
+            f"(B, C, H, W) first (e.g. t.transpose(1, 2).reshape(B, C, H, W)) and call it on "
+            f"the map."
+        )
+
+
+_original_redistribute = DTensor.redistribute
+_original_full_tensor = DTensor.full_tensor
+
+
+def _redistribute(self, device_mesh=None, placements=None, **kwargs):
+    if placements is not None and (device_mesh is None or device_mesh == self.device_mesh):
+        check_tokens_move(
+            "DTensor.redistribute()", self.device_mesh, self.placements, self.shape, placements
+        )
+    return _original_redistribute(self, device_mesh, placements, **kwargs)
+
+
+def _full_tensor(self, **kwargs):
+    check_tokens_move("DTensor.full_tensor()", self.device_mesh, self.placements, self.shape)
+    return _original_full_tensor(self, **kwargs)
+
+
+def install_token_guard() -> None:
+    """Make ``DTensor.full_tensor`` and ``DTensor.redistribute`` of nested pixel tokens
+    raise ``SpatialShardingError`` instead of returning wrong values (idempotent; called
+    by ``_install.install``, never at import; checked against torch 2.14.1, where
+    ``full_tensor`` calls ``redistribute``)."""
+    _redistribute.__doc__, _full_tensor.__doc__ = (
+        _original_redistribute.__doc__,
+        _original_full_tensor.__doc__,
+    )
+    DTensor.redistribute = _redistribute
+    DTensor.full_tensor = _full_tensor
 
 
 #: Backward ops of element-wise functions that DTensor (torch 2.14.1) has no strategy for.
