@@ -21,7 +21,8 @@ non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of i
 ``SpatialShardingError`` naming the op, the module path and the way out; with
 ``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
 counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` /
-``full_tensor()`` calls in user code are not implicit and stay allowed.
+``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
+tokens of tiles, below).
 
 This module holds the project's uses of DTensor dispatch internals (checked against torch
 2.14.1):
@@ -55,8 +56,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._geometry import SpatialShardingError
+from ._dims import DP
+from ._geometry import SpatialShardingError, all_shard_bounds
 from ._registry import function_name
 from ._runtime import current_runtime
 
@@ -182,48 +185,42 @@ def install_guard() -> None:
         ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
 
 
+def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
+    """Whether the nesting's chunks of an ``n``-long dim split with factor ``sf`` over
+    ``parts`` ranks (the factor up to the next mesh dim's ``nxt`` chunked, each entry a
+    run of ``n // nxt``: ``_tokens._nest``) differ from DTensor's (``n // sf`` chunked)."""
+    if nxt % sf or n % nxt:
+        return False  # not nested: the one-dim meaning, DTensor's own
+    ours = [(b - a) * (n // nxt) for a, b in all_shard_bounds(nxt // sf, parts)]
+    return ours != [b - a for a, b in all_shard_bounds(n // sf, parts)]
+
+
 def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
     """``{tensor dim: mesh dims}`` of the dims that hold pixel tokens split over several
     spatial mesh dims (``_tokens.split_layouts``: a ``_StridedShard`` nested with another
     split of the dim) whose ranks' entries DTensor's own chunking of those placements
     reads differently: two mesh dims of more than one rank, or one whose chunks differ
     (uneven rows)."""
-    if not any(type(p).__name__ == "_StridedShard" for p in placements):
+    if not any(isinstance(p, _StridedShard) for p in placements):
         return {}
-    from ._tokens import TokenLayout, is_dp, split_layouts  # _tokens imports this module
-
-    view = _SpecView(mesh, tuple(placements), tuple(shape))
-    by_dim: dict[int, list] = {}
-    for lay in split_layouts(view):
-        if not is_dp(view, lay.mesh_dim):
-            by_dim.setdefault(lay.dim, []).append(lay)
+    names = mesh.mesh_dim_names or ()
+    chains: dict[int, list[tuple[int, int]]] = {}
+    for m, p in enumerate(placements):
+        if (p.is_shard() or isinstance(p, _StridedShard)) and names[m : m + 1] != (DP,):
+            chains.setdefault(p.dim % len(shape), []).append((getattr(p, "split_factor", 1), m))
     found = {}
-    for d, lays in by_dim.items():
-        if len(lays) < 2 or all(lay.split_factor == 1 for lay in lays):
+    for d, chain in chains.items():
+        chain.sort()
+        moving = [j for j, (_, m) in enumerate(chain) if mesh.size(m) > 1]
+        if len(chain) < 2 or chain[-1][0] == 1 or not moving:
             continue
-        many = [lay for lay in lays if lay.parts > 1]
-        if len(many) == 1:  # the one split that moves: DTensor's one-dim meaning of it
-            lay = many[0]
-            inner = shape[d] // lay.split_factor
-            own = TokenLayout(d, lay.mesh_dim, lay.split_factor, inner, lay.parts, lay.rank)
-            if own.sizes() == lay.sizes():
+        if len(moving) == 1:  # one split moves: misread where its chunks differ
+            j = moving[0]
+            nxt = chain[j + 1][0] if j + 1 < len(chain) else shape[d]
+            if not _chunks_differ(shape[d], chain[j][0], nxt, mesh.size(chain[j][1])):
                 continue
-        if many:
-            found[d] = tuple(lay.mesh_dim for lay in lays)
+        found[d] = tuple(m for _, m in chain)
     return found
-
-
-@dataclass(frozen=True)
-class _SpecView:
-    """What ``_tokens.split_layouts`` reads of a DTensor, from a spec's parts."""
-
-    device_mesh: object
-    placements: tuple
-    shape: tuple[int, ...]
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
 
 def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
