@@ -102,6 +102,15 @@ def test_both_forms_are_neighbourhood_attention_on_one_device(k, dilation):
         torch.testing.assert_close(nd(x), want, rtol=1e-12, atol=1e-12)
 
 
+def im2col(width: int) -> nn.Module:
+    """A 1x1 conv, then ``nn.Unfold`` (kernel 3, padding 1, stride 2) of a ``5 x width``
+    map, its tokens viewed back as the output map."""
+    grid = (3, (width - 1) // 2 + 1)
+    return nn.Sequential(
+        nn.Conv2d(DIM, 2, 1), nn.Unfold(3, padding=1, stride=2), nn.Unflatten(2, grid)
+    )
+
+
 def _cases(world: int) -> list[tuple]:
     """``(label, model, input shape, mesh shape, mesh names, placements)`` per case."""
     na = doc_block()
@@ -128,6 +137,7 @@ def _cases(world: int) -> list[tuple]:
             ("rows F.unfold k3", na(DIM, HEADS, 3), (1, DIM, n, 4), *rows),
             ("H on one mesh dim F.unfold k3", na(DIM, HEADS, 3), (1, DIM, n, 4), (2,), ("sp",),
              [Shard(2)]),
+            ("strips nn.Unfold stride 2", im2col(n), (1, DIM, 5, n), *strips),
             ("volume W Tensor.unfold k3", NeighborhoodAttentionNd(DIM, HEADS, 3, spatial=3),
              (1, DIM, 3, 4, n), (2,), ("sp",), [Shard(4)]),
         ]  # fmt: skip

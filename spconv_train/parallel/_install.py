@@ -42,7 +42,7 @@ REFUSED_BY_DEFAULT = (
     "max_pool1d", "max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "lp_pool2d",
     "adaptive_avg_pool2d", "adaptive_max_pool2d", "adaptive_max_pool2d_with_indices",
     "fractional_max_pool2d", "interpolate", "grid_sample", "affine_grid", "batch_norm",
-    "group_norm", "instance_norm", "layer_norm", "local_response_norm", "pad", "unfold",
+    "group_norm", "instance_norm", "layer_norm", "local_response_norm", "pad",
     "fold", "pixel_shuffle", "pixel_unshuffle", "cross_entropy", "nll_loss", "embedding",
 )
 # fmt: on
