@@ -3,8 +3,8 @@ dims (H x W tiles, rows: one token dim nested over ``sp_h`` and ``sp_w``, ``_tok
 DTensor reads those placements as its own chunking, which differs from the nesting; the
 calls either equal the one-device tokens or raise ``SpatialShardingError`` naming the call
 and the way out (``_errors.install_token_guard``), never return wrong values. Even and
-uneven maps on 2 x 2 tiles and on rows; the advised reshape back to the map gathers
-exactly."""
+uneven maps on 2 x 2 tiles and on rows, and an implicit redistribution (DTensor's own
+``cumsum`` along the token dim); the advised reshape back to the map gathers exactly."""
 
 from __future__ import annotations
 
@@ -28,20 +28,28 @@ def outcomes(mshape: tuple[int, int]) -> dict[str, str]:
             tokens = distribute_tensor(x, dmesh, [Shard(2), Shard(3)]).flatten(2).transpose(1, 2)
             back = tokens.transpose(1, 2).reshape(2, 3, h, w)
         want = x.flatten(2).transpose(1, 2)
-        calls = {
-            "full_tensor()": tokens.full_tensor,
-            "redistribute()": lambda t=tokens: t.redistribute(dmesh, [Replicate()] * 2).to_local(),
+        calls = {  # name in the refusal: (call, its one-device result)
+            "DTensor.full_tensor()": (tokens.full_tensor, want),
+            "DTensor.redistribute()": (
+                lambda t=tokens: t.redistribute(dmesh, [Replicate()] * 2).to_local(),
+                want,
+            ),
+            # DTensor's own cumsum along the split dim redistributes the tokens implicitly
+            "implicit redistribution for aten.cumsum": (
+                lambda t=tokens: t.cumsum(1).redistribute(dmesh, [Replicate()] * 2).to_local(),
+                want.cumsum(1),
+            ),
         }
-        for name, call in calls.items():
+        for name, (call, result) in calls.items():
             case = f"{h}x{w} {name}"
             try:
                 got = call()
             except SpatialShardingError as exc:
                 text = str(exc)
-                named = f"DTensor.{name}" in text and "(B, C, H, W)" in text
+                named = name in text and "(B, C, H, W)" in text
                 found[case] = "refused" if named else f"refused without naming it: {text[:200]}"
                 continue
-            found[case] = "equal" if torch.equal(got, want) else "WRONG VALUES"
+            found[case] = "equal" if torch.allclose(got, result, 1e-14) else "WRONG VALUES"
         found[f"{h}x{w} map"] = "equal" if torch.equal(back.full_tensor(), x) else "WRONG MAP"
     return found
 
