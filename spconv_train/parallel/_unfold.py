@@ -33,7 +33,7 @@ from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._runtime import current_runtime
 from ._tiles import along, halo_window
-from ._tokens import local_part
+from ._tokens import is_tokens, local_part
 from ._window import gather_window, plan_window
 
 
@@ -100,7 +100,7 @@ def _local_operands(args: tuple):
     are), or ``None`` where DTensor's own rules apply (DTensors laid out differently, a
     plain tensor that would broadcast the sharded one)."""
     like = next(a for a in args if isinstance(a, DTensor))
-    if not handled(like) and not any(type(p).__name__ == "_StridedShard" for p in like.placements):
+    if not (handled(like) or is_tokens(like)):
         return None
     out = []
     for a in args:
@@ -109,7 +109,11 @@ def _local_operands(args: tuple):
                 return None
             out.append(a.to_local())
         elif isinstance(a, Tensor) and a.ndim:
-            if a.ndim > like.ndim or torch.broadcast_shapes(a.shape, like.shape) != like.shape:
+            try:
+                fits = torch.broadcast_shapes(a.shape, like.shape) == like.shape
+            except RuntimeError:  # torch's own message, from DTensor's rules
+                return None
+            if not fits or a.ndim > like.ndim:
                 return None
             out.append(local_part(a, like))
         else:
