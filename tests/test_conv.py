@@ -88,7 +88,7 @@ def test_parallelize_keeps_state_dict_and_refuses_unsupported():
     ref.load_state_dict(model.state_dict())
     torch.testing.assert_close(model(x), ref(x))
 
-    bad = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(nn.LocalResponseNorm(2), nn.Unfold(2)))
+    bad = nn.Sequential(nn.Conv2d(3, 3, 1), nn.Sequential(nn.LocalResponseNorm(2), nn.Fold(4, 2)))
     with pytest.raises(SpatialShardingError) as info:
         parallelize(bad, FakeMesh())
-    assert "1.0 (LocalResponseNorm)" in str(info.value) and "1.1 (Unfold)" in str(info.value)
+    assert "1.0 (LocalResponseNorm)" in str(info.value) and "1.1 (Fold)" in str(info.value)

@@ -74,7 +74,7 @@ _FRESH = textwrap.dedent(
     assert len(DEFAULT_REGISTRY.functions()) == n
     assert DEFAULT_REGISTRY.handler(F.pad) is mine, "a built-in handler replaced the user's"
     assert DEFAULT_REGISTRY.handler(F.conv2d) is not None
-    assert DEFAULT_REGISTRY.lookup(F.unfold).refused
+    assert DEFAULT_REGISTRY.lookup(F.fold).refused
     print("ok")
     """
 )

@@ -21,7 +21,8 @@ non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of i
 ``SpatialShardingError`` naming the op, the module path and the way out; with
 ``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
 counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` /
-``full_tensor()`` calls in user code are not implicit and stay allowed.
+``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
+tokens of tiles, below).
 
 This module holds the project's uses of DTensor dispatch internals (checked against torch
 2.14.1):
@@ -34,7 +35,13 @@ This module holds the project's uses of DTensor dispatch internals (checked agai
   MobileNetV3), so their in-place forms (``F.relu6(x, inplace=True)``), which must run as
   DTensor's own in-place op to keep their meaning (``_pointwise.py``), could not be
   differentiated; ``add_pointwise_strategies`` registers the pointwise rule for them
-  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``).
+  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``);
+- pixel tokens of a map split over several mesh dims (H x W tiles, rows: ``_tokens.py``
+  nests ``Shard`` / ``_StridedShard`` of one dim over two mesh dims) mean something else to
+  DTensor's own chunking, so ``DTensor.full_tensor`` and ``DTensor.redistribute`` (and the
+  dispatcher's implicit redistributions, reported to ``_observe``) would return wrong
+  values; ``install_token_guard`` wraps both methods to refuse them by name
+  (``tests/test_tile_tokens_guard.py``).
 """
 
 from __future__ import annotations
@@ -49,8 +56,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._geometry import SpatialShardingError
+from ._dims import DP
+from ._geometry import SpatialShardingError, all_shard_bounds
 from ._registry import function_name
 from ._runtime import current_runtime
 
@@ -140,6 +149,11 @@ _original = ExplicitRedistributionContext.observe_redistribution.__func__
 
 
 def _observe(cls, src_spec, dst_spec, message):
+    meta = src_spec.tensor_meta
+    if meta is not None:
+        found = re.search(r"for (\S+?)[(\s]", str(message))
+        what = f"an implicit redistribution for {found.group(1) if found else 'an op'}"
+        check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
     guard = _active()
     if guard is not None and _moves_activation(src_spec, dst_spec):
         found = re.search(r"for (\S+?)[(\s]", str(message))
@@ -169,6 +183,93 @@ def install_guard() -> None:
     current = ExplicitRedistributionContext.observe_redistribution.__func__
     if current is not _observe:
         ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
+
+
+def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
+    """Whether the nesting's chunks of an ``n``-long dim split with factor ``sf`` over
+    ``parts`` ranks (the factor up to the next mesh dim's ``nxt`` chunked, each entry a
+    run of ``n // nxt``: ``_tokens._nest``) differ from DTensor's (``n // sf`` chunked)."""
+    if nxt % sf or n % nxt:
+        return False  # not nested: the one-dim meaning, DTensor's own
+    ours = [(b - a) * (n // nxt) for a, b in all_shard_bounds(nxt // sf, parts)]
+    return ours != [b - a for a, b in all_shard_bounds(n // sf, parts)]
+
+
+def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
+    """``{tensor dim: mesh dims}`` of the dims that hold pixel tokens split over several
+    spatial mesh dims (``_tokens.split_layouts``: a ``_StridedShard`` nested with another
+    split of the dim) whose ranks' entries DTensor's own chunking of those placements
+    reads differently: two mesh dims of more than one rank, or one whose chunks differ
+    (uneven rows)."""
+    if not any(isinstance(p, _StridedShard) for p in placements):
+        return {}
+    names = mesh.mesh_dim_names or ()
+    chains: dict[int, list[tuple[int, int]]] = {}
+    for m, p in enumerate(placements):
+        if (p.is_shard() or isinstance(p, _StridedShard)) and names[m : m + 1] != (DP,):
+            chains.setdefault(p.dim % len(shape), []).append((getattr(p, "split_factor", 1), m))
+    found = {}
+    for d, chain in chains.items():
+        chain.sort()
+        moving = [j for j, (_, m) in enumerate(chain) if mesh.size(m) > 1]
+        if len(chain) < 2 or chain[-1][0] == 1 or not moving:
+            continue
+        if len(moving) == 1:  # one split moves: misread where its chunks differ
+            j = moving[0]
+            nxt = chain[j + 1][0] if j + 1 < len(chain) else shape[d]
+            if not _chunks_differ(shape[d], chain[j][0], nxt, mesh.size(chain[j][1])):
+                continue
+        found[d] = tuple(m for _, m in chain)
+    return found
+
+
+def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
+    """Raise ``SpatialShardingError`` naming ``what`` when moving a tensor of ``shape`` laid
+    out as ``placements`` on ``mesh`` to ``target`` (all ``Replicate`` when ``None``)
+    changes a mesh dim of nested pixel tokens that DTensor would read wrongly."""
+    for d, mesh_dims in _misread_mesh_dims(mesh, placements, shape).items():
+        if target is not None and all(target[m] == placements[m] for m in mesh_dims):
+            continue
+        names = mesh.mesh_dim_names or ()
+        on = [names[m] if m < len(names) else str(m) for m in mesh_dims]
+        raise SpatialShardingError(
+            f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
+            f"'{module_path()}' is not supported: dim {d} holds the pixel tokens of a map "
+            f"split over mesh dims {on} (H x W tiles or rows), nested splits that DTensor "
+            f"reads as its own chunking (wrong values). Reshape the tokens back to the map "
+            f"(B, C, H, W) first (e.g. t.transpose(1, 2).reshape(B, C, H, W)) and call it on "
+            f"the map."
+        )
+
+
+_original_redistribute = DTensor.redistribute
+_original_full_tensor = DTensor.full_tensor
+
+
+def _redistribute(self, device_mesh=None, placements=None, **kwargs):
+    if placements is not None and (device_mesh is None or device_mesh == self.device_mesh):
+        check_tokens_move(
+            "DTensor.redistribute()", self.device_mesh, self.placements, self.shape, placements
+        )
+    return _original_redistribute(self, device_mesh, placements, **kwargs)
+
+
+def _full_tensor(self, **kwargs):
+    check_tokens_move("DTensor.full_tensor()", self.device_mesh, self.placements, self.shape)
+    return _original_full_tensor(self, **kwargs)
+
+
+def install_token_guard() -> None:
+    """Make ``DTensor.full_tensor`` and ``DTensor.redistribute`` of nested pixel tokens
+    raise ``SpatialShardingError`` instead of returning wrong values (idempotent; called
+    by ``_install.install``, never at import; checked against torch 2.14.1, where
+    ``full_tensor`` calls ``redistribute``)."""
+    _redistribute.__doc__, _full_tensor.__doc__ = (
+        _original_redistribute.__doc__,
+        _original_full_tensor.__doc__,
+    )
+    DTensor.redistribute = _redistribute
+    DTensor.full_tensor = _full_tensor
 
 
 #: Backward ops of element-wise functions that DTensor (torch 2.14.1) has no strategy for.

@@ -12,7 +12,9 @@ is never overwritten by a built-in one installed later).
 The changes to torch state the parallel layer makes happen here too, not at import:
 registering a handler adds its functions to Dynamo's set of functions it routes through
 ``TorchFunctionMode`` (``_compile.route_through_modes``), and the no-silent-gather guard
-wraps DTensor's report of implicit redistributions (``_errors.install_guard``), and
+wraps DTensor's report of implicit redistributions (``_errors.install_guard``),
+``DTensor.full_tensor`` / ``redistribute`` refuse the pixel tokens of tiles, whose nested
+placements DTensor would misread (``_errors.install_token_guard``), and
 DTensor learns the element-wise rule for three backward ops it lacks
 (``_errors.add_pointwise_strategies``).
 """
@@ -40,7 +42,7 @@ REFUSED_BY_DEFAULT = (
     "max_pool1d", "max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "lp_pool2d",
     "adaptive_avg_pool2d", "adaptive_max_pool2d", "adaptive_max_pool2d_with_indices",
     "fractional_max_pool2d", "interpolate", "grid_sample", "affine_grid", "batch_norm",
-    "group_norm", "instance_norm", "layer_norm", "local_response_norm", "pad", "unfold",
+    "group_norm", "instance_norm", "layer_norm", "local_response_norm", "pad",
     "fold", "pixel_shuffle", "pixel_unshuffle", "cross_entropy", "nll_loss", "embedding",
 )
 # fmt: on
@@ -87,8 +89,9 @@ def install() -> None:
                 importlib.import_module(f"{package}.{info.name}")
         for name in REFUSED_BY_DEFAULT:
             DEFAULT_REGISTRY.refuse(*_named(name), reason=REFUSAL_REASON)
-        from ._errors import add_pointwise_strategies, install_guard
+        from ._errors import add_pointwise_strategies, install_guard, install_token_guard
 
         install_guard()
+        install_token_guard()
         add_pointwise_strategies()
         _INSTALLED = True

@@ -30,8 +30,7 @@ from ._runtime import SpatialOptions, SpatialRuntime
 _SPATIAL_MODULES: dict[type[nn.Module], type[nn.Module]] = {}
 _REFUSED_MODULES: dict[type[nn.Module], str] = {
     nn.ConvTranspose1d: "1-D transposed convolution is not supported",
-    nn.Fold: "fold/unfold mix all columns",
-    nn.Unfold: "fold/unfold mix all columns",
+    nn.Fold: "fold sums overlapping windows across the columns of several ranks",
     nn.LocalResponseNorm: "no spatial implementation",
 }
 

@@ -1,0 +1,141 @@
+"""Sliding windows of a sharded map, and masks that pick among them: what a user-written
+neighbourhood (local) attention is made of (``docs/attention.md``).
+
+Every pixel attends to the ``k x k`` pixels around it: the keys and values of those
+neighbours come from ``F.unfold(k, kernel, dilation, padding)`` (an NCHW map, the
+neighbours stacked on the channels, the pixels flattened) or from ``F.pad`` and
+``Tensor.unfold`` along each spatial dim (any rank: images and volumes). Both read a
+window of the map, so on a sharded map each rank needs its part plus a halo of
+``k // 2 * dilation`` from its neighbours, never the whole map:
+
+- ``Tensor.unfold(dim, size, step)`` along a sharded dim fetches the halo along that dim
+  (``plan_window`` / ``gather_window``, point to point) and unfolds the local window: the
+  rank's output positions are DTensor's chunks of the unfolded dim, the new trailing dim
+  is whole. Along a dim no rank splits it is the local op.
+- ``F.unfold`` fetches the halo of every sharded dim (``halo_window``, corners included),
+  unfolds the window with padding 0 and flattens the local output grid as the token
+  reshape of ``_tokens.py`` / ``_windows.py`` would flatten the map: the result is the
+  one-device tensor ``(N, C * k * k, L)`` in the token layout of the output grid.
+- ``masked_fill`` and ``torch.where`` with a plain mask (out-of-image neighbours of an
+  unfolded ones-map set to ``-inf``) index the mask with the rank's positions
+  (``_tokens.local_part``) and run locally; DTensor would refuse a plain tensor there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._errors import run_dtensor_op
+from ._mode import register_handler
+from ._runtime import current_runtime
+from ._tiles import along, halo_window
+from ._tokens import is_tokens, local_part
+from ._window import gather_window, plan_window
+
+
+def _meta_shape(func, x: Tensor, *args) -> tuple[int, ...]:
+    """``func``'s output shape on ``x``'s global shape (torch's own argument checks)."""
+    return tuple(func(torch.empty(x.shape, device="meta", dtype=x.dtype), *args).shape)
+
+
+@register_handler(torch.Tensor.unfold)
+def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
+    """``x.unfold(dimension, size, step)`` of a sharded tensor: along a sharded dim the
+    halo of ``size - 1`` positions comes from the next rank (point to point), then the
+    local window is unfolded; along any other dim the local op. Same arguments as
+    ``Tensor.unfold``."""
+    args = (dimension, size, step)
+    if not handled(x):  # tokens, Partial: DTensor's own rules (named errors, _errors.py)
+        return run_dtensor_op(torch.Tensor.unfold, (x, *args), {})
+    shape = _meta_shape(torch.Tensor.unfold, x, *args)
+    d = norm_dim(dimension, x.ndim)
+    split = sharded_dims(x)
+    if sum(1 for p in x.placements if p.is_shard()) != len(split):
+        # one dim split over several mesh dims: no halo plan for that here
+        return run_dtensor_op(torch.Tensor.unfold, (x, *args), {})
+    local = x.to_local()
+    # the global strides DTensor's later view rules read mirror the local tensor's: the
+    # window is a new buffer with ``d`` innermost, unfolded as a view (as on one device)
+    meta = torch.empty_strided(x.shape, x.stride(), device="meta")
+    if d in split and x.device_mesh.size(split[d]) > 1:
+        mesh, m = x.device_mesh, split[d]
+        rank, group = mesh.get_local_rank(m), mesh.get_group(m)
+        wp = plan_window("Tensor.unfold", x.shape[d], mesh.size(m), size, step, 1, 0, 0)
+        local = along(local, d, lambda t: gather_window(t, wp, rank, group))
+        meta = along(meta, d, torch.Tensor.contiguous)
+    out = local.unfold(d, size, step)
+    stride = meta.unfold(d, size, step).stride()
+    return DTensor.from_local(
+        out, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride
+    )
+
+
+@register_handler(F.unfold)
+def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
+    """``F.unfold`` (im2col) of a sharded NCHW map, on strips, tiles and rows: the window
+    with its halos (``halo_window``), unfolded with padding 0, and the rank's output grid
+    flattened into the token layout of ``(N, C * prod(kernel_size), L)``. Same arguments
+    as ``F.unfold``."""
+    args = (kernel_size, dilation, padding, stride)
+    if not handled(input) or input.ndim != 4:
+        return run_dtensor_op(F.unfold, (input, *args), {})
+    shape = _meta_shape(F.unfold, input, *args)
+    win = halo_window(input, kernel_size, stride, padding, dilation, what="F.unfold")
+    (h0, h1), (w0, w1) = win.out_ranges[2], win.out_ranges[3]
+    cols = F.unfold(win.local, kernel_size, dilation, 0, stride)
+    grid = win.wrap(cols.unflatten(-1, (h1 - h0, w1 - w0)))  # the output grid as a map
+    # flattened as the model's own reshape of such a map would be (token layout, or the
+    # re-chunk of a map split along H over a one-dim mesh)
+    reshape = current_runtime().registry.handler(torch.Tensor.reshape) or torch.Tensor.reshape
+    return reshape(grid, shape)
+
+
+def _local_operands(args: tuple):
+    """The DTensor whose layout the result takes and ``args`` turned into local operands
+    (its local tensor, plain tensors indexed with its positions, other values as they
+    are), or ``None`` where DTensor's own rules apply (DTensors laid out differently, a
+    plain tensor that would broadcast the sharded one)."""
+    like = next(a for a in args if isinstance(a, DTensor))
+    if not (handled(like) or is_tokens(like)):
+        return None
+    out = []
+    for a in args:
+        if isinstance(a, DTensor):
+            if a.placements != like.placements or a.shape != like.shape:
+                return None
+            out.append(a.to_local())
+        elif isinstance(a, Tensor) and a.ndim:
+            try:
+                fits = torch.broadcast_shapes(a.shape, like.shape) == like.shape
+            except RuntimeError:  # torch's own message, from DTensor's rules
+                return None
+            if not fits or a.ndim > like.ndim:
+                return None
+            out.append(local_part(a, like))
+        else:
+            out.append(a)
+    return like, out
+
+
+def _with_plain_masks(func):
+    """Handler for an element-wise selection ``func`` (``masked_fill``, ``where``): a plain
+    mask or operand next to a sharded DTensor is indexed with the rank's positions."""
+
+    def handler(*args, **kwargs):
+        plain = any(isinstance(a, Tensor) and not isinstance(a, DTensor) and a.ndim for a in args)
+        found = _local_operands(args) if plain and not kwargs else None
+        if found is None:
+            return run_dtensor_op(func, args, kwargs)
+        like, local = found
+        return wrap(func(*local), like, like.placements, like.shape)
+
+    handler.__name__ = f"masked_{func.__name__}"
+    return handler
+
+
+for _fn in (torch.Tensor.masked_fill, torch.masked_fill, torch.where):
+    register_handler(_fn)(_with_plain_masks(_fn))
