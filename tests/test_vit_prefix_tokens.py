@@ -59,9 +59,10 @@ def _smp_dpt() -> nn.Module:
 
 def _case(label: str, model: nn.Module, h: int, w: int, dmesh) -> list[str]:
     x = seeded(1, 2, 3, h, w, dtype=torch.float64)
+    # grad_floor: the ViT blocks DPT never reads have no gradient on either side
     return check_model_audited(
         model.double(), x, lambda s: seeded(2, *s, dtype=torch.float64), dmesh, [Shard(3)],
-        label=f"{label}: ",
+        label=f"{label}: ", grad_floor=1e-30,
     )  # fmt: skip
 
 
