@@ -4,7 +4,7 @@
 broadcast for the readout. fp64 output and every parameter gradient (``cls_token``,
 ``reg_token``, ``pos_embed``, the blocks) equal one device at 2 and 3 ranks with uneven
 token counts, with no activation gather; smp DPT on ``tu-vit`` with its class token (the
-"cat" readout) at 2 ranks; prefix tokens on H x W tiles refused by name."""
+"cat" readout) at 2 ranks; and what stays refused in tests/test_vit_class_token.py."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
-from spconv_train.parallel import SpatialShardingError, parallelize
 from tests.dist_harness import mesh
-from tests.meshes import mesh_and_placements
 from tests.op_check import check_model_audited
 from tests.reference import seeded
 
