@@ -170,8 +170,8 @@ class _FromOwner(torch.autograd.Function):
     partial sum on every rank, summed back to the first rank."""
 
     @staticmethod
-    def forward(ctx, part: Tensor, group, shape: tuple[int, ...]) -> Tensor:
-        ctx.group, ctx.owner = group, dist.get_rank(group) == 0
+    def forward(ctx, part: Tensor, group, shape: tuple[int, ...], dim: int) -> Tensor:
+        ctx.group, ctx.owner, ctx.dim = group, dist.get_rank(group) == 0, dim
         out = part.contiguous() if ctx.owner else part.new_empty(shape)
         dist.broadcast(out, group_src=0, group=group)
         return out
@@ -180,7 +180,7 @@ class _FromOwner(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
         dist.reduce(grad, group_dst=0, op=dist.ReduceOp.SUM, group=ctx.group)
-        return (grad if ctx.owner else grad.narrow(1, 0, 0)), None, None
+        return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None
 
 
 def _token_dim(x: DTensor) -> tuple[int, int, int]:
@@ -223,7 +223,7 @@ def _prefix_index(x: DTensor, index, whole):
     part = local.narrow(d, picked[0], len(picked) if owner else 0)
     shape = list(local.shape)
     shape[d] = len(picked)
-    out = _FromOwner.apply(part, x.device_mesh.get_group(m), tuple(shape))
+    out = _FromOwner.apply(part, x.device_mesh.get_group(m), tuple(shape), d)
     if isinstance(i, int):
         out = out.select(d, 0)
     placements, grads = list(x.placements), list(x.placements)
