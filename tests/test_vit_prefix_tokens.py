@@ -41,6 +41,26 @@ class ViTMap(nn.Module):
         return feat + prefix[:, 0].view(*prefix.shape[::2], 1, 1) * prefix[:, -1:].mean()
 
 
+class MHAPrefix(nn.Module):
+    """User-written: 2 learned prefix tokens and a position embedding over them and the
+    pixel tokens, ``nn.MultiheadAttention`` (batch first), the map plus the first token."""
+
+    def __init__(self, h: int, w: int, c: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, c, 1)
+        self.prefix = nn.Parameter(torch.randn(1, 2, c))
+        self.pos = nn.Parameter(torch.randn(1, 2 + h * w, c))
+        self.mha = nn.MultiheadAttention(c, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        t = self.proj(x).flatten(2).transpose(1, 2)
+        t = torch.cat([self.prefix.expand(n, -1, -1), t], 1) + self.pos
+        t = t + self.mha(t, t, t, need_weights=False)[0]
+        out = t[:, 2:].transpose(1, 2).reshape(n, -1, h, w)
+        return out * t[:, 0].view(n, -1, 1, 1)
+
+
 def _smp_dpt() -> nn.Module:
     from spconv_train.models.registry import create_model
 
@@ -67,7 +87,8 @@ def _case(label: str, model: nn.Module, h: int, w: int, dmesh) -> list[str]:
 def prefix_failures(dpt: bool) -> list[str]:
     """One device against ``parallelize``: a ViT with a class token (fused attention, 5
     tokens wide: 3 + 2 / 2 + 2 + 1 per rank), with a class and 2 register tokens and
-    explicit attention (``no_embed_class``), and smp DPT when ``dpt``."""
+    explicit attention (``no_embed_class``), and smp DPT when ``dpt``, else
+    ``nn.MultiheadAttention`` over 2 learned prefix tokens (14 columns: 5 + 5 + 4)."""
     dmesh = mesh(dist.get_world_size())
     torch.manual_seed(0)
     failures = _case("cls", ViTMap(), 32, 80, dmesh)
@@ -77,6 +98,9 @@ def prefix_failures(dpt: bool) -> list[str]:
         if hasattr(m, "fused_attn"):
             m.fused_attn = False
     failures += _case("cls+reg", reg, 32, 80, dmesh)
+    if not dpt:
+        torch.manual_seed(0)
+        failures += _case("mha", MHAPrefix(6, 14), 6, 14, dmesh)
     if dpt:
         torch.manual_seed(0)
         failures += _case("dpt", _smp_dpt(), 32, 48, dmesh)

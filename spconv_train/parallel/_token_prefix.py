@@ -259,6 +259,28 @@ for _fn in (torch.select, _T.select):
     _chain_index(_fn, _select_index)
 
 
+def _prefix_part(t: Tensor, x: DTensor, d: int) -> Tensor:
+    """The part of plain prefix tokens ``t`` in front of ``x``'s along ``d`` on this rank
+    (all its tokens; its part of a split batch). An expanded view of a parameter (timm's
+    ``cls_token.expand(N, -1, -1)``) is expanded here from the parameter, so that its
+    gradient sum over the ranks is the bucketed parameter one, not an all-reduce of
+    ``(N, p, C)``."""
+    base = t._base
+    if base is not None and base.is_leaf and base.ndim == t.ndim:
+        try:
+            same = base.expand(t.shape)
+        except RuntimeError:
+            same = None
+        if same is not None and (same.stride(), same.storage_offset()) == (
+            t.stride(),
+            t.storage_offset(),
+        ):
+            shape = list(x.to_local().shape)
+            shape[d] = t.shape[d]
+            return local_part(base, x, skip=d).expand(shape)
+    return local_part(t, x, skip=d)
+
+
 def _cat_prefix(tensors: list, d: int) -> DTensor:
     """``torch.cat(tensors, d)``: plain tensors (the class / register tokens, expanded over
     the batch) in front of the token tensor (the last) along its token dim ``d``."""
@@ -284,7 +306,7 @@ def _cat_prefix(tensors: list, d: int) -> DTensor:
             fix,
         )
     lay = lays[0]
-    parts = [local_part(t, x, skip=d) for t in front]
+    parts = [_prefix_part(t, x, d) for t in front]
     if lay.rank != 0:  # the first rank holds the prefix; the others take part in the sums
         parts = [t.narrow(d - (x.ndim - t.ndim), 0, 0) for t in parts]
     prefix = lay.prefix + sum(t.shape[d - (x.ndim - t.ndim)] for t in front)
