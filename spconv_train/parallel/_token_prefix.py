@@ -70,21 +70,23 @@ def _strip(x):
     return wrap(x.to_local(), x, plain, x.shape)
 
 
-def _attach(out, prefixes: dict[int, int], what: str):
+def _attach(out, prefixes: dict[int, tuple[int, int]], what: str):
     """``out`` (a DTensor, or a tuple / list of them) with the prefix of ``prefixes``
-    (``{mesh dim: prefix}``) put back on the placement of each of those mesh dims."""
+    (``{mesh dim: (prefix, tokens)}``) put back on the placement of each of those mesh
+    dims, whose split dim still holds all the tokens."""
     if isinstance(out, (list, tuple)):
         return type(out)(_attach(t, prefixes, what) for t in out)
     if not isinstance(out, DTensor):
         return out
     placements = list(out.placements)
-    for m, p in prefixes.items():
+    for m, (p, n) in prefixes.items():
         d = sharded_dim(placements[m])
-        if d is None:
+        if d is None or out.shape[d] != n:
             raise _refuse(
                 what,
-                f"the result {out.placements} no longer splits the tokens behind {p} prefix "
-                f"(class / register) tokens (a reduction over the tokens)",
+                f"the result {tuple(out.shape)} {out.placements} no longer splits all {n} "
+                f"tokens behind {p} prefix (class / register) tokens (a reduction over the "
+                f"tokens, or a part of them)",
                 "Slice the prefix off first (x[:, p:]) or build the model without class "
                 "token (class_token: false, no reg_tokens)",
             )
@@ -93,12 +95,14 @@ def _attach(out, prefixes: dict[int, int], what: str):
     return wrap(out.to_local(), out, placements, out.shape)
 
 
-def _prefixes(args) -> dict[int, int]:
-    found: dict[int, int] = {}
+def _prefixes(args) -> dict[int, tuple[int, int]]:
+    """``{mesh dim: (prefix, tokens)}`` of the tensors with prefix tokens among ``args``."""
+    found: dict[int, tuple[int, int]] = {}
     for a in args:
         for t in a if isinstance(a, (list, tuple)) else (a,):
-            if has_prefix(t):
-                found.update({m: prefix_of(p) for m, p in enumerate(t.placements) if prefix_of(p)})
+            for m, p in enumerate(t.placements if has_prefix(t) else ()):
+                if prefix_of(p):
+                    found[m] = (prefix_of(p), t.shape[p.dim])
     return found
 
 
