@@ -287,20 +287,14 @@ def _prefix_part(t: Tensor, x: DTensor, d: int) -> Tensor:
 
 def _cat_prefix(tensors: list, d: int) -> DTensor:
     """``torch.cat(tensors, d)``: plain tensors (the class / register tokens, expanded over
-    the batch) in front of the token tensor (the last) along its token dim ``d``."""
+    the batch) in front of the token tensor (the last) along its token dim ``d``; any
+    other concatenation along a split dim goes to DTensor's own rules."""
     x, front = tensors[-1], tensors[:-1]
     what = "torch.cat"
     fix = (
         "Shard the width only (mesh ('sp',), [Shard(3)]), or build the model without "
         "class token (class_token: false, no reg_tokens)"
     )
-    if any(isinstance(t, DTensor) or not isinstance(t, Tensor) for t in front):
-        raise _refuse(
-            what,
-            f"prefix tokens {[tuple(t.shape) for t in front]} in front of tokens "
-            f"{tuple(x.shape)} {x.placements}: only plain tensors (parameters) are supported there",
-            fix,
-        )
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
     if is_nested(x) or len(lays) != 1:
         raise _refuse(
@@ -344,7 +338,9 @@ def _cat_handler(fn):
             return prev(tensors, dim, **kwargs)
         d = norm_dim(kwargs.get("axis", dim), x.ndim)
         if d in {lay.dim for lay in split_layouts(x) if not is_dp(x, lay.mesh_dim)}:
-            if tensors[-1] is x and len(tensors) > 1:
+            front = tensors[:-1]
+            plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
+            if tensors[-1] is x and front and plain:
                 return _cat_prefix(tensors, d)
         else:
             out = _cat_alongside(tensors, d, x)
