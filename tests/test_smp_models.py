@@ -91,7 +91,6 @@ def test_smp_models_match_one_device(dist_pool):
 @pytest.mark.parametrize(
     "name, kwargs, reason",
     [
-        ("smp.DPT", {"encoder_name": "tu-vit_tiny_patch16_224"}, "class_token: false"),
         ("smp.DPT", {"encoder_name": "tu-deit_tiny_patch16_224"}, "gather the whole activation"),
         ("smp.MAnet", {}, "position-attention.*gather the whole activation"),
     ],

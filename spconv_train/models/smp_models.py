@@ -11,10 +11,10 @@ model). smp and timm are an optional dependency (``pip install .[smp]``, which
 Mix Transformer encoders (``mit_b0`` .. ``mit_b5``, SegFormer's) run sharded: their
 spatial-reduction attention is exact over the split pixel tokens by point-to-point ring
 matmuls; Swin encoders (``tu-swin*``) attend inside windows and run sharded
-(``docs/attention.md``). timm ViT encoders (``tu-vit_*``, in ``smp.DPT``) run sharded
-without their class token (``class_token: false``): the class token has no sharded form
-yet and is refused by name, as are the other ViT-style timm encoders (DeiT, EVA, BEiT,
-MViT), untested.
+(``docs/attention.md``). timm ViT encoders (``tu-vit_*``, in ``smp.DPT``) run sharded with
+their class token and register tokens (``reg_tokens``): the first rank of the spatial
+group holds them, and smp DPT's readout broadcasts the class token from it. The other
+ViT-style timm encoders (DeiT, EVA, BEiT, MViT) are refused by name, untested.
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ ARCHITECTURES = (
 MIT_ENCODERS = tuple(f"mit_b{i}" for i in range(6))
 #: Architectures that smp itself builds on no ``mit_*`` encoder.
 NO_MIT_ARCHS = ("UnetPlusPlus", "Linknet", "DPT")
-#: timm ViT encoders (smp.DPT): their global attention runs as ring attention; a class
-#: token (or register tokens) prepended to the pixel tokens has no sharded layout, so
-#: they are built without one (``class_token: false``).
+#: timm ViT encoders (smp.DPT): their global attention runs as ring attention, over the
+#: class and register tokens too (held by the first rank of the spatial group).
 VIT_ENCODERS = "tu-vit_"
 #: Encoder name prefixes refused (see the module docstring).
 GLOBAL_ATTENTION_ENCODERS = ("tu-deit", "tu-mvit", "tu-eva", "tu-beit")
@@ -72,15 +71,6 @@ def mit_architectures() -> tuple[str, ...]:
 
 
 def _check_encoder(arch: str, encoder: str, kwargs: dict) -> None:
-    if encoder.startswith(VIT_ENCODERS) and (
-        kwargs.get("class_token", True) or kwargs.get("reg_tokens")
-    ):
-        raise ValueError(
-            f"model smp.{arch}: encoder {encoder!r} prepends a class token (or register "
-            f"tokens) to the pixel tokens; split over the ranks by pixel, they have no "
-            f"sharded layout. Set model.kwargs.class_token: false (and no reg_tokens): the "
-            f"attention over all pixels then runs sharded, exactly (docs/attention.md)."
-        )
     if encoder.startswith("mit_b") and arch in NO_MIT_ARCHS:
         raise ValueError(
             f"model smp.{arch}: smp builds no {arch} on a Mix Transformer encoder "
@@ -98,7 +88,7 @@ def _check_encoder(arch: str, encoder: str, kwargs: dict) -> None:
             f"model smp.{arch}: {why}: a width-sharded run would have to gather the whole "
             f"activation on every rank. Use a convolutional encoder (model.kwargs."
             f"encoder_name: resnet34, efficientnet-b0, tu-convnext_atto, ...), mit_b0 .. "
-            f"mit_b5, tu-swin_*, tu-vit_* with class_token: false (smp.DPT), or another "
+            f"mit_b5, tu-swin_*, tu-vit_* (smp.DPT), or another "
             f"architecture."
         )
 
@@ -156,7 +146,7 @@ def _builder(arch: str):
         encoder = kwargs.pop("encoder_name", "resnet34")
         weights = kwargs.pop("encoder_weights", None)
         _check_encoder(arch, encoder, kwargs)
-        if encoder.startswith(VIT_ENCODERS):
+        if encoder.startswith(VIT_ENCODERS) and not kwargs.get("class_token", True):
             # timm pools a ViT without class token by "avg" only; the segmentation models
             # never use the pooled output
             kwargs.setdefault("global_pool", "avg")

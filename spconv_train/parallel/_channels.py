@@ -191,7 +191,7 @@ def spatial_cat(tensors, dim=0, **kwargs):
             for t in tensors
         )
     )
-    if not ok:  # DTensor's own rules; its errors named (a class token cat to the pixels)
+    if not ok:  # DTensor's own rules; its errors named (_errors.py)
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     parts = [t.to_local() if isinstance(t, DTensor) else _local_part(t, first) for t in tensors]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape

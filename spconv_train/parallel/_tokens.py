@@ -17,6 +17,12 @@ is exactly its local flatten, so token-wise ops stay local:
 
 A reshape that would mix the tokens of different ranks is refused with
 ``SpatialShardingError`` naming the op and the module.
+
+Prefix tokens (a ViT's class and register tokens, concatenated in front of the pixel
+tokens: ``_token_prefix.py``) are held by the first rank of the spatial group alone:
+``PrefixShard``, a ``_StridedShard`` that also counts them, read into
+``TokenLayout.prefix``. Held once, everything computed on them (and their gradient) is
+counted once.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
+from ._prefix_shard import PrefixShard, prefix_of
 from ._registry import DEFAULT_REGISTRY, function_name
 from ._sharding import sharded_dim, sharding_mesh_dims
 
@@ -48,7 +55,8 @@ class TokenLayout:
     ``unit`` 1: DTensor's ``_StridedShard``). Several mesh dims splitting one dim nest
     (``split_layouts``): on H x W tiles the tokens ``L = H * W`` are ``(1, H, W)`` chunked
     over ``sp_h`` and ``(H, W, 1)`` over ``sp_w``; a rank holds the tokens every one of them
-    gives it (``held_indices``)."""
+    gives it (``held_indices``). ``prefix`` entries in front of all that (``PrefixShard``)
+    belong to rank 0 alone."""
 
     dim: int
     mesh_dim: int
@@ -57,21 +65,23 @@ class TokenLayout:
     parts: int
     rank: int
     unit: int = 1
+    prefix: int = 0
 
     def sizes(self) -> tuple[int, ...]:
         """How many entries of ``dim`` every rank holds (this mesh dim's split alone)."""
         return tuple(
-            self.split_factor * (b - a) * self.unit
-            for a, b in all_shard_bounds(self.inner, self.parts)
+            self.split_factor * (b - a) * self.unit + (self.prefix if r == 0 else 0)
+            for r, (a, b) in enumerate(all_shard_bounds(self.inner, self.parts))
         )
 
     def indices(self) -> Tensor:
         """Global indices along ``dim`` that this rank holds (this mesh dim's split alone),
-        in its local order."""
+        in its local order: the prefix (on rank 0), then its pixel tokens."""
         a, b = shard_bounds(self.inner, self.parts, self.rank)
         outer = torch.arange(self.split_factor).view(-1, 1, 1) * (self.inner * self.unit)
         mid = torch.arange(a, b).view(1, -1, 1) * self.unit
-        return (outer + mid + torch.arange(self.unit).view(1, 1, -1)).reshape(-1)
+        idx = (outer + mid + torch.arange(self.unit).view(1, 1, -1)).reshape(-1) + self.prefix
+        return torch.cat([torch.arange(self.prefix), idx]) if self.rank == 0 else idx
 
 
 def is_dp(x: DTensor, mesh_dim: int) -> bool:
@@ -107,7 +117,9 @@ def split_layouts(x: DTensor) -> list[TokenLayout]:
             continue
         d %= x.ndim
         sf = p.split_factor if isinstance(p, _StridedShard) else 1
-        if is_dp(x, i):
+        if prefix_of(p):  # never nested (_token_prefix.py refuses it on tiles)
+            found[i] = (d, sf, (x.shape[d] - prefix_of(p)) // sf, 1)
+        elif is_dp(x, i):
             found[i] = (d, sf, x.shape[d] // sf, 1)
         else:
             chains.setdefault(d, []).append((sf, i))
@@ -115,7 +127,9 @@ def split_layouts(x: DTensor) -> list[TokenLayout]:
         nest = _nest(x.shape[d], sorted(chain))
         found.update({i: (d, sf, *nest[i]) for sf, i in chain})
     return [
-        TokenLayout(d, i, sf, inner, mesh.size(i), mesh.get_local_rank(i), unit)
+        TokenLayout(
+            d, i, sf, inner, mesh.size(i), mesh.get_local_rank(i), unit, prefix_of(x.placements[i])
+        )
         for i, (d, sf, inner, unit) in sorted(found.items())
     ]
 
@@ -139,7 +153,9 @@ def is_tokens(x) -> bool:
     return isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements)
 
 
-def _placement(dim: int, sf: int):
+def _placement(dim: int, sf: int, prefix: int = 0):
+    if prefix:
+        return PrefixShard(dim, sf, prefix=prefix)
     return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
 
 
@@ -158,7 +174,13 @@ def _target(
     """``(output dim, split factor, unit)`` of ``lay``'s sharded factor after a reshape to
     ``out_shape``; ``None`` if the reshape mixes that factor with others. A sharded factor
     of size 1 fits several output dims: the first, or with ``last`` the innermost
-    (``_windows.py``: a single window's index)."""
+    (``_windows.py``: a single window's index). Behind a prefix the dim stays whole."""
+    if lay.prefix:
+        head = math.prod(shape[: lay.dim])
+        for e, n in enumerate(out_shape):
+            if n == shape[lay.dim] and math.prod(out_shape[:e]) == head:
+                return e, lay.split_factor, lay.unit
+        return None
     before = math.prod(shape[: lay.dim]) * lay.split_factor
     after = math.prod(shape[lay.dim + 1 :]) * lay.unit
     dims = list(enumerate(out_shape))
@@ -199,7 +221,7 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
         if found is None:
             raise _mixes(x, out_shape, what, lay, "")
         placed[lay.mesh_dim] = found
-        placements[lay.mesh_dim] = _placement(found[0], found[1])
+        placements[lay.mesh_dim] = _placement(found[0], found[1], lay.prefix)
     spatial = [m for m, (e, _, _) in placed.items() if e == 0 and not is_dp(x, m)]
     if len(spatial) > 1:
         raise SpatialShardingError(
@@ -223,6 +245,9 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
     local_shape = [
         n * shares[e][0] // shares[e][1] if e in shares else n for e, n in enumerate(out_shape)
     ]
+    for lay in lays:  # a dim behind a prefix is the same dim, as long as before
+        if lay.prefix:
+            local_shape[placed[lay.mesh_dim][0]] = x.to_local().shape[lay.dim]
     return placements, tuple(local_shape)
 
 
@@ -305,14 +330,14 @@ def token_layer_norm(fn, input, normalized_shape, weight=None, bias=None, eps=1e
     return wrap(out, input, input.placements, input.shape)
 
 
-def local_part(plain: Tensor, x: DTensor) -> Tensor:
+def local_part(plain: Tensor, x: DTensor, skip: int | None = None) -> Tensor:
     """The part of ``plain`` (broadcast against ``x``'s global shape, e.g. a position
-    embedding ``(1, L, C)``) that meets this rank's entries of ``x``, with its gradient
-    summed over the ranks that split ``x``."""
+    embedding ``(1, L, C)``) that meets this rank's entries of ``x`` (all of dim ``skip``
+    of ``x``), with its gradient summed over the ranks that split ``x``."""
     part = sum_grad_over(plain, _grad_groups(x))
     lead = x.ndim - part.ndim
     lays = split_layouts(x)
-    for d in sorted({lay.dim for lay in lays}):
+    for d in sorted({lay.dim for lay in lays} - {skip}):
         k = d - lead
         if k >= 0 and part.shape[k] != 1:
             idx = held_indices(dim_layouts(lays, d))

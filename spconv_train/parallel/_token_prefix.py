@@ -1,0 +1,380 @@
+"""Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens.
+
+timm's ``VisionTransformer`` concatenates its class token (and ``reg_tokens`` register
+tokens), the same for every image, in front of the pixel tokens:
+``torch.cat([cls.expand(N, -1, -1), x], dim=1)``, runs its blocks over the ``p + L`` tokens,
+and slices the prefix off again (``x[:, p:]``, ``x[:, :p]``, ``x[:, 0]``). Here the
+concatenation gives a DTensor whose token dim is a ``PrefixShard`` (``_prefix_shard.py``):
+the ``p`` prefix tokens held by the first rank of the spatial group alone, in front of its
+pixel tokens, the other ranks' pixel tokens as before. Held once, everything computed on
+the prefix, and its gradient, is counted once (the class token's gradient is summed over
+the ranks, which hold no part of it but the first).
+
+* Token-wise ops stay local: ``TokenLayout`` (``_tokens.py``) counts the prefix, so
+  reshapes, ``F.layer_norm``, ``F.linear`` and a position embedding ``(1, p + L, C)`` (sliced
+  to the rank's tokens, the prefix rows on the first rank) work as on pixel tokens; ring
+  attention (``_attention.py``, ``_attention_explicit.py``) takes every rank's token count
+  and global indices from the layout, so the prefix keys are attended exactly once. The
+  ops DTensor runs itself (permutes, ``unbind``, activations, softmax, dropout, scalar
+  arithmetic) run on the plain ``_StridedShard`` and get the prefix back.
+* ``x[:, p:]`` gives the pixel tokens in their layout again (the first rank drops its
+  prefix rows); an index or slice inside the prefix (``x[:, 0]``, ``x[:, :p]``) is
+  broadcast from the first rank to the spatial group: a ``Replicate`` DTensor of ``N * p *
+  C`` values, whose gradient is summed back to the first rank. ``t.expand_as(tokens)`` of
+  such a tensor of one token (smp DPT's "cat" readout) expands it locally over the rank's
+  tokens.
+
+Refused with ``SpatialShardingError`` naming the op and the module: a prefix on tokens
+split over several mesh dims (H x W tiles, rows on a ``(sp_h, sp_w)`` mesh), a slice of the
+token dim that mixes the prefix and the pixel tokens, and an op that reduces over the
+tokens behind a prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from . import _attention_explicit, _token_index  # noqa: F401  (their handlers are wrapped)
+from ._dims import norm_dim, wrap
+from ._errors import module_path, run_dtensor_op
+from ._geometry import SpatialShardingError
+from ._mode import register_handler
+from ._prefix_shard import PrefixShard, prefix_of
+from ._rechunk import _expand_index
+from ._registry import DEFAULT_REGISTRY, function_name
+from ._sharding import sharded_dim
+from ._tokens import _placement, is_dp, is_nested, is_tokens, local_part, split_layouts
+
+
+def has_prefix(x) -> bool:
+    """True for a DTensor with prefix tokens (a ``PrefixShard`` placement)."""
+    return isinstance(x, DTensor) and any(prefix_of(p) for p in x.placements)
+
+
+def _refuse(what: str, why: str, fix: str) -> SpatialShardingError:
+    return SpatialShardingError(f"{what} in module '{module_path()}': {why}. {fix}")
+
+
+def _strip(x):
+    """``x`` with every ``PrefixShard`` read as the plain ``_StridedShard`` (DTensor's own
+    ops see only its placements); anything else unchanged."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_strip(t) for t in x)
+    if not has_prefix(x):
+        return x
+    plain = [_placement(p.dim, p.split_factor) if prefix_of(p) else p for p in x.placements]
+    return wrap(x.to_local(), x, plain, x.shape)
+
+
+def _attach(out, prefixes: dict[int, tuple[int, int]], what: str):
+    """``out`` (a DTensor, or a tuple / list of them) with the prefix of ``prefixes``
+    (``{mesh dim: (prefix, tokens)}``) put back on the placement of each of those mesh
+    dims, whose split dim still holds all the tokens."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_attach(t, prefixes, what) for t in out)
+    if not isinstance(out, DTensor):
+        return out
+    placements = list(out.placements)
+    for m, (p, n) in prefixes.items():
+        d = sharded_dim(placements[m])
+        if d is None or out.shape[d] != n:
+            raise _refuse(
+                what,
+                f"the result {tuple(out.shape)} {out.placements} no longer splits all {n} "
+                f"tokens behind {p} prefix (class / register) tokens (a reduction over the "
+                f"tokens, or a part of them)",
+                "Slice the prefix off first (x[:, p:]) or build the model without class "
+                "token (class_token: false, no reg_tokens)",
+            )
+        sf = getattr(placements[m], "split_factor", 1)
+        placements[m] = PrefixShard(d % out.ndim, sf, prefix=p)
+    return wrap(out.to_local(), out, placements, out.shape)
+
+
+def _prefixes(args) -> dict[int, tuple[int, int]]:
+    """``{mesh dim: (prefix, tokens)}`` of the tensors with prefix tokens among ``args``."""
+    found: dict[int, tuple[int, int]] = {}
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            for m, p in enumerate(t.placements if has_prefix(t) else ()):
+                if prefix_of(p):
+                    found[m] = (prefix_of(p), t.shape[p.dim])
+    return found
+
+
+def _previous(fn):
+    prev = DEFAULT_REGISTRY.handler(fn)
+    return prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
+
+
+def _keeps_prefix(fn, prev=None):
+    """Handler for ``fn``, an op that keeps every token where it is (a permute, an
+    activation): on a tensor with prefix tokens the previous handler (or DTensor's own
+    rules) runs on the plain placements and the prefix is put back."""
+    prev = prev or _previous(fn)
+    what = function_name(fn)
+
+    def handler(*args, **kwargs):
+        prefixes = _prefixes((*args, *kwargs.values()))
+        if not prefixes:
+            return prev(*args, **kwargs)
+        out = prev(*_strip(args), **{k: _strip(v) for k, v in kwargs.items()})
+        return _attach(out, prefixes, what)
+
+    handler.__name__ = f"prefix_{getattr(fn, '__name__', 'op')}"
+    return handler
+
+
+_T = torch.Tensor
+_KEEPING = [
+    *(getattr(_T, n) for n in ("permute", "transpose", "unbind", "movedim", "contiguous")),
+    *(getattr(_T, n) for n in ("clone", "softmax", "to", "type_as", "float", "double")),
+    *(getattr(_T, n) for n in ("unsqueeze", "squeeze", "sigmoid", "tanh", "neg", "__neg__")),
+    *(getattr(_T, n) for n in ("chunk", "split")),
+    *(getattr(torch, n) for n in ("permute", "transpose", "unbind", "movedim", "softmax")),
+    *(getattr(torch, n) for n in ("unsqueeze", "squeeze", "sigmoid", "tanh", "chunk", "split")),
+    F.gelu, F.silu, F.relu, F.dropout, F.softmax, F.sigmoid, F.tanh,
+]  # fmt: skip
+for _fn in _KEEPING:
+    register_handler(_fn)(_keeps_prefix(_fn))
+
+
+def _arith_handler(fn):
+    """Arithmetic: ``_tokens.py``'s handler already counts the prefix for two tensors laid
+    out alike or a plain tensor (a position embedding); a scalar goes to DTensor."""
+    prev = _previous(fn)
+    kept = _keeps_prefix(fn, prev)
+
+    def handler(a, b, *args, **kwargs):
+        dt, other = (a, b) if has_prefix(a) else (b, a)
+        if not has_prefix(dt) or (
+            isinstance(other, Tensor)
+            and (not isinstance(other, DTensor) or _prefixes([other]) == _prefixes([dt]))
+        ):
+            return prev(a, b, *args, **kwargs)
+        return kept(a, b, *args, **kwargs)
+
+    handler.__name__ = f"prefix_{fn.__name__}"
+    return handler
+
+
+_ARITH = [getattr(torch, n) for n in ("add", "sub", "mul", "div")]
+_ARITH += [getattr(_T, n) for n in ("add", "sub", "mul", "div")]
+_ARITH += [getattr(_T, f"__{p}{n}__") for n in ("add", "sub", "mul", "truediv") for p in ("", "r")]
+for _fn in _ARITH:
+    register_handler(_fn)(_arith_handler(_fn))
+
+
+class _FromOwner(torch.autograd.Function):
+    """The first rank's ``part`` on every rank of ``group`` (a broadcast); the gradient, a
+    partial sum on every rank, summed back to the first rank."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, group, shape: tuple[int, ...], dim: int) -> Tensor:
+        ctx.group, ctx.owner, ctx.dim = group, dist.get_rank(group) == 0, dim
+        out = part.contiguous() if ctx.owner else part.new_empty(shape)
+        dist.broadcast(out, group_src=0, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.reduce(grad, group_dst=0, op=dist.ReduceOp.SUM, group=ctx.group)
+        return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None
+
+
+def _token_dim(x: DTensor) -> tuple[int, int, int]:
+    """``(dim, mesh dim, prefix)`` of ``x``'s prefix tokens."""
+    m, p = next((m, prefix_of(p)) for m, p in enumerate(x.placements) if prefix_of(p))
+    return norm_dim(x.placements[m].dim, x.ndim), m, p
+
+
+def _prefix_index(x: DTensor, index, whole):
+    """``x[index]`` on a tensor with prefix tokens: ``whole(x)`` when the token dim stays
+    whole (other dims indexed), the pixel tokens (``x[:, p:]``) or a part of the prefix
+    (``x[:, 0]``, ``x[:, :p]``)."""
+    items = _expand_index(index, x.ndim)
+    d, m, p = _token_dim(x)
+    if items is not None and items[d] == slice(None):
+        return whole(x)
+    what = "indexing (x[...])"
+    if items is None or any(i != slice(None) for e, i in enumerate(items) if e != d):
+        raise _refuse(
+            what,
+            f"index {index!r} of tokens {tuple(x.shape)} behind {p} prefix tokens indexes "
+            f"more than the token dim (dim {d})",
+            "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
+        )
+    i, n, local = items[d], x.shape[d], x.to_local()
+    owner = x.device_mesh.get_local_rank(m) == 0
+    if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(p, n):
+        plain = list(x.placements)
+        plain[m] = _placement(d, x.placements[m].split_factor)
+        out = local.narrow(d, p, local.shape[d] - p) if owner else local
+        return wrap(out, x, plain, (*x.shape[:d], n - p, *x.shape[d + 1 :]))
+    picked = range(n)[i] if isinstance(i, slice) else range(n)[i : i + 1 or None]
+    if not picked or max(picked) >= p or not (isinstance(i, int) or i.step in (None, 1)):
+        raise _refuse(
+            what,
+            f"index {i!r} of the token dim {d} of {tuple(x.shape)} mixes its {p} prefix "
+            f"tokens (on the first rank) with the pixel tokens (split over the ranks)",
+            "Take the prefix (x[:, :p], x[:, 0]) and the pixel tokens (x[:, p:]) apart",
+        )
+    part = local.narrow(d, picked[0], len(picked) if owner else 0)
+    shape = list(local.shape)
+    shape[d] = len(picked)
+    out = _FromOwner.apply(part, x.device_mesh.get_group(m), tuple(shape), d)
+    if isinstance(i, int):
+        out = out.select(d, 0)
+    placements, grads = list(x.placements), list(x.placements)
+    placements[m], grads[m] = Replicate(), Partial()
+    global_shape = torch.empty(x.shape, device="meta")[items].shape
+    return DTensor.from_local(
+        out, x.device_mesh, placements, run_check=False, shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(), grad_placements=grads,
+    )  # fmt: skip
+
+
+def _chain_index(fn, index_of) -> None:
+    """``fn`` (``x[index]``, ``x.select(dim, i)``) on tensors with prefix tokens by
+    ``_prefix_index``, ``index_of(x, *args)`` giving the index."""
+    prev = _previous(fn)
+    kept = _keeps_prefix(fn, prev)
+
+    def handler(x, *args, **kwargs):
+        if not has_prefix(x) or kwargs:
+            return prev(x, *args, **kwargs)
+        return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
+
+    handler.__name__ = f"prefix_{fn.__name__}"
+    register_handler(fn)(handler)
+
+
+def _select_index(x, dim, index) -> tuple:
+    return (*[slice(None)] * norm_dim(dim, x.ndim), index)
+
+
+_chain_index(_T.__getitem__, lambda x, index: index)
+for _fn in (torch.select, _T.select):
+    _chain_index(_fn, _select_index)
+
+
+def _prefix_part(t: Tensor, x: DTensor, d: int) -> Tensor:
+    """The part of plain prefix tokens ``t`` in front of ``x``'s along ``d`` on this rank
+    (all its tokens; its part of a split batch). An expanded view of a parameter (timm's
+    ``cls_token.expand(N, -1, -1)``) is expanded here from the parameter, so that its
+    gradient sum over the ranks is the bucketed parameter one, not an all-reduce of
+    ``(N, p, C)``."""
+    base = t._base
+    if base is not None and base.is_leaf and base.ndim == t.ndim:
+        try:
+            same = base.expand(t.shape)
+        except RuntimeError:
+            same = None
+        if same is not None and (same.stride(), same.storage_offset()) == (
+            t.stride(),
+            t.storage_offset(),
+        ):
+            shape = list(x.to_local().shape)
+            shape[d] = t.shape[d]
+            return local_part(base, x, skip=d).expand(shape)
+    return local_part(t, x, skip=d)
+
+
+def _cat_prefix(tensors: list, d: int) -> DTensor:
+    """``torch.cat(tensors, d)``: plain tensors (the class / register tokens, expanded over
+    the batch) in front of the token tensor (the last) along its token dim ``d``; any
+    other concatenation along a split dim goes to DTensor's own rules."""
+    x, front = tensors[-1], tensors[:-1]
+    what = "torch.cat"
+    fix = (
+        "Shard the width only (mesh ('sp',), [Shard(3)]), or build the model without "
+        "class token (class_token: false, no reg_tokens)"
+    )
+    lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
+    if is_nested(x) or len(lays) != 1:
+        raise _refuse(
+            what,
+            f"prefix (class / register) tokens in front of tokens {tuple(x.shape)} split "
+            f"over several mesh dims ({x.placements}: H x W tiles or rows)",
+            fix,
+        )
+    lay = lays[0]
+    parts = [_prefix_part(t, x, d) for t in front]
+    if lay.rank != 0:  # the first rank holds the prefix; the others take part in the sums
+        parts = [t.narrow(d - (x.ndim - t.ndim), 0, 0) for t in parts]
+    prefix = lay.prefix + sum(t.shape[d - (x.ndim - t.ndim)] for t in front)
+    placements = list(x.placements)
+    placements[lay.mesh_dim] = PrefixShard(d, lay.split_factor, prefix=prefix)
+    shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
+    return wrap(torch.cat([*parts, x.to_local()], d), x, placements, shape)
+
+
+def _cat_alongside(tensors: list, d: int, x: DTensor) -> DTensor | None:
+    """``torch.cat`` along a dim no rank splits (the channels) of token tensors laid out
+    like ``x`` and plain tensors (global values: each rank takes its tokens' part);
+    ``None`` for any other mix."""
+    if any(isinstance(t, DTensor) and t.placements != x.placements for t in tensors):
+        return None
+    dims = [lay.dim for lay in split_layouts(x)]
+    if any(isinstance(t, DTensor) and any(t.shape[e] != x.shape[e] for e in dims) for t in tensors):
+        return None
+    parts = [t.to_local() if isinstance(t, DTensor) else local_part(t, x) for t in tensors]
+    shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
+    return wrap(torch.cat(parts, d), x, x.placements, shape)
+
+
+def _cat_handler(fn):
+    prev = _previous(fn)
+
+    def handler(tensors, dim=0, **kwargs):
+        tensors = list(tensors)
+        x = next((t for t in reversed(tensors) if is_tokens(t)), None)
+        if x is None or any(k != "axis" for k in kwargs):
+            return prev(tensors, dim, **kwargs)
+        d = norm_dim(kwargs.get("axis", dim), x.ndim)
+        if d in {lay.dim for lay in split_layouts(x) if not is_dp(x, lay.mesh_dim)}:
+            front = tensors[:-1]
+            plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
+            if tensors[-1] is x and front and plain:
+                return _cat_prefix(tensors, d)
+        else:
+            out = _cat_alongside(tensors, d, x)
+            if out is not None:
+                return out
+        return prev(tensors, dim, **kwargs)
+
+    handler.__name__ = f"prefix_{fn.__name__}"
+    return handler
+
+
+for _fn in (torch.cat, torch.concat, torch.concatenate):
+    register_handler(_fn)(_cat_handler(_fn))
+
+
+def _expand_handler(fn):
+    prev = _previous(fn)
+
+    def handler(t, other, *args, **kwargs):
+        """``t.expand_as(tokens)`` of a tensor replicated over the ranks that split the
+        tokens, of size 1 along them (a class token): local, laid out like ``tokens``."""
+        if not (isinstance(t, DTensor) and is_tokens(other) and t.ndim == other.ndim):
+            return prev(t, other, *args, **kwargs)
+        grads = list(t.placements)
+        for m, (pt, po) in enumerate(zip(t.placements, other.placements, strict=True)):
+            d = sharded_dim(po)
+            if pt != po and not (isinstance(pt, Replicate) and d is not None and t.shape[d] == 1):
+                return prev(t, other, *args, **kwargs)
+            grads[m] = pt if pt == po else Partial()
+        local = t.to_local(grad_placements=grads).expand(other.to_local().shape)
+        return wrap(local, other, other.placements, other.shape)
+
+    handler.__name__ = f"prefix_{fn.__name__}"
+    return handler
+
+
+register_handler(_T.expand_as)(_expand_handler(_T.expand_as))
