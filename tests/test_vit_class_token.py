@@ -1,10 +1,14 @@
 """What a timm ViT's prefix (class / register) tokens over sharded pixels still refuses
 (``_token_prefix.py``), with ``SpatialShardingError`` naming the op and the module instead
 of a DTensor error: prefix tokens in front of tokens split over H x W tiles, and a slice
-of the token dim that mixes the prefix (on the first rank) with the pixel tokens. What
+of the token dim that mixes the prefix (on the first rank) with the pixel tokens, and a
+move of the tokens that DTensor would read wrongly (``cumsum`` along them, ``full_tensor``);
+element-wise math that DTensor runs itself keeps the prefix (exact). What
 runs is tested in tests/test_vit_prefix_tokens.py."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -32,6 +36,47 @@ class MixedSlice(nn.Module):
         return self.vit._pos_embed(self.vit.patch_embed(x))[:, :3]
 
 
+class PrefixOp(nn.Module):
+    """A class token in front of pixel tokens, ``op`` on all of them, the map back."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.proj, self.cls, self.op = nn.Conv2d(3, 8, 1), nn.Parameter(torch.randn(1, 1, 8)), op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        t = torch.cat([self.cls.expand(n, -1, -1), self.proj(x).flatten(2).transpose(1, 2)], 1)
+        return self.op(t)[:, 1:].transpose(1, 2).reshape(n, -1, h, w)
+
+
+#: element-wise math that DTensor runs itself (its placements drop the prefix unless kept)
+MATH = {
+    "exp": lambda t: t.exp(),
+    "pow": lambda t: t.pow(2) + t.abs().sqrt(),
+    "clamp": lambda t: torch.erf(t).clamp(-0.5, 0.5),
+}
+
+
+def prefix_math() -> dict[str, float]:
+    """Largest difference to one device of the output and every gradient, per op."""
+    dmesh, out = mesh(2), {}
+    for name, op in MATH.items():
+        torch.manual_seed(0)
+        ref = PrefixOp(op).double()
+        par = parallelize(copy.deepcopy(ref), dmesh)
+        x = seeded(1, 2, 3, 4, 7, dtype=torch.float64)
+        y_ref, y = ref(x), par(distribute_tensor(x, dmesh, [Shard(3)]))
+        g = seeded(2, *y_ref.shape, dtype=torch.float64)
+        y_ref.backward(g)
+        y.backward(distribute_tensor(g, dmesh, [Shard(3)]))
+        diffs = [(y.full_tensor() - y_ref).abs().max()]
+        for p, q in zip(par.parameters(), ref.parameters(), strict=True):
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            diffs.append((grad - q.grad).abs().max())
+        out[name] = max(d.item() for d in diffs)
+    return out
+
+
 def _refusal(model: nn.Module, dmesh, placements) -> str:
     x = distribute_tensor(seeded(1, 1, 3, 32, 80, dtype=torch.float64), dmesh, placements)
     try:
@@ -46,6 +91,8 @@ def prefix_refusals() -> dict[str, str]:
 
     torch.manual_seed(0)
     out = {"slice": _refusal(MixedSlice(), mesh(2), [Shard(3)])}
+    out["cumsum"] = _refusal(PrefixOp(lambda t: t.cumsum(1)), mesh(2), [Shard(3)])
+    out["full_tensor"] = _refusal(PrefixOp(lambda t: t.full_tensor()), mesh(2), [Shard(3)])
     for shape in ((2, 1), (1, 2)):
         out[str(shape)] = _refusal(ViTMap(), *mesh_and_placements(shape, ("sp_h", "sp_w")))
     return out
@@ -55,6 +102,16 @@ def test_vit_prefix_refusals_name_op_and_module(dist_pool):
     for msgs in dist_pool.run(2, prefix_refusals):
         assert msgs["slice"].startswith("indexing (x[...]) in module '<model>'"), msgs["slice"]
         assert "mixes its 1 prefix tokens" in msgs["slice"], msgs["slice"]
+        # DTensor would read the prefix as its own chunking: refused, not wrong values
+        assert msgs["cumsum"].startswith("an implicit redistribution for aten.cumsum"), msgs
+        assert "1 prefix (class / register) tokens" in msgs["cumsum"], msgs["cumsum"]
+        assert msgs["full_tensor"].startswith("DTensor.full_tensor() of a tensor"), msgs
+        assert "x[:, 1:] gives the pixel tokens" in msgs["full_tensor"], msgs["full_tensor"]
         for shape in ("(2, 1)", "(1, 2)"):
             assert msgs[shape].startswith("torch.cat in module '<model>'"), (shape, msgs[shape])
             assert "H x W tiles" in msgs[shape], (shape, msgs[shape])
+
+
+def test_element_wise_math_keeps_the_prefix(dist_pool):
+    for diffs in dist_pool.run(2, prefix_math):
+        assert all(d < 1e-12 for d in diffs.values()), diffs

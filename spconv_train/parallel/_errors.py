@@ -226,7 +226,21 @@ def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
 def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
     """Raise ``SpatialShardingError`` naming ``what`` when moving a tensor of ``shape`` laid
     out as ``placements`` on ``mesh`` to ``target`` (all ``Replicate`` when ``None``)
-    changes a mesh dim of nested pixel tokens that DTensor would read wrongly."""
+    changes a mesh dim of nested pixel tokens, or of tokens behind prefix (class /
+    register) tokens, that DTensor would read wrongly."""
+    for m, p in enumerate(placements):
+        # a PrefixShard (_prefix_shard.py) reads as its _StridedShard to DTensor, which
+        # would gather or re-split the tokens without the first rank's prefix rows
+        if getattr(p, "prefix", 0) and (target is None or target[m] != p):
+            raise SpatialShardingError(
+                f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
+                f"'{module_path()}' is not supported: dim {p.dim} holds {p.prefix} prefix "
+                f"(class / register) tokens on the first rank in front of the pixel tokens, "
+                f"which DTensor reads as its own chunking (wrong values). Slice the prefix "
+                f"off first (x[:, {p.prefix}:] gives the pixel tokens; x[:, :{p.prefix}] the "
+                f"prefix, replicated) or build the model without class token "
+                f"(class_token: false, no reg_tokens)."
+            )
     for d, mesh_dims in _misread_mesh_dims(mesh, placements, shape).items():
         if target is not None and all(target[m] == placements[m] for m in mesh_dims):
             continue

@@ -130,11 +130,15 @@ def _keeps_prefix(fn, prev=None):
 
 
 _T = torch.Tensor
+_MATH = ("exp", "log", "pow", "abs", "sqrt", "rsqrt", "square", "erf", "clamp", "reciprocal")
+_MATH += ("sin", "cos", "log1p", "expm1", "sign")
 _KEEPING = [
     *(getattr(_T, n) for n in ("permute", "transpose", "unbind", "movedim", "contiguous")),
     *(getattr(_T, n) for n in ("clone", "softmax", "to", "type_as", "float", "double")),
     *(getattr(_T, n) for n in ("unsqueeze", "squeeze", "sigmoid", "tanh", "neg", "__neg__")),
     *(getattr(_T, n) for n in ("chunk", "split")),
+    # element-wise math that DTensor runs with placements of its own making (no prefix)
+    *(getattr(_T, n) for n in _MATH), *(getattr(torch, n) for n in _MATH),
     *(getattr(torch, n) for n in ("permute", "transpose", "unbind", "movedim", "softmax")),
     *(getattr(torch, n) for n in ("unsqueeze", "squeeze", "sigmoid", "tanh", "chunk", "split")),
     F.gelu, F.silu, F.relu, F.dropout, F.softmax, F.sigmoid, F.tanh,
