@@ -75,11 +75,12 @@ def _smp_dpt() -> nn.Module:
     return model
 
 
-def _case(label: str, model: nn.Module, h: int, w: int, dmesh) -> list[str]:
+def _case(label: str, model: nn.Module, h: int, w: int, dmesh, placements=None):
     x = seeded(1, 2, 3, h, w, dtype=torch.float64)
     # grad_floor: the ViT blocks DPT never reads have no gradient on either side
     return check_model_audited(
-        model.double(), x, lambda s: seeded(2, *s, dtype=torch.float64), dmesh, [Shard(3)],
+        model.double(), x, lambda s: seeded(2, *s, dtype=torch.float64), dmesh,
+        list(placements or [Shard(3)]),
         label=f"{label}: ", grad_floor=1e-30,
     )  # fmt: skip
 
@@ -87,7 +88,7 @@ def _case(label: str, model: nn.Module, h: int, w: int, dmesh) -> list[str]:
 def prefix_failures(dpt: bool) -> list[str]:
     """One device against ``parallelize``: a ViT with a class token (fused attention, 5
     tokens wide: 3 + 2 / 2 + 2 + 1 per rank), with a class and 2 register tokens and
-    explicit attention (``no_embed_class``), and smp DPT when ``dpt``, else
+    explicit attention (``no_embed_class``), and smp DPT on a dp x sp mesh when ``dpt``, else
     ``nn.MultiheadAttention`` over 2 learned prefix tokens (14 columns: 5 + 5 + 4)."""
     dmesh = mesh(dist.get_world_size())
     torch.manual_seed(0)
@@ -103,7 +104,9 @@ def prefix_failures(dpt: bool) -> list[str]:
         failures += _case("mha", MHAPrefix(6, 14), 6, 14, dmesh)
     if dpt:
         torch.manual_seed(0)
-        failures += _case("dpt", _smp_dpt(), 32, 48, dmesh)
+        # on the training mesh (dp x sp, the batch split over dp as `spconv-train run` does)
+        dp_sp = mesh((1, dist.get_world_size()))
+        failures += _case("dpt", _smp_dpt(), 32, 48, dp_sp, (Shard(0), Shard(3)))
     return failures
 
 

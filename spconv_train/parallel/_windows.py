@@ -45,6 +45,7 @@ from ._errors import module_path
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._mode import register_handler
+from ._prefix_shard import prefix_of
 from ._registry import DEFAULT_REGISTRY
 from ._tokens import TokenLayout, _target, split_layouts
 
@@ -286,7 +287,8 @@ def _reshaping(func, use_view: bool = False) -> None:
     @_chain(func)
     def handler(prev, x, *args, **kwargs):
         dtype = "dtype" in kwargs or bool(args and isinstance(args[0], torch.dtype))
-        if isinstance(x, DTensor) and not dtype:
+        # tokens behind a prefix (class token) are never windows: _tokens.py keeps the prefix
+        if isinstance(x, DTensor) and not dtype and not any(map(prefix_of, x.placements)):
             shape = _tokens._meta_shape(func, x, *args, **kwargs)
             moves = _moves(x, shape)
             if moves is not None:
