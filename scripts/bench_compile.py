@@ -4,19 +4,25 @@ the same processes, interleaved step by step (so a load change hits both alike).
 Per model and world size: median seconds per step (max over ranks) of the eager model and
 of a compiled copy (same weights), their ratio, the first compiled step (compile time),
 and what Dynamo made of it (graphs, graph breaks, frames compiled after the first step).
+``--cpu-time`` adds the CPU seconds of each rank's process per step (``time.process_time``,
+all its threads; max over ranks, median over the rounds): other processes' load barely
+moves it, so on a shared machine it is the column to read.
 Models (``--models``): the built-in U-Net, ``lraspp`` (torchvision LR-ASPP MobileNetV3),
 ``smp_unet`` (smp Unet on resnet18, random init) and ``convnext`` (the ConvNeXt-style
 user block of ``tests/test_compile_models.py``).
-``--trace-under-compile`` and ``--trace-dtensor-ops`` select the ``parallelize`` option of
-that name (``spconv_train/parallel/_compile.py``: what each compiles).
+``--compile-mode`` is ``training.compile_mode`` (``default``, ``trace``, ``dtensor_graphs``:
+the ``parallelize`` options of ``spconv_train/train/model_setup.py``; what each compiles:
+``spconv_train/parallel/_compile.py``), or ``plain``: the model without ``parallelize`` (one
+rank only), what inductor makes of the model itself. ``--channels-last`` makes the weights
+channels-last first (``training.channels_last: on``).
 A second table times single element-wise ops compiled alone vs eager on one process, to
 show what inductor's CPU kernels cost on this machine independently of this project: on
 the CPUs measured (torch 2.14.1) a ``bool`` result (``t > 0``, the mask a ReLU saves for
 its backward) runs 20-60x slower than eager, which makes the ReLU graphs of
-``trace_dtensor_ops`` slower than eager on CPU (docs/benchmarks.md).
+``dtensor_graphs`` slower than eager on CPU (docs/benchmarks.md).
 
 Usage: ``python scripts/bench_compile.py [--models unet lraspp --worlds 1 2 --height 256
---width 1024 --rounds 7 --trace-dtensor-ops]``
+--width 1024 --rounds 7 --compile-mode dtensor_graphs --channels-last --cpu-time]``
 (``make bench-compile``); ``--markdown`` prints Markdown tables for ``docs/benchmarks.md``.
 """
 
@@ -30,6 +36,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_conv import _time_steps, init_worker, print_table, spawn_ranks  # noqa: E402
@@ -62,27 +69,37 @@ def _worker(rank: int, world: int, port: int, name: str, args, queue) -> None:
 
     from spconv_train.parallel import parallelize
     from spconv_train.train import cross_entropy
+    from spconv_train.train.model_setup import COMPILE_MODES, to_channels_last
 
     mesh = init_worker(rank, world, port, args)
     torch.manual_seed(0)
-    opts = {"trace_under_compile": args.trace_under_compile}
-    opts["trace_dtensor_ops"] = args.trace_dtensor_ops
-    eager = parallelize(build(name, args).to(args.device), mesh, **opts)
+    eager = build(name, args).to(args.device)
+    if args.compile_mode != "plain":
+        eager = parallelize(eager, mesh, **COMPILE_MODES[args.compile_mode])
+    to_channels_last(eager, "on" if args.channels_last else "off")
     compiled = torch.compile(copy.deepcopy(eager), backend=args.backend, dynamic=False)
     g = torch.Generator().manual_seed(1)
     img = torch.randn(1, 3, args.height, args.width, generator=g).to(args.device)
     target = torch.randint(0, 4, (1, args.height, args.width), generator=g).to(args.device)
-    x = distribute_tensor(img, mesh, [Shard(3)])
-    tgt = distribute_tensor(target, mesh, [Shard(2)]).to_local()
+    if args.compile_mode == "plain":
+        x, tgt = img, target
+    else:
+        x = distribute_tensor(img, mesh, [Shard(3)])
+        tgt = distribute_tensor(target, mesh, [Shard(2)]).to_local()
 
     def step(run):
         return lambda: cross_entropy(run(x), tgt).backward()
 
-    def timed(run) -> float:  # one step, max over ranks
-        return _time_steps(step(run), 1, 0, args.device)
+    def timed(run) -> tuple[float, float]:
+        """(wall, CPU) seconds of one step, each max over ranks."""
+        cpu0 = time.process_time()
+        wall = _time_steps(step(run), 1, 0, args.device)
+        cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+        dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
+        return wall, cpu.item()
 
     dynamo.utils.counters.clear()
-    first = timed(compiled)
+    first = timed(compiled)[0]
     counters = dynamo.utils.counters
     frames_first = counters["frames"]["ok"]
     dynamo_stats = {
@@ -91,12 +108,15 @@ def _worker(rank: int, world: int, port: int, name: str, args, queue) -> None:
         "frames": frames_first,
     }
     timed(eager)
-    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    times: dict[str, list[tuple[float, float]]] = {"eager": [], "compiled": []}
     for _ in range(args.rounds):
         times["eager"].append(timed(eager))
         times["compiled"].append(timed(compiled))
     dynamo_stats["recompiled"] = counters["frames"]["ok"] - frames_first
-    result = {k: statistics.median(v) for k, v in times.items()} | {"first": first}
+    result = {"first": first}
+    for k, v in times.items():
+        result[k] = statistics.median(t[0] for t in v)
+        result[f"{k}_cpu"] = statistics.median(t[1] for t in v)
     queue.put(result | dynamo_stats)
     shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
@@ -147,21 +167,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--no-kernels", action="store_true", help="skip the element-wise table")
     ap.add_argument(
-        "--trace-under-compile",
-        action="store_true",
-        help="parallelize(..., trace_under_compile=True): Dynamo traces the model's code",
+        "--compile-mode",
+        default="default",
+        choices=["default", "trace", "dtensor_graphs", "plain"],
+        help="training.compile_mode, or plain: the model without parallelize (1 rank)",
     )
     ap.add_argument(
-        "--trace-dtensor-ops",
-        action="store_true",
-        help="parallelize(..., trace_dtensor_ops=True): DTensor ops in the compiled graphs",
+        "--channels-last", action="store_true", help="channels-last weights (and activations)"
+    )
+    ap.add_argument(
+        "--cpu-time", action="store_true", help="CPU seconds per step too (max over ranks)"
     )
     args = ap.parse_args(argv)
+    if args.compile_mode == "plain" and args.worlds != [1]:
+        ap.error("--compile-mode plain runs the model without parallelize: --worlds 1 only")
     print(
         f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
         f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
-        f"backend {args.backend}, trace_under_compile {args.trace_under_compile}, "
-        f"trace_dtensor_ops {args.trace_dtensor_ops}, "
+        f"backend {args.backend}, compile mode {args.compile_mode}, "
+        f"channels-last {args.channels_last}, "
         f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
         file=sys.stderr,
     )
@@ -169,12 +193,19 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models:
         for world in args.worlds:
             r = run_world(name, world, args)
-            ratio = r["compiled"] / r["eager"]
-            rows.append((name, world, f"{r['eager']:.3f}", f"{r['compiled']:.3f}"))
-            rows[-1] += (f"{ratio:.2f}x", f"{r['first']:.1f}", r["graphs"], r["breaks"])
+            rows.append((args.compile_mode, "on" if args.channels_last else "off", name, world))
+            if args.cpu_time:
+                cpu = (r["eager_cpu"], r["compiled_cpu"])
+                rows[-1] += (f"{cpu[0]:.3f}", f"{cpu[1]:.3f}", f"{cpu[1] / cpu[0]:.2f}x")
+            wall = (r["eager"], r["compiled"])
+            rows[-1] += (f"{wall[0]:.3f}", f"{wall[1]:.3f}", f"{wall[1] / wall[0]:.2f}x")
+            rows[-1] += (f"{r['first']:.1f}", r["graphs"], r["breaks"])
             rows[-1] += (r["frames"], r["recompiled"], f"{os.getloadavg()[0]:.1f}")
             print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
-    header = ("model", "ranks", "eager s/step", "compiled s/step", "compiled/eager")
+    header = ("mode", "channels-last", "model", "ranks")
+    if args.cpu_time:
+        header += ("eager CPU s/step", "compiled CPU s/step", "CPU compiled/eager")
+    header += ("eager s/step", "compiled s/step", "compiled/eager")
     header += ("first step s", "graphs", "graph breaks", "frames", "recompiled", "load")
     print_table(header, rows, args.markdown)
     if args.no_kernels:

@@ -1,6 +1,8 @@
 """``training.channels_last`` (train/model_setup.to_channels_last): which models it converts,
 and that a parallelized model with channels-last weights still equals one device (fp64,
-uneven widths, every gradient) and keeps its activations channels-last."""
+uneven widths, every gradient) and keeps its activations channels-last, their gradients
+too (every halo convolution's backward gets a channels-last output gradient: no copy to
+NCHW and back)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
@@ -32,6 +35,24 @@ def test_modes_and_model_ranks():
     assert mixed[0].weight.is_contiguous()
 
 
+class ConvGradLayouts(TorchDispatchMode):
+    """Records the shapes of the NCHW output gradients that ``aten.convolution_backward``
+    receives for kernels wider than one column, transposed ones aside (the halo
+    convolutions, ``parallel/_halo_conv.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nchw: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        conv_bwd = func is torch.ops.aten.convolution_backward.default
+        if conv_bwd and args[2].shape[-1] > 1 and not args[7]:  # args[7]: transposed
+            g = args[0]
+            if g.dim() == 4 and min(g.shape[1:]) > 1 and not g.is_contiguous(memory_format=CL):
+                self.nchw.append(tuple(g.shape))
+        return func(*args, **(kwargs or {}))
+
+
 def _sharded_equals_one_device(world: int, width: int) -> list[str]:
     dmesh, failures = mesh(world), []
     torch.manual_seed(0)
@@ -48,7 +69,10 @@ def _sharded_equals_one_device(world: int, width: int) -> list[str]:
     ys = par(xs)
     if not ys.to_local().is_contiguous(memory_format=CL):
         failures.append("the sharded logits are not channels-last")
-    ys.backward(distribute_tensor(g, dmesh, [Shard(3)]))
+    with ConvGradLayouts() as layouts:
+        ys.backward(distribute_tensor(g, dmesh, [Shard(3)]))
+    if layouts.nchw:
+        failures.append(f"NCHW output gradients in the conv backward: {layouts.nchw}")
     check_close("output", ys, yr, 1e-10, failures)
     check_close("input grad", xs.grad, xr.grad, 1e-10, failures)
     for (name, p), (_, pr) in zip(par.named_parameters(), ref.named_parameters(), strict=True):

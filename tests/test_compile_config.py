@@ -1,8 +1,10 @@
 """``training.compile: true`` from a YAML config through ``verify`` (issue 26): the compiled
-sharded run of LR-ASPP (MobileNetV3) and smp Unet-resnet18 equals the eager one-device
-reference in float64 (``aot_eager``), every step, with no frame compiled twice. ``run``
-compiles the same way (``train/loop.py``; ``tests/test_train_e2e.py::
-test_compile_changes_nothing`` trains the U-Net compiled to eager's weights)."""
+sharded run of LR-ASPP (MobileNetV3) and smp Unet-resnet18 (``compile_mode: default``) and
+of the U-Net with ``compile_mode: dtensor_graphs`` equals the eager one-device reference in
+float64 (``aot_eager``), every step, with no frame compiled twice. ``run`` compiles the
+same way (``train/loop.py``; ``tests/test_train_e2e.py::test_compile_changes_nothing``
+trains the U-Net compiled to eager's weights). ``training.compile_mode`` is validated
+when the config loads."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from spconv_train.config import ConfigError, load_config
 
 # data sizes: smp's encoders need widths divisible by 2 ** encoder_depth
 CONFIGS = {
@@ -26,9 +30,15 @@ model:
            decoder_channels: [16, 8, 4]}
 data: {height: 16, width: 64, num_train: 2, num_val: 1}
 """,
+    "unet": """\
+model: {name: unet, num_classes: 3, kwargs: {depth: 2, base_width: 4}}
+data: {height: 16, width: 37, num_train: 2, num_val: 1}
+""",
 }
+#: ``training.compile_mode`` per config (the default where not named)
+MODES = {"unet": "dtensor_graphs"}
 COMPILE = """\
-training: {compile: true, compile_backend: aot_eager}
+training: {{compile: true, compile_backend: aot_eager, compile_mode: {mode}}}
 run_dir: /nonexistent/verify-never-written
 """
 
@@ -44,7 +54,7 @@ def verify_compiled(root: str, name: str) -> dict:
 
     path = Path(root) / f"{name}.yaml"
     if dist.get_rank() == 0:
-        path.write_text(CONFIGS[name] + COMPILE)
+        path.write_text(CONFIGS[name] + COMPILE.format(mode=MODES.get(name, "default")))
     dist.barrier()
     cfg = load_config(path, [])
     dynamo.reset()
@@ -52,6 +62,7 @@ def verify_compiled(root: str, name: str) -> dict:
     report = run_verify(cfg, steps=2, console=Console(file=io.StringIO(), width=150))
     out = report.to_dict()
     out["frames"] = dict(dynamo.utils.counters["frames"])
+    out["graph_breaks"] = sum(dynamo.utils.counters["graph_break"].values())
     return out
 
 
@@ -61,3 +72,24 @@ def test_verify_compiled(dist_pool, tmp_path, name):
     assert report["passed"], [c for c in report.get("checks", []) if not c.get("passed", True)][:5]
     assert any("compiled (training.compile" in n for n in report["notes"]), report["notes"]
     assert report["frames"].get("ok", 0) > 0, report["frames"]  # it did compile
+    # the default mode is one graph break around the parallelized forward; dtensor_graphs
+    # traces the model's code, breaking at each spatial layer
+    if MODES.get(name, "default") == "default":
+        assert report["graph_breaks"] == 1, report["graph_breaks"]
+    else:
+        assert report["graph_breaks"] > 1, report["graph_breaks"]
+
+
+@pytest.mark.parametrize(
+    "training,message",
+    [
+        ("{compile: true, compile_mode: dtensor}", "expected one of 'default', 'trace', "),
+        ("{compile_mode: dtensor_graphs}", "training.compile is false; set training.compile"),
+    ],
+)
+def test_compile_mode_checked(tmp_path, training, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"training: {training}\n")
+    with pytest.raises(ConfigError, match="training.compile_mode") as err:
+        load_config(path, [])
+    assert message in str(err.value), err.value

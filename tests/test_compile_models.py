@@ -25,20 +25,34 @@ import torch._dynamo as dynamo
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from spconv_train.models import create_model
+from spconv_train.models import create_model, list_models
 from spconv_train.parallel import parallelize
 from tests.dist_harness import mesh
 from tests.reference import check_close, dropout_off, seeded
 
-# (height, width) per model; odd widths give uneven strips at 2 ranks (smp's encoders need
-# widths divisible by 2 ** depth, so its strips are even).
-SIZES = {"unet": (16, 37), "lraspp": (16, 191), "smp_unet": (16, 72), "convnext": (8, 31)}
+# Input shape per model, sharded over its last dimension (W); odd widths give uneven strips
+# at 2 ranks (smp's encoders need widths divisible by 2 ** depth, so its strips are even).
+# The registry models' widths are the narrowest whose strips hold the deepest layer's halo
+# (DeepLabV3's ASPP: dilation 36 at 1/8 or 1/16 resolution); batch 2 for the BatchNorm
+# after ASPP's 1 x 1 pooling.
+SHAPES = {
+    "unet": (2, 3, 16, 37),
+    "lraspp_mobilenet_v3_large": (2, 3, 16, 191),
+    "smp_unet": (2, 3, 16, 72),
+    "convnext": (2, 3, 8, 31),
+    "deeplabv3_mobilenet_v3_large": (2, 3, 16, 1201),
+    "deeplabv3_resnet50": (2, 3, 8, 600),
+    "fcn_resnet50": (2, 3, 8, 72),
+    "unet3d": (2, 1, 4, 8, 21),
+}
+#: registry models built smaller than their defaults (the compile path is the same)
+KWARGS = {"unet3d": {"in_channels": 1, "depth": 2, "base_width": 4}}
 # (graph breaks, frames compiled) of the first step with ``trace_under_compile``, measured
 # with torch 2.14.1 at these sizes: a change in how Dynamo meets the spatial layer (a new
 # break per op, a frame compiled per shape) shows as more. smp Unet runs with
 # ``trace_dtensor_ops`` instead (``test_dtensor_graphs_equal_eager``): its residual blocks
 # are the case that mode changes.
-MAX_BREAKS_FRAMES = {"unet": (7, 21), "lraspp": (64, 80), "convnext": (12, 26)}
+MAX_BREAKS_FRAMES = {"unet": (7, 21), "lraspp_mobilenet_v3_large": (64, 80), "convnext": (12, 26)}
 
 
 class ConvNeXtStyle(nn.Module):
@@ -70,8 +84,8 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "unet":
         model = create_model("unet", num_classes=3, depth=2, base_width=4)
-    elif name == "lraspp":
-        model = create_model("lraspp_mobilenet_v3_large", num_classes=3)
+    elif name in list_models():
+        model = create_model(name, num_classes=3, **KWARGS.get(name, {}))
     elif name == "smp_unet":
         model = create_model(
             "smp.Unet",
@@ -116,8 +130,8 @@ MODES = {
 }
 
 
-def compile_case(name: str, mode: str = "trace") -> dict:
-    """Eager vs compiled over two steps (new input each step); what Dynamo did.
+def compile_case(name: str, mode: str = "trace", steps: int = 2) -> dict:
+    """Eager vs compiled over ``steps`` steps (new input each step); what Dynamo did.
     ``mode``: a key of ``MODES``; graphs with DTensor inputs fail the case unless it is
     ``"dtensor"``."""
     dmesh = mesh(2)
@@ -128,10 +142,11 @@ def compile_case(name: str, mode: str = "trace") -> dict:
     dynamo.reset()
     dynamo.utils.counters.clear()
     failures: list[str] = []
-    h, w = SIZES[name]
+    shape = SHAPES[name]
     frames_first = 0
-    for step in range(2):
-        x = distribute_tensor(seeded(1 + step, 2, 3, h, w, dtype=torch.float64), dmesh, [Shard(3)])
+    for step in range(steps):
+        x = seeded(1 + step, *shape, dtype=torch.float64)
+        x = distribute_tensor(x, dmesh, [Shard(len(shape) - 1)])
         for m in (eager, comp_model):
             m.zero_grad(set_to_none=True)
         want = _step(eager, x)
@@ -168,14 +183,32 @@ def test_compiled_equals_eager(dist_pool, name):
         )
 
 
-@pytest.mark.parametrize("name", ["lraspp", "convnext"])
-def test_default_runs_parallelized_forward_eagerly(dist_pool, name):
-    """Without ``trace_under_compile`` the parallelized forward is one graph break: equal
-    to eager, nothing traced inside it, nothing recompiled."""
-    for rank, res in enumerate(dist_pool.run(2, compile_case, name, "default")):
-        assert not res["failures"], f"{name}, rank {rank}:\n" + "\n".join(res["failures"])
-        assert res["frames_later"] == 0, f"{name}: {res['frames_later']} frames recompiled"
-        assert res["graph_breaks"] == 1 and res["frames_first"] <= 4, res
+#: every registry model and the ConvNeXt-style block; LR-ASPP and smp.* compile in this
+#: mode from YAML (tests/test_compile_config.py), monai.* are sharded in their own tests
+DEFAULT_MODE = [n for n in list_models() if not n.startswith(("smp.", "monai.", "lraspp"))] + [
+    "convnext"
+]
+#: one step for the torchvision backbones (suite time): in the default mode the frame
+#: compiled, and so what could recompile, is the root forward, the same for every model
+#: and seen at two steps on the others
+ONE_STEP = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "fcn_resnet50")
+
+
+def compile_default(names: list[str]) -> dict[str, dict]:
+    """``compile_case`` in the default mode for each of ``names``, in one worker call."""
+    return {n: compile_case(n, "default", 1 if n in ONE_STEP else 2) for n in names}
+
+
+def test_default_runs_parallelized_forward_eagerly(dist_pool):
+    """Without ``trace_under_compile`` the parallelized forward is one graph break: every
+    registry model compiled equals eager, nothing traced inside it, nothing recompiled."""
+    missing = [n for n in DEFAULT_MODE if n not in SHAPES]
+    assert not missing, f"add an input shape for {missing} to SHAPES in {__file__}"
+    for rank, results in enumerate(dist_pool.run(2, compile_default, DEFAULT_MODE)):
+        for name, res in results.items():
+            assert not res["failures"], f"{name}, rank {rank}:\n" + "\n".join(res["failures"])
+            assert res["frames_later"] == 0, f"{name}: {res['frames_later']} frames recompiled"
+            assert res["graph_breaks"] == 1 and res["frames_first"] <= 4, (name, res)
 
 
 # (graph breaks, frames compiled, graphs) of the first step with ``trace_dtensor_ops``,

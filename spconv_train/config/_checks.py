@@ -230,6 +230,16 @@ def _augment(cfg: Config) -> Problem:
     return None
 
 
+def _compile_mode(cfg: Config) -> Problem:
+    t = cfg.training
+    if t.compile_mode != "default" and not t.compile:
+        return "training.compile_mode", (
+            f"{t.compile_mode!r} chooses what torch.compile compiles, but training.compile is "
+            "false; set training.compile: true, or leave compile_mode at 'default'"
+        )
+    return None
+
+
 CROSS_CHECKS: tuple[Callable[[Config], Problem], ...] = (
     _per_class_lengths,
     _ignore_index,
@@ -238,6 +248,7 @@ CROSS_CHECKS: tuple[Callable[[Config], Problem], ...] = (
     _volumes,
     _normalize,
     _augment,
+    _compile_mode,
 )
 
 

@@ -229,11 +229,17 @@ class TrainingConfig:
     activation_checkpointing_every: int = 1
     """Checkpoint every k-th of those modules only: less recomputation, less saved."""
     compile: bool = False
-    """torch.compile the model in place (``run`` and ``verify``): the parallelized forward
-    runs eagerly as a whole under it (spconv_train/parallel/_compile.py), so this runs at
-    eager speed; exact for every model family."""
+    """torch.compile the model in place (``run`` and ``verify``); what is compiled inside
+    the parallelized forward is ``compile_mode``'s choice. Exact for every model family."""
     compile_backend: str = "inductor"
     """torch.compile backend (inductor; aot_eager to debug)."""
+    compile_mode: Literal["default", "trace", "dtensor_graphs"] = "default"
+    """With ``compile``: default = the parallelized forward runs eagerly as a whole (one
+    graph break; eager speed); trace = Dynamo traces the model's code, compiling its
+    plain-tensor code (``parallelize(trace_under_compile=True)``); dtensor_graphs = as
+    trace, and DTensor ops and element-wise layers between two spatial layers are compiled
+    too (``parallelize(trace_dtensor_ops=True)``). spconv_train/parallel/_compile.py;
+    docs/benchmarks.md measures them."""
     seed: int = 0
     """Seed for weights, augmentation and sampling."""
     loss: Literal["ce", "dice", "ce+dice", "focal", "tversky"] = "ce"

@@ -1,6 +1,7 @@
 """How the parallel layer meets ``torch.compile`` (the one place that touches Dynamo).
 
-Three modes, chosen by ``parallelize`` options (``SpatialOptions``):
+Three modes, chosen by ``parallelize`` options (``SpatialOptions``; from YAML,
+``training.compile_mode: default | trace | dtensor_graphs``, ``train/model_setup.py``):
 
 1. Default: the parallelized forward runs eagerly as a whole under ``torch.compile`` (one
    graph break, ``_parallelize.py``); nothing inside it is compiled.

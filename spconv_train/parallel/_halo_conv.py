@@ -132,6 +132,19 @@ def _same_pad(weight: Tensor, dilation) -> int:
     return dilation[-1] * (weight.shape[-1] - 1) // 2
 
 
+def _dense_like(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """``g`` dense in the memory format the convolution of ``x`` by ``w`` computes in
+    (channels-last when either is, as PyTorch picks it): the output gradient of a
+    channels-last convolution (``training.channels_last``) stays channels-last, where
+    ``g.contiguous()`` would copy it to NCHW and ``convolution_backward`` back again."""
+    if any(t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1 for t in (x, w)):
+        return g.contiguous(memory_format=_CHANNELS_LAST[g.dim()])
+    return g.contiguous()
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 @functools.lru_cache(maxsize=4096)
 def _halo_runs(
     first: int, count: int, strip_start: int, pad_w: int, kw: int, dw: int, hs: int, he: int
@@ -242,7 +255,8 @@ class _HaloConv(torch.autograd.Function):
             k = w.ndim - 2  # a halo run's tap convolves the other dims only
             args = (list(stride[:k]), list(pad), list(dilation[:k]), False, [0] * k, groups)
             bias = bias_sizes if mask[2] else None
-            return torch.ops.aten.convolution_backward(g.contiguous(), x, w, bias, *args, mask)
+            g = _dense_like(g, x, w)
+            return torch.ops.aten.convolution_backward(g, x, w, bias, *args, mask)
 
         def add(x, y):
             return y if x is None else (x if y is None else x + y)
@@ -298,7 +312,7 @@ class _HaloConv(torch.autograd.Function):
                 if c0 == 0 and c1 == local.shape[-1]:
                     grad_local = gi
                 else:
-                    grad_local = local.new_zeros(local.shape)
+                    grad_local = torch.zeros_like(local)  # in local's layout
                     grad_local.narrow(-1, c0, c1 - c0).copy_(gi)
                 for lo, g in edge_grads:
                     _add_thin_grad(lo, g, a, grad_local)

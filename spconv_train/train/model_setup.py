@@ -27,7 +27,14 @@ from spconv_train.parallel import (
 )
 from spconv_train.train.optim import checkpoint_blocks, enable_activation_checkpointing
 
-__all__ = ["compile_model", "prepare_model", "to_channels_last"]
+__all__ = ["compile_model", "compile_options", "prepare_model", "to_channels_last"]
+
+#: ``training.compile_mode`` -> the ``parallelize`` options it sets (parallel/_compile.py)
+COMPILE_MODES: dict[str, dict[str, bool]] = {
+    "default": {},
+    "trace": {"trace_under_compile": True},
+    "dtensor_graphs": {"trace_dtensor_ops": True},
+}
 
 
 def prepare_model(model: nn.Module, mesh: DeviceMesh, cfg: Config, precision: str) -> nn.Module:
@@ -39,8 +46,8 @@ def prepare_model(model: nn.Module, mesh: DeviceMesh, cfg: Config, precision: st
     unwraps it). ``precision`` is the one the step computes in (``fp32``, ``bf16`` or
     ``fp64``): with ``bf16`` FSDP gathers bf16 parameters and reduces gradients in fp32
     (``MixedPrecisionPolicy``); otherwise both stay in the parameters' dtype."""
-    model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather)
     t = cfg.training
+    model = parallelize(model, mesh, allow_gather=cfg.parallel.allow_gather, **compile_options(cfg))
     if not cfg.parallel.fsdp:
         to_channels_last(model, t.channels_last)
     if t.activation_checkpointing:
@@ -76,9 +83,16 @@ def to_channels_last(model: nn.Module, mode: str) -> bool:
     return True
 
 
+def compile_options(cfg: Config) -> dict[str, bool]:
+    """The ``parallelize`` options of ``training.compile_mode`` (none without
+    ``training.compile``): they only change what ``torch.compile`` traces."""
+    return COMPILE_MODES[cfg.training.compile_mode] if cfg.training.compile else {}
+
+
 def compile_model(model: nn.Module, cfg: Config) -> None:
     """``torch.compile`` ``model`` in place when ``training.compile`` (parameters and
-    ``state_dict`` keys stay the model's; under DDP the model inside the wrapper); called
+    ``state_dict`` keys stay the model's; under DDP the model inside the wrapper), with
+    what it traces set by ``training.compile_mode`` at ``prepare_model``; called
     after ``prepare_model`` and after any start-up probe forwards (which need not compile
     every validation size)."""
     if cfg.training.compile:
