@@ -41,8 +41,6 @@ SHAPES = {
     "smp_unet": (2, 3, 16, 72),
     "convnext": (2, 3, 8, 31),
     "deeplabv3_mobilenet_v3_large": (2, 3, 16, 1201),
-    "deeplabv3_resnet50": (2, 3, 8, 600),
-    "fcn_resnet50": (2, 3, 8, 72),
     "unet3d": (2, 1, 4, 8, 21),
 }
 #: registry models built smaller than their defaults (the compile path is the same)
@@ -184,14 +182,16 @@ def test_compiled_equals_eager(dist_pool, name):
 
 
 #: every registry model and the ConvNeXt-style block; LR-ASPP and smp.* compile in this
-#: mode from YAML (tests/test_compile_config.py), monai.* are sharded in their own tests
-DEFAULT_MODE = [n for n in list_models() if not n.startswith(("smp.", "monai.", "lraspp"))] + [
-    "convnext"
-]
+#: mode from YAML (tests/test_compile_config.py), monai.* are sharded in their own tests.
+#: The ResNet-50 models are left out (12 of the test's 20 s): in this mode the frame
+#: compiled is the root forward, the same for every model, and their torchvision wrapper
+#: runs here in deeplabv3_mobilenet_v3_large (suite time)
+SKIPPED = ("smp.", "monai.", "lraspp", "deeplabv3_resnet50", "fcn_resnet50")
+DEFAULT_MODE = [n for n in list_models() if not n.startswith(SKIPPED)] + ["convnext"]
 #: one step for the torchvision backbones (suite time): in the default mode the frame
 #: compiled, and so what could recompile, is the root forward, the same for every model
 #: and seen at two steps on the others
-ONE_STEP = ("deeplabv3_mobilenet_v3_large", "deeplabv3_resnet50", "fcn_resnet50")
+ONE_STEP = ("deeplabv3_mobilenet_v3_large",)
 
 
 def compile_default(names: list[str]) -> dict[str, dict]:
