@@ -39,6 +39,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from . import _attention_explicit, _token_index  # noqa: F401  (their handlers are wrapped)
+from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError
@@ -111,6 +112,13 @@ def _previous(fn):
     return prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
 
 
+def _as_graph_material(handler, prev):
+    """``handler`` marked for the ``trace_dtensor_ops`` graphs when the handler it wraps
+    is (``_compile.graph_handler``): wrapping must not turn an element-wise op into a graph
+    break."""
+    return graph_handler(handler) if in_dtensor_graphs(prev) else handler
+
+
 def _keeps_prefix(fn, prev=None):
     """Handler for ``fn``, an op that keeps every token where it is (a permute, an
     activation): on a tensor with prefix tokens the previous handler (or DTensor's own
@@ -126,7 +134,7 @@ def _keeps_prefix(fn, prev=None):
         return _attach(out, prefixes, what)
 
     handler.__name__ = f"prefix_{getattr(fn, '__name__', 'op')}"
-    return handler
+    return _as_graph_material(handler, prev)
 
 
 _T = torch.Tensor
@@ -163,7 +171,7 @@ def _arith_handler(fn):
         return kept(a, b, *args, **kwargs)
 
     handler.__name__ = f"prefix_{fn.__name__}"
-    return handler
+    return _as_graph_material(handler, prev)
 
 
 _ARITH = [getattr(torch, n) for n in ("add", "sub", "mul", "div")]
@@ -353,7 +361,7 @@ def _cat_handler(fn):
         return prev(tensors, dim, **kwargs)
 
     handler.__name__ = f"prefix_{fn.__name__}"
-    return handler
+    return _as_graph_material(handler, prev)
 
 
 for _fn in (torch.cat, torch.concat, torch.concatenate):
@@ -378,7 +386,7 @@ def _expand_handler(fn):
         return wrap(local, other, other.placements, other.shape)
 
     handler.__name__ = f"prefix_{fn.__name__}"
-    return handler
+    return _as_graph_material(handler, prev)
 
 
 register_handler(_T.expand_as)(_expand_handler(_T.expand_as))
