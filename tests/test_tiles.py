@@ -116,10 +116,11 @@ def test_unsupported_ops_refuse_tiles(dist_pool):
 def _tile_ops(world: int) -> list[tuple[str, nn.Module, tuple[int, int]]]:
     """(label, module, (H, W)) of the pooling / norm / transposed conv / resize grid on
     tiles of ``world`` ranks: sizes uneven over 2 parts, tiles wider than every halo."""
-    from tests.test_pool import _window_configs
+    from tests.test_pool_grid import _CLS, _for_rank, window_configs
 
     ops = []
-    for i, (cls, cfg) in enumerate(_window_configs()[:: 4 if world == 2 else 5]):
+    for i, (kind, cfg) in enumerate(window_configs()[:: 4 if world == 2 else 5]):
+        cls, cfg = _CLS[kind, 2], _for_rank(cfg, 2)
         m = cls(**cfg)
         pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
         k, s, p, d = (
