@@ -175,9 +175,12 @@ def test_error_on_one_rank_is_printed_with_its_rank_and_file(tmp_path, hooked, f
     assert "exitcode  : 2" in proc.stderr  # rank 1's own exit code, in torchrun's summary
     assert "[rank0]: Traceback" not in proc.stderr  # no gloo traceback from the healthy rank
     if fault == "data_rank1":  # rank 0 was waiting for rank 1 in step 3's halo exchange
-        lost = "[rank 0] stopped in step 3: data and forward pass"
-        assert lost in proc.stderr, proc.stderr[-4000:]
-        assert "lost the connection to another rank" in proc.stderr
+        # unless torchrun's SIGTERM (sent when rank 1 exits) reached rank 0 first: a race
+        # on a slow machine, in which rank 0 has nothing to report
+        if "exitcode  : -15" not in proc.stderr:
+            lost = "[rank 0] stopped in step 3: data and forward pass"
+            assert lost in proc.stderr, proc.stderr[-4000:]
+            assert "lost the connection to another rank" in proc.stderr
         assert not (tmp_path / "run" / "checkpoints" / "step-000004").exists()
 
 
