@@ -33,13 +33,8 @@ from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._runtime import current_runtime
 from ._tiles import along, halo_window
-from ._tokens import is_tokens, local_part
+from ._tokens import _meta_shape, is_tokens, local_part
 from ._window import gather_window, plan_window
-
-
-def _meta_shape(func, x: Tensor, *args) -> tuple[int, ...]:
-    """``func``'s output shape on ``x``'s global shape (torch's own argument checks)."""
-    return tuple(func(torch.empty(x.shape, device="meta", dtype=x.dtype), *args).shape)
 
 
 @register_handler(torch.Tensor.unfold)
