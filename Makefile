@@ -8,7 +8,7 @@ CONFIG  ?= configs/unet.yaml
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q -e '.[dev,smp,volumes,slides,monai]'
+	$(PY) -m pip install -q --no-cache-dir -e '.[dev,smp,volumes,slides,monai]'
 	$(PY) -c "import torch, torchvision, tifffile, segmentation_models_pytorch, shapely; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
 	touch $(STAMP)
 
