@@ -185,6 +185,32 @@ def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor
     return out.movedim(-1, d).contiguous()
 
 
+def _window_index_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]:
+    """``{mesh dim: output dim}`` for the size-1 window factors of a tile's single window
+    (one window along H and one along W, merged into the batch of windows: equal split
+    factors, nothing chunked) put back by the reverse view: the size-1 output dims that fit
+    them all, outer to inner in mesh dim order (``sp_h``'s window row before ``sp_w``'s
+    window column). One such factor alone keeps ``_target``'s innermost dim."""
+    shape, groups = tuple(x.shape), {}
+    for lay in split_layouts(x):
+        if lay.inner <= 1 and not _tokens.is_dp(x, lay.mesh_dim):
+            groups.setdefault(lay.dim, []).append(lay)
+    out = {}
+    for d, lays in groups.items():
+        head = math.prod(shape[:d]) * lays[0].split_factor
+        tail = math.prod(shape[d + 1 :]) * lays[0].unit
+        fits = [
+            e
+            for e, n in enumerate(out_shape)
+            if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
+        ]
+        if len(lays) < 2 or len(fits) < len(lays) or len({lay.split_factor for lay in lays}) > 1:
+            continue
+        for lay, e in zip(lays, fits[len(fits) - len(lays) :], strict=True):
+            out[lay.mesh_dim] = e
+    return out
+
+
 def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn=None) -> DTensor:
     """``x`` reshaped to the global ``out_shape`` on the local tensor (``fn(local, shape)``,
     ``reshape`` by default): the dims in ``moves`` factorised / merged around window
@@ -200,6 +226,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     # batch over dp and the windows over sp both split the batch of windows)
     share = {e: (1, 1) for e in range(len(out_shape))}
     by_mesh = {m.lay.mesh_dim: m for m in moves}
+    single = _window_index_dims(x, out_shape)
     for lay in split_layouts(x):
         m = by_mesh.get(lay.mesh_dim)
         if m is not None:
@@ -210,6 +237,10 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
         elif _batch_of_one_rank(lay, x):
             placements[lay.mesh_dim] = Shard(0)
             continue
+        elif lay.mesh_dim in single:
+            e = single[lay.mesh_dim]
+            placements[lay.mesh_dim] = Shard(e)
+            own, total = lay.sizes()[lay.rank], shape[lay.dim]
         else:
             # a size-1 split factor fits several output dims: the window index, innermost
             e, sf, _ = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
