@@ -74,10 +74,15 @@ BUILDERS = {
 }  # fmt: skip
 
 
-def model_failures(kind: str, h: int, w: int) -> list[str]:
-    """One device against ``parallelize`` at this world size: output, every parameter
-    gradient, the no-gather audit (the relative position bias gradients are summed)."""
-    dmesh = mesh(dist.get_world_size())
+def model_failures(kind: str, h: int, w: int, grid: tuple[int, int] | None = None) -> list[str]:
+    """One device against ``parallelize`` at this world size (on W strips, or on the
+    ``grid`` of H x W tiles): output, every parameter gradient, the no-gather audit (the
+    relative position bias gradients are summed)."""
+    dmesh, placements = (
+        mesh_and_placements(grid, ("sp_h", "sp_w"))
+        if grid
+        else (mesh(dist.get_world_size()), [Shard(3)])
+    )
     torch.manual_seed(0)
     model = BUILDERS[kind](h, w).double()
     par = parallelize(copy.deepcopy(model), dmesh)
@@ -85,7 +90,7 @@ def model_failures(kind: str, h: int, w: int) -> list[str]:
     ref = model(x)
     gy = seeded(2, *ref.shape, dtype=torch.float64)
     ref.backward(gy)
-    xs = distribute_tensor(x, dmesh, [Shard(3)])
+    xs = distribute_tensor(x, dmesh, placements)
     with CommAudit() as audit:
         y = par(xs)
     gys = distribute_tensor(gy, dmesh, y.placements)

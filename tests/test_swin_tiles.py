@@ -20,8 +20,13 @@ def tiny_swin_failures(shape: tuple[int, int]) -> list[str]:
     x = seeded(1, 2, 3, 8, 20, dtype=torch.float64)
     gy = seeded(2, 2, 2, 2, 5, dtype=torch.float64)
     return check_model_audited(
-        model, x, gy, dmesh, placements,
-        param_shapes={(1, 2, 16, 16), (1, 2, 10, 10)}, traffic="re-chunk",
+        model,
+        x,
+        gy,
+        dmesh,
+        placements,
+        param_shapes={(1, 2, 16, 16), (1, 2, 10, 10)},
+        traffic="re-chunk",
         label=f"mesh {shape} TinySwin: ",
     )
 
@@ -30,3 +35,6 @@ def tiny_swin_failures(shape: tuple[int, int]) -> list[str]:
 def test_tiny_swin_on_tiles(dist_pool, world, shape):
     for rank, failures in enumerate(dist_pool.run(world, tiny_swin_failures, shape)):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+from tests.test_swin_models import model_failures  # noqa: E402

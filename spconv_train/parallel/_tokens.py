@@ -87,12 +87,14 @@ class TokenLayout:
 def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
     """``{mesh dim: (inner, unit)}`` of the mesh dims splitting one ``n``-long dim,
     ``chain`` their ``(split_factor, mesh dim)`` sorted: each chunks the factor between its
-    split factor and the next one's (the last: the rest). Split factors that do not nest
-    (equal ones) keep the one-dim meaning: the rest of the dim chunked, ``unit`` 1."""
+    split factor and the next one's (the last: the rest). A split factor equal to the next
+    one's chunks a factor of 1 (a map one row, or one window row, high split over ``sp_h``:
+    its first rank holds it all). Split factors that do not nest keep the one-dim meaning:
+    the rest of the dim chunked, ``unit`` 1."""
     out = {}
     for j, (sf, m) in enumerate(chain):
         nxt = chain[j + 1][0] if j + 1 < len(chain) else n
-        if nxt > sf and nxt % sf == 0 and n % max(nxt, 1) == 0:
+        if nxt >= sf and nxt % sf == 0 and n % max(nxt, 1) == 0:
             out[m] = (nxt // sf, n // nxt)
         else:
             out[m] = (n // sf, 1)

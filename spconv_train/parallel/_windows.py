@@ -186,28 +186,30 @@ def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor
 
 
 def _window_index_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]:
-    """``{mesh dim: output dim}`` for the size-1 window factors of a tile's single window
-    (one window along H and one along W, merged into the batch of windows: equal split
-    factors, nothing chunked) put back by the reverse view: the size-1 output dims that fit
-    them all, outer to inner in mesh dim order (``sp_h``'s window row before ``sp_w``'s
-    window column). One such factor alone keeps ``_target``'s innermost dim."""
+    """``{mesh dim: output dim}`` of the size-1 factors of a dim split over several mesh
+    dims (a tile's single window row, and column, in the batch of windows: nothing chunked,
+    the first rank holds it all, ``_tokens._nest``) that a reshape puts back: the size-1
+    output dims that fit them, outer to inner in mesh dim order (``sp_h``'s window row
+    before ``sp_w``'s window column). ``_target`` would pick the dim of the factor after
+    them (same runs), or one output dim for all."""
     shape, groups = tuple(x.shape), {}
     for lay in split_layouts(x):
-        if lay.inner <= 1 and not _tokens.is_dp(x, lay.mesh_dim):
+        if not _tokens.is_dp(x, lay.mesh_dim):
             groups.setdefault(lay.dim, []).append(lay)
     out = {}
     for d, lays in groups.items():
-        head = math.prod(shape[:d]) * lays[0].split_factor
-        tail = math.prod(shape[d + 1 :]) * lays[0].unit
+        ones = [lay for lay in lays if lay.inner <= 1]
+        if len(lays) < 2 or not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
+            continue
+        head = math.prod(shape[:d]) * ones[0].split_factor
+        tail = math.prod(shape[d + 1 :]) * ones[0].unit
         fits = [
             e
             for e, n in enumerate(out_shape)
             if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
         ]
-        if len(lays) < 2 or len(fits) < len(lays) or len({lay.split_factor for lay in lays}) > 1:
-            continue
-        for lay, e in zip(lays, fits[len(fits) - len(lays) :], strict=True):
-            out[lay.mesh_dim] = e
+        if len(fits) >= len(ones):
+            out.update(zip((o.mesh_dim for o in ones), fits[len(fits) - len(ones) :]))
     return out
 
 
