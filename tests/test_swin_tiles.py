@@ -38,3 +38,4 @@ def test_tiny_swin_on_tiles(dist_pool, world, shape):
 
 
 from tests.test_swin_models import model_failures  # noqa: E402
+from tests.test_monai_3d import volume_failures  # noqa: E402

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,97 +47,7 @@ from ._mode import register_handler
 from ._prefix_shard import prefix_of
 from ._registry import DEFAULT_REGISTRY
 from ._tokens import TokenLayout, _target, split_layouts
-
-
-def _prefix(shape: tuple[int, ...]) -> list[int]:
-    out = [1]
-    for n in shape:
-        out.append(out[-1] * n)
-    return out
-
-
-def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
-    """The smallest run of input dims ``[d0, d1)`` holding ``d`` that a reshape to ``out``
-    turns into whole output dims, and the output run ``[e0, e1)`` it becomes (leading
-    size-1 output dims included); ``past_units``: the run goes on past size-1 dims after
-    ``d``. ``None`` for empty tensors."""
-    pin, pout = _prefix(shape), _prefix(out)
-    if 0 in shape or pin[-1] != pout[-1]:
-        return None
-    d0 = max(i for i in range(d + 1) if pin[i] in pout)
-    later = [i for i in range(d + 1, len(shape) + 1) if pin[i] in pout]
-    if past_units:
-        later = [i for i in later if pin[i] > pin[d]] or later
-    d1 = min(later)
-    e0 = min(j for j, p in enumerate(pout) if p == pin[d0])
-    # size-1 output dims at the start of the run go first to the size-1 input dims right
-    # before ``d0`` (a batch of one: (1, L, C) -> (1, L, 2, heads, e) keeps its 1 in front)
-    units_in = sum(1 for i in range(d0) if pin[i] == pin[d0])
-    units_out = sum(1 for j in range(e0 + 1, len(pout)) if pout[j] == pin[d0])
-    e0 += min(units_in, units_out)
-    e1 = min(j for j, p in enumerate(pout) if p == pin[d1])
-    return d0, d1, e0, e1
-
-
-@dataclass(frozen=True)
-class Move:
-    """How a reshape moves a plain ``Shard`` of input dim ``lay.dim`` whose size it
-    factorises (``split``: into output dims starting at ``dim``, the split factor outermost,
-    ``k`` elements of the dim per outer entry) or merges (``split`` False: with the ``k``
-    entries of the input dims right after it, into output dim ``dim``)."""
-
-    lay: TokenLayout
-    split: bool
-    dim: int
-    k: int
-
-
-#: ``(shape, dim)`` of the window-factorised maps whose split dim holds a single window
-#: (``dim`` of size 1, e.g. Swin's last stage, one 7 x 7 window): a reshape that merges
-#: such a size-1 split dim is the window reverse (into the dims after it), not a merge
-#: into the batch of windows (the dims before it), which the shape alone cannot tell.
-_SINGLE_WINDOW: set[tuple[tuple[int, ...], int]] = set()
-
-
-def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
-    runs = _runs(shape, out, lay.dim, False)
-    if runs is None or runs[1] - runs[0] != 1:
-        return None
-    _, _, e0, e1 = runs
-    big = [j for j in range(e0, e1) if out[j] > 1]
-    if len(big) >= 2:  # (windows, ws): the split goes to the windows factor
-        return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]))
-    # (1, W) of a map dim (not the batch): one window along it when the reshape cuts two
-    # dims into windows (a partition of H and W); otherwise a size-1 dim added next to it
-    # (the dim stays split). A split dim that becomes three or more dims is no window cut
-    # either and stays split: a token dim unflattened to a grid with leading size-1 dims
-    # ((N, L, C) -> (N, 1, 1, W, C): a 3-D ViT's patches of a thin volume), a map one
-    # window high and one row deep ((B, 1, W, C) -> (B, 1, 1, 1, W, C)).
-    one = big == [e1 - 1] and e1 - e0 == 2 and lay.dim > 0
-    if one and len(out) >= len(shape) + 2:
-        if len(_SINGLE_WINDOW) > 1024:
-            _SINGLE_WINDOW.clear()
-        _SINGLE_WINDOW.add((tuple(out), e1 - 2))
-        return Move(lay, True, e1 - 2, out[e1 - 1])
-    return None
-
-
-def _merge(
-    lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...], split_dims=frozenset()
-) -> Move | None:
-    single = shape[lay.dim] == 1
-    if single and (tuple(shape), lay.dim) not in _SINGLE_WINDOW:
-        return None
-    runs = _runs(shape, out, lay.dim, single)
-    if runs is None:
-        return None
-    d0, d1, e0, e1 = runs
-    big = [j for j in range(e0, e1) if out[j] > 1] or [e1 - 1]
-    if d0 != lay.dim or d1 - d0 < 2 or len(big) != 1 or big[0] != e1 - 1:
-        return None
-    if split_dims.intersection(range(d0 + 1, d1)):  # H and W of a tile: tokens (_tokens.py)
-        return None
-    return Move(lay, False, e1 - 1, math.prod(shape[d0 + 1 : d1]))
+from ._window_moves import Move, _runs, window_move
 
 
 def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
@@ -146,18 +55,6 @@ def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
     dims around, the shape alone could place it on any of them)."""
     names = x.device_mesh.mesh_dim_names or ()
     return lay.parts == 1 and lay.dim == 0 and names[lay.mesh_dim : lay.mesh_dim + 1] == (DP,)
-
-
-def _move(
-    lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...], split_dims=frozenset()
-) -> Move | None:
-    """The factorisation (or merge) of a plain ``Shard``'s dim around window boundaries, or
-    ``None``: the reshape keeps the dim whole, mixes it otherwise, or the layout is a token
-    layout."""
-    if lay.split_factor != 1 or lay.unit != 1:
-        return None
-    m = _split(lay, shape, out)
-    return m if m is not None else _merge(lay, shape, out, split_dims)
 
 
 @functools.lru_cache(maxsize=256)
@@ -174,24 +71,48 @@ def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan
 
 
 def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor:
-    """``local``'s dim ``d`` (``size`` long globally) moved between the map's own chunks
-    and the window-aligned ones, point to point."""
-    plan = window_plan(size, move.lay.parts, move.k, move.split)
+    """``local``'s dim ``d`` (``size`` long globally: ``move.outer`` whole entries, each a
+    chunked run) moved between the map's own chunks and the window-aligned ones, point to
+    point."""
+    plan = window_plan(size // move.outer, move.lay.parts, move.k, move.split)
     if plan is None:
         return local
+    outer = move.outer
+    for lay in split_layouts(x):  # the images a dp mesh dim leaves this rank
+        if _tokens.is_dp(x, lay.mesh_dim) and lay.dim <= move.lay.dim:
+            outer = outer * lay.sizes()[lay.rank] // x.shape[lay.dim]
+    a, b = plan.owned[move.lay.rank]
+    t = local.unflatten(d, (outer, b - a)).movedim(d + 1, -1)
     group = x.device_mesh.get_group(move.lay.mesh_dim)
-    out = gather_columns(local.movedim(d, -1), plan, move.lay.rank, group)
+    out = gather_columns(t, plan, move.lay.rank, group).movedim(-1, d + 1).flatten(d, d + 1)
     # contiguous: DTensor takes the wrapped local tensor to be (its view ops rely on it)
-    return out.movedim(-1, d).contiguous()
+    return out.contiguous()
 
 
-def _window_index_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]:
-    """``{mesh dim: output dim}`` of the size-1 factors of a dim split over several mesh
-    dims (a tile's single window row, and column, in the batch of windows: nothing chunked,
-    the first rank holds it all, ``_tokens._nest``) that a reshape puts back: the size-1
-    output dims that fit them, outer to inner in mesh dim order (``sp_h``'s window row
-    before ``sp_w``'s window column). ``_target`` would pick the dim of the factor after
-    them (same runs), or one output dim for all."""
+#: ``(batch of windows shape, mesh dim)``: how many window indices followed the split one
+#: (of a single window: everything on the first rank) where it merged into the batch of
+#: windows (1 for H before W, 2 for D): the reverse view puts the split back there, which
+#: the size-1 dims of its shape alone cannot tell (W, the innermost, is the default).
+_SINGLE_AFTER: dict[tuple[tuple[int, ...], int], int] = {}
+
+
+def _remember_single(x: DTensor, lay: TokenLayout, out_shape: tuple[int, ...]) -> None:
+    """Record a single window's split dim merged into the batch of windows."""
+    runs = _runs(tuple(x.shape), out_shape, lay.dim, True)
+    if runs is not None and runs[1] - lay.dim > 1 and not _tokens.is_dp(x, lay.mesh_dim):
+        if len(_SINGLE_AFTER) > 1024:
+            _SINGLE_AFTER.clear()
+        _SINGLE_AFTER[(tuple(out_shape), lay.mesh_dim)] = runs[1] - lay.dim - 1
+
+
+def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]:
+    """``{mesh dim: output dim}`` of the size-1 factors (single windows: nothing chunked,
+    the first rank holds it all) of the batch of windows that a reshape puts back: on
+    tiles (a dim split over several mesh dims, ``_tokens._nest``) the size-1 output dims
+    that fit them, outer to inner in mesh dim order (``sp_h``'s window row before
+    ``sp_w``'s window column); on one mesh dim the window index it came from
+    (``_SINGLE_AFTER``). ``_target`` would pick the dim of the factor after them (same
+    runs), or the innermost one."""
     shape, groups = tuple(x.shape), {}
     for lay in split_layouts(x):
         if not _tokens.is_dp(x, lay.mesh_dim):
@@ -199,7 +120,7 @@ def _window_index_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]
     out = {}
     for d, lays in groups.items():
         ones = [lay for lay in lays if lay.inner <= 1]
-        if len(lays) < 2 or not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
+        if not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
             continue
         head = math.prod(shape[:d]) * ones[0].split_factor
         tail = math.prod(shape[d + 1 :]) * ones[0].unit
@@ -208,8 +129,10 @@ def _window_index_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]
             for e, n in enumerate(out_shape)
             if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
         ]
-        if len(fits) >= len(ones):
-            out.update(zip((o.mesh_dim for o in ones), fits[len(fits) - len(ones) :]))
+        after = _SINGLE_AFTER.get((shape, ones[0].mesh_dim), 0) if len(lays) == 1 else 0
+        if (len(lays) > 1 or after) and len(fits) >= len(ones) + after:
+            end = len(fits) - after
+            out.update(zip([o.mesh_dim for o in ones], fits[end - len(ones) : end], strict=True))
     return out
 
 
@@ -228,14 +151,14 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     # batch over dp and the windows over sp both split the batch of windows)
     share = {e: (1, 1) for e in range(len(out_shape))}
     by_mesh = {m.lay.mesh_dim: m for m in moves}
-    single = _window_index_dims(x, out_shape)
+    single = _single_window_dims(x, out_shape)
     for lay in split_layouts(x):
         m = by_mesh.get(lay.mesh_dim)
         if m is not None:
-            total = shape[lay.dim] // m.k if m.split else shape[lay.dim]
+            total = shape[lay.dim] // m.outer // m.k if m.split else shape[lay.dim]
             a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
             e, own = m.dim, b - a
-            placements[lay.mesh_dim] = Shard(e)
+            placements[lay.mesh_dim] = Shard(e) if m.split else _tokens._placement(e, m.outer)
         elif _batch_of_one_rank(lay, x):
             placements[lay.mesh_dim] = Shard(0)
             continue
@@ -246,6 +169,8 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
         else:
             # a size-1 split factor fits several output dims: the window index, innermost
             e, sf, _ = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
+            if lay.inner <= 1 and e == 0:
+                _remember_single(x, lay, out_shape)
             placements[lay.mesh_dim] = _tokens._placement(e, sf)
             own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
@@ -279,7 +204,8 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
         if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
             local = local or len(lays) > 1
             continue
-        m = _move(lay, shape, out_shape, _spatial_dims(x, lays, lay))
+        nested = sum(o.dim == lay.dim and not _tokens.is_dp(x, o.mesh_dim) for o in lays) > 1
+        m = window_move(lay, shape, out_shape, _spatial_dims(x, lays, lay), nested)
         if m is not None:
             moves.append(m)
             continue
