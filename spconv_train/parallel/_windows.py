@@ -47,7 +47,7 @@ from ._mode import register_handler
 from ._prefix_shard import prefix_of
 from ._registry import DEFAULT_REGISTRY
 from ._tokens import TokenLayout, _target, split_layouts
-from ._window_moves import Move, _runs, window_move
+from ._window_moves import Move, window_move
 
 
 def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
@@ -89,20 +89,19 @@ def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor
     return out.contiguous()
 
 
-#: ``(batch of windows shape, mesh dim)``: how many window indices followed the split one
-#: (of a single window: everything on the first rank) where it merged into the batch of
-#: windows (1 for H before W, 2 for D): the reverse view puts the split back there, which
-#: the size-1 dims of its shape alone cannot tell (W, the innermost, is the default).
-_SINGLE_AFTER: dict[tuple[tuple[int, ...], int], int] = {}
+#: ``(window-factorised shape, mesh dim)``: the dim of the split window index (a single
+#: window: the first rank holds it all) where that shape merged into the batch of windows;
+#: the reverse view to that shape puts the split back there, which the size-1 window
+#: indices alone cannot tell (``_target`` picks the innermost, W of strips).
+_SINGLE_AT: dict[tuple[tuple[int, ...], int], int] = {}
 
 
-def _remember_single(x: DTensor, lay: TokenLayout, out_shape: tuple[int, ...]) -> None:
+def _remember_single(x: DTensor, lay: TokenLayout) -> None:
     """Record a single window's split dim merged into the batch of windows."""
-    runs = _runs(tuple(x.shape), out_shape, lay.dim, True)
-    if runs is not None and runs[1] - lay.dim > 1 and not _tokens.is_dp(x, lay.mesh_dim):
-        if len(_SINGLE_AFTER) > 1024:
-            _SINGLE_AFTER.clear()
-        _SINGLE_AFTER[(tuple(out_shape), lay.mesh_dim)] = runs[1] - lay.dim - 1
+    if not _tokens.is_dp(x, lay.mesh_dim):
+        if len(_SINGLE_AT) > 1024:
+            _SINGLE_AT.clear()
+        _SINGLE_AT[(tuple(x.shape), lay.mesh_dim)] = lay.dim
 
 
 def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]:
@@ -111,7 +110,7 @@ def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int
     tiles (a dim split over several mesh dims, ``_tokens._nest``) the size-1 output dims
     that fit them, outer to inner in mesh dim order (``sp_h``'s window row before
     ``sp_w``'s window column); on one mesh dim the window index it came from
-    (``_SINGLE_AFTER``). ``_target`` would pick the dim of the factor after them (same
+    (``_SINGLE_AT``). ``_target`` would pick the dim of the factor after them (same
     runs), or the innermost one."""
     shape, groups = tuple(x.shape), {}
     for lay in split_layouts(x):
@@ -129,10 +128,11 @@ def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int
             for e, n in enumerate(out_shape)
             if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
         ]
-        after = _SINGLE_AFTER.get((shape, ones[0].mesh_dim), 0) if len(lays) == 1 else 0
-        if (len(lays) > 1 or after) and len(fits) >= len(ones) + after:
-            end = len(fits) - after
-            out.update(zip([o.mesh_dim for o in ones], fits[end - len(ones) : end], strict=True))
+        at = _SINGLE_AT.get((tuple(out_shape), ones[0].mesh_dim))
+        if len(lays) == 1 and at in fits:
+            out[ones[0].mesh_dim] = at
+        elif len(lays) > 1 and len(fits) >= len(ones):
+            out.update(zip([o.mesh_dim for o in ones], fits[len(fits) - len(ones) :], strict=True))
     return out
 
 
@@ -170,7 +170,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
             # a size-1 split factor fits several output dims: the window index, innermost
             e, sf, _ = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
             if lay.inner <= 1 and e == 0:
-                _remember_single(x, lay, out_shape)
+                _remember_single(x, lay)
             placements[lay.mesh_dim] = _tokens._placement(e, sf)
             own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
