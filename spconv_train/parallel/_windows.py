@@ -98,7 +98,7 @@ _SINGLE_AT: dict[tuple[tuple[int, ...], int], int] = {}
 
 def _remember_single(x: DTensor, lay: TokenLayout) -> None:
     """Record a single window's split dim merged into the batch of windows."""
-    if not _tokens.is_dp(x, lay.mesh_dim):
+    if lay.dim > 0 and not _tokens.is_dp(x, lay.mesh_dim):
         if len(_SINGLE_AT) > 1024:
             _SINGLE_AT.clear()
         _SINGLE_AT[(tuple(x.shape), lay.mesh_dim)] = lay.dim
@@ -129,7 +129,7 @@ def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int
             if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
         ]
         at = _SINGLE_AT.get((tuple(out_shape), ones[0].mesh_dim))
-        if len(lays) == 1 and at in fits:
+        if len(lays) == 1 and at in fits and len(out_shape) > len(shape):  # a reverse view
             out[ones[0].mesh_dim] = at
         elif len(lays) > 1 and len(fits) >= len(ones):
             out.update(zip([o.mesh_dim for o in ones], fits[len(fits) - len(ones) :], strict=True))
