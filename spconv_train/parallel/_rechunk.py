@@ -4,9 +4,10 @@ are such a re-chunk: ``F.pad`` (every mode, negative amounts crop), slicing
 (``x[..., a:b:s]``, centre crops), ``flip`` and ``roll``.
 
 Each of them changes, along every sharded spatial dim of any layout (the width of strips, H
-and W of tiles, D, H or W of a volume, any of a block's; one dim at a time over its own mesh
-dim), which global column each output column reads and, since DTensor chunks the *new* size
-afresh, which rank owns it. A map is given as a few ``Segment``s (runs of output columns: a
+and W of tiles, D, H or W of a volume, any of a block's, the same dims of a channels-last
+map or volume: ``rechunk_axes``; one dim at a time over its own mesh dim), which global
+column each output column reads and, since DTensor chunks the *new* size afresh, which rank
+owns it. A map is given as a few ``Segment``s (runs of output columns: a
 fill, or input columns ``start, start + step, ...``; step 0 repeats one column, step -1
 mirrors). Every rank computes every rank's needs from the map (no metadata exchange),
 receives from each owner the hull of the columns it needs (one message per owner pair,

@@ -20,9 +20,12 @@ layout of the other dims (NCHW as well as channels-last).
 
 The merge of ``(B, H // ws, W // ws)`` into the batch of windows is a token layout
 (``_tokens.py``): ``_StridedShard(0, split_factor=B * H // ws)``, every rank's windows are
-its local batch. Everything per window stays local: Linear, LayerNorm, softmax, the
-relative position bias (a ``(1, heads, N, N)`` plain tensor broadcast over the windows),
-the shifted-window mask (``(nW, N, N)``, indexed with the rank's windows by the token
+its local batch. On H x W tiles (and rows) each split dim is cut as above over its own mesh
+dim, and the batch of windows is the tiles' nested layout (``_StridedShard(0, B)`` over
+``sp_h``, ``_StridedShard(0, B * H // ws)`` over ``sp_w``). A split dim before the
+innermost window index (D or H of a volume) merges by a re-chunk (``_window_moves.py``).
+Everything per window stays local: Linear, LayerNorm, softmax, the relative position bias
+(a ``(1, heads, N, N)`` plain tensor broadcast over the windows), the shifted-window mask (``(nW, N, N)``, indexed with the rank's windows by the token
 arithmetic of ``_tokens.py``), and here: ``q @ k.transpose(-2, -1)`` / ``attn @ v`` and
 ``F.scaled_dot_product_attention`` on operands split only along their batch dims, with an
 attention mask sliced to the rank's windows.
