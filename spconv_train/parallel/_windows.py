@@ -25,8 +25,9 @@ dim, and the batch of windows is the tiles' nested layout (``_StridedShard(0, B)
 ``sp_h``, ``_StridedShard(0, B * H // ws)`` over ``sp_w``). A split dim before the
 innermost window index (D or H of a volume) merges by a re-chunk (``_window_moves.py``).
 Everything per window stays local: Linear, LayerNorm, softmax, the relative position bias
-(a ``(1, heads, N, N)`` plain tensor broadcast over the windows), the shifted-window mask (``(nW, N, N)``, indexed with the rank's windows by the token
-arithmetic of ``_tokens.py``), and here: ``q @ k.transpose(-2, -1)`` / ``attn @ v`` and
+(a ``(1, heads, N, N)`` plain tensor broadcast over the windows), the shifted-window mask
+(``(nW, N, N)``, indexed with the rank's windows by the token arithmetic of
+``_tokens.py``), and here: ``q @ k.transpose(-2, -1)`` / ``attn @ v`` and
 ``F.scaled_dot_product_attention`` on operands split only along their batch dims, with an
 attention mask sliced to the rank's windows.
 """
