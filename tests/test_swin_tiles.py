@@ -1,5 +1,5 @@
-"""Swin window attention on H x W tiles and rows, and MONAI SwinUNETR in 3-D split along H
-and along D (issue 23): the window partition of a map split along several dims (or along a
+"""Swin window attention on H x W tiles and rows, and MONAI's 3-D Swin stage split along D
+and along H (issue 23): the window partition of a map split along several dims (or along a
 dim that is not the innermost window index) re-chunks each split dim to window-aligned
 owners in turn, the batch of windows is a nested token layout (tiles) or a strided one
 (even chunks of the merged window indices), and the reverse puts every split back. fp64
@@ -9,14 +9,19 @@ no activation gather.
 One worker call per world size: 2 x 2 tiles (4 ranks) run the hand-written Swin of
 ``tests/test_swin.py`` (regular and shifted windows, SDPA and explicit matmuls, patch
 merging, NCHW windows, one window over the whole map) and a timm ``SwinTransformer`` (the
-model smp's ``tu-swin`` encoders build); rows (a ``(2, 1)`` mesh) run the hand-written Swin
-and SwinUNETR 3-D along H and along D."""
+model smp's ``tu-swin`` encoders build); 2 ranks run the hand-written Swin on rows (a
+``(2, 1)`` mesh) and a MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D
+windows on the channels-last volume, padding to whole windows, ``PatchMergingV2``) split
+along D and along H. The whole SwinUNETR in 3-D (its last stage one window):
+``scripts/check_foreign_models.py --transformers``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
+from tests.dist_harness import mesh
 from tests.meshes import mesh_and_placements
 from tests.op_check import check_model_audited
 from tests.reference import seeded
@@ -45,30 +50,45 @@ def _tiny_swin(shape: tuple[int, int]) -> list[str]:
 
 
 def tile_failures() -> list[str]:
-    """2 x 2 tiles: the hand-written Swin, and timm's Swin at 24 x 24 (12 x 12 tokens: 3
-    windows of 4 along H and W, rows and columns 6 + 6, windows 2 + 1; merged to 6 x 6,
-    padded to 8 x 8: 2 x 2 windows)."""
+    """2 x 2 tiles: the hand-written Swin, and timm's Swin at 16 x 24 (8 x 12 tokens: 2
+    windows of 4 along H, rows 4 + 4; 3 along W, columns 6 + 6, windows 2 + 1; merged to
+    4 x 6, padded to 4 x 8: one window row, on the first rank of ``sp_h``)."""
     from tests.test_swin_models import model_failures
 
-    out = _tiny_swin((2, 2))
-    return out + [
-        f"timm 24 x 24 on 2 x 2 tiles: {f}" for f in model_failures("timm", 24, 24, (2, 2))
-    ]
+    timm = model_failures("timm", 16, 24, (2, 2))
+    return _tiny_swin((2, 2)) + [f"timm 16 x 24 on 2 x 2 tiles: {f}" for f in timm]
 
 
-def row_failures() -> list[str]:
-    """Rows (``(2, 1)`` mesh), and SwinUNETR 3-D split along H (32 x 64 x 32) and along D
-    (64 x 32 x 32) at 2 ranks: every stage's windows re-chunked along the split dim, the
-    last stage (4 x 2 x 2, or 2 x 4 x 2) one window on the first rank."""
+def _monai_stage(dim: int, shape: tuple[int, int, int]) -> list[str]:
+    """MONAI's ``BasicLayer`` (2 blocks, windows of 4^3, shift 2, ``PatchMergingV2``) on a
+    ``(1, 8, *shape)`` volume split along tensor dim ``dim`` over 2 ranks: the split dim of
+    10 (5 + 5) padded to 12, 3 windows (2 + 1)."""
+    from monai.networks.nets import swin_unetr
+
+    torch.manual_seed(0)
+    model = swin_unetr.BasicLayer(
+        8, 2, 2, (4, 4, 4), [0.0, 0.0], downsample=swin_unetr.PatchMergingV2
+    ).double()
+    return check_model_audited(
+        model,
+        seeded(1, 1, 8, *shape, dtype=torch.float64),
+        lambda out: seeded(2, *out, dtype=torch.float64),
+        mesh(2),
+        [Shard(dim)],
+        param_shapes={(1, 2, 64, 64)},  # the relative position bias
+        traffic="re-chunk",
+        label=f"SwinUNETR stage {shape} Shard({dim}): ",
+    )
+
+
+def two_rank_failures() -> list[str]:
+    """Rows (``(2, 1)`` mesh), and the 3-D stage split along D and along H."""
     pytest.importorskip("monai")
-    from tests.test_monai_3d import volume_failures
-
     out = _tiny_swin((2, 1))
-    out += volume_failures("SwinUNETR", (32, 64, 32), 3)
-    return out + volume_failures("SwinUNETR", (64, 32, 32), 2)
+    return out + _monai_stage(2, (10, 8, 8)) + _monai_stage(3, (8, 10, 8))
 
 
-@pytest.mark.parametrize("world, worker", [(4, tile_failures), (2, row_failures)])
+@pytest.mark.parametrize("world, worker", [(4, tile_failures), (2, two_rank_failures)])
 def test_swin_on_tiles_rows_and_volumes_matches_one_device(dist_pool, world, worker):
     for rank, failures in enumerate(dist_pool.run(world, worker)):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
