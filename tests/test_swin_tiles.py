@@ -9,11 +9,11 @@ no activation gather.
 One worker call per world size: 2 x 2 tiles (4 ranks) run the hand-written Swin of
 ``tests/test_swin.py`` (regular and shifted windows, SDPA and explicit matmuls, patch
 merging, NCHW windows, one window over the whole map) and a timm ``SwinTransformer`` (the
-model smp's ``tu-swin`` encoders build); 2 ranks run the hand-written Swin on rows (a
-``(2, 1)`` mesh) and a MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D
-windows on the channels-last volume, padding to whole windows, ``PatchMergingV2``) split
-along D and along H. The whole SwinUNETR in 3-D (its last stage one window):
-``scripts/check_foreign_models.py --transformers``."""
+model smp's ``tu-swin`` encoders build); 2 ranks run both on rows (a ``(2, 1)`` mesh) and a
+MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D windows on the channels-last
+volume, padding to whole windows, ``PatchMergingV2``) split along D and along H. The whole
+SwinUNETR in 3-D (its last stage one window): ``scripts/check_foreign_models.py
+--transformers``."""
 
 from __future__ import annotations
 
@@ -82,9 +82,13 @@ def _monai_stage(dim: int, shape: tuple[int, int, int]) -> list[str]:
 
 
 def two_rank_failures() -> list[str]:
-    """Rows (``(2, 1)`` mesh), and the 3-D stage split along D and along H."""
+    """Rows (``(2, 1)`` mesh: the hand-written Swin; timm's at 24 x 16, whose second stage
+    6 x 4 pads W, the dim of one rank, to 8), and the 3-D stage split along D and H."""
+    from tests.test_swin_models import model_failures
+
     pytest.importorskip("monai")
-    out = _tiny_swin((2, 1))
+    timm = [f"timm 24 x 16 on rows: {f}" for f in model_failures("timm", 24, 16, (2, 1))]
+    out = _tiny_swin((2, 1)) + timm
     return out + _monai_stage(2, (10, 8, 8)) + _monai_stage(3, (8, 10, 8))
 
 

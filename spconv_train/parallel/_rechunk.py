@@ -152,7 +152,10 @@ def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None
         local = remap_axis(local, d, x.shape[d], segments, axes.get(d), value)
     if shape is None:
         shape = [sum(s.length for s in maps[d]) if d in maps else n for d, n in enumerate(x.shape)]
-    return wrap(then(local) if then else local, x, x.placements, tuple(shape))
+    out = then(local) if then else local
+    # contiguous: a view of the result (Swin's window partition after its pad) reads the
+    # local tensor as DTensor takes it to be, row-major
+    return wrap(out.contiguous(), x, x.placements, tuple(shape))
 
 
 def _run_local(x: DTensor, fn, removed: tuple[int, ...] = ()) -> DTensor:
