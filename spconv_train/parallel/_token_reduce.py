@@ -1,0 +1,128 @@
+"""Token-wise reductions: ``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
+``logsumexp``, ``F.normalize``, ``softmax`` ... over dims that no rank splits (the channels)
+of pixel tokens (``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
+
+Each rank holds whole tokens, so a reduction over the channels (``x.norm(dim=-1)``,
+``F.normalize(x, dim=-1)``, ``x.mean(-1, keepdim=True)``) is the local one, exact; the
+result keeps the token layout (the prefix included). DTensor's own rules would run the
+forward locally too, but its backward sizes the gradient by its own chunking of the
+placements (``expand`` of a ``mean``'s gradient), which is not the layout behind a prefix
+or of nested tiles: "The expanded size of the tensor (15) must match the existing size
+(17)". A reduction over the tokens themselves goes to the handler registered before
+(``_reduce.py``, DTensor's rules); behind a prefix it is refused with
+``SpatialShardingError`` naming the op and the module (the prefix is on one rank alone).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from . import _reduce, _token_prefix  # noqa: F401  (their handlers are wrapped)
+from ._compile import graph_handler, in_dtensor_graphs
+from ._dims import norm_dim, wrap
+from ._errors import module_path, run_dtensor_op
+from ._geometry import SpatialShardingError
+from ._mode import register_handler
+from ._prefix_shard import prefix_of
+from ._registry import DEFAULT_REGISTRY, function_name
+from ._sharding import sharded_dim
+from ._tokens import _placement, is_tokens
+
+_T = torch.Tensor
+#: the ops, by ``(position of dim, its default, position of keepdim)`` among the positional
+#: arguments (the tensor first); ``keepdim`` ``None``: the shape is kept (dim 1 of
+#: ``F.normalize`` by default, as torch's)
+_ALL = None
+_OPS = {
+    (1, _ALL, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp"),
+    (1, _ALL, 3): ("var", "std"),
+    (2, _ALL, 3): ("norm",),
+    (1, "required", None): ("softmax", "log_softmax"),
+    (1, _ALL, 2, "pair"): ("max", "min"),
+}
+
+
+def _dims(dim, ndim: int) -> tuple[int, ...]:
+    if dim is None or (isinstance(dim, (tuple, list)) and not dim):
+        return tuple(range(ndim))
+    return tuple(
+        sorted({norm_dim(int(d), ndim) for d in ((dim,) if isinstance(dim, int) else dim)})
+    )
+
+
+def _arg(args, kwargs, pos: int | None, name: str, default):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if pos is not None and len(args) > pos else default
+
+
+def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
+    """``x``'s placements once ``dims`` (none of them split) are reduced."""
+    out = []
+    for p in x.placements:
+        d = sharded_dim(p)
+        if d is None:
+            out.append(p)
+            continue
+        d %= x.ndim
+        d = d if keepdim else d - sum(r < d for r in dims)
+        out.append(_placement(d, getattr(p, "split_factor", 1), prefix_of(p)))
+    return out
+
+
+def _token_wise(fn, spec: tuple):
+    """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
+    dim_pos, default, keep_pos = spec[:3]
+    prev = DEFAULT_REGISTRY.handler(fn)
+    prev = prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
+    what = function_name(fn)
+
+    def handler(x, *args, **kwargs):
+        if not is_tokens(x) or kwargs.get("out") is not None:
+            return prev(x, *args, **kwargs)
+        full = (x, *args)
+        dim = _arg(full, kwargs, dim_pos, "dim", default)
+        if isinstance(dim, bool):  # x.var(unbiased): over every dim
+            dim = None
+        ints = isinstance(dim, int) or (
+            isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim)
+        )
+        if not ints and (dim is not None or len(spec) > 3):
+            # x.max(): over all; torch.max(a, b): element-wise; softmax without dim
+            return prev(x, *args, **kwargs)
+        dims = _dims(dim, x.ndim)
+        split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
+        if split & set(dims):
+            if any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements):
+                raise SpatialShardingError(
+                    f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
+                    f"module '{module_path()}': a reduction over the tokens behind prefix "
+                    f"(class / register) tokens, which the first rank holds alone, is not "
+                    f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
+                    f"channels (dim=-1)."
+                )
+            return prev(x, *args, **kwargs)
+        keepdim = True if keep_pos is None else bool(_arg(full, kwargs, keep_pos, "keepdim", False))
+        placements = _out_placements(x, dims, keepdim)
+        out = fn(x.to_local(), *args, **kwargs)
+        shapes = fn(torch.empty(x.shape, device="meta", dtype=x.dtype), *args, **kwargs)
+        if isinstance(out, tuple):  # max / min: (values, indices)
+            parts = [wrap(o, x, placements, s.shape) for o, s in zip(out, shapes, strict=True)]
+            return type(out)(parts)
+        return wrap(out, x, placements, shapes.shape)
+
+    handler.__name__ = f"token_{getattr(fn, '__name__', 'op')}"
+    # graph material (``_compile.graph_handler``) only where the handler it wraps is
+    return graph_handler(handler) if in_dtensor_graphs(prev) else handler
+
+
+for _spec, _names in _OPS.items():
+    for _name in _names:
+        for _fn in (getattr(torch, _name), getattr(_T, _name)):
+            register_handler(_fn)(_token_wise(_fn, _spec))
+for _fn in (F.softmax, F.log_softmax):
+    register_handler(_fn)(_token_wise(_fn, (1, "required", None)))
+register_handler(F.normalize)(_token_wise(F.normalize, (2, 1, None)))
+register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, (2, _ALL, 3)))
