@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit, _token_index  # noqa: F401  (their handlers are wrapped)
 from ._compile import graph_handler, in_dtensor_graphs
@@ -231,12 +231,18 @@ def _cat_alongside(tensors: list, d: int, x: DTensor) -> DTensor | None:
     return wrap(torch.cat(parts, d), x, x.placements, shape)
 
 
+def _chunked(t) -> bool:
+    """Tokens ``(N, L, C)`` in even chunks of ``L`` (a plain ``Shard(1)``): the flatten of a
+    map split along H over one mesh dim (``_windows.py``)."""
+    return isinstance(t, DTensor) and t.ndim == 3 and Shard(1) in t.placements
+
+
 def _cat_handler(fn):
     prev = _previous(fn)
 
     def handler(tensors, dim=0, **kwargs):
         tensors = list(tensors)
-        x = next((t for t in reversed(tensors) if is_tokens(t)), None)
+        x = next((t for t in reversed(tensors) if is_tokens(t) or _chunked(t)), None)
         if x is None or any(k != "axis" for k in kwargs):
             return prev(tensors, dim, **kwargs)
         d = norm_dim(kwargs.get("axis", dim), x.ndim)
