@@ -1,7 +1,8 @@
 """``PrefixShard``: the placement of a token dim with prefix tokens (a ViT's class and
 register tokens) in front of the pixel tokens, held by the first rank of the mesh dim
-alone (``_tokens.py`` reads it into ``TokenLayout.prefix``; ``_token_prefix.py`` makes it
-and keeps it through the ops)."""
+alone; on every mesh dim that splits the tokens (``sp_h`` and ``sp_w`` on tiles: the rank
+first on both holds them). ``_tokens.py`` reads it into ``TokenLayout.prefix``;
+``_token_prefix.py`` makes it and keeps it through the ops."""
 
 from __future__ import annotations
 

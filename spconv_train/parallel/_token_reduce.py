@@ -15,6 +15,8 @@ or of nested tiles: "The expanded size of the tensor (15) must match the existin
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -31,16 +33,26 @@ from ._sharding import sharded_dim
 from ._tokens import _placement, is_tokens
 
 _T = torch.Tensor
-#: the ops, by ``(position of dim, its default, position of keepdim)`` among the positional
-#: arguments (the tensor first); ``keepdim`` ``None``: the shape is kept (dim 1 of
-#: ``F.normalize`` by default, as torch's)
-_ALL = None
+
+
+class _Spec(NamedTuple):
+    """Where an op takes its arguments: ``dim`` and ``keepdim`` by position (the tensor
+    first; ``keep_pos`` ``None``: the shape is kept), the dims reduced without ``dim``
+    (``None``: all), and whether the op without ``dim`` is another one (``x.max()`` over
+    all, ``torch.max(a, b)`` element-wise) or needs it (``softmax``)."""
+
+    dim_pos: int
+    keep_pos: int | None
+    default: int | None = None
+    needs_dim: bool = False
+
+
 _OPS = {
-    (1, _ALL, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp"),
-    (1, _ALL, 3): ("var", "std"),
-    (2, _ALL, 3): ("norm",),
-    (1, "required", None): ("softmax", "log_softmax"),
-    (1, _ALL, 2, "pair"): ("max", "min"),
+    _Spec(1, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp"),
+    _Spec(1, 3): ("var", "std"),
+    _Spec(2, 3): ("norm",),
+    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax"),
+    _Spec(1, 2, needs_dim=True): ("max", "min"),
 }
 
 
@@ -72,9 +84,8 @@ def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
     return out
 
 
-def _token_wise(fn, spec: tuple):
+def _token_wise(fn, spec: _Spec):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
-    dim_pos, default, keep_pos = spec[:3]
     prev = DEFAULT_REGISTRY.handler(fn)
     prev = prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
     what = function_name(fn)
@@ -83,13 +94,13 @@ def _token_wise(fn, spec: tuple):
         if not is_tokens(x) or kwargs.get("out") is not None:
             return prev(x, *args, **kwargs)
         full = (x, *args)
-        dim = _arg(full, kwargs, dim_pos, "dim", default)
+        dim = _arg(full, kwargs, spec.dim_pos, "dim", spec.default)
         if isinstance(dim, bool):  # x.var(unbiased): over every dim
             dim = None
         ints = isinstance(dim, int) or (
             isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim)
         )
-        if not ints and (dim is not None or len(spec) > 3):
+        if not ints and (dim is not None or spec.needs_dim):
             # x.max(): over all; torch.max(a, b): element-wise; softmax without dim
             return prev(x, *args, **kwargs)
         dims = _dims(dim, x.ndim)
@@ -99,12 +110,13 @@ def _token_wise(fn, spec: tuple):
                 raise SpatialShardingError(
                     f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
                     f"module '{module_path()}': a reduction over the tokens behind prefix "
-                    f"(class / register) tokens, which the first rank holds alone, is not "
+                    f"(class / register) tokens, which one rank holds alone, is not "
                     f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
                     f"channels (dim=-1)."
                 )
             return prev(x, *args, **kwargs)
-        keepdim = True if keep_pos is None else bool(_arg(full, kwargs, keep_pos, "keepdim", False))
+        keep = spec.keep_pos
+        keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
         placements = _out_placements(x, dims, keepdim)
         out = fn(x.to_local(), *args, **kwargs)
         shapes = fn(torch.empty(x.shape, device="meta", dtype=x.dtype), *args, **kwargs)
@@ -123,6 +135,6 @@ for _spec, _names in _OPS.items():
         for _fn in (getattr(torch, _name), getattr(_T, _name)):
             register_handler(_fn)(_token_wise(_fn, _spec))
 for _fn in (F.softmax, F.log_softmax):
-    register_handler(_fn)(_token_wise(_fn, (1, "required", None)))
-register_handler(F.normalize)(_token_wise(F.normalize, (2, 1, None)))
-register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, (2, _ALL, 3)))
+    register_handler(_fn)(_token_wise(_fn, _Spec(1, None, needs_dim=True)))
+register_handler(F.normalize)(_token_wise(F.normalize, _Spec(2, None, default=1)))
+register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, _Spec(2, 3)))

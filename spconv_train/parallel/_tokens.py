@@ -19,10 +19,10 @@ A reshape that would mix the tokens of different ranks is refused with
 ``SpatialShardingError`` naming the op and the module.
 
 Prefix tokens (a ViT's class and register tokens, concatenated in front of the pixel
-tokens: ``_token_prefix.py``) are held by the first rank of the spatial group alone:
-``PrefixShard``, a ``_StridedShard`` that also counts them, read into
-``TokenLayout.prefix``. Held once, everything computed on them (and their gradient) is
-counted once.
+tokens: ``_token_prefix.py``) are held by one rank alone, the first of every mesh dim
+splitting the tokens: ``PrefixShard``, a ``_StridedShard`` that also counts them, read into
+``TokenLayout.prefix`` (on tiles the pixel tokens behind them nest as without). Held once,
+everything computed on them (and their gradient) is counted once.
 """
 
 from __future__ import annotations
