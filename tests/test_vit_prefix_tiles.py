@@ -63,16 +63,13 @@ def _vit(reg: int = 0) -> nn.Module:
 
 
 def prefix_tile_failures(shape: tuple[int, ...]) -> list[str]:
-    """Every case on the mesh ``shape``: ``(2, 2)`` tiles, ``(1, 2, 1)`` rows (dp x sp_h x
-    sp_w); ``(2,)``: W strips (the channel ops) and H split over one mesh dim (the tokens in
-    even chunks)."""
+    """Every case on the mesh ``shape``: ``(2, 2)`` tiles, ``(2, 1)`` rows; ``(2,)``: W
+    strips (the channel ops) and H split over one mesh dim (the tokens in even chunks)."""
     if len(shape) == 1:
         dmesh = mesh(dist.get_world_size())
         failures = _channel_case("strips", dmesh, [Shard(3)])
         return failures + _case("H chunks cls", _vit(), 48, 80, dmesh, [Shard(2)])
-    # rows on the training mesh (dp x sp_h x sp_w, as `spconv-train run` builds it)
-    names = NAMES if len(shape) == 2 else ("dp", *NAMES)
-    dmesh, placements = mesh_and_placements(shape, names)
+    dmesh, placements = mesh_and_placements(shape, NAMES)
     where = f"mesh {shape}"
     failures = _channel_case(where, dmesh, placements)
     failures += _case(f"{where} cls", _vit(), 48, 80, dmesh, placements)
@@ -83,7 +80,7 @@ def prefix_tile_failures(shape: tuple[int, ...]) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world, shape", [(4, (2, 2)), (2, (1, 2, 1)), (2, (2,))])
+@pytest.mark.parametrize("world, shape", [(4, (2, 2)), (2, (2, 1)), (2, (2,))])
 def test_prefix_tokens_on_tiles_match_one_device(dist_pool, world, shape):
     if world == 4:
         pytest.importorskip("segmentation_models_pytorch")

@@ -242,7 +242,9 @@ def _cat_handler(fn):
 
     def handler(tensors, dim=0, **kwargs):
         tensors = list(tensors)
-        x = next((t for t in reversed(tensors) if is_tokens(t) or _chunked(t)), None)
+        x = next((t for t in reversed(tensors) if is_tokens(t)), None)
+        if x is None and _chunked(tensors[-1]) and kwargs.get("axis", dim) in (1, -2):
+            x = tensors[-1]  # prefix tokens in front of tokens in even chunks
         if x is None or any(k != "axis" for k in kwargs):
             return prev(tensors, dim, **kwargs)
         d = norm_dim(kwargs.get("axis", dim), x.ndim)
