@@ -207,8 +207,9 @@ def _cat_prefix(tensors: list, d: int) -> DTensor:
     x, front = tensors[-1], tensors[:-1]
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
     parts = [_prefix_part(t, x, d) for t in front]
-    if any(lay.rank != 0 for lay in lays):  # the owner holds the prefix; the others take
-        parts = [t.narrow(d - (x.ndim - t.ndim), 0, 0) for t in parts]  # part in the sums
+    if any(lay.rank != 0 for lay in lays):
+        # the owner holds the prefix; the others take part in the gradient sums with none
+        parts = [t.narrow(d - (x.ndim - t.ndim), 0, 0) for t in parts]
     prefix = lays[0].prefix + sum(t.shape[d - (x.ndim - t.ndim)] for t in front)
     placements = list(x.placements)
     for lay in lays:
