@@ -1,8 +1,9 @@
 """A ViT's prefix (class / register) tokens in front of pixel tokens split over H x W tiles
 and rows (issue 23), and token-wise reductions over the channels of prefixed tokens
-(``F.normalize``, ``x / x.norm(...)``, ``mean`` / ``var`` / ``amax`` / ``logsumexp`` over
-dim -1: ``_token_reduce.py``) on strips and tiles. fp64 output and every parameter gradient
-equal one device, with no activation gather."""
+(``F.normalize``, ``x / x.norm(...)``, ``mean`` / ``var`` / ``amax`` / ``logsumexp`` /
+``median`` / ``cumsum`` / ``F.rms_norm`` over dim -1: ``_token_reduce.py``) on strips and
+tiles. fp64 output and every parameter gradient equal one device, with no activation
+gather."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def _channel_ops(t: torch.Tensor) -> torch.Tensor:
     t = F.normalize(t, dim=-1) + t / t.norm(dim=-1, keepdim=True)
     t = t - t.mean(-1, keepdim=True) + t.var(-1, keepdim=True) * t.amax(-1, keepdim=True)
     t = t + t.logsumexp(-1, keepdim=True) + torch.max(t, -1).values.unsqueeze(-1)
+    t = F.rms_norm(t, (8,)) + t.cumsum(-1) * t.median(-1, keepdim=True).values
+    t = t * t.argmax(-1, keepdim=True)
     return torch.erf(t) * t.softmax(-1)  # element-wise math and a softmax keep the prefix
 
 

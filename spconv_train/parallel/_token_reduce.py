@@ -1,6 +1,7 @@
 """Token-wise reductions: ``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
-``logsumexp``, ``F.normalize``, ``softmax`` ... over dims that no rank splits (the channels)
-of pixel tokens (``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
+``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
+``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel tokens
+(``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
 
 Each rank holds whole tokens, so a reduction over the channels (``x.norm(dim=-1)``,
 ``F.normalize(x, dim=-1)``, ``x.mean(-1, keepdim=True)``) is the local one, exact; the
@@ -21,16 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from . import _reduce, _token_prefix  # noqa: F401  (their handlers are wrapped)
+from . import _reduce  # noqa: F401  (its handlers are wrapped)
 from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
-from ._errors import module_path, run_dtensor_op
+from ._errors import module_path
 from ._geometry import SpatialShardingError
+from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._prefix_shard import prefix_of
-from ._registry import DEFAULT_REGISTRY, function_name
+from ._registry import function_name
 from ._sharding import sharded_dim
-from ._tokens import _placement, is_tokens
+from ._token_prefix import _previous
+from ._tokens import _grad_groups, _placement, is_tokens, split_layouts
 
 _T = torch.Tensor
 
@@ -48,11 +51,12 @@ class _Spec(NamedTuple):
 
 
 _OPS = {
-    _Spec(1, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp"),
+    _Spec(1, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp")
+    + ("argmax", "argmin"),
     _Spec(1, 3): ("var", "std"),
     _Spec(2, 3): ("norm",),
-    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax"),
-    _Spec(1, 2, needs_dim=True): ("max", "min"),
+    _Spec(1, 2, needs_dim=True): ("max", "min", "median", "nanmedian"),
+    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax", "cumsum", "cumprod"),
 }
 
 
@@ -86,8 +90,7 @@ def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
 
 def _token_wise(fn, spec: _Spec):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
-    prev = DEFAULT_REGISTRY.handler(fn)
-    prev = prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
+    prev = _previous(fn)
     what = function_name(fn)
 
     def handler(x, *args, **kwargs):
@@ -109,8 +112,8 @@ def _token_wise(fn, spec: _Spec):
             if any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements):
                 raise SpatialShardingError(
                     f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
-                    f"module '{module_path()}': a reduction over the tokens behind prefix "
-                    f"(class / register) tokens, which one rank holds alone, is not "
+                    f"module '{module_path()}': a reduction or scan over the tokens behind "
+                    f"prefix (class / register) tokens, which one rank holds alone, is not "
                     f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
                     f"channels (dim=-1)."
                 )
@@ -138,3 +141,21 @@ for _fn in (F.softmax, F.log_softmax):
     register_handler(_fn)(_token_wise(_fn, _Spec(1, None, needs_dim=True)))
 register_handler(F.normalize)(_token_wise(F.normalize, _Spec(2, None, default=1)))
 register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, _Spec(2, 3)))
+
+
+def _rms_norm(prev):
+    def handler(input, normalized_shape, weight=None, eps=None):
+        """``F.rms_norm`` over trailing dims no rank splits (the channels): local, the
+        weight's gradient summed over the ranks (as ``_tokens.token_layer_norm``)."""
+        k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+        split = [lay for lay in split_layouts(input) if lay.dim >= input.ndim - k]
+        if not is_tokens(input) or split:
+            return prev(input, normalized_shape, weight, eps)
+        w = sum_grad_over(weight, _grad_groups(input))
+        out = F.rms_norm(input.to_local(), normalized_shape, w, eps)
+        return wrap(out, input, input.placements, input.shape)
+
+    return handler
+
+
+register_handler(F.rms_norm)(_rms_norm(_previous(F.rms_norm)))
