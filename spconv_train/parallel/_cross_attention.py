@@ -31,7 +31,7 @@ from ._halo import sum_grad_over
 from ._reduce import _global_extreme
 from ._small_sum import sum_replicated
 from ._token_ring import token_ring
-from ._tokens import TokenLayout, held_indices, is_dp, split_layouts
+from ._tokens import TokenLayout, _placement, held_indices, is_dp, split_layouts
 
 Seq = tuple[TokenLayout, ...]
 
@@ -281,3 +281,38 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     w, b = (sum_grad_over(kw[f"out_proj_{n}"], whole) for n in ("weight", "bias"))
     out = F.linear(out, w, b)
     return wrap(out, k, out_placements(k, kseq), (*q.shape[:-1], e)), None
+
+
+def whole_operand_einsum(equation: str, a, b) -> DTensor | None:
+    """``torch.einsum`` of two DTensors where one is whole on every mesh dim that splits
+    the other along an index kept in the output and absent from it (Mask2Former's mask
+    prediction ``"bqc,bchw->bqhw"``: whole queries times the sharded map): local, the
+    output split like that operand, the whole one's gradient a partial sum per rank.
+    ``None`` for any other product (both split alike, e.g. a ``dp`` batch, is local too)."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        return None
+    (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
+    if any(p.is_partial() for p in (*a.placements, *b.placements)):
+        return None
+    la, lb = ({m.mesh_dim: m for m in split_layouts(t)} for t in (a, b))
+    placements, partial = list(a.placements), [[], []]
+    for i in range(a.device_mesh.ndim):
+        x, y = la.get(i), lb.get(i)
+        lay, side, names = (x, 0, sa) if x is not None else (y, 1, sb)
+        if lay is None:
+            continue
+        ch = names[lay.dim]
+        if x is not None and y is not None:  # split alike on both (a batch index)
+            if sb.find(ch) != y.dim or (x.split_factor, x.inner) != (y.split_factor, y.inner):
+                return None
+        elif ch in (sb if side == 0 else sa):
+            return None  # contracted or shared with the whole operand: not local
+        if ch not in out:
+            return None
+        placements[i] = _placement(out.index(ch), lay.split_factor, lay.prefix)
+        if x is None or y is None:
+            partial[1 - side].append(lay)  # the whole operand meets this rank's part
+    ops = [_partial_local(t, tuple(p)) if p else t.to_local() for t, p in zip((a, b), partial)]
+    shape = torch.einsum(eq, *(torch.empty(t.shape, device="meta") for t in (a, b))).shape
+    return wrap(torch.einsum(eq, *ops), a, placements, shape)
