@@ -48,7 +48,11 @@ class DecoderLayer(nn.Module):
         mask = self.mask_head(f).sigmoid().flatten(2) < 0.5
         mask = mask.unsqueeze(1).repeat(1, HEADS, 1, 1).flatten(0, 1).detach()
         q = self.query.weight.unsqueeze(0).repeat(b, 1, 1)  # plain (B, Q, C)
-        attended = self.cross(q + self.query_pos, tokens, tokens, attn_mask=mask)[0]
+        pad = torch.zeros(b, tokens.shape[1], dtype=torch.bool)  # plain, whole: padding
+        pad[:, -3:] = True
+        attended = self.cross(
+            q + self.query_pos, tokens, tokens, attn_mask=mask, key_padding_mask=pad
+        )[0]
         q = self.norms[0](q + attended)
         q = self.norms[1](q + self.self_attn(q, q, q)[0])
         q = self.norms[2](q + self.mlp(q))
@@ -59,7 +63,7 @@ class SdpaQueries(nn.Module):
     """``F.scaled_dot_product_attention`` of whole queries to pixel keys: replicated
     queries (pooled features plus a parameter) with a bool mask split like the keys, and
     plain queries with a whole float mask that is a parameter. Query 0 sees no key at all,
-    query 1 only the right half of the map (no key of the ranks holding the left)."""
+    query 1 only the last two columns (no key of the ranks holding the others)."""
 
     def __init__(self, h: int, w: int, c: int = 8) -> None:
         super().__init__()
@@ -70,7 +74,7 @@ class SdpaQueries(nn.Module):
         self.bias = nn.Parameter(seeded(5, HEADS, QUERIES, h * w, dtype=torch.float64))
         self.mask_head = nn.Conv2d(c, QUERIES, 1)
         shift = torch.zeros(1, QUERIES, 1, w, dtype=torch.float64)
-        shift[0, 0], shift[0, 1, :, : w // 2] = -1e9, -1e9
+        shift[0, 0], shift[0, 1, :, : w - 2] = -1e9, -1e9
         self.register_buffer("shift", shift)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +104,12 @@ def _failures(tiles: bool) -> list[str]:
         torch.manual_seed(0)  # the same weights on every rank
         model = build().double()
         out += check_model_audited(
-            model, x, gy, dmesh, placements, gather_numel=QUERY_SIZED + 1,
+            model,
+            x,
+            gy,
+            dmesh,
+            placements,
+            gather_numel=QUERY_SIZED + 1,
             grad_floor=1e-14,  # the mask head gets no gradient: its mask is detached
             label=f"{name}: ",
         )

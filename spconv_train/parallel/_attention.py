@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
-from ._cross_attention import cross_mha, cross_sdpa, split_keys
+from ._cross_attention import cross_sdpa, split_keys
+from ._cross_mha import cross_mha
 from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
