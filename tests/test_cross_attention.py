@@ -9,13 +9,16 @@ reductions are query-sized."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
+from spconv_train.parallel import SpatialShardingError, parallelize
 from tests.dist_harness import mesh
 from tests.op_check import check_model_audited
 from tests.reference import seeded
@@ -91,6 +94,47 @@ class SdpaQueries(nn.Module):
         return torch.einsum("bqc,bchw->bqhw", o.transpose(1, 2).reshape(b, QUERIES, c), f)
 
 
+class MaskedOut(nn.Module):
+    """``nn.MultiheadAttention`` where query 0 of sample 0 sees no key at all (``kind``:
+    ``"weights"`` / ``"no_weights"``: ``need_weights``), or SDPA with ``is_causal``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.mha = kind, nn.MultiheadAttention(4, HEADS, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.flatten(2).transpose(1, 2)  # (B, L, 4)
+        q = t.new_ones(x.shape[0], QUERIES, 4)
+        if self.kind == "causal":
+            return F.scaled_dot_product_attention(q, t, t, is_causal=True)
+        mask = torch.zeros(x.shape[0] * HEADS, QUERIES, t.shape[1], dtype=torch.bool)
+        mask[:HEADS, 0] = True
+        return self.mha(q, t, t, attn_mask=mask, need_weights=self.kind == "weights")[0]
+
+
+def _edge_failures(dmesh, placements) -> list[str]:
+    """A query that sees no key gives torch's own (NaN with ``need_weights``, else zeros);
+    ``is_causal`` is refused naming the op and the module."""
+    out = []
+    x = seeded(6, 2, 4, 3, 7, dtype=torch.float64)
+    for kind in ("weights", "no_weights"):
+        torch.manual_seed(0)
+        model = MaskedOut(kind).double()
+        want = model(x)
+        got = parallelize(copy.deepcopy(model), dmesh)(distribute_tensor(x, dmesh, placements))
+        if not torch.allclose(got.full_tensor(), want, rtol=1e-12, atol=0, equal_nan=True):
+            out.append(f"{kind}: {got.full_tensor()[0, 0]} != {want[0, 0]}")
+    model = nn.Sequential()
+    model.add_module("blk", MaskedOut("causal"))
+    try:
+        parallelize(model, dmesh)(distribute_tensor(x, dmesh, placements))
+        out.append("is_causal not refused")
+    except SpatialShardingError as exc:
+        if "module 'blk" not in str(exc) or "is_causal" not in str(exc):
+            out.append(f"is_causal refusal: {exc}")
+    return out
+
+
 def _failures(tiles: bool) -> list[str]:
     world = dist.get_world_size()
     if tiles:
@@ -113,7 +157,7 @@ def _failures(tiles: bool) -> list[str]:
             grad_floor=1e-14,  # the mask head gets no gradient: its mask is detached
             label=f"{name}: ",
         )
-    return out
+    return out + (_edge_failures(dmesh, placements) if world == 2 else [])
 
 
 @pytest.mark.parametrize("world,tiles", [(2, False), (3, False), (4, True)])
