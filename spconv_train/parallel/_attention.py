@@ -167,7 +167,7 @@ def spatial_multi_head_attention(*args, **kwargs):
     kw = bound.arguments
     q, k, v = kw["query"], kw["key"], kw["value"]
     kseq = split_keys(q, k, 0)
-    if kseq is not None:  # whole queries (keys split, or whole too): _cross_attention.py
+    if kseq is not None:  # whole queries (keys split, or whole too): _cross_mha.py
         return cross_mha(kw, kseq)
     if not isinstance(q, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")

@@ -145,8 +145,8 @@ def _permuted(x, src: str, dst: str):
 @register_handler(torch.einsum)
 def token_einsum(equation, *operands):
     """``torch.einsum`` of two operands that is a batched matmul of the attention forms on
-    token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); DTensor's own
-    otherwise."""
+    token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); a whole operand times a
+    split one, locally (``whole_operand_einsum``); DTensor's own otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
     form = _as_matmul(equation) if len(ops) == 2 else None
     # tokens of a one-row map are a plain Shard (no _StridedShard): the plan decides
