@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
+from ._cross_attention import cross_sdpa, split_keys
+from ._cross_mha import cross_mha
 from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
@@ -108,6 +110,8 @@ def spatial_sdpa(
     """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
     ranks: the ring, or local attention to whole keys / values."""
     what = "F.scaled_dot_product_attention"
+    if split_keys(query, key, -2):  # whole queries, keys split: _cross_attention.py
+        return cross_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not isinstance(query, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")
     for bad, why in (
@@ -162,6 +166,9 @@ def spatial_multi_head_attention(*args, **kwargs):
     bound.apply_defaults()
     kw = bound.arguments
     q, k, v = kw["query"], kw["key"], kw["value"]
+    kseq = split_keys(q, k, 0)
+    if kseq is not None:  # whole queries (keys split, or whole too): _cross_mha.py
+        return cross_mha(kw, kseq)
     if not isinstance(q, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")
     why = _unsupported_mha(kw)
