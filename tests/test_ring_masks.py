@@ -8,7 +8,8 @@ on 2 x 2 tiles (the ring over the tile group).
 * a model: ``F.scaled_dot_product_attention`` with a boolean mask, a learned bias over all
   token pairs (a parameter), a bias computed from the tokens (a DTensor split like the
   queries) and ``is_causal``; ``nn.MultiheadAttention`` with a boolean ``attn_mask`` and a
-  ``key_padding_mask``, and with a learned ``(N * heads, L, L)`` float mask.
+  ``key_padding_mask`` computed from the map (split like the keys: it travels with them),
+  and with a learned ``(N * heads, L, L)`` float mask and a whole ``key_padding_mask``.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ def op_errors() -> dict[str, float]:
 class MaskedAttention(nn.Module):
     """conv stem -> tokens -> SDPA with a boolean mask, a learned bias, a bias from the
     tokens (split like the queries) and causal -> nn.MultiheadAttention with a boolean
-    attn_mask and key_padding_mask, and with a learned float (N * heads, L, L) mask ->
+    attn_mask and a key_padding_mask computed from the map (a DTensor split like the
+    keys), and with a learned float (N * heads, L, L) mask and a whole float
+    key_padding_mask ->
     conv head, each with a residual."""
 
     def __init__(self, n: int, h: int, w: int, c: int = 4, heads: int = 2):
@@ -100,7 +103,8 @@ class MaskedAttention(nn.Module):
         self.mha_bias = nn.Parameter(seeded(9, n * heads, length, length) * 0.5)
         self.mha = nn.MultiheadAttention(c, heads, batch_first=True)
         self.keep = _keep(length, 11)
-        self.pad = torch.rand(n, length, generator=torch.Generator().manual_seed(12)) < 0.3
+        pad = torch.rand(n, length, generator=torch.Generator().manual_seed(12)) < 0.3
+        self.pad = torch.zeros(n, length).masked_fill(pad, float("-inf")).double()
 
     def forward(self, x):
         f = self.stem(x)
@@ -115,8 +119,9 @@ class MaskedAttention(nn.Module):
         o = o + F.scaled_dot_product_attention(q, k, v, is_causal=True)
         t = t + o.transpose(1, 2).reshape(b, h * w, c)
         kw = {"need_weights": False}  # (with weights torch gives NaN rows masked everywhere)
-        t = t + self.mha(t, t, t, attn_mask=~self.keep, key_padding_mask=self.pad, **kw)[0]
-        t = t + self.mha(t, t, t, attn_mask=self.mha_bias, **kw)[0]
+        pad = (x[:, 0] > 0.8).flatten(1)  # (N, L) from the map: split like the keys
+        t = t + self.mha(t, t, t, attn_mask=~self.keep, key_padding_mask=pad, **kw)[0]
+        t = t + self.mha(t, t, t, attn_mask=self.mha_bias, key_padding_mask=self.pad, **kw)[0]
         return self.head(t.transpose(1, 2).reshape(b, c, h, w))
 
 

@@ -104,19 +104,25 @@ def _attend(
     scale: float | None,
     bias: Tensor | None = None,
     causal: Seq = (),
+    kbias: Tensor | None = None,
 ) -> Tensor:
     """Attention of local queries ``(..., L_r, E)`` to all keys (ring or local); ``bias``:
     the rank's rows of an additive mask; ``causal``: the queries' sequence layouts when
-    ``is_causal`` (a key after the query by global token index is masked)."""
+    ``is_causal`` (a key after the query by global token index is masked); ``kbias``: an
+    additive mask of the rank's keys (ring only), which travels with them."""
     rows = held_indices(causal).to(ql.device) if causal else None
-    masked = bias is not None or rows is not None
+    masked = bias is not None or rows is not None or kbias is not None
     if mode == "local":  # every key here, in global order
         keys = (torch.arange(kl.shape[-2], device=ql.device),)
-        mask = RingMask(keys, rows, ql.dtype).block(bias, (0, 0, kl.shape[-2])) if masked else None
+        travelling = () if kbias is None else (kbias,)
+        span = (0, 0, kl.shape[-2])
+        mask = RingMask(keys, rows, ql.dtype).block(bias, span, travelling) if masked else None
         return F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask, scale=scale)
     ring = token_ring(q.device_mesh, kseq)
     mask = RingMask(ring.columns(ql.device), rows, ql.dtype) if masked else None
-    return ring_attention(ql, kl, vl, ring.group, ring.sizes(), scale, bias=bias, mask=mask)
+    return ring_attention(
+        ql, kl, vl, ring.group, ring.sizes(), scale, bias=bias, mask=mask, kbias=kbias
+    )
 
 
 @register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
@@ -216,8 +222,8 @@ def spatial_multi_head_attention(*args, **kwargs):
 
     qh, kh, vh = (project(x, w, b) for x, w, b in zip(local, ws, bs, strict=True))
     # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
-    bias = mha_bias(kw["attn_mask"], kw["key_padding_mask"], q, heads, what)
-    out = _attend(qh, kh, vh, mode, kseq, q, 1.0 / math.sqrt(e // heads), bias)
+    bias, kbias = mha_bias(kw["attn_mask"], kw["key_padding_mask"], q, k, heads, what)
+    out = _attend(qh, kh, vh, mode, kseq, q, 1.0 / math.sqrt(e // heads), bias, (), kbias)
     out = out.permute(2, 0, 1, 3).reshape(local[0].shape[0], local[0].shape[1], e)
     out = F.linear(
         out,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._halo import PendingExchange, post_p2p
-from ._ring_mask import RingMask, finite
+from ._ring_mask import RingMask, finite, key_grads
 from ._runtime import current_runtime
 
 #: Pieces per block (``m``) when not given: the pieces a rank holds besides its own tensors
@@ -252,57 +252,62 @@ class RingAttention(torch.autograd.Function):
     the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group;
     ``pieces``: ``m``, the pieces each key / value block travels in; ``bias``: this rank's
     rows of an additive mask (or None), which ``mask`` places on the pieces (the causal
-    mask too). Memory: besides its
+    mask too); ``kbias``: an additive mask of this rank's keys ``(..., L_r, 1)`` (a key
+    padding mask split like the keys, or None), which travels with them. Memory: besides its
     own tensors a rank holds the piece it works on, the one in flight, one output (forward)
     or query gradient (backward) of the kernel and, in the backward, a piece's gradients and
     its received accumulator; the online-softmax updates run in place."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale: float, group, sizes, pieces: int, mask: RingMask):
+    def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ring = Ring(group, sizes, pieces, (k, v))
+        blocks = (k, v) if kbias is None else (k, v, kbias.contiguous())
+        ring = Ring(group, sizes, pieces, blocks)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
 
         def work(item: Item, kv: Blocks) -> None:
             nonlocal lse
             if q.shape[-2] and kv[0].shape[-2]:
-                block = mask.block(bias, ring.span(item)) if mask else None
-                o_b, lse_b = block_forward(q, *kv, scale, block)
+                block = mask.block(bias, ring.span(item), kv[2:]) if mask else None
+                o_b, lse_b = block_forward(q, kv[0], kv[1], scale, block)
                 new = torch.logaddexp(lse, lse_b)
                 base = finite(new)  # rows no key reached yet stay 0 (not NaN)
                 out.mul_(torch.exp(lse - base).unsqueeze(-1))
                 out.add_(o_b.mul_(torch.exp(lse_b - base).unsqueeze(-1)))
                 lse = new
 
-        ring.forward((k, v), work)
-        ctx.save_for_backward(q, k, v, out, finite(lse), bias)
+        ring.forward(blocks, work)
+        ctx.save_for_backward(q, *blocks, out, finite(lse), bias)
         ctx.ring, ctx.scale, ctx.mask = ring, scale, mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, bias = ctx.saved_tensors
+        q, *blocks, out, lse, bias = ctx.saved_tensors
         ring, scale, mask = ctx.ring, ctx.scale, ctx.mask
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         dbias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
+        need_ds = dbias is not None or ctx.needs_input_grad[4]
 
         def grads_of(item: Item, kv: Blocks) -> Blocks:
             if not (q.shape[-2] and kv[0].shape[-2]):
                 return tuple(t.zero_() for t in ring.empty(item))
             span = ring.span(item)
-            block = mask.block(bias, span) if mask else None
+            block = mask.block(bias, span, kv[2:]) if mask else None
             dq_b, dk_b, dv_b, ds = block_backward(
-                dout, q, *kv, out, lse, scale, block, dbias is not None
+                dout, q, kv[0], kv[1], out, lse, scale, block, need_ds
             )
             dq.add_(dq_b)
             if dbias is not None:
                 mask.add_grad(dbias, span, ds)
-            return dk_b, dv_b
+            # the travelling key mask's gradient (zeros when it needs none) follows it home
+            return dk_b, dv_b, *key_grads(kv[2:], ds)
 
-        dk, dv = ring.backward((k, v), grads_of)
-        return dq, dk, dv, dbias, None, None, None, None, None
+        dk, dv, *dkb = ring.backward(tuple(blocks), grads_of)
+        dkb = dkb[0] if dkb and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, dbias, dkb, None, None, None, None, None
 
 
 def ring_attention(
@@ -315,20 +320,23 @@ def ring_attention(
     pieces: int | None = None,
     bias: Tensor | None = None,
     mask: RingMask | None = None,
+    kbias: Tensor | None = None,
 ) -> Tensor:
     """Exact ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` over the tokens of
     every rank of ``group`` (``sizes``: how many each holds), differentiable. ``q``, ``k``,
     ``v`` hold this rank's tokens in the same order; the result is this rank's queries'.
     ``pieces``: how many pieces each key / value block travels in (``m``, the same on
     every rank; by default ``auto_pieces(sizes)``). ``mask``: where a mask meets the keys
-    (``_ring_mask.RingMask``), with ``bias`` this rank's rows of an additive mask."""
+    (``_ring_mask.RingMask``), with ``bias`` this rank's rows of an additive mask and
+    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:
-        block = mask.block(bias, (0, 0, sizes[0])) if mask else None
+        kb = () if kbias is None else (kbias,)
+        block = mask.block(bias, (0, 0, sizes[0]), kb) if mask else None
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=block, scale=scale
         )
     pieces = auto_pieces(tuple(sizes)) if pieces is None else int(pieces)
     if pieces < 1:
         raise ValueError(f"ring_attention: pieces={pieces}; give a count >= 1 or None (automatic)")
-    return RingAttention.apply(q, k, v, bias, scale, group, tuple(sizes), pieces, mask)
+    return RingAttention.apply(q, k, v, bias, kbias, scale, group, tuple(sizes), pieces, mask)

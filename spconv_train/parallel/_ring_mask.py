@@ -20,6 +20,7 @@ embedding's: a parameter's goes through the bucketed gradient reduction).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -77,18 +78,21 @@ class RingMask:
         owner, lo, hi = span
         return self.cols[owner][lo:hi]
 
-    def block(self, bias: Tensor | None, span: tuple[int, int, int]) -> Tensor | None:
+    def block(
+        self, bias: Tensor | None, span: tuple[int, int, int], travelling: tuple = ()
+    ) -> Tensor | None:
         """The additive mask of the keys ``span`` (``(owner, lo, hi)``: tokens ``lo:hi`` of
-        the owner's block) for this rank's queries; None when nothing masks."""
+        the owner's block) for this rank's queries; ``travelling``: the piece's own key
+        mask ``(..., tokens, 1)`` when one travels with the keys. None when nothing masks."""
         keys = self._keys(span)
-        out = None
+        out = travelling[0].transpose(-2, -1) if travelling else None
         if bias is not None:
-            out = bias if bias.shape[-1] == 1 else bias.index_select(-1, keys)
+            out = _plus(out, bias if bias.shape[-1] == 1 else bias.index_select(-1, keys))
         if self.rows is not None:
             late = self.rows.unsqueeze(-1) < keys  # a key after the query
             causal = torch.zeros(late.shape, dtype=self.dtype, device=keys.device)
             causal.masked_fill_(late, -math.inf)
-            out = causal if out is None else out + causal
+            out = _plus(out, causal)
         return out
 
     def add_grad(self, dbias: Tensor, span: tuple[int, int, int], ds: Tensor) -> None:
@@ -99,6 +103,21 @@ class RingMask:
             return
         ds = ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1])
         dbias.index_add_(-1, self._keys(span), ds)
+
+
+def key_grads(travelling: tuple, ds: Tensor | None) -> tuple[Tensor, ...]:
+    """The gradient of the travelling key mask of a piece (``()`` without one; zeros
+    when ``ds`` was not formed: the mask needs none)."""
+    if not travelling:
+        return ()
+    kb = travelling[0]
+    if ds is None:
+        return (torch.zeros_like(kb),)
+    return (ds.sum_to_size(*kb.shape[:-2], 1, ds.shape[-1]).transpose(-2, -1),)
+
+
+def _plus(a: Tensor | None, b: Tensor) -> Tensor:
+    return b if a is None else a + b
 
 
 def _picks(q: DTensor, mask_dims: dict[int, int]) -> dict[int, tuple[TokenLayout, ...]]:
@@ -130,19 +149,42 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
     return additive(rows, q.dtype, masked=False)
 
 
-def mha_bias(attn_mask, key_padding_mask, q: DTensor, heads: int, what: str) -> Tensor | None:
-    """This rank's rows of ``nn.MultiheadAttention``'s masks, both whole (``attn_mask``
-    ``(L, S)`` or ``(N * heads, L, S)``, ``key_padding_mask`` ``(N, S)``; boolean: True is
-    masked out), as one additive bias broadcastable to ``(N_r, heads, L_r, S)``; ``q`` the
-    sequence-first queries ``(L, N, E)``."""
+def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
+    """This rank's keys' entries ``(N_r, 1, S_r, 1)`` of a ``key_padding_mask`` ``(N, S)``
+    split like the sequence-first keys ``k`` ``(S, N, E)``: it travels with them."""
+    swap = {0: 1, 1: 0}  # (N, S) against (S, N, E)
+    lays = {dataclasses.replace(x, dim=swap[x.dim]) for x in split_layouts(mask)}
+    if mask.ndim != 2 or lays != set(split_layouts(k)):
+        raise SpatialShardingError(
+            f"{what} in module '{module_path()}': a key_padding_mask {tuple(mask.shape)} "
+            f"split as {mask.placements} unlike the keys {tuple(k.shape)} {k.placements} is "
+            "not supported; pass it whole (a plain tensor) or split like the keys."
+        )
+    local = additive(mask.to_local(), k.dtype, True)
+    return local.view(local.shape[0], 1, local.shape[1], 1)
+
+
+def mha_bias(
+    attn_mask, key_padding_mask, q: DTensor, k: DTensor, heads: int, what: str
+) -> tuple[Tensor | None, Tensor | None]:
+    """``nn.MultiheadAttention``'s masks (boolean: True is masked out) on the ring:
+    ``(bias, key bias)``. ``bias``: this rank's rows of the whole ones (``attn_mask``
+    ``(L, S)`` or ``(N * heads, L, S)``, ``key_padding_mask`` ``(N, S)``), one additive
+    bias broadcastable to ``(N_r, heads, L_r, S)``; ``key bias``: a ``key_padding_mask``
+    split like the keys, this rank's keys' entries (``_key_mask``). ``q``, ``k``: the
+    sequence-first queries ``(L, N, E)`` and keys."""
     bias = None
     n, groups = q.shape[1], _grad_groups(q)
+    if isinstance(key_padding_mask, DTensor):
+        kbias, key_padding_mask = _key_mask(key_padding_mask, k, what), None
+    else:
+        kbias = None
     for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
         if mask is None:
             continue
         if isinstance(mask, DTensor):
             raise SpatialShardingError(
-                f"{what} in module '{module_path()}': a {name} that is a DTensor "
+                f"{what} in module '{module_path()}': an {name} that is a DTensor "
                 f"({mask.placements}) is not supported; pass it whole (a plain tensor)."
             )
         mask = sum_grad_over(mask, groups)  # before the view: a parameter's own gradient
@@ -152,5 +194,5 @@ def mha_bias(attn_mask, key_padding_mask, q: DTensor, heads: int, what: str) -> 
             mask = mask.view(n, heads, *mask.shape[-2:])
         picks = _picks(q, {0: -2, 1: -4})  # (L, N, E) against (N, heads, L, S)
         part = additive(select_rows(mask, picks, ()), q.dtype, True)
-        bias = part if bias is None else bias + part
-    return bias
+        bias = _plus(bias, part)
+    return bias, kbias
