@@ -6,9 +6,10 @@ A mask given whole (``(L, S)``, or broadcastable to ``(N, heads, L, S)`` as
 on a data-parallel split of the batch) once, before the ring (``select_rows``): the global
 token indices the rank holds (``held_indices``) pick them, and nothing beyond those rows is
 formed. A mask that is a DTensor split like the queries along dim -2 holds those rows
-already. The rows are an additive bias in the queries' dtype (a boolean mask: 0 where
-attended, ``-inf`` elsewhere); at each ring step ``RingMask.block`` picks the columns of
-the piece worked on by the global indices of its keys (its owner's held tokens), and
+already. At each ring step ``RingMask.block`` picks the columns of the piece worked on by
+the global indices of its keys (its owner's held tokens) and makes them an additive bias in
+the queries' dtype (a boolean mask stays boolean until then: 0 where attended, ``-inf``
+elsewhere); a ``key_padding_mask`` split like the keys travels with them, and
 ``is_causal`` is formed per piece from the two index sets (query index >= key index).
 
 A bias that requires grad gets its gradient exactly: the score gradient of every block
@@ -67,8 +68,8 @@ class RingMask:
     """Where the mask meets the ring's pieces: ``cols``, the global key indices every ring
     member holds in its local order; ``rows``, for causal attention, the global indices of
     this rank's queries (None: not causal); ``dtype``: the queries'. The bias itself (this
-    rank's rows, additive, its last dim all ``S`` keys or 1) is passed apart, as an
-    autograd input."""
+    rank's rows, additive or boolean as SDPA reads it, its last dim all ``S`` keys or 1)
+    is passed apart, as an autograd input."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
@@ -87,7 +88,8 @@ class RingMask:
         keys = self._keys(span)
         out = travelling[0].transpose(-2, -1) if travelling else None
         if bias is not None:
-            out = _plus(out, bias if bias.shape[-1] == 1 else bias.index_select(-1, keys))
+            cols = bias if bias.shape[-1] == 1 else bias.index_select(-1, keys)
+            out = _plus(out, additive(cols, self.dtype, masked=False))
         if self.rows is not None:
             late = self.rows.unsqueeze(-1) < keys  # a key after the query
             causal = torch.zeros(late.shape, dtype=self.dtype, device=keys.device)
@@ -129,7 +131,8 @@ def _picks(q: DTensor, mask_dims: dict[int, int]) -> dict[int, tuple[TokenLayout
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
     """This rank's rows of ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a
-    DTensor split like the queries ``q`` along dim -2), as an additive bias."""
+    DTensor split like the queries ``q`` along dim -2): boolean as given (a byte per entry),
+    a float mask as an additive bias in the queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -146,7 +149,7 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
         # the mask broadcasts against the scores (..., L, S) like q against (..., L, E)
         picks = _picks(q, {d: d - q.ndim for d in range(q.ndim)})
         rows = select_rows(mask, picks, _grad_groups(q))
-    return additive(rows, q.dtype, masked=False)
+    return rows if rows.dtype == torch.bool else rows.to(q.dtype)
 
 
 def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
