@@ -7,9 +7,12 @@ on 2 x 2 tiles (the ring over the tile group).
   bias that requires grad, causal;
 * a model: ``F.scaled_dot_product_attention`` with a boolean mask, a learned bias over all
   token pairs (a parameter), a bias computed from the tokens (a DTensor split like the
-  queries) and ``is_causal``; ``nn.MultiheadAttention`` with a boolean ``attn_mask`` and a
-  ``key_padding_mask`` computed from the map (split like the keys: it travels with them),
-  and with a learned ``(N * heads, L, L)`` float mask and a whole ``key_padding_mask``.
+  queries) and ``is_causal``, to the keys of a strided conv (their own layout: SDPA's
+  top-left causal alignment) with a boolean mask and ``is_causal``, to a pooled token
+  (whole keys, no ring) with a learned bias; ``nn.MultiheadAttention`` with a boolean
+  ``attn_mask`` and a ``key_padding_mask`` computed from the map (split like the keys: it
+  travels with them), and with a learned ``(N * heads, L, L)`` float mask and a whole
+  ``key_padding_mask``.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ def op_errors() -> dict[str, float]:
 
 class MaskedAttention(nn.Module):
     """conv stem -> tokens -> SDPA with a boolean mask, a learned bias, a bias from the
-    tokens (split like the queries) and causal -> nn.MultiheadAttention with a boolean
+    tokens (split like the queries) and causal; to strided-conv keys with a boolean mask
+    and causal; to a pooled token with a learned (L, 1) bias -> nn.MultiheadAttention with a boolean
     attn_mask and a key_padding_mask computed from the map (a DTensor split like the
     keys), and with a learned float (N * heads, L, L) mask and a whole float
     key_padding_mask ->
@@ -98,11 +102,15 @@ class MaskedAttention(nn.Module):
         super().__init__()
         length, self.heads = h * w, heads
         self.stem, self.head = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, 2, 1)
-        self.qkv = nn.Linear(c, 3 * c)
+        self.qkv, self.sr = nn.Linear(c, 3 * c), nn.Conv2d(c, c, 2, 2)
         self.bias = nn.Parameter(seeded(8, heads, length, length) * 0.5)
         self.mha_bias = nn.Parameter(seeded(9, n * heads, length, length) * 0.5)
         self.mha = nn.MultiheadAttention(c, heads, batch_first=True)
         self.keep = _keep(length, 11)
+        reduced = (h // 2) * (w // 2)  # the strided conv's keys: a token layout of their own
+        self.keep_sr = torch.rand(length, reduced, generator=torch.Generator().manual_seed(13))
+        self.keep_sr = self.keep_sr > 0.3
+        self.pool_bias = nn.Parameter(seeded(10, length, 1) * 0.5)
         pad = torch.rand(n, length, generator=torch.Generator().manual_seed(12)) < 0.3
         self.pad = torch.zeros(n, length).masked_fill(pad, float("-inf")).double()
 
@@ -117,6 +125,13 @@ class MaskedAttention(nn.Module):
         scores = (q @ k.transpose(-2, -1)) * 0.3  # split like the queries
         o = o + F.scaled_dot_product_attention(q, k, v, attn_mask=scores)
         o = o + F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        heads = (b, -1, self.heads, c // self.heads)
+        kv = self.sr(f).flatten(2).transpose(1, 2).reshape(heads).transpose(1, 2)
+        o = o + F.scaled_dot_product_attention(q, kv, kv, attn_mask=self.keep_sr)
+        o = o + F.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+        g = F.adaptive_avg_pool2d(f, 1).flatten(2).transpose(1, 2)  # whole keys: no ring
+        g = g.reshape(heads).transpose(1, 2)
+        o = o + F.scaled_dot_product_attention(q, g, g, attn_mask=self.pool_bias)
         t = t + o.transpose(1, 2).reshape(b, h * w, c)
         kw = {"need_weights": False}  # (with weights torch gives NaN rows masked everywhere)
         pad = (x[:, 0] > 0.8).flatten(1)  # (N, L) from the map: split like the keys
