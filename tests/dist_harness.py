@@ -149,11 +149,20 @@ class _Group:
         time.sleep(2)
 
     def close(self, force: bool = False) -> None:
+        """Ask the workers to leave and wait up to 10 s (``force``: kill them now)."""
         if not force:
-            for q in self.tasks:
-                q.put(None)
+            self.ask_to_leave()
+        self.reap(time.monotonic() + (0 if force else 10))
+
+    def ask_to_leave(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the workers until ``deadline`` (``time.monotonic()``), then kill the
+        ones still there."""
         for p in self.procs:
-            p.join(timeout=0 if force else 10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
 
@@ -182,6 +191,11 @@ class DistPool:
             raise
 
     def close(self) -> None:
+        # every group leaves at once: their gloo shutdowns overlap (one after the other,
+        # they added ~20 s to the end of the test run)
         for g in self.groups.values():
-            g.close()
+            g.ask_to_leave()
+        deadline = time.monotonic() + 5
+        for g in self.groups.values():
+            g.reap(deadline)
         self.groups.clear()

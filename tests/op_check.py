@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from spconv_train.parallel import CommAudit, parallelize
 from spconv_train.parallel.extend import SpatialMode
@@ -147,3 +147,17 @@ def check_model_audited(
     if traffic and audit.summary().get("p2p", {}).get("count", 0) == 0:
         failures.append(f"{label}no point-to-point ({traffic}) traffic recorded")
     return failures
+
+
+def check_strip_model(model, x: torch.Tensor, gy, dmesh, world: int, **check) -> list[str]:
+    """``check_model_audited`` on W strips with the defaults of the library-model tests:
+    no collective over an eighth of a rank's strip, mathematically zero gradients (a bias
+    before a norm) compared against 1e-4 of the largest (``grad_floor``), the same seed
+    before each forward (stochastic depth, drop-connect); ``check`` overrides them."""
+    opts = {
+        "gather_numel": x[..., : x.shape[-1] // world].numel() // 8,
+        "grad_floor": 1e-4,
+        "seed": 7,
+        **check,
+    }
+    return check_model_audited(model, x, gy, dmesh, [Shard(3)], **opts)

@@ -138,16 +138,17 @@ class Refused(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
         self.kind = kind
-        self.mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.mha = nn.MultiheadAttention(4, 2, batch_first=True, add_zero_attn=True)
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x):
         t = x.flatten(2).transpose(1, 2)
         b, n, c = t.shape
-        if self.kind == "sdpa_mask":
+        if self.kind == "sdpa_mask":  # torch refuses a mask with is_causal too
             q = t.reshape(b, n, 2, 2).transpose(1, 2)
-            return F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(n, n) > 0)
-        if self.kind == "padding_mask":
+            mask = torch.ones(n, n) > 0
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=True)
+        if self.kind == "zero_attn":
             return self.mha(t, t, t, key_padding_mask=torch.zeros(b, n, dtype=torch.bool))
         if self.kind == "mix_tokens":
             return self.proj(t).reshape(b, -1)
@@ -158,7 +159,7 @@ def refusal_messages() -> dict[str, str]:
     dmesh = mesh(dist.get_world_size())
     x = distribute_tensor(seeded(1, 2, 4, 3, 5), dmesh, [Shard(3)])
     out = {}
-    for kind in ("sdpa_mask", "padding_mask", "mix_tokens", "einsum"):
+    for kind in ("sdpa_mask", "zero_attn", "mix_tokens", "einsum"):
         model = nn.Sequential()
         model.add_module("blk", Refused(kind))
         try:
@@ -172,8 +173,8 @@ def refusal_messages() -> dict[str, str]:
 def test_unsupported_attention_refused_with_module_path(dist_pool):
     for msgs in dist_pool.run(2, refusal_messages):
         expect = {
-            "sdpa_mask": ("F.scaled_dot_product_attention", "attention mask"),
-            "padding_mask": ("nn.MultiheadAttention", "key_padding_mask"),
+            "sdpa_mask": ("F.scaled_dot_product_attention", "attention mask with is_causal"),
+            "zero_attn": ("nn.MultiheadAttention", "add_zero_attn"),
             "mix_tokens": ("reshape", "mix the tokens"),
             "einsum": ("einsum", "not supported"),
         }

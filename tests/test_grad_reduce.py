@@ -1,7 +1,8 @@
 """Bucketed asynchronous gradient reduction (issue 11 item 3): exact gradients vs one device
-at 1, 2 and (dp, sp) = 2x2 ranks with a shared weight, an unused parameter, a parameter
-that gets no gradient in one step and gradient accumulation; fewer all-reduces than
-parameters; batch norm's affine gradients reduced once."""
+at 1, 2 and (dp, sp) = 2x2 ranks with a shared weight, a weight also used whole outside a
+sharded op, an unused parameter, a parameter that gets no gradient in one step and
+gradient accumulation; fewer all-reduces than parameters; batch norm's affine gradients
+reduced once."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from tests.reference import check_close, seeded
 
 class _Net(nn.Module):
     """A conv used twice (shared weight), batch norm, group norm, an unused parameter, a
-    head that only some steps use and a branch computed but off the way to the loss (its
-    gradient stays None on one device, so it must sharded too)."""
+    head whose weight is also used whole, a head that only some steps use and a branch
+    computed but off the way to the loss (its gradient stays None on one device, so it must
+    sharded too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,7 +41,9 @@ class _Net(nn.Module):
         h = self.shared(torch.relu(self.shared(h)))  # the same weight twice
         h = self.gn(h)
         self.dead(h)
-        out = self.head(h)
+        # the head's weight also whole, in a plain factor: that use's gradient is complete
+        # on every rank and must not be summed with the conv's partial one
+        out = self.head(h) * self.head.weight.mean()
         return out + self.extra(h) if use_extra else out
 
 

@@ -1,10 +1,11 @@
 """What a timm ViT's prefix (class / register) tokens over sharded pixels still refuses
 (``_token_prefix.py``), with ``SpatialShardingError`` naming the op and the module instead
-of a DTensor error: prefix tokens in front of tokens split over H x W tiles, and a slice
-of the token dim that mixes the prefix (on the first rank) with the pixel tokens, and a
-move of the tokens that DTensor would read wrongly (``cumsum`` along them, ``full_tensor``);
-element-wise math that DTensor runs itself keeps the prefix (exact). What
-runs is tested in tests/test_vit_prefix_tokens.py."""
+of a DTensor error: a slice of the token dim that mixes the prefix (on the first rank) with
+the pixel tokens, a move of the tokens that DTensor would read wrongly (``sort`` along
+them, ``full_tensor``) and a reduction or scan (``mean``, ``cumsum``) over the tokens
+behind the prefix; element-wise math that DTensor runs itself keeps the prefix (exact).
+What runs is tested in tests/test_vit_prefix_tokens.py and (tiles, rows, reductions over
+the channels) tests/test_vit_prefix_tiles.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, parallelize
 from tests.dist_harness import mesh
-from tests.meshes import mesh_and_placements
 from tests.reference import seeded
 
 pytest.importorskip("timm")
@@ -87,14 +87,13 @@ def _refusal(model: nn.Module, dmesh, placements) -> str:
 
 
 def prefix_refusals() -> dict[str, str]:
-    from tests.test_vit_prefix_tokens import ViTMap
-
     torch.manual_seed(0)
     out = {"slice": _refusal(MixedSlice(), mesh(2), [Shard(3)])}
-    out["cumsum"] = _refusal(PrefixOp(lambda t: t.cumsum(1)), mesh(2), [Shard(3)])
+    out["sort"] = _refusal(PrefixOp(lambda t: t.sort(1).values), mesh(2), [Shard(3)])
     out["full_tensor"] = _refusal(PrefixOp(lambda t: t.full_tensor()), mesh(2), [Shard(3)])
-    for shape in ((2, 1), (1, 2)):
-        out[str(shape)] = _refusal(ViTMap(), *mesh_and_placements(shape, ("sp_h", "sp_w")))
+    over_tokens = {"mean": lambda t: t - t.mean(1, keepdim=True), "cumsum": lambda t: t.cumsum(1)}
+    for name, op in over_tokens.items():
+        out[name] = _refusal(PrefixOp(op), mesh(2), [Shard(3)])
     return out
 
 
@@ -103,13 +102,14 @@ def test_vit_prefix_refusals_name_op_and_module(dist_pool):
         assert msgs["slice"].startswith("indexing (x[...]) in module '<model>'"), msgs["slice"]
         assert "mixes its 1 prefix tokens" in msgs["slice"], msgs["slice"]
         # DTensor would read the prefix as its own chunking: refused, not wrong values
-        assert msgs["cumsum"].startswith("an implicit redistribution for aten.cumsum"), msgs
-        assert "1 prefix (class / register) tokens" in msgs["cumsum"], msgs["cumsum"]
+        assert msgs["sort"].startswith("an implicit redistribution for aten.sort"), msgs
+        assert "1 prefix (class / register) tokens" in msgs["sort"], msgs["sort"]
         assert msgs["full_tensor"].startswith("DTensor.full_tensor() of a tensor"), msgs
         assert "x[:, 1:] gives the pixel tokens" in msgs["full_tensor"], msgs["full_tensor"]
-        for shape in ("(2, 1)", "(1, 2)"):
-            assert msgs[shape].startswith("torch.cat in module '<model>'"), (shape, msgs[shape])
-            assert "H x W tiles" in msgs[shape], (shape, msgs[shape])
+        # a reduction or scan over the tokens behind the prefix (one rank holds it)
+        for name in ("mean", "cumsum"):
+            assert msgs[name].startswith(f"Tensor.{name} over dims (1,) of tokens"), msgs[name]
+            assert "behind prefix (class / register) tokens" in msgs[name], msgs[name]
 
 
 def test_element_wise_math_keeps_the_prefix(dist_pool):

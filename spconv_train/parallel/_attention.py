@@ -7,9 +7,10 @@ key / value blocks go around the ring of the spatial group (``_ring.py``): exact
 per rank O(L / P), no activation gather. When k and v are not split at all (small or
 replicated: cross-attention to learned queries, keys from a global pooling) every rank
 attends its own queries to all of them locally, and their gradient is summed over the
-ranks. Masks, causal attention, attention dropout and the extra keys of
-``nn.MultiheadAttention`` (``bias_k``, ``add_zero_attn``) are refused with
-``SpatialShardingError`` naming the op and the module.
+ranks. Attention masks and biases (``attn_mask``, ``key_padding_mask``, ``is_causal``)
+meet the rank's query rows and each key piece's columns (``_ring_mask.py``). Attention
+dropout and the extra keys of ``nn.MultiheadAttention`` (``bias_k``, ``add_zero_attn``)
+are refused with ``SpatialShardingError`` naming the op and the module.
 """
 
 from __future__ import annotations
@@ -18,18 +19,22 @@ import inspect
 import logging
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
+from ._cross_attention import cross_sdpa, split_keys
+from ._cross_mha import cross_mha
 from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._ring import ring_attention
+from ._ring_mask import RingMask, mha_bias, sdpa_bias
 from ._token_ring import token_ring
-from ._tokens import TokenLayout, split_layouts
+from ._tokens import TokenLayout, held_indices, split_layouts
 
 log = logging.getLogger("spconv_train.parallel")
 
@@ -92,13 +97,34 @@ def _replicated_local(t: DTensor, seq: Seq) -> Tensor:
 
 
 def _attend(
-    ql: Tensor, kl: Tensor, vl: Tensor, mode: str, kseq: Seq, q: DTensor, scale: float | None
+    ql: Tensor,
+    kl: Tensor,
+    vl: Tensor,
+    mode: str,
+    kseq: Seq,
+    q: DTensor,
+    scale: float | None,
+    bias: Tensor | None = None,
+    causal: Seq = (),
+    kbias: Tensor | None = None,
 ) -> Tensor:
-    """Attention of local queries ``(..., L_r, E)`` to all keys (ring or local)."""
-    if mode == "local":
-        return F.scaled_dot_product_attention(ql, kl, vl, scale=scale)
+    """Attention of local queries ``(..., L_r, E)`` to all keys (ring or local); ``bias``:
+    the rank's rows of an additive mask; ``causal``: the queries' sequence layouts when
+    ``is_causal`` (a key after the query by global token index is masked); ``kbias``: an
+    additive mask of the rank's keys (ring only), which travels with them."""
+    rows = held_indices(causal).to(ql.device) if causal else None
+    masked = bias is not None or rows is not None or kbias is not None
+    if mode == "local":  # every key here, in global order
+        keys = (torch.arange(kl.shape[-2], device=ql.device),)
+        travelling = () if kbias is None else (kbias,)
+        span = (0, 0, kl.shape[-2])
+        mask = RingMask(keys, rows, ql.dtype).block(bias, span, travelling) if masked else None
+        return F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask, scale=scale)
     ring = token_ring(q.device_mesh, kseq)
-    return ring_attention(ql, kl, vl, ring.group, ring.sizes(), scale)
+    mask = RingMask(ring.columns(ql.device), rows, ql.dtype) if masked else None
+    return ring_attention(
+        ql, kl, vl, ring.group, ring.sizes(), scale, bias=bias, mask=mask, kbias=kbias
+    )
 
 
 @register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
@@ -108,11 +134,12 @@ def spatial_sdpa(
     """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
     ranks: the ring, or local attention to whole keys / values."""
     what = "F.scaled_dot_product_attention"
+    if split_keys(query, key, -2):  # whole queries, keys split: _cross_attention.py
+        return cross_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not isinstance(query, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")
     for bad, why in (
-        (attn_mask is not None, "an attention mask"),
-        (is_causal, "is_causal=True"),
+        (attn_mask is not None and is_causal, "an attention mask with is_causal=True"),
         (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
         (enable_gqa, "enable_gqa=True"),
     ):
@@ -120,13 +147,17 @@ def spatial_sdpa(
             raise _refuse(what, why)
     seq = _sequence_layout(query, query.ndim - 2, 0, what)
     if not seq:
+        if attn_mask is not None or is_causal:
+            raise _refuse(what, "an attention mask on queries whose sequence is whole")
         return F.scaled_dot_product_attention(query, key, value, scale=scale)  # DTensor's
     mode, kseq = _kv_mode(query, key, value, seq, what)
     if mode == "ring":
         kl, vl = key.to_local(), value.to_local()
     else:
         kl, vl = _replicated_local(key, seq), _replicated_local(value, seq)
-    out = _attend(query.to_local(), kl, vl, mode, kseq, query, scale)
+    bias = sdpa_bias(attn_mask, query, what)
+    causal = seq if is_causal else ()
+    out = _attend(query.to_local(), kl, vl, mode, kseq, query, scale, bias, causal)
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
 
@@ -134,14 +165,13 @@ def _unsupported_mha(kw: dict) -> str | None:
     checks = (
         ("bias_k", "bias_k / bias_v (add_bias_kv=True)"),
         ("add_zero_attn", "add_zero_attn=True"),
-        ("key_padding_mask", "a key_padding_mask"),
-        ("attn_mask", "an attn_mask"),
         ("static_k", "static_k / static_v"),
-        ("is_causal", "is_causal=True"),
     )
     for name, why in checks:
         if kw.get(name) is not None and kw.get(name) is not False:
             return why
+    if kw["is_causal"] and kw["attn_mask"] is None:  # torch refuses it too
+        return "is_causal=True without an attn_mask"
     if kw["training"] and kw["dropout_p"] > 0:
         return f"attention dropout (dropout={kw['dropout_p']}) in training"
     return None
@@ -162,6 +192,9 @@ def spatial_multi_head_attention(*args, **kwargs):
     bound.apply_defaults()
     kw = bound.arguments
     q, k, v = kw["query"], kw["key"], kw["value"]
+    kseq = split_keys(q, k, 0)
+    if kseq is not None:  # whole queries (keys split, or whole too): _cross_mha.py
+        return cross_mha(kw, kseq)
     if not isinstance(q, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")
     why = _unsupported_mha(kw)
@@ -195,7 +228,9 @@ def spatial_multi_head_attention(*args, **kwargs):
         return y.reshape(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
 
     qh, kh, vh = (project(x, w, b) for x, w, b in zip(local, ws, bs, strict=True))
-    out = _attend(qh, kh, vh, mode, kseq, q, 1.0 / math.sqrt(e // heads))
+    # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
+    bias, kbias = mha_bias(kw["attn_mask"], kw["key_padding_mask"], q, k, heads, what)
+    out = _attend(qh, kh, vh, mode, kseq, q, 1.0 / math.sqrt(e // heads), bias, (), kbias)
     out = out.permute(2, 0, 1, 3).reshape(local[0].shape[0], local[0].shape[1], e)
     out = F.linear(
         out,

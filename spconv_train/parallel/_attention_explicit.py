@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _attention  # noqa: F401  (registers first; its helpers are reused)
 from ._attention import Seq, _replicated_local
+from ._cross_attention import whole_operand_einsum
 from ._dims import wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
@@ -144,8 +145,8 @@ def _permuted(x, src: str, dst: str):
 @register_handler(torch.einsum)
 def token_einsum(equation, *operands):
     """``torch.einsum`` of two operands that is a batched matmul of the attention forms on
-    token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); DTensor's own
-    otherwise."""
+    token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); a whole operand times a
+    split one, locally (``whole_operand_einsum``); DTensor's own otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
     form = _as_matmul(equation) if len(ops) == 2 else None
     # tokens of a one-row map are a plain Shard (no _StridedShard): the plan decides
@@ -155,4 +156,8 @@ def token_einsum(equation, *operands):
         res = token_matmul(_permuted(ops[0], sa, a_order), _permuted(ops[1], sb, b_order))
         if res is not None:
             return _permuted(res, mm_order, out)
+    if len(ops) == 2 and all(isinstance(t, DTensor) for t in ops):
+        res = whole_operand_einsum(equation, *ops)  # whole queries times a map
+        if res is not None:
+            return res
     return run_dtensor_op(torch.einsum, (equation, *ops), {})

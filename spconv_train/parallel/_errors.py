@@ -235,7 +235,7 @@ def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
             raise SpatialShardingError(
                 f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
                 f"'{module_path()}' is not supported: dim {p.dim} holds {p.prefix} prefix "
-                f"(class / register) tokens on the first rank in front of the pixel tokens, "
+                f"(class / register) tokens on one rank in front of the pixel tokens, "
                 f"which DTensor reads as its own chunking (wrong values). Slice the prefix "
                 f"off first (x[:, {p.prefix}:] gives the pixel tokens; x[:, :{p.prefix}] the "
                 f"prefix, replicated) or build the model without class token "

@@ -6,9 +6,13 @@ the groups sharding the activation is the single-device gradient (docs/design.md
 semantics"). ``sum_grad_over`` marks such a parameter in the forward; this reducer, owned by
 the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
 
-- a tensor hook on the parameter receives this backward's gradient (all uses of a shared
-  weight already summed by autograd), copies it into a flat bucket and keeps it out of
-  ``.grad`` (so gradients accumulated by earlier backwards are never summed again);
+- each marked use of the parameter goes through an identity node (``_PartialUse``) whose
+  backward adds the use's partial gradient to the parameter's partial sum and passes zeros
+  on; a tensor hook on the parameter, which runs once autograd has summed all its uses,
+  copies the partial sum into a flat bucket. The gradient of the parameter's other uses
+  (a whole weight in a plain computation, or a view of it already summed by its own node)
+  is complete on every rank and reaches ``.grad`` unsummed: summing it too would multiply
+  it by the group size. Gradients accumulated by earlier backwards are never summed again;
 - buckets (about ``bucket_bytes``, parameters in reverse forward order, which is roughly the
   order their gradients arrive) are all-reduced asynchronously as soon as they are full, in
   bucket order on every rank (collectives must match), while the backward goes on;
@@ -19,8 +23,8 @@ the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
   ``.grad`` None, as it would on one device.
 
 Under DDP and FSDP2 (``_replicas.py``) the reducer steps aside (``defer_to``): a marked
-parameter's partial gradient is only multiplied by the size of its groups, and the
-wrapper's average over the world is then the sum over the groups.
+use's partial gradient is only multiplied by the size of its groups, and the wrapper's
+average over the world is then the sum over the groups.
 
 One all-reduce per bucket and group instead of one per parameter and use. A small bucket
 on CPU (gloo) is summed by one exchange instead, on its own message tag
@@ -83,6 +87,20 @@ def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Buc
     return buckets
 
 
+class _PartialUse(torch.autograd.Function):
+    """Identity forward of a marked parameter; backward hands the use's partial gradient
+    to the reducer (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, param: Tensor, reducer: GradReducer, key: int) -> Tensor:
+        ctx.reducer, ctx.key = reducer, key
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.reducer._partial_grad(ctx.key, grad), None, None
+
+
 def _reducing_groups(groups: tuple) -> tuple:
     return tuple(g for g in groups if dist.get_world_size(g) > 1)
 
@@ -101,6 +119,8 @@ class GradReducer:
         self._layouts: dict[tuple, list[_Bucket]] = {}
         self._buckets: list[_Bucket] | None = None  # the running backward's, else None
         self._slot: dict[int, tuple[_Bucket, int]] = {}
+        #: id -> the sum of this backward's partial gradients of the parameter's marked uses
+        self._partial: dict[int, Tensor] = {}
         self._next = 0
         #: the world an outer data-parallel wrapper averages gradients over (``defer_to``);
         #: None: this reducer sums the partial gradients itself
@@ -118,8 +138,28 @@ class GradReducer:
             raise ValueError(f"defer_to: world must be >= 1, got {world}")
         self.deferred_world = world
 
+    def partial_use(self, param: Tensor, groups: tuple) -> Tensor:
+        """``param`` for one use whose gradient is a partial sum over ``groups``: that
+        gradient is summed over them at the end of the next backward (the gradient of the
+        parameter's other uses is not)."""
+        self.mark(param, groups)
+        if id(param) not in self._pending:
+            return param
+        return _PartialUse.apply(param, self, id(param))
+
+    def _partial_grad(self, key: int, grad: Tensor) -> Tensor:
+        """A marked use's gradient: scaled for a wrapper (``defer_to``), else kept for the
+        parameter's hook; what the use passes on to the parameter."""
+        if self.deferred_world is not None:
+            groups = self._pending[key][1]
+            return grad * math.prod(dist.get_world_size(g) for g in groups)
+        known = self._partial.get(key)
+        self._partial[key] = grad if known is None else known + grad  # never in place: shared
+        return torch.zeros_like(grad)
+
     def mark(self, param: Tensor, groups: tuple) -> None:
-        """Have ``param``'s gradient of the next backward summed over ``groups``."""
+        """Have the partial gradient of ``param``'s uses that go through ``partial_use``
+        in the next backward summed over ``groups``."""
         groups = _reducing_groups(groups)
         if not groups or self._buckets is not None:
             # One-rank groups need nothing; a mark inside a backward comes from activation
@@ -156,30 +196,27 @@ class GradReducer:
         self._slot = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
-    def _on_grad(self, key: int, grad: Tensor) -> Tensor | None:
+    def _on_grad(self, key: int, grad: Tensor) -> None:
+        """The parameter's hook: every use's gradient is in; the marked ones' partial sum
+        goes to its bucket. ``grad`` (the other uses', complete) reaches ``.grad`` as is."""
         if key not in self._pending:
-            return None  # used outside a sharded op this time: nothing to sum
-        if self.deferred_world is not None:
-            return self._scaled(key, grad)
+            return  # used outside a sharded op this time: nothing to sum
         if self._buckets is None:
+            if self.deferred_world is not None:  # clear the marks at the end (see defer_to)
+                self._buckets = []
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                return
             self._start()
+        if self.deferred_world is not None:
+            return
+        partial = self._partial.pop(key, None)
         bucket, i = self._slot[key]
-        param = bucket.params[i]
-        bucket.buffer.narrow(0, bucket.offsets[i], param.numel()).copy_(grad.reshape(-1))
-        bucket.got.add(i)
+        if partial is not None:
+            param = bucket.params[i]
+            bucket.buffer.narrow(0, bucket.offsets[i], param.numel()).copy_(partial.reshape(-1))
+            bucket.got.add(i)
         bucket.ready += 1
         self._launch(full_only=True)
-        # The local partial gradient must not reach .grad: the sum is added at the end.
-        return torch.zeros_like(grad)
-
-    def _scaled(self, key: int, grad: Tensor) -> Tensor:
-        """Deferred reduction: the partial gradient times its groups' size (see
-        ``defer_to``); the marks are cleared at the end of this backward."""
-        if self._buckets is None:  # the first marked gradient of this backward
-            self._buckets = []
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        groups = self._pending[key][1]
-        return grad * math.prod(dist.get_world_size(g) for g in groups)
 
     def _launch(self, full_only: bool) -> None:
         """Start the all-reduce of buckets in bucket order (the same order on every rank)."""
@@ -220,7 +257,7 @@ class GradReducer:
                     else:
                         p.grad.add_(total)
         finally:
-            self._buckets, self._slot = None, {}
+            self._buckets, self._slot, self._partial = None, {}, {}
             self._pending.clear()
             for b in buckets:
                 b.work, b.got = None, set()

@@ -207,13 +207,13 @@ class _SumGradOverGroups(torch.autograd.Function):
 def sum_grad_over(param: Tensor | None, groups: tuple) -> Tensor | None:
     """``param`` unchanged in forward; its gradient summed over ``groups`` in backward.
 
-    A parameter (a leaf) is handed to the current runtime's ``GradReducer``: its gradient
-    is summed once per backward, bucketed with the others and overlapped with the rest of
-    the backward. Any other tensor gets an autograd node that all-reduces its gradient.
+    A parameter (a leaf) is handed to the current runtime's ``GradReducer``: the gradient
+    of this use is summed once per backward, bucketed with the others and overlapped with
+    the rest of the backward. Any other tensor gets an autograd node that all-reduces its
+    gradient.
     """
     if param is None or not groups or not (param.requires_grad and torch.is_grad_enabled()):
         return param
     if param.is_leaf:
-        current_runtime().grad_reducer.mark(param, groups)
-        return param
+        return current_runtime().grad_reducer.partial_use(param, groups)
     return _SumGradOverGroups.apply(param, groups)

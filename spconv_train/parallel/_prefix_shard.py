@@ -1,7 +1,8 @@
 """``PrefixShard``: the placement of a token dim with prefix tokens (a ViT's class and
-register tokens) in front of the pixel tokens, held by the first rank of the mesh dim
-alone (``_tokens.py`` reads it into ``TokenLayout.prefix``; ``_token_prefix.py`` makes it
-and keeps it through the ops)."""
+register tokens) in front of the pixel tokens, held by one rank alone: the first of every
+mesh dim that splits the tokens (of ``sp`` on strips; of ``sp_h`` and ``sp_w`` on tiles and
+rows), each of which carries a ``PrefixShard``. ``_tokens.py`` reads it into
+``TokenLayout.prefix``; ``_token_prefix.py`` makes it and keeps it through the ops."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 class PrefixShard(_StridedShard):
     """``_StridedShard(dim, split_factor)`` of the pixel tokens behind ``prefix`` tokens that
-    the first rank of the mesh dim holds in front of its own: the dim is
-    ``prefix + split_factor * inner``. ``prefix`` is keyword-only, so that code copying a
+    the first rank of the mesh dim holds in front of its own: the dim is the ``prefix``
+    tokens, then the pixel tokens (nested as without prefix where several mesh dims split
+    them: ``_tokens.split_layouts``). ``prefix`` is keyword-only, so that code copying a
     ``_StridedShard`` by its two fields fails instead of dropping it.
 
     It compares equal to that ``_StridedShard``: the local tensors are laid out alike, so

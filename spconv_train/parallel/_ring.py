@@ -11,7 +11,8 @@ it, every rank adds its part, and after ``P`` hops it is home: its compute overl
 
 Ring attention merges the per-piece results with an online log-sum-exp softmax (memory
 per rank O(L / P)); per piece the CPU flash kernel (and its backward, which takes the
-*global* output and log-sum-exp) runs where it applies, plain matmuls elsewhere.
+*global* output and log-sum-exp) runs where it applies, plain matmuls elsewhere. An
+attention mask or bias meets each piece as its block of columns (``_ring_mask.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._halo import PendingExchange, post_p2p
+from ._ring_mask import RingMask, finite, key_grads
 from ._runtime import current_runtime
 
 #: Pieces per block (``m``) when not given: the pieces a rank holds besides its own tensors
@@ -71,6 +73,10 @@ class Ring:
         """``(owner, piece)`` that ``rank`` (this one by default) works on at ``step``."""
         rank = self.rank if rank is None else rank
         return (rank - step % self.parts) % self.parts, step // self.parts
+
+    def span(self, item: Item) -> tuple[int, int, int]:
+        """``(owner, lo, hi)``: the piece ``item`` as tokens ``lo:hi`` of its owner's block."""
+        return (item[0], *self.bounds[item[0]][item[1]])
 
     def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
         """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors; a
@@ -177,36 +183,66 @@ class _HomeGrads:
             dst.copy_(src)
 
 
-def _flash_ok(q: Tensor, v: Tensor) -> bool:
-    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+def _flash_ok(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    # the kernel takes a mask of 2 or 4 dims next to 4-dim queries (the mask is widened)
+    fits = mask is None or (q.ndim == 4 and mask.ndim <= 4)
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and fits
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of ``q`` to one key / value block: ``(out, lse)``, ``lse`` the log-sum-exp
-    of the scaled scores per query (shape ``q.shape[:-1]``)."""
-    if _flash_ok(q, v):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, scale=scale
-        )
-        return out, lse
+def _kernel_mask(mask: Tensor | None) -> Tensor | None:
+    if mask is None or mask.ndim in (2, 4):
+        return mask
+    return mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     s = (q @ k.transpose(-2, -1)) * scale
+    return s if mask is None else s + mask
+
+
+def block_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Attention of ``q`` to one key / value block: ``(out, lse)``, ``lse`` the log-sum-exp
+    of the scaled scores per query (shape ``q.shape[:-1]``); ``mask``: an additive bias of
+    the block's scores. A query that no key of the block reaches gets ``lse`` ``-inf`` and
+    output 0."""
+    if _flash_ok(q, v, mask):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=_kernel_mask(mask), scale=scale
+        )
+        if mask is not None:  # the kernel gives lse 0 to rows it masks whole
+            lse = lse.masked_fill((mask == -math.inf).all(-1), -math.inf)
+        return out, lse
+    s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+    return torch.exp(s - finite(lse).unsqueeze(-1)) @ v, lse
 
 
 def block_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one block given the *global* ``out`` and ``lse`` of the queries."""
-    if _flash_ok(q, v):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, scale=scale
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    mask: Tensor | None = None,
+    need_ds: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients ``(dq, dk, dv, ds)`` of one block given the *global* ``out`` and ``lse``
+    (finite: ``finite``) of the queries; ``ds``, the gradient of the block's scores (of an
+    additive bias of them), only with ``need_ds`` (the matmul path forms it)."""
+    if _flash_ok(q, v, mask) and not need_ds:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(mask), scale=scale
         )
-    p = torch.exp((q @ k.transpose(-2, -1)) * scale - lse.unsqueeze(-1))
+        return (*grads, None)
+    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
     dv = p.transpose(-2, -1) @ dout
     dp = dout @ v.transpose(-2, -1)
     ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv
+    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv, ds
 
 
 class RingAttention(torch.autograd.Function):
@@ -214,48 +250,64 @@ class RingAttention(torch.autograd.Function):
 
     ``q``, ``k``, ``v``: this rank's tokens, ``(..., L_r, E)`` (``v``: ``(..., L_r, Ev)``),
     the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group;
-    ``pieces``: ``m``, the pieces each key / value block travels in. Memory: besides its
+    ``pieces``: ``m``, the pieces each key / value block travels in; ``bias``: this rank's
+    rows of an additive mask (or None), which ``mask`` places on the pieces (the causal
+    mask too); ``kbias``: an additive mask of this rank's keys ``(..., L_r, 1)`` (a key
+    padding mask split like the keys, or None), which travels with them. Memory: besides its
     own tensors a rank holds the piece it works on, the one in flight, one output (forward)
     or query gradient (backward) of the kernel and, in the backward, a piece's gradients and
     its received accumulator; the online-softmax updates run in place."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, group, sizes: tuple[int, ...], pieces: int):
+    def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ring = Ring(group, sizes, pieces, (k, v))
+        blocks = (k, v) if kbias is None else (k, v, kbias.contiguous())
+        ring = Ring(group, sizes, pieces, blocks)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
 
         def work(item: Item, kv: Blocks) -> None:
             nonlocal lse
             if q.shape[-2] and kv[0].shape[-2]:
-                o_b, lse_b = block_forward(q, *kv, scale)
+                block = mask.block(bias, ring.span(item), kv[2:]) if mask else None
+                o_b, lse_b = block_forward(q, kv[0], kv[1], scale, block)
                 new = torch.logaddexp(lse, lse_b)
-                out.mul_(torch.exp(lse - new).unsqueeze(-1))
-                out.add_(o_b.mul_(torch.exp(lse_b - new).unsqueeze(-1)))
+                base = finite(new)  # rows no key reached yet stay 0 (not NaN)
+                out.mul_(torch.exp(lse - base).unsqueeze(-1))
+                out.add_(o_b.mul_(torch.exp(lse_b - base).unsqueeze(-1)))
                 lse = new
 
-        ring.forward((k, v), work)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ring.forward(blocks, work)
+        ctx.save_for_backward(q, *blocks, out, finite(lse), bias)
+        ctx.ring, ctx.scale, ctx.mask = ring, scale, mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, scale = ctx.ring, ctx.scale
+        q, *blocks, out, lse, bias = ctx.saved_tensors
+        ring, scale, mask = ctx.ring, ctx.scale, ctx.mask
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
+        dbias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
+        need_ds = dbias is not None or ctx.needs_input_grad[4]
 
         def grads_of(item: Item, kv: Blocks) -> Blocks:
             if not (q.shape[-2] and kv[0].shape[-2]):
                 return tuple(t.zero_() for t in ring.empty(item))
-            dq_b, dk_b, dv_b = block_backward(dout, q, *kv, out, lse, scale)
+            span = ring.span(item)
+            block = mask.block(bias, span, kv[2:]) if mask else None
+            dq_b, dk_b, dv_b, ds = block_backward(
+                dout, q, kv[0], kv[1], out, lse, scale, block, need_ds
+            )
             dq.add_(dq_b)
-            return dk_b, dv_b
+            if dbias is not None:
+                mask.add_grad(dbias, span, ds)
+            # the travelling key mask's gradient (zeros when it needs none) follows it home
+            return dk_b, dv_b, *key_grads(kv[2:], ds)
 
-        dk, dv = ring.backward((k, v), grads_of)
-        return dq, dk, dv, None, None, None, None
+        dk, dv, *dkb = ring.backward(tuple(blocks), grads_of)
+        dkb = dkb[0] if dkb and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, dbias, dkb, None, None, None, None, None
 
 
 def ring_attention(
@@ -266,16 +318,25 @@ def ring_attention(
     sizes: tuple[int, ...],
     scale: float | None = None,
     pieces: int | None = None,
+    bias: Tensor | None = None,
+    mask: RingMask | None = None,
+    kbias: Tensor | None = None,
 ) -> Tensor:
     """Exact ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` over the tokens of
     every rank of ``group`` (``sizes``: how many each holds), differentiable. ``q``, ``k``,
     ``v`` hold this rank's tokens in the same order; the result is this rank's queries'.
     ``pieces``: how many pieces each key / value block travels in (``m``, the same on
-    every rank; by default ``auto_pieces(sizes)``)."""
+    every rank; by default ``auto_pieces(sizes)``). ``mask``: where a mask meets the keys
+    (``_ring_mask.RingMask``), with ``bias`` this rank's rows of an additive mask and
+    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        kb = () if kbias is None else (kbias,)
+        block = mask.block(bias, (0, 0, sizes[0]), kb) if mask else None
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=block, scale=scale
+        )
     pieces = auto_pieces(tuple(sizes)) if pieces is None else int(pieces)
     if pieces < 1:
         raise ValueError(f"ring_attention: pieces={pieces}; give a count >= 1 or None (automatic)")
-    return RingAttention.apply(q, k, v, scale, group, tuple(sizes), pieces)
+    return RingAttention.apply(q, k, v, bias, kbias, scale, group, tuple(sizes), pieces, mask)

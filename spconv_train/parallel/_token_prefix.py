@@ -4,39 +4,36 @@ timm's ``VisionTransformer`` concatenates its class token (and ``reg_tokens`` re
 tokens), the same for every image, in front of the pixel tokens:
 ``torch.cat([cls.expand(N, -1, -1), x], dim=1)``, runs its blocks over the ``p + L`` tokens,
 and slices the prefix off again (``x[:, p:]``, ``x[:, :p]``, ``x[:, 0]``). Here the
-concatenation gives a DTensor whose token dim is a ``PrefixShard`` (``_prefix_shard.py``):
-the ``p`` prefix tokens held by the first rank of the spatial group alone, in front of its
-pixel tokens, the other ranks' pixel tokens as before. Held once, everything computed on
-the prefix, and its gradient, is counted once (the class token's gradient is summed over
-the ranks, which hold no part of it but the first).
+concatenation gives a DTensor whose token dim is a ``PrefixShard`` (``_prefix_shard.py``) on
+every mesh dim splitting it: the ``p`` prefix tokens held by one rank alone, the first of
+each of those mesh dims (of the spatial group on W strips; at ``(0, 0)`` of ``(sp_h, sp_w)``
+on H x W tiles and rows), in front of its pixel tokens, the other ranks' pixel tokens as
+before. Held once, everything computed on the prefix, and its gradient, is counted once
+(the class token's gradient is summed over the ranks, which hold no part of it but one).
 
 * Token-wise ops stay local: ``TokenLayout`` (``_tokens.py``) counts the prefix, so
-  reshapes, ``F.layer_norm``, ``F.linear`` and a position embedding ``(1, p + L, C)`` (sliced
-  to the rank's tokens, the prefix rows on the first rank) work as on pixel tokens; ring
-  attention (``_attention.py``, ``_attention_explicit.py``) takes every rank's token count
-  and global indices from the layout, so the prefix keys are attended exactly once. The
-  ops DTensor runs itself (permutes, ``unbind``, activations, softmax, dropout, scalar
-  arithmetic) run on the plain ``_StridedShard`` and get the prefix back.
-* ``x[:, p:]`` gives the pixel tokens in their layout again (the first rank drops its
-  prefix rows); an index or slice inside the prefix (``x[:, 0]``, ``x[:, :p]``) is
-  broadcast from the first rank to the spatial group: a ``Replicate`` DTensor of ``N * p *
-  C`` values, whose gradient is summed back to the first rank. ``t.expand_as(tokens)`` of
-  such a tensor of one token (smp DPT's "cat" readout) expands it locally over the rank's
-  tokens.
+  reshapes, ``F.layer_norm``, ``F.linear``, reductions over the channels
+  (``_token_reduce.py``) and a position embedding ``(1, p + L, C)`` (sliced to the rank's
+  tokens, the prefix rows on the owner) work as on pixel tokens; ring attention
+  (``_attention.py``, ``_attention_explicit.py``) takes every rank's token count and global
+  indices from the layout, so the prefix keys are attended exactly once. The ops DTensor
+  runs itself (permutes, ``unbind``, activations, dropout, scalar arithmetic) run on the
+  plain placements and get the prefix back.
+* Indexing the token dim (``x[:, p:]``, ``x[:, 0]``): ``_prefix_index.py``.
+  ``t.expand_as(tokens)`` of a replicated tensor of one token (smp DPT's "cat" readout)
+  expands it locally over the rank's tokens.
 
-Refused with ``SpatialShardingError`` naming the op and the module: a prefix on tokens
-split over several mesh dims (H x W tiles, rows on a ``(sp_h, sp_w)`` mesh), a slice of the
-token dim that mixes the prefix and the pixel tokens, and an op that reduces over the
-tokens behind a prefix.
+Refused with ``SpatialShardingError`` naming the op and the module: a slice of the token
+dim that mixes the prefix and the pixel tokens, and an op that reduces over the tokens
+behind a prefix.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit, _token_index  # noqa: F401  (their handlers are wrapped)
 from ._compile import graph_handler, in_dtensor_graphs
@@ -45,10 +42,9 @@ from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._prefix_shard import PrefixShard, prefix_of
-from ._rechunk import _expand_index
 from ._registry import DEFAULT_REGISTRY, function_name
 from ._sharding import sharded_dim
-from ._tokens import _placement, is_dp, is_nested, is_tokens, local_part, split_layouts
+from ._tokens import _placement, is_dp, is_tokens, local_part, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -181,100 +177,6 @@ for _fn in _ARITH:
     register_handler(_fn)(_arith_handler(_fn))
 
 
-class _FromOwner(torch.autograd.Function):
-    """The first rank's ``part`` on every rank of ``group`` (a broadcast); the gradient, a
-    partial sum on every rank, summed back to the first rank."""
-
-    @staticmethod
-    def forward(ctx, part: Tensor, group, shape: tuple[int, ...], dim: int) -> Tensor:
-        ctx.group, ctx.owner, ctx.dim = group, dist.get_rank(group) == 0, dim
-        out = part.contiguous() if ctx.owner else part.new_empty(shape)
-        dist.broadcast(out, group_src=0, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        dist.reduce(grad, group_dst=0, op=dist.ReduceOp.SUM, group=ctx.group)
-        return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None
-
-
-def _token_dim(x: DTensor) -> tuple[int, int, int]:
-    """``(dim, mesh dim, prefix)`` of ``x``'s prefix tokens."""
-    m, p = next((m, prefix_of(p)) for m, p in enumerate(x.placements) if prefix_of(p))
-    return norm_dim(x.placements[m].dim, x.ndim), m, p
-
-
-def _prefix_index(x: DTensor, index, whole):
-    """``x[index]`` on a tensor with prefix tokens: ``whole(x)`` when the token dim stays
-    whole (other dims indexed), the pixel tokens (``x[:, p:]``) or a part of the prefix
-    (``x[:, 0]``, ``x[:, :p]``)."""
-    items = _expand_index(index, x.ndim)
-    d, m, p = _token_dim(x)
-    if items is not None and items[d] == slice(None):
-        return whole(x)
-    what = "indexing (x[...])"
-    if items is None or any(i != slice(None) for e, i in enumerate(items) if e != d):
-        raise _refuse(
-            what,
-            f"index {index!r} of tokens {tuple(x.shape)} behind {p} prefix tokens indexes "
-            f"more than the token dim (dim {d})",
-            "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
-        )
-    i, n, local = items[d], x.shape[d], x.to_local()
-    owner = x.device_mesh.get_local_rank(m) == 0
-    if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(p, n):
-        plain = list(x.placements)
-        plain[m] = _placement(d, x.placements[m].split_factor)
-        out = local.narrow(d, p, local.shape[d] - p) if owner else local
-        return wrap(out, x, plain, (*x.shape[:d], n - p, *x.shape[d + 1 :]))
-    picked = range(n)[i] if isinstance(i, slice) else range(n)[i : i + 1 or None]
-    if not picked or max(picked) >= p or not (isinstance(i, int) or i.step in (None, 1)):
-        raise _refuse(
-            what,
-            f"index {i!r} of the token dim {d} of {tuple(x.shape)} mixes its {p} prefix "
-            f"tokens (on the first rank) with the pixel tokens (split over the ranks)",
-            "Take the prefix (x[:, :p], x[:, 0]) and the pixel tokens (x[:, p:]) apart",
-        )
-    part = local.narrow(d, picked[0], len(picked) if owner else 0)
-    shape = list(local.shape)
-    shape[d] = len(picked)
-    out = _FromOwner.apply(part, x.device_mesh.get_group(m), tuple(shape), d)
-    if isinstance(i, int):
-        out = out.select(d, 0)
-    placements, grads = list(x.placements), list(x.placements)
-    placements[m], grads[m] = Replicate(), Partial()
-    global_shape = torch.empty(x.shape, device="meta")[items].shape
-    return DTensor.from_local(
-        out, x.device_mesh, placements, run_check=False, shape=global_shape,
-        stride=torch.empty(global_shape, device="meta").stride(), grad_placements=grads,
-    )  # fmt: skip
-
-
-def _chain_index(fn, index_of) -> None:
-    """``fn`` (``x[index]``, ``x.select(dim, i)``) on tensors with prefix tokens by
-    ``_prefix_index``, ``index_of(x, *args)`` giving the index."""
-    prev = _previous(fn)
-    kept = _keeps_prefix(fn, prev)
-
-    def handler(x, *args, **kwargs):
-        if not has_prefix(x) or kwargs:
-            return prev(x, *args, **kwargs)
-        return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
-
-    handler.__name__ = f"prefix_{fn.__name__}"
-    register_handler(fn)(handler)
-
-
-def _select_index(x, dim, index) -> tuple:
-    return (*[slice(None)] * norm_dim(dim, x.ndim), index)
-
-
-_chain_index(_T.__getitem__, lambda x, index: index)
-for _fn in (torch.select, _T.select):
-    _chain_index(_fn, _select_index)
-
-
 def _prefix_part(t: Tensor, x: DTensor, d: int) -> Tensor:
     """The part of plain prefix tokens ``t`` in front of ``x``'s along ``d`` on this rank
     (all its tokens; its part of a split batch). An expanded view of a parameter (timm's
@@ -299,29 +201,19 @@ def _prefix_part(t: Tensor, x: DTensor, d: int) -> Tensor:
 
 def _cat_prefix(tensors: list, d: int) -> DTensor:
     """``torch.cat(tensors, d)``: plain tensors (the class / register tokens, expanded over
-    the batch) in front of the token tensor (the last) along its token dim ``d``; any
-    other concatenation along a split dim goes to DTensor's own rules."""
+    the batch) in front of the token tensor (the last) along its token dim ``d``, held by
+    the first rank of every mesh dim splitting ``d`` (one on strips, ``sp_h`` and ``sp_w``
+    on tiles and rows: the rank ``_prefix_index.py`` broadcasts them from)."""
     x, front = tensors[-1], tensors[:-1]
-    what = "torch.cat"
-    fix = (
-        "Shard the width only (mesh ('sp',), [Shard(3)]), or build the model without "
-        "class token (class_token: false, no reg_tokens)"
-    )
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
-    if is_nested(x) or len(lays) != 1:
-        raise _refuse(
-            what,
-            f"prefix (class / register) tokens in front of tokens {tuple(x.shape)} split "
-            f"over several mesh dims ({x.placements}: H x W tiles or rows)",
-            fix,
-        )
-    lay = lays[0]
     parts = [_prefix_part(t, x, d) for t in front]
-    if lay.rank != 0:  # the first rank holds the prefix; the others take part in the sums
+    if any(lay.rank != 0 for lay in lays):
+        # the owner holds the prefix; the others take part in the gradient sums with none
         parts = [t.narrow(d - (x.ndim - t.ndim), 0, 0) for t in parts]
-    prefix = lay.prefix + sum(t.shape[d - (x.ndim - t.ndim)] for t in front)
+    prefix = lays[0].prefix + sum(t.shape[d - (x.ndim - t.ndim)] for t in front)
     placements = list(x.placements)
-    placements[lay.mesh_dim] = PrefixShard(d, lay.split_factor, prefix=prefix)
+    for lay in lays:
+        placements[lay.mesh_dim] = PrefixShard(d, lay.split_factor, prefix=prefix)
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat([*parts, x.to_local()], d), x, placements, shape)
 
@@ -340,12 +232,20 @@ def _cat_alongside(tensors: list, d: int, x: DTensor) -> DTensor | None:
     return wrap(torch.cat(parts, d), x, x.placements, shape)
 
 
+def _chunked(t) -> bool:
+    """Tokens ``(N, L, C)`` in even chunks of ``L`` (a plain ``Shard(1)``): the flatten of a
+    map split along H over one mesh dim (``_windows.py``)."""
+    return isinstance(t, DTensor) and t.ndim == 3 and Shard(1) in t.placements
+
+
 def _cat_handler(fn):
     prev = _previous(fn)
 
     def handler(tensors, dim=0, **kwargs):
         tensors = list(tensors)
         x = next((t for t in reversed(tensors) if is_tokens(t)), None)
+        if x is None and _chunked(tensors[-1]) and kwargs.get("axis", dim) in (1, -2):
+            x = tensors[-1]  # prefix tokens in front of tokens in even chunks
         if x is None or any(k != "axis" for k in kwargs):
             return prev(tensors, dim, **kwargs)
         d = norm_dim(kwargs.get("axis", dim), x.ndim)

@@ -19,10 +19,10 @@ A reshape that would mix the tokens of different ranks is refused with
 ``SpatialShardingError`` naming the op and the module.
 
 Prefix tokens (a ViT's class and register tokens, concatenated in front of the pixel
-tokens: ``_token_prefix.py``) are held by the first rank of the spatial group alone:
-``PrefixShard``, a ``_StridedShard`` that also counts them, read into
-``TokenLayout.prefix``. Held once, everything computed on them (and their gradient) is
-counted once.
+tokens: ``_token_prefix.py``) are held by one rank alone, the first of every mesh dim
+splitting the tokens: ``PrefixShard``, a ``_StridedShard`` that also counts them, read into
+``TokenLayout.prefix`` (on tiles the pixel tokens behind them nest as without). Held once,
+everything computed on them (and their gradient) is counted once.
 """
 
 from __future__ import annotations
@@ -114,14 +114,14 @@ def split_layouts(x: DTensor) -> list[TokenLayout]:
             continue
         d %= x.ndim
         sf = p.split_factor if isinstance(p, _StridedShard) else 1
-        if prefix_of(p):  # never nested (_token_prefix.py refuses it on tiles)
-            found[i] = (d, sf, (x.shape[d] - prefix_of(p)) // sf, 1)
-        elif is_dp(x, i):
+        if is_dp(x, i):
             found[i] = (d, sf, x.shape[d] // sf, 1)
         else:
             chains.setdefault(d, []).append((sf, i))
     for d, chain in chains.items():
-        nest = _nest(x.shape[d], sorted(chain))
+        # prefix tokens (on every mesh dim of the chain alike) stand in front of the nesting
+        prefix = max(prefix_of(x.placements[i]) for _, i in chain)
+        nest = _nest(x.shape[d] - prefix, sorted(chain))
         found.update({i: (d, sf, *nest[i]) for sf, i in chain})
     return [
         TokenLayout(
@@ -222,7 +222,8 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
         chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))
-        want = _nest(out_shape[e], chain).get(lay.mesh_dim, (out_shape[e] // sf, 1))
+        n = out_shape[e] - lay.prefix
+        want = _nest(n, chain).get(lay.mesh_dim, (n // sf, 1))
         if want[1] != unit:
             raise _mixes(x, out_shape, what, lay, f" (runs of {unit} entries of dim {e})")
     shares = {}

@@ -1,0 +1,127 @@
+"""``nn.MultiheadAttention`` (``F.multi_head_attention_forward``, sequence-first) with
+whole queries: cross attention to keys / values whose sequence is split over the spatial
+ranks (the route of ``_cross_attention.py``: projections local, the partial outputs summed
+over the ranks), and attention among whole queries (torch's own on the local tensors).
+Masks (``attn_mask`` ``(Q, L)`` or ``(N * heads, Q, L)``, ``key_padding_mask`` ``(N, L)``,
+bool or float) are cut to the rank's keys and batch (``local_mask``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from ._cross_attention import (
+    Seq,
+    _groups,
+    _refuse,
+    attend,
+    local_mask,
+    local_query,
+    out_placements,
+)
+from ._dims import wrap
+from ._halo import sum_grad_over
+from ._token_ring import token_ring
+from ._tokens import split_layouts
+
+
+def _extras(kw: dict) -> str | None:
+    """What the cross route of ``F.multi_head_attention_forward`` does not take."""
+    for name, why in (
+        ("bias_k", "bias_k / bias_v (add_bias_kv=True)"),
+        ("add_zero_attn", "add_zero_attn=True"),
+        ("static_k", "static_k / static_v"),
+        ("is_causal", "is_causal=True"),
+    ):
+        if kw.get(name) is not None and kw.get(name) is not False:
+            return why
+    if kw["training"] and kw["dropout_p"] > 0:  # replicas would draw different masks
+        return f"attention dropout (dropout={kw['dropout_p']}) in training"
+    return None
+
+
+def _additive(t: Tensor | None, dtype) -> Tensor | None:
+    """A bool mask of ``nn.MultiheadAttention`` (True masks out) as an additive one."""
+    if t is None or t.dtype != torch.bool:
+        return t
+    return torch.zeros_like(t, dtype=dtype).masked_fill_(t, -math.inf)
+
+
+def _mha_mask(kw: dict, k: DTensor, kseq: Seq, n: int, dtype) -> Tensor | None:
+    """``attn_mask`` and ``key_padding_mask`` of this rank's keys and batch as one additive
+    mask broadcasting against the scores ``(n, heads, Q, L_r)``."""
+    heads, what = kw["num_heads"], "nn.MultiheadAttention"
+    am, kpm = kw["attn_mask"], kw["key_padding_mask"]
+    rows = heads if am is not None and am.ndim == 3 else None
+    am = _additive(local_mask(am, k, kseq, rows, what), dtype)
+    kpm = _additive(local_mask(kpm, k, kseq, 1, what), dtype)
+    if am is not None and am.ndim == 3:  # (n * heads, Q, L_r)
+        am = am.view(n, heads, *am.shape[1:])
+    if kpm is not None:  # (n, L_r)
+        kpm = kpm.view(n, 1, 1, kpm.shape[-1])
+        am = kpm if am is None else am + kpm
+    return am
+
+
+def _whole_mha(kw: dict, what: str):
+    """``F.multi_head_attention_forward`` with no sequence split (self-attention among
+    whole queries): torch's own on the local tensors, every parameter's gradient summed
+    over the batch split alone (the same on every spatial rank)."""
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    groups, args = _groups(q), dict(kw)
+    same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
+    if not same or q.ndim != 3 or any(lay.dim != 1 for lay in split_layouts(q)):
+        raise _refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
+    for name, t in kw.items():
+        if name.endswith("mask") and t is not None and (groups or isinstance(t, DTensor)):
+            raise _refuse(what, f"{name} with queries split as {q.placements}")
+        if isinstance(t, Tensor) and name not in ("query", "key", "value"):
+            args[name] = sum_grad_over(t, groups)
+    out, weights = F.multi_head_attention_forward(
+        **{**args, "query": q.to_local(), "key": k.to_local(), "value": v.to_local()}
+    )
+    if weights is not None:  # (N, [heads,] Q, S): the batch first
+        batch = tuple(Shard(0) if p == Shard(1) else p for p in q.placements)
+        weights = wrap(weights, q, batch, (q.shape[1], *weights.shape[1:]))
+    return wrap(out, q, q.placements, q.shape), weights
+
+
+def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
+    """``F.multi_head_attention_forward`` (sequence-first ``(Q, N, E)`` whole queries,
+    ``(L, N, E)`` keys / values with ``L`` split): projections local, the attention of
+    ``attend``, the output whole on every spatial rank. The q / k / v projections' weight
+    gradients are partial sums per rank, the output projection's is whole. The averaged
+    attention weights (``Q x L``) are not formed: the second output is ``None``."""
+    why = _extras(kw)
+    if why:
+        raise _refuse(what, why)
+    if not kseq:
+        return _whole_mha(kw, what)
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
+        raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
+    heads, e = kw["num_heads"], q.shape[-1]
+    split = _groups(k)  # the q / k / v side: every rank's share of the keys
+    if kw["use_separate_proj_weight"]:
+        ws = [sum_grad_over(kw[f"{n}_proj_weight"], split) for n in "qkv"]
+    else:
+        ws = sum_grad_over(kw["in_proj_weight"], split).chunk(3)
+    bias = sum_grad_over(kw["in_proj_bias"], split)
+    bs = bias.chunk(3) if bias is not None else (None,) * 3
+    xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
+    qh, kh, vh = (
+        F.linear(x, w, b).reshape(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
+        for x, w, b in zip(xs, ws, bs, strict=True)
+    )
+    mask = _mha_mask(kw, k, kseq, qh.shape[0], qh.dtype)
+    group = token_ring(k.device_mesh, kseq).group
+    out = attend(qh, kh, vh, mask, 1.0 / math.sqrt(e // heads), group, kw["need_weights"])
+    out = out.permute(2, 0, 1, 3).reshape(q.shape[0], qh.shape[0], e)
+    whole = _groups(k, kseq)  # the output side: the batch split alone
+    w, b = (sum_grad_over(kw[f"out_proj_{n}"], whole) for n in ("weight", "bias"))
+    out = F.linear(out, w, b)
+    return wrap(out, k, out_placements(k, kseq), (*q.shape[:-1], e)), None

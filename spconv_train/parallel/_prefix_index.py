@@ -1,0 +1,134 @@
+"""Indexing the token dim of tokens behind prefix (class / register) tokens
+(``_token_prefix.py``): ``x[:, p:]`` gives the pixel tokens in their layout again (the
+owner of the prefix drops its prefix rows); an index or slice inside the prefix
+(``x[:, 0]``, ``x[:, :p]``) is broadcast from the owner to the ranks that split the tokens:
+a ``Replicate`` DTensor of ``N * p * C`` values, whose gradient is summed back to the owner.
+
+The owner is the first rank of the token ring (``_token_ring.py``): on strips the first
+rank of the spatial mesh dim, on H x W tiles and rows the rank at ``(0, 0)`` of the
+flattened ``(sp_h, sp_w)`` group, the one the ring's group and the token layouts
+(``TokenLayout.indices``: the prefix on the first rank of every mesh dim) agree on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from ._dims import norm_dim, wrap
+from ._mode import register_handler
+from ._prefix_shard import prefix_of
+from ._rechunk import _expand_index
+from ._token_prefix import _keeps_prefix, _previous, _refuse, has_prefix
+from ._token_ring import token_ring
+from ._tokens import _placement, dim_layouts, split_layouts
+
+_T = torch.Tensor
+
+
+class _FromOwner(torch.autograd.Function):
+    """The group rank ``src``'s ``part`` on every rank of ``group`` (a broadcast); the
+    gradient, a partial sum on every rank, summed back to ``src``."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, group, shape: tuple[int, ...], dim: int, src: int) -> Tensor:
+        ctx.group, ctx.src, ctx.dim = group, src, dim
+        ctx.owner = dist.get_rank(group) == src
+        out = part.contiguous() if ctx.owner else part.new_empty(shape)
+        dist.broadcast(out, group_src=src, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.reduce(grad, group_dst=ctx.src, op=dist.ReduceOp.SUM, group=ctx.group)
+        return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None, None
+
+
+def prefix_owner(x: DTensor) -> tuple[int, tuple[int, ...], int, bool]:
+    """``(dim, mesh dims, prefix, owner)`` of ``x``'s prefix tokens: the token dim, the mesh
+    dims that split it (each a ``PrefixShard``), how many, and whether this rank holds them
+    (the first rank of every one of those mesh dims)."""
+    dims = tuple(m for m, p in enumerate(x.placements) if prefix_of(p))
+    p = prefix_of(x.placements[dims[0]])
+    owner = all(x.device_mesh.get_local_rank(m) == 0 for m in dims)
+    return norm_dim(x.placements[dims[0]].dim, x.ndim), dims, p, owner
+
+
+def _broadcast_prefix(x: DTensor, d: int, part: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``part`` (the owner's prefix rows; empty elsewhere) on every rank of the token ring."""
+    ring = token_ring(x.device_mesh, dim_layouts(split_layouts(x), d))
+    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
+    return _FromOwner.apply(part, ring.group, shape, d, src)
+
+
+def _prefix_index(x: DTensor, index, whole):
+    """``x[index]`` on a tensor with prefix tokens: ``whole(x)`` when the token dim stays
+    whole (other dims indexed), the pixel tokens (``x[:, p:]``) or a part of the prefix
+    (``x[:, 0]``, ``x[:, :p]``)."""
+    items = _expand_index(index, x.ndim)
+    d, dims, p, owner = prefix_owner(x)
+    if items is not None and items[d] == slice(None):
+        return whole(x)
+    what = "indexing (x[...])"
+    if items is None or any(i != slice(None) for e, i in enumerate(items) if e != d):
+        raise _refuse(
+            what,
+            f"index {index!r} of tokens {tuple(x.shape)} behind {p} prefix tokens indexes "
+            f"more than the token dim (dim {d})",
+            "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
+        )
+    i, n, local = items[d], x.shape[d], x.to_local()
+    if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(p, n):
+        plain = list(x.placements)
+        for m in dims:
+            plain[m] = _placement(d, x.placements[m].split_factor)
+        out = local.narrow(d, p, local.shape[d] - p) if owner else local
+        return wrap(out, x, plain, (*x.shape[:d], n - p, *x.shape[d + 1 :]))
+    picked = range(n)[i] if isinstance(i, slice) else range(n)[i : i + 1 or None]
+    if not picked or max(picked) >= p or not (isinstance(i, int) or i.step in (None, 1)):
+        raise _refuse(
+            what,
+            f"index {i!r} of the token dim {d} of {tuple(x.shape)} mixes its {p} prefix "
+            f"tokens (on the first rank) with the pixel tokens (split over the ranks)",
+            "Take the prefix (x[:, :p], x[:, 0]) and the pixel tokens (x[:, p:]) apart",
+        )
+    shape = list(local.shape)
+    shape[d] = len(picked)
+    out = _broadcast_prefix(x, d, local.narrow(d, picked[0], len(picked) if owner else 0), shape)
+    if isinstance(i, int):
+        out = out.select(d, 0)
+    placements, grads = list(x.placements), list(x.placements)
+    for m in dims:
+        placements[m], grads[m] = Replicate(), Partial()
+    global_shape = torch.empty(x.shape, device="meta")[items].shape
+    return DTensor.from_local(
+        out, x.device_mesh, placements, run_check=False, shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(), grad_placements=grads,
+    )  # fmt: skip
+
+
+def _chain_index(fn, index_of) -> None:
+    """``fn`` (``x[index]``, ``x.select(dim, i)``) on tensors with prefix tokens by
+    ``_prefix_index``, ``index_of(x, *args)`` giving the index."""
+    prev = _previous(fn)
+    kept = _keeps_prefix(fn, prev)
+
+    def handler(x, *args, **kwargs):
+        if not has_prefix(x) or kwargs:
+            return prev(x, *args, **kwargs)
+        return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
+
+    handler.__name__ = f"prefix_{fn.__name__}"
+    register_handler(fn)(handler)
+
+
+def _select_index(x, dim, index) -> tuple:
+    return (*[slice(None)] * norm_dim(dim, x.ndim), index)
+
+
+_chain_index(_T.__getitem__, lambda x, index: index)
+for _fn in (torch.select, _T.select):
+    _chain_index(_fn, _select_index)

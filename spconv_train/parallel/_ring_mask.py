@@ -1,0 +1,201 @@
+"""Attention masks and biases on the ring (``_ring.py``): where a mask meets the key /
+value pieces.
+
+A mask given whole (``(L, S)``, or broadcastable to ``(N, heads, L, S)`` as
+``F.scaled_dot_product_attention`` takes it) is cut to this rank's query rows (and images,
+on a data-parallel split of the batch) once, before the ring (``select_rows``): the global
+token indices the rank holds (``held_indices``) pick them, and nothing beyond those rows is
+formed. A mask that is a DTensor split like the queries along dim -2 holds those rows
+already. At each ring step ``RingMask.block`` picks the columns of the piece worked on by
+the global indices of its keys (its owner's held tokens) and makes them an additive bias in
+the queries' dtype (a boolean mask stays boolean until then: 0 where attended, ``-inf``
+elsewhere); a ``key_padding_mask`` split like the keys travels with them, and
+``is_causal`` is formed per piece from the two index sets (query index >= key index).
+
+A bias that requires grad gets its gradient exactly: the score gradient of every block
+(``P * (dP - rowsum(dO * O))``, formed by the matmul backward) is summed over the dims the
+bias broadcasts and added into its columns (``RingMask.add_grad``); the gradient of a whole
+mask's rows is then summed over the ranks where it meets the plain tensor (like a position
+embedding's: a parameter's goes through the bucketed gradient reduction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ._errors import module_path
+from ._geometry import SpatialShardingError
+from ._halo import sum_grad_over
+from ._tokens import TokenLayout, _grad_groups, dim_layouts, held_indices, split_layouts
+
+
+def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
+    """``mask`` as an additive bias of ``dtype``: a boolean mask gives ``-inf`` where it
+    equals ``masked`` (SDPA: ``False`` is masked out; ``nn.MultiheadAttention``: ``True``)
+    and 0 elsewhere; a float mask is the bias itself."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return out.masked_fill_(mask if masked else ~mask, -math.inf)
+
+
+def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
+    """The entries of the whole ``mask`` that this rank's queries meet: along each mask dim
+    of ``picks`` (negative, counted from the end: -2 the query rows, -4 the images) the
+    global indices the layouts give this rank, where the mask has that dim and does not
+    broadcast it. Its gradient is summed over ``groups`` (the ranks splitting the queries)."""
+    part = sum_grad_over(mask, groups)
+    for d, lays in picks.items():
+        if lays and -d <= part.ndim and part.shape[d] != 1:
+            part = part.index_select(d, held_indices(lays).to(part.device))
+    return part
+
+
+def finite(lse: Tensor) -> Tensor:
+    """``lse`` with the rows that no key reached (``-inf``) at 0, as the CPU flash kernel
+    gives them: ``exp(score - lse)`` is then 0 there instead of NaN."""
+    return lse.masked_fill(lse == -math.inf, 0.0)
+
+
+@dataclass(frozen=True)
+class RingMask:
+    """Where the mask meets the ring's pieces: ``cols``, the global key indices every ring
+    member holds in its local order; ``rows``, for causal attention, the global indices of
+    this rank's queries (None: not causal); ``dtype``: the queries'. The bias itself (this
+    rank's rows, additive or boolean as SDPA reads it, its last dim all ``S`` keys or 1)
+    is passed apart, as an autograd input."""
+
+    cols: tuple[Tensor, ...]
+    rows: Tensor | None
+    dtype: torch.dtype
+
+    def _keys(self, span: tuple[int, int, int]) -> Tensor:
+        owner, lo, hi = span
+        return self.cols[owner][lo:hi]
+
+    def block(
+        self, bias: Tensor | None, span: tuple[int, int, int], travelling: tuple = ()
+    ) -> Tensor | None:
+        """The additive mask of the keys ``span`` (``(owner, lo, hi)``: tokens ``lo:hi`` of
+        the owner's block) for this rank's queries; ``travelling``: the piece's own key
+        mask ``(..., tokens, 1)`` when one travels with the keys. None when nothing masks."""
+        keys = self._keys(span)
+        out = travelling[0].transpose(-2, -1) if travelling else None
+        if bias is not None:
+            cols = bias if bias.shape[-1] == 1 else bias.index_select(-1, keys)
+            out = _plus(out, additive(cols, self.dtype, masked=False))
+        if self.rows is not None:
+            late = self.rows.unsqueeze(-1) < keys  # a key after the query
+            causal = torch.zeros(late.shape, dtype=self.dtype, device=keys.device)
+            causal.masked_fill_(late, -math.inf)
+            out = _plus(out, causal)
+        return out
+
+    def add_grad(self, dbias: Tensor, span: tuple[int, int, int], ds: Tensor) -> None:
+        """Add the score gradient ``ds`` of the keys ``span`` into ``dbias`` (the bias's
+        shape): summed over the dims the bias broadcasts, into its columns of those keys."""
+        if dbias.shape[-1] == 1:
+            dbias.add_(ds.sum_to_size(dbias.shape))
+            return
+        ds = ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1])
+        dbias.index_add_(-1, self._keys(span), ds)
+
+
+def key_grads(travelling: tuple, ds: Tensor | None) -> tuple[Tensor, ...]:
+    """The gradient of the travelling key mask of a piece (``()`` without one; zeros
+    when ``ds`` was not formed: the mask needs none)."""
+    if not travelling:
+        return ()
+    kb = travelling[0]
+    if ds is None:
+        return (torch.zeros_like(kb),)
+    return (ds.sum_to_size(*kb.shape[:-2], 1, ds.shape[-1]).transpose(-2, -1),)
+
+
+def _plus(a: Tensor | None, b: Tensor) -> Tensor:
+    return b if a is None else a + b
+
+
+def _picks(q: DTensor, mask_dims: dict[int, int]) -> dict[int, tuple[TokenLayout, ...]]:
+    """The layouts splitting ``q``, keyed by the mask dim each split dim of ``q`` meets
+    (``mask_dims``: q dim -> mask dim counted from the end)."""
+    lays = split_layouts(q)
+    return {mask_dims[d]: dim_layouts(lays, d) for d in {lay.dim for lay in lays}}
+
+
+def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
+    """This rank's rows of ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a
+    DTensor split like the queries ``q`` along dim -2): boolean as given (a byte per entry),
+    a float mask as an additive bias in the queries' dtype."""
+    if mask is None:
+        return None
+    if isinstance(mask, DTensor):
+        alike = mask.ndim == q.ndim and mask.placements == q.placements
+        if not alike or any(mask.shape[x.dim] != q.shape[x.dim] for x in split_layouts(q)):
+            raise SpatialShardingError(
+                f"{what} in module '{module_path()}': an attention mask {tuple(mask.shape)} "
+                f"split as {mask.placements} next to queries {tuple(q.shape)} split as "
+                f"{q.placements} is not supported; pass the mask whole (a plain tensor) or "
+                "split like the queries along dim -2."
+            )
+        rows = mask.to_local()
+    else:
+        # the mask broadcasts against the scores (..., L, S) like q against (..., L, E)
+        picks = _picks(q, {d: d - q.ndim for d in range(q.ndim)})
+        rows = select_rows(mask, picks, _grad_groups(q))
+    return rows if rows.dtype == torch.bool else rows.to(q.dtype)
+
+
+def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
+    """This rank's keys' entries ``(N_r, 1, S_r, 1)`` of a ``key_padding_mask`` ``(N, S)``
+    split like the sequence-first keys ``k`` ``(S, N, E)``: it travels with them."""
+    swap = {0: 1, 1: 0}  # (N, S) against (S, N, E)
+    lays = {dataclasses.replace(x, dim=swap[x.dim]) for x in split_layouts(mask)}
+    if mask.ndim != 2 or lays != set(split_layouts(k)):
+        raise SpatialShardingError(
+            f"{what} in module '{module_path()}': a key_padding_mask {tuple(mask.shape)} "
+            f"split as {mask.placements} unlike the keys {tuple(k.shape)} {k.placements} is "
+            "not supported; pass it whole (a plain tensor) or split like the keys."
+        )
+    local = additive(mask.to_local(), k.dtype, True)
+    return local.view(local.shape[0], 1, local.shape[1], 1)
+
+
+def mha_bias(
+    attn_mask, key_padding_mask, q: DTensor, k: DTensor, heads: int, what: str
+) -> tuple[Tensor | None, Tensor | None]:
+    """``nn.MultiheadAttention``'s masks (boolean: True is masked out) on the ring:
+    ``(bias, key bias)``. ``bias``: this rank's rows of the whole ones (``attn_mask``
+    ``(L, S)`` or ``(N * heads, L, S)``, ``key_padding_mask`` ``(N, S)``), one additive
+    bias broadcastable to ``(N_r, heads, L_r, S)``; ``key bias``: a ``key_padding_mask``
+    split like the keys, this rank's keys' entries (``_key_mask``). ``q``, ``k``: the
+    sequence-first queries ``(L, N, E)`` and keys."""
+    bias = None
+    n, groups = q.shape[1], _grad_groups(q)
+    if isinstance(key_padding_mask, DTensor):
+        kbias, key_padding_mask = _key_mask(key_padding_mask, k, what), None
+    else:
+        kbias = None
+    for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if mask is None:
+            continue
+        if isinstance(mask, DTensor):
+            raise SpatialShardingError(
+                f"{what} in module '{module_path()}': an {name} that is a DTensor "
+                f"({mask.placements}) is not supported; pass it whole (a plain tensor)."
+            )
+        mask = sum_grad_over(mask, groups)  # before the view: a parameter's own gradient
+        if name == "key_padding_mask":
+            mask = mask.view(n, 1, 1, mask.shape[-1])
+        elif mask.ndim == 3:
+            mask = mask.view(n, heads, *mask.shape[-2:])
+        picks = _picks(q, {0: -2, 1: -4})  # (L, N, E) against (N, heads, L, S)
+        part = additive(select_rows(mask, picks, ()), q.dtype, True)
+        bias = _plus(bias, part)
+    return bias, kbias

@@ -1,0 +1,161 @@
+"""Token-wise reductions: ``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
+``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
+``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel tokens
+(``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
+
+Each rank holds whole tokens, so a reduction over the channels (``x.norm(dim=-1)``,
+``F.normalize(x, dim=-1)``, ``x.mean(-1, keepdim=True)``) is the local one, exact; the
+result keeps the token layout (the prefix included). DTensor's own rules would run the
+forward locally too, but its backward sizes the gradient by its own chunking of the
+placements (``expand`` of a ``mean``'s gradient), which is not the layout behind a prefix
+or of nested tiles: "The expanded size of the tensor (15) must match the existing size
+(17)". A reduction over the tokens themselves goes to the handler registered before
+(``_reduce.py``, DTensor's rules); behind a prefix it is refused with
+``SpatialShardingError`` naming the op and the module (the prefix is on one rank alone).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from . import _reduce  # noqa: F401  (its handlers are wrapped)
+from ._compile import graph_handler, in_dtensor_graphs
+from ._dims import norm_dim, wrap
+from ._errors import module_path
+from ._geometry import SpatialShardingError
+from ._halo import sum_grad_over
+from ._mode import register_handler
+from ._prefix_shard import prefix_of
+from ._registry import function_name
+from ._sharding import sharded_dim
+from ._token_prefix import _previous
+from ._tokens import _grad_groups, _placement, is_tokens, split_layouts
+
+_T = torch.Tensor
+
+
+class _Spec(NamedTuple):
+    """Where an op takes its arguments: ``dim`` and ``keepdim`` by position (the tensor
+    first; ``keep_pos`` ``None``: the shape is kept), the dims reduced without ``dim``
+    (``None``: all), and whether the op without ``dim`` is another one (``x.max()`` over
+    all, ``torch.max(a, b)`` element-wise) or needs it (``softmax``)."""
+
+    dim_pos: int
+    keep_pos: int | None
+    default: int | None = None
+    needs_dim: bool = False
+
+
+_OPS = {
+    _Spec(1, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp")
+    + ("argmax", "argmin"),
+    _Spec(1, 3): ("var", "std"),
+    _Spec(2, 3): ("norm",),
+    _Spec(1, 2, needs_dim=True): ("max", "min", "median", "nanmedian"),
+    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax", "cumsum", "cumprod"),
+}
+
+
+def _dims(dim, ndim: int) -> tuple[int, ...]:
+    if dim is None or (isinstance(dim, (tuple, list)) and not dim):
+        return tuple(range(ndim))
+    return tuple(
+        sorted({norm_dim(int(d), ndim) for d in ((dim,) if isinstance(dim, int) else dim)})
+    )
+
+
+def _arg(args, kwargs, pos: int | None, name: str, default):
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if pos is not None and len(args) > pos else default
+
+
+def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
+    """``x``'s placements once ``dims`` (none of them split) are reduced."""
+    out = []
+    for p in x.placements:
+        d = sharded_dim(p)
+        if d is None:
+            out.append(p)
+            continue
+        d %= x.ndim
+        d = d if keepdim else d - sum(r < d for r in dims)
+        out.append(_placement(d, getattr(p, "split_factor", 1), prefix_of(p)))
+    return out
+
+
+def _token_wise(fn, spec: _Spec):
+    """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
+    prev = _previous(fn)
+    what = function_name(fn)
+
+    def handler(x, *args, **kwargs):
+        if not is_tokens(x) or kwargs.get("out") is not None:
+            return prev(x, *args, **kwargs)
+        full = (x, *args)
+        dim = _arg(full, kwargs, spec.dim_pos, "dim", spec.default)
+        if isinstance(dim, bool):  # x.var(unbiased): over every dim
+            dim = None
+        ints = isinstance(dim, int) or (
+            isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim)
+        )
+        if not ints and (dim is not None or spec.needs_dim):
+            # x.max(): over all; torch.max(a, b): element-wise; softmax without dim
+            return prev(x, *args, **kwargs)
+        dims = _dims(dim, x.ndim)
+        split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
+        if split & set(dims):
+            if any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements):
+                raise SpatialShardingError(
+                    f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
+                    f"module '{module_path()}': a reduction or scan over the tokens behind "
+                    f"prefix (class / register) tokens, which one rank holds alone, is not "
+                    f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
+                    f"channels (dim=-1)."
+                )
+            return prev(x, *args, **kwargs)
+        keep = spec.keep_pos
+        keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
+        placements = _out_placements(x, dims, keepdim)
+        out = fn(x.to_local(), *args, **kwargs)
+        shapes = fn(torch.empty(x.shape, device="meta", dtype=x.dtype), *args, **kwargs)
+        if isinstance(out, tuple):  # max / min: (values, indices)
+            parts = [wrap(o, x, placements, s.shape) for o, s in zip(out, shapes, strict=True)]
+            return type(out)(parts)
+        return wrap(out, x, placements, shapes.shape)
+
+    handler.__name__ = f"token_{getattr(fn, '__name__', 'op')}"
+    # graph material (``_compile.graph_handler``) only where the handler it wraps is
+    return graph_handler(handler) if in_dtensor_graphs(prev) else handler
+
+
+for _spec, _names in _OPS.items():
+    for _name in _names:
+        for _fn in (getattr(torch, _name), getattr(_T, _name)):
+            register_handler(_fn)(_token_wise(_fn, _spec))
+for _fn in (F.softmax, F.log_softmax):
+    register_handler(_fn)(_token_wise(_fn, _Spec(1, None, needs_dim=True)))
+register_handler(F.normalize)(_token_wise(F.normalize, _Spec(2, None, default=1)))
+register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, _Spec(2, 3)))
+
+
+def _rms_norm(prev):
+    def handler(input, normalized_shape, weight=None, eps=None):
+        """``F.rms_norm`` over trailing dims no rank splits (the channels): local, the
+        weight's gradient summed over the ranks (as ``_tokens.token_layer_norm``)."""
+        k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+        split = [lay for lay in split_layouts(input) if lay.dim >= input.ndim - k]
+        if not is_tokens(input) or split:
+            return prev(input, normalized_shape, weight, eps)
+        w = sum_grad_over(weight, _grad_groups(input))
+        out = F.rms_norm(input.to_local(), normalized_shape, w, eps)
+        return wrap(out, input, input.placements, input.shape)
+
+    return handler
+
+
+register_handler(F.rms_norm)(_rms_norm(_previous(F.rms_norm)))
