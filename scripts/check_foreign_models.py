@@ -141,14 +141,16 @@ YAML_CASES = [
     ("verify smp.DPT tu-vit @2", 2, "smp.DPT", VIT_DPT, ["data.width=112"]),
     ("verify smp.DPT tu-vit @3", 3, "smp.DPT", VIT_DPT, ["data.width=112"]),
 ]  # fmt: skip
-# (label, world, kind of tests/test_swin_models.py, H, W)
+# (label, world, kind of tests/test_swin_models.py, H, W[, H x W tiles])
 LIBRARY_CASES = [
     ("smp.DPT tu-vit @3", 3, "smp_vit", 32, 80),
     ("smp.Unet tu-swin @3", 3, "smp", 64, 128),
+    ("smp.Unet tu-swin tiles 2 x 2 @4", 4, "smp", 64, 96, (2, 2)),
+    ("smp.Unet tu-swin rows @2", 2, "smp", 96, 64, (2, 1)),
 ]
 #: refused with SpatialShardingError (docs/attention.md, "Models"): token layouts of a
-#: volume split along H (the middle of the flattened D x H x W), a channels-last D split
-REFUSED = {"UNETR 3-D H @2", "UNETR 3-D H uneven @2", "SwinUNETR 3-D H @2", "SwinUNETR 3-D D @2"}
+#: volume split along H (the middle of the flattened D x H x W)
+REFUSED = {"UNETR 3-D H @2", "UNETR 3-D H uneven @2"}
 # (label, world, kind, volume D x H x W, split tensor dim)
 VOLUME_CASES = [
     ("UNETR 3-D W @2", 2, "UNETR", (32, 32, 48), 4),

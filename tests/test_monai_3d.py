@@ -1,7 +1,7 @@
 """MONAI's UNETR in 3-D (``spatial_dims=3``) on a volume split along W equals one device
 in fp64: output, input gradient and every parameter gradient, with no activation-sized
-collective (the attention's keys travel point to point); SwinUNETR in 3-D split along D is
-refused naming the op and the module. Larger volumes, other splits and SwinUNETR split
+collective (the attention's keys travel point to point). SwinUNETR in 3-D split along H
+and along D: ``tests/test_swin_tiles.py``; larger volumes, other splits and SwinUNETR split
 along W: ``scripts/check_foreign_models.py --transformers``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.models import create_model
-from spconv_train.parallel import SpatialShardingError, parallelize
+from spconv_train.parallel import parallelize
 from spconv_train.parallel._comm_audit import CommAudit
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
@@ -79,22 +79,3 @@ def test_unetr_3d_matches_single_device(dist_pool):
     # (no _StridedShard) that the view back to a volume must keep on W
     for rank, failures in enumerate(dist_pool.run(2, volume_failures, "UNETR", (16, 16, 48), 4)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
-
-
-def swinunetr_d_refusal() -> str:
-    dmesh = mesh(dist.get_world_size())
-    torch.manual_seed(0)
-    par = parallelize(monai_3d("SwinUNETR", (64, 32, 32)).double(), dmesh)
-    x = distribute_tensor(seeded(1, 1, 1, 64, 32, 32, dtype=torch.float64), dmesh, [Shard(2)])
-    try:
-        par(x)
-    except SpatialShardingError as exc:
-        return str(exc)
-    return "not refused"
-
-
-def test_swinunetr_3d_split_along_d_refused_with_module_path(dist_pool):
-    # the Swin blocks pad the channels-last map (B, D, H, W, C): split along D that is
-    # Shard(1), which F.pad does not take (W and H: tested in scripts/check_foreign_models.py)
-    for msg in dist_pool.run(2, swinunetr_d_refusal):
-        assert "F.pad in module 'swinViT.layers1.0.blocks.0'" in msg, msg

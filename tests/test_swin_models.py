@@ -2,8 +2,8 @@
 ``SwinTransformer`` (shifted windows, relative position bias, padding to whole windows,
 patch merging of odd sizes) and smp ``Unet`` on a timm Swin encoder (``tu-`` name, built by
 the model registry as a config builds it; the window of the last stage covers the whole
-map) equal to one device in fp64 at 2 and 3 ranks with no activation gather; window
-attention on H x W tiles refused by name. Also smp ``DPT`` on a timm ViT without class
+map) equal to one device in fp64 at 2 and 3 ranks with no activation gather (on H x W
+tiles and rows: ``tests/test_swin_tiles.py``). Also smp ``DPT`` on a timm ViT without class
 token (global attention on the ring), built by the registry."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from spconv_train.parallel import SpatialShardingError, parallelize
+from spconv_train.parallel import parallelize
 from spconv_train.parallel._comm_audit import CommAudit
 from tests.dist_harness import mesh
 from tests.meshes import mesh_and_placements
@@ -74,10 +74,15 @@ BUILDERS = {
 }  # fmt: skip
 
 
-def model_failures(kind: str, h: int, w: int) -> list[str]:
-    """One device against ``parallelize`` at this world size: output, every parameter
-    gradient, the no-gather audit (the relative position bias gradients are summed)."""
-    dmesh = mesh(dist.get_world_size())
+def model_failures(kind: str, h: int, w: int, grid: tuple[int, int] | None = None) -> list[str]:
+    """One device against ``parallelize`` at this world size (on W strips, or on the
+    ``grid`` of H x W tiles): output, every parameter gradient, the no-gather audit (the
+    relative position bias gradients are summed)."""
+    dmesh, placements = (
+        mesh_and_placements(grid, ("sp_h", "sp_w"))
+        if grid
+        else (mesh(dist.get_world_size()), [Shard(3)])
+    )
     torch.manual_seed(0)
     model = BUILDERS[kind](h, w).double()
     par = parallelize(copy.deepcopy(model), dmesh)
@@ -85,7 +90,7 @@ def model_failures(kind: str, h: int, w: int) -> list[str]:
     ref = model(x)
     gy = seeded(2, *ref.shape, dtype=torch.float64)
     ref.backward(gy)
-    xs = distribute_tensor(x, dmesh, [Shard(3)])
+    xs = distribute_tensor(x, dmesh, placements)
     with CommAudit() as audit:
         y = par(xs)
     gys = distribute_tensor(gy, dmesh, y.placements)
@@ -130,26 +135,3 @@ def test_swin_model_matches_single_device(dist_pool, kind, h, w, world):
     pytest.importorskip("segmentation_models_pytorch") if kind.startswith("smp") else None
     for rank, failures in enumerate(dist_pool.run(world, model_failures, kind, h, w)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)
-
-
-def tile_refusals() -> dict[str, str]:
-    from tests.test_swin import TinySwin
-
-    out = {}
-    for shape in ((2, 1), (1, 2)):
-        dmesh, placements = mesh_and_placements(shape, ("sp_h", "sp_w"))
-        x = distribute_tensor(seeded(1, 2, 3, 8, 20, dtype=torch.float64), dmesh, placements)
-        try:
-            parallelize(TinySwin().double(), dmesh)(x)
-            out[str(shape)] = "not refused"
-        except SpatialShardingError as exc:
-            out[str(shape)] = str(exc)
-    return out
-
-
-def test_window_attention_on_tiles_refused_with_module_path(dist_pool):
-    # windows on H x W tiles would need a two-level token layout of the window batch
-    for msgs in dist_pool.run(2, tile_refusals):
-        for shape, msg in msgs.items():
-            # refused by a handler that knows the op, not DTensor's error passed on
-            assert "module 'b1" in msg and "DTensor has no local rule" not in msg, (shape, msg)

@@ -61,6 +61,11 @@ AXIS_MESH_DIMS = {"D": "sp_d", "H": "sp_h", "W": "sp_w"}
 GRID_MESH_DIMS = tuple(AXIS_MESH_DIMS.values())
 
 
+def is_dp(x: DTensor, mesh_dim: int) -> bool:
+    """Whether ``mesh_dim`` of ``x``'s mesh is the data-parallel one (splits whole images)."""
+    return (x.device_mesh.mesh_dim_names or ())[mesh_dim : mesh_dim + 1] == (DP,)
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """The mesh dims of a run, their names and what each one shards (as torchtitan's

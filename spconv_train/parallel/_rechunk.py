@@ -4,9 +4,10 @@ are such a re-chunk: ``F.pad`` (every mode, negative amounts crop), slicing
 (``x[..., a:b:s]``, centre crops), ``flip`` and ``roll``.
 
 Each of them changes, along every sharded spatial dim of any layout (the width of strips, H
-and W of tiles, D, H or W of a volume, any of a block's; one dim at a time over its own mesh
-dim), which global column each output column reads and, since DTensor chunks the *new* size
-afresh, which rank owns it. A map is given as a few ``Segment``s (runs of output columns: a
+and W of tiles, D, H or W of a volume, any of a block's, the same dims of a channels-last
+map or volume: ``rechunk_axes``; one dim at a time over its own mesh dim), which global
+column each output column reads and, since DTensor chunks the *new* size afresh, which rank
+owns it. A map is given as a few ``Segment``s (runs of output columns: a
 fill, or input columns ``start, start + step, ...``; step 0 repeats one column, step -1
 mirrors). Every rank computes every rank's needs from the map (no metadata exchange),
 receives from each owner the hull of the columns it needs (one message per owner pair,
@@ -30,12 +31,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._dims import handled, is_dp, norm_dim, sharded_dims, wrap
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import register_handler
-from ._sharding import SPATIAL_DIMS_BY_NDIM, enter, leave, spatial_layout
-from ._tiles import axis_of
 
 
 @dataclass(frozen=True)
@@ -129,19 +128,34 @@ def remap_axis(local: Tensor, d: int, size: int, segments, axis, value: float = 
     return g.movedim(-1, d)
 
 
-def remap_dims(x: DTensor, maps: dict, what: str, value: float = 0.0, then=None, shape=None):
+def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
+    """``{tensor dim: (parts, rank, group)}`` of every dim of ``x`` a re-chunk moves: each
+    dim but the batch that a plain ``Shard`` of a non-``dp`` mesh dim splits, in any layout
+    (NCHW strips and tiles, NCDHW volumes, channels-last maps ``(B, H, W, C)`` and
+    ``(B, D, H, W, C)`` split along any of their spatial dims)."""
+    mesh = x.device_mesh
+    return {
+        d: (mesh.size(m), mesh.get_local_rank(m), mesh.get_group(m))
+        for d, m in sharded_dims(x).items()
+        if d > 0 and not is_dp(x, m)
+    }
+
+
+def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None):
     """The DTensor whose dim ``d`` holds the elements ``maps[d]`` describe (``Segment``s),
-    for every ``d`` in ``maps``: each sharded spatial dim of any layout (strips, tiles,
-    volumes, blocks) re-chunked over its own mesh dim in turn, the others locally.
-    ``then``: a local op run on each block afterwards (along unsharded dims), giving a
-    result of global ``shape``."""
-    x, layout = spatial_layout(x, what, x.ndim, tiles=True)
-    local = enter(x)
+    for every ``d`` in ``maps``: each sharded dim (``rechunk_axes``) re-chunked over its
+    own mesh dim in turn, the others locally. ``then``: a local op run on each block
+    afterwards (along unsharded dims), giving a result of global ``shape``."""
+    axes = rechunk_axes(x)
+    local = x.to_local()
     for d, segments in maps.items():
-        local = remap_axis(local, d, x.shape[d], segments, axis_of(layout, d), value)
+        local = remap_axis(local, d, x.shape[d], segments, axes.get(d), value)
     if shape is None:
         shape = [sum(s.length for s in maps[d]) if d in maps else n for d, n in enumerate(x.shape)]
-    return leave(then(local) if then else local, layout, tuple(shape))
+    out = then(local) if then else local
+    # contiguous: a view of the result (Swin's window partition after its pad) reads the
+    # local tensor as DTensor takes it to be, row-major
+    return wrap(out.contiguous(), x, x.placements, tuple(shape))
 
 
 def _run_local(x: DTensor, fn, removed: tuple[int, ...] = ()) -> DTensor:
@@ -173,11 +187,11 @@ def _expand_index(index, ndim: int):
 
 
 def _split(x, dims) -> list[int] | None:
-    """The sharded spatial dims among ``dims`` (each re-chunked), or None when ``dims``
-    touch another sharded dim (the batch): then DTensor's own rules run, watched by the
-    no-gather guard."""
-    where = sharded_dims(x)
-    remapped = [d for d in dims if d in where and d in SPATIAL_DIMS_BY_NDIM.get(x.ndim, ())]
+    """The sharded dims among ``dims`` that a re-chunk moves (``rechunk_axes``), or None
+    when ``dims`` touch another sharded dim (the batch): then DTensor's own rules run,
+    watched by the no-gather guard."""
+    where, axes = sharded_dims(x), rechunk_axes(x)
+    remapped = [d for d in dims if d in axes]
     return None if any(d in where and d not in remapped for d in dims) else remapped
 
 
@@ -199,7 +213,7 @@ def spatial_getitem(x, index):
         n = len(range(start, stop, step))
         maps[d] = [cols(start, n, step)] if n else []
         items = (*items[:d], slice(None), *items[d + 1 :])
-    x = remap_dims(x, maps, "slicing x[..., a:b:s]") if maps else x
+    x = remap_dims(x, maps) if maps else x
     if all(i == slice(None) for i in items):
         return x
     removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))
@@ -217,7 +231,7 @@ def spatial_flip(x, *dims, **kwargs):
         return torch.flip(x, given)
     n, rest = x.shape, [d for d in wanted if d not in remapped]
     maps = {d: [cols(n[d] - 1, n[d], -1)] for d in remapped}
-    return remap_dims(x, maps, "torch.flip", then=(lambda t: torch.flip(t, rest)) if rest else None)
+    return remap_dims(x, maps, then=(lambda t: torch.flip(t, rest)) if rest else None)
 
 
 @register_handler(torch.roll, torch.Tensor.roll)
@@ -242,7 +256,7 @@ def spatial_roll(x, shifts, dims=None):
         n, k = x.shape[d], s % x.shape[d]
         maps[d] = [g for g in (cols(n - k, k), cols(0, n - k)) if g.length]
     then = (lambda t: torch.roll(t, local_s, local_d)) if local_d else None
-    return remap_dims(x, maps, "torch.roll", then=then)
+    return remap_dims(x, maps, then=then)
 
 
 def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
@@ -284,7 +298,7 @@ def spatial_pad(input, pad, mode: str = "constant", value=None):
             "F.pad: padding the batch dimension of a batch-sharded tensor is not supported"
         )
     rest, maps = list(pad), {}
-    for d in _split(input, range(2, ndim)):  # the sharded spatial dims
+    for d in _split(input, range(1, ndim)):  # the sharded dims (channels-last: from 1)
         i = 2 * (ndim - 1 - d)  # F.pad lists the last dim first
         if any(pad[i : i + 2]):
             maps[d] = _pad_segments(input.shape[d], *pad[i : i + 2], mode)
@@ -292,4 +306,4 @@ def spatial_pad(input, pad, mode: str = "constant", value=None):
     args = (rest, mode, value) if mode == "constant" else (rest, mode)
     then = (lambda t: F.pad(t, *args)) if any(rest) else None
     v = 0.0 if value is None else float(value)
-    return remap_dims(input, maps, "F.pad", v, then, shape)
+    return remap_dims(input, maps, v, then, shape)

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _broadcast, _channels  # noqa: F401  (their handlers are wrapped below)
-from ._dims import DP, wrap
+from ._dims import is_dp, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
@@ -84,20 +84,17 @@ class TokenLayout:
         return torch.cat([torch.arange(self.prefix), idx]) if self.rank == 0 else idx
 
 
-def is_dp(x: DTensor, mesh_dim: int) -> bool:
-    """Whether ``mesh_dim`` of ``x``'s mesh is the data-parallel one (splits whole images)."""
-    return (x.device_mesh.mesh_dim_names or ())[mesh_dim : mesh_dim + 1] == (DP,)
-
-
 def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
     """``{mesh dim: (inner, unit)}`` of the mesh dims splitting one ``n``-long dim,
     ``chain`` their ``(split_factor, mesh dim)`` sorted: each chunks the factor between its
-    split factor and the next one's (the last: the rest). Split factors that do not nest
-    (equal ones) keep the one-dim meaning: the rest of the dim chunked, ``unit`` 1."""
+    split factor and the next one's (the last: the rest). A split factor equal to the next
+    one's chunks a factor of 1 (a map one row, or one window row, high split over ``sp_h``:
+    its first rank holds it all). Split factors that do not nest keep the one-dim meaning:
+    the rest of the dim chunked, ``unit`` 1."""
     out = {}
     for j, (sf, m) in enumerate(chain):
         nxt = chain[j + 1][0] if j + 1 < len(chain) else n
-        if nxt > sf and nxt % sf == 0 and n % max(nxt, 1) == 0:
+        if nxt >= sf and nxt % sf == 0 and n % max(nxt, 1) == 0:
             out[m] = (nxt // sf, n // nxt)
         else:
             out[m] = (n // sf, 1)
@@ -222,14 +219,6 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
             raise _mixes(x, out_shape, what, lay, "")
         placed[lay.mesh_dim] = found
         placements[lay.mesh_dim] = _placement(found[0], found[1], lay.prefix)
-    spatial = [m for m, (e, _, _) in placed.items() if e == 0 and not is_dp(x, m)]
-    if len(spatial) > 1:
-        raise SpatialShardingError(
-            f"{what} from {tuple(x.shape)} to {tuple(out_shape)} in module '{module_path()}' "
-            f"merges a map split over several mesh dims ({x.placements}: H x W tiles or rows) "
-            f"into the batch (a batch of windows): window attention is not supported there "
-            f"yet. Shard the width only (mesh ('sp',), [Shard(3)])."
-        )
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
         chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))

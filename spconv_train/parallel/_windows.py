@@ -20,10 +20,14 @@ layout of the other dims (NCHW as well as channels-last).
 
 The merge of ``(B, H // ws, W // ws)`` into the batch of windows is a token layout
 (``_tokens.py``): ``_StridedShard(0, split_factor=B * H // ws)``, every rank's windows are
-its local batch. Everything per window stays local: Linear, LayerNorm, softmax, the
-relative position bias (a ``(1, heads, N, N)`` plain tensor broadcast over the windows),
-the shifted-window mask (``(nW, N, N)``, indexed with the rank's windows by the token
-arithmetic of ``_tokens.py``), and here: ``q @ k.transpose(-2, -1)`` / ``attn @ v`` and
+its local batch. On H x W tiles (and rows) each split dim is cut as above over its own mesh
+dim, and the batch of windows is the tiles' nested layout (``_StridedShard(0, B)`` over
+``sp_h``, ``_StridedShard(0, B * H // ws)`` over ``sp_w``). A split dim before the
+innermost window index (D or H of a volume) merges by a re-chunk (``_window_moves.py``).
+Everything per window stays local: Linear, LayerNorm, softmax, the relative position bias
+(a ``(1, heads, N, N)`` plain tensor broadcast over the windows), the shifted-window mask
+(``(nW, N, N)``, indexed with the rank's windows by the token arithmetic of
+``_tokens.py``), and here: ``q @ k.transpose(-2, -1)`` / ``attn @ v`` and
 ``F.scaled_dot_product_attention`` on operands split only along their batch dims, with an
 attention mask sliced to the rank's windows.
 """
@@ -32,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,97 +51,7 @@ from ._mode import register_handler
 from ._prefix_shard import prefix_of
 from ._registry import DEFAULT_REGISTRY
 from ._tokens import TokenLayout, _target, split_layouts
-
-
-def _prefix(shape: tuple[int, ...]) -> list[int]:
-    out = [1]
-    for n in shape:
-        out.append(out[-1] * n)
-    return out
-
-
-def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
-    """The smallest run of input dims ``[d0, d1)`` holding ``d`` that a reshape to ``out``
-    turns into whole output dims, and the output run ``[e0, e1)`` it becomes (leading
-    size-1 output dims included); ``past_units``: the run goes on past size-1 dims after
-    ``d``. ``None`` for empty tensors."""
-    pin, pout = _prefix(shape), _prefix(out)
-    if 0 in shape or pin[-1] != pout[-1]:
-        return None
-    d0 = max(i for i in range(d + 1) if pin[i] in pout)
-    later = [i for i in range(d + 1, len(shape) + 1) if pin[i] in pout]
-    if past_units:
-        later = [i for i in later if pin[i] > pin[d]] or later
-    d1 = min(later)
-    e0 = min(j for j, p in enumerate(pout) if p == pin[d0])
-    # size-1 output dims at the start of the run go first to the size-1 input dims right
-    # before ``d0`` (a batch of one: (1, L, C) -> (1, L, 2, heads, e) keeps its 1 in front)
-    units_in = sum(1 for i in range(d0) if pin[i] == pin[d0])
-    units_out = sum(1 for j in range(e0 + 1, len(pout)) if pout[j] == pin[d0])
-    e0 += min(units_in, units_out)
-    e1 = min(j for j, p in enumerate(pout) if p == pin[d1])
-    return d0, d1, e0, e1
-
-
-@dataclass(frozen=True)
-class Move:
-    """How a reshape moves a plain ``Shard`` of input dim ``lay.dim`` whose size it
-    factorises (``split``: into output dims starting at ``dim``, the split factor outermost,
-    ``k`` elements of the dim per outer entry) or merges (``split`` False: with the ``k``
-    entries of the input dims right after it, into output dim ``dim``)."""
-
-    lay: TokenLayout
-    split: bool
-    dim: int
-    k: int
-
-
-#: ``(shape, dim)`` of the window-factorised maps whose split dim holds a single window
-#: (``dim`` of size 1, e.g. Swin's last stage, one 7 x 7 window): a reshape that merges
-#: such a size-1 split dim is the window reverse (into the dims after it), not a merge
-#: into the batch of windows (the dims before it), which the shape alone cannot tell.
-_SINGLE_WINDOW: set[tuple[tuple[int, ...], int]] = set()
-
-
-def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Move | None:
-    runs = _runs(shape, out, lay.dim, False)
-    if runs is None or runs[1] - runs[0] != 1:
-        return None
-    _, _, e0, e1 = runs
-    big = [j for j in range(e0, e1) if out[j] > 1]
-    if len(big) >= 2:  # (windows, ws): the split goes to the windows factor
-        return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]))
-    # (1, W) of a map dim (not the batch): one window along it when the reshape cuts two
-    # dims into windows (a partition of H and W); otherwise a size-1 dim added next to it
-    # (the dim stays split). A split dim that becomes three or more dims is no window cut
-    # either and stays split: a token dim unflattened to a grid with leading size-1 dims
-    # ((N, L, C) -> (N, 1, 1, W, C): a 3-D ViT's patches of a thin volume), a map one
-    # window high and one row deep ((B, 1, W, C) -> (B, 1, 1, 1, W, C)).
-    one = big == [e1 - 1] and e1 - e0 == 2 and lay.dim > 0
-    if one and len(out) >= len(shape) + 2:
-        if len(_SINGLE_WINDOW) > 1024:
-            _SINGLE_WINDOW.clear()
-        _SINGLE_WINDOW.add((tuple(out), e1 - 2))
-        return Move(lay, True, e1 - 2, out[e1 - 1])
-    return None
-
-
-def _merge(
-    lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...], split_dims=frozenset()
-) -> Move | None:
-    single = shape[lay.dim] == 1
-    if single and (tuple(shape), lay.dim) not in _SINGLE_WINDOW:
-        return None
-    runs = _runs(shape, out, lay.dim, single)
-    if runs is None:
-        return None
-    d0, d1, e0, e1 = runs
-    big = [j for j in range(e0, e1) if out[j] > 1] or [e1 - 1]
-    if d0 != lay.dim or d1 - d0 < 2 or len(big) != 1 or big[0] != e1 - 1:
-        return None
-    if split_dims.intersection(range(d0 + 1, d1)):  # H and W of a tile: tokens (_tokens.py)
-        return None
-    return Move(lay, False, e1 - 1, math.prod(shape[d0 + 1 : d1]))
+from ._window_moves import Move, window_move
 
 
 def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
@@ -146,18 +59,6 @@ def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
     dims around, the shape alone could place it on any of them)."""
     names = x.device_mesh.mesh_dim_names or ()
     return lay.parts == 1 and lay.dim == 0 and names[lay.mesh_dim : lay.mesh_dim + 1] == (DP,)
-
-
-def _move(
-    lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...], split_dims=frozenset()
-) -> Move | None:
-    """The factorisation (or merge) of a plain ``Shard``'s dim around window boundaries, or
-    ``None``: the reshape keeps the dim whole, mixes it otherwise, or the layout is a token
-    layout."""
-    if lay.split_factor != 1 or lay.unit != 1:
-        return None
-    m = _split(lay, shape, out)
-    return m if m is not None else _merge(lay, shape, out, split_dims)
 
 
 @functools.lru_cache(maxsize=256)
@@ -174,15 +75,69 @@ def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan
 
 
 def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor:
-    """``local``'s dim ``d`` (``size`` long globally) moved between the map's own chunks
-    and the window-aligned ones, point to point."""
-    plan = window_plan(size, move.lay.parts, move.k, move.split)
+    """``local``'s dim ``d`` (``size`` long globally: ``move.outer`` whole entries, each a
+    chunked run) moved between the map's own chunks and the window-aligned ones, point to
+    point."""
+    plan = window_plan(size // move.outer, move.lay.parts, move.k, move.split)
     if plan is None:
         return local
+    outer = move.outer
+    for lay in split_layouts(x):  # the images a dp mesh dim leaves this rank
+        if _tokens.is_dp(x, lay.mesh_dim) and lay.dim <= move.lay.dim:
+            outer = outer * lay.sizes()[lay.rank] // x.shape[lay.dim]
+    a, b = plan.owned[move.lay.rank]
+    t = local.unflatten(d, (outer, b - a)).movedim(d + 1, -1)
     group = x.device_mesh.get_group(move.lay.mesh_dim)
-    out = gather_columns(local.movedim(d, -1), plan, move.lay.rank, group)
+    out = gather_columns(t, plan, move.lay.rank, group).movedim(-1, d + 1).flatten(d, d + 1)
     # contiguous: DTensor takes the wrapped local tensor to be (its view ops rely on it)
-    return out.movedim(-1, d).contiguous()
+    return out.contiguous()
+
+
+#: ``(window-factorised shape, mesh dim)``: the dim of the split window index (a single
+#: window: the first rank holds it all) where that shape merged into the batch of windows;
+#: the reverse view to that shape puts the split back there, which the size-1 window
+#: indices alone cannot tell (``_target`` picks the innermost, W of strips).
+_SINGLE_AT: dict[tuple[tuple[int, ...], int], int] = {}
+
+
+def _remember_single(x: DTensor, lay: TokenLayout) -> None:
+    """Record a single window's split dim merged into the batch of windows."""
+    if lay.dim > 0 and not _tokens.is_dp(x, lay.mesh_dim):
+        if len(_SINGLE_AT) > 1024:
+            _SINGLE_AT.clear()
+        _SINGLE_AT[(tuple(x.shape), lay.mesh_dim)] = lay.dim
+
+
+def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]:
+    """``{mesh dim: output dim}`` of the size-1 factors (single windows: nothing chunked,
+    the first rank holds it all) of the batch of windows that a reshape puts back: on
+    tiles (a dim split over several mesh dims, ``_tokens._nest``) the size-1 output dims
+    that fit them, outer to inner in mesh dim order (``sp_h``'s window row before
+    ``sp_w``'s window column); on one mesh dim the window index it came from
+    (``_SINGLE_AT``). ``_target`` would pick the dim of the factor after them (same
+    runs), or the innermost one."""
+    shape, groups = tuple(x.shape), {}
+    for lay in split_layouts(x):
+        if not _tokens.is_dp(x, lay.mesh_dim):
+            groups.setdefault(lay.dim, []).append(lay)
+    out = {}
+    for d, lays in groups.items():
+        ones = [lay for lay in lays if lay.inner <= 1]
+        if not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
+            continue
+        head = math.prod(shape[:d]) * ones[0].split_factor
+        tail = math.prod(shape[d + 1 :]) * ones[0].unit
+        fits = [
+            e
+            for e, n in enumerate(out_shape)
+            if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
+        ]
+        at = _SINGLE_AT.get((tuple(out_shape), ones[0].mesh_dim))
+        if len(lays) == 1 and at in fits and len(out_shape) > len(shape):  # a reverse view
+            out[ones[0].mesh_dim] = at
+        elif len(lays) > 1 and len(fits) >= len(ones):
+            out.update(zip([o.mesh_dim for o in ones], fits[len(fits) - len(ones) :], strict=True))
+    return out
 
 
 def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn=None) -> DTensor:
@@ -200,19 +155,26 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     # batch over dp and the windows over sp both split the batch of windows)
     share = {e: (1, 1) for e in range(len(out_shape))}
     by_mesh = {m.lay.mesh_dim: m for m in moves}
+    single = _single_window_dims(x, out_shape)
     for lay in split_layouts(x):
         m = by_mesh.get(lay.mesh_dim)
         if m is not None:
-            total = shape[lay.dim] // m.k if m.split else shape[lay.dim]
+            total = shape[lay.dim] // m.outer // m.k if m.split else shape[lay.dim]
             a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
             e, own = m.dim, b - a
-            placements[lay.mesh_dim] = Shard(e)
+            placements[lay.mesh_dim] = Shard(e) if m.split else _tokens._placement(e, m.outer)
         elif _batch_of_one_rank(lay, x):
             placements[lay.mesh_dim] = Shard(0)
             continue
+        elif lay.mesh_dim in single:
+            e = single[lay.mesh_dim]
+            placements[lay.mesh_dim] = Shard(e)
+            own, total = lay.sizes()[lay.rank], shape[lay.dim]
         else:
             # a size-1 split factor fits several output dims: the window index, innermost
             e, sf, _ = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
+            if lay.inner <= 1 and e == 0:
+                _remember_single(x, lay)
             placements[lay.mesh_dim] = _tokens._placement(e, sf)
             own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
@@ -246,7 +208,8 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
         if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
             local = local or len(lays) > 1
             continue
-        m = _move(lay, shape, out_shape, _spatial_dims(x, lays, lay))
+        nested = sum(o.dim == lay.dim and not _tokens.is_dp(x, o.mesh_dim) for o in lays) > 1
+        m = window_move(lay, shape, out_shape, _spatial_dims(x, lays, lay), nested)
         if m is not None:
             moves.append(m)
             continue
