@@ -135,10 +135,12 @@ def _edge_failures(dmesh, placements) -> list[str]:
     return out
 
 
-def _failures(tiles: bool) -> list[str]:
+def _failures(tiles: bool, dp: bool = False) -> list[str]:
     world = dist.get_world_size()
     if tiles:
         dmesh, placements, (h, w) = mesh((2, 2), ("sp_h", "sp_w")), [Shard(2), Shard(3)], (5, 7)
+    elif dp:  # the batch split over dp beside W strips (the training mesh)
+        dmesh, placements, (h, w) = mesh((2, 2), ("dp", "sp")), [Shard(0), Shard(3)], (4, 7)
     else:
         dmesh, placements, (h, w) = mesh(world), [Shard(3)], (4, 7)
     x = seeded(1, 2, 3, h, w, dtype=torch.float64)
@@ -157,11 +159,14 @@ def _failures(tiles: bool) -> list[str]:
             grad_floor=1e-14,  # the mask head gets no gradient: its mask is detached
             label=f"{name}: ",
         )
+    if tiles:
+        out += [f"dp x sp: {f}" for f in _failures(False, dp=True)]
     return out + (_edge_failures(dmesh, placements) if world == 2 else [])
 
 
 @pytest.mark.parametrize("world,tiles", [(2, False), (3, False), (4, True)])
 def test_learned_queries_attend_to_sharded_keys(dist_pool, world, tiles):
-    # W = 7: 4 + 3 columns at 2 ranks, 3 + 3 + 1 at 3; 5 x 7 on 2 x 2 tiles
+    # W = 7: 4 + 3 columns at 2 ranks, 3 + 3 + 1 at 3; 5 x 7 on 2 x 2 tiles, and on the
+    # (dp, sp) = 2 x 2 mesh
     for rank, failures in enumerate(dist_pool.run(world, _failures, tiles)):
         assert not failures, f"rank {rank}: " + "; ".join(failures)

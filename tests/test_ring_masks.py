@@ -151,11 +151,12 @@ def model_failures(dmesh, placements, h: int, w: int, label: str) -> list[str]:
 def mask_checks() -> tuple[dict[str, float], list[str]]:
     """One worker call per world size: the op, and the model on W strips (2, 3 ranks:
     W = 7 splits 4 + 3 and 3 + 3 + 1) or on 2 x 2 tiles (4 ranks, 5 x 7: rows 3 + 2,
-    columns 4 + 3)."""
+    columns 4 + 3) and on a (dp, sp) = 2 x 2 mesh."""
     world = dist.get_world_size()
-    if world == 4:
+    if world == 4:  # and the batch split over dp beside W strips (the training mesh)
         dmesh, placements = mesh_and_placements((2, 2), ("sp_h", "sp_w"))
-        return {}, model_failures(dmesh, placements, 5, 7, "tiles ")
+        dp = model_failures(mesh((2, 2), ("dp", "sp")), [Shard(0), Shard(3)], 4, 7, "dp x sp ")
+        return {}, model_failures(dmesh, placements, 5, 7, "tiles ") + dp
     return op_errors(), model_failures(mesh(world), [Shard(3)], 4, 7, "strips ")
 
 
