@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
 from ._cross_attention import cross_sdpa, split_keys
-from ._cross_mha import cross_mha
+from ._cross_mha import cross_mha, in_projections
 from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
@@ -211,12 +211,7 @@ def spatial_multi_head_attention(*args, **kwargs):
     groups = tuple(q.device_mesh.get_group(m.mesh_dim) for m in split_layouts(q))
     heads, e = kw["num_heads"], q.shape[-1]
     # every weight gradient is a partial sum: each rank's queries (and, on the ring, keys)
-    if kw["use_separate_proj_weight"]:
-        ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
-    else:
-        ws = sum_grad_over(kw["in_proj_weight"], groups).chunk(3)
-    bias = sum_grad_over(kw["in_proj_bias"], groups)
-    bs = bias.chunk(3) if bias is not None else (None,) * 3
+    ws, bs = in_projections(kw, groups)
     local = [q.to_local()] + (
         [k.to_local(), v.to_local()]
         if mode == "ring"

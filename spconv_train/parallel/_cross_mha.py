@@ -90,6 +90,17 @@ def _whole_mha(kw: dict, what: str):
     return wrap(out, q, q.placements, q.shape), weights
 
 
+def in_projections(kw: dict, groups: tuple) -> tuple[list, list]:
+    """The q / k / v input projections' weights and biases of ``nn.MultiheadAttention``'s
+    functional arguments ``kw``, their gradients summed over ``groups``."""
+    if kw["use_separate_proj_weight"]:
+        ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
+    else:
+        ws = list(sum_grad_over(kw["in_proj_weight"], groups).chunk(3))
+    bias = sum_grad_over(kw["in_proj_bias"], groups)
+    return ws, list(bias.chunk(3)) if bias is not None else [None] * 3
+
+
 def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     """``F.multi_head_attention_forward`` (sequence-first ``(Q, N, E)`` whole queries,
     ``(L, N, E)`` keys / values with ``L`` split): projections local, the attention of
@@ -105,13 +116,7 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
         raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
     heads, e = kw["num_heads"], q.shape[-1]
-    split = _groups(k)  # the q / k / v side: every rank's share of the keys
-    if kw["use_separate_proj_weight"]:
-        ws = [sum_grad_over(kw[f"{n}_proj_weight"], split) for n in "qkv"]
-    else:
-        ws = sum_grad_over(kw["in_proj_weight"], split).chunk(3)
-    bias = sum_grad_over(kw["in_proj_bias"], split)
-    bs = bias.chunk(3) if bias is not None else (None,) * 3
+    ws, bs = in_projections(kw, _groups(k))  # every rank's share of the keys
     xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
     qh, kh, vh = (
         F.linear(x, w, b).reshape(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
