@@ -320,10 +320,23 @@ def token_layer_norm(fn, input, normalized_shape, weight=None, bias=None, eps=1e
     return wrap(out, input, input.placements, input.shape)
 
 
-def local_part(plain: Tensor, x: DTensor, skip: int | None = None) -> Tensor:
+def _unheld(x: DTensor, plain: Tensor, d: int, held: int, what: str) -> Exception:
+    return SpatialShardingError(
+        f"{what} of a token tensor {tuple(x.shape)} {x.placements} and a plain tensor "
+        f"{tuple(plain.shape)} in module '{module_path()}': this rank holds "
+        f"{x.to_local().shape[d]} entries of dim {d}, but those placements give it {held} "
+        f"(its local tensor is not the token layout of _tokens.py, e.g. built by "
+        f"DTensor.from_local with other shard sizes). Make the tokens by flattening the "
+        f"sharded map (x.flatten(2).transpose(1, 2)), or gather explicitly (x.full_tensor())."
+    )
+
+
+def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "an op") -> Tensor:
     """The part of ``plain`` (broadcast against ``x``'s global shape, e.g. a position
     embedding ``(1, L, C)``) that meets this rank's entries of ``x`` (all of dim ``skip``
-    of ``x``), with its gradient summed over the ranks that split ``x``."""
+    of ``x``), with its gradient summed over the ranks that split ``x``. Refuses
+    (``SpatialShardingError`` naming ``what`` and the module) a local tensor of ``x`` that
+    does not hold the entries its placements give the rank."""
     part = sum_grad_over(plain, _grad_groups(x))
     lead = x.ndim - part.ndim
     lays = split_layouts(x)
@@ -331,6 +344,10 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None) -> Tensor:
         k = d - lead
         if k >= 0 and part.shape[k] != 1:
             idx = held_indices(dim_layouts(lays, d))
+            # a mismatch would fail in the op as a bare size error, or broadcast a local
+            # dim of size 1 against the picked entries
+            if idx.numel() != x.to_local().shape[d]:
+                raise _unheld(x, plain, d, idx.numel(), what)
             part = part.index_select(k, idx.to(part.device))
     return part
 
@@ -359,7 +376,7 @@ def _arith(fn, a, b, *args, **kwargs):
             f"{function_name(fn)} of a token tensor {tuple(dt.shape)} and a plain tensor "
             f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
         )
-    part = local_part(plain, dt)
+    part = local_part(plain, dt, what=function_name(fn))
     la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
     return wrap(fn(la, lb, *args, **kwargs), dt, dt.placements, shape)
 
