@@ -24,6 +24,8 @@ its local batch. On H x W tiles (and rows) each split dim is cut as above over i
 dim, and the batch of windows is the tiles' nested layout (``_StridedShard(0, B)`` over
 ``sp_h``, ``_StridedShard(0, B * H // ws)`` over ``sp_w``). A split dim before the
 innermost window index (D or H of a volume) merges by a re-chunk (``_window_moves.py``).
+A ``dp`` mesh dim splits whole images: a re-chunk counts only this rank's images among
+the whole entries in front of the chunked run (``_local_outer``).
 Everything per window stays local: Linear, LayerNorm, softmax, the relative position bias
 (a ``(1, heads, N, N)`` plain tensor broadcast over the windows), the shifted-window mask
 (``(nW, N, N)``, indexed with the rank's windows by the token arithmetic of
