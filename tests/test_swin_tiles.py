@@ -10,10 +10,10 @@ One worker call per world size: 2 x 2 tiles (4 ranks) run the hand-written Swin 
 ``tests/test_swin.py`` (regular and shifted windows, SDPA and explicit matmuls, patch
 merging, NCHW windows, one window over the whole map) and a timm ``SwinTransformer`` (the
 model smp's ``tu-swin`` encoders build), and on the ``(dp, sp)`` mesh (batch over ``dp``)
-timm's Swin on strips and the MONAI stage below along D; 2 ranks run both on rows (a ``(2, 1)`` mesh) and a
-MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D windows on the channels-last
-volume, padding to whole windows, ``PatchMergingV2``) split along D and along H. The whole
-SwinUNETR in 3-D (its last stage one window): ``scripts/check_foreign_models.py
+timm's Swin on strips and the MONAI stage below along D; 2 ranks run both on rows (a
+``(2, 1)`` mesh) and a MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D
+windows on the channels-last volume, padding to whole windows, ``PatchMergingV2``) split
+along D and along H. The whole SwinUNETR in 3-D (its last stage one window): ``scripts/check_foreign_models.py
 --transformers``."""
 
 from __future__ import annotations
