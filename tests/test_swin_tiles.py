@@ -13,8 +13,8 @@ model smp's ``tu-swin`` encoders build), and on the ``(dp, sp)`` mesh (batch ove
 timm's Swin on strips and the MONAI stage below along D; 2 ranks run both on rows (a
 ``(2, 1)`` mesh) and a MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D
 windows on the channels-last volume, padding to whole windows, ``PatchMergingV2``) split
-along D and along H. The whole SwinUNETR in 3-D (its last stage one window): ``scripts/check_foreign_models.py
---transformers``."""
+along D and along H. The whole SwinUNETR in 3-D (its last stage one window):
+``scripts/check_foreign_models.py --transformers``."""
 
 from __future__ import annotations
 
