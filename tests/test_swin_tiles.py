@@ -9,11 +9,12 @@ no activation gather.
 One worker call per world size: 2 x 2 tiles (4 ranks) run the hand-written Swin of
 ``tests/test_swin.py`` (regular and shifted windows, SDPA and explicit matmuls, patch
 merging, NCHW windows, one window over the whole map) and a timm ``SwinTransformer`` (the
-model smp's ``tu-swin`` encoders build); 2 ranks run both on rows (a ``(2, 1)`` mesh) and a
-MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D windows on the channels-last
-volume, padding to whole windows, ``PatchMergingV2``) split along D and along H. The whole
-SwinUNETR in 3-D (its last stage one window): ``scripts/check_foreign_models.py
---transformers``."""
+model smp's ``tu-swin`` encoders build), and on the ``(dp, sp)`` mesh (batch over ``dp``)
+timm's Swin on strips and the MONAI stage below along D; 2 ranks run both on rows (a
+``(2, 1)`` mesh) and a MONAI SwinUNETR stage (``BasicLayer``: regular and shifted 3-D
+windows on the channels-last volume, padding to whole windows, ``PatchMergingV2``) split
+along D and along H. The whole SwinUNETR in 3-D (its last stage one window):
+``scripts/check_foreign_models.py --transformers``."""
 
 from __future__ import annotations
 
@@ -56,28 +57,66 @@ def tile_failures() -> list[str]:
     from tests.test_swin_models import model_failures
 
     timm = model_failures("timm", 16, 24, (2, 2))
-    return _tiny_swin((2, 2)) + [f"timm 16 x 24 on 2 x 2 tiles: {f}" for f in timm]
+    out = _tiny_swin((2, 2)) + [f"timm 16 x 24 on 2 x 2 tiles: {f}" for f in timm]
+    pytest.importorskip("monai")
+    return out + _timm_dp_strips() + _monai_stage(2, (10, 4, 4), dp=2)
 
 
-def _monai_stage(dim: int, shape: tuple[int, int, int]) -> list[str]:
+def _monai_stage(dim: int, shape: tuple[int, int, int], dp: int = 1) -> list[str]:
     """MONAI's ``BasicLayer`` (2 blocks, windows of 4^3, shift 2, ``PatchMergingV2``) on a
-    ``(1, 8, *shape)`` volume split along tensor dim ``dim`` over 2 ranks: the split dim of
-    10 (5 + 5) padded to 12, 3 windows (2 + 1)."""
+    ``(dp, 8, *shape)`` volume split along tensor dim ``dim`` over 2 ranks (and its batch
+    over ``dp`` ranks when ``dp > 1``): the split dim of 10 (5 + 5) padded to 12, 3
+    windows (2 + 1)."""
     from monai.networks.nets import swin_unetr
 
     torch.manual_seed(0)
     model = swin_unetr.BasicLayer(
         8, 2, 2, (4, 4, 4), [0.0, 0.0], downsample=swin_unetr.PatchMergingV2
     ).double()
+    dmesh, placements = (
+        (mesh((dp, 2), ("dp", "sp")), [Shard(0), Shard(dim)]) if dp > 1 else (mesh(2), [Shard(dim)])
+    )
     return check_model_audited(
         model,
-        seeded(1, 1, 8, *shape, dtype=torch.float64),
+        seeded(1, dp, 8, *shape, dtype=torch.float64),
         lambda out: seeded(2, *out, dtype=torch.float64),
-        mesh(2),
-        [Shard(dim)],
+        dmesh,
+        placements,
         param_shapes={(1, 2, 64, 64)},  # the relative position bias
         traffic="re-chunk",
-        label=f"SwinUNETR stage {shape} Shard({dim}): ",
+        label=f"SwinUNETR stage {shape} Shard({dim}) dp {dp}: ",
+    )
+
+
+class _Nchw(torch.nn.Module):
+    """timm's channels-last output ``(B, H, W, C)`` as ``(B, C, H, W)``: split like the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(0, 3, 1, 2)
+
+
+def _timm_dp_strips() -> list[str]:
+    """timm's Swin at 16 x 24 (W: 6 + 6 tokens, windows 2 + 1) on the ``(dp, sp)`` mesh
+    that ``spconv-train run`` builds with ``parallel.dp = 2``: a batch of 2 split over
+    ``dp``, W over ``sp``."""
+    from tests.test_swin_models import BUILDERS
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(BUILDERS["timm"](16, 24), _Nchw()).double()
+    bias = {
+        (1, m.relative_position_bias_table.shape[1], *m.relative_position_index.shape)
+        for m in model.modules()
+        if hasattr(m, "relative_position_index")
+    }
+    return check_model_audited(
+        model,
+        seeded(1, 2, 3, 16, 24, dtype=torch.float64),
+        lambda out: seeded(2, *out, dtype=torch.float64),
+        mesh((2, 2), ("dp", "sp")),
+        [Shard(0), Shard(3)],
+        param_shapes=bias,
+        traffic="re-chunk",
+        label="timm 16 x 24 on (dp, sp) strips: ",
     )
 
 

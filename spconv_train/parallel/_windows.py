@@ -24,6 +24,8 @@ its local batch. On H x W tiles (and rows) each split dim is cut as above over i
 dim, and the batch of windows is the tiles' nested layout (``_StridedShard(0, B)`` over
 ``sp_h``, ``_StridedShard(0, B * H // ws)`` over ``sp_w``). A split dim before the
 innermost window index (D or H of a volume) merges by a re-chunk (``_window_moves.py``).
+A ``dp`` mesh dim splits whole images: a re-chunk counts only this rank's images among
+the whole entries in front of the chunked run (``_local_outer``).
 Everything per window stays local: Linear, LayerNorm, softmax, the relative position bias
 (a ``(1, heads, N, N)`` plain tensor broadcast over the windows), the shifted-window mask
 (``(nW, N, N)``, indexed with the rank's windows by the token arithmetic of
@@ -74,17 +76,35 @@ def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan
     return ExchangePlan(size, owned, tuple((n,) for n in needed))
 
 
-def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, size: int) -> Tensor:
-    """``local``'s dim ``d`` (``size`` long globally: ``move.outer`` whole entries, each a
-    chunked run) moved between the map's own chunks and the window-aligned ones, point to
-    point."""
+def _local_outer(x: DTensor, move: Move, out_shape: tuple[int, ...]) -> int:
+    """``move.outer`` on this rank: a ``dp`` mesh dim leaves it part of the images, where
+    the batch is among the whole entries in front of the chunked run (the factorised dim
+    itself, the batch of windows, when ``move`` splits; an input dim merged in front of
+    the split one into the output dim when it merges). A batch on a dim of its own (a map
+    split along W, H or D) leaves the run's entries whole."""
+    outer = move.outer
+    lead = math.prod(out_shape[: move.dim])  # entries of the output dims before the merge
+    for lay in split_layouts(x):
+        if not _tokens.is_dp(x, lay.mesh_dim):
+            continue
+        if move.split:
+            front = lay.dim == move.lay.dim
+        else:
+            front = lay.dim < move.lay.dim and math.prod(x.shape[: lay.dim + 1]) > lead
+        if front:
+            outer = outer * lay.sizes()[lay.rank] // x.shape[lay.dim]
+    return outer
+
+
+def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, out_shape: tuple[int, ...]) -> Tensor:
+    """``local``'s dim ``d`` (of ``x`` when ``move`` splits, of the reshape's
+    ``out_shape`` when it merges: ``move.outer`` whole entries, each a chunked run) moved
+    between the map's own chunks and the window-aligned ones, point to point."""
+    size = x.shape[d] if move.split else out_shape[d]
     plan = window_plan(size // move.outer, move.lay.parts, move.k, move.split)
     if plan is None:
         return local
-    outer = move.outer
-    for lay in split_layouts(x):  # the images a dp mesh dim leaves this rank
-        if _tokens.is_dp(x, lay.mesh_dim) and lay.dim <= move.lay.dim:
-            outer = outer * lay.sizes()[lay.rank] // x.shape[lay.dim]
+    outer = _local_outer(x, move, out_shape)
     a, b = plan.owned[move.lay.rank]
     t = local.unflatten(d, (outer, b - a)).movedim(d + 1, -1)
     group = x.device_mesh.get_group(move.lay.mesh_dim)
@@ -150,7 +170,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     local = x.to_local()
     for m in moves:
         if m.split:
-            local = _rechunk(local, x, m, m.lay.dim, shape[m.lay.dim])
+            local = _rechunk(local, x, m, m.lay.dim, out_shape)
     # each split dim's share of the output dim it lands on (several can land on one: the
     # batch over dp and the windows over sp both split the batch of windows)
     share = {e: (1, 1) for e in range(len(out_shape))}
@@ -184,7 +204,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
     for m in moves:
         if not m.split:
-            out = _rechunk(out, x, m, m.dim, out_shape[m.dim])
+            out = _rechunk(out, x, m, m.dim, out_shape)
     return wrap(out, x, placements, out_shape)
 
 
