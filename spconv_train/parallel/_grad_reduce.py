@@ -201,14 +201,13 @@ class GradReducer:
         goes to its bucket. ``grad`` (the other uses', complete) reaches ``.grad`` as is."""
         if key not in self._pending:
             return  # used outside a sharded op this time: nothing to sum
-        if self._buckets is None:
-            if self.deferred_world is not None:  # clear the marks at the end (see defer_to)
+        if self.deferred_world is not None:  # scaled per use; clear the marks at the end
+            if self._buckets is None:
                 self._buckets = []
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-                return
-            self._start()
-        if self.deferred_world is not None:
             return
+        if self._buckets is None:
+            self._start()
         partial = self._partial.pop(key, None)
         bucket, i = self._slot[key]
         if partial is not None:
