@@ -148,16 +148,22 @@ def _moves_activation(src, dst) -> bool:
 _original = ExplicitRedistributionContext.observe_redistribution.__func__
 
 
+def _op_of(message) -> str | None:
+    """The op an implicit redistribution's ``message`` names (``"... for aten.x(..."``)."""
+    found = re.search(r"for (\S+?)[(\s]", str(message))
+    return found.group(1) if found else None
+
+
 def _observe(cls, src_spec, dst_spec, message):
     meta = src_spec.tensor_meta
-    if meta is not None:
-        found = re.search(r"for (\S+?)[(\s]", str(message))
-        what = f"an implicit redistribution for {found.group(1) if found else 'an op'}"
+    # only nested or prefix token layouts (a _StridedShard, PrefixShard included) can be
+    # misread: the others skip the check and its message on every implicit redistribution
+    if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
+        what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
     guard = _active()
     if guard is not None and _moves_activation(src_spec, dst_spec):
-        found = re.search(r"for (\S+?)[(\s]", str(message))
-        op = found.group(1) if found else str(message)
+        op = _op_of(message) or str(message)
         where = module_path()
         event = GatherEvent(op, where, str(src_spec.placements), str(dst_spec.placements))
         if not guard.allow:
