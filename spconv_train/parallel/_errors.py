@@ -60,6 +60,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._dims import DP
 from ._geometry import SpatialShardingError, all_shard_bounds
+from ._prefix_shard import prefix_of
 from ._registry import function_name
 from ._runtime import current_runtime
 
@@ -237,7 +238,7 @@ def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
     for m, p in enumerate(placements):
         # a PrefixShard (_prefix_shard.py) reads as its _StridedShard to DTensor, which
         # would gather or re-split the tokens without the first rank's prefix rows
-        if getattr(p, "prefix", 0) and (target is None or target[m] != p):
+        if prefix_of(p) and (target is None or target[m] != p):
             raise SpatialShardingError(
                 f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
                 f"'{module_path()}' is not supported: dim {p.dim} holds {p.prefix} prefix "
