@@ -60,6 +60,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._dims import DP
 from ._geometry import SpatialShardingError, all_shard_bounds
+from ._prefix_shard import prefix_of
 from ._registry import function_name
 from ._runtime import current_runtime
 
@@ -148,16 +149,22 @@ def _moves_activation(src, dst) -> bool:
 _original = ExplicitRedistributionContext.observe_redistribution.__func__
 
 
+def _op_of(message) -> str | None:
+    """The op an implicit redistribution's ``message`` names (``"... for aten.x(..."``)."""
+    found = re.search(r"for (\S+?)[(\s]", str(message))
+    return found.group(1) if found else None
+
+
 def _observe(cls, src_spec, dst_spec, message):
     meta = src_spec.tensor_meta
-    if meta is not None:
-        found = re.search(r"for (\S+?)[(\s]", str(message))
-        what = f"an implicit redistribution for {found.group(1) if found else 'an op'}"
+    # only nested or prefix token layouts (a _StridedShard, PrefixShard included) can be
+    # misread: the others skip the check and its message on every implicit redistribution
+    if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
+        what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
     guard = _active()
     if guard is not None and _moves_activation(src_spec, dst_spec):
-        found = re.search(r"for (\S+?)[(\s]", str(message))
-        op = found.group(1) if found else str(message)
+        op = _op_of(message) or str(message)
         where = module_path()
         event = GatherEvent(op, where, str(src_spec.placements), str(dst_spec.placements))
         if not guard.allow:
@@ -231,7 +238,7 @@ def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
     for m, p in enumerate(placements):
         # a PrefixShard (_prefix_shard.py) reads as its _StridedShard to DTensor, which
         # would gather or re-split the tokens without the first rank's prefix rows
-        if getattr(p, "prefix", 0) and (target is None or target[m] != p):
+        if prefix_of(p) and (target is None or target[m] != p):
             raise SpatialShardingError(
                 f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
                 f"'{module_path()}' is not supported: dim {p.dim} holds {p.prefix} prefix "

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from . import _reduce  # noqa: F401  (its handlers are wrapped)
-from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
@@ -32,7 +31,7 @@ from ._mode import register_handler
 from ._prefix_shard import prefix_of
 from ._registry import function_name
 from ._sharding import sharded_dim
-from ._token_prefix import _previous
+from ._token_prefix import _as_graph_material, _previous
 from ._tokens import _grad_groups, _placement, is_tokens, split_layouts
 
 _T = torch.Tensor
@@ -129,8 +128,7 @@ def _token_wise(fn, spec: _Spec):
         return wrap(out, x, placements, shapes.shape)
 
     handler.__name__ = f"token_{getattr(fn, '__name__', 'op')}"
-    # graph material (``_compile.graph_handler``) only where the handler it wraps is
-    return graph_handler(handler) if in_dtensor_graphs(prev) else handler
+    return _as_graph_material(handler, prev)
 
 
 for _spec, _names in _OPS.items():
@@ -148,8 +146,8 @@ def _rms_norm(prev):
         """``F.rms_norm`` over trailing dims no rank splits (the channels): local, the
         weight's gradient summed over the ranks (as ``_tokens.token_layer_norm``)."""
         k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-        split = [lay for lay in split_layouts(input) if lay.dim >= input.ndim - k]
-        if not is_tokens(input) or split:
+        # is_tokens first: the layouts are read only for token tensors
+        if not is_tokens(input) or any(lay.dim >= input.ndim - k for lay in split_layouts(input)):
             return prev(input, normalized_shape, weight, eps)
         w = sum_grad_over(weight, _grad_groups(input))
         out = F.rms_norm(input.to_local(), normalized_shape, w, eps)

@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
-from ._dims import DP, wrap
+from ._dims import is_dp, wrap
 from ._errors import module_path
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
@@ -59,8 +59,7 @@ from ._window_moves import Move, window_move
 def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
     """The batch split over a ``dp`` mesh dim of one rank: kept on dim 0 (with size-1
     dims around, the shape alone could place it on any of them)."""
-    names = x.device_mesh.mesh_dim_names or ()
-    return lay.parts == 1 and lay.dim == 0 and names[lay.mesh_dim : lay.mesh_dim + 1] == (DP,)
+    return lay.parts == 1 and lay.dim == 0 and is_dp(x, lay.mesh_dim)
 
 
 @functools.lru_cache(maxsize=256)
@@ -76,16 +75,18 @@ def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan
     return ExchangePlan(size, owned, tuple((n,) for n in needed))
 
 
-def _local_outer(x: DTensor, move: Move, out_shape: tuple[int, ...]) -> int:
+def _local_outer(
+    x: DTensor, lays: list[TokenLayout], move: Move, out_shape: tuple[int, ...]
+) -> int:
     """``move.outer`` on this rank: a ``dp`` mesh dim leaves it part of the images, where
     the batch is among the whole entries in front of the chunked run (the factorised dim
     itself, the batch of windows, when ``move`` splits; an input dim merged in front of
     the split one into the output dim when it merges). A batch on a dim of its own (a map
-    split along W, H or D) leaves the run's entries whole."""
+    split along W, H or D) leaves the run's entries whole. ``lays``: ``split_layouts(x)``."""
     outer = move.outer
     lead = math.prod(out_shape[: move.dim])  # entries of the output dims before the merge
-    for lay in split_layouts(x):
-        if not _tokens.is_dp(x, lay.mesh_dim):
+    for lay in lays:
+        if not is_dp(x, lay.mesh_dim):
             continue
         if move.split:
             front = lay.dim == move.lay.dim
@@ -96,7 +97,14 @@ def _local_outer(x: DTensor, move: Move, out_shape: tuple[int, ...]) -> int:
     return outer
 
 
-def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, out_shape: tuple[int, ...]) -> Tensor:
+def _rechunk(
+    local: Tensor,
+    x: DTensor,
+    lays: list[TokenLayout],
+    move: Move,
+    d: int,
+    out_shape: tuple[int, ...],
+) -> Tensor:
     """``local``'s dim ``d`` (of ``x`` when ``move`` splits, of the reshape's
     ``out_shape`` when it merges: ``move.outer`` whole entries, each a chunked run) moved
     between the map's own chunks and the window-aligned ones, point to point."""
@@ -104,7 +112,7 @@ def _rechunk(local: Tensor, x: DTensor, move: Move, d: int, out_shape: tuple[int
     plan = window_plan(size // move.outer, move.lay.parts, move.k, move.split)
     if plan is None:
         return local
-    outer = _local_outer(x, move, out_shape)
+    outer = _local_outer(x, lays, move, out_shape)
     a, b = plan.owned[move.lay.rank]
     t = local.unflatten(d, (outer, b - a)).movedim(d + 1, -1)
     group = x.device_mesh.get_group(move.lay.mesh_dim)
@@ -122,27 +130,29 @@ _SINGLE_AT: dict[tuple[tuple[int, ...], int], int] = {}
 
 def _remember_single(x: DTensor, lay: TokenLayout) -> None:
     """Record a single window's split dim merged into the batch of windows."""
-    if lay.dim > 0 and not _tokens.is_dp(x, lay.mesh_dim):
+    if lay.dim > 0 and not is_dp(x, lay.mesh_dim):
         if len(_SINGLE_AT) > 1024:
             _SINGLE_AT.clear()
         _SINGLE_AT[(tuple(x.shape), lay.mesh_dim)] = lay.dim
 
 
-def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int]:
+def _single_window_dims(
+    x: DTensor, lays: list[TokenLayout], out_shape: tuple[int, ...]
+) -> dict[int, int]:
     """``{mesh dim: output dim}`` of the size-1 factors (single windows: nothing chunked,
     the first rank holds it all) of the batch of windows that a reshape puts back: on
     tiles (a dim split over several mesh dims, ``_tokens._nest``) the size-1 output dims
     that fit them, outer to inner in mesh dim order (``sp_h``'s window row before
     ``sp_w``'s window column); on one mesh dim the window index it came from
     (``_SINGLE_AT``). ``_target`` would pick the dim of the factor after them (same
-    runs), or the innermost one."""
+    runs), or the innermost one. ``lays``: ``split_layouts(x)``."""
     shape, groups = tuple(x.shape), {}
-    for lay in split_layouts(x):
-        if not _tokens.is_dp(x, lay.mesh_dim):
+    for lay in lays:
+        if not is_dp(x, lay.mesh_dim):
             groups.setdefault(lay.dim, []).append(lay)
     out = {}
-    for d, lays in groups.items():
-        ones = [lay for lay in lays if lay.inner <= 1]
+    for d, group in groups.items():
+        ones = [lay for lay in group if lay.inner <= 1]
         if not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
             continue
         head = math.prod(shape[:d]) * ones[0].split_factor
@@ -153,9 +163,9 @@ def _single_window_dims(x: DTensor, out_shape: tuple[int, ...]) -> dict[int, int
             if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
         ]
         at = _SINGLE_AT.get((tuple(out_shape), ones[0].mesh_dim))
-        if len(lays) == 1 and at in fits and len(out_shape) > len(shape):  # a reverse view
+        if len(group) == 1 and at in fits and len(out_shape) > len(shape):  # a reverse view
             out[ones[0].mesh_dim] = at
-        elif len(lays) > 1 and len(fits) >= len(ones):
+        elif len(group) > 1 and len(fits) >= len(ones):
             out.update(zip([o.mesh_dim for o in ones], fits[len(fits) - len(ones) :], strict=True))
     return out
 
@@ -168,15 +178,16 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     shape = tuple(x.shape)
     placements = list(x.placements)
     local = x.to_local()
+    lays = split_layouts(x)  # read once: every step below reads the input's layouts
     for m in moves:
         if m.split:
-            local = _rechunk(local, x, m, m.lay.dim, out_shape)
+            local = _rechunk(local, x, lays, m, m.lay.dim, out_shape)
     # each split dim's share of the output dim it lands on (several can land on one: the
     # batch over dp and the windows over sp both split the batch of windows)
     share = {e: (1, 1) for e in range(len(out_shape))}
     by_mesh = {m.lay.mesh_dim: m for m in moves}
-    single = _single_window_dims(x, out_shape)
-    for lay in split_layouts(x):
+    single = _single_window_dims(x, lays, out_shape)
+    for lay in lays:
         m = by_mesh.get(lay.mesh_dim)
         if m is not None:
             total = shape[lay.dim] // m.outer // m.k if m.split else shape[lay.dim]
@@ -204,16 +215,16 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
     for m in moves:
         if not m.split:
-            out = _rechunk(out, x, m, m.dim, out_shape)
+            out = _rechunk(out, x, lays, m, m.dim, out_shape)
     return wrap(out, x, placements, out_shape)
 
 
 def _spatial_dims(x: DTensor, lays: list[TokenLayout], lay: TokenLayout) -> frozenset[int]:
     """The other dims split by a spatial mesh dim when ``lay`` is spatial too (H and W of a
     tile: their merge is the tiles' token layout, ``_tokens.py``, not a window move)."""
-    if _tokens.is_dp(x, lay.mesh_dim):
+    if is_dp(x, lay.mesh_dim):
         return frozenset()
-    return frozenset(o.dim for o in lays if not _tokens.is_dp(x, o.mesh_dim)) - {lay.dim}
+    return frozenset(o.dim for o in lays if not is_dp(x, o.mesh_dim)) - {lay.dim}
 
 
 def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
@@ -228,7 +239,7 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
         if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
             local = local or len(lays) > 1
             continue
-        nested = sum(o.dim == lay.dim and not _tokens.is_dp(x, o.mesh_dim) for o in lays) > 1
+        nested = sum(o.dim == lay.dim and not is_dp(x, o.mesh_dim) for o in lays) > 1
         m = window_move(lay, shape, out_shape, _spatial_dims(x, lays, lay), nested)
         if m is not None:
             moves.append(m)
