@@ -134,8 +134,10 @@ def spatial_sdpa(
     """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
     ranks: the ring, or local attention to whole keys / values."""
     what = "F.scaled_dot_product_attention"
-    if split_keys(query, key, -2):  # whole queries, keys split: _cross_attention.py
-        return cross_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    kseq = split_keys(query, key, -2)
+    if kseq:  # whole queries, keys split: _cross_attention.py
+        args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return cross_sdpa(kseq, *args)
     if not isinstance(query, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")
     for bad, why in (

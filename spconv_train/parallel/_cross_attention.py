@@ -162,11 +162,11 @@ def attend(
     return num / den
 
 
-def cross_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """``F.scaled_dot_product_attention`` with whole queries ``(..., Q, E)`` and the keys /
-    values' sequence (dim -2) split over the spatial ranks: whole output on every rank."""
+    values' sequence (dim -2) split over the spatial ranks (``kseq``: ``split_keys``'s
+    layouts): whole output on every rank."""
     what = "F.scaled_dot_product_attention"
-    kseq = split_keys(query, key, -2)
     for bad, why in (
         (is_causal, "is_causal=True"),
         (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
