@@ -25,6 +25,7 @@ from ._cross_attention import (
 )
 from ._dims import wrap
 from ._halo import sum_grad_over
+from ._ring_mask import additive
 from ._token_ring import token_ring
 from ._tokens import split_layouts
 
@@ -45,10 +46,11 @@ def _extras(kw: dict) -> str | None:
 
 
 def _additive(t: Tensor | None, dtype) -> Tensor | None:
-    """A bool mask of ``nn.MultiheadAttention`` (True masks out) as an additive one."""
+    """A bool mask of ``nn.MultiheadAttention`` (True masks out) as an additive one; a
+    float mask as given."""
     if t is None or t.dtype != torch.bool:
         return t
-    return torch.zeros_like(t, dtype=dtype).masked_fill_(t, -math.inf)
+    return additive(t, dtype, masked=True)
 
 
 def _mha_mask(kw: dict, k: DTensor, kseq: Seq, n: int, dtype) -> Tensor | None:
