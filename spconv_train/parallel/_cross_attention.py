@@ -220,5 +220,9 @@ def whole_operand_einsum(equation: str, a, b) -> DTensor | None:
         _partial_local(t, tuple(p)) if p else t.to_local()
         for t, p in zip((a, b), partial, strict=True)
     ]
-    shape = torch.einsum(eq, *(torch.empty(t.shape, device="meta") for t in (a, b))).shape
+    sizes: dict[str, int] = {}
+    for names, t in ((sa, a), (sb, b)):
+        for ch, n in zip(names, t.shape, strict=True):
+            sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
+    shape = tuple(sizes[ch] for ch in out)
     return wrap(torch.einsum(eq, *ops), a, placements, shape)
