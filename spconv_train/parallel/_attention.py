@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial
 
 from ._cross_attention import cross_sdpa, split_keys
-from ._cross_mha import cross_mha, in_projections
+from ._cross_mha import cross_mha, in_projections, unsupported_mha
 from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
@@ -134,8 +134,10 @@ def spatial_sdpa(
     """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
     ranks: the ring, or local attention to whole keys / values."""
     what = "F.scaled_dot_product_attention"
-    if split_keys(query, key, -2):  # whole queries, keys split: _cross_attention.py
-        return cross_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    kseq = split_keys(query, key, -2)
+    if kseq:  # whole queries, keys split: _cross_attention.py
+        args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return cross_sdpa(kseq, *args)
     if not isinstance(query, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")
     for bad, why in (
@@ -161,22 +163,6 @@ def spatial_sdpa(
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
 
-def _unsupported_mha(kw: dict) -> str | None:
-    checks = (
-        ("bias_k", "bias_k / bias_v (add_bias_kv=True)"),
-        ("add_zero_attn", "add_zero_attn=True"),
-        ("static_k", "static_k / static_v"),
-    )
-    for name, why in checks:
-        if kw.get(name) is not None and kw.get(name) is not False:
-            return why
-    if kw["is_causal"] and kw["attn_mask"] is None:  # torch refuses it too
-        return "is_causal=True without an attn_mask"
-    if kw["training"] and kw["dropout_p"] > 0:
-        return f"attention dropout (dropout={kw['dropout_p']}) in training"
-    return None
-
-
 #: ``F.multi_head_attention_forward``'s parameters and their defaults
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
@@ -197,7 +183,7 @@ def spatial_multi_head_attention(*args, **kwargs):
         return cross_mha(kw, kseq)
     if not isinstance(q, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")
-    why = _unsupported_mha(kw)
+    why = unsupported_mha(kw, causal_with_mask=True)
     if why:
         raise _refuse(what, why)
     seq = _sequence_layout(q, 0, 1, what)

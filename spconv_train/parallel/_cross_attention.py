@@ -28,6 +28,7 @@ from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._reduce import _global_extreme
+from ._ring_mask import select_rows
 from ._small_sum import sum_replicated
 from ._token_ring import token_ring
 from ._tokens import TokenLayout, _placement, held_indices, is_dp, split_layouts
@@ -112,11 +113,8 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     is indexed with the rank's token indices, its gradient summed over the ranks."""
     if mask is None:
         return None
-    held = held_indices(kseq)
     if not isinstance(mask, DTensor):
-        part = sum_grad_over(mask, _groups(k))
-        if part.shape[-1] != 1:
-            part = part.index_select(-1, held.to(part.device))
+        part = select_rows(mask, {-1: kseq}, _groups(k))  # the columns of this rank's keys
         return part if rows is None else _batch_rows(part, k, kseq, 0, rows)
     last = mask.ndim - 1
     lays = split_layouts(mask)
@@ -127,7 +125,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     )
     if on_last:
         bad = bad or sorted(lay.mesh_dim for lay in on_last) != dims
-        bad = bad or not torch.equal(held_indices(on_last), held)
+        bad = bad or not torch.equal(held_indices(on_last), held_indices(kseq))
     if bad:
         raise _refuse(
             what,
@@ -136,8 +134,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
         )
     if on_last:
         return mask.to_local()
-    part = _partial_local(mask, kseq)
-    return part.index_select(-1, held.to(part.device)) if part.shape[-1] != 1 else part
+    return select_rows(_partial_local(mask, kseq), {-1: kseq}, ())
 
 
 def attend(
@@ -162,11 +159,11 @@ def attend(
     return num / den
 
 
-def cross_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """``F.scaled_dot_product_attention`` with whole queries ``(..., Q, E)`` and the keys /
-    values' sequence (dim -2) split over the spatial ranks: whole output on every rank."""
+    values' sequence (dim -2) split over the spatial ranks (``kseq``: ``split_keys``'s
+    layouts): whole output on every rank."""
     what = "F.scaled_dot_product_attention"
-    kseq = split_keys(query, key, -2)
     for bad, why in (
         (is_causal, "is_causal=True"),
         (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
@@ -223,5 +220,9 @@ def whole_operand_einsum(equation: str, a, b) -> DTensor | None:
         _partial_local(t, tuple(p)) if p else t.to_local()
         for t, p in zip((a, b), partial, strict=True)
     ]
-    shape = torch.einsum(eq, *(torch.empty(t.shape, device="meta") for t in (a, b))).shape
+    sizes: dict[str, int] = {}
+    for names, t in ((sa, a), (sb, b)):
+        for ch, n in zip(names, t.shape, strict=True):
+            sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
+    shape = tuple(sizes[ch] for ch in out)
     return wrap(torch.einsum(eq, *ops), a, placements, shape)

@@ -25,30 +25,38 @@ from ._cross_attention import (
 )
 from ._dims import wrap
 from ._halo import sum_grad_over
+from ._ring_mask import additive
 from ._token_ring import token_ring
 from ._tokens import split_layouts
 
 
-def _extras(kw: dict) -> str | None:
-    """What the cross route of ``F.multi_head_attention_forward`` does not take."""
+def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
+    """What the spatial routes of ``F.multi_head_attention_forward`` (arguments ``kw``) do
+    not take, or None; ``causal_with_mask``: ``is_causal`` is taken next to an
+    ``attn_mask`` (the ring's route: the mask alone gives the result; torch refuses it
+    without one), else refused (the cross route)."""
     for name, why in (
         ("bias_k", "bias_k / bias_v (add_bias_kv=True)"),
         ("add_zero_attn", "add_zero_attn=True"),
         ("static_k", "static_k / static_v"),
-        ("is_causal", "is_causal=True"),
     ):
         if kw.get(name) is not None and kw.get(name) is not False:
             return why
+    if kw["is_causal"] and not causal_with_mask:
+        return "is_causal=True"
+    if kw["is_causal"] and kw["attn_mask"] is None:
+        return "is_causal=True without an attn_mask"
     if kw["training"] and kw["dropout_p"] > 0:  # replicas would draw different masks
         return f"attention dropout (dropout={kw['dropout_p']}) in training"
     return None
 
 
 def _additive(t: Tensor | None, dtype) -> Tensor | None:
-    """A bool mask of ``nn.MultiheadAttention`` (True masks out) as an additive one."""
+    """A bool mask of ``nn.MultiheadAttention`` (True masks out) as an additive one; a
+    float mask as given."""
     if t is None or t.dtype != torch.bool:
         return t
-    return torch.zeros_like(t, dtype=dtype).masked_fill_(t, -math.inf)
+    return additive(t, dtype, masked=True)
 
 
 def _mha_mask(kw: dict, k: DTensor, kseq: Seq, n: int, dtype) -> Tensor | None:
@@ -107,7 +115,7 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     ``attend``, the output whole on every spatial rank. The q / k / v projections' weight
     gradients are partial sums per rank, the output projection's is whole. The averaged
     attention weights (``Q x L``) are not formed: the second output is ``None``."""
-    why = _extras(kw)
+    why = unsupported_mha(kw, causal_with_mask=False)
     if why:
         raise _refuse(what, why)
     if not kseq:

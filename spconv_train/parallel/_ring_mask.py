@@ -46,10 +46,11 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 
 def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
-    """The entries of the whole ``mask`` that this rank's queries meet: along each mask dim
-    of ``picks`` (negative, counted from the end: -2 the query rows, -4 the images) the
-    global indices the layouts give this rank, where the mask has that dim and does not
-    broadcast it. Its gradient is summed over ``groups`` (the ranks splitting the queries)."""
+    """The entries of the whole ``mask`` that this rank's queries (or keys) meet: along
+    each mask dim of ``picks`` (negative, counted from the end: -2 the query rows, -4 the
+    images; -1 the key columns, ``_cross_attention.local_mask``) the global indices the
+    layouts give this rank, where the mask has that dim and does not broadcast it. Its
+    gradient is summed over ``groups`` (the ranks splitting those queries or keys)."""
     part = sum_grad_over(mask, groups)
     for d, lays in picks.items():
         if lays and -d <= part.ndim and part.shape[d] != 1:
