@@ -300,14 +300,22 @@ _POINTWISE_BACKWARDS = ("hardtanh_backward", "hardswish_backward", "hardsigmoid_
 def add_pointwise_strategies() -> None:
     """Give DTensor the element-wise sharding rule for ``_POINTWISE_BACKWARDS`` where it has
     none (idempotent; called by ``_install.install``, never at import)."""
-    from torch.distributed.tensor._ops._pointwise_ops import _register_single_dim_pointwise
+    from torch.distributed.tensor._ops import _pointwise_ops
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name in _POINTWISE_BACKWARDS:
         op = getattr(torch.ops.aten, name).default
         known = (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs)
-        if not any(op in funcs for funcs in known):
-            _register_single_dim_pointwise(op)
+        if any(op in funcs for funcs in known):
+            continue
+        if hasattr(_pointwise_ops, "_register_single_dim_pointwise"):  # torch 2.14
+            _pointwise_ops._register_single_dim_pointwise(op)
+        else:  # torch 2.11 registers element-wise ops with the full-mesh strategy
+            from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+            from torch.distributed.tensor._ops.utils import register_op_strategy
+
+            info = RuntimeSchemaInfo(static_kwargkey=["out"])
+            register_op_strategy(op, schema_info=info)(_pointwise_ops.pointwise_strategy)
 
 
 def track_module_paths(model: nn.Module) -> None:
