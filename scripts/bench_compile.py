@@ -88,13 +88,18 @@ def _worker(rank: int, world: int, port: int, name: str, args, queue) -> None:
         tgt = distribute_tensor(target, mesh, [Shard(2)]).to_local()
 
     def step(run):
-        return lambda: cross_entropy(run(x), tgt).backward()
+        def one():
+            with torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.bf16):
+                out = run(x)
+            cross_entropy(out.float(), tgt).backward()
+
+        return one
 
     def timed(run) -> tuple[float, float]:
         """(wall, CPU) seconds of one step, each max over ranks."""
         cpu0 = time.process_time()
         wall = _time_steps(step(run), 1, 0, args.device)
-        cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+        cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64, device=args.device)
         dist.all_reduce(cpu, op=dist.ReduceOp.MAX)
         return wall, cpu.item()
 
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--channels-last", action="store_true", help="channels-last weights (and activations)"
     )
+    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (weights stay fp32)")
     ap.add_argument(
         "--cpu-time", action="store_true", help="CPU seconds per step too (max over ranks)"
     )
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
         f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
         f"backend {args.backend}, compile mode {args.compile_mode}, "
-        f"channels-last {args.channels_last}, "
+        f"channels-last {args.channels_last}, bf16 {args.bf16}, "
         f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
         file=sys.stderr,
     )
