@@ -5,8 +5,9 @@ activation checkpointing and ``torch.compile``.
 Per case: median seconds per step (max over ranks), parallel efficiency against one rank
 (``t1 / (N * tN)``), activations left alive by the forward (``LiveBytes``, MiB per rank)
 and the growth of the peak RSS (CPU) or the CUDA allocator peak. One rank runs the
-parallelized model on a one-rank mesh (the layers then cost what plain layers cost).
-A case that fails (e.g. compile) is reported with its error instead of a time.
+parallelized model on a one-rank mesh (no exchange; what it costs beyond the plain model is
+the parallel layer's own work: docs/benchmarks.md, "One GPU"). A case that fails (e.g.
+compile) is reported with its error instead of a time, and the exit status is then 1.
 
 Usage: ``python scripts/bench_step.py [--models unet lraspp_mobilenet_v3_large --worlds 1 2
 --height 256 --width 1024 --checkpointing off on --compile off on]`` (``make bench-step``);
@@ -188,6 +189,14 @@ def compare_reducers(args) -> None:
                 rows.append(row + tuple(f"{diffs[r]:.1e}" for r in args.reducers[1:]))
                 print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
     print_table(header, rows, args.markdown)
+    exit_on_failures(rows)
+
+
+def exit_on_failures(rows: list[tuple]) -> None:
+    """Exit with status 1 when a case failed (its row says "fails"): scripts such as
+    ``gpu_check.sh`` trust the exit code, and the table is printed first."""
+    if any("fails" in row for row in rows):
+        sys.exit(1)
 
 
 def run_case(world: int, name: str, ck: bool, comp: bool, args, floor: bool = False):
@@ -259,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append((*row, f"{live:.0f}", f"{peak:.0f}"))
                     print("  " + " | ".join(map(str, rows[-1])), file=sys.stderr)
     print_table(header, rows, args.markdown)
+    exit_on_failures(rows)
 
 
 if __name__ == "__main__":
