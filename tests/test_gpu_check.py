@@ -1,10 +1,9 @@
 """``scripts/gpu_check.sh --device cpu`` (issue 25 item 6): the device check's CPU mode runs
 end to end, so the script cannot rot between the runs on a GPU: the bf16 channels-last
 training step (plain and FSDP) against one device, the conv, step and local-kernel
-benchmarks, and the report with every table and a PASS verdict (on CPU the sections run
-side by side; a failed one still reaches the verdict and the exit code). The op grids are
-the suite's own test files (run here with ``--skip-grids``: the suite runs them already);
-the test files the script names must exist."""
+benchmarks, and the report with every table and a PASS verdict. The op grids are the
+suite's own test files (run here with ``--skip-grids``: the suite runs them already); the
+test files the script names must exist."""
 
 from __future__ import annotations
 
@@ -42,26 +41,6 @@ def test_gpu_check_cpu_mode_passes_and_writes_every_table(tmp_path):
     assert "| 2 | halo (spconv) |" in report  # bench_conv
     assert "| unet | 2 | off | off |" in report  # bench_step
     assert "| conv3x3 | bf16 | channels_last |" in report  # bench_kernels
-
-
-def test_gpu_check_cpu_mode_names_every_failed_section_and_exits_1(tmp_path):
-    """The sections run side by side on CPU: each failure still reaches the verdict and the
-    exit code (an interpreter that always fails stands in for broken sections)."""
-    env = dict(os.environ, PYTHON="/bin/false")
-    script = str(REPO / "scripts" / "gpu_check.sh")
-    done = subprocess.run(
-        ["bash", script, "--device", "cpu", "--out", str(tmp_path), "--skip-grids"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    verdict = (tmp_path / "gpu_check.md").read_text().rstrip().splitlines()[-1]
-    assert verdict.startswith("verdict: FAIL ("), verdict
-    for name in ("training step", "bench conv", "bench step", "bench kernels"):
-        assert name in verdict, verdict
 
 
 def test_gpu_check_names_existing_grid_files():
