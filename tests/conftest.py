@@ -25,19 +25,22 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.dist)
 
 
-#: steps of the uninterrupted reference run (no validation, no checkpoints in between)
+#: steps of the uninterrupted reference run
 REFERENCE_STEPS = 8
+#: the command-line options that stretch the tiny config to the reference run's length
+REFERENCE = ("--set", f"training.steps={REFERENCE_STEPS}")
 
 
 @pytest.fixture(scope="package")
 def uninterrupted_run(tmp_path_factory) -> Path:
     """The run folder of one uninterrupted ``torchrun`` job (2 ranks) of the tiny config of
-    ``tests/test_train_e2e.py``, ``REFERENCE_STEPS`` steps: the parameters and losses that
-    the interrupted and resumed jobs of ``test_faults_e2e.py`` and ``test_multinode_e2e.py``
-    must end with (checkpointing and validation do not change them)."""
+    ``tests/test_train_e2e.py`` stretched to ``REFERENCE_STEPS`` steps (validation and a
+    checkpoint every 2 steps): its artifacts are checked in ``test_train_e2e.py``, and its
+    parameters and losses are what the interrupted, resumed and restarted jobs there and
+    in ``test_faults_e2e.py`` / ``test_multinode_e2e.py`` must end with (checkpointing and
+    validation do not change them: several of those jobs run without either)."""
     from tests.test_train_e2e import ok, tiny_config, torchrun
 
     folder = tmp_path_factory.mktemp("uninterrupted")
-    steps = ("--set", f"training.steps={REFERENCE_STEPS}", "--set", "training.val_every=100")
-    ok(torchrun(tiny_config(folder), *steps, "--set", "checkpoint.every=100"))
+    ok(torchrun(tiny_config(folder), *REFERENCE))
     return folder / "run"

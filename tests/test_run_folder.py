@@ -189,11 +189,14 @@ def test_job_record_round_trip_and_finish(tmp_path, monkeypatch):
 # --- real torchrun --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["never", "auto"])
-def test_torchrun_restart_never_takes_over_a_refused_folder(tmp_path, policy):
+def test_torchrun_restart_never_takes_over_a_refused_folder(tmp_path):
     """``torchrun --max-restarts 1`` in a folder holding another job's run: the old code's
     restart deleted it (``checkpoint.resume=never``) or continued it (``auto``). Both attempts
-    must refuse (exit 2 from every worker, so torchrun fails) and leave every byte in place."""
+    must refuse (exit 2 from every worker, so torchrun fails) and leave every byte in place.
+    The policy reaches only ``plan_start``, whose answers for both policies on restarts are
+    the unit tests above (``test_a_refused_job_keeps_refusing_on_restarts``); one real
+    torchrun, with the policy whose old failure lost data, checks the launch around it."""
+    policy = "never"
     config = tiny_config(tmp_path)
     run_dir = tmp_path / "run"
     _old_run(run_dir)

@@ -1,10 +1,11 @@
 """End to end: ``spconv-train run`` under a real torchrun with 2 CPU ranks (gloo).
 
-A tiny U-Net (depth 2, width 4) on 32x64 images trains 4 steps; the run's artifacts are
-checked (exit code, checkpoints, metrics.jsonl, TensorBoard events, the exported model),
-then a run stopped after 2 steps and resumed to 4 must end with exactly the same
-parameters. Also: activation checkpointing and compile change nothing, a folder dataset of
-PNG files trains data-parallel in bf16, a bad config exits 2 and a diverging run exits 1.
+A tiny U-Net (depth 2, width 4) on 32x64 images trains 8 steps (the shared uninterrupted
+run of ``tests/conftest.py``); the run's artifacts are checked (exit code, checkpoints,
+metrics.jsonl, TensorBoard events, the exported model), then a run stopped after 2 steps and
+resumed to 8 must end with exactly the same parameters. Also: activation checkpointing and
+compile change nothing, a folder dataset of PNG files trains data-parallel in bf16, a bad
+config exits 2 and a diverging run exits 1.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from typer.testing import CliRunner
 from spconv_train.checkpoint import FORMAT_VERSION
 from spconv_train.cli import app
 from spconv_train.models import create_model
+from tests.conftest import REFERENCE, REFERENCE_STEPS
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -176,31 +179,32 @@ def exported(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "model.pt", weights_only=True)["model"]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """One uninterrupted 4-step run on 2 ranks (shared by the tests below)."""
-    folder = tmp_path_factory.mktemp("e2e")
-    ok(torchrun(tiny_config(folder)))
-    return folder / "run"
+# The tests below check the shared uninterrupted run (``uninterrupted_run``, tests/conftest.py:
+# the tiny config stretched to REFERENCE_STEPS = 8 steps, validation and a checkpoint every
+# 2 steps, keep_last 2) and compare other runs with it.
+EVERY_2 = list(range(2, REFERENCE_STEPS + 1, 2))
+ALL_STEPS = list(range(1, REFERENCE_STEPS + 1))
 
 
-def test_run_leaves_checkpoints_config_and_metrics(trained):
-    ckpt = trained / "checkpoints"
-    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-000002", "step-000004"]
-    assert (ckpt / "latest").read_text().strip() == "step-000004"
-    assert (ckpt / "best").read_text().strip() in ("step-000002", "step-000004")
+def test_run_leaves_checkpoints_config_and_metrics(uninterrupted_run):
+    ckpt = uninterrupted_run / "checkpoints"
+    best = (ckpt / "best").read_text().strip()
+    assert best in {f"step-{s:06d}" for s in EVERY_2}
+    kept = {"step-000006", "step-000008", best}  # keep_last 2, and the best one
+    assert sorted(p.name for p in ckpt.glob("step-*")) == sorted(kept)
+    assert (ckpt / "latest").read_text().strip() == "step-000008"
     for step in ckpt.glob("step-*"):
         meta = json.loads((step / "meta.json").read_text())  # manifest: files, data position
         assert set(meta["files"]) == {p.name for p in step.iterdir()} - {"meta.json"}
         assert meta["shared"]["data"]["epoch"] >= 0 and meta["format"] == FORMAT_VERSION
     from spconv_train.config import load_config
 
-    assert load_config(trained / "config.yaml").training.steps == 4
-    lines = read_metrics(trained)
+    assert load_config(uninterrupted_run / "config.yaml").training.steps == REFERENCE_STEPS
+    lines = read_metrics(uninterrupted_run)
     train = [m for m in lines if m["split"] == "train"]
     val = [m for m in lines if m["split"] == "val"]
-    assert [m["step"] for m in train] == [1, 2, 3, 4]
-    assert [m["step"] for m in val] == [2, 4]
+    assert [m["step"] for m in train] == ALL_STEPS
+    assert [m["step"] for m in val] == EVERY_2
     for m in train:
         assert math.isfinite(m["loss"]) and m["throughput_mpx_s"] > 0 and m["lr"] > 0
         assert m["halo_s_per_step"] > 0  # two spatial ranks exchange halos
@@ -211,12 +215,12 @@ def test_run_leaves_checkpoints_config_and_metrics(trained):
     assert {m["split"] for m in lines} >= {"val_iou", "val_dice"}
 
 
-def test_tensorboard_events(trained):
+def test_tensorboard_events(uninterrupted_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = list((trained / "tensorboard").glob("events.out.tfevents.*"))
+    events = list((uninterrupted_run / "tensorboard").glob("events.out.tfevents.*"))
     assert events
-    acc = EventAccumulator(str(trained / "tensorboard"))
+    acc = EventAccumulator(str(uninterrupted_run / "tensorboard"))
     acc.Reload()
     tags = acc.Tags()
     for tag in (
@@ -232,43 +236,47 @@ def test_tensorboard_events(trained):
         "val/loss",
     ):
         assert tag in tags["scalars"], (tag, tags["scalars"])
-    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4]
-    assert [e.step for e in acc.Scalars("val/miou")] == [2, 4]
+    assert [e.step for e in acc.Scalars("train/loss")] == ALL_STEPS
+    assert [e.step for e in acc.Scalars("val/miou")] == EVERY_2
     assert "val/panel_0" in tags["images"]
     panel = acc.Images("val/panel_0")[-1]
     # input | prediction | label, each downsampled by 2 from 32x64, 2-pixel gaps
     assert (panel.height, panel.width) == (16, 3 * 32 + 2 * 2)
 
 
-def test_export_loads_into_the_plain_model(trained):
+def test_export_loads_into_the_plain_model(uninterrupted_run):
     model = create_model("unet", num_classes=3, in_channels=3, depth=2, base_width=4)
-    model.load_state_dict(exported(trained))  # strict: the plain parameter names
+    model.load_state_dict(exported(uninterrupted_run))  # strict: the plain parameter names
     with torch.no_grad():
         assert model.eval()(torch.rand(1, 3, 32, 64)).shape == (1, 3, 32, 64)
 
 
-def test_resume_equals_uninterrupted_run(trained, tmp_path):
+def test_resume_equals_uninterrupted_run(uninterrupted_run, tmp_path):
     config = tiny_config(tmp_path)
     ok(torchrun(config, "--set", "training.steps=2"))
     assert not (tmp_path / "run" / "checkpoints" / "step-000004").exists()
-    resumed = ok(torchrun(config, "--resume", "--set", "training.steps=4"))
-    assert "resumed from" in resumed.stdout and "training.steps: 2 -> 4" in resumed.stdout
-    want, got = exported(trained), exported(tmp_path / "run")
+    resumed = ok(torchrun(config, "--resume", *REFERENCE))
+    said = f"training.steps: 2 -> {REFERENCE_STEPS}"
+    assert "resumed from" in resumed.stdout and said in resumed.stdout
+    want, got = exported(uninterrupted_run), exported(tmp_path / "run")
     assert want.keys() == got.keys()
     for key in want:  # same ranks, same order of operations: bit for bit
         assert torch.equal(want[key], got[key]), key
     # The logs read like one run: the resumed half logged the same losses.
     losses = [
         [m["loss"] for m in read_metrics(d) if m["split"] == "train"]
-        for d in (trained, tmp_path / "run")
+        for d in (uninterrupted_run, tmp_path / "run")
     ]
     assert losses[0] == losses[1]
 
 
 INJECT = """\
 import os
-# Test hook: on the first attempt only, rank 1 crashes in the middle of step 3.
+# Test hook: on the first attempt only, rank 1 bit-flips the step-2 checkpoint and crashes in
+# the middle of step 3.
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
+    from pathlib import Path
+
     import spconv_train.train.step as step_module
 
     calls, clip = [0], step_module.clip_gradients
@@ -276,6 +284,11 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
     def failing_clip(*args, **kwargs):
         calls[0] += 1
         if calls[0] == 3:
+            folder = Path({run_dir!r}) / "checkpoints" / "step-000002"
+            bad = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+            data = bytearray(bad.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            bad.write_bytes(bytes(data))
             raise RuntimeError("injected failure on rank 1")
         return clip(*args, **kwargs)
 
@@ -283,39 +296,47 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
 """
 
 
-def test_torchrun_restart_resumes_automatically(trained, tmp_path, monkeypatch):
-    """One rank crashes after the step-2 checkpoint: the other exits instead of hanging,
-    torchrun restarts both, and the run resumes on its own (checkpoint.resume=auto) and
-    ends exactly like the uninterrupted run; the first attempt's --overwrite is not
-    repeated by the restart."""
+def test_torchrun_restart_resumes_automatically(uninterrupted_run, tmp_path, monkeypatch):
+    """One rank crashes in step 3, after bit-flipping the step-2 checkpoint: the other exits
+    instead of hanging, torchrun restarts both, and the run resumes on its own
+    (checkpoint.resume=auto) from the newest good checkpoint (step 1: the checksum of step 2
+    fails) and ends exactly like the uninterrupted run; the first attempt's --overwrite is
+    not repeated by the restart."""
+    run_dir = tmp_path / "run"
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(INJECT)
+    (hook / "sitecustomize.py").write_text(INJECT.format(run_dir=str(run_dir)))
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     )
-    stale = tmp_path / "run" / "checkpoints" / "step-000009"  # an older run, overwritten
+    stale = run_dir / "checkpoints" / "step-000009"  # an older run, overwritten
     stale.mkdir(parents=True)
     (stale / "meta.json").write_text('{"step": 9}')
-    proc = ok(torchrun(tiny_config(tmp_path), "--overwrite", restarts=1))
+    every_1 = ("--set", "checkpoint.every=1")
+    proc = ok(torchrun(tiny_config(tmp_path), "--overwrite", *REFERENCE, *every_1, restarts=1))
     out = proc.stdout + proc.stderr
     assert "injected failure on rank 1" in out
     # The restart resumes what attempt 0 wrote: --overwrite is not applied a second time.
     assert "torchrun restart 1: resuming" in out and "resumed from" in out
     assert not stale.exists()
-    want, got = exported(trained), exported(tmp_path / "run")
+    # The bit-flipped step 2 is detected, set aside and skipped
+    assert "checksum mismatch" in out and "step-000002 is unusable" in out
+    flat = "".join(proc.stdout.split())  # the console wraps long lines
+    assert re.search(r"resumedfrom[^;]*step-000001;", flat), proc.stdout[-3000:]
+    assert (run_dir / "checkpoints" / "corrupt-step-000002").is_dir()
+    want, got = exported(uninterrupted_run), exported(run_dir)
     for key in want:
         assert torch.equal(want[key], got[key]), key
 
 
-def test_activation_checkpointing_and_compile_change_nothing(trained, tmp_path):
+def test_activation_checkpointing_and_compile_change_nothing(uninterrupted_run, tmp_path):
     """One run with both (as ``prepare_model`` stacks them: checkpointed blocks, then
     compiled; tests/test_activation_checkpointing.py and tests/test_compile.py check each
     alone at the module level) ends with the parameters of the plain run."""
     sets = ["training.activation_checkpointing=true", "training.compile=true"]
     sets += ["training.compile_backend=eager"]
-    ok(torchrun(tiny_config(tmp_path), *(a for s in sets for a in ("--set", s))))
-    want, got = exported(trained), exported(tmp_path / "run")
+    ok(torchrun(tiny_config(tmp_path), *REFERENCE, *(a for s in sets for a in ("--set", s))))
+    want, got = exported(uninterrupted_run), exported(tmp_path / "run")
     assert want.keys() == got.keys()  # compiled in place: the same state_dict keys
     for key in want:
         # Not bit for bit: recomputation changes the order in which autograd sums gradient

@@ -1,22 +1,20 @@
 """Volumes in training (issue 12 item 3): losses and metrics on sharded 5-D logits against
-one device, ``verify`` on a 3-D config split over D and over H, and ``spconv-train run`` of
-``configs/unet3d.yaml`` under a real torchrun with 2 ranks."""
+one device and ``verify`` on a 3-D config split over D and over H. ``spconv-train run`` of
+``configs/unet3d.yaml`` under a real torchrun (4 ranks, H and W split):
+``tests/test_grid_auto.py::test_run_volume_with_sp_0_splits_h_and_w_under_torchrun``."""
 
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from spconv_train.models import create_model
 from spconv_train.train import ConfusionMatrix, cross_entropy, dice_loss, dice_loss_reference
 from tests.dist_harness import mesh
 from tests.reference import seeded
-from tests.test_train_e2e import exported, ok, read_metrics, torchrun
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -118,54 +116,3 @@ def test_verify_passes_on_volumes_split_over_d_and_h(dist_pool):
         assert report["passed"], (case, report["verdict"], report["failures"][:5])
         assert report["batch_shape"][1:] == [1, 8, 8, 12], report["batch_shape"]
         assert report["activation_sized_collectives"] == []
-
-
-def test_run_unet3d_config_under_torchrun(tmp_path):
-    """``configs/unet3d.yaml`` (tiny sizes) on 2 ranks: the loss goes down on a repeated
-    volume, checkpoints, model.pt and TensorBoard scalars and middle-slice panels exist."""
-    run_dir = tmp_path / "run3d"
-    ok(
-        torchrun(
-            "configs/unet3d.yaml",
-            *("--set", f"run_dir={run_dir}", "--set", "model.kwargs={depth: 2, base_width: 4}"),
-            *("--set", "data.depth=8", "--set", "data.height=8", "--set", "data.width=16"),
-            *("--set", "data.num_train=1", "--set", "data.num_val=1", "--set", "data.hflip=0"),
-            *("--set", "training.steps=6", "--set", "training.val_every=3"),
-            *("--set", "training.log_every=1", "--set", "checkpoint.every=3"),
-            *("--set", "schedule.name=constant", "--set", "schedule.warmup_steps=0"),
-            *("--set", "logging.progress=false"),
-        )
-    )
-    train = [m for m in read_metrics(run_dir) if m["split"] == "train"]
-    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6]
-    assert train[-1]["loss"] < train[0]["loss"], [m["loss"] for m in train]
-    assert all(m["halo_s_per_step"] > 0 for m in train)  # the two ranks exchanged halos
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
-    assert ckpts == ["step-000003", "step-000006"]
-    meta = json.loads((run_dir / "checkpoints" / "step-000006" / "meta.json").read_text())
-    assert meta["shared"]["data"]["epoch"] >= 0
-    model = create_model("unet3d", num_classes=4, in_channels=1, depth=2, base_width=4)
-    model.load_state_dict(exported(run_dir))
-    from spconv_train.config import load_config
-
-    saved = load_config(run_dir / "config.yaml")
-    assert (saved.data.kind, saved.parallel.shard_dim, saved.data.depth) == ("volume", "W", 8)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tensorboard"))
-    acc.Reload()
-    assert {"train/loss", "val/miou", "val/loss"} <= set(acc.Tags()["scalars"])
-    panels = {t: acc.Images(t)[-1] for t in acc.Tags()["images"]}
-    # the middle D slice (H x W = 8 x 16) and the middle H slice (D x W = 8 x 16), each as
-    # input | prediction | label with 2-pixel gaps, stitched from both ranks' blocks
-    assert set(panels) == {"val/panel_0_D4", "val/panel_0_H4"}, set(panels)
-    for p in panels.values():
-        assert (p.height, p.width) == (8, 3 * 16 + 2 * 2)
-    # predict takes volumes (tests/test_predict_tiles.py) but not in bands: refused, exit 2
-    from typer.testing import CliRunner
-
-    from spconv_train.cli import app
-
-    args = ["predict", str(run_dir), str(tmp_path), "--out", "x", "--band-rows", "8"]
-    refused = CliRunner().invoke(app, args)
-    assert refused.exit_code == 2 and "volumes are predicted whole" in refused.output
