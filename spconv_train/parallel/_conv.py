@@ -268,6 +268,8 @@ def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
     """Crop or zero-pad ``y`` (whose first column is global column ``start``) to exactly the
     global columns ``[o0, o1)``."""
     a, b = max(start, o0), min(start + y.shape[-1], o1)
+    if (a, b) == (start, start + y.shape[-1]) == (o0, o1):
+        return y  # exactly the range (a full-width narrow's backward allocates NCHW)
     if b <= a:  # nothing of y lands in [o0, o1): all zeros (y stays in the graph)
         return F.pad(y.narrow(-1, 0, 0), (o1 - o0, 0))
     y = y.narrow(-1, a - start, b - a)

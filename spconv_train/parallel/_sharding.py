@@ -23,6 +23,7 @@ from ._dims import GRID_MESH_DIMS, ParallelDims, from_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
+from ._layout import in_layout
 
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
 #: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
@@ -232,8 +233,8 @@ def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
 def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
     """The local strip of ``x`` (differentiable). ``grad_placements`` labels the gradient
     that flows back (e.g. ``Partial`` on sp when each rank used only part of a replicated
-    input)."""
-    return x.to_local(grad_placements=grad_placements)
+    input). A channels-last block keeps its canonical strides (``_layout.in_layout``)."""
+    return in_layout(x.to_local(grad_placements=grad_placements))
 
 
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:

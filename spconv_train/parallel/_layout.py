@@ -1,0 +1,58 @@
+"""Memory layout of local blocks: channels-last activations stay channels-last.
+
+With ``training.channels_last`` the convolutions compute channels-last (NHWC / NDHWC in
+memory) and so should everything between them: a layer whose output comes back NCHW
+makes the next convolution copy its input to channels-last, and its backward the gradient
+both ways. Two things here keep the layout:
+
+- ``in_layout``: the local block a DTensor hands to local code. ``DTensor.to_local`` and
+  ``DTensor.from_local`` each take a ``view_as`` of the local tensor, and a view gives a
+  size-1 dim the stride ``size * stride`` of the dim after it: a channels-last block of
+  batch 1 (the usual per-rank batch of a spatially sharded image) comes out with the batch
+  stride ``C`` instead of ``C*H*W``. Still channels-last-contiguous, but torch's
+  ``suggest_memory_format`` no longer calls it channels-last, so ``torch.cat``,
+  ``max_pool2d``, ``interpolate`` and the batch norm return NCHW results for it (and their
+  backward NCHW gradients). ``in_layout`` gives such a block its canonical strides again,
+  as views (no copy; autograd and in-place ops see ordinary views).
+- ``empty_as``: a new buffer (a halo window) in the layout of the block it is built from;
+  ``new_empty`` would allocate NCHW.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: the channels-last memory format per tensor rank
+CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def memory_format(t: Tensor) -> torch.memory_format:
+    """``t``'s dense memory format: channels-last when ``t`` is an image or volume batch
+    stored channels-last (and not also contiguous: one channel, or 1x1 maps), else
+    ``torch.contiguous_format``."""
+    fmt = CHANNELS_LAST.get(t.dim())
+    if fmt is not None and t.is_contiguous(memory_format=fmt) and not t.is_contiguous():
+        return fmt
+    return torch.contiguous_format
+
+
+def in_layout(t: Tensor) -> Tensor:
+    """``t`` itself, or for a channels-last block of batch 1 whose batch stride is not
+    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides."""
+    if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
+        return t
+    if t.stride(0) == t[0].numel():
+        return t
+    # Channels last: squeezing and re-inserting the batch dim in front of a dim of stride
+    # H*W*C (the outermost spatial dim of the channels-moved-last view) gives it the
+    # stride size * stride = C*H*W.
+    return t.movedim(1, -1).squeeze(0).unsqueeze(0).movedim(-1, 1)
+
+
+def empty_as(like: Tensor, shape) -> Tensor:
+    """An uninitialised tensor of ``shape`` with ``like``'s dtype, device and memory
+    format (channels-last for a channels-last ``like``)."""
+    return torch.empty(
+        shape, dtype=like.dtype, device=like.device, memory_format=memory_format(like)
+    )
