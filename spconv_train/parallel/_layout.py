@@ -15,7 +15,8 @@ both ways. Two things here keep the layout:
   backward NCHW gradients). ``in_layout`` gives such a block its canonical strides again,
   as views (no copy; autograd and in-place ops see ordinary views).
 - ``empty_as``: a new buffer (a halo window) in the layout of the block it is built from;
-  ``new_empty`` would allocate NCHW.
+  ``new_empty`` would allocate NCHW. (Likewise ops that allocate their result contiguous,
+  such as ``index_select``, run on the channels-moved-last view: ``_interpolate._apply``.)
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ def in_layout(t: Tensor) -> Tensor:
 
 
 def empty_as(like: Tensor, shape) -> Tensor:
-    """An uninitialised tensor of ``shape`` with ``like``'s dtype, device and memory
-    format (channels-last for a channels-last ``like``)."""
-    return torch.empty(
-        shape, dtype=like.dtype, device=like.device, memory_format=memory_format(like)
-    )
+    """An uninitialised tensor of ``shape`` with ``like``'s dtype and device, its dims
+    ordered in memory as ``like``'s are (as ``torch.empty_like`` keeps a dense layout):
+    channels-last for a channels-last ``like``, also when ``like`` is a permuted view of
+    one (``_tiles.along``)."""
+    if like.is_contiguous():
+        return like.new_empty(shape)
+    # outermost dim first; on equal strides (size-1 dims) the tensor's own order
+    order = sorted(range(like.dim()), key=lambda i: (-like.stride(i), i))
+    buf = like.new_empty([shape[i] for i in order])
+    return buf.permute([order.index(i) for i in range(like.dim())])
