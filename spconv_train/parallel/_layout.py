@@ -38,12 +38,17 @@ def memory_format(t: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def in_layout(t: Tensor) -> Tensor:
+def in_layout(t: Tensor, grad: bool = False) -> Tensor:
     """``t`` itself, or for a channels-last block of batch 1 whose batch stride is not
-    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides."""
+    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides.
+
+    ``grad=True`` (a block about to be wrapped into a DTensor, ``_dims.from_local``): the
+    views are taken even when ``t``'s strides are canonical already, for their backward:
+    it is the same chain of views applied to the gradient, which ``from_local``'s backward
+    hands over with the batch stride broken."""
     if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
         return t
-    if t.stride(0) == t[0].numel():
+    if not grad and t.stride(0) == t[0].numel():
         return t
     # Channels last: squeezing and re-inserting the batch dim in front of a dim of stride
     # H*W*C (the outermost spatial dim of the channels-moved-last view) gives it the
