@@ -19,8 +19,6 @@ from typing import ClassVar
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._layout import in_layout
-
 
 def handled(x) -> bool:
     """True for a DTensor whose placements are all exactly ``Shard`` or ``Replicate``."""
@@ -46,14 +44,8 @@ def from_local(local: Tensor, mesh, placements, shape) -> DTensor:
     for n in reversed(shape):  # row-major
         stride.insert(0, acc)
         acc *= max(n, 1)
-    # in_layout(grad=True): a channels-last block's gradient comes back channels-last
     return DTensor.from_local(
-        in_layout(local, grad=True),
-        mesh,
-        tuple(placements),
-        run_check=False,
-        shape=shape,
-        stride=tuple(stride),
+        local, mesh, tuple(placements), run_check=False, shape=shape, stride=tuple(stride)
     )
 
 

@@ -13,13 +13,19 @@ both ways. Two things here keep the layout:
   ``suggest_memory_format`` no longer calls it channels-last, so ``torch.cat``,
   ``max_pool2d``, ``interpolate`` and the batch norm return NCHW results for it (and their
   backward NCHW gradients). ``in_layout`` gives such a block its canonical strides again,
-  as views (no copy; autograd and in-place ops see ordinary views).
+  as views (no copy; autograd and in-place ops see ordinary views). The gradients that
+  DTensor's backward hands to local code have the same broken stride, and the backward
+  kernels that read the layout off their gradient (max pooling, batch norm, padding)
+  would copy or return it NCHW: ``grad_in_layout``, on the way out of local code
+  (``_sharding.leave``), gives them the canonical strides in the backward.
 - ``empty_as``: a new buffer (a halo window) in the layout of the block it is built from;
   ``new_empty`` would allocate NCHW. (Likewise ops that allocate their result contiguous,
   such as ``index_select``, run on the channels-moved-last view: ``_interpolate._apply``.)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -38,22 +44,31 @@ def memory_format(t: Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def in_layout(t: Tensor, grad: bool = False) -> Tensor:
+def in_layout(t: Tensor) -> Tensor:
     """``t`` itself, or for a channels-last block of batch 1 whose batch stride is not
-    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides.
-
-    ``grad=True`` (a block about to be wrapped into a DTensor, ``_dims.from_local``): the
-    views are taken even when ``t``'s strides are canonical already, for their backward:
-    it is the same chain of views applied to the gradient, which ``from_local``'s backward
-    hands over with the batch stride broken."""
+    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides."""
     if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
         return t
-    if not grad and t.stride(0) == t[0].numel():
+    if t.stride(0) == math.prod(t.shape):
         return t
-    # Channels last: squeezing and re-inserting the batch dim in front of a dim of stride
-    # H*W*C (the outermost spatial dim of the channels-moved-last view) gives it the
-    # stride size * stride = C*H*W.
-    return t.movedim(1, -1).squeeze(0).unsqueeze(0).movedim(-1, 1)
+    # Channels last: with the batch dim squeezed away the channels lead (stride 1), and a
+    # size-1 dim inserted before the outermost spatial dim (stride H*W*C) gets the stride
+    # size * stride = C*H*W; moved to the front, it is the batch dim. Three views of plain
+    # tensors: past the spatial mode's handler lookup (``_mode.py``), which costs more.
+    with torch._C.DisableTorchFunction():
+        return t.squeeze(0).unsqueeze(1).transpose(0, 1)
+
+
+def grad_in_layout(t: Tensor) -> Tensor:
+    """``t`` as views whose backward hands the gradient on with canonical channels-last
+    strides (``in_layout``'s, for a gradient about to reach a backward kernel that reads
+    the layout off it); ``t`` itself unless a channels-last block of batch 1."""
+    if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
+        return t
+    # The backward of this chain is the same chain on the gradient: channels moved last,
+    # the batch dim squeezed and re-inserted in front (stride size * stride = C*H*W).
+    with torch._C.DisableTorchFunction():
+        return t.movedim(1, -1).squeeze(0).unsqueeze(0).movedim(-1, 1)
 
 
 def empty_as(like: Tensor, shape) -> Tensor:

@@ -23,7 +23,7 @@ from ._dims import GRID_MESH_DIMS, ParallelDims, from_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
-from ._layout import in_layout
+from ._layout import grad_in_layout, in_layout
 
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
 #: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
@@ -243,4 +243,5 @@ def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> 
     The backward of ``from_local`` redistributes an incoming gradient of any placement
     (``Replicate``, ``Partial``, ...) to this layout before handing it to local code.
     """
-    return from_local(local, like.mesh, like.placements, global_shape)
+    # grad_in_layout: the gradient handed back to local code is canonical channels-last
+    return from_local(grad_in_layout(local), like.mesh, like.placements, global_shape)
