@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
+from spconv_train.parallel._layout import empty_as, grad_in_layout, in_layout
 from spconv_train.train.model_setup import to_channels_last
 from tests.dist_harness import device, mesh
 from tests.reference import check_close, seeded
@@ -36,6 +37,26 @@ def test_modes_and_model_ranks():
     mixed = nn.Sequential(nn.Conv2d(2, 2, 3), nn.Conv3d(2, 2, 3))
     assert not to_channels_last(mixed, "on")  # one format cannot serve both
     assert mixed[0].weight.is_contiguous()
+
+
+def test_batch_one_strides_and_buffers():
+    """DTensor's ``view_as`` gives a channels-last batch of 1 the batch stride C, which torch
+    reads as NCHW (``torch.cat`` of two such returns NCHW); ``in_layout`` restores it,
+    ``grad_in_layout`` does the same for the gradient, ``empty_as`` keeps the dim order."""
+    x = torch.randn(1, 4, 5, 6).contiguous(memory_format=CL)
+    broken = x.view_as(x)
+    assert broken.stride(0) == 4 and not torch.cat([broken, broken]).is_contiguous(memory_format=CL)
+    fixed = in_layout(broken)
+    assert fixed.stride() == x.stride() and torch.equal(fixed, x)
+    assert torch.cat([fixed, fixed], 1).is_contiguous(memory_format=CL)
+    leaf, seen = x.clone().requires_grad_(), []
+    leaf.register_hook(lambda g: seen.append(g.stride()))  # before AccumulateGrad restrides
+    y = grad_in_layout(leaf)
+    y.backward(broken)
+    assert torch.equal(y, x) and seen == [x.stride()]
+    assert empty_as(x, (1, 4, 5, 9)).is_contiguous(memory_format=CL)
+    moved = empty_as(x.movedim(2, -1), (1, 4, 6, 7)).movedim(-1, 2)  # a view _tiles.along makes
+    assert moved.shape == (1, 4, 7, 6) and moved.is_contiguous(memory_format=CL)
 
 
 class LayoutConversions(TorchDispatchMode):
