@@ -2,7 +2,8 @@
 
 Per model and world size, each rank holds two copies of the same model (same weights),
 one NCHW and one with channels-last weights (``training.channels_last: on``,
-``train/model_setup.to_channels_last``) fed a channels-last image; their steps are
+``train/model_setup.to_channels_last``) fed a channels-last image (each rank's part
+channels-last); their steps are
 interleaved, so a load change hits both alike. Reported: the median CPU seconds per step
 (``time.process_time`` of each rank's process, all its threads; max over ranks), which
 other processes' load barely moves on a shared machine, and the channels-last / NCHW
@@ -35,7 +36,7 @@ from spconv_train.distributed import shutdown  # noqa: E402
 
 
 def _worker(rank: int, ranks: int, port: int, world: int, name: str, args, queue) -> None:
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from spconv_train.parallel import parallelize
     from spconv_train.train import cross_entropy
@@ -52,11 +53,16 @@ def _worker(rank: int, ranks: int, port: int, world: int, name: str, args, queue
     img = torch.randn(1, 3, args.height, args.width, generator=g)
     target = torch.randint(0, 4, (1, args.height, args.width), generator=g)
     inputs = {}
-    for key, image in (("nchw", img), ("cl", img.contiguous(memory_format=torch.channels_last))):
-        if world:
-            inputs[key] = distribute_tensor(image, mesh, [Shard(3)])
+    for key, fmt in (("nchw", torch.contiguous_format), ("cl", torch.channels_last)):
+        if world:  # each rank's part in the layout (as a channels-last data pipeline gives it)
+            local = (
+                distribute_tensor(img, mesh, [Shard(3)]).to_local().contiguous(memory_format=fmt)
+            )
+            inputs[key] = DTensor.from_local(
+                local, mesh, [Shard(3)], shape=img.shape, stride=img.stride()
+            )
         else:
-            inputs[key] = image
+            inputs[key] = img.contiguous(memory_format=fmt)
     tgt = distribute_tensor(target, mesh, [Shard(2)]).to_local() if world else target
 
     def cpu_seconds(model, x) -> float:
