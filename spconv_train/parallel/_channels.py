@@ -31,6 +31,7 @@ from ._dims import handled, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
+from ._layout import in_layout
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._sharding import enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
@@ -193,7 +194,11 @@ def spatial_cat(tensors, dim=0, **kwargs):
     )
     if not ok:  # DTensor's own rules; its errors named (_errors.py)
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
-    parts = [t.to_local() if isinstance(t, DTensor) else _local_part(t, first) for t in tensors]
+    # in_layout: channels-last parts give a channels-last result (_layout.py)
+    parts = [
+        in_layout(t.to_local()) if isinstance(t, DTensor) else _local_part(t, first)
+        for t in tensors
+    ]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat(parts, d), first, first.placements, shape)
 

@@ -266,12 +266,14 @@ def plan_conv_transpose(
 
 def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
     """Crop or zero-pad ``y`` (whose first column is global column ``start``) to exactly the
-    global columns ``[o0, o1)``."""
+    global columns ``[o0, o1)``: one ``F.pad`` (a negative amount crops), whose result and
+    gradient keep ``y``'s memory layout (a cropping ``narrow``'s backward would allocate
+    the gradient NCHW: a conversion for a channels-last transposed convolution)."""
     a, b = max(start, o0), min(start + y.shape[-1], o1)
     if b <= a:  # nothing of y lands in [o0, o1): all zeros (y stays in the graph)
         return F.pad(y.narrow(-1, 0, 0), (o1 - o0, 0))
-    y = y.narrow(-1, a - start, b - a)
-    return F.pad(y, (a - o0, o1 - b)) if a > o0 or o1 > b else y
+    lo, hi = start - o0, o1 - start - y.shape[-1]
+    return F.pad(y, (lo, hi)) if lo or hi else y
 
 
 def spatial_conv_transpose(

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ._compile import not_traced
 from ._geometry import ExchangePlan
+from ._layout import empty_as
 from ._runtime import SpatialStats, current_runtime
 
 
@@ -103,7 +104,7 @@ class _GatherColumns(torch.autograd.Function):
         a = plan.owned[rank][0]
         pieces = plan.pieces(rank)
         total = sum(e - s for _, s, e in pieces)
-        out = local.new_empty((*local.shape[:-1], pad_lo + total + pad_hi))
+        out = empty_as(local, (*local.shape[:-1], pad_lo + total + pad_hi))
         if pad_lo:
             out.narrow(-1, 0, pad_lo).fill_(value)
         if pad_hi:
@@ -141,7 +142,7 @@ class _GatherColumns(torch.autograd.Function):
             grad_local = grad.narrow(-1, own[0][0], b - a)
             grad_local = grad_local.clone() if given else grad_local
         else:
-            grad_local = grad.new_zeros(ctx.local_shape)
+            grad_local = empty_as(grad, ctx.local_shape).zero_()
             for off, s, e in own:
                 _column_slice(grad_local, s - a, e - a).add_(grad.narrow(-1, off, e - s))
         # Gradients of the columns this rank received go back to their owners ...
@@ -176,7 +177,12 @@ def gather_columns(
     """
     if len(plan.owned) == 1 and not (pad_lo or pad_hi):
         # One rank, no padding: no communication and no copy.
-        parts = [_column_slice(local, s, e) for s, e in plan.needed[0]]
+        # (The whole strip is returned as is: a full-width narrow's backward would
+        # allocate its gradient NCHW.)
+        parts = [
+            local if (s, e) == (0, local.shape[-1]) else _column_slice(local, s, e)
+            for s, e in plan.needed[0]
+        ]
         if not parts:
             return local.narrow(-1, 0, 0)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -44,6 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from ._compile import not_traced
 from ._halo import post_p2p
+from ._layout import empty_as
 from ._runtime import current_runtime
 from ._window import WindowPlan
 
@@ -107,7 +108,7 @@ def _split_one(
 def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tensor) -> Tensor:
     """Global input columns ``[lo, hi)`` as a new tensor: zeros outside the ``sources``
     (``(first global column, columns)`` pairs: the strip and the received halos)."""
-    out = like.new_zeros((*like.shape[:-1], hi - lo))
+    out = empty_as(like, (*like.shape[:-1], hi - lo)).zero_()  # in like's layout
     for start, cols in sources:
         s, e = max(lo, start), min(hi, start + cols.shape[-1])
         if s < e:

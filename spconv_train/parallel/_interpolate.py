@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from ._dims import GRID_MESH_DIMS
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
+from ._layout import memory_format
 from ._mode import register_handler
 from ._parallelize import spatial_module
 from ._runtime import current_runtime
@@ -200,6 +201,10 @@ def _local_table(
 
 def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
     """Resize dimension ``dim`` of ``t`` with a (local) table: gather, or a weighted sum."""
+    if memory_format(t) is not torch.contiguous_format:
+        # index_select allocates its result (and its backward the gradient) contiguous: on
+        # the channels-moved-last view that is channels-last again, no layout conversion
+        return _apply(t.movedim(1, -1), dim - 1, table).movedim(-1, 1)
     if len(table) == 1:
         return t.index_select(dim, table[0])
     i0, i1, w0, w1 = table

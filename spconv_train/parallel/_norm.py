@@ -70,7 +70,10 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     else:
         w, b = sum_grad_over(weight, groups), sum_grad_over(bias, groups)
         y = _Normalize.apply(local, w, b, mean, var, eps, cells)
-    return leave(y.reshape(shape), layout, tuple(x.shape)), mean, var
+    # (no same-shape reshape: a view's backward breaks a channels-last gradient's batch
+    # stride, and the fused backward kernel then runs on it as NCHW, _layout.py)
+    y = y if y.shape == shape else y.reshape(shape)
+    return leave(y, layout, tuple(x.shape)), mean, var
 
 
 def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> DTensor:

@@ -23,6 +23,7 @@ from ._dims import GRID_MESH_DIMS, ParallelDims, from_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
+from ._layout import grad_in_layout, in_layout
 
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
 #: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
@@ -232,8 +233,8 @@ def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
 def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
     """The local strip of ``x`` (differentiable). ``grad_placements`` labels the gradient
     that flows back (e.g. ``Partial`` on sp when each rank used only part of a replicated
-    input)."""
-    return x.to_local(grad_placements=grad_placements)
+    input). A channels-last block keeps its canonical strides (``_layout.in_layout``)."""
+    return in_layout(x.to_local(grad_placements=grad_placements))
 
 
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:
@@ -242,4 +243,5 @@ def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> 
     The backward of ``from_local`` redistributes an incoming gradient of any placement
     (``Replicate``, ``Partial``, ...) to this layout before handing it to local code.
     """
-    return from_local(local, like.mesh, like.placements, global_shape)
+    # grad_in_layout: the gradient handed back to local code is canonical channels-last
+    return from_local(grad_in_layout(local), like.mesh, like.placements, global_shape)

@@ -191,6 +191,8 @@ def _gather(m: Tensor, wp, rank: int, group, mode: str, value: float) -> Tensor:
     if m.ndim > 4 and mode not in ("zeros", "constant"):
         m = m.flatten(1, m.ndim - 3)
     g = gather_window(m, wp, rank, group, mode, value)
+    if g.shape[:-1] == shape[:-1]:
+        return g  # (a same-shape reshape, a view, would break a channels-last batch stride)
     return g.reshape(*shape[:-1], g.shape[-1])
 
 

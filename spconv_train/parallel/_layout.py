@@ -1,0 +1,84 @@
+"""Memory layout of local blocks: channels-last activations stay channels-last.
+
+With ``training.channels_last`` the convolutions compute channels-last (NHWC / NDHWC in
+memory) and so should everything between them: a layer whose output comes back NCHW
+makes the next convolution copy its input to channels-last, and its backward the gradient
+both ways. Two things here keep the layout:
+
+- ``in_layout``: the local block a DTensor hands to local code. ``DTensor.to_local`` and
+  ``DTensor.from_local`` each take a ``view_as`` of the local tensor, and a view gives a
+  size-1 dim the stride ``size * stride`` of the dim after it: a channels-last block of
+  batch 1 (the usual per-rank batch of a spatially sharded image) comes out with the batch
+  stride ``C`` instead of ``C*H*W``. Still channels-last-contiguous, but torch's
+  ``suggest_memory_format`` no longer calls it channels-last, so ``torch.cat``,
+  ``max_pool2d``, ``interpolate`` and the batch norm return NCHW results for it (and their
+  backward NCHW gradients). ``in_layout`` gives such a block its canonical strides again,
+  as views (no copy; autograd and in-place ops see ordinary views). The gradients that
+  DTensor's backward hands to local code have the same broken stride, and the backward
+  kernels that read the layout off their gradient (max pooling, batch norm, padding)
+  would copy or return it NCHW: ``grad_in_layout``, on the way out of local code
+  (``_sharding.leave``), gives them the canonical strides in the backward.
+- ``empty_as``: a new buffer (a halo window) in the layout of the block it is built from;
+  ``new_empty`` would allocate NCHW. (Likewise ops that allocate their result contiguous,
+  such as ``index_select``, run on the channels-moved-last view: ``_interpolate._apply``.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+#: the channels-last memory format per tensor rank
+CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def memory_format(t: Tensor) -> torch.memory_format:
+    """``t``'s dense memory format: channels-last when ``t`` is an image or volume batch
+    stored channels-last (and not also contiguous: one channel, or 1x1 maps), else
+    ``torch.contiguous_format``."""
+    fmt = CHANNELS_LAST.get(t.dim())
+    if fmt is not None and t.is_contiguous(memory_format=fmt) and not t.is_contiguous():
+        return fmt
+    return torch.contiguous_format
+
+
+def in_layout(t: Tensor) -> Tensor:
+    """``t`` itself, or for a channels-last block of batch 1 whose batch stride is not
+    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides."""
+    if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
+        return t
+    if t.stride(0) == math.prod(t.shape):
+        return t
+    # Channels last: with the batch dim squeezed away the channels lead (stride 1), and a
+    # size-1 dim inserted before the outermost spatial dim (stride H*W*C) gets the stride
+    # size * stride = C*H*W; moved to the front, it is the batch dim. Three views of plain
+    # tensors: past the spatial mode's handler lookup (``_mode.py``), which costs more.
+    with torch._C.DisableTorchFunction():
+        return t.squeeze(0).unsqueeze(1).transpose(0, 1)
+
+
+def grad_in_layout(t: Tensor) -> Tensor:
+    """``t`` as views whose backward hands the gradient on with canonical channels-last
+    strides (``in_layout``'s, for a gradient about to reach a backward kernel that reads
+    the layout off it); ``t`` itself unless a channels-last block of batch 1."""
+    if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
+        return t
+    # The backward of this chain is the same chain on the gradient: channels moved last,
+    # the batch dim squeezed and re-inserted in front (stride size * stride = C*H*W).
+    with torch._C.DisableTorchFunction():
+        return t.movedim(1, -1).squeeze(0).unsqueeze(0).movedim(-1, 1)
+
+
+def empty_as(like: Tensor, shape) -> Tensor:
+    """An uninitialised tensor of ``shape`` with ``like``'s dtype and device, its dims
+    ordered in memory as ``like``'s are (as ``torch.empty_like`` keeps a dense layout):
+    channels-last for a channels-last ``like``, also when ``like`` is a permuted view of
+    one (``_tiles.along``)."""
+    if like.is_contiguous():
+        return like.new_empty(shape)
+    # outermost dim first; on equal strides (size-1 dims) the tensor's own order
+    order = sorted(range(like.dim()), key=lambda i: (-like.stride(i), i))
+    buf = like.new_empty([shape[i] for i in order])
+    return buf.permute([order.index(i) for i in range(like.dim())])
