@@ -71,28 +71,20 @@ else
     BENCH=(--models unet --depth 2 --base-width 8 --height 32 --width 128 --iters 2
            --worlds 2 --checkpointing off)
     KERNELS=(--height 32 --width 64 --channels 8 --depth 2 --base-width 8 --iters 1 --warmup 0)
-    export OMP_NUM_THREADS=1  # the sections run side by side (run_section): one thread each
 fi
 
-# a failed section appends its name here (a file: on CPU the sections run in the background)
-FAILED_LIST="$OUT/failed_sections"
-rm -f "$FAILED_LIST"
+FAILED=()
 section() {  # section NAME TIMEOUT_S COMMAND...: run, log, keep going on failure
     local name="$1" limit="$2"; shift 2
     local log="$OUT/${name// /_}.log" start=$SECONDS
     echo "== $name" >&2
     if timeout "$limit" "$@" > "$log" 2>&1; then
-        echo "   ok: $name ($(( SECONDS - start )) s)" >&2
+        echo "   ok ($(( SECONDS - start )) s)" >&2
     else
-        echo "   FAILED: $name ($(( SECONDS - start )) s): see $log" >&2
+        echo "   FAILED ($(( SECONDS - start )) s): see $log" >&2
         tail -n 20 "$log" >&2
-        echo "$name" >> "$FAILED_LIST"
+        FAILED+=("$name")
     fi
-}
-# On CUDA the sections run one after the other (each times the GPU alone). On CPU the sizes
-# are tiny and the time is process start-up, so the sections run side by side on the cores.
-run_section() {
-    if [[ "$DEVICE" == cpu ]]; then section "$@" & else section "$@"; fi
 }
 
 {
@@ -105,15 +97,12 @@ run_section() {
 if [[ $SKIP_GRIDS -eq 1 ]]; then
     echo "skipped (--skip-grids)" > "$OUT/op_grids.log"
 else
-    run_section "op grids" 300 "$PY" -m pytest -q -p no:cacheprovider "${GRIDS[@]}" "${GRID_FILTER[@]}"
+    section "op grids" 300 "$PY" -m pytest -q -p no:cacheprovider "${GRIDS[@]}" "${GRID_FILTER[@]}"
 fi
-run_section "training step" 180 "$PY" scripts/gpu_check.py --device "$DEVICE" --out "$OUT/step.md" "${STEP[@]}"
-run_section "bench conv" 180 "$PY" scripts/bench_conv.py --device "$DEVICE" --markdown "${CONV[@]}"
-run_section "bench step" 180 "$PY" scripts/bench_step.py --device "$DEVICE" --markdown "${BENCH[@]}"
-run_section "bench kernels" 120 "$PY" scripts/bench_kernels.py --device "$DEVICE" --markdown "${KERNELS[@]}"
-wait
-FAILED=()
-[[ -f "$FAILED_LIST" ]] && mapfile -t FAILED < "$FAILED_LIST"
+section "training step" 180 "$PY" scripts/gpu_check.py --device "$DEVICE" --out "$OUT/step.md" "${STEP[@]}"
+section "bench conv" 180 "$PY" scripts/bench_conv.py --device "$DEVICE" --markdown "${CONV[@]}"
+section "bench step" 180 "$PY" scripts/bench_step.py --device "$DEVICE" --markdown "${BENCH[@]}"
+section "bench kernels" 120 "$PY" scripts/bench_kernels.py --device "$DEVICE" --markdown "${KERNELS[@]}"
 
 {
     echo
