@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from ._cross_attention import cross_sdpa, split_keys
 from ._cross_mha import cross_mha, in_projections, unsupported_mha
-from ._dims import wrap
+from ._dims import mesh_group, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
@@ -194,7 +194,7 @@ def spatial_multi_head_attention(*args, **kwargs):
             "sequence (dim 0 of (L, N, E))",
         )
     mode, kseq = _kv_mode(q, k, v, seq, what)
-    groups = tuple(q.device_mesh.get_group(m.mesh_dim) for m in split_layouts(q))
+    groups = tuple(mesh_group(q.device_mesh, m.mesh_dim) for m in split_layouts(q))
     heads, e = kw["num_heads"], q.shape[-1]
     # every weight gradient is a partial sum: each rank's queries (and, on the ring, keys)
     ws, bs = in_projections(kw, groups)

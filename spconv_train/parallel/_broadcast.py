@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ._dims import handled, sharded_dims, wrap
+from ._dims import handled, mesh_group, mesh_rank, sharded_dims, wrap
 from ._geometry import shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
@@ -28,13 +28,13 @@ _DUNDERS = [f"__{r}{op}__" for op in ("add", "sub", "mul", "truediv") for r in (
 def _local_part(plain: Tensor, x: DTensor) -> Tensor:
     """The part of ``plain`` (broadcast against ``x``'s global shape) that meets this rank's
     local tensor, with its gradient summed over the groups sharding ``x``."""
-    groups = tuple(x.device_mesh.get_group(i) for d, i in sharded_dims(x).items())
+    groups = tuple(mesh_group(x.device_mesh, i) for d, i in sharded_dims(x).items())
     part = sum_grad_over(plain, groups)
     lead = x.ndim - part.ndim
     for d, i in sharded_dims(x).items():
         k = d - lead
         if k >= 0 and part.shape[k] != 1:
-            a, b = shard_bounds(x.shape[d], x.device_mesh.size(i), x.device_mesh.get_local_rank(i))
+            a, b = shard_bounds(x.shape[d], x.device_mesh.size(i), mesh_rank(x.device_mesh, i))
             part = part.narrow(k, a, b - a)
     return part
 

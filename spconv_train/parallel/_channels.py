@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._broadcast import _local_part
-from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._dims import handled, mesh_group, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
@@ -39,7 +39,7 @@ from ._tiles import sharded_axes
 
 
 def _groups(x: DTensor) -> tuple:
-    return tuple(x.device_mesh.get_group(i) for i in sharded_dims(x).values())
+    return tuple(mesh_group(x.device_mesh, i) for i in sharded_dims(x).values())
 
 
 @register_handler(F.layer_norm, torch.layer_norm)
@@ -221,6 +221,6 @@ def _functional_linear(input, weight, bias=None):
     mesh, placements = input.device_mesh, tuple(input.placements)
     # Every mesh dimension that splits rows of the input (Shard or _StridedShard) holds a
     # partial sum of the weight gradient.
-    groups = tuple(mesh.get_group(i) for i in sharding_mesh_dims(placements))
+    groups = tuple(mesh_group(mesh, i) for i in sharding_mesh_dims(placements))
     out = F.linear(input.to_local(), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
     return wrap(out, input, placements, (*input.shape[:-1], out.shape[-1]))

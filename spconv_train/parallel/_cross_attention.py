@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ._dims import wrap
+from ._dims import mesh_group, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
@@ -64,7 +64,7 @@ def _groups(k: DTensor, exclude: Seq = ()) -> tuple:
     """Process groups of the mesh dims splitting ``k``, but those of ``exclude``."""
     skip = {lay.mesh_dim for lay in exclude}
     lays = split_layouts(k)
-    return tuple(k.device_mesh.get_group(m.mesh_dim) for m in lays if m.mesh_dim not in skip)
+    return tuple(mesh_group(k.device_mesh, m.mesh_dim) for m in lays if m.mesh_dim not in skip)
 
 
 def out_placements(k: DTensor, kseq: Seq) -> tuple:

@@ -49,6 +49,37 @@ def from_local(local: Tensor, mesh, placements, shape) -> DTensor:
     )
 
 
+#: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``. ``DeviceMesh.get_group``
+#: and ``get_local_rank`` cost tens of microseconds each (group registry lookups, a pybind
+#: comparison), read several times per spatial layer and call; what they return is fixed
+#: for a mesh's lifetime. Each entry holds its mesh, so its id cannot be reused while cached;
+#: a new mesh (e.g. after the process groups were rebuilt) is a new object, a new entry.
+_MESH_AXES: dict[tuple[int, int | str], tuple] = {}
+_MESH_AXES_MAX = 256
+
+
+def mesh_axis(mesh, m: int | str) -> tuple[int, int, object]:
+    """``(size, local rank, process group)`` of mesh dim ``m`` of ``mesh`` (read once per
+    mesh and dim)."""
+    hit = _MESH_AXES.get((id(mesh), m))
+    if hit is None or hit[0] is not mesh:
+        if len(_MESH_AXES) >= _MESH_AXES_MAX:  # bounded: meshes built in a loop
+            _MESH_AXES.clear()
+        hit = (mesh, mesh.size(m), mesh.get_local_rank(m), mesh.get_group(m))
+        _MESH_AXES[(id(mesh), m)] = hit
+    return hit[1:]
+
+
+def mesh_rank(mesh, m: int | str) -> int:
+    """This rank's index along mesh dim ``m`` (``mesh.get_local_rank(m)``, cached)."""
+    return mesh_axis(mesh, m)[1]
+
+
+def mesh_group(mesh, m: int | str):
+    """The process group of mesh dim ``m`` (``mesh.get_group(m)``, cached)."""
+    return mesh_axis(mesh, m)[2]
+
+
 def wrap(local: Tensor, x: DTensor, placements, shape) -> DTensor:
     """``local`` as a DTensor on ``x``'s mesh with ``placements`` and global ``shape``."""
     return from_local(local, x.device_mesh, placements, shape)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from ._dims import GRID_MESH_DIMS
+from ._dims import GRID_MESH_DIMS, mesh_group, mesh_rank
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._layout import memory_format
@@ -263,7 +263,7 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
         o0, o1, start = 0, n_out, 0
         if d in by_dim:
             m = by_dim[d]
-            parts, rank = mesh.size(m), mesh.get_local_rank(m)
+            parts, rank = mesh.size(m), mesh_rank(mesh, m)
             geom = (x.shape[d], n_out, parts, mode, align, scale, double, not replicated)
             ex, out_bounds = plan_resize(what, *geom)
             needed = ex.needed[rank]
@@ -273,7 +273,7 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
             else:
                 # Every rank takes part in the exchange, even one with no output columns:
                 # others may need its columns, and its backward sends their gradients back.
-                group = mesh.get_group(m)
+                group = mesh_group(mesh, m)
                 y = along(y, d, lambda t, e=ex, r=rank, g=group: gather_columns(t, e, r, g))
             o0, o1 = out_bounds[rank]
         table = _local_table(

@@ -100,31 +100,34 @@ class SpatialMode(TorchFunctionMode):
     @eager_from_eager  # see _compile.py
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        graphs = torch.compiler.is_compiling() and self.dtensor_graphs
-        if graphs and mutates_input(func) and _has_dtensor(args, kwargs):
+        if not _has_dtensor(args, kwargs):
+            # most calls the mode sees are plain-tensor ops inside spatial layers and
+            # handlers: every branch below is for DTensor arguments only
+            return func(*args, **kwargs)
+        compiling = torch.compiler.is_compiling()
+        graphs = compiling and self.dtensor_graphs
+        if graphs and mutates_input(func):
             # in place, eagerly between graphs (see _compile.py); not compiling there
             return run_eagerly(self.__torch_function__, func, types, args, kwargs)
         entry = self.runtime.registry.lookup(func)
-        if entry is not None and _has_dtensor(args, kwargs):
+        if entry is not None:
             if entry.handler is not None:
+                if not compiling:
+                    # called from eager code, Dynamo compiles nothing below this frame
+                    # (eager_from_eager): ``entry.run``'s graph-break wrapper would only
+                    # cost its frame-callback switches
+                    return entry.handler(*args, **kwargs)
                 if graphs and in_dtensor_graphs(entry.handler):
                     return entry.handler(*args, **kwargs)
                 return entry.run(*args, **kwargs)
             raise SpatialShardingError(
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
-        if (
-            torch.compiler.is_compiling()
-            and (not graphs or returns_view(func))
-            and not traced_dtensor_op(func)
-            and _has_dtensor(args, kwargs)
-        ):
+        if compiling and (not graphs or returns_view(func)) and not traced_dtensor_op(func):
             # DTensor's own op, outside compiled graphs: they hold plain tensors only
             # (see _compile.py)
             return run_eagerly(func, *args, **kwargs)
-        if _has_dtensor(args, kwargs):  # DTensor's own rules; its errors named (_errors.py)
-            return run_dtensor_op(func, args, kwargs)
-        return func(*args, **kwargs)
+        return run_dtensor_op(func, args, kwargs)  # DTensor's rules; errors named (_errors.py)
 
 
 class DTensorGraphMode(SpatialMode):

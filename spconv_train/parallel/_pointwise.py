@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ._compile import graph_handler, run_eagerly
+from ._dims import mesh_rank
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
@@ -108,7 +109,7 @@ def _batch_part(x: DTensor) -> int:
     part = 0
     for i, pl in enumerate(x.placements):
         if sharded_dim(pl) == 0:
-            part = part * x.device_mesh.size(i) + x.device_mesh.get_local_rank(i)
+            part = part * x.device_mesh.size(i) + mesh_rank(x.device_mesh, i)
     return part
 
 

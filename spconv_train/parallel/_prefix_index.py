@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ._dims import norm_dim, wrap
+from ._dims import mesh_rank, norm_dim, wrap
 from ._mode import register_handler
 from ._prefix_shard import prefix_of
 from ._rechunk import _expand_index
@@ -53,7 +53,7 @@ def prefix_owner(x: DTensor) -> tuple[int, tuple[int, ...], int, bool]:
     (the first rank of every one of those mesh dims)."""
     dims = tuple(m for m, p in enumerate(x.placements) if prefix_of(p))
     p = prefix_of(x.placements[dims[0]])
-    owner = all(x.device_mesh.get_local_rank(m) == 0 for m in dims)
+    owner = all(mesh_rank(x.device_mesh, m) == 0 for m in dims)
     return norm_dim(x.placements[dims[0]].dim, x.ndim), dims, p, owner
 
 

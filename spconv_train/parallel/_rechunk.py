@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from ._dims import handled, is_dp, norm_dim, sharded_dims, wrap
+from ._dims import handled, is_dp, mesh_axis, norm_dim, sharded_dims, wrap
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import register_handler
@@ -134,11 +134,7 @@ def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
     (NCHW strips and tiles, NCDHW volumes, channels-last maps ``(B, H, W, C)`` and
     ``(B, D, H, W, C)`` split along any of their spatial dims)."""
     mesh = x.device_mesh
-    return {
-        d: (mesh.size(m), mesh.get_local_rank(m), mesh.get_group(m))
-        for d, m in sharded_dims(x).items()
-        if d > 0 and not is_dp(x, m)
-    }
+    return {d: mesh_axis(mesh, m) for d, m in sharded_dims(x).items() if d > 0 and not is_dp(x, m)}
 
 
 def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None):

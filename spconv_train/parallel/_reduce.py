@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._mode import register_handler
 from ._small_sum import sum_replicated
 
@@ -88,7 +88,7 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     and differentiable. ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
     where = sharded_dims(x)
-    groups = [x.device_mesh.get_group(where[d]) for d in dims if d in where]
+    groups = [mesh_group(x.device_mesh, where[d]) for d in dims if d in where]
     local = x.to_local()
     count = math.prod(x.shape[d] for d in dims)
     if kind in ("sum", "mean"):
@@ -156,7 +156,7 @@ for _kind, _make in (
 
 def _group(x: DTensor, d: int):
     i = sharded_dims(x).get(d)
-    return None if i is None else (x.device_mesh.get_group(i), x.device_mesh.get_local_rank(i))
+    return None if i is None else (mesh_group(x.device_mesh, i), mesh_rank(x.device_mesh, i))
 
 
 def _softmax_local(local: Tensor, d: int, group, log: bool) -> Tensor:

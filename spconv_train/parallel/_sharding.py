@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import GRID_MESH_DIMS, ParallelDims, from_local
+from ._dims import GRID_MESH_DIMS, ParallelDims, from_local, mesh_group, mesh_rank
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
@@ -68,7 +68,7 @@ def block_slices(shape: tuple[int, ...], placements, coords) -> tuple[slice, ...
 def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
     """``(size, index)`` of this rank along every dimension of ``mesh`` (for
     ``block_slices``)."""
-    return [(mesh.size(i), mesh.get_local_rank(i)) for i in range(mesh.ndim)]
+    return [(mesh.size(i), mesh_rank(mesh, i)) for i in range(mesh.ndim)]
 
 
 def _is_spatial_shard(p, ndim: int) -> bool:
@@ -107,7 +107,7 @@ class SpatialLayout:
     @property
     def spatial_groups(self) -> tuple:
         """Groups holding the other parts of one image (statistics per sample reduce here)."""
-        return tuple(self.mesh.get_group(m) for m in self.spatial_mesh_dims)
+        return tuple(mesh_group(self.mesh, m) for m in self.spatial_mesh_dims)
 
     @property
     def sp_size(self) -> int:
@@ -115,11 +115,11 @@ class SpatialLayout:
 
     @property
     def sp_rank(self) -> int:
-        return self.mesh.get_local_rank(self.sp_dim)
+        return mesh_rank(self.mesh, self.sp_dim)
 
     @property
     def sp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group(self.sp_dim)
+        return mesh_group(self.mesh, self.sp_dim)
 
     @property
     def batch_dims(self) -> tuple[int, ...]:
@@ -130,7 +130,7 @@ class SpatialLayout:
     def grad_groups(self) -> tuple:
         """Groups over which a parameter gradient computed on the local data is a partial sum:
         every mesh dimension that shards the activation (width or batch)."""
-        return tuple(self.mesh.get_group(i) for i in sharding_mesh_dims(self.placements))
+        return tuple(mesh_group(self.mesh, i) for i in sharding_mesh_dims(self.placements))
 
     @property
     def stat_groups(self) -> tuple:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ._dims import mesh_axis
 from ._geometry import SpatialShardingError, window_out_size
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._window import PAD_MODES, WindowStep, gather_window, plan_window, saving_steps_by_reference
@@ -50,7 +51,7 @@ def axis_of(layout: SpatialLayout | None, d: int) -> tuple[int, int, object] | N
     layout (``layout_axes``), or ``None`` when ``d`` is not sharded."""
     for td, m in layout_axes(layout):
         if td == d:
-            return layout.mesh.size(m), layout.mesh.get_local_rank(m), layout.mesh.get_group(m)
+            return mesh_axis(layout.mesh, m)
     return None
 
 
@@ -62,6 +63,8 @@ def sharded_axes(layout: SpatialLayout) -> list[tuple[int, int, int, object]]:
 
 def along(t: Tensor, d: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
     """``fn`` applied to ``t`` with dim ``d`` moved last (a view), the result moved back."""
+    if d % t.ndim == t.ndim - 1:  # already last (the width of strips): no permute views
+        return fn(t)
     return fn(t.movedim(d, -1)).movedim(-1, d)
 
 

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _broadcast, _channels  # noqa: F401  (their handlers are wrapped below)
-from ._dims import is_dp, wrap
+from ._dims import is_dp, mesh_group, mesh_rank, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
@@ -125,7 +125,7 @@ def split_layouts(x: DTensor) -> list[TokenLayout]:
         found.update({i: (d, sf, *nest[i]) for sf, i in chain})
     return [
         TokenLayout(
-            d, i, sf, inner, mesh.size(i), mesh.get_local_rank(i), unit, prefix_of(x.placements[i])
+            d, i, sf, inner, mesh.size(i), mesh_rank(mesh, i), unit, prefix_of(x.placements[i])
         )
         for i, (d, sf, inner, unit) in sorted(found.items())
     ]
@@ -300,7 +300,7 @@ def _wrap_existing(*functions):
 
 
 def _grad_groups(x: DTensor) -> tuple:
-    return tuple(x.device_mesh.get_group(i) for i in sharding_mesh_dims(x.placements))
+    return tuple(mesh_group(x.device_mesh, i) for i in sharding_mesh_dims(x.placements))
 
 
 @_wrap_existing(F.layer_norm, torch.layer_norm)

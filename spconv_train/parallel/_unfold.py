@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ._dims import handled, norm_dim, sharded_dims, wrap
+from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._runtime import current_runtime
@@ -58,7 +58,7 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
     meta = torch.empty_strided(x.shape, x.stride(), device="meta")
     if d in split and x.device_mesh.size(split[d]) > 1:
         mesh, m = x.device_mesh, split[d]
-        rank, group = mesh.get_local_rank(m), mesh.get_group(m)
+        rank, group = mesh_rank(mesh, m), mesh_group(mesh, m)
         wp = plan_window("Tensor.unfold", x.shape[d], mesh.size(m), size, step, 1, 0, 0)
         local = along(local, d, lambda t: gather_window(t, wp, rank, group))
         meta = along(meta, d, torch.Tensor.contiguous)

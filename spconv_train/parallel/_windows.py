@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
-from ._dims import is_dp, wrap
+from ._dims import is_dp, mesh_group, wrap
 from ._errors import module_path
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
@@ -115,7 +115,7 @@ def _rechunk(
     outer = _local_outer(x, lays, move, out_shape)
     a, b = plan.owned[move.lay.rank]
     t = local.unflatten(d, (outer, b - a)).movedim(d + 1, -1)
-    group = x.device_mesh.get_group(move.lay.mesh_dim)
+    group = mesh_group(x.device_mesh, move.lay.mesh_dim)
     out = gather_columns(t, plan, move.lay.rank, group).movedim(-1, d + 1).flatten(d, d + 1)
     # contiguous: DTensor takes the wrapped local tensor to be (its view ops rely on it)
     return out.contiguous()
