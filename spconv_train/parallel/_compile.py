@@ -47,7 +47,8 @@ Why mode 3 is not the default: between two spatial layers the U-Net has one ReLU
 ResNet block an add and a ReLU, nothing for inductor to fuse, and on CPU inductor's
 kernels that store a ReLU's ``bool`` backward mask ran 30-60x slower than eager on the
 machine measured (docs/benchmarks.md, ``torch.compile``). ``tests/test_compile.py``,
-``tests/test_compile_models.py`` and ``tests/test_train_e2e.py::test_compile_changes_nothing``
+``tests/test_compile_models.py`` and
+``tests/test_train_e2e.py::test_activation_checkpointing_and_compile_change_nothing``
 exercise the modes.
 """
 
