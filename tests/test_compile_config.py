@@ -3,8 +3,9 @@ sharded run of LR-ASPP (MobileNetV3) and smp Unet-resnet18 (``compile_mode: defa
 of the U-Net with ``compile_mode: dtensor_graphs`` equals the eager one-device reference in
 float64 (``aot_eager``), every step, with no frame compiled twice. ``run`` compiles the
 same way (``train/loop.py``;
-``tests/test_train_e2e.py::test_activation_checkpointing_and_compile_change_nothing`` trains the U-Net compiled to eager's weights). ``training.compile_mode`` is validated
-when the config loads."""
+``tests/test_train_e2e.py::test_activation_checkpointing_and_compile_change_nothing``
+trains the U-Net compiled to eager's weights). ``training.compile_mode`` is validated when
+the config loads."""
 
 from __future__ import annotations
 
