@@ -40,8 +40,9 @@ def mixed_precision_cases(world: int) -> list[str]:
     against the plain layer on the same input (a distance of bf16 rounding's order)."""
     dmesh, failures = mesh(world), []
     layers = (nn.BatchNorm2d(C), nn.GroupNorm(3, C), nn.InstanceNorm2d(C, affine=True))
+    layers += (nn.BatchNorm2d(C, affine=False),)
     for i, layer in enumerate(layers):
-        x = _input(i, 2, 3 * world + 2, torch.bfloat16, False)
+        x = _input(i, 2, 3 * world + 2, torch.bfloat16, i == 3)
         tag = f"{type(layer).__name__} bf16"
         compare_module(_affine(layer, 10 + i), x, dmesh, [Shard(3)], "shard", tag, failures, 3e-2)
     return failures
