@@ -8,8 +8,8 @@ values. Batch norm: one statistic per channel over the global batch and image, r
 ``layout.stat_groups`` (every spatial and data-parallel mesh dim, like SyncBatchNorm); group
 and instance norm: per sample, reduced over the spatial mesh dims only. The statistics only
 count elements, so one implementation serves every spatial rank and layout. Each rank's
-moments are two-pass (its mean, then squared deviations from it) and merged exactly across
-ranks in one collective, so large means cost no digits. The backward is the analytic one
+moments (one fused kernel or two passes, in fp32 or better) are merged exactly across ranks
+in one collective, so large means cost no digits. The backward is the analytic one
 with its two sums reduced the same way. Batch norm's affine gradients travel in that same
 all-reduce (its groups are the gradient groups), so they are reduced once; group and
 instance norm's (on a (dp, sp) mesh) are local partial sums completed by
