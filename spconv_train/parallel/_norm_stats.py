@@ -286,7 +286,14 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
         a = invstd.reshape(-1) * w
         shift = (a * sums[0] / -cells.count, a * sums[1] / -cells.count)
         dx = torch.batch_norm(x, *shift, *stats, False, 0.0, ctx.eps, False)
-        dx = dx.addcmul_(dy, _hw(a[None]))
+        if x.dtype == a.dtype:
+            dx = dx.addcmul_(dy, _hw(a[None]))
+        else:  # ``a * dy`` as the evaluation-form backward: a bf16 ``addcmul_`` with an fp32
+            # scale takes CPU's unvectorised mixed-dtype loop (10-20x slower, torch 2.14)
+            ady = torch.ops.aten.native_batch_norm_backward(
+                dy, x, w, *stats, None, None, False, ctx.eps, [True, False, False]
+            )[0]
+            dx = dx.add_(ady)
     dw = gw.to(weight.dtype) if want_dw else None
     db = gb.to(ctx.bias_dtype) if want_db else None
     return dx, dw, db, None, None, None, None, None
