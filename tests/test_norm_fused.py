@@ -97,8 +97,8 @@ def written_counts(world: int) -> list[tuple[str, int, int, int]]:
         par = _written(parallelize(copy.deepcopy(layer), dmesh), xs, dys, size)
         plain = _written(layer, local, dy, size)
         # dx is an inference-form batch_norm plus an addcmul (one write more than torch's
-        # fused backward), in bf16 plus the evaluation-form backward and an add (two more);
-        # the two-pass moments write two more (deviations, squares)
+        # fused backward), in bf16 that batch_norm, the evaluation-form backward and an add
+        # (two more); the two-pass moments write two more (deviations, squares)
         extra = (1 if dtype == torch.float32 else 2) + (0 if _kernel_stats(*key) else 2)
         rows.append(
             (
@@ -113,7 +113,8 @@ def written_counts(world: int) -> list[tuple[str, int, int, int]]:
 
 def test_batch_norm_writes_like_torch(dist_pool):
     """The composed bf16 path writes ~16 activation-sized tensors (fp32 casts, sub, mul,
-    add, ...) per forward + backward where torch's own writes 3; the fused one 1-2 more."""
+    add, ...) per forward + backward where torch's own writes 3 (with the input gradient's
+    accumulation); the fused one 1-2 more (3 with the two-pass moments of contiguous fp32)."""
     for case, par, plain, extra in dist_pool.run(2, written_counts, 2)[0]:
         assert par <= plain + extra, f"{case}: {par} writes vs torch's {plain} (+{extra})"
 
