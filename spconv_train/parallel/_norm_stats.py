@@ -69,14 +69,16 @@ def _kernel_stats(device: str, dtype: torch.dtype, channels_last: bool) -> bool:
         return False
     if device == "cpu" and dtype == torch.float32 and not channels_last:
         return False
-    x = torch.ones(2, 2, 2, 2, dtype=dtype, device=device)
+    x = torch.arange(16, dtype=dtype, device=device).view(2, 2, 2, 2)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     try:
         mean, var = torch.batch_norm_update_stats(x, *_placeholders(x, 2), 0.0)
     except (RuntimeError, NotImplementedError):
         return False
-    return mean.dtype == var.dtype == torch.float32
+    # fp32 results, the biased variance (channel 0 holds 0-3 and 8-11, channel 1 4-7, 12-15)
+    want = torch.tensor([[5.5, 9.5], [17.25, 17.25]], device=device)
+    return mean.dtype == var.dtype == torch.float32 and torch.equal(torch.stack([mean, var]), want)
 
 
 def _placeholders(x: Tensor, channels: int) -> tuple[Tensor, Tensor]:
