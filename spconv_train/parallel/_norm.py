@@ -8,8 +8,8 @@ values. Batch norm: one statistic per channel over the global batch and image, r
 ``layout.stat_groups`` (every spatial and data-parallel mesh dim, like SyncBatchNorm); group
 and instance norm: per sample, reduced over the spatial mesh dims only. The statistics only
 count elements, so one implementation serves every spatial rank and layout. Each rank's
-moments are two-pass (its mean, then squared deviations from it) and merged exactly across
-ranks in one collective, so large means cost no digits. The backward is the analytic one
+moments (one fused kernel or two passes, in fp32 or better) are merged exactly across ranks
+in one collective, so large means cost no digits. The backward is the analytic one
 with its two sums reduced the same way. Batch norm's affine gradients travel in that same
 all-reduce (its groups are the gradient groups), so they are reduced once; group and
 instance norm's (on a (dp, sp) mesh) are local partial sums completed by
@@ -63,13 +63,15 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     shape = local.shape
     if local.ndim != 4:  # the same statistics on a 4-D view of the local part
         local = local.reshape(_as_nchw(shape))
-    mean, var = _moments(local.detach(), cells)
     groups = layout.grad_groups
-    if cells.groups == groups:  # batch norm: the affine gradients ride on the stats' reduce
-        y = _Normalize.apply(local, weight, bias, mean, var, eps, cells, True)
-    else:
-        w, b = sum_grad_over(weight, groups), sum_grad_over(bias, groups)
-        y = _Normalize.apply(local, w, b, mean, var, eps, cells)
+    reduce_affine = cells.groups == groups  # batch norm: affine gradients ride on the stats'
+    if not reduce_affine:
+        weight, bias = sum_grad_over(weight, groups), sum_grad_over(bias, groups)
+    # Plain local tensors only from here: torch functions skip the spatial mode's dispatch
+    # (about 30 us per call, some 40 calls per layer: more than the kernels of a small map)
+    with torch._C.DisableTorchFunction():
+        mean, var = _moments(local.detach(), cells)
+        y = _Normalize.apply(local, weight, bias, mean, var, eps, cells, reduce_affine)
     # (no same-shape reshape: a view's backward breaks a channels-last gradient's batch
     # stride, and the fused backward kernel then runs on it as NCHW, _layout.py)
     y = y if y.shape == shape else y.reshape(shape)
@@ -86,7 +88,8 @@ def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> 
 @torch.no_grad()
 def _update(running: Tensor | None, value: Tensor, momentum: float) -> None:
     if running is not None:
-        running.copy_(momentum * value.reshape(-1) + (1 - momentum) * running)
+        with torch._C.DisableTorchFunction():  # plain tensors: skip the mode (see _normalize)
+            running.copy_(momentum * value.reshape(-1) + (1 - momentum) * running)
 
 
 def spatial_batch_norm(

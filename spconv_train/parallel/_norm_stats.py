@@ -2,12 +2,15 @@
 
 Statistics: each rank takes the moments of its own part and the parts are merged exactly
 across ranks in one collective (``_moments``). ``_Normalize`` applies them and runs the
-analytic backward, whose sums are reduced the same way; batch statistics in the input's
-dtype run on torch's fused batch-norm kernels (``_fused``).
+analytic backward, whose sums are reduced the same way; batch statistics run on torch's
+fused batch-norm kernels (``_fused``), bf16/fp16 inputs too (fp32 statistics, output in the
+input's dtype), and the per-rank moments come from one fused kernel where that is faster
+(``_kernel_stats``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,23 +52,79 @@ def _hw(t: Tensor) -> Tensor:
     return t[:, :, None, None]
 
 
-@torch.no_grad()
-def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
-    """Global mean and biased variance of every statistic, from the local part ``x`` (a 4-D view).
+#: Input dtypes whose statistics and normalisation torch's kernels take in fp32 (its
+#: mixed-dtype batch norm: fp32 statistics and affine, output in the input's dtype).
+_LOW = (torch.bfloat16, torch.float16)
 
-    Each rank takes the two-pass moments of its own part (mean, then squared deviations
-    from it: no sum-of-squares cancellation for large means), and the parts are merged
-    exactly (Chan et al.: ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``) from one
-    collective per process group: one collective instead of a reduce of the sums followed
-    by a reduce of the squared deviations from the global mean. Every rank merges the same
-    gathered values in the same order, so the statistics agree bit for bit.
-    (``torch.var_mean`` would be one call, but its Welford loop ran 3x slower on CPU than
-    these passes in a U-Net step; torch 2.14.)"""
+
+@functools.cache
+def _kernel_stats(device: str, dtype: torch.dtype, channels_last: bool) -> bool:
+    """Whether a part's per-channel moments come from ``torch.batch_norm_update_stats``
+    (one fused pass; fp32 results for a low-precision input, with fp32 placeholder running
+    statistics and momentum 0) instead of the two-pass code. Decided once per device type,
+    dtype and layout. fp64 keeps the two passes (its digits); so does contiguous fp32 on
+    CPU, where that kernel's strided loop ran 2-3x slower than the two passes (torch 2.14,
+    2-core Xeon); a kernel that refuses the dtype leaves the two passes too."""
+    if dtype not in _LOW + (torch.float32,):
+        return False
+    if device == "cpu" and dtype == torch.float32 and not channels_last:
+        return False
+    x = torch.arange(16, dtype=dtype, device=device).view(2, 2, 2, 2)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    try:
+        mean, var = torch.batch_norm_update_stats(x, *_placeholders(x, 2), 0.0)
+    except (RuntimeError, NotImplementedError):
+        return False
+    # fp32 results, the biased variance (channel 0 holds 0-3 and 8-11, channel 1 4-7, 12-15)
+    want = torch.tensor([[5.5, 9.5], [17.25, 17.25]], device=device)
+    return mean.dtype == var.dtype == torch.float32 and torch.equal(torch.stack([mean, var]), want)
+
+
+def _placeholders(x: Tensor, channels: int) -> tuple[Tensor, Tensor]:
+    """fp32 running statistics for ``batch_norm_update_stats`` (momentum 0 leaves them as
+    they are): their dtype makes a low-precision input's moments fp32."""
+    zeros = torch.zeros(2, channels, dtype=torch.float32, device=x.device)
+    return zeros[0], zeros[1]
+
+
+def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
+    """(elements per statistic, mean, M2) of this rank's part, per statistic, in the
+    statistics' precision (fp32 or better).
+
+    On ``batch_norm_update_stats`` where ``_kernel_stats`` allows (group and instance
+    statistics as batch norm of the ``(1, N * groups, -, W)`` view of a contiguous part), else
+    two-pass: the mean, then squared deviations from it (no sum-of-squares cancellation for
+    large means). ``torch.var_mean`` ran 3x slower on CPU than both (torch 2.14)."""
     acc = torch.promote_types(x.dtype, torch.float32)
+    stats = cells.num_groups if cells.kind != "batch" else cells.channels
+    view = x if cells.kind == "batch" and x.numel() else None  # empty: the passes give zeros
+    if cells.kind != "batch" and x.numel() and x.is_contiguous():
+        view = x.reshape(1, x.shape[0] * stats, -1, x.shape[3])
+    if view is not None:
+        layout = view.is_contiguous(memory_format=torch.channels_last) and not view.is_contiguous()
+        if _kernel_stats(x.device.type, x.dtype, layout):
+            n = view.numel() // max(view.shape[1], 1)
+            mean, var = torch.batch_norm_update_stats(view, *_placeholders(x, view.shape[1]), 0.0)
+            shape = (1, stats) if cells.kind == "batch" else (x.shape[0], stats)
+            return n, mean.view(shape), var.view(shape) * n
     s = cells.collect(x.sum((2, 3), dtype=acc))
     n = x.numel() // max(s.numel(), 1)  # elements of each statistic held by this rank
     mean = s / max(n, 1)
     m2 = cells.collect((x.to(acc) - _hw(cells.spread(mean))).square_().sum((2, 3)))
+    return n, mean, m2
+
+
+@torch.no_grad()
+def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
+    """Global mean and biased variance of every statistic, from the local part ``x`` (a 4-D view).
+
+    Each rank takes the moments of its own part (``_local_moments``), and the parts are
+    merged exactly (Chan et al.: ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``) from one
+    collective per process group: one collective instead of a reduce of the sums followed
+    by a reduce of the squared deviations from the global mean. Every rank merges the same
+    gathered values in the same order, so the statistics agree bit for bit."""
+    n, mean, m2 = _local_moments(x, cells)
     count = torch.full_like(mean, n)
     for group in cells.groups:
         if dist.get_world_size(group) > 1:
@@ -90,18 +149,47 @@ def _merge_moments(count: Tensor, mean: Tensor, m2: Tensor, group) -> tuple[Tens
 
 
 def _fused(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean, cells: _Cells) -> bool:
-    """Whether batch statistics can go through torch's own fused batch-norm kernels (its
-    inference form, fed the global statistics): per-channel cells, all in one dtype. Lower
-    precision inputs keep the composed path, which works in the statistics' precision."""
-    same = all(t is None or t.dtype == mean.dtype for t in (weight, bias))
-    return cells.kind == "batch" and x.dtype == mean.dtype and same
+    """Whether batch statistics go through torch's own fused batch-norm kernels (its
+    inference form, fed the global statistics): per-channel cells, and an input in the
+    statistics' dtype or, where the device's kernels take it (``_mixed_ok``), a
+    lower-precision one (bf16/fp16 input, fp32 statistics and affine: torch computes in
+    fp32 and writes the input's dtype, as its own batch norm does under autocast). The affine
+    parameters are cast to the statistics' dtype (a few values)."""
+    affine = all(t is None or t.is_floating_point() for t in (weight, bias))
+    if cells.kind != "batch" or not affine:
+        return False
+    return x.dtype == mean.dtype or _mixed_ok(x.device.type, x.dtype, mean.dtype)
+
+
+@functools.cache
+def _mixed_ok(device: str, dtype: torch.dtype, stats: torch.dtype) -> bool:
+    """Whether the device's batch-norm kernels (inference form and the affine-gradient
+    backward) take a ``dtype`` input with ``stats``-dtype statistics and affine; decided
+    once per device type and dtypes, with a tiny probe."""
+    if dtype not in _LOW or stats != torch.float32:
+        return False
+    x = torch.ones(2, 2, 2, 2, dtype=dtype, device=device)
+    p = torch.ones(2, dtype=stats, device=device)
+    try:
+        y = torch.batch_norm(x, p, p, p, p, False, 0.0, 1e-5, False)
+        grads = torch.ops.aten.native_batch_norm_backward(
+            y, x, p, None, None, p, p, True, 1e-5, [False, True, True]
+        )
+    except (RuntimeError, NotImplementedError):
+        return False
+    return y.dtype == dtype and grads[1].dtype == stats
+
+
+def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(dtype)
 
 
 class _Normalize(torch.autograd.Function):
     """``(x - mean) * invstd * weight + bias``; the backward goes through the statistics, its
     sums reduced like them. Only ``x`` is saved, as in torch's own batch norm.
 
-    Batch statistics in the input's dtype run on torch's fused kernels (``_fused``): the
+    Batch statistics run on torch's fused kernels (``_fused``; a bf16/fp16 input with
+    fp32 statistics too, computed in fp32 inside the kernels): the
     forward is ``batch_norm`` in its inference form with the global statistics, the
     backward's local sums are ``native_batch_norm_backward``'s affine gradients
     (``sum(dy * xhat)``, ``sum(dy)``), and ``dx`` is one more inference-form ``batch_norm``
@@ -113,7 +201,8 @@ class _Normalize(torch.autograd.Function):
         ctx.fused = _fused(x, weight, bias, mean, cells)
         if ctx.fused:
             stats = (mean.reshape(-1), var.reshape(-1))
-            y = torch.batch_norm(x, weight, bias, *stats, False, 0.0, eps, False)
+            w, b = _as(weight, mean.dtype), _as(bias, mean.dtype)
+            y = torch.batch_norm(x, w, b, *stats, False, 0.0, eps, False)
         else:
             scale = cells.spread(invstd)
             if weight is not None:
@@ -134,10 +223,11 @@ class _Normalize(torch.autograd.Function):
         want_dx = ctx.needs_input_grad[0]
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        w = weight if weight is not None else torch.ones_like(cells.spread(invstd)[0])
         if ctx.fused:
+            w = _as(weight, mean.dtype) if weight is not None else torch.ones_like(mean[0])
             wants = (want_dx, want_dw, want_db)
-            return _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants)
+            return _fused_backward(ctx, dy.to(x.dtype), x, weight, w, mean, var, invstd, wants)
+        w = weight if weight is not None else torch.ones_like(cells.spread(invstd)[0])
         s = cells.spread(invstd)  # (1 or N, C)
         xmu = x.to(s.dtype) - _hw(cells.spread(mean))
         g = dy.to(s.dtype)
@@ -198,7 +288,14 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
         a = invstd.reshape(-1) * w
         shift = (a * sums[0] / -cells.count, a * sums[1] / -cells.count)
         dx = torch.batch_norm(x, *shift, *stats, False, 0.0, ctx.eps, False)
-        dx = dx.addcmul_(dy, _hw(a[None]))
+        if x.dtype == a.dtype:
+            dx = dx.addcmul_(dy, _hw(a[None]))
+        else:  # ``a * dy`` as the evaluation-form backward: a bf16 ``addcmul_`` with an fp32
+            # scale takes CPU's unvectorised mixed-dtype loop (10-20x slower, torch 2.14)
+            ady = torch.ops.aten.native_batch_norm_backward(
+                dy, x, w, *stats, None, None, False, ctx.eps, [True, False, False]
+            )[0]
+            dx = dx.add_(ady)
     dw = gw.to(weight.dtype) if want_dw else None
     db = gb.to(ctx.bias_dtype) if want_db else None
     return dx, dw, db, None, None, None, None, None
