@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-command device check (make gpu-check): the spatial op grids on the device, a training
 # step in bf16 with channels-last activations (plain and FSDP), the conv / step benchmarks
-# timed with CUDA events and the local kernels in fp32 / bf16 x NCHW / channels-last; every
-# table goes to OUT/gpu_check.md.
+# timed with CUDA events, the local kernels in fp32 / bf16 x NCHW / channels-last and (CUDA)
+# the parallelized model on one rank beside the plain one; every table goes to
+# OUT/gpu_check.md.
 #
 #   scripts/gpu_check.sh                      # CUDA: about 5-8 minutes on one GPU
 #   scripts/gpu_check.sh --device cpu         # small and fast (CI runs it: tests/test_gpu_check.py)
@@ -103,6 +104,15 @@ section "training step" 180 "$PY" scripts/gpu_check.py --device "$DEVICE" --out 
 section "bench conv" 180 "$PY" scripts/bench_conv.py --device "$DEVICE" --markdown "${CONV[@]}"
 section "bench step" 180 "$PY" scripts/bench_step.py --device "$DEVICE" --markdown "${BENCH[@]}"
 section "bench kernels" 120 "$PY" scripts/bench_kernels.py --device "$DEVICE" --markdown "${KERNELS[@]}"
+if [[ "$DEVICE" == cuda ]]; then
+    # the parallelized model on a one-rank mesh beside the plain model (eager and inductor):
+    # what the parallel layer itself costs where kernels are fast
+    section "plain vs parallelized" 300 bash -c 'for mode in plain default; do
+        "$0" scripts/bench_compile.py --device cuda --models unet smp_unet --worlds 1 \
+            --height 512 --width 1024 --rounds 5 --no-kernels --markdown --bf16 \
+            --channels-last --compile-mode "$mode" || exit 1
+    done' "$PY"
+fi
 
 {
     echo
@@ -125,6 +135,12 @@ section "bench kernels" 120 "$PY" scripts/bench_kernels.py --device "$DEVICE" --
     echo "## bench_kernels (one device: fp32 / bf16 x NCHW / channels-last)"
     echo
     grep '^|' "$OUT/bench_kernels.log" || echo "(no table: see $OUT/bench_kernels.log)"
+    if [[ "$DEVICE" == cuda ]]; then
+        echo
+        echo "## plain vs parallelized on one rank (bf16, channels-last; eager and compiled)"
+        echo
+        grep '^|' "$OUT/plain_vs_parallelized.log" || echo "(no table: see $OUT/plain_vs_parallelized.log)"
+    fi
     echo
     if [[ ${#FAILED[@]} -eq 0 ]]; then
         echo "verdict: PASS"
