@@ -44,7 +44,7 @@ from torch.autograd.function import once_differentiable
 
 from ._compile import not_traced
 from ._halo import post_p2p
-from ._layout import empty_as
+from ._layout import CHANNELS_LAST, empty_as
 from ._runtime import current_runtime
 from ._window import WindowPlan
 
@@ -139,11 +139,8 @@ def _dense_like(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
     channels-last convolution (``training.channels_last``) stays channels-last, where
     ``g.contiguous()`` would copy it to NCHW and ``convolution_backward`` back again."""
     if any(t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1 for t in (x, w)):
-        return g.contiguous(memory_format=_CHANNELS_LAST[g.dim()])
+        return g.contiguous(memory_format=CHANNELS_LAST[g.dim()])
     return g.contiguous()
-
-
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 @functools.lru_cache(maxsize=4096)

@@ -21,6 +21,8 @@ both ways. Two things here keep the layout:
 - ``empty_as``: a new buffer (a halo window) in the layout of the block it is built from;
   ``new_empty`` would allocate NCHW. (Likewise ops that allocate their result contiguous,
   such as ``index_select``, run on the channels-moved-last view: ``_interpolate._apply``.)
+- ``reshape_kept``: a reshape that leaves a tensor of the right shape as it is (a
+  same-shape view would break the gradient's batch stride again).
 """
 
 from __future__ import annotations
@@ -82,3 +84,10 @@ def empty_as(like: Tensor, shape) -> Tensor:
     order = sorted(range(like.dim()), key=lambda i: (-like.stride(i), i))
     buf = like.new_empty([shape[i] for i in order])
     return buf.permute([order.index(i) for i in range(like.dim())])
+
+
+def reshape_kept(t: Tensor, shape) -> Tensor:
+    """``t.reshape(shape)``, or ``t`` itself when it already has that shape: a same-shape
+    reshape is a view whose backward gives a channels-last gradient of batch 1 the broken
+    batch stride again (``in_layout``), and the next backward kernel then runs it NCHW."""
+    return t if t.shape == torch.Size(shape) else t.reshape(shape)

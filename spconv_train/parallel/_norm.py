@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from ._compile import not_traced
 from ._errors import module_label
 from ._halo import sum_grad_over
+from ._layout import reshape_kept
 from ._mode import register_handler
 from ._norm_stats import _Cells, _moments, _Normalize
 from ._parallelize import register_spatial_module, spatial_module
@@ -72,10 +73,7 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     with torch._C.DisableTorchFunction():
         mean, var = _moments(local.detach(), cells)
         y = _Normalize.apply(local, weight, bias, mean, var, eps, cells, reduce_affine)
-    # (no same-shape reshape: a view's backward breaks a channels-last gradient's batch
-    # stride, and the fused backward kernel then runs on it as NCHW, _layout.py)
-    y = y if y.shape == shape else y.reshape(shape)
-    return leave(y, layout, tuple(x.shape)), mean, var
+    return leave(reshape_kept(y, shape), layout, tuple(x.shape)), mean, var
 
 
 def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> DTensor:

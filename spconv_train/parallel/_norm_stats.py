@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ._layout import memory_format
 from ._small_sum import sum_now
 
 
@@ -102,7 +103,7 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
     if cells.kind != "batch" and x.numel() and x.is_contiguous():
         view = x.reshape(1, x.shape[0] * stats, -1, x.shape[3])
     if view is not None:
-        layout = view.is_contiguous(memory_format=torch.channels_last) and not view.is_contiguous()
+        layout = memory_format(view) is not torch.contiguous_format
         if _kernel_stats(x.device.type, x.dtype, layout):
             n = view.numel() // max(view.shape[1], 1)
             mean, var = torch.batch_norm_update_stats(view, *_placeholders(x, view.shape[1]), 0.0)

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ._dims import mesh_axis
 from ._geometry import SpatialShardingError, window_out_size
+from ._layout import reshape_kept
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._window import PAD_MODES, WindowStep, gather_window, plan_window, saving_steps_by_reference
 
@@ -194,9 +195,7 @@ def _gather(m: Tensor, wp, rank: int, group, mode: str, value: float) -> Tensor:
     if m.ndim > 4 and mode not in ("zeros", "constant"):
         m = m.flatten(1, m.ndim - 3)
     g = gather_window(m, wp, rank, group, mode, value)
-    if g.shape[:-1] == shape[:-1]:
-        return g  # (a same-shape reshape, a view, would break a channels-last batch stride)
-    return g.reshape(*shape[:-1], g.shape[-1])
+    return reshape_kept(g, (*shape[:-1], g.shape[-1]))
 
 
 def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[int, ...]:
