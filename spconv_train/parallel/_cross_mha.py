@@ -98,15 +98,20 @@ def _whole_mha(kw: dict, what: str):
     return wrap(out, q, q.placements, q.shape), weights
 
 
-def in_projections(kw: dict, groups: tuple) -> tuple[list, list]:
-    """The q / k / v input projections' weights and biases of ``nn.MultiheadAttention``'s
-    functional arguments ``kw``, their gradients summed over ``groups``."""
+def in_heads(kw: dict, xs: tuple[Tensor, ...], groups: tuple) -> list[Tensor]:
+    """The sequence-first local queries, keys and values ``xs`` (``(L, N, E)``) through the
+    q / k / v input projections of ``nn.MultiheadAttention``'s functional arguments ``kw``
+    (their gradients summed over ``groups``), split into heads: ``(N, heads, L, E / heads)``."""
     if kw["use_separate_proj_weight"]:
         ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
     else:
         ws = list(sum_grad_over(kw["in_proj_weight"], groups).chunk(3))
     bias = sum_grad_over(kw["in_proj_bias"], groups)
-    return ws, list(bias.chunk(3)) if bias is not None else [None] * 3
+    bs = list(bias.chunk(3)) if bias is not None else [None] * 3
+    return [
+        F.linear(x, w, b).reshape(*x.shape[:2], kw["num_heads"], -1).permute(1, 2, 0, 3)
+        for x, w, b in zip(xs, ws, bs, strict=True)
+    ]
 
 
 def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
@@ -124,16 +129,12 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
         raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
     heads, e = kw["num_heads"], q.shape[-1]
-    ws, bs = in_projections(kw, _groups(k))  # every rank's share of the keys
     xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
-    qh, kh, vh = (
-        F.linear(x, w, b).reshape(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
-        for x, w, b in zip(xs, ws, bs, strict=True)
-    )
+    qh, kh, vh = in_heads(kw, xs, _groups(k))  # every rank's share of the keys
     mask = _mha_mask(kw, k, kseq, qh.shape[0], qh.dtype)
     group = token_ring(k.device_mesh, kseq).group
     out = attend(qh, kh, vh, mask, 1.0 / math.sqrt(e // heads), group, kw["need_weights"])
-    out = out.permute(2, 0, 1, 3).reshape(q.shape[0], qh.shape[0], e)
+    out = out.permute(2, 0, 1, 3).flatten(2)  # (Q, N, E)
     whole = _groups(k, kseq)  # the output side: the batch split alone
     w, b = (sum_grad_over(kw[f"out_proj_{n}"], whole) for n in ("weight", "bias"))
     out = F.linear(out, w, b)

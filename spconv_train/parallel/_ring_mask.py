@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._tokens import TokenLayout, _grad_groups, dim_layouts, held_indices, split_layouts
+from ._tokens import TokenLayout, _grad_groups, dim_layouts, held_indices, local_part, split_layouts
 
 
 def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
@@ -148,8 +148,7 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
         rows = mask.to_local()
     else:
         # the mask broadcasts against the scores (..., L, S) like q against (..., L, E)
-        picks = _picks(q, {d: d - q.ndim for d in range(q.ndim)})
-        rows = select_rows(mask, picks, _grad_groups(q))
+        rows = local_part(mask, q, what=what)
     return rows if rows.dtype == torch.bool else rows.to(q.dtype)
 
 
