@@ -27,11 +27,12 @@ from ._dims import mesh_group, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
+from ._prefix_shard import placement
 from ._reduce import _global_extreme
 from ._ring_mask import select_rows
 from ._small_sum import sum_replicated
 from ._token_ring import Seq, partial_local, token_ring
-from ._tokens import _placement, held_indices, is_dp, split_layouts
+from ._tokens import held_indices, is_dp, split_layouts
 
 
 def _refuse(
@@ -213,7 +214,7 @@ def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
             return None  # contracted or shared with the whole operand: not local
         if ch not in out:
             return None
-        placements[i] = _placement(out.index(ch), lay.split_factor, lay.prefix)
+        placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
         if x is None or y is None:
             partial[1 - side].append(lay)  # the whole operand meets this rank's part
     ops = [

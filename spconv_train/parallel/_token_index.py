@@ -24,27 +24,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ._dims import mesh_rank, norm_dim, wrap
 from ._mode import register_handler
-from ._prefix_shard import prefix_of
+from ._prefix_shard import placement, prefix_of, reduced_placements
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
 from ._token_prefix import _keeps_prefix, _refuse, has_prefix
 from ._token_ring import token_ring
-from ._tokens import _placement, chain, dim_layouts, is_nested, is_tokens, previous, split_layouts
+from ._tokens import chain, dim_layouts, is_nested, is_tokens, previous, split_layouts
 
 _T = torch.Tensor
-
-
-def _shifted(p, removed: list[int]):
-    """Placement ``p`` once the dims in ``removed`` are indexed away."""
-    if isinstance(p, _StridedShard):
-        return _StridedShard(p.dim - sum(r < p.dim for r in removed), split_factor=p.split_factor)
-    if isinstance(p, Shard):
-        return Shard(p.dim - sum(r < p.dim for r in removed))
-    return p
 
 
 def _local_index(x, items: tuple) -> DTensor | None:
@@ -55,7 +45,7 @@ def _local_index(x, items: tuple) -> DTensor | None:
     if any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
         return None
     removed = [d for d, i in enumerate(items) if isinstance(i, int)]
-    placements = [_shifted(p, removed) for p in x.placements]
+    placements = reduced_placements(x, removed)
     shape = torch.empty(x.shape, device="meta")[items].shape
     return wrap(x.to_local()[items], x, placements, shape)
 
@@ -138,7 +128,7 @@ def _prefix_index(x: DTensor, index, whole):
     if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(p, n):
         plain = list(x.placements)
         for m in dims:
-            plain[m] = _placement(d, x.placements[m].split_factor)
+            plain[m] = placement(d, x.placements[m].split_factor)
         out = local.narrow(d, p, local.shape[d] - p) if owner else local
         return wrap(out, x, plain, (*x.shape[:d], n - p, *x.shape[d + 1 :]))
     picked = range(n)[i] if isinstance(i, slice) else range(n)[i : i + 1 or None]

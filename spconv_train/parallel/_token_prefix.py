@@ -42,10 +42,10 @@ from ._dims import norm_dim, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
-from ._prefix_shard import PrefixShard, prefix_of
+from ._prefix_shard import PrefixShard, placement, prefix_of
 from ._registry import function_name
 from ._sharding import sharded_dim
-from ._tokens import _placement, is_dp, is_tokens, local_part, previous, split_layouts
+from ._tokens import is_dp, is_tokens, local_part, previous, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -64,7 +64,7 @@ def _strip(x):
         return type(x)(_strip(t) for t in x)
     if not has_prefix(x):
         return x
-    plain = [_placement(p.dim, p.split_factor) if prefix_of(p) else p for p in x.placements]
+    plain = [placement(p.dim, p.split_factor) if prefix_of(p) else p for p in x.placements]
     return wrap(x.to_local(), x, plain, x.shape)
 
 

@@ -1,7 +1,7 @@
 """Token-wise reductions: ``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
 ``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
-``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel tokens
-(``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
+``F.layer_norm``, ``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel
+tokens (``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
 
 Each rank holds whole tokens, so a reduction over the channels (``x.norm(dim=-1)``,
 ``F.normalize(x, dim=-1)``, ``x.mean(-1, keepdim=True)``) is the local one, exact; the
@@ -22,17 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from . import _reduce  # noqa: F401  (its handlers are wrapped)
-from ._dims import norm_dim, wrap
+from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
-from ._prefix_shard import prefix_of
+from ._prefix_shard import prefix_of, reduced_placements
+from ._reduce import _dims  # (and its handlers, wrapped here)
 from ._registry import function_name
 from ._sharding import sharded_dim
 from ._token_prefix import _as_graph_material
-from ._tokens import _grad_groups, _placement, chain, is_tokens, previous, split_layouts
+from ._tokens import _grad_groups, chain, is_tokens, previous, split_layouts
 
 _T = torch.Tensor
 
@@ -59,32 +59,10 @@ _OPS = {
 }
 
 
-def _dims(dim, ndim: int) -> tuple[int, ...]:
-    if dim is None or (isinstance(dim, (tuple, list)) and not dim):
-        return tuple(range(ndim))
-    return tuple(
-        sorted({norm_dim(int(d), ndim) for d in ((dim,) if isinstance(dim, int) else dim)})
-    )
-
-
 def _arg(args, kwargs, pos: int | None, name: str, default):
     if name in kwargs:
         return kwargs[name]
     return args[pos] if pos is not None and len(args) > pos else default
-
-
-def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
-    """``x``'s placements once ``dims`` (none of them split) are reduced."""
-    out = []
-    for p in x.placements:
-        d = sharded_dim(p)
-        if d is None:
-            out.append(p)
-            continue
-        d %= x.ndim
-        d = d if keepdim else d - sum(r < d for r in dims)
-        out.append(_placement(d, getattr(p, "split_factor", 1), prefix_of(p)))
-    return out
 
 
 def _token_wise(fn, spec: _Spec):
@@ -119,7 +97,7 @@ def _token_wise(fn, spec: _Spec):
             return prev(x, *args, **kwargs)
         keep = spec.keep_pos
         keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
-        placements = _out_placements(x, dims, keepdim)
+        placements = reduced_placements(x, dims, keepdim)
         out = fn(x.to_local(), *args, **kwargs)
         shapes = fn(torch.empty(x.shape, device="meta", dtype=x.dtype), *args, **kwargs)
         if isinstance(out, tuple):  # max / min: (values, indices)

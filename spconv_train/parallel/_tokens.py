@@ -11,18 +11,14 @@ is exactly its local flatten, so token-wise ops stay local:
   factor of the token dim whole run on the local tensor (``(N, L, C) -> (N, L, heads, d)``,
   tokens back to ``(N, C, H, W)`` or channels-last ``(N, H, W, C)``), also for uneven
   splits, where DTensor refuses ("Cannot unflatten unevenly sharded tensor");
-* ``F.layer_norm`` over the channels and element-wise arithmetic with a plain tensor (an
-  absolute position embedding ``(1, L, C)`` is sliced to the rank's tokens, its gradient
-  summed over the ranks); ``F.linear``, activations and dropout already run locally.
+* element-wise arithmetic with a plain tensor (an absolute position embedding
+  ``(1, L, C)`` is sliced to the rank's tokens, its gradient summed over the ranks);
+  ``F.linear``, activations and dropout already run locally; norms and reductions over
+  the channels: ``_token_reduce.py``.
 
 A reshape that would mix the tokens of different ranks is refused with
-``SpatialShardingError`` naming the op and the module.
-
-Prefix tokens (a ViT's class and register tokens, concatenated in front of the pixel
-tokens: ``_token_prefix.py``) are held by one rank alone, the first of every mesh dim
-splitting the tokens: ``PrefixShard``, a ``_StridedShard`` that also counts them, read into
-``TokenLayout.prefix`` (on tiles the pixel tokens behind them nest as without). Held once,
-everything computed on them (and their gradient) is counted once.
+``SpatialShardingError`` naming the op and the module. Prefix tokens (a ViT's class and
+register tokens, ``_token_prefix.py``) are counted in ``TokenLayout.prefix``.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _channels  # noqa: F401  (its handlers are wrapped below)
@@ -43,7 +39,7 @@ from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
-from ._prefix_shard import PrefixShard, prefix_of
+from ._prefix_shard import placement, prefix_of
 from ._registry import DEFAULT_REGISTRY, function_name
 from ._sharding import sharded_dim, sharding_mesh_dims
 
@@ -151,12 +147,6 @@ def is_tokens(x) -> bool:
     return isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements)
 
 
-def _placement(dim: int, sf: int, prefix: int = 0):
-    if prefix:
-        return PrefixShard(dim, sf, prefix=prefix)
-    return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
-
-
 def is_nested(x) -> bool:
     """True for a DTensor split over several spatial mesh dims (H x W tiles, rows on a
     ``(sp_h, sp_w)`` mesh, their tokens): a reshape of it runs on the local tensor here."""
@@ -219,7 +209,7 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
         if found is None:
             raise _mixes(x, out_shape, what, lay, "")
         placed[lay.mesh_dim] = found
-        placements[lay.mesh_dim] = _placement(found[0], found[1], lay.prefix)
+        placements[lay.mesh_dim] = placement(found[0], found[1], lay.prefix)
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
         chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))

@@ -49,7 +49,7 @@ from ._dims import is_dp, mesh_group, wrap
 from ._errors import module_path
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns
-from ._prefix_shard import prefix_of
+from ._prefix_shard import placement, prefix_of
 from ._tokens import MATMULS, TokenLayout, _target, chain, split_layouts
 from ._window_moves import SINGLE_WINDOWS, Move, remember_single, window_move
 
@@ -176,7 +176,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
             total = shape[lay.dim] // m.outer // m.k if m.split else shape[lay.dim]
             a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
             e, own = m.dim, b - a
-            placements[lay.mesh_dim] = Shard(e) if m.split else _tokens._placement(e, m.outer)
+            placements[lay.mesh_dim] = Shard(e) if m.split else placement(e, m.outer)
         elif _batch_of_one_rank(lay, x):
             placements[lay.mesh_dim] = Shard(0)
             continue
@@ -190,7 +190,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
             if lay.inner <= 1 and e == 0 and lay.dim > 0 and not is_dp(x, lay.mesh_dim):
                 # the reverse view puts it back (``_target`` would pick the innermost dim)
                 remember_single(("batch", shape, lay.mesh_dim), lay.dim)
-            placements[lay.mesh_dim] = _tokens._placement(e, sf)
+            placements[lay.mesh_dim] = placement(e, sf)
             own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
     local_shape = [
