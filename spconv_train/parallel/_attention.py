@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ._cross_attention import _refuse as refuse
 from ._cross_attention import cross_sdpa, split_keys
 from ._cross_mha import cross_mha, in_heads, unsupported_mha
-from ._dims import mesh_group, wrap
+from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
@@ -35,7 +35,7 @@ from ._mode import register_handler
 from ._ring import ring_attention
 from ._ring_mask import RingMask, mha_bias, sdpa_bias
 from ._token_ring import Seq, partial_local, token_ring
-from ._tokens import held_indices, split_layouts
+from ._tokens import _grad_groups, held_indices, split_layouts
 
 log = logging.getLogger("spconv_train.parallel")
 
@@ -174,7 +174,7 @@ def spatial_multi_head_attention(*args, **kwargs):
             "sequence (dim 0 of (L, N, E))",
         )
     mode, kseq = _kv_mode(q, k, v, seq, what)
-    groups = tuple(mesh_group(q.device_mesh, m.mesh_dim) for m in split_layouts(q))
+    groups = _grad_groups(q)
     heads, e = kw["num_heads"], q.shape[-1]
     kv = [k.to_local(), v.to_local()] if mode == "ring" else [partial_local(t, seq) for t in (k, v)]
     # every weight gradient is a partial sum: each rank's queries (and, on the ring, keys)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from ._dims import mesh_group, wrap
+from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
@@ -32,7 +32,7 @@ from ._reduce import _global_extreme
 from ._ring_mask import select_rows
 from ._small_sum import sum_replicated
 from ._token_ring import Seq, partial_local, token_ring
-from ._tokens import held_indices, is_dp, split_layouts
+from ._tokens import _grad_groups, held_indices, is_dp, split_layouts
 
 
 def _refuse(
@@ -59,13 +59,6 @@ def split_keys(q, k, seq_dim: int) -> Seq | None:
     return tuple(
         lay for lay in split_layouts(k) if lay.dim == seq_dim and not is_dp(k, lay.mesh_dim)
     )
-
-
-def _groups(k: DTensor, exclude: Seq = ()) -> tuple:
-    """Process groups of the mesh dims splitting ``k``, but those of ``exclude``."""
-    skip = {lay.mesh_dim for lay in exclude}
-    lays = split_layouts(k)
-    return tuple(mesh_group(k.device_mesh, m.mesh_dim) for m in lays if m.mesh_dim not in skip)
 
 
 def out_placements(k: DTensor, kseq: Seq) -> tuple:
@@ -96,7 +89,7 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
                 what, f"queries split as {q.placements} next to keys split as {k.placements}"
             )
         return partial_local(q, kseq)
-    return _batch_rows(sum_grad_over(q, _groups(k)), k, kseq, batch_dim, 1)
+    return _batch_rows(sum_grad_over(q, _grad_groups(k)), k, kseq, batch_dim, 1)
 
 
 def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tensor | None:
@@ -107,7 +100,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
-        part = select_rows(mask, {-1: kseq}, _groups(k))  # the columns of this rank's keys
+        part = select_rows(mask, {-1: kseq}, _grad_groups(k))  # the columns of this rank's keys
         return part if rows is None else _batch_rows(part, k, kseq, 0, rows)
     last = mask.ndim - 1
     lays = split_layouts(mask)

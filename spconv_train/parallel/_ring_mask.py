@@ -131,9 +131,10 @@ def _picks(q: DTensor, mask_dims: dict[int, int]) -> dict[int, tuple[TokenLayout
 
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows of ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a
-    DTensor split like the queries ``q`` along dim -2): boolean as given (a byte per entry),
-    a float mask as an additive bias in the queries' dtype."""
+    """This rank's rows (and batch entries: images, windows) of
+    ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a DTensor split like the
+    queries ``q``): boolean as given (a byte per entry), a float mask as an additive bias in
+    the queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -143,7 +144,7 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
                 f"{what} in module '{module_path()}': an attention mask {tuple(mask.shape)} "
                 f"split as {mask.placements} next to queries {tuple(q.shape)} split as "
                 f"{q.placements} is not supported; pass the mask whole (a plain tensor) or "
-                "split like the queries along dim -2."
+                "split like the queries."
             )
         rows = mask.to_local()
     else:

@@ -61,7 +61,8 @@ def _local_or_previous(index_of):
     return handler
 
 
-def _select(x, dim, index):
+def _select(x, dim, index) -> tuple | None:
+    """``x.select(dim, index)`` as one index per dim (``None``: not an int index)."""
     if not isinstance(dim, int) or not isinstance(index, int):
         return None
     d = norm_dim(dim, x.ndim)
@@ -169,10 +170,6 @@ def _chain_index(fn, index_of) -> None:
     register_handler(fn)(handler)
 
 
-def _select_index(x, dim, index) -> tuple:
-    return (*[slice(None)] * norm_dim(dim, x.ndim), index)
-
-
 _chain_index(_T.__getitem__, lambda x, index: index)
 for _fn in (torch.select, _T.select):
-    _chain_index(_fn, _select_index)
+    _chain_index(_fn, _select)

@@ -303,8 +303,11 @@ for _fn in RESHAPES:
     register_handler(_fn)(_reshaping(_fn))
 
 
-def _grad_groups(x: DTensor) -> tuple:
-    return tuple(mesh_group(x.device_mesh, i) for i in sharding_mesh_dims(x.placements))
+def _grad_groups(x: DTensor, exclude: tuple[TokenLayout, ...] = ()) -> tuple:
+    """The process groups of the mesh dims splitting ``x``, but those of ``exclude``."""
+    skip = {lay.mesh_dim for lay in exclude}
+    dims = sharding_mesh_dims(x.placements)
+    return tuple(mesh_group(x.device_mesh, i) for i in dims if i not in skip)
 
 
 def _unheld(x: DTensor, plain: Tensor, d: int, held: int, what: str) -> Exception:

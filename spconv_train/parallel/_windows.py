@@ -46,10 +46,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
 from ._dims import is_dp, mesh_group, wrap
-from ._errors import module_path
-from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
+from ._geometry import ExchangePlan, all_shard_bounds, shard_bounds
 from ._halo import gather_columns
 from ._prefix_shard import placement, prefix_of
+from ._ring_mask import sdpa_bias
 from ._tokens import MATMULS, TokenLayout, _target, chain, split_layouts
 from ._window_moves import SINGLE_WINDOWS, Move, remember_single, window_move
 
@@ -285,22 +285,6 @@ def window_matmul(prev, a, b, *args, **kwargs):
     return wrap(out, a, a.placements, (*a.shape[:-1], b.shape[-1]))
 
 
-def _local_mask(mask, q: DTensor):
-    """The attention mask's entries for this rank's batch entries (windows)."""
-    if mask is None:
-        return None
-    if isinstance(mask, DTensor):
-        if mask.placements != q.placements or mask.ndim != q.ndim:
-            raise SpatialShardingError(
-                f"F.scaled_dot_product_attention in module '{module_path()}': an attention "
-                f"mask split as {mask.placements} next to queries split as {q.placements} "
-                f"is not supported; pass a plain mask or one laid out like the queries."
-            )
-        return mask.to_local()
-    # the entries every layout of a dim holds (dp's images and sp's windows of them)
-    return _tokens.local_part(mask, q, what="F.scaled_dot_product_attention")
-
-
 @chain(F.scaled_dot_product_attention, prefix="window")
 def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
     """``F.scaled_dot_product_attention`` on queries, keys and values split alike along
@@ -308,7 +292,7 @@ def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
     position bias, the shifted-window mask) sliced to the rank's windows."""
     if not (batch_split(query) and _alike(query, key) and _alike(query, value)):
         return prev(query, key, value, attn_mask, *args, **kwargs)
-    mask = _local_mask(attn_mask, query)
+    mask = sdpa_bias(attn_mask, query, "F.scaled_dot_product_attention")  # the rank's windows
     out = F.scaled_dot_product_attention(
         query.to_local(), key.to_local(), value.to_local(), mask, *args, **kwargs
     )
