@@ -290,7 +290,8 @@ def _reshaping(func):
     what = function_name(func)
 
     def handler(x, *args, **kwargs):
-        shape, fn = reshape_of(func, x, args, kwargs) if is_tokens(x) or is_nested(x) else (None, 0)
+        tokens = is_tokens(x) or is_nested(x)
+        shape, fn = reshape_of(func, x, args, kwargs) if tokens else (None, None)
         if shape is None:
             return run_dtensor_op(func, (x, *args), kwargs)  # DTensor's own
         return local_reshape(x, shape, what, fn)
