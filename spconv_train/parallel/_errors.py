@@ -49,9 +49,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -89,9 +88,7 @@ class GatherEvent:
 @dataclass
 class _Guard:
     allow: bool
-    #: the frame of the model call the outermost active guard belongs to: ``module_path``
-    #: reads module calls from the frames inside it
-    outer: object = None
+    modules: list[str] = field(default_factory=list)
 
 
 #: The active guard, per thread. A ``threading.local`` on purpose: Dynamo cannot trace it,
@@ -108,41 +105,22 @@ def _active() -> _Guard | None:
 
 
 @contextlib.contextmanager
-def gather_guard(allow: bool = False, outer=None):
+def gather_guard(allow: bool = False):
     """While active, DTensor's implicit moves of a sharded activation raise (or, with
-    ``allow``, are logged and counted in ``GATHER_EVENTS``). ``outer``: the frame of the
-    model call it guards (default: the frame entering it); ``module_path`` names only
-    modules called inside it."""
+    ``allow``, are logged and counted in ``GATHER_EVENTS``)."""
     prev = _active()
-    if outer is None:
-        outer = sys._getframe(2)  # this generator, contextmanager.__enter__, the caller
-    _local.guard = _Guard(allow, prev.outer if prev else outer)
+    _local.guard = _Guard(allow, list(prev.modules) if prev else [])
     try:
         yield _local.guard
     finally:
         _local.guard = prev
 
 
-#: ``nn.Module._call_impl``: every module call (``module(x)``) runs in a frame of it
-_CALL_IMPL = nn.Module._call_impl.__code__
-
-
 def module_path() -> str:
     """Path of the innermost module of the parallelized model running now (``<model>``
-    outside one, and for code of the model's own forward).
-
-    Read off the Python stack when asked (an error, a log line): the innermost module
-    call whose module ``track_module_paths`` named, inside the guarded model call. Hooks
-    that push and pop the path cost two Python calls per module call and step."""
+    outside one)."""
     guard = _active()
-    frame = sys._getframe(1)
-    while guard is not None and frame is not None and frame is not guard.outer:
-        if frame.f_code is _CALL_IMPL:
-            path = getattr(frame.f_locals.get("self"), "_spatial_path", None)
-            if path is not None:
-                return path
-        frame = frame.f_back
-    return "<model>"
+    return guard.modules[-1] if guard is not None and guard.modules else "<model>"
 
 
 def module_label(module: nn.Module) -> str:
@@ -341,11 +319,27 @@ def add_pointwise_strategies() -> None:
 
 
 def track_module_paths(model: nn.Module) -> None:
-    """Name every module of ``model`` by its path for ``module_path`` (a module already
-    named, e.g. in another parallelized model, keeps its name)."""
+    """Forward pre-/post-hooks that let the guard name the module an op runs in."""
+
+    def enter(path):
+        def hook(module, args):
+            guard = _active()
+            if guard is not None:
+                guard.modules.append(path)
+
+        return hook
+
+    def leave(module, args, output):
+        guard = _active()
+        if guard is not None and guard.modules:
+            guard.modules.pop()
+
     for path, module in model.named_modules():
-        # a plain attribute (not a parameter or buffer): kept by copies, not by state_dict
-        module.__dict__.setdefault("_spatial_path", path or type(model).__name__)
+        if getattr(module, "_spatial_tracked", False):
+            continue
+        module.register_forward_pre_hook(enter(path or type(model).__name__))
+        module.register_forward_hook(leave)
+        module._spatial_tracked = True
 
 
 def _placements(args, kwargs) -> list[str]:

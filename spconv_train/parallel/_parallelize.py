@@ -11,7 +11,6 @@ handled too.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
@@ -103,12 +102,10 @@ class _SpatialContext:
 
     def __init__(self, runtime: SpatialRuntime) -> None:
         graphs = runtime.options.trace_dtensor_ops
-        self.mode = (DTensorGraphMode if graphs else SpatialMode)(runtime)
-        self.allow = runtime.options.allow_gather
+        mode = (DTensorGraphMode if graphs else SpatialMode)(runtime)
+        self.contexts = (mode, gather_guard(runtime.options.allow_gather))
 
     def __enter__(self) -> None:
-        # the guard names modules called inside the root's forward (the caller's frame)
-        self.contexts = (self.mode, gather_guard(self.allow, outer=sys._getframe(1)))
         for c in self.contexts:
             c.__enter__()
 
