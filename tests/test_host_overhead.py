@@ -2,6 +2,7 @@
 
 Counted on the second step of a small parallelized U-Net (the first one builds the plans and
 labels): the process-group lookups of ``DeviceMesh`` (cached per mesh dim, ``mesh_axis``),
+the ``DTensorSpec`` constructions (none: the layers' wrapping reuses cached specs),
 the registry lookups of ``SpatialMode`` (only for calls with a DTensor argument: the many
 plain-tensor calls inside spatial layers pass straight through) and the aten ops of the
 step (no permute views around the window exchanges of strips). The loss matches the plain
@@ -17,6 +18,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spconv_train.models import create_model
@@ -70,6 +72,7 @@ def _step_counts(world: int) -> dict:
     _counting(undo, DeviceMesh, "get_group", counts, "get_group")
     _counting(undo, DeviceMesh, "get_local_rank", counts, "get_local_rank")
     _counting(undo, HandlerRegistry, "lookup", counts, "lookup")
+    _counting(undo, DTensorSpec, "__post_init__", counts, "specs")
     original_tf = SpatialMode.__torch_function__
 
     def torch_function(self, func, types, args=(), kwargs=None):
@@ -111,3 +114,6 @@ def test_second_step_host_work(dist_pool):
         assert c.get("lookup", 0) <= 2 * c["dtensor_calls"], (rank, c)
         # strips exchange along the last dim: no permute views around the windows
         assert c["permute"] <= PERMUTE_BOUND and c["aten"] <= ATEN_BOUND, (rank, c)
+        # the spatial layers wrap and unwrap through cached specs (_dtensor_wrap.py): no
+        # DTensorSpec is built in the second step (50 with DTensor.from_local / to_local)
+        assert c.get("specs", 0) == 0, (rank, c)

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from ._broadcast import _local_part
 from ._dims import handled, mesh_group, norm_dim, sharded_dims, wrap
+from ._dtensor_wrap import local_of
 from ._errors import run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
@@ -58,7 +59,7 @@ def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
         )
     g = _groups(input)
     out = F.layer_norm(
-        input.to_local(), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
+        local_of(input), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
     )
     return wrap(out, input, input.placements, input.shape)
 
@@ -69,7 +70,7 @@ def spatial_prelu(input, weight):
     DTensor has no sharding rule for its backward (``_prelu_kernel_backward``)."""
     if not handled(input) or (input.ndim > 1 and 1 in sharded_dims(input)):
         return F.prelu(input, weight)
-    out = F.prelu(input.to_local(), sum_grad_over(weight, _groups(input)))
+    out = F.prelu(local_of(input), sum_grad_over(weight, _groups(input)))
     return wrap(out, input, input.placements, input.shape)
 
 
@@ -83,7 +84,7 @@ def _pieces(func, x, arg, dim, **kwargs):
     if not handled(x) or d in sharded_dims(x):
         return func(x, arg, dim, **kwargs)
     metas = func(torch.empty(x.shape, device="meta"), arg, d)
-    locals_ = func(x.to_local(), arg, d)
+    locals_ = func(local_of(x), arg, d)
     return tuple(wrap(t, x, x.placements, m.shape) for t, m in zip(locals_, metas, strict=True))
 
 
@@ -196,8 +197,7 @@ def spatial_cat(tensors, dim=0, **kwargs):
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     # in_layout: channels-last parts give a channels-last result (_layout.py)
     parts = [
-        in_layout(t.to_local()) if isinstance(t, DTensor) else _local_part(t, first)
-        for t in tensors
+        in_layout(local_of(t)) if isinstance(t, DTensor) else _local_part(t, first) for t in tensors
     ]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat(parts, d), first, first.placements, shape)
@@ -222,5 +222,5 @@ def _functional_linear(input, weight, bias=None):
     # Every mesh dimension that splits rows of the input (Shard or _StridedShard) holds a
     # partial sum of the weight gradient.
     groups = tuple(mesh_group(mesh, i) for i in sharding_mesh_dims(placements))
-    out = F.linear(input.to_local(), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
+    out = F.linear(local_of(input), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
     return wrap(out, input, placements, (*input.shape[:-1], out.shape[-1]))

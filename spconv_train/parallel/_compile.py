@@ -54,6 +54,7 @@ exercise the modes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -86,8 +87,21 @@ _METADATA = frozenset({
 
 
 def not_traced(fn: F) -> F:
-    """``fn`` runs eagerly under ``torch.compile`` (a graph break around each call)."""
-    return torch._dynamo.disable(fn)
+    """``fn`` runs eagerly under ``torch.compile`` (a graph break around each call).
+
+    Called from eager code it is ``fn`` itself behind one flag check: Dynamo's
+    ``disable`` wrapper switches the frame callback off and on around every call, which
+    the spatial layers' forwards would pay per call and step; ``eager_from_eager`` already
+    keeps Dynamo from compiling any frame below an eager call."""
+    disabled = torch._dynamo.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():  # Dynamo traces a caller: a graph break here
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return eager_from_eager(call)
 
 
 def eager_from_eager(fn: F) -> F:

@@ -19,6 +19,8 @@ from typing import ClassVar
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._dtensor_wrap import wrap_local
+
 
 def handled(x) -> bool:
     """True for a DTensor whose placements are all exactly ``Shard`` or ``Replicate``."""
@@ -40,13 +42,7 @@ def sharded_dims(x: DTensor) -> dict[int, int]:
 def from_local(local: Tensor, mesh, placements, shape) -> DTensor:
     """``local`` as a DTensor on ``mesh`` with ``placements`` and the contiguous global
     ``shape`` (given, not inferred: no collective to learn the other ranks' sizes)."""
-    shape, stride, acc = tuple(shape), [], 1
-    for n in reversed(shape):  # row-major
-        stride.insert(0, acc)
-        acc *= max(n, 1)
-    return DTensor.from_local(
-        local, mesh, tuple(placements), run_check=False, shape=shape, stride=tuple(stride)
-    )
+    return wrap_local(local, mesh, placements, shape)
 
 
 #: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``. ``DeviceMesh.get_group``

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import graph_handler, run_eagerly
 from ._dims import mesh_rank
+from ._dtensor_wrap import local_of, wrap_local
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
@@ -55,15 +56,13 @@ _ELEMENTWISE = (
 
 
 def _wrap(x: DTensor, local_out: torch.Tensor) -> DTensor:
-    return DTensor.from_local(
-        local_out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
-    )
+    return wrap_local(local_out, x.device_mesh, x.placements, x.shape, x.stride())
 
 
 def _local(x: DTensor, what: str) -> torch.Tensor:
     if any(p.is_partial() for p in x.placements):
         raise SpatialShardingError(f"{what} on a Partial DTensor {x.placements}: not element-wise")
-    return x.to_local()
+    return local_of(x)
 
 
 def _make_local_handler(fn):

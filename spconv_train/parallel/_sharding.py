@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._dims import GRID_MESH_DIMS, ParallelDims, from_local, mesh_group, mesh_rank
+from ._dtensor_wrap import local_of
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
@@ -234,7 +235,7 @@ def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
     """The local strip of ``x`` (differentiable). ``grad_placements`` labels the gradient
     that flows back (e.g. ``Partial`` on sp when each rank used only part of a replicated
     input). A channels-last block keeps its canonical strides (``_layout.in_layout``)."""
-    return in_layout(x.to_local(grad_placements=grad_placements))
+    return in_layout(local_of(x, grad_placements))
 
 
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:

@@ -1,0 +1,145 @@
+"""The way in and out of DTensor at the spatial layers' boundaries, with its metadata cached.
+
+The one module that leans on DTensor's internals (``DTensor(local, spec)``, ``_spec``,
+``DTensorSpec``, the autograd functions behind ``from_local`` / ``to_local``); checked
+against torch 2.14.1 (``tests/test_dtensor_wrap.py`` compares it with the public API).
+
+``DTensor.from_local`` builds a ``DTensorSpec`` per call (normalising the placements,
+computing and verifying the default shard order), and the backward of ``to_local`` compares
+strides and builds another one through ``from_local``. A spatial layer crosses the boundary
+several times per call with the same few layouts, so here:
+
+- ``wrap_local``: the spec of each ``(mesh, placements, global shape, stride, dtype)`` is
+  the one the public ``DTensor.from_local`` built for its first call; later calls construct
+  the DTensor from it directly, through an autograd function whose backward is torch's own
+  (``_FromTorchTensor.backward``: the gradient redistributed to the forward placements).
+- ``local_of``: ``x.to_local(grad_placements=...)``; its backward looks the gradient's spec
+  up by everything torch's backward reads (the forward spec, ``grad_placements``, the
+  gradient's shape, strides and dtype, the forward local strides) and computes it with
+  torch's backward on a miss, so the gradient DTensor is the one torch would build.
+
+Placements other than exactly ``Shard`` / ``Replicate`` (``Partial``, ``_StridedShard`` and
+its subclasses), meshes on another device type, double backward and ``torch.compile``
+(Dynamo traces the public functions, not these) take the public path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._api import _FromTorchTensor, _ToTorchTensor
+
+__all__ = ["local_of", "wrap_local"]
+
+#: ``(id(mesh), placements, their types, shape, stride, dtype) -> (mesh, DTensorSpec)``;
+#: each entry holds its mesh, so its id cannot be reused while cached
+_SPECS: dict[tuple, tuple] = {}
+#: ``(forward spec, grad_placements, grad shape, grad stride, grad dtype, forward local
+#: stride) -> gradient DTensorSpec`` (``local_of``'s backward)
+_GRAD_SPECS: dict[tuple, object] = {}
+#: bounded: shapes that change every step (e.g. random crops) must not grow them forever
+_MAX_ENTRIES = 4096
+_PLAIN = (Shard, Replicate)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):  # row-major
+        stride.insert(0, acc)
+        acc *= max(n, 1)
+    return tuple(stride)
+
+
+def _remember(cache: dict, key: tuple, value) -> None:
+    if len(cache) >= _MAX_ENTRIES:
+        cache.clear()
+    cache[key] = value
+
+
+class _FromLocal(torch.autograd.Function):
+    """``DTensor.from_local`` with a prepared spec: the same DTensor (a ``view_as`` of the
+    local tensor), the same backward (torch's ``_FromTorchTensor.backward``)."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, spec) -> DTensor:  # type: ignore[override]
+        ctx.forward_input_placements = spec.placements
+        ctx.forward_input_device_mesh = spec.mesh
+        ctx.grad_placements = None
+        ctx.set_materialize_grads(False)
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _FromTorchTensor.backward(ctx, grad)[:2]
+
+
+def _public_from_local(local: Tensor, mesh, placements, shape, stride) -> DTensor:
+    stride = _contiguous_stride(shape) if stride is None else tuple(stride)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def wrap_local(local: Tensor, mesh, placements, shape, stride=None) -> DTensor:
+    """``DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+    stride=stride)``; ``stride`` ``None``: the contiguous strides of ``shape``."""
+    placements, shape = tuple(placements), tuple(shape)
+    if torch.compiler.is_compiling():  # Dynamo traces the public function
+        return _public_from_local(local, mesh, placements, shape, stride)
+    key = (id(mesh), placements, tuple(map(type, placements)), shape, stride, local.dtype)
+    hit = _SPECS.get(key)
+    if hit is None or hit[0] is not mesh or local.device.type != mesh.device_type:
+        out = _public_from_local(local, mesh, placements, shape, stride)
+        if all(type(p) in _PLAIN for p in placements) and out._local_tensor.shape == local.shape:
+            _remember(_SPECS, key, (mesh, out._spec))
+        return out
+    if not local.requires_grad:
+        # no graph to record: the DTensor itself, as the autograd function would build it
+        return DTensor(local.view_as(local), hit[1], requires_grad=False)
+    return _FromLocal.apply(local, hit[1])
+
+
+class _ToLocal(torch.autograd.Function):
+    """``DTensor.to_local``: the same local view; the backward's gradient spec cached."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_placements) -> Tensor:  # type: ignore[override]
+        ctx.dtensor_spec = x._spec
+        ctx.grad_placements = grad_placements
+        ctx.set_materialize_grads(False)
+        local = x._local_tensor
+        ctx.local_tensor_stride = local.stride()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is None or torch.is_grad_enabled() or type(grad) is not Tensor:
+            return _ToTorchTensor.backward(ctx, grad)
+        spec = ctx.dtensor_spec
+        key = (
+            spec,
+            ctx.grad_placements,
+            grad.shape,
+            grad.stride(),
+            grad.dtype,
+            ctx.local_tensor_stride,
+        )
+        grad_spec = _GRAD_SPECS.get(key)
+        if grad_spec is None or grad.device.type != spec.mesh.device_type:
+            out, none = _ToTorchTensor.backward(ctx, grad)
+            if all(type(p) in _PLAIN for p in (*spec.placements, *out.placements)):
+                _remember(_GRAD_SPECS, key, out._spec)
+            return out, none
+        return DTensor(grad.view_as(grad), grad_spec, requires_grad=grad.requires_grad), None
+
+
+def local_of(x: DTensor, grad_placements=None) -> Tensor:
+    """``x.to_local(grad_placements=grad_placements)`` (differentiable)."""
+    if (
+        torch.compiler.is_compiling()  # Dynamo traces the public method
+        or not torch.is_grad_enabled()
+        or getattr(x, "_is_param", False)
+    ):
+        return x.to_local(grad_placements=grad_placements)
+    if grad_placements is not None:
+        grad_placements = tuple(grad_placements)
+    return _ToLocal.apply(x, grad_placements)
