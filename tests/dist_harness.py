@@ -90,13 +90,13 @@ def mesh(shape: tuple[int, ...] | int, names: tuple[str, ...] | None = None):
 
 def _context():
     """The start method of the workers. On CPU a fork server that imported this module
-    (torch, spconv_train) once: each worker then starts without its own ~4 s of imports
-    (a fork of the pytest process itself could inherit OpenMP / gloo state). CUDA keeps
-    spawn."""
+    (torch, spconv_train) and the model libraries most test files use once: each worker
+    then starts without its own ~4 s of imports (a fork of the pytest process itself could
+    inherit OpenMP / gloo state). CUDA keeps spawn. A library not installed is skipped."""
     if DEVICE == "cuda":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([__name__, "spconv_train.models", "segmentation_models_pytorch"])
     return ctx
 
 
