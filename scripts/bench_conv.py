@@ -236,8 +236,13 @@ def print_table(header: tuple, rows: list, markdown: bool, width: int = 12) -> N
 def spawn_ranks(target, world: int, *args, timeout: float = 7200) -> list:
     """Run ``target(rank, world, port, *args, queue)`` in ``world`` fresh processes (one
     process group on a free port) and return what each put on ``queue``, in arrival order.
-    Every benchmark script starts its ranks through this."""
-    ctx = mp.get_context("spawn")
+    Every benchmark script starts its ranks through this. ``SPCONV_BENCH_START_METHOD=fork``
+    (CPU only: scripts/gpu_check.sh --device cpu sets it) lets the ranks inherit the imported
+    torch instead of importing it again, ~3.5 s of CPU per rank."""
+    method = os.environ.get("SPCONV_BENCH_START_METHOD", "spawn")
+    if method not in ("spawn", "fork", "forkserver"):
+        raise ValueError(f"SPCONV_BENCH_START_METHOD={method}: use spawn, fork or forkserver")
+    ctx = mp.get_context(method)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]

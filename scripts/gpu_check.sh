@@ -64,6 +64,9 @@ if [[ "$DEVICE" == cuda ]]; then
     KERNELS=(--height 1024 --width 4096)
 else
     GPUS=0
+    # the ranks fork from the script's process instead of importing torch again (~3.5 s of
+    # CPU each; scripts/bench_conv.py spawn_ranks): CUDA keeps spawn
+    export SPCONV_BENCH_START_METHOD=fork
     GRIDS=(tests/test_conv_grid.py)
     GRID_FILTER=(-k "test_conv_grid_matches_single_device and 2")
     STEP=(--worlds 2 --height 32 --width 128 --iters 2)
@@ -92,7 +95,11 @@ section() {  # section NAME TIMEOUT_S COMMAND...: run, log, keep going on failur
     echo "# gpu_check ($DEVICE)"
     echo
     echo "$(date -u +%Y-%m-%dT%H:%MZ), $(uname -m), $(nproc) cores, GPUs: $GPUS"
-    "$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+    if [[ "$DEVICE" == cuda ]]; then
+        "$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))"
+    else  # the version without importing torch (seconds of CPU)
+        "$PY" -c "from importlib.metadata import version; print('torch', version('torch'), '| CPU')"
+    fi
 } > "$REPORT"
 
 if [[ $SKIP_GRIDS -eq 1 ]]; then

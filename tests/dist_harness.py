@@ -2,7 +2,7 @@
 
 ``DistPool`` keeps, per world size, a group of spawned worker processes with an initialised
 gloo process group, and runs top-level test functions on every rank of a group at once
-(``pool.run(world, fn, *args)`` returns the list of per-rank results). Spawning once per
+(``pool.run(world, fn, *args)`` returns the list of per-rank results). Starting once per
 world size instead of once per test keeps the many-case grids fast on 2 cores.
 
 A rank that raises makes ``run`` raise with that rank's traceback; the group is then torn
@@ -88,9 +88,21 @@ def mesh(shape: tuple[int, ...] | int, names: tuple[str, ...] | None = None):
     return _MESHES[key]
 
 
+def _context():
+    """The start method of the workers. On CPU a fork server that imported this module
+    (torch, spconv_train) and the model libraries most test files use once: each worker
+    then starts without its own ~4 s of imports (a fork of the pytest process itself could
+    inherit OpenMP / gloo state). CUDA keeps spawn. A library not installed is skipped."""
+    if DEVICE == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "spconv_train.models", "segmentation_models_pytorch"])
+    return ctx
+
+
 class _Group:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()

@@ -10,9 +10,6 @@ Awkward widths are padded and cropped back (or refused with a clear error), and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -202,15 +199,23 @@ def narrow_lraspp(image: str, out: str):
     return predict_in_pool(str(path), [image], out, None)
 
 
-def test_predict_command_through_torchrun(dist_pool, data, tmp_path):
+def test_predict_command_through_torchrun(dist_pool, data, tmp_path, monkeypatch):
+    """``predict --nproc 2`` re-launches itself through torchrun (the command runs in this
+    process: one interpreter start less; ``python -m spconv_train``: tests/test_cli.py)."""
+    from spconv_train.cli import app
+
     run_dir = tmp_path / "run"
     dist_pool.run(2, make_run, str(run_dir), [])
     out, images = tmp_path / "out", data / "data/images/val"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPCONV_TIMEOUT_S": "120"}
-    cmd = [sys.executable, "-m", "spconv_train", "predict", str(run_dir / "model.pt")]
-    cmd += [str(images / "0001.png"), str(images / "odd.png"), "--out", str(out), "--nproc", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("SPCONV_TIMEOUT_S", "120")
+    args = ["predict", str(run_dir / "model.pt"), str(images / "0001.png")]
+    args += [str(images / "odd.png"), "--out", str(out), "--nproc", "2"]
+    result = CliRunner().invoke(app, args)
+    # no capfd: a worker group started in this test would write into capfd's file for good
+    # (the workers' and torchrun's output is in pytest's captured output)
+    assert result.exit_code == 0, result.output[-3000:]
     model = _single_device(run_dir)
     for stem in ("0001", "odd"):
         logits = _predict_one(model, images / f"{stem}.png")

@@ -15,8 +15,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -121,17 +119,23 @@ def test_memory_error_on_one_rank(dist_pool, case, tmp_path):
 
 
 @pytest.mark.e2e  # runs the command line and torchrun as processes
-def test_killed_rank_reported_as_out_of_memory(case, tmp_path):
+def test_killed_rank_reported_as_out_of_memory(case, tmp_path, monkeypatch, capfd):
     """``predict --nproc 2``: rank 1 kills itself with SIGKILL at its first band (the
-    kernel's OOM killer does the same): exit 1 and "out of memory" with the plan."""
+    kernel's OOM killer does the same): exit 1 and "out of memory" with the plan. (The
+    command runs in this process; its torchrun and workers are processes.)"""
+    from typer.testing import CliRunner
+
+    from spconv_train.cli import app
+
     root, weights, image, _ = case
-    env = {**os.environ, KILL_ENV: "1", "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "spconv_train", "predict", weights, str(image)]
-    cmd += ["--out", str(tmp_path / "o"), "--nproc", "2", "--band-rows", "16"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 1, text
+    monkeypatch.setenv(KILL_ENV, "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    args = ["predict", weights, str(image), "--out", str(tmp_path / "o"), "--nproc", "2"]
+    result = CliRunner().invoke(app, [*args, "--band-rows", "16"])
+    text = result.output + "".join(capfd.readouterr())
+    assert result.exit_code == 1, text
     assert "out of memory: rank 1 was killed by the kernel (SIGKILL, exit code -9)" in text
     assert "plan 148x236: bands of 16 rows" in text
     assert "--memory-gb" in text and "--band-rows" in text

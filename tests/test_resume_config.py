@@ -221,6 +221,7 @@ def test_resumed_run_trains_with_the_changed_lr_and_schedule(tmp_path):
     sets = [a for c in ["training.steps=4", *changes] for a in ("--set", c)]
     resumed = ok(plain(config, "--resume", *sets))
     assert "resumed from" in resumed.stdout and "optimizer.lr: 0.003 -> 0.02" in resumed.stdout
+    assert "training.steps: 2 -> 4" in resumed.stdout  # a finished run, extended
     cfg = load_config(run_dir / "config.yaml")
     assert cfg.optimizer.lr == 2e-2 and cfg.schedule.name == "cosine"
     lrs = {m["step"]: m["lr"] for m in read_metrics(run_dir) if m["split"] == "train"}
