@@ -196,7 +196,7 @@ def spatial_cat(tensors, dim=0, **kwargs):
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     # in_layout: channels-last parts give a channels-last result (_layout.py)
     parts = [
-        in_layout(t.to_local()) if isinstance(t, DTensor) else _local_part(t, first)
+        in_layout(t.to_local()) if isinstance(t, DTensor) else _local_part(t, first, "cat")
         for t in tensors
     ]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape

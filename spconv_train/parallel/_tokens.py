@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _broadcast, _channels  # noqa: F401  (their handlers are wrapped below)
+from ._broadcast import guard_computed_plain
 from ._dims import is_dp, mesh_group, mesh_rank, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
@@ -337,10 +338,12 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
     of ``x``), with its gradient summed over the ranks that split ``x``. Refuses
     (``SpatialShardingError`` naming ``what`` and the module) a local tensor of ``x`` that
     does not hold the entries its placements give the rank."""
+    lays = split_layouts(x)
+    dims = sorted({lay.dim for lay in lays} - {skip})
+    guard_computed_plain(plain, x, dims, what)
     part = sum_grad_over(plain, _grad_groups(x))
     lead = x.ndim - part.ndim
-    lays = split_layouts(x)
-    for d in sorted({lay.dim for lay in lays} - {skip}):
+    for d in dims:
         k = d - lead
         if k >= 0 and part.shape[k] != 1:
             idx = held_indices(dim_layouts(lays, d))
