@@ -15,7 +15,7 @@ encoder's total stride (and any window size it needs). One line per case and wor
 - ``CRASH``: any other exception (type and message).
 
 The table in ``docs/models.md`` is this script's output. ``--only WORD`` runs the cases whose
-label contains WORD; ``--world N`` one world size.
+label contains WORD (``--only A,B``: any of them); ``--world N`` one world size.
 
 Run: PYTHONPATH=. python scripts/sweep_foreign_models.py [--only WORD] [--world N]
 """
@@ -68,8 +68,9 @@ CASES = [
     _tu("res2net50_14w_8s"),  # hierarchical channel splits
     _tu("regnety_002"),  # squeeze-excitation
     _tu("densenet121"),  # dense concatenation, avg-pool transitions
-    _tu("mobilenetv3_small_100"),  # hard-swish, SE with hard-sigmoid
-    _tu("efficientnetv2_rw_t"),  # fused MBConv
+    # the timm EfficientNet family runs every stage whatever the depth: W / 32 >= 2 columns
+    _tu("mobilenetv3_small_100", unit=32),  # hard-swish, SE with hard-sigmoid
+    _tu("efficientnetv2_rw_t", unit=32),  # fused MBConv
     _tu("ghostnet_100"),  # ghost modules (cheap depthwise features), SE
     _tu("dpn68"),  # dual path (split residual / dense)
     _tu("hrnet_w18_small", unit=32),  # parallel branches fused by strided convs + upsampling
@@ -83,8 +84,23 @@ CASES = [
     _tu("maxvit_pico_rw_256", unit=64, h=64),  # block + grid attention (window 8)
     _tu("repvit_m1"),  # reparameterised depthwise convs
     _tu("mobileone_s0"),  # over-parameterised branches
-    _tu("lcnet_050"),  # hard-swish, 5x5 depthwise
+    _tu("lcnet_050", unit=32),  # hard-swish, 5x5 depthwise
     _tu("hgnetv2_b0"),  # light ConvBNAct stacks, learnable affine, stem with F.pad
+    _tu("convnextv2_atto"),  # global response norm (an L2 norm over H x W)
+    _tu("inception_next_atto"),  # 1 x 11 and 11 x 1 band depthwise kernels
+    _tu("efficientvit_b0"),  # ReLU linear attention over all tokens, multi-scale tokens
+    _tu("davit_tiny"),  # channel attention over all tokens, window attention
+    _tu("efficientformerv2_s0"),  # pooling mixer, attention with a learned bias at stride 16
+    _tu("rexnet_100"),  # SE, ReLU6 on part of the channels
+    _tu("ese_vovnet19b_dw"),  # one-shot aggregation, effective SE
+    _tu("cspresnet50"),  # cross-stage partial splits
+    _tu("nf_regnet_b0"),  # weight standardisation (no norm layers), scaled activations
+    _tu("mambaout_femto"),  # gated 7x7 depthwise CNN
+    _tu("starnet_s1"),  # element-wise product of two branches
+    _tu("fasternet_t0"),  # partial convolution (a slice of the channels)
+    _tu("tiny_vit_5m_224"),  # window attention with padding at stride 16
+    _tu("resnetv2_50x1_bit"),  # StdConv2d (weight standardisation), pre-activation
+    _tu("skresnet18"),  # selective kernel (softmax over branches of a global pool)
     _tu("regnety_002", arch="UnetPlusPlus"),  # nested dense skip decoder
     _tu("regnety_002", unit=32, h=256, depth=5, arch="PAN", decoder_channels=8),
     _tu("mobilenetv3_small_100", unit=32, depth=5, arch="Linknet"),
@@ -147,11 +163,11 @@ def check_case(world: int, label: str) -> list[str]:
 
 
 def sweep(pool: DistPool, worlds: tuple[int, ...], only: str) -> list[tuple]:
-    """Run every case (label containing ``only``) at every world size; print and return
-    ``(label, world, verdict, detail, seconds)`` rows."""
+    """Run every case (label containing a comma-separated word of ``only``) at every world
+    size; print and return ``(label, world, verdict, detail, seconds)`` rows."""
     rows = []
     for label, *_ in CASES:
-        if only not in label:
+        if not any(word in label for word in only.split(",")):
             continue
         for world in worlds:
             start = time.perf_counter()

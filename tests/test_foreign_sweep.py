@@ -1,5 +1,10 @@
 """Regressions found by ``scripts/sweep_foreign_models.py`` (docs/models.md), on timm
-EdgeNeXt's split transposed-attention block, width-sharded in fp64 on uneven strips:
+blocks width-sharded in fp64 on uneven strips:
+
+- ConvNeXt-V2's global response norm ends in ``torch.addcmul(bias, weight, x * x_n)`` with
+  plain parameters: that was refused ("DTensor has no local rule for it"); now it matches;
+
+and on EdgeNeXt's split transposed-attention block:
 
 - cross-covariance attention multiplies the channel x channel map ``q @ k.T`` (a sum over
   the sharded tokens: a ``Partial`` DTensor) by a plain parameter: that was a bare DTensor
@@ -15,6 +20,7 @@ import copy
 
 import pytest
 import torch
+from timm.layers.grn import GlobalResponseNorm
 from timm.models.edgenext import SplitTransposeBlock
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -35,6 +41,14 @@ def _block(pos_emb: bool) -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), block).double()
 
 
+def _grn() -> nn.Module:
+    torch.manual_seed(0)
+    grn = GlobalResponseNorm(4, channels_last=False)
+    nn.init.normal_(grn.weight)
+    nn.init.normal_(grn.bias)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), grn).double()
+
+
 def _allowed_gather(world: int, x: torch.Tensor, gy: torch.Tensor) -> list[str]:
     """The positional-encoding block with ``allow_gather``: exact, and the gather counted."""
     model = _block(True)
@@ -53,11 +67,13 @@ def _allowed_gather(world: int, x: torch.Tensor, gy: torch.Tensor) -> list[str]:
     return failures
 
 
-def edgenext_checks(world: int) -> list[str]:
+def sweep_checks(world: int) -> list[str]:
     width = 5 * world + 2  # uneven strips
     x = seeded(1, 2, 3, 6, width, dtype=torch.float64)
     gy = seeded(5, 2, 4, 6, width, dtype=torch.float64)
-    failures = check_strip_model(_block(False), x, gy, mesh(world), world, traffic=None, tol=TOL)
+    failures = []
+    for model in (_grn(), _block(False)):
+        failures += check_strip_model(model, x, gy, mesh(world), world, traffic=None, tol=TOL)
     try:
         parallelize(_block(True), mesh(world))(distribute_tensor(x, mesh(world), [Shard(3)]))
         failures.append("positional encoding: not refused")
@@ -70,6 +86,6 @@ def edgenext_checks(world: int) -> list[str]:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_edgenext_block_sharded(dist_pool, world):
-    res = dist_pool.run(world, edgenext_checks, world)
+def test_timm_blocks_sharded(dist_pool, world):
+    res = dist_pool.run(world, sweep_checks, world)
     assert res == [[]] * world, "\n".join(res[0] or res[-1])

@@ -23,6 +23,10 @@ That runs only with ``allow_gather`` (counted as a gather); otherwise it is refu
 the module and the op (``_errors.guard_gather``). A parameter (a leaf, e.g. a ViT position
 table) has its gradient summed like every parameter's, and a tensor without a gradient (a
 mask) needs no sum.
+
+``addcmul`` / ``addcdiv`` with a plain tensor among their three (timm ConvNeXt-V2's global
+response norm: ``torch.addcmul(bias, weight, x * x_n)``) run as their element-wise steps
+``input + value * (tensor1 op tensor2)``, each through the handler registered for it.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ._dims import handled, mesh_group, mesh_rank, sharded_dims, wrap
-from ._errors import guard_gather
+from ._errors import guard_gather, run_dtensor_op
 from ._geometry import shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
+from ._runtime import current_runtime
 
 _OPS = ("add", "sub", "mul", "div")
 #: the operators: ``__add__``, ``__radd__``, ... ``__rtruediv__``
@@ -102,3 +107,25 @@ for _name in _OPS:
         register_handler(_fn)(_make(_fn))
 for _name in _DUNDERS:
     register_handler(getattr(Tensor, _name))(_make(getattr(Tensor, _name)))
+
+
+def _addc(func, combine):
+    def handler(input, tensor1, tensor2, *, value=1):
+        args = (input, tensor1, tensor2)
+        if all(isinstance(t, DTensor) for t in args):
+            return run_dtensor_op(func, args, {"value": value})
+        registry = current_runtime().registry
+
+        def call(fn, a, b):  # the handlers chained on ``fn`` (tokens, strips, DTensor's)
+            return (registry.handler(fn) or fn)(a, b)
+
+        step = call(combine, tensor1, tensor2)
+        return call(torch.add, input, step if value == 1 else call(torch.mul, step, value))
+
+    handler.__name__ = f"spatial_{func.__name__}"
+    return handler
+
+
+for _fn, _combine in ((torch.addcmul, torch.mul), (torch.addcdiv, torch.div)):
+    register_handler(_fn)(_addc(_fn, _combine))
+    register_handler(getattr(Tensor, _fn.__name__))(_addc(_fn, _combine))
