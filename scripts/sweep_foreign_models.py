@@ -10,7 +10,7 @@ encoder's total stride (and any window size it needs). One line per case and wor
 
 - ``OK``: exact to ``TOL``, no activation-sized collective;
 - ``WRONG``: a value or gradient differs (the largest relative error, the first failure);
-- ``GATHER``: an activation-sized collective ran (which);
+- ``GATHER``: values exact, but a collective over the audit's size ran (which, its shape);
 - ``REFUSED``: ``SpatialShardingError`` with its message (a gather refused included);
 - ``CRASH``: any other exception (type and message).
 
@@ -140,12 +140,13 @@ def verdict(failures: list[str]) -> tuple[str, str]:
         return "REFUSED", first
     if re.match(r"^\w+(Error|Exception|Interrupt)\b", first) and ": " in first:
         return "CRASH", first
-    moved = [f for f in failures if "gathered activation" in f]
-    if moved:
-        return "GATHER", moved[0]
-    errs = [float(m.group(1)) for f in failures if (m := _REL.search(f))]
+    moved = sorted({f.split(": ", 1)[1] for f in failures if "gathered activation" in f})
+    wrong = [f for f in failures if "gathered activation" not in f]
+    if not wrong:
+        return "GATHER", "; ".join(moved)
+    errs = [float(m.group(1)) for f in wrong if (m := _REL.search(f))]
     worst = f"max rel err {max(errs):.3g}; " if errs else ""
-    return "WRONG", f"{worst}{len(failures)} failures, first: {first}"
+    return "WRONG", f"{worst}{len(wrong)} failures, first: {wrong[0]}"
 
 
 def check_case(world: int, label: str) -> list[str]:
