@@ -20,7 +20,9 @@ decides on while a parallelized model runs its forward. One that moves a ``Shard
 non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of it) raises
 ``SpatialShardingError`` naming the op, the module path and the way out; with
 ``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
-counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` /
+counted (the runtime's ``stats.gathers``) instead; ``guard_gather`` applies the same rule to
+handlers that see a gather coming by other means (``_broadcast.py``: the gradient of a plain
+tensor the model computed at the activation's size). Explicit ``redistribute()`` /
 ``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
 tokens of tiles, below).
 
