@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, parallelize
+from spconv_train.parallel._attention_explicit import APPLY, SCORES, ring_matmul
 from spconv_train.parallel._geometry import all_shard_bounds
-from spconv_train.parallel._ring_matmul import APPLY, SCORES, ring_matmul
 from tests.dist_harness import mesh
 from tests.op_check import check_model_audited
 from tests.reference import rel_err, seeded

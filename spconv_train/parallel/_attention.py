@@ -22,33 +22,26 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
+from ._cross_attention import _refuse as refuse
 from ._cross_attention import cross_sdpa, split_keys
-from ._cross_mha import cross_mha, in_projections, unsupported_mha
-from ._dims import mesh_group, wrap
+from ._cross_mha import cross_mha, in_heads, unsupported_mha
+from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._ring import ring_attention
 from ._ring_mask import RingMask, mha_bias, sdpa_bias
-from ._token_ring import token_ring
-from ._tokens import TokenLayout, held_indices, split_layouts
+from ._token_ring import Seq, partial_local, token_ring
+from ._tokens import _grad_groups, held_indices, split_layouts
 
 log = logging.getLogger("spconv_train.parallel")
 
 
 def _refuse(what: str, why: str) -> SpatialShardingError:
-    return SpatialShardingError(
-        f"{what} in module '{module_path()}' on a sharded token sequence: {why} is not "
-        f"supported. Drop it, or gather explicitly (x.full_tensor())."
-    )
-
-
-#: the layouts splitting the sequence dim of the queries (every mesh dim that splits it:
-#: one on strips, ``sp_h`` and ``sp_w`` on tiles), empty when it is whole
-Seq = tuple[TokenLayout, ...]
+    return refuse(what, why, "on a sharded token sequence")
 
 
 def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
@@ -87,15 +80,6 @@ def _kv_mode(q: DTensor, k, v, seq: Seq, what: str) -> tuple[str, Seq]:
     )
 
 
-def _replicated_local(t: DTensor, seq: Seq) -> Tensor:
-    """``t``'s local tensor (whole on the sequence ranks); each rank uses it for its own
-    queries only, so its gradient is a partial sum there."""
-    grad = list(t.placements)
-    for lay in seq:
-        grad[lay.mesh_dim] = Partial()
-    return t.to_local(grad_placements=tuple(grad))
-
-
 def _attend(
     ql: Tensor,
     kl: Tensor,
@@ -114,17 +98,13 @@ def _attend(
     additive mask of the rank's keys (ring only), which travels with them."""
     rows = held_indices(causal).to(ql.device) if causal else None
     masked = bias is not None or rows is not None or kbias is not None
-    if mode == "local":  # every key here, in global order
-        keys = (torch.arange(kl.shape[-2], device=ql.device),)
-        travelling = () if kbias is None else (kbias,)
-        span = (0, 0, kl.shape[-2])
-        mask = RingMask(keys, rows, ql.dtype).block(bias, span, travelling) if masked else None
-        return F.scaled_dot_product_attention(ql, kl, vl, attn_mask=mask, scale=scale)
-    ring = token_ring(q.device_mesh, kseq)
-    mask = RingMask(ring.columns(ql.device), rows, ql.dtype) if masked else None
-    return ring_attention(
-        ql, kl, vl, ring.group, ring.sizes(), scale, bias=bias, mask=mask, kbias=kbias
-    )
+    if mode == "local":  # every key here, in global order: a ring of one rank
+        group, sizes, cols = None, (kl.shape[-2],), (torch.arange(kl.shape[-2], device=ql.device),)
+    else:
+        ring = token_ring(q.device_mesh, kseq)
+        group, sizes, cols = ring.group, ring.sizes(), ring.columns(ql.device)
+    mask = RingMask(cols, rows, ql.dtype) if masked else None
+    return ring_attention(ql, kl, vl, group, sizes, scale, bias=bias, mask=mask, kbias=kbias)
 
 
 @register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
@@ -156,7 +136,7 @@ def spatial_sdpa(
     if mode == "ring":
         kl, vl = key.to_local(), value.to_local()
     else:
-        kl, vl = _replicated_local(key, seq), _replicated_local(value, seq)
+        kl, vl = partial_local(key, seq), partial_local(value, seq)
     bias = sdpa_bias(attn_mask, query, what)
     causal = seq if is_causal else ()
     out = _attend(query.to_local(), kl, vl, mode, kseq, query, scale, bias, causal)
@@ -194,25 +174,15 @@ def spatial_multi_head_attention(*args, **kwargs):
             "sequence (dim 0 of (L, N, E))",
         )
     mode, kseq = _kv_mode(q, k, v, seq, what)
-    groups = tuple(mesh_group(q.device_mesh, m.mesh_dim) for m in split_layouts(q))
+    groups = _grad_groups(q)
     heads, e = kw["num_heads"], q.shape[-1]
+    kv = [k.to_local(), v.to_local()] if mode == "ring" else [partial_local(t, seq) for t in (k, v)]
     # every weight gradient is a partial sum: each rank's queries (and, on the ring, keys)
-    ws, bs = in_projections(kw, groups)
-    local = [q.to_local()] + (
-        [k.to_local(), v.to_local()]
-        if mode == "ring"
-        else [_replicated_local(t, seq) for t in (k, v)]
-    )
-
-    def project(x: Tensor, w, b) -> Tensor:  # (L, N, E) -> (N, heads, L, E / heads)
-        y = F.linear(x, w, b)
-        return y.reshape(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
-
-    qh, kh, vh = (project(x, w, b) for x, w, b in zip(local, ws, bs, strict=True))
+    qh, kh, vh = in_heads(kw, (q.to_local(), *kv), groups)
     # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
     bias, kbias = mha_bias(kw["attn_mask"], kw["key_padding_mask"], q, k, heads, what)
     out = _attend(qh, kh, vh, mode, kseq, q, 1.0 / math.sqrt(e // heads), bias, (), kbias)
-    out = out.permute(2, 0, 1, 3).reshape(local[0].shape[0], local[0].shape[1], e)
+    out = out.permute(2, 0, 1, 3).flatten(2)  # (L_r, N, E)
     out = F.linear(
         out,
         sum_grad_over(kw["out_proj_weight"], groups),

@@ -8,12 +8,19 @@ a DTensor with the queries' placements. Scaling, softmax over the keys and dropo
 then local (DTensor's own rules: the split dim is not the reduced one). The product of
 those weights with the values contracts over every key again. When the keys / values are
 split over the same ranks (self-attention, or their own layout: spatial-reduction
-attention's strided-conv keys), both products run as ring matmuls (``_ring_matmul.py``:
-blocks point to point, never a gather); when they are whole on every rank, locally with
-their gradient summed over the ranks. Any other product goes to DTensor's own rules:
-the no-gather guard refuses one that would move a sharded activation, naming the
-aten op and the module (``allow_gather`` runs it gathered), and a DTensor error becomes a
-``SpatialShardingError`` naming the op and the module (``_errors.py``).
+attention's strided-conv keys), both products run as ring matmuls; when they are whole on
+every rank, locally with their gradient summed over the ranks. Any other product goes to
+DTensor's own rules: the no-gather guard refuses one that would move a sharded
+activation, naming the aten op and the module (``allow_gather`` runs it gathered), and a
+DTensor error becomes a ``SpatialShardingError`` naming the op and the module
+(``_errors.py``).
+
+The ring matmuls (``docs/attention.md``): **scores** ``S = q @ k^T``, each rank's query
+rows of ``S`` against every key in the global key order, and **apply** ``O = A @ v``, its
+rows of the weights against every value. The key (value) blocks travel whole around the
+ring (``_ring.Ring`` with one piece per block), never assembled on one rank; the
+backward's accumulators follow them home. Memory per rank: its rows of ``S``
+(``L_q / P x L_k``), its own blocks, the one in flight and one accumulator.
 """
 
 from __future__ import annotations
@@ -22,18 +29,79 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from . import _attention  # noqa: F401  (registers first; its helpers are reused)
-from ._attention import Seq, _replicated_local
-from ._cross_attention import whole_operand_einsum
+from . import _attention  # noqa: F401  (registers first)
+from ._cross_attention import einsum_terms, whole_operand_einsum
 from ._dims import wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
-from ._registry import DEFAULT_REGISTRY
-from ._ring_matmul import APPLY, SCORES, ring_matmul
-from ._token_ring import token_ring
-from ._tokens import split_layouts
+from ._ring import Blocks, Item, Ring
+from ._token_ring import Seq, partial_local, token_ring
+from ._tokens import MATMULS, chain, split_layouts
 
-LOCAL = "local"
+SCORES, APPLY, LOCAL = "scores", "apply", "local"
+
+
+def _block_forward(kind: str, a: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None:
+    if kind == SCORES:  # this block's key columns of the scores
+        out.index_copy_(-1, cols, a @ t.transpose(-2, -1))
+    else:  # the weights of this block's keys times its values
+        out.add_(a.index_select(-1, cols) @ t)
+
+
+def _block_backward(
+    kind: str, a: Tensor, t: Tensor, cols: Tensor, dout: Tensor, da: Tensor
+) -> Tensor:
+    """Adds the block's part of ``da`` into ``da``; returns this rank's part of the block's
+    gradient."""
+    if kind == SCORES:
+        ds = dout.index_select(-1, cols)
+        da.add_(ds @ t)
+        return ds.transpose(-2, -1) @ a
+    da.index_add_(-1, cols, dout @ t.transpose(-2, -1))
+    return a.index_select(-1, cols).transpose(-2, -1) @ dout
+
+
+class RingMatmul(torch.autograd.Function):
+    """``SCORES``: ``a @ t_all^T`` (``a``: ``(*lead, L_r, d)``, result ``(*lead, L_r,
+    n_cols)``); ``APPLY``: ``a @ t_all`` (``a``: ``(*lead, L_r, n_cols)``, result
+    ``(*lead, L_r, e)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; ``t_all``
+    the blocks of every rank in global order: block ``j`` holds the global indices
+    ``cols[j]`` of the ``n_cols`` keys."""
+
+    @staticmethod
+    def forward(ctx, a, t, kind: str, group, sizes: tuple[int, ...], cols: tuple, n_cols: int):
+        a, t = a.contiguous(), t.contiguous()  # gloo sends dense tensors
+        ring = Ring(group, sizes, 1, (t,))
+        if kind == SCORES:
+            out = a.new_empty(*a.shape[:-1], n_cols)
+        else:
+            out = a.new_zeros(*a.shape[:-1], t.shape[-1])
+        ring.forward((t,), lambda item, tb: _block_forward(kind, a, tb[0], cols[item[0]], out))
+        ctx.save_for_backward(a, t)
+        ctx.kind, ctx.ring, ctx.cols = kind, ring, cols
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, t = ctx.saved_tensors
+        kind, cols = ctx.kind, ctx.cols
+        dout = dout.contiguous()
+        da = torch.zeros_like(a)
+
+        def grads_of(item: Item, tb: Blocks) -> Blocks:
+            return (_block_backward(kind, a, tb[0], cols[item[0]], dout, da),)
+
+        (dt,) = ctx.ring.backward((t,), grads_of)
+        return da, dt, None, None, None, None, None
+
+
+def ring_matmul(
+    kind: str, a: Tensor, t: Tensor, group, sizes: tuple[int, ...], cols: tuple, n_cols: int
+) -> Tensor:
+    """Differentiable ``RingMatmul`` (see there); one rank: the plain product."""
+    if len(sizes) == 1:  # every key here, in global order
+        return a @ t.transpose(-2, -1) if kind == SCORES else a @ t
+    return RingMatmul.apply(a, t, kind, group, tuple(sizes), tuple(cols), n_cols)
 
 
 def _plan(a, b) -> tuple[str, Seq, Seq] | None:
@@ -79,7 +147,7 @@ def token_matmul(a, b) -> DTensor | None:
     kind, seq, kb = plan
     shape = (*a.shape[:-1], b.shape[-1])
     if kind == LOCAL:
-        out = a.to_local() @ _replicated_local(b, seq)
+        out = a.to_local() @ partial_local(b, seq)
         return wrap(out, a, a.placements, shape)
     t = b.to_local()
     if kind == SCORES:
@@ -91,41 +159,16 @@ def token_matmul(a, b) -> DTensor | None:
     return wrap(out, a, a.placements, shape)
 
 
-_MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
+@chain(*MATMULS)
+def _matmul(prev, a, b, *args, **kwargs):
+    out = token_matmul(a, b) if not args and not kwargs else None
+    return out if out is not None else prev(a, b, *args, **kwargs)
 
 
-def _dtensor_op(fn):
-    """``fn`` by DTensor's own rules, its errors named (``_errors.py``)."""
-    return lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs)
-
-
-def _matmul_handler(fn):
-    prev = DEFAULT_REGISTRY.handler(fn) or _dtensor_op(fn)
-
-    def handler(a, b, *args, **kwargs):
-        out = token_matmul(a, b) if not args and not kwargs else None
-        return out if out is not None else prev(a, b, *args, **kwargs)
-
-    handler.__name__ = f"token_{fn.__name__}"
-    return handler
-
-
-for _fn in _MATMULS:
-    register_handler(_fn)(_matmul_handler(_fn))
-
-
-def _as_matmul(equation: str) -> tuple[str, str, str, str] | None:
-    """A two-operand einsum that is a batched matmul: ``(a_order, b_order, mm_order,
-    out)``, the operands permuted to ``a_order`` (batch, rows, contracted) and
-    ``b_order`` (batch, contracted, columns), their product laid out as ``mm_order``."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq:
-        return None
-    ins, out = eq.split("->")
-    parts = ins.split(",")
-    if len(parts) != 2 or any(len(set(s)) != len(s) for s in (*parts, out)):
-        return None
-    sa, sb = parts
+def _as_matmul(sa: str, sb: str, out: str) -> tuple[str, str, str] | None:
+    """A two-operand einsum (``einsum_terms``) that is a batched matmul: ``(a_order,
+    b_order, mm_order)``, the operands permuted to ``a_order`` (batch, rows, contracted)
+    and ``b_order`` (batch, contracted, columns), their product laid out as ``mm_order``."""
     batch = [c for c in out if c in sa and c in sb]
     contr = [c for c in sa if c in sb and c not in out]
     rows = [c for c in sa if c not in sb]
@@ -135,7 +178,7 @@ def _as_matmul(equation: str) -> tuple[str, str, str, str] | None:
     if len(sb) != len(batch) + 2 or set(out) != {*batch, *rows, *cols}:
         return None
     b_ = "".join(batch)
-    return b_ + rows[0] + contr[0], b_ + contr[0] + cols[0], b_ + rows[0] + cols[0], out
+    return b_ + rows[0] + contr[0], b_ + contr[0] + cols[0], b_ + rows[0] + cols[0]
 
 
 def _permuted(x, src: str, dst: str):
@@ -148,16 +191,17 @@ def token_einsum(equation, *operands):
     token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); a whole operand times a
     split one, locally (``whole_operand_einsum``); DTensor's own otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
-    form = _as_matmul(equation) if len(ops) == 2 else None
-    # tokens of a one-row map are a plain Shard (no _StridedShard): the plan decides
-    if form is not None and all(isinstance(t, DTensor) for t in ops):
-        a_order, b_order, mm_order, out = form
-        sa, sb = equation.replace(" ", "").split("->")[0].split(",")
-        res = token_matmul(_permuted(ops[0], sa, a_order), _permuted(ops[1], sb, b_order))
-        if res is not None:
-            return _permuted(res, mm_order, out)
-    if len(ops) == 2 and all(isinstance(t, DTensor) for t in ops):
-        res = whole_operand_einsum(equation, *ops)  # whole queries times a map
+    terms = einsum_terms(equation) if len(ops) == 2 else None
+    if terms is not None and all(isinstance(t, DTensor) for t in ops):
+        sa, sb, out = terms
+        form = _as_matmul(sa, sb, out)
+        # tokens of a one-row map are a plain Shard (no _StridedShard): the plan decides
+        if form is not None:
+            a_order, b_order, mm_order = form
+            res = token_matmul(_permuted(ops[0], sa, a_order), _permuted(ops[1], sb, b_order))
+            if res is not None:
+                return _permuted(res, mm_order, out)
+        res = whole_operand_einsum(terms, *ops)  # whole queries times a map
         if res is not None:
             return res
     return run_dtensor_op(torch.einsum, (equation, *ops), {})

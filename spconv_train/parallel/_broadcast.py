@@ -42,9 +42,12 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._runtime import current_runtime
 
-_OPS = ("add", "sub", "mul", "div")
-#: the operators: ``__add__``, ``__radd__``, ... ``__rtruediv__``
-_DUNDERS = [f"__{r}{op}__" for op in ("add", "sub", "mul", "truediv") for r in ("", "r")]
+#: the arithmetic ops (handlers here, in ``_tokens.py`` and in ``_token_prefix.py``):
+#: ``torch.add`` ... ``Tensor.div`` and the operators ``__add__``, ``__radd__`` ...
+ARITH = [getattr(m, n) for n in ("add", "sub", "mul", "div") for m in (torch, Tensor)]
+ARITH += [
+    getattr(Tensor, f"__{r}{n}__") for n in ("add", "sub", "mul", "truediv") for r in ("", "r")
+]
 
 
 def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
@@ -102,11 +105,8 @@ def _make(func):
     return handler
 
 
-for _name in _OPS:
-    for _fn in (getattr(torch, _name), getattr(Tensor, _name)):
-        register_handler(_fn)(_make(_fn))
-for _name in _DUNDERS:
-    register_handler(getattr(Tensor, _name))(_make(getattr(Tensor, _name)))
+for _fn in ARITH:
+    register_handler(_fn)(_make(_fn))
 
 
 def _addc(func, combine):

@@ -21,26 +21,27 @@ import math
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
-from ._dims import mesh_group, wrap
+from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
+from ._prefix_shard import placement
 from ._reduce import _global_extreme
 from ._ring_mask import select_rows
 from ._small_sum import sum_replicated
-from ._token_ring import token_ring
-from ._tokens import TokenLayout, _placement, held_indices, is_dp, split_layouts
-
-Seq = tuple[TokenLayout, ...]
+from ._token_ring import Seq, partial_local, token_ring
+from ._tokens import _grad_groups, held_indices, is_dp, split_layouts
 
 
-def _refuse(what: str, why: str) -> SpatialShardingError:
+def _refuse(
+    what: str, why: str, where: str = "with whole queries and keys split over the spatial ranks"
+) -> SpatialShardingError:
+    """The error of an attention op ``what`` that does not take ``why`` ``where``."""
     return SpatialShardingError(
-        f"{what} in module '{module_path()}' with whole queries and keys split over the "
-        f"spatial ranks: {why} is not supported. Drop it, or gather explicitly "
-        f"(x.full_tensor())."
+        f"{what} in module '{module_path()}' {where}: {why} is not supported. Drop it, or "
+        f"gather explicitly (x.full_tensor())."
     )
 
 
@@ -60,26 +61,11 @@ def split_keys(q, k, seq_dim: int) -> Seq | None:
     )
 
 
-def _groups(k: DTensor, exclude: Seq = ()) -> tuple:
-    """Process groups of the mesh dims splitting ``k``, but those of ``exclude``."""
-    skip = {lay.mesh_dim for lay in exclude}
-    lays = split_layouts(k)
-    return tuple(mesh_group(k.device_mesh, m.mesh_dim) for m in lays if m.mesh_dim not in skip)
-
-
 def out_placements(k: DTensor, kseq: Seq) -> tuple:
     """The output's placements: whole over the spatial mesh dims, split like ``k`` (its
     batch) elsewhere."""
     dims = {lay.mesh_dim for lay in kseq}
     return tuple(Replicate() if i in dims else p for i, p in enumerate(k.placements))
-
-
-def _partial_local(t: DTensor, kseq: Seq) -> Tensor:
-    """``t``'s local tensor, whole on the spatial ranks, each of which uses it for its own
-    keys only: its gradient there is a partial sum (``Partial``, summed where needed)."""
-    dims = {lay.mesh_dim for lay in kseq}
-    grad = tuple(Partial() if i in dims else p for i, p in enumerate(t.placements))
-    return t.to_local(grad_placements=grad)
 
 
 def _batch_rows(t: Tensor, k: DTensor, kseq: Seq, dim: int, rows: int) -> Tensor:
@@ -102,8 +88,8 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
             raise _refuse(
                 what, f"queries split as {q.placements} next to keys split as {k.placements}"
             )
-        return _partial_local(q, kseq)
-    return _batch_rows(sum_grad_over(q, _groups(k)), k, kseq, batch_dim, 1)
+        return partial_local(q, kseq)
+    return _batch_rows(sum_grad_over(q, _grad_groups(k)), k, kseq, batch_dim, 1)
 
 
 def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tensor | None:
@@ -114,7 +100,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
-        part = select_rows(mask, {-1: kseq}, _groups(k))  # the columns of this rank's keys
+        part = select_rows(mask, {-1: kseq}, _grad_groups(k))  # the columns of this rank's keys
         return part if rows is None else _batch_rows(part, k, kseq, 0, rows)
     last = mask.ndim - 1
     lays = split_layouts(mask)
@@ -134,7 +120,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
         )
     if on_last:
         return mask.to_local()
-    return select_rows(_partial_local(mask, kseq), {-1: kseq}, ())
+    return select_rows(partial_local(mask, kseq), {-1: kseq}, ())
 
 
 def attend(
@@ -182,17 +168,25 @@ def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, sc
     return wrap(out, key, out_placements(key, kseq), (*query.shape[:-1], value.shape[-1]))
 
 
-def whole_operand_einsum(equation: str, a, b) -> DTensor | None:
-    """``torch.einsum`` of two DTensors where one is whole on every mesh dim that splits
-    the other along an index kept in the output and absent from it (Mask2Former's mask
-    prediction ``"bqc,bchw->bqhw"``: whole queries times the sharded map): local, the
-    output split like that operand, the whole one's gradient a partial sum per rank.
-    ``None`` for any other product (both split alike, e.g. a ``dp`` batch, is local too)."""
+def einsum_terms(equation: str) -> tuple[str, str, str] | None:
+    """``(a, b, out)``: the index strings of a two-operand ``torch.einsum`` equation with an
+    explicit output, no ellipsis and no index twice in a term; ``None`` for any other."""
     eq = equation.replace(" ", "")
     if "->" not in eq or "." in eq or eq.count(",") != 1:
         return None
     (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
-    if (len(sa), len(sb)) != (a.ndim, b.ndim) or any(len(set(s)) != len(s) for s in (sa, sb)):
+    return None if any(len(set(s)) != len(s) for s in (sa, sb, out)) else (sa, sb, out)
+
+
+def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
+    """``torch.einsum`` (``einsum_terms``) of two DTensors where one is whole on every mesh
+    dim that splits the other along an index kept in the output and absent from it
+    (Mask2Former's mask prediction ``"bqc,bchw->bqhw"``: whole queries times the sharded
+    map): local, the output split like that operand, the whole one's gradient a partial sum
+    per rank. ``None`` for any other product (both split alike, e.g. a ``dp`` batch, is
+    local too)."""
+    sa, sb, out = terms
+    if (len(sa), len(sb)) != (a.ndim, b.ndim):
         return None
     if a.device_mesh != b.device_mesh or any(
         p.is_partial() for p in (*a.placements, *b.placements)
@@ -213,11 +207,11 @@ def whole_operand_einsum(equation: str, a, b) -> DTensor | None:
             return None  # contracted or shared with the whole operand: not local
         if ch not in out:
             return None
-        placements[i] = _placement(out.index(ch), lay.split_factor, lay.prefix)
+        placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
         if x is None or y is None:
             partial[1 - side].append(lay)  # the whole operand meets this rank's part
     ops = [
-        _partial_local(t, tuple(p)) if p else t.to_local()
+        partial_local(t, tuple(p)) if p else t.to_local()
         for t, p in zip((a, b), partial, strict=True)
     ]
     sizes: dict[str, int] = {}
@@ -225,4 +219,4 @@ def whole_operand_einsum(equation: str, a, b) -> DTensor | None:
         for ch, n in zip(names, t.shape, strict=True):
             sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
     shape = tuple(sizes[ch] for ch in out)
-    return wrap(torch.einsum(eq, *ops), a, placements, shape)
+    return wrap(torch.einsum(f"{sa},{sb}->{out}", *ops), a, placements, shape)

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from ._cross_attention import (
     Seq,
-    _groups,
     _refuse,
     attend,
     local_mask,
@@ -25,9 +23,9 @@ from ._cross_attention import (
 )
 from ._dims import wrap
 from ._halo import sum_grad_over
-from ._ring_mask import additive
+from ._ring_mask import _plus, additive
 from ._token_ring import token_ring
-from ._tokens import split_layouts
+from ._tokens import _grad_groups, split_layouts
 
 
 def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
@@ -51,28 +49,18 @@ def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
     return None
 
 
-def _additive(t: Tensor | None, dtype) -> Tensor | None:
-    """A bool mask of ``nn.MultiheadAttention`` (True masks out) as an additive one; a
-    float mask as given."""
-    if t is None or t.dtype != torch.bool:
-        return t
-    return additive(t, dtype, masked=True)
-
-
 def _mha_mask(kw: dict, k: DTensor, kseq: Seq, n: int, dtype) -> Tensor | None:
     """``attn_mask`` and ``key_padding_mask`` of this rank's keys and batch as one additive
     mask broadcasting against the scores ``(n, heads, Q, L_r)``."""
     heads, what = kw["num_heads"], "nn.MultiheadAttention"
-    am, kpm = kw["attn_mask"], kw["key_padding_mask"]
-    rows = heads if am is not None and am.ndim == 3 else None
-    am = _additive(local_mask(am, k, kseq, rows, what), dtype)
-    kpm = _additive(local_mask(kpm, k, kseq, 1, what), dtype)
-    if am is not None and am.ndim == 3:  # (n * heads, Q, L_r)
-        am = am.view(n, heads, *am.shape[1:])
-    if kpm is not None:  # (n, L_r)
-        kpm = kpm.view(n, 1, 1, kpm.shape[-1])
-        am = kpm if am is None else am + kpm
-    return am
+    am, kpm, out = kw["attn_mask"], kw["key_padding_mask"], None
+    if am is not None:  # (Q, L) or (n * heads, Q, L)
+        am = additive(local_mask(am, k, kseq, heads if am.ndim == 3 else None, what), dtype, True)
+        out = am.view(n, heads, *am.shape[1:]) if am.ndim == 3 else am
+    if kpm is not None:  # (n, L)
+        kpm = additive(local_mask(kpm, k, kseq, 1, what), dtype, True)
+        out = _plus(out, kpm.view(n, 1, 1, kpm.shape[-1]))
+    return out
 
 
 def _whole_mha(kw: dict, what: str):
@@ -80,7 +68,7 @@ def _whole_mha(kw: dict, what: str):
     whole queries): torch's own on the local tensors, every parameter's gradient summed
     over the batch split alone (the same on every spatial rank)."""
     q, k, v = kw["query"], kw["key"], kw["value"]
-    groups, args = _groups(q), dict(kw)
+    groups, args = _grad_groups(q), dict(kw)
     same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
     if not same or q.ndim != 3 or any(lay.dim != 1 for lay in split_layouts(q)):
         raise _refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
@@ -98,15 +86,20 @@ def _whole_mha(kw: dict, what: str):
     return wrap(out, q, q.placements, q.shape), weights
 
 
-def in_projections(kw: dict, groups: tuple) -> tuple[list, list]:
-    """The q / k / v input projections' weights and biases of ``nn.MultiheadAttention``'s
-    functional arguments ``kw``, their gradients summed over ``groups``."""
+def in_heads(kw: dict, xs: tuple[Tensor, ...], groups: tuple) -> list[Tensor]:
+    """The sequence-first local queries, keys and values ``xs`` (``(L, N, E)``) through the
+    q / k / v input projections of ``nn.MultiheadAttention``'s functional arguments ``kw``
+    (their gradients summed over ``groups``), split into heads: ``(N, heads, L, E / heads)``."""
     if kw["use_separate_proj_weight"]:
         ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
     else:
         ws = list(sum_grad_over(kw["in_proj_weight"], groups).chunk(3))
     bias = sum_grad_over(kw["in_proj_bias"], groups)
-    return ws, list(bias.chunk(3)) if bias is not None else [None] * 3
+    bs = list(bias.chunk(3)) if bias is not None else [None] * 3
+    return [
+        F.linear(x, w, b).reshape(*x.shape[:2], kw["num_heads"], -1).permute(1, 2, 0, 3)
+        for x, w, b in zip(xs, ws, bs, strict=True)
+    ]
 
 
 def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
@@ -124,17 +117,13 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
         raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
     heads, e = kw["num_heads"], q.shape[-1]
-    ws, bs = in_projections(kw, _groups(k))  # every rank's share of the keys
     xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
-    qh, kh, vh = (
-        F.linear(x, w, b).reshape(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
-        for x, w, b in zip(xs, ws, bs, strict=True)
-    )
+    qh, kh, vh = in_heads(kw, xs, _grad_groups(k))  # every rank's share of the keys
     mask = _mha_mask(kw, k, kseq, qh.shape[0], qh.dtype)
     group = token_ring(k.device_mesh, kseq).group
     out = attend(qh, kh, vh, mask, 1.0 / math.sqrt(e // heads), group, kw["need_weights"])
-    out = out.permute(2, 0, 1, 3).reshape(q.shape[0], qh.shape[0], e)
-    whole = _groups(k, kseq)  # the output side: the batch split alone
+    out = out.permute(2, 0, 1, 3).flatten(2)  # (Q, N, E)
+    whole = _grad_groups(k, kseq)  # the output side: the batch split alone
     w, b = (sum_grad_over(kw[f"out_proj_{n}"], whole) for n in ("weight", "bias"))
     out = F.linear(out, w, b)
     return wrap(out, k, out_placements(k, kseq), (*q.shape[:-1], e)), None

@@ -1,11 +1,10 @@
-"""``PrefixShard``: the placement of a token dim with prefix tokens (a ViT's class and
-register tokens) in front of the pixel tokens, held by one rank alone: the first of every
-mesh dim that splits the tokens (of ``sp`` on strips; of ``sp_h`` and ``sp_w`` on tiles and
-rows), each of which carries a ``PrefixShard``. ``_tokens.py`` reads it into
-``TokenLayout.prefix``; ``_token_prefix.py`` makes it and keeps it through the ops."""
+"""The placements of token dims: ``PrefixShard`` (a token dim with prefix tokens in front:
+a ViT's class and register tokens, ``_token_prefix.py``), ``placement`` and
+``reduced_placements``."""
 
 from __future__ import annotations
 
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
@@ -40,3 +39,25 @@ class PrefixShard(_StridedShard):
 def prefix_of(p) -> int:
     """The prefix tokens placement ``p`` puts on the first rank (0: none)."""
     return p.prefix if isinstance(p, PrefixShard) else 0
+
+
+def placement(dim: int, sf: int = 1, prefix: int = 0):
+    """The shard of ``dim``: a ``Shard``, a ``_StridedShard`` of split factor ``sf`` > 1, or
+    a ``PrefixShard`` with ``prefix`` tokens."""
+    if prefix:
+        return PrefixShard(dim, sf, prefix=prefix)
+    return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
+
+
+def reduced_placements(x: DTensor, dims, keepdim: bool = False) -> list:
+    """``x``'s placements once ``dims`` are reduced (or indexed away, ``keepdim`` False):
+    the shard of one of ``dims`` becomes ``Replicate``, every other shard moves to its
+    new dim, split factor and prefix kept."""
+    out = []
+    for p in x.placements:
+        if p.is_shard() or isinstance(p, _StridedShard):
+            d = p.dim % x.ndim
+            sf, new = getattr(p, "split_factor", 1), d if keepdim else d - sum(r < d for r in dims)
+            p = Replicate() if d in dims else placement(new, sf, prefix_of(p))
+        out.append(p)
+    return out

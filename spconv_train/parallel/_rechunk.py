@@ -29,12 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ._dims import handled, is_dp, mesh_axis, norm_dim, sharded_dims, wrap
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import register_handler
+from ._prefix_shard import reduced_placements
 
 
 @dataclass(frozen=True)
@@ -157,14 +158,8 @@ def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None
 def _run_local(x: DTensor, fn, removed: tuple[int, ...] = ()) -> DTensor:
     """``fn`` on every block (it must not touch the sharded dims); ``removed`` lists the
     dims ``fn`` drops (integer indices), so the sharded dims' indices shift."""
-    placements = []
-    for p in x.placements:
-        if isinstance(p, Shard):
-            d = norm_dim(p.dim, x.ndim)
-            p = Shard(d - sum(1 for r in removed if r < d))
-        placements.append(p)
     shape = fn(torch.empty(x.shape, device="meta")).shape
-    return wrap(fn(x.to_local()), x, placements, shape)
+    return wrap(fn(x.to_local()), x, reduced_placements(x, removed), shape)
 
 
 def _expand_index(index, ndim: int):

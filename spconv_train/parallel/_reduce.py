@@ -33,11 +33,12 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
+from ._prefix_shard import reduced_placements
 from ._small_sum import sum_replicated
 
 
@@ -46,20 +47,6 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
         return tuple(range(ndim))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     return tuple(sorted({norm_dim(int(d), ndim) for d in dims}))
-
-
-def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
-    out = []
-    for p in x.placements:
-        if isinstance(p, Shard):
-            d = norm_dim(p.dim, x.ndim)
-            if d in dims:
-                out.append(Replicate())
-            else:
-                out.append(Shard(d if keepdim else d - sum(1 for r in dims if r < d)))
-        else:
-            out.append(p)
-    return out
 
 
 def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
@@ -113,7 +100,7 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
         shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
     else:
         out, shape = out.squeeze(dims), [n for d, n in enumerate(x.shape) if d not in dims]
-    return wrap(out, x, _out_placements(x, dims, keepdim), shape)
+    return wrap(out, x, reduced_placements(x, dims, keepdim), shape)
 
 
 def _sum_like(kind: str, func):

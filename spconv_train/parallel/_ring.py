@@ -2,7 +2,7 @@
 ring attention on it (``ring_attention``); the design is in ``docs/attention.md``.
 
 Every rank holds one block per travelling operand (keys and values; one operand of a
-ring matmul, ``_ring_matmul.py``), cut into ``m`` pieces. ``P`` pieces circulate at once,
+ring matmul, ``_attention_explicit.py``), cut into ``m`` pieces. ``P`` pieces circulate at once,
 one per rank, one hop per step (``post_p2p``); after ``P`` hops a piece retires and its
 owner injects its next one, so rank ``r`` works at step ``t`` on piece ``t // P`` of rank
 ``r - t % P``. Each piece's transfer is posted before the current piece's compute, so
@@ -330,7 +330,7 @@ def ring_attention(
     (``_ring_mask.RingMask``), with ``bias`` this rank's rows of an additive mask and
     ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if len(sizes) == 1:
+    if len(sizes) == 1:  # every key here (``group`` may be None)
         kb = () if kbias is None else (kbias,)
         block = mask.block(bias, (0, 0, sizes[0]), kb) if mask else None
         return torch.nn.functional.scaled_dot_product_attention(

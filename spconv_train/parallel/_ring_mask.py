@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._tokens import TokenLayout, _grad_groups, dim_layouts, held_indices, split_layouts
+from ._tokens import TokenLayout, _grad_groups, dim_layouts, held_indices, local_part, split_layouts
 
 
 def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
@@ -131,9 +131,10 @@ def _picks(q: DTensor, mask_dims: dict[int, int]) -> dict[int, tuple[TokenLayout
 
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows of ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a
-    DTensor split like the queries ``q`` along dim -2): boolean as given (a byte per entry),
-    a float mask as an additive bias in the queries' dtype."""
+    """This rank's rows (and batch entries: images, windows) of
+    ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a DTensor split like the
+    queries ``q``): boolean as given (a byte per entry), a float mask as an additive bias in
+    the queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -143,13 +144,12 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
                 f"{what} in module '{module_path()}': an attention mask {tuple(mask.shape)} "
                 f"split as {mask.placements} next to queries {tuple(q.shape)} split as "
                 f"{q.placements} is not supported; pass the mask whole (a plain tensor) or "
-                "split like the queries along dim -2."
+                "split like the queries."
             )
         rows = mask.to_local()
     else:
         # the mask broadcasts against the scores (..., L, S) like q against (..., L, E)
-        picks = _picks(q, {d: d - q.ndim for d in range(q.ndim)})
-        rows = select_rows(mask, picks, _grad_groups(q))
+        rows = local_part(mask, q, what=what)
     return rows if rows.dtype == torch.bool else rows.to(q.dtype)
 
 

@@ -1,4 +1,4 @@
-"""Basic indexing of token tensors along dims no rank splits: ``kv[0]`` of SegFormer's and
+"""Indexing token tensors. Along dims no rank splits: ``kv[0]`` of SegFormer's and
 timm's stacked keys and values, ``x.select(0, i)``, ``x[:, :, 0]``.
 
 The result is the local tensor indexed the same way; the split dims only shift. DTensor's
@@ -6,28 +6,35 @@ own rule would run ``select`` here too, but its backward (``select_backward``) b
 gradient from the *global* size, turned into a local one by DTensor's chunking, which is
 not the token layout of a dim split over several mesh dims (H x W tiles, ``_tokens.py``):
 run locally, autograd takes the backward on the local tensors.
+
+Behind prefix (class / register) tokens (``_token_prefix.py``): ``x[:, p:]`` gives the
+pixel tokens in their layout again (the owner of the prefix drops its prefix rows); an
+index or slice inside the prefix (``x[:, 0]``, ``x[:, :p]``) is broadcast from the owner to
+the ranks that split the tokens: a ``Replicate`` DTensor of ``N * p * C`` values, whose
+gradient is summed back to the owner.
+
+The owner is the first rank of the token ring (``_token_ring.py``): on strips the first
+rank of the spatial mesh dim, on H x W tiles and rows the rank at ``(0, 0)`` of the
+flattened ``(sp_h, sp_w)`` group, the one the ring's group and the token layouts
+(``TokenLayout.indices``: the prefix on the first rank of every mesh dim) agree on.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ._dims import norm_dim, wrap
+from ._dims import mesh_rank, norm_dim, wrap
 from ._mode import register_handler
+from ._prefix_shard import placement, prefix_of, reduced_placements
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
-from ._registry import DEFAULT_REGISTRY
-from ._tokens import is_nested, is_tokens, split_layouts
+from ._token_prefix import _keeps_prefix, _refuse, has_prefix
+from ._token_ring import token_ring
+from ._tokens import chain, dim_layouts, is_nested, is_tokens, previous, split_layouts
 
-
-def _shifted(p, removed: list[int]):
-    """Placement ``p`` once the dims in ``removed`` are indexed away."""
-    if isinstance(p, _StridedShard):
-        return _StridedShard(p.dim - sum(r < p.dim for r in removed), split_factor=p.split_factor)
-    if isinstance(p, Shard):
-        return Shard(p.dim - sum(r < p.dim for r in removed))
-    return p
+_T = torch.Tensor
 
 
 def _local_index(x, items: tuple) -> DTensor | None:
@@ -38,33 +45,131 @@ def _local_index(x, items: tuple) -> DTensor | None:
     if any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
         return None
     removed = [d for d, i in enumerate(items) if isinstance(i, int)]
-    placements = [_shifted(p, removed) for p in x.placements]
+    placements = reduced_placements(x, removed)
     shape = torch.empty(x.shape, device="meta")[items].shape
     return wrap(x.to_local()[items], x, placements, shape)
 
 
-def _chained(fn, handler) -> None:
-    prev = DEFAULT_REGISTRY.handler(fn) or fn
+def _local_or_previous(index_of):
+    """Handler: ``x[index_of(x, *args)]`` locally (``_local_index``), else ``prev``."""
 
-    def run(x, *args, **kwargs):
-        out = handler(x, *args, **kwargs) if isinstance(x, DTensor) else None
+    def handler(prev, x, *args, **kwargs):
+        items = index_of(x, *args, **kwargs) if isinstance(x, DTensor) else None
+        out = _local_index(x, items)
         return out if out is not None else prev(x, *args, **kwargs)
 
-    run.__name__ = f"token_{fn.__name__}"
-    register_handler(fn)(run)
+    return handler
 
 
-def _getitem(x, index):
-    return _local_index(x, _expand_index(index, x.ndim))
-
-
-def _select(x, dim, index):
+def _select(x, dim, index) -> tuple | None:
+    """``x.select(dim, index)`` as one index per dim (``None``: not an int index)."""
     if not isinstance(dim, int) or not isinstance(index, int):
         return None
     d = norm_dim(dim, x.ndim)
-    return _local_index(x, tuple(index if e == d else slice(None) for e in range(x.ndim)))
+    return tuple(index if e == d else slice(None) for e in range(x.ndim))
 
 
-_chained(torch.Tensor.__getitem__, _getitem)
-for _fn in (torch.select, torch.Tensor.select):
-    _chained(_fn, _select)
+chain(torch.Tensor.__getitem__)(_local_or_previous(lambda x, i: _expand_index(i, x.ndim)))
+chain(torch.select, torch.Tensor.select)(_local_or_previous(_select))
+
+
+class _FromOwner(torch.autograd.Function):
+    """The group rank ``src``'s ``part`` on every rank of ``group`` (a broadcast); the
+    gradient, a partial sum on every rank, summed back to ``src``."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, group, shape: tuple[int, ...], dim: int, src: int) -> Tensor:
+        ctx.group, ctx.src, ctx.dim = group, src, dim
+        ctx.owner = dist.get_rank(group) == src
+        out = part.contiguous() if ctx.owner else part.new_empty(shape)
+        dist.broadcast(out, group_src=src, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.reduce(grad, group_dst=ctx.src, op=dist.ReduceOp.SUM, group=ctx.group)
+        return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None, None
+
+
+def prefix_owner(x: DTensor) -> tuple[int, tuple[int, ...], int, bool]:
+    """``(dim, mesh dims, prefix, owner)`` of ``x``'s prefix tokens: the token dim, the mesh
+    dims that split it (each a ``PrefixShard``), how many, and whether this rank holds them
+    (the first rank of every one of those mesh dims)."""
+    dims = tuple(m for m, p in enumerate(x.placements) if prefix_of(p))
+    p = prefix_of(x.placements[dims[0]])
+    owner = all(mesh_rank(x.device_mesh, m) == 0 for m in dims)
+    return norm_dim(x.placements[dims[0]].dim, x.ndim), dims, p, owner
+
+
+def _broadcast_prefix(x: DTensor, d: int, part: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``part`` (the owner's prefix rows; empty elsewhere) on every rank of the token ring."""
+    ring = token_ring(x.device_mesh, dim_layouts(split_layouts(x), d))
+    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
+    return _FromOwner.apply(part, ring.group, shape, d, src)
+
+
+def _prefix_index(x: DTensor, index, whole):
+    """``x[index]`` on a tensor with prefix tokens: ``whole(x)`` when the token dim stays
+    whole (other dims indexed), the pixel tokens (``x[:, p:]``) or a part of the prefix
+    (``x[:, 0]``, ``x[:, :p]``)."""
+    items = _expand_index(index, x.ndim)
+    d, dims, p, owner = prefix_owner(x)
+    if items is not None and items[d] == slice(None):
+        return whole(x)
+    what = "indexing (x[...])"
+    if items is None or any(i != slice(None) for e, i in enumerate(items) if e != d):
+        raise _refuse(
+            what,
+            f"index {index!r} of tokens {tuple(x.shape)} behind {p} prefix tokens indexes "
+            f"more than the token dim (dim {d})",
+            "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
+        )
+    i, n, local = items[d], x.shape[d], x.to_local()
+    if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(p, n):
+        plain = list(x.placements)
+        for m in dims:
+            plain[m] = placement(d, x.placements[m].split_factor)
+        out = local.narrow(d, p, local.shape[d] - p) if owner else local
+        return wrap(out, x, plain, (*x.shape[:d], n - p, *x.shape[d + 1 :]))
+    picked = range(n)[i] if isinstance(i, slice) else range(n)[i : i + 1 or None]
+    if not picked or max(picked) >= p or not (isinstance(i, int) or i.step in (None, 1)):
+        raise _refuse(
+            what,
+            f"index {i!r} of the token dim {d} of {tuple(x.shape)} mixes its {p} prefix "
+            f"tokens (on the first rank) with the pixel tokens (split over the ranks)",
+            "Take the prefix (x[:, :p], x[:, 0]) and the pixel tokens (x[:, p:]) apart",
+        )
+    shape = list(local.shape)
+    shape[d] = len(picked)
+    out = _broadcast_prefix(x, d, local.narrow(d, picked[0], len(picked) if owner else 0), shape)
+    if isinstance(i, int):
+        out = out.select(d, 0)
+    placements, grads = list(x.placements), list(x.placements)
+    for m in dims:
+        placements[m], grads[m] = Replicate(), Partial()
+    global_shape = torch.empty(x.shape, device="meta")[items].shape
+    return DTensor.from_local(
+        out, x.device_mesh, placements, run_check=False, shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(), grad_placements=grads,
+    )  # fmt: skip
+
+
+def _chain_index(fn, index_of) -> None:
+    """``fn`` (``x[index]``, ``x.select(dim, i)``) on tensors with prefix tokens by
+    ``_prefix_index``, ``index_of(x, *args)`` giving the index."""
+    prev = previous(fn)
+    kept = _keeps_prefix(fn, prev)
+
+    def handler(x, *args, **kwargs):
+        if not has_prefix(x) or kwargs:
+            return prev(x, *args, **kwargs)
+        return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
+
+    handler.__name__ = f"prefix_{fn.__name__}"
+    register_handler(fn)(handler)
+
+
+_chain_index(_T.__getitem__, lambda x, index: index)
+for _fn in (torch.select, _T.select):
+    _chain_index(_fn, _select)

@@ -19,7 +19,7 @@ before. Held once, everything computed on the prefix, and its gradient, is count
   indices from the layout, so the prefix keys are attended exactly once. The ops DTensor
   runs itself (permutes, ``unbind``, activations, dropout, scalar arithmetic) run on the
   plain placements and get the prefix back.
-* Indexing the token dim (``x[:, p:]``, ``x[:, 0]``): ``_prefix_index.py``.
+* Indexing the token dim (``x[:, p:]``, ``x[:, 0]``): ``_token_index.py``.
   ``t.expand_as(tokens)`` of a replicated tensor of one token (smp DPT's "cat" readout)
   expands it locally over the rank's tokens.
 
@@ -35,16 +35,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from . import _attention_explicit, _token_index  # noqa: F401  (their handlers are wrapped)
+from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
+from ._broadcast import ARITH
 from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
-from ._errors import module_path, run_dtensor_op
+from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
-from ._prefix_shard import PrefixShard, prefix_of
-from ._registry import DEFAULT_REGISTRY, function_name
+from ._prefix_shard import PrefixShard, placement, prefix_of
+from ._registry import function_name
 from ._sharding import sharded_dim
-from ._tokens import _placement, is_dp, is_tokens, local_part, split_layouts
+from ._tokens import is_dp, is_tokens, local_part, previous, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -63,7 +64,7 @@ def _strip(x):
         return type(x)(_strip(t) for t in x)
     if not has_prefix(x):
         return x
-    plain = [_placement(p.dim, p.split_factor) if prefix_of(p) else p for p in x.placements]
+    plain = [placement(p.dim, p.split_factor) if prefix_of(p) else p for p in x.placements]
     return wrap(x.to_local(), x, plain, x.shape)
 
 
@@ -103,11 +104,6 @@ def _prefixes(args) -> dict[int, tuple[int, int]]:
     return found
 
 
-def _previous(fn):
-    prev = DEFAULT_REGISTRY.handler(fn)
-    return prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
-
-
 def _as_graph_material(handler, prev):
     """``handler`` marked for the ``trace_dtensor_ops`` graphs when the handler it wraps
     is (``_compile.graph_handler``): wrapping must not turn an element-wise op into a graph
@@ -119,7 +115,7 @@ def _keeps_prefix(fn, prev=None):
     """Handler for ``fn``, an op that keeps every token where it is (a permute, an
     activation): on a tensor with prefix tokens the previous handler (or DTensor's own
     rules) runs on the plain placements and the prefix is put back."""
-    prev = prev or _previous(fn)
+    prev = prev or previous(fn)
     what = function_name(fn)
 
     def handler(*args, **kwargs):
@@ -154,7 +150,7 @@ for _fn in _KEEPING:
 def _arith_handler(fn):
     """Arithmetic: ``_tokens.py``'s handler already counts the prefix for two tensors laid
     out alike or a plain tensor (a position embedding); a scalar goes to DTensor."""
-    prev = _previous(fn)
+    prev = previous(fn)
     kept = _keeps_prefix(fn, prev)
 
     def handler(a, b, *args, **kwargs):
@@ -170,10 +166,7 @@ def _arith_handler(fn):
     return _as_graph_material(handler, prev)
 
 
-_ARITH = [getattr(torch, n) for n in ("add", "sub", "mul", "div")]
-_ARITH += [getattr(_T, n) for n in ("add", "sub", "mul", "div")]
-_ARITH += [getattr(_T, f"__{p}{n}__") for n in ("add", "sub", "mul", "truediv") for p in ("", "r")]
-for _fn in _ARITH:
+for _fn in ARITH:
     register_handler(_fn)(_arith_handler(_fn))
 
 
@@ -203,7 +196,7 @@ def _cat_prefix(tensors: list, d: int) -> DTensor:
     """``torch.cat(tensors, d)``: plain tensors (the class / register tokens, expanded over
     the batch) in front of the token tensor (the last) along its token dim ``d``, held by
     the first rank of every mesh dim splitting ``d`` (one on strips, ``sp_h`` and ``sp_w``
-    on tiles and rows: the rank ``_prefix_index.py`` broadcasts them from)."""
+    on tiles and rows: the rank ``_token_index.py`` broadcasts them from)."""
     x, front = tensors[-1], tensors[:-1]
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
     parts = [_prefix_part(t, x, d) for t in front]
@@ -239,7 +232,7 @@ def _chunked(t) -> bool:
 
 
 def _cat_handler(fn):
-    prev = _previous(fn)
+    prev = previous(fn)
 
     def handler(tensors, dim=0, **kwargs):
         tensors = list(tensors)
@@ -269,7 +262,7 @@ for _fn in (torch.cat, torch.concat, torch.concatenate):
 
 
 def _expand_handler(fn):
-    prev = _previous(fn)
+    prev = previous(fn)
 
     def handler(t, other, *args, **kwargs):
         """``t.expand_as(tokens)`` of a tensor replicated over the ranks that split the

@@ -1,7 +1,7 @@
 """Token-wise reductions: ``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
 ``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
-``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel tokens
-(``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
+``F.layer_norm``, ``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel
+tokens (``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
 
 Each rank holds whole tokens, so a reduction over the channels (``x.norm(dim=-1)``,
 ``F.normalize(x, dim=-1)``, ``x.mean(-1, keepdim=True)``) is the local one, exact; the
@@ -22,17 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from . import _reduce  # noqa: F401  (its handlers are wrapped)
-from ._dims import norm_dim, wrap
+from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
-from ._prefix_shard import prefix_of
+from ._prefix_shard import prefix_of, reduced_placements
+from ._reduce import _dims  # (and its handlers, wrapped here)
 from ._registry import function_name
 from ._sharding import sharded_dim
-from ._token_prefix import _as_graph_material, _previous
-from ._tokens import _grad_groups, _placement, is_tokens, split_layouts
+from ._token_prefix import _as_graph_material
+from ._tokens import _grad_groups, chain, is_tokens, previous, split_layouts
 
 _T = torch.Tensor
 
@@ -59,37 +59,15 @@ _OPS = {
 }
 
 
-def _dims(dim, ndim: int) -> tuple[int, ...]:
-    if dim is None or (isinstance(dim, (tuple, list)) and not dim):
-        return tuple(range(ndim))
-    return tuple(
-        sorted({norm_dim(int(d), ndim) for d in ((dim,) if isinstance(dim, int) else dim)})
-    )
-
-
 def _arg(args, kwargs, pos: int | None, name: str, default):
     if name in kwargs:
         return kwargs[name]
     return args[pos] if pos is not None and len(args) > pos else default
 
 
-def _out_placements(x: DTensor, dims: tuple[int, ...], keepdim: bool) -> list:
-    """``x``'s placements once ``dims`` (none of them split) are reduced."""
-    out = []
-    for p in x.placements:
-        d = sharded_dim(p)
-        if d is None:
-            out.append(p)
-            continue
-        d %= x.ndim
-        d = d if keepdim else d - sum(r < d for r in dims)
-        out.append(_placement(d, getattr(p, "split_factor", 1), prefix_of(p)))
-    return out
-
-
 def _token_wise(fn, spec: _Spec):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
-    prev = _previous(fn)
+    prev = previous(fn)
     what = function_name(fn)
 
     def handler(x, *args, **kwargs):
@@ -119,7 +97,7 @@ def _token_wise(fn, spec: _Spec):
             return prev(x, *args, **kwargs)
         keep = spec.keep_pos
         keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
-        placements = _out_placements(x, dims, keepdim)
+        placements = reduced_placements(x, dims, keepdim)
         out = fn(x.to_local(), *args, **kwargs)
         shapes = fn(torch.empty(x.shape, device="meta", dtype=x.dtype), *args, **kwargs)
         if isinstance(out, tuple):  # max / min: (values, indices)
@@ -141,19 +119,40 @@ register_handler(F.normalize)(_token_wise(F.normalize, _Spec(2, None, default=1)
 register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, _Spec(2, 3)))
 
 
-def _rms_norm(prev):
-    def handler(input, normalized_shape, weight=None, eps=None):
-        """``F.rms_norm`` over trailing dims no rank splits (the channels): local, the
-        weight's gradient summed over the ranks (as ``_tokens.token_layer_norm``)."""
-        k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-        # is_tokens first: the layouts are read only for token tensors
-        if not is_tokens(input) or any(lay.dim >= input.ndim - k for lay in split_layouts(input)):
-            return prev(input, normalized_shape, weight, eps)
-        w = sum_grad_over(weight, _grad_groups(input))
-        out = F.rms_norm(input.to_local(), normalized_shape, w, eps)
-        return wrap(out, input, input.placements, input.shape)
-
-    return handler
+def _splits_normalized(x: DTensor, normalized_shape) -> bool:
+    """True when a rank splits one of the trailing dims that a norm over
+    ``normalized_shape`` reduces."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    return any(lay.dim >= x.ndim - k for lay in split_layouts(x))
 
 
-register_handler(F.rms_norm)(_rms_norm(_previous(F.rms_norm)))
+@chain(F.layer_norm, torch.layer_norm)
+def _layer_norm(prev, input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
+    """``F.layer_norm`` of token tensors over trailing dims that no rank splits (the
+    channels): local, the weight's and bias's gradients summed over the ranks."""
+    if not is_tokens(input):
+        return prev(input, normalized_shape, weight, bias, eps, *args)
+    if _splits_normalized(input, normalized_shape):
+        raise SpatialShardingError(
+            f"F.layer_norm over a split dim of {tuple(input.shape)} {input.placements} in "
+            f"module '{module_path()}': statistics over the tokens of several ranks are not "
+            f"supported; normalise over the channels (the last dim)."
+        )
+    g = _grad_groups(input)
+    out = F.layer_norm(
+        input.to_local(), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
+    )
+    return wrap(out, input, input.placements, input.shape)
+
+
+@chain(F.rms_norm)
+def _rms_norm(prev, input, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` over trailing dims no rank splits (the channels): local, as
+    ``_layer_norm``."""
+    # is_tokens first: the layouts are read only for token tensors
+    if not is_tokens(input) or _splits_normalized(input, normalized_shape):
+        return prev(input, normalized_shape, weight, eps)
+    out = F.rms_norm(
+        input.to_local(), normalized_shape, sum_grad_over(weight, _grad_groups(input)), eps
+    )
+    return wrap(out, input, input.placements, input.shape)

@@ -1,7 +1,7 @@
 """The ring over every rank that holds part of a token sequence.
 
 Attention over sharded pixel tokens passes key / value blocks around the ranks that split
-the sequence (``_ring.py``, ``_ring_matmul.py``). On strips that is one mesh dim's group;
+the sequence (``_ring.py``, ``_attention_explicit.py``). On strips that is one mesh dim's group;
 on H x W tiles (and rows on a ``(sp_h, sp_w)`` mesh) the tokens are split over two mesh
 dims (``_tokens.py``: nested layouts), so the ring runs over the process group of both:
 the sub-mesh of those dims flattened to one (``_replicas.flat_mesh``, DeviceMesh's
@@ -21,9 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
 
 from ._replicas import flat_mesh
 from ._tokens import TokenLayout, held_indices
+
+#: the layouts splitting one token dim (every mesh dim that splits it: one on strips,
+#: ``sp_h`` and ``sp_w`` on tiles), empty when it is whole
+Seq = tuple[TokenLayout, ...]
 
 
 @functools.lru_cache(maxsize=64)
@@ -52,20 +57,22 @@ class TokenRing:
 
     group: object
     members: tuple[tuple[TokenLayout, ...], ...]
-
-    @property
-    def mesh_dims(self) -> tuple[int, ...]:
-        return tuple(lay.mesh_dim for lay in self.members[0])
+    #: ``columns`` per device, built on the first call (``token_ring`` keeps the ring)
+    _columns: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def sizes(self) -> tuple[int, ...]:
         """How many tokens every member holds."""
-        return tuple(int(held_indices(m).numel()) for m in self.members)
+        return tuple(int(c.numel()) for c in self.columns("cpu"))
 
     def columns(self, device) -> tuple[Tensor, ...]:
         """The global token indices every member holds, in its local order."""
-        return tuple(held_indices(m).to(device) for m in self.members)
+        key = str(torch.device(device))
+        if key not in self._columns:
+            self._columns[key] = tuple(held_indices(m).to(device) for m in self.members)
+        return self._columns[key]
 
 
+@functools.lru_cache(maxsize=256)
 def token_ring(mesh: DeviceMesh, lays: tuple[TokenLayout, ...]) -> TokenRing:
     """The ring of the ranks splitting the token dim of ``lays`` (every layout of that
     dim of one tensor; a ``dp`` split of the same dim is left to the batch)."""
@@ -74,3 +81,11 @@ def token_ring(mesh: DeviceMesh, lays: tuple[TokenLayout, ...]) -> TokenRing:
         tuple(dataclasses.replace(lay, rank=c[lay.mesh_dim]) for lay in lays) for c in coords
     )
     return TokenRing(group, members)
+
+
+def partial_local(t: DTensor, seq: Seq) -> Tensor:
+    """``t``'s local tensor, whole on the ranks of ``seq``'s mesh dims, each of which uses
+    it for its own tokens only: its gradient there is a partial sum (``Partial``)."""
+    dims = {lay.mesh_dim for lay in seq}
+    grad = tuple(Partial() if i in dims else p for i, p in enumerate(t.placements))
+    return t.to_local(grad_placements=grad)

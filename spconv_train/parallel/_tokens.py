@@ -11,39 +11,35 @@ is exactly its local flatten, so token-wise ops stay local:
   factor of the token dim whole run on the local tensor (``(N, L, C) -> (N, L, heads, d)``,
   tokens back to ``(N, C, H, W)`` or channels-last ``(N, H, W, C)``), also for uneven
   splits, where DTensor refuses ("Cannot unflatten unevenly sharded tensor");
-* ``F.layer_norm`` over the channels and element-wise arithmetic with a plain tensor (an
-  absolute position embedding ``(1, L, C)`` is sliced to the rank's tokens, its gradient
-  summed over the ranks); ``F.linear``, activations and dropout already run locally.
+* element-wise arithmetic with a plain tensor (an absolute position embedding
+  ``(1, L, C)`` is sliced to the rank's tokens, its gradient summed over the ranks);
+  ``F.linear``, activations and dropout already run locally; norms and reductions over
+  the channels: ``_token_reduce.py``.
 
 A reshape that would mix the tokens of different ranks is refused with
-``SpatialShardingError`` naming the op and the module.
-
-Prefix tokens (a ViT's class and register tokens, concatenated in front of the pixel
-tokens: ``_token_prefix.py``) are held by one rank alone, the first of every mesh dim
-splitting the tokens: ``PrefixShard``, a ``_StridedShard`` that also counts them, read into
-``TokenLayout.prefix`` (on tiles the pixel tokens behind them nest as without). Held once,
-everything computed on them (and their gradient) is counted once.
+``SpatialShardingError`` naming the op and the module. Prefix tokens (a ViT's class and
+register tokens, ``_token_prefix.py``) are counted in ``TokenLayout.prefix``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from . import _broadcast, _channels  # noqa: F401  (their handlers are wrapped below)
-from ._broadcast import guard_computed_plain
+from . import _channels  # noqa: F401  (its handlers are wrapped below)
+from ._broadcast import ARITH, guard_computed_plain  # (and its handlers, wrapped below)
 from ._dims import is_dp, mesh_group, mesh_rank, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
-from ._prefix_shard import PrefixShard, prefix_of
+from ._prefix_shard import placement, prefix_of
 from ._registry import DEFAULT_REGISTRY, function_name
 from ._sharding import sharded_dim, sharding_mesh_dims
 
@@ -151,12 +147,6 @@ def is_tokens(x) -> bool:
     return isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements)
 
 
-def _placement(dim: int, sf: int, prefix: int = 0):
-    if prefix:
-        return PrefixShard(dim, sf, prefix=prefix)
-    return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
-
-
 def is_nested(x) -> bool:
     """True for a DTensor split over several spatial mesh dims (H x W tiles, rows on a
     ``(sp_h, sp_w)`` mesh, their tokens): a reshape of it runs on the local tensor here."""
@@ -219,7 +209,7 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
         if found is None:
             raise _mixes(x, out_shape, what, lay, "")
         placed[lay.mesh_dim] = found
-        placements[lay.mesh_dim] = _placement(found[0], found[1], lay.prefix)
+        placements[lay.mesh_dim] = placement(found[0], found[1], lay.prefix)
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
         chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))
@@ -251,74 +241,74 @@ def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) ->
     return wrap(out, x, placements, out_shape)
 
 
+def previous(fn) -> Callable:
+    """The handler registered for ``fn`` so far, else DTensor's own rules (errors named)."""
+    prev = DEFAULT_REGISTRY.handler(fn)
+    return prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
+
+
+def chain(*functions, prefix: str = "token"):
+    """Decorator: ``handler(prev, *args, **kwargs)`` becomes the handler of each of
+    ``functions``, ``prev`` the one before it (``previous``), called for what it leaves."""
+
+    def deco(handler):
+        for fn in functions:
+            prev = previous(fn)
+
+            def run(*args, _prev=prev, **kwargs):
+                return handler(_prev, *args, **kwargs)
+
+            run.__name__ = f"{prefix}_{getattr(fn, '__name__', 'op')}"
+            register_handler(fn)(run)
+        return handler
+
+    return deco
+
+
+#: the matrix products (handlers in ``_attention_explicit.py`` and ``_windows.py``)
+MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
+#: the reshape-like ops, each a handler here and in ``_windows.py``
+RESHAPES = (torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten)
+RESHAPES += (torch.unflatten, torch.Tensor.unflatten, torch.Tensor.view)
+
+
+def reshape_of(func, x: DTensor, args, kwargs) -> tuple[tuple[int, ...], Callable | None]:
+    """``(global shape, fn)`` of ``func(x, *args, **kwargs)`` (one of ``RESHAPES``), ``fn``
+    for ``local_reshape`` (a view for ``Tensor.view``); the shape ``None`` for a dtype view."""
+    fn = (lambda t, s: t.view(s)) if func is torch.Tensor.view else None
+    if (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
+        return None, fn
+    return _meta_shape(func, x, *args, **kwargs), fn
+
+
 def _meta_shape(func, x: DTensor, *args, **kwargs) -> tuple[int, ...]:
     return tuple(func(torch.empty(x.shape, device="meta"), *args, **kwargs).shape)
 
 
-def _reshaping(func, use_view: bool = False):
+def _reshaping(func):
     """Handler for ``func`` (a reshape-like op): local on token tensors, else DTensor's."""
     what = function_name(func)
 
     def handler(x, *args, **kwargs):
         tokens = is_tokens(x) or is_nested(x)
-        if not tokens or (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
-            # DTensor's own
-            return run_dtensor_op(func, (x, *args), kwargs)
-        shape = _meta_shape(func, x, *args, **kwargs)
-        fn = (lambda t, s: t.view(s)) if use_view else None
+        shape, fn = reshape_of(func, x, args, kwargs) if tokens else (None, None)
+        if shape is None:
+            return run_dtensor_op(func, (x, *args), kwargs)  # DTensor's own
         return local_reshape(x, shape, what, fn)
 
     handler.__name__ = f"token_{func.__name__}"
     return handler
 
 
-for _fn in (torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten):
+for _fn in RESHAPES:
     register_handler(_fn)(_reshaping(_fn))
-for _fn in (torch.unflatten, torch.Tensor.unflatten):
-    register_handler(_fn)(_reshaping(_fn))
-register_handler(torch.Tensor.view)(_reshaping(torch.Tensor.view, use_view=True))
 
 
-def _wrap_existing(*functions):
-    """Decorator: ``token_handler`` runs for token tensors (``is_tokens`` of the first
-    argument or of a DTensor among the first two), the handler registered before (or the
-    function itself) for everything else."""
-
-    def deco(token_handler):
-        for fn in functions:
-            prev = DEFAULT_REGISTRY.handler(fn) or fn
-
-            def handler(*args, _prev=prev, _fn=fn, **kwargs):
-                if any(is_tokens(a) for a in args[:2]):
-                    return token_handler(_fn, *args, **kwargs)
-                return _prev(*args, **kwargs)
-
-            handler.__name__ = f"token_{getattr(fn, '__name__', 'op')}"
-            register_handler(fn)(handler)
-        return token_handler
-
-    return deco
-
-
-def _grad_groups(x: DTensor) -> tuple:
-    return tuple(mesh_group(x.device_mesh, i) for i in sharding_mesh_dims(x.placements))
-
-
-@_wrap_existing(F.layer_norm, torch.layer_norm)
-def token_layer_norm(fn, input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
-    """``F.layer_norm`` over trailing dims that no rank splits (the channels): local."""
-    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-    if any(lay.dim >= input.ndim - k for lay in split_layouts(input)):
-        raise SpatialShardingError(
-            f"F.layer_norm over a split dim of {tuple(input.shape)} {input.placements} in "
-            f"module '{module_path()}': statistics over the tokens of several ranks are not "
-            f"supported; normalise over the channels (the last dim)."
-        )
-    g = _grad_groups(input)
-    out = F.layer_norm(
-        input.to_local(), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
-    )
-    return wrap(out, input, input.placements, input.shape)
+def _grad_groups(x: DTensor, exclude: tuple[TokenLayout, ...] = ()) -> tuple:
+    """The process groups of the mesh dims splitting ``x``, but those of ``exclude``."""
+    skip = {lay.mesh_dim for lay in exclude}
+    dims = sharding_mesh_dims(x.placements)
+    return tuple(mesh_group(x.device_mesh, i) for i in dims if i not in skip)
 
 
 def _unheld(x: DTensor, plain: Tensor, d: int, held: int, what: str) -> Exception:
@@ -384,10 +374,15 @@ def _arith(fn, a, b, *args, **kwargs):
     return wrap(fn(la, lb, *args, **kwargs), dt, dt.placements, shape)
 
 
-_ARITH = [getattr(torch, n) for n in ("add", "sub", "mul", "div")]
-_ARITH += [getattr(Tensor, n) for n in ("add", "sub", "mul", "div")]
-_ARITH += [
-    getattr(Tensor, f"__{p}{n}__") for n in ("add", "sub", "mul", "truediv") for p in ("", "r")
-]
-for _fn in _ARITH:
-    _wrap_existing(_fn)(_arith)
+def _arith_or_previous(fn):
+    """Handler: ``_arith`` when the first or second argument is a token tensor."""
+
+    def handler(prev, *args, **kwargs):
+        tokens = any(is_tokens(a) for a in args[:2])
+        return _arith(fn, *args, **kwargs) if tokens else prev(*args, **kwargs)
+
+    return handler
+
+
+for _fn in ARITH:
+    chain(_fn)(_arith_or_previous(_fn))

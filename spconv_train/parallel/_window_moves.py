@@ -66,11 +66,20 @@ class Move:
     outer: int = 1
 
 
-#: ``(shape, dim)`` of the window-factorised maps whose split dim holds a single window
-#: (``dim`` of size 1, e.g. Swin's last stage, one 7 x 7 window): a reshape that merges
-#: such a size-1 split dim is the window reverse (into the dims after it), not a merge
-#: into the batch of windows (the dims before it), which the shape alone cannot tell.
-_SINGLE_WINDOW: set[tuple[tuple[int, ...], int]] = set()
+#: Single windows (a split dim of size 1, e.g. Swin's last stage, one 7 x 7 window: the
+#: first rank holds it all) that the shapes alone cannot place, by window-factorised shape.
+#: ``("cut", shape, dim) -> 1``: a reshape that merges that size-1 split dim is the window
+#: reverse (into the dims after it), not a merge into the batch of windows (the dims before
+#: it). ``("batch", shape, mesh dim) -> dim``: the split dim that merged into the batch of
+#: windows (``_windows.py``), where the reverse view to that shape puts the split back.
+SINGLE_WINDOWS: dict[tuple, int] = {}
+
+
+def remember_single(key: tuple, value: int) -> None:
+    """Record ``key`` in ``SINGLE_WINDOWS`` (cleared past 1024 entries)."""
+    if len(SINGLE_WINDOWS) > 1024:
+        SINGLE_WINDOWS.clear()
+    SINGLE_WINDOWS[key] = value
 
 
 def _split_strided(lay: TokenLayout, out: tuple[int, ...], e0: int, e1: int) -> Move | None:
@@ -105,9 +114,7 @@ def _split(lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...]) -> Mo
     # window high and one row deep ((B, 1, W, C) -> (B, 1, 1, 1, W, C)).
     one = big == [e1 - 1] and e1 - e0 == 2 and lay.dim > 0
     if one and len(out) >= len(shape) + 2:
-        if len(_SINGLE_WINDOW) > 1024:
-            _SINGLE_WINDOW.clear()
-        _SINGLE_WINDOW.add((tuple(out), e1 - 2))
+        remember_single(("cut", tuple(out), e1 - 2), 1)
         return Move(lay, True, e1 - 2, out[e1 - 1])
     return None
 
@@ -116,7 +123,7 @@ def _merge(
     lay: TokenLayout, shape: tuple[int, ...], out: tuple[int, ...], split_dims=frozenset()
 ) -> Move | None:
     single = shape[lay.dim] == 1
-    if single and (tuple(shape), lay.dim) not in _SINGLE_WINDOW:
+    if single and ("cut", tuple(shape), lay.dim) not in SINGLE_WINDOWS:
         return None
     runs = _runs(shape, out, lay.dim, single)
     if runs is None:

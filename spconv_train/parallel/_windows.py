@@ -46,14 +46,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
 from ._dims import is_dp, mesh_group, wrap
-from ._errors import module_path
-from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
-from ._halo import gather_columns, sum_grad_over
-from ._mode import register_handler
-from ._prefix_shard import prefix_of
-from ._registry import DEFAULT_REGISTRY
-from ._tokens import TokenLayout, _target, split_layouts
-from ._window_moves import Move, window_move
+from ._geometry import ExchangePlan, all_shard_bounds, shard_bounds
+from ._halo import gather_columns
+from ._prefix_shard import placement, prefix_of
+from ._ring_mask import sdpa_bias
+from ._tokens import MATMULS, TokenLayout, _target, chain, split_layouts
+from ._window_moves import SINGLE_WINDOWS, Move, remember_single, window_move
 
 
 def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
@@ -121,21 +119,6 @@ def _rechunk(
     return out.contiguous()
 
 
-#: ``(window-factorised shape, mesh dim)``: the dim of the split window index (a single
-#: window: the first rank holds it all) where that shape merged into the batch of windows;
-#: the reverse view to that shape puts the split back there, which the size-1 window
-#: indices alone cannot tell (``_target`` picks the innermost, W of strips).
-_SINGLE_AT: dict[tuple[tuple[int, ...], int], int] = {}
-
-
-def _remember_single(x: DTensor, lay: TokenLayout) -> None:
-    """Record a single window's split dim merged into the batch of windows."""
-    if lay.dim > 0 and not is_dp(x, lay.mesh_dim):
-        if len(_SINGLE_AT) > 1024:
-            _SINGLE_AT.clear()
-        _SINGLE_AT[(tuple(x.shape), lay.mesh_dim)] = lay.dim
-
-
 def _single_window_dims(
     x: DTensor, lays: list[TokenLayout], out_shape: tuple[int, ...]
 ) -> dict[int, int]:
@@ -144,7 +127,7 @@ def _single_window_dims(
     tiles (a dim split over several mesh dims, ``_tokens._nest``) the size-1 output dims
     that fit them, outer to inner in mesh dim order (``sp_h``'s window row before
     ``sp_w``'s window column); on one mesh dim the window index it came from
-    (``_SINGLE_AT``). ``_target`` would pick the dim of the factor after them (same
+    (``SINGLE_WINDOWS``). ``_target`` would pick the dim of the factor after them (same
     runs), or the innermost one. ``lays``: ``split_layouts(x)``."""
     shape, groups = tuple(x.shape), {}
     for lay in lays:
@@ -162,7 +145,7 @@ def _single_window_dims(
             for e, n in enumerate(out_shape)
             if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
         ]
-        at = _SINGLE_AT.get((tuple(out_shape), ones[0].mesh_dim))
+        at = SINGLE_WINDOWS.get(("batch", tuple(out_shape), ones[0].mesh_dim))
         if len(group) == 1 and at in fits and len(out_shape) > len(shape):  # a reverse view
             out[ones[0].mesh_dim] = at
         elif len(group) > 1 and len(fits) >= len(ones):
@@ -193,7 +176,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
             total = shape[lay.dim] // m.outer // m.k if m.split else shape[lay.dim]
             a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
             e, own = m.dim, b - a
-            placements[lay.mesh_dim] = Shard(e) if m.split else _tokens._placement(e, m.outer)
+            placements[lay.mesh_dim] = Shard(e) if m.split else placement(e, m.outer)
         elif _batch_of_one_rank(lay, x):
             placements[lay.mesh_dim] = Shard(0)
             continue
@@ -204,9 +187,10 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
         else:
             # a size-1 split factor fits several output dims: the window index, innermost
             e, sf, _ = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
-            if lay.inner <= 1 and e == 0:
-                _remember_single(x, lay)
-            placements[lay.mesh_dim] = _tokens._placement(e, sf)
+            if lay.inner <= 1 and e == 0 and lay.dim > 0 and not is_dp(x, lay.mesh_dim):
+                # the reverse view puts it back (``_target`` would pick the innermost dim)
+                remember_single(("batch", shape, lay.mesh_dim), lay.dim)
+            placements[lay.mesh_dim] = placement(e, sf)
             own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
     local_shape = [
@@ -255,46 +239,22 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     return moves if moves or local else None
 
 
-def _chain(*functions):
-    """Decorator: ``handler(prev, *args, **kwargs)`` replaces the handler registered for
-    each of ``functions`` before (``prev``, or the function itself), which it calls for
-    what it does not handle."""
-
-    def deco(handler):
-        for fn in functions:
-            prev = DEFAULT_REGISTRY.handler(fn) or fn
-
-            def run(*args, _prev=prev, **kwargs):
-                return handler(_prev, *args, **kwargs)
-
-            run.__name__ = f"window_{getattr(fn, '__name__', 'op')}"
-            register_handler(fn)(run)
-        return handler
-
-    return deco
-
-
-def _reshaping(func, use_view: bool = False) -> None:
+def _reshaping(func) -> None:
     """Window moves for the reshape-like ``func``, before the token / DTensor rules."""
-    fn = (lambda t, s: t.view(s)) if use_view else None
 
-    @_chain(func)
+    @chain(func, prefix="window")
     def handler(prev, x, *args, **kwargs):
-        dtype = "dtype" in kwargs or bool(args and isinstance(args[0], torch.dtype))
         # tokens behind a prefix (class token) are never windows: _tokens.py keeps the prefix
-        if isinstance(x, DTensor) and not dtype and not any(map(prefix_of, x.placements)):
-            shape = _tokens._meta_shape(func, x, *args, **kwargs)
-            moves = _moves(x, shape)
+        if isinstance(x, DTensor) and not any(map(prefix_of, x.placements)):
+            shape, fn = _tokens.reshape_of(func, x, args, kwargs)
+            moves = None if shape is None else _moves(x, shape)
             if moves is not None:
                 return window_reshape(x, shape, moves, fn)
         return prev(x, *args, **kwargs)
 
 
-for _fn in (torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten):
+for _fn in _tokens.RESHAPES:
     _reshaping(_fn)
-for _fn in (torch.unflatten, torch.Tensor.unflatten):
-    _reshaping(_fn)
-_reshaping(torch.Tensor.view, use_view=True)
 
 
 def batch_split(t) -> bool:
@@ -315,7 +275,7 @@ def _alike(a: DTensor, b) -> bool:
     )
 
 
-@_chain(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
+@chain(*MATMULS, prefix="window")
 def window_matmul(prev, a, b, *args, **kwargs):
     """``a @ b`` of two batches split alike along their batch dims (attention scores per
     window, ``q @ k.transpose(-2, -1)``, and ``attn @ v``): every matrix product local."""
@@ -325,41 +285,14 @@ def window_matmul(prev, a, b, *args, **kwargs):
     return wrap(out, a, a.placements, (*a.shape[:-1], b.shape[-1]))
 
 
-def _local_mask(mask, q: DTensor):
-    """The attention mask's entries for this rank's batch entries (windows)."""
-    if mask is None:
-        return None
-    if isinstance(mask, DTensor):
-        if mask.placements != q.placements or mask.ndim != q.ndim:
-            raise SpatialShardingError(
-                f"F.scaled_dot_product_attention in module '{module_path()}': an attention "
-                f"mask split as {mask.placements} next to queries split as {q.placements} "
-                f"is not supported; pass a plain mask or one laid out like the queries."
-            )
-        return mask.to_local()
-    part = sum_grad_over(mask, _tokens._grad_groups(q))
-    lead = q.ndim - part.ndim
-    rows: dict[int, Tensor] = {}
-    for lay in split_layouts(q):
-        # the entries every layout of the dim holds (dp's images and sp's windows of them)
-        idx = lay.indices().to(part.device)
-        rows[lay.dim] = (
-            idx if lay.dim not in rows else rows[lay.dim][torch.isin(rows[lay.dim], idx)]
-        )
-    for d, idx in rows.items():
-        if d >= lead and part.shape[d - lead] != 1:
-            part = part.index_select(d - lead, idx)
-    return part
-
-
-@_chain(F.scaled_dot_product_attention)
+@chain(F.scaled_dot_product_attention, prefix="window")
 def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
     """``F.scaled_dot_product_attention`` on queries, keys and values split alike along
     their batch dims only (windows): local attention per window, the mask (a relative
     position bias, the shifted-window mask) sliced to the rank's windows."""
     if not (batch_split(query) and _alike(query, key) and _alike(query, value)):
         return prev(query, key, value, attn_mask, *args, **kwargs)
-    mask = _local_mask(attn_mask, query)
+    mask = sdpa_bias(attn_mask, query, "F.scaled_dot_product_attention")  # the rank's windows
     out = F.scaled_dot_product_attention(
         query.to_local(), key.to_local(), value.to_local(), mask, *args, **kwargs
     )
