@@ -328,12 +328,10 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
     of ``x``), with its gradient summed over the ranks that split ``x``. Refuses
     (``SpatialShardingError`` naming ``what`` and the module) a local tensor of ``x`` that
     does not hold the entries its placements give the rank."""
-    lays = split_layouts(x)
-    dims = sorted({lay.dim for lay in lays} - {skip})
-    guard_computed_plain(plain, x, dims, what)
     part = sum_grad_over(plain, _grad_groups(x))
     lead = x.ndim - part.ndim
-    for d in dims:
+    lays = split_layouts(x)
+    for d in sorted({lay.dim for lay in lays} - {skip}):
         k = d - lead
         if k >= 0 and part.shape[k] != 1:
             idx = held_indices(dim_layouts(lays, d))
@@ -369,6 +367,9 @@ def _arith(fn, a, b, *args, **kwargs):
             f"{function_name(fn)} of a token tensor {tuple(dt.shape)} and a plain tensor "
             f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
         )
+    # here, not in local_part: the attention masks and biases it cuts (_ring_mask.py) have
+    # a window's size, not the image's
+    guard_computed_plain(plain, dt, [lay.dim for lay in split_layouts(dt)], function_name(fn))
     part = local_part(plain, dt, what=function_name(fn))
     la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
     return wrap(fn(la, lb, *args, **kwargs), dt, dt.placements, shape)
