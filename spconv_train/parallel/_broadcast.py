@@ -7,18 +7,40 @@ plain tensor is the global value (the same on every rank): each rank uses the pa
 meets its strip (all of it along size-1, broadcast dims; its chunk along a sharded dim), and
 its gradient, a partial sum over the local strip, is summed over the mesh dimensions that
 shard the activation (``sum_grad_over``), so it equals the single-device gradient.
+
+A ``Partial`` DTensor (a sum over the sharded dim not yet reduced: the channel x channel map
+of timm EdgeNeXt's cross-covariance attention, ``q @ k.T`` over the tokens, times its plain
+``temperature``) has no strip to cut the plain tensor to: the plain tensor joins it as a
+``Replicate`` DTensor and DTensor's own rule runs the op (a mul keeps the sum pending, an
+add reduces it first; the tensor is small, a reduction's result, so nothing activation-sized
+moves); its gradient comes back summed over the mesh.
+
+A plain tensor the model computed at the activation's size (timm EdgeNeXt's Fourier
+positional encoding, built for the whole image on every rank and projected by a conv) is a
+gather in the backward: its gradient, non-zero on each rank's strip only, would be
+all-reduced at full size (the whole image on every rank) for the parameters that made it.
+That runs only with ``allow_gather`` (counted as a gather); otherwise it is refused naming
+the module and the op (``_errors.guard_gather``). A parameter (a leaf, e.g. a ViT position
+table) has its gradient summed like every parameter's, and a tensor without a gradient (a
+mask) needs no sum.
+
+``addcmul`` / ``addcdiv`` with a plain tensor among their three (timm ConvNeXt-V2's global
+response norm: ``torch.addcmul(bias, weight, x * x_n)``) run as their element-wise steps
+``input + value * (tensor1 op tensor2)``, each through the handler registered for it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ._dims import handled, mesh_group, mesh_rank, sharded_dims, wrap
+from ._errors import guard_gather, run_dtensor_op
 from ._geometry import shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
+from ._runtime import current_runtime
 
 #: the arithmetic ops (handlers here, in ``_tokens.py`` and in ``_token_prefix.py``):
 #: ``torch.add`` ... ``Tensor.div`` and the operators ``__add__``, ``__radd__`` ...
@@ -28,9 +50,26 @@ ARITH += [
 ]
 
 
-def _local_part(plain: Tensor, x: DTensor) -> Tensor:
+def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
+    """Refuse (or with ``allow_gather`` count) ``plain`` cut to ``x``'s strip along one of
+    ``dims`` (``x``'s split dims) when the model computed it with a gradient: that
+    gradient would be all-reduced at full size (module docstring)."""
+    lead = x.ndim - plain.ndim
+    cut = any(d >= lead and plain.shape[d - lead] != 1 for d in dims)
+    if cut and plain.requires_grad and plain.grad_fn is not None:  # computed, not a leaf
+        why = (
+            f"takes a plain tensor {tuple(plain.shape)} computed at the activation's size with "
+            f"the width-sharded activation {x.placements}: its gradient would be all-reduced "
+            f"at full size in the backward. Compute it per strip (from a DTensor), keep it a "
+            f"parameter, or detach it"
+        )
+        guard_gather(what, "plain", str(x.placements), why)
+
+
+def _local_part(plain: Tensor, x: DTensor, op: str) -> Tensor:
     """The part of ``plain`` (broadcast against ``x``'s global shape) that meets this rank's
     local tensor, with its gradient summed over the groups sharding ``x``."""
+    guard_computed_plain(plain, x, sharded_dims(x), op)
     groups = tuple(mesh_group(x.device_mesh, i) for d, i in sharded_dims(x).items())
     part = sum_grad_over(plain, groups)
     lead = x.ndim - part.ndim
@@ -45,18 +84,19 @@ def _local_part(plain: Tensor, x: DTensor) -> Tensor:
 def _make(func):
     def handler(a, b, *args, **kwargs):
         dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
-        if (
-            not handled(dt)
-            or not isinstance(plain, Tensor)
-            or isinstance(plain, DTensor)
-            or plain.ndim > dt.ndim
-        ):
+        if not isinstance(plain, Tensor) or isinstance(plain, DTensor) or plain.ndim > dt.ndim:
+            return func(a, b, *args, **kwargs)
+        if any(isinstance(p, Partial) for p in dt.placements):  # a Replicate plain (docstring)
+            mesh = dt.device_mesh
+            rep = DTensor.from_local(plain, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return func(*((dt, rep) if a is dt else (rep, dt)), *args, **kwargs)
+        if not handled(dt):
             return func(a, b, *args, **kwargs)
         try:
             shape = torch.broadcast_shapes(dt.shape, plain.shape)
         except RuntimeError:
             return func(a, b, *args, **kwargs)
-        part = _local_part(plain, dt)
+        part = _local_part(plain, dt, func.__name__)
         la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
         out = func(la, lb, *args, **kwargs)
         return wrap(out, dt, dt.placements, shape)
@@ -67,3 +107,25 @@ def _make(func):
 
 for _fn in ARITH:
     register_handler(_fn)(_make(_fn))
+
+
+def _addc(func, combine):
+    def handler(input, tensor1, tensor2, *, value=1):
+        args = (input, tensor1, tensor2)
+        if all(isinstance(t, DTensor) for t in args):
+            return run_dtensor_op(func, args, {"value": value})
+        registry = current_runtime().registry
+
+        def call(fn, a, b):  # the handlers chained on ``fn`` (tokens, strips, DTensor's)
+            return (registry.handler(fn) or fn)(a, b)
+
+        step = call(combine, tensor1, tensor2)
+        return call(torch.add, input, step if value == 1 else call(torch.mul, step, value))
+
+    handler.__name__ = f"spatial_{func.__name__}"
+    return handler
+
+
+for _fn, _combine in ((torch.addcmul, torch.mul), (torch.addcdiv, torch.div)):
+    register_handler(_fn)(_addc(_fn, _combine))
+    register_handler(getattr(Tensor, _fn.__name__))(_addc(_fn, _combine))

@@ -197,7 +197,8 @@ def spatial_cat(tensors, dim=0, **kwargs):
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     # in_layout: channels-last parts give a channels-last result (_layout.py)
     parts = [
-        in_layout(local_of(t)) if isinstance(t, DTensor) else _local_part(t, first) for t in tensors
+        in_layout(local_of(t)) if isinstance(t, DTensor) else _local_part(t, first, "cat")
+        for t in tensors
     ]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat(parts, d), first, first.placements, shape)

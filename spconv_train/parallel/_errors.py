@@ -20,7 +20,9 @@ decides on while a parallelized model runs its forward. One that moves a ``Shard
 non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of it) raises
 ``SpatialShardingError`` naming the op, the module path and the way out; with
 ``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
-counted (the runtime's ``stats.gathers``) instead. Explicit ``redistribute()`` /
+counted (the runtime's ``stats.gathers``) instead; ``guard_gather`` applies the same rule to
+handlers that see a gather coming by other means (``_broadcast.py``: the gradient of a plain
+tensor the model computed at the activation's size). Explicit ``redistribute()`` /
 ``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
 tokens of tiles, below).
 
@@ -146,6 +148,29 @@ def _moves_activation(src, dst) -> bool:
     return False
 
 
+def guard_gather(op: str, src: str, dst: str, why: str) -> None:
+    """A move of a sharded activation by ``op`` (from ``src`` to ``dst`` placements) while a
+    parallelized model runs: raise ``SpatialShardingError`` saying ``why`` it moves and the
+    ways out, or with ``allow_gather`` log and count it (``GATHER_EVENTS``, the runtime's
+    ``stats``). Outside a parallelized forward nothing happens."""
+    guard = _active()
+    if guard is None:
+        return
+    where = module_path()
+    if not guard.allow:
+        raise SpatialShardingError(
+            f"an op in module '{where}' ({op}) {why} (gathering the image on every rank). "
+            f"Replace the op with a supported one, make it spatial (spconv_train.parallel."
+            f"extend.register_handler, docs/extending.md), or accept the gather explicitly with "
+            f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
+        )
+    GATHER_EVENTS.append(GatherEvent(op, where, src, dst))
+    stats = current_runtime().stats
+    stats.gathers += 1
+    stats.gathered_ops[op] = stats.gathered_ops.get(op, 0) + 1
+    log.warning("allowed gather of a sharded activation in %s: %s", where, op)
+
+
 _original = ExplicitRedistributionContext.observe_redistribution.__func__
 
 
@@ -162,25 +187,13 @@ def _observe(cls, src_spec, dst_spec, message):
     if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
         what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
-    guard = _active()
-    if guard is not None and _moves_activation(src_spec, dst_spec):
-        op = _op_of(message) or str(message)
-        where = module_path()
-        event = GatherEvent(op, where, str(src_spec.placements), str(dst_spec.placements))
-        if not guard.allow:
-            raise SpatialShardingError(
-                f"an op in module '{where}' ({op}) has no spatial implementation, and "
-                f"DTensor would redistribute the width-sharded activation {event.src} -> "
-                f"{event.dst} to run it (gathering the image on every rank). Replace the op "
-                f"with a supported one, make it spatial (spconv_train.parallel.extend."
-                f"register_handler, docs/extending.md), or accept the gather explicitly with "
-                f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
-            )
-        GATHER_EVENTS.append(event)
-        stats = current_runtime().stats
-        stats.gathers += 1
-        stats.gathered_ops[op] = stats.gathered_ops.get(op, 0) + 1
-        log.warning("allowed gather of a sharded activation in %s: %s", where, op)
+    if _active() is not None and _moves_activation(src_spec, dst_spec):
+        src, dst = str(src_spec.placements), str(dst_spec.placements)
+        why = (
+            f"has no spatial implementation, and DTensor would redistribute the width-sharded "
+            f"activation {src} -> {dst} to run it"
+        )
+        guard_gather(_op_of(message) or str(message), src, dst, why)
     return _original(cls, src_spec, dst_spec, message)
 
 

@@ -1,6 +1,8 @@
 """Reductions and scans over any dimensions of a sharded DTensor (any layout): ``sum``,
 ``mean``, ``amax``, ``amin``, ``var``, ``std`` (functions and Tensor methods, any
-``dim``/``keepdim``), ``softmax``, ``log_softmax`` and ``cumsum``.
+``dim``/``keepdim``), the L2 norm (``x.norm(2, dim)``, ``torch.linalg.vector_norm``:
+timm ConvNeXt-V2's global response norm over H x W), ``softmax``, ``log_softmax`` and
+``cumsum``.
 
 timm's squeeze-excitation blocks call ``x.mean((2, 3), keepdim=True)`` on the activation;
 DTensor would answer with a ``Partial`` (or all-to-all the activation first). Here each rank
@@ -34,6 +36,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
+from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._prefix_shard import reduced_placements
 from ._small_sum import sum_replicated
@@ -71,8 +74,9 @@ def _extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
 
 
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
-    """``kind`` in sum, mean, amax, amin, var, std over ``dim`` of a sharded DTensor, exact
-    and differentiable. ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
+    """``kind`` in sum, mean, amax, amin, var, std, norm2 (the L2 norm) over ``dim`` of a
+    sharded DTensor, exact and differentiable. ``opts``: ``dtype`` (sum, mean),
+    ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
     where = sharded_dims(x)
     groups = [mesh_group(x.device_mesh, where[d]) for d in dims if d in where]
@@ -81,6 +85,8 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     if kind in ("sum", "mean"):
         out = sum_replicated(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
         out = out / count if kind == "mean" else out
+    elif kind == "norm2":  # DTensor's own rule all-gathers the activation in the backward
+        out = sum_replicated(local.square().sum(dims, keepdim=True), groups).sqrt()
     elif kind in ("amax", "amin"):
         out = _extreme(local, dims, groups, kind[1:])
     else:
@@ -139,6 +145,23 @@ for _kind, _make in (
 ):
     for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
         register_handler(_fn)(_make(_kind, _fn))
+
+
+def _norm_like(func):
+    def handler(input, p="fro", dim=None, keepdim=False, *args, **kwargs):
+        if func is torch.linalg.vector_norm:  # (x, ord=2, dim=None, keepdim=False)
+            p = kwargs.pop("ord", 2 if p == "fro" else p)
+        two = p == 2 or (p == "fro" and dim is not None)
+        plain_call = not args and all(v is None for v in kwargs.values())  # Tensor.norm: dtype=None
+        if not handled(input) or not two or not plain_call:
+            return run_dtensor_op(func, (input, p, dim, keepdim, *args), kwargs)  # DTensor's
+        return reduce_sharded(input, "norm2", dim, keepdim)
+
+    return handler
+
+
+for _fn in (torch.norm, torch.Tensor.norm, torch.linalg.vector_norm):
+    register_handler(_fn)(_norm_like(_fn))
 
 
 def _group(x: DTensor, d: int):

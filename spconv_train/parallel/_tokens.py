@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _channels  # noqa: F401  (its handlers are wrapped below)
-from ._broadcast import ARITH  # (and its handlers, wrapped below)
+from ._broadcast import ARITH, guard_computed_plain  # (and its handlers, wrapped below)
 from ._dims import is_dp, mesh_group, mesh_rank, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
@@ -367,6 +367,9 @@ def _arith(fn, a, b, *args, **kwargs):
             f"{function_name(fn)} of a token tensor {tuple(dt.shape)} and a plain tensor "
             f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
         )
+    # here, not in local_part: the attention masks and biases it cuts (_ring_mask.py) have
+    # a window's size, not the image's
+    guard_computed_plain(plain, dt, [lay.dim for lay in split_layouts(dt)], function_name(fn))
     part = local_part(plain, dt, what=function_name(fn))
     la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
     return wrap(fn(la, lb, *args, **kwargs), dt, dt.placements, shape)

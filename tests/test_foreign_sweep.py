@@ -1,0 +1,91 @@
+"""Regressions found by ``scripts/sweep_foreign_models.py`` (docs/models.md), on timm
+blocks width-sharded in fp64 on uneven strips:
+
+- ConvNeXt-V2's global response norm ends in ``torch.addcmul(bias, weight, x * x_n)`` with
+  plain parameters: that was refused ("DTensor has no local rule for it"); now it matches;
+
+and on EdgeNeXt's split transposed-attention block:
+
+- cross-covariance attention multiplies the channel x channel map ``q @ k.T`` (a sum over
+  the sharded tokens: a ``Partial`` DTensor) by a plain parameter: that was a bare DTensor
+  error ("got mixed torch.Tensor and DTensor"); now it matches one device;
+- its Fourier positional encoding is a plain tensor of the activation's size computed with
+  a gradient: its gradient was all-reduced at full size in the backward (a silent gather);
+  now refused naming the module and the op, and exact (counted) with ``allow_gather``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from timm.layers.grn import GlobalResponseNorm
+from timm.models.edgenext import SplitTransposeBlock
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from spconv_train.parallel import SpatialShardingError, parallelize, runtime_of
+from tests.dist_harness import mesh
+from tests.op_check import check_strip_model
+from tests.reference import check_close, seeded
+
+TOL = 1e-10
+
+
+def _block(pos_emb: bool) -> nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank
+    block = SplitTransposeBlock(
+        4, num_scales=2, num_heads=2, use_pos_emb=pos_emb, ls_init_value=0.5
+    )
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), block).double()
+
+
+def _grn() -> nn.Module:
+    torch.manual_seed(0)
+    grn = GlobalResponseNorm(4, channels_last=False)
+    nn.init.normal_(grn.weight)
+    nn.init.normal_(grn.bias)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), grn).double()
+
+
+def _allowed_gather(world: int, x: torch.Tensor, gy: torch.Tensor) -> list[str]:
+    """The positional-encoding block with ``allow_gather``: exact, and the gather counted."""
+    model = _block(True)
+    par = parallelize(copy.deepcopy(model), mesh(world), allow_gather=True)
+    ref = model(x)
+    ref.backward(gy)
+    xs, gs = (distribute_tensor(t, mesh(world), [Shard(3)]) for t in (x, gy))
+    y = par(xs)
+    y.backward(gs)
+    failures: list[str] = []
+    check_close("allowed: output", y, ref, TOL, failures)
+    for (name, p), pr in zip(par.named_parameters(), model.parameters(), strict=True):
+        check_close(f"allowed: grad {name}", p.grad, pr.grad, TOL, failures)
+    if runtime_of(par).stats.gathers == 0:
+        failures.append("allowed: the gather was not counted")
+    return failures
+
+
+def sweep_checks(world: int) -> list[str]:
+    width = 5 * world + 2  # uneven strips
+    x = seeded(1, 2, 3, 6, width, dtype=torch.float64)
+    gy = seeded(5, 2, 4, 6, width, dtype=torch.float64)
+    failures = []
+    for model in (_grn(), _block(False)):
+        failures += check_strip_model(model, x, gy, mesh(world), world, traffic=None, tol=TOL)
+    try:
+        parallelize(_block(True), mesh(world))(distribute_tensor(x, mesh(world), [Shard(3)]))
+        failures.append("positional encoding: not refused")
+    except SpatialShardingError as exc:
+        msg = str(exc)
+        for part in ("'1'", "Tensor.add", "plain tensor", "allow_gather=True"):
+            if part not in msg:
+                failures.append(f"refusal does not name {part}: {msg}")
+    return failures + _allowed_gather(world, x, gy)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_timm_blocks_sharded(dist_pool, world):
+    res = dist_pool.run(world, sweep_checks, world)
+    assert res == [[]] * world, "\n".join(res[0] or res[-1])
