@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ._dims import handled, mesh_group, mesh_rank, sharded_dims, wrap
+from ._dims import ParallelDims, handled, mesh_group, mesh_rank, sharded_dims, wrap
 from ._errors import guard_gather, run_dtensor_op
 from ._geometry import shard_bounds
 from ._halo import sum_grad_over
@@ -69,7 +69,12 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
 def _local_part(plain: Tensor, x: DTensor, op: str) -> Tensor:
     """The part of ``plain`` (broadcast against ``x``'s global shape) that meets this rank's
     local tensor, with its gradient summed over the groups sharding ``x``."""
-    guard_computed_plain(plain, x, sharded_dims(x), op)
+    # only the spatial splits gather: a plain tensor cut along dp's batch split keeps its
+    # batch-sized gradient (the learned queries of a decoder on the (dp, sp) mesh)
+    spatial = ParallelDims.spatial_names_of(x.device_mesh)
+    names = x.device_mesh.mesh_dim_names or ()
+    dims = [d for d, i in sharded_dims(x).items() if not names or names[i] in spatial]
+    guard_computed_plain(plain, x, dims, op)
     groups = tuple(mesh_group(x.device_mesh, i) for d, i in sharded_dims(x).items())
     part = sum_grad_over(plain, groups)
     lead = x.ndim - part.ndim
