@@ -34,6 +34,8 @@ long as a rank's share of the pixel tokens or longer (a class or register token 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -188,16 +190,17 @@ def _expanded_leaf(t: Tensor) -> Tensor | None:
     return base if layout else None
 
 
-def _guard_computed_prefix(t: Tensor, x: DTensor, d: int, what: str) -> None:
+def _guard_computed_prefix(t: Tensor, x: DTensor, d: int, share: int, what: str) -> None:
     """Refuse (or with ``allow_gather`` count) plain prefix tokens ``t`` the model computed
-    with a gradient, as long along ``d`` as the rank's pixel tokens or longer: one rank
-    holds them whole and their gradient is all-reduced at that size (a position table
-    resized to the token grid put in front of the tokens). A class token computed from its
-    parameter (``cls_token + pos_embed[:, :1]``) is far shorter: its sum is not a gather."""
+    with a gradient, as long along ``d`` as a rank's ``share`` of the pixel tokens or
+    longer: one rank holds them whole and their gradient is all-reduced at that size (a
+    position table resized to the token grid put in front of the tokens). A class token
+    computed from its parameter (``cls_token + pos_embed[:, :1]``) is far shorter: its sum
+    is not a gather. ``share`` is the same on every rank, so all of them refuse or none."""
     k = d - (x.ndim - t.ndim)
     if not (t.requires_grad and t.grad_fn is not None) or _expanded_leaf(t) is not None:
         return
-    if k >= 0 and t.shape[k] >= max(1, x.to_local().shape[d]):
+    if k >= 0 and t.shape[k] >= max(1, share):
         why = (
             f"puts a plain tensor {tuple(t.shape)} computed with a gradient in front of the "
             f"width-sharded tokens {x.placements} as {t.shape[k]} prefix tokens, held by one "
@@ -226,9 +229,10 @@ def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
     ``d``, held by the first rank of every mesh dim splitting ``d`` (one on strips, ``sp_h``
     and ``sp_w`` on tiles and rows: the rank ``_token_index.py`` broadcasts them from)."""
     x, front = tensors[-1], tensors[:-1]
-    for t in front:
-        _guard_computed_prefix(t, x, d, what)
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
+    ranks = math.prod(x.device_mesh.size(lay.mesh_dim) for lay in lays)
+    for t in front:
+        _guard_computed_prefix(t, x, d, (x.shape[d] - lays[0].prefix) // ranks, what)
     parts = [_prefix_part(t, x, d) for t in front]
     if any(lay.rank != 0 for lay in lays):
         # the owner holds the prefix; the others take part in the gradient sums with none
