@@ -25,10 +25,16 @@ before. Held once, everything computed on the prefix, and its gradient, is count
 
 Refused with ``SpatialShardingError`` naming the op and the module: a slice of the token
 dim that mixes the prefix and the pixel tokens, and an op that reduces over the tokens
-behind a prefix.
+behind a prefix. A plain tensor the model computed with a gradient (a position table
+resized to the token grid) joined to the tokens is a gather in the backward, its gradient
+all-reduced at full size: refused (counted with ``allow_gather``, ``_errors.guard_gather``)
+in arithmetic (``_tokens.py``), in ``torch.cat`` along the channels, and as prefix tokens as
+long as a rank's share of the pixel tokens or longer (a class or register token is not).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +42,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
-from ._broadcast import ARITH
+from ._broadcast import ARITH, guard_computed_plain
 from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
-from ._errors import module_path
+from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._prefix_shard import PrefixShard, placement, prefix_of
@@ -170,35 +176,63 @@ for _fn in ARITH:
     register_handler(_fn)(_arith_handler(_fn))
 
 
+def _expanded_leaf(t: Tensor) -> Tensor | None:
+    """The leaf (a parameter) ``t`` is an expanded view of (timm's
+    ``cls_token.expand(N, -1, -1)``), or ``None``."""
+    base = t._base
+    if base is None or not base.is_leaf or base.ndim != t.ndim:
+        return None
+    try:
+        same = base.expand(t.shape)
+    except RuntimeError:
+        return None
+    layout = (same.stride(), same.storage_offset()) == (t.stride(), t.storage_offset())
+    return base if layout else None
+
+
+def _guard_computed_prefix(t: Tensor, x: DTensor, d: int, share: int, what: str) -> None:
+    """Refuse (or with ``allow_gather`` count) plain prefix tokens ``t`` the model computed
+    with a gradient, as long along ``d`` as a rank's ``share`` of the pixel tokens or
+    longer: one rank holds them whole and their gradient is all-reduced at that size (a
+    position table resized to the token grid put in front of the tokens). A class token
+    computed from its parameter (``cls_token + pos_embed[:, :1]``) is far shorter: its sum
+    is not a gather. ``share`` is the same on every rank, so all of them refuse or none."""
+    k = d - (x.ndim - t.ndim)
+    if not (t.requires_grad and t.grad_fn is not None) or _expanded_leaf(t) is not None:
+        return
+    if k >= 0 and t.shape[k] >= max(1, share):
+        why = (
+            f"puts a plain tensor {tuple(t.shape)} computed with a gradient in front of the "
+            f"width-sharded tokens {x.placements} as {t.shape[k]} prefix tokens, held by one "
+            f"rank: its gradient would be all-reduced at full size in the backward. Compute "
+            f"it per strip (from a DTensor), keep it a parameter, or detach it"
+        )
+        guard_gather(what, "plain", str(x.placements), why)
+
+
 def _prefix_part(t: Tensor, x: DTensor, d: int) -> Tensor:
     """The part of plain prefix tokens ``t`` in front of ``x``'s along ``d`` on this rank
-    (all its tokens; its part of a split batch). An expanded view of a parameter (timm's
-    ``cls_token.expand(N, -1, -1)``) is expanded here from the parameter, so that its
-    gradient sum over the ranks is the bucketed parameter one, not an all-reduce of
-    ``(N, p, C)``."""
-    base = t._base
-    if base is not None and base.is_leaf and base.ndim == t.ndim:
-        try:
-            same = base.expand(t.shape)
-        except RuntimeError:
-            same = None
-        if same is not None and (same.stride(), same.storage_offset()) == (
-            t.stride(),
-            t.storage_offset(),
-        ):
-            shape = list(x.to_local().shape)
-            shape[d] = t.shape[d]
-            return local_part(base, x, skip=d).expand(shape)
+    (all its tokens; its part of a split batch). An expanded view of a parameter is
+    expanded here from the parameter, so that its gradient sum over the ranks is the
+    bucketed parameter one, not an all-reduce of ``(N, p, C)``."""
+    base = _expanded_leaf(t)
+    if base is not None:
+        shape = list(x.to_local().shape)
+        shape[d] = t.shape[d]
+        return local_part(base, x, skip=d).expand(shape)
     return local_part(t, x, skip=d)
 
 
-def _cat_prefix(tensors: list, d: int) -> DTensor:
-    """``torch.cat(tensors, d)``: plain tensors (the class / register tokens, expanded over
-    the batch) in front of the token tensor (the last) along its token dim ``d``, held by
-    the first rank of every mesh dim splitting ``d`` (one on strips, ``sp_h`` and ``sp_w``
-    on tiles and rows: the rank ``_token_index.py`` broadcasts them from)."""
+def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
+    """``torch.cat(tensors, d)`` (``what``): plain tensors (the class / register tokens,
+    expanded over the batch) in front of the token tensor (the last) along its token dim
+    ``d``, held by the first rank of every mesh dim splitting ``d`` (one on strips, ``sp_h``
+    and ``sp_w`` on tiles and rows: the rank ``_token_index.py`` broadcasts them from)."""
     x, front = tensors[-1], tensors[:-1]
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
+    ranks = math.prod(x.device_mesh.size(lay.mesh_dim) for lay in lays)
+    for t in front:
+        _guard_computed_prefix(t, x, d, (x.shape[d] - lays[0].prefix) // ranks, what)
     parts = [_prefix_part(t, x, d) for t in front]
     if any(lay.rank != 0 for lay in lays):
         # the owner holds the prefix; the others take part in the gradient sums with none
@@ -211,15 +245,19 @@ def _cat_prefix(tensors: list, d: int) -> DTensor:
     return wrap(torch.cat([*parts, x.to_local()], d), x, placements, shape)
 
 
-def _cat_alongside(tensors: list, d: int, x: DTensor) -> DTensor | None:
-    """``torch.cat`` along a dim no rank splits (the channels) of token tensors laid out
-    like ``x`` and plain tensors (global values: each rank takes its tokens' part);
+def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | None:
+    """``torch.cat`` (``what``) along a dim no rank splits (the channels) of token tensors
+    laid out like ``x`` and plain tensors (global values: each rank takes its tokens' part);
     ``None`` for any other mix."""
     if any(isinstance(t, DTensor) and t.placements != x.placements for t in tensors):
         return None
     dims = [lay.dim for lay in split_layouts(x)]
     if any(isinstance(t, DTensor) and any(t.shape[e] != x.shape[e] for e in dims) for t in tensors):
         return None
+    for t in tensors:
+        if not isinstance(t, DTensor):  # an expanded parameter is summed as the parameter
+            leaf = _expanded_leaf(t)
+            guard_computed_plain(t if leaf is None else leaf, x, dims, what)
     parts = [t.to_local() if isinstance(t, DTensor) else local_part(t, x) for t in tensors]
     shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
     return wrap(torch.cat(parts, d), x, x.placements, shape)
@@ -246,9 +284,9 @@ def _cat_handler(fn):
             front = tensors[:-1]
             plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
             if tensors[-1] is x and front and plain:
-                return _cat_prefix(tensors, d)
+                return _cat_prefix(tensors, d, function_name(fn))
         else:
-            out = _cat_alongside(tensors, d, x)
+            out = _cat_alongside(tensors, d, x, function_name(fn))
             if out is not None:
                 return out
         return prev(tensors, dim, **kwargs)
