@@ -41,6 +41,7 @@ from ._geometry import shard_bounds
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._runtime import current_runtime
+from ._sharding import sharded_dim
 
 #: the arithmetic ops (handlers here, in ``_tokens.py`` and in ``_token_prefix.py``):
 #: ``torch.add`` ... ``Tensor.div`` and the operators ``__add__``, ``__radd__`` ...
@@ -54,6 +55,12 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
     """Refuse (or with ``allow_gather`` count) ``plain`` cut to ``x``'s strip along one of
     ``dims`` (``x``'s split dims) when the model computed it with a gradient: that
     gradient would be all-reduced at full size (module docstring)."""
+    # only the spatial splits gather: a plain tensor cut along dp's batch split keeps a
+    # batch-sized gradient (e.g. the learned queries of a decoder on the (dp, sp) mesh)
+    names = x.device_mesh.mesh_dim_names or ()
+    spatial = ParallelDims.spatial_names_of(x.device_mesh)
+    split = [sharded_dim(p) for i, p in enumerate(x.placements) if not names or names[i] in spatial]
+    dims = set(dims) & {d % x.ndim for d in split if d is not None}
     lead = x.ndim - plain.ndim
     cut = any(d >= lead and plain.shape[d - lead] != 1 for d in dims)
     if cut and plain.requires_grad and plain.grad_fn is not None:  # computed, not a leaf
@@ -69,12 +76,7 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
 def _local_part(plain: Tensor, x: DTensor, op: str) -> Tensor:
     """The part of ``plain`` (broadcast against ``x``'s global shape) that meets this rank's
     local tensor, with its gradient summed over the groups sharding ``x``."""
-    # only the spatial splits gather: a plain tensor cut along dp's batch split keeps its
-    # batch-sized gradient (the learned queries of a decoder on the (dp, sp) mesh)
-    spatial = ParallelDims.spatial_names_of(x.device_mesh)
-    names = x.device_mesh.mesh_dim_names or ()
-    dims = [d for d, i in sharded_dims(x).items() if not names or names[i] in spatial]
-    guard_computed_plain(plain, x, dims, op)
+    guard_computed_plain(plain, x, sharded_dims(x), op)
     groups = tuple(mesh_group(x.device_mesh, i) for d, i in sharded_dims(x).items())
     part = sum_grad_over(plain, groups)
     lead = x.ndim - part.ndim
