@@ -11,7 +11,15 @@ and on EdgeNeXt's split transposed-attention block:
   error ("got mixed torch.Tensor and DTensor"); now it matches one device;
 - its Fourier positional encoding is a plain tensor of the activation's size computed with
   a gradient: its gradient was all-reduced at full size in the backward (a silent gather);
-  now refused naming the module and the op, and exact (counted) with ``allow_gather``.
+  now refused naming the module and the op, and exact (counted) with ``allow_gather``;
+
+and on TinyViT's block (windows padded to whole ``ws x ws``, window attention with a bias
+table), at 3 ranks with fewer windows than ranks (one rank holds none):
+
+- ``qkv.view(B, N, heads, -1).split(...)`` on the batch of windows (a ``_StridedShard``)
+  was refused (DTensor's ``split_with_sizes`` rule replicates it when uneven); now local;
+- ``F.scaled_dot_product_attention`` on the rank without windows left its mask's gradient
+  sum over the ranks out, and the other ranks hung in it; now every rank joins.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import pytest
 import torch
 from timm.layers.grn import GlobalResponseNorm
 from timm.models.edgenext import SplitTransposeBlock
+from timm.models.tiny_vit import TinyVitBlock
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -47,6 +56,30 @@ def _grn() -> nn.Module:
     nn.init.normal_(grn.weight)
     nn.init.normal_(grn.bias)
     return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), grn).double()
+
+
+class _TinyVit(nn.Module):
+    """A conv, then TinyViT's block on the channels-last map (3 x 3 windows, 2 heads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same weights on every rank
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.block = TinyVitBlock(4, num_heads=2, window_size=3, mlp_ratio=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def _tiny_vit(world: int) -> list[str]:
+    """TinyViT's block on a 4 x 5 map: padded to 2 x 2 windows, fewer than 3 ranks. The
+    bias table's gradient, all-reduced at ``(heads, 9, 9)``, is parameter-sized."""
+    x = seeded(2, 2, 3, 4, 5, dtype=torch.float64)
+    gy = seeded(6, 2, 4, 4, 5, dtype=torch.float64)
+    model = _TinyVit().double().train()
+    return check_strip_model(
+        model, x, gy, mesh(world), world, traffic=None, tol=TOL, param_shapes={(2, 9, 9)}
+    )
 
 
 def _allowed_gather(world: int, x: torch.Tensor, gy: torch.Tensor) -> list[str]:
@@ -82,7 +115,7 @@ def sweep_checks(world: int) -> list[str]:
         for part in ("'1'", "Tensor.add", "plain tensor", "allow_gather=True"):
             if part not in msg:
                 failures.append(f"refusal does not name {part}: {msg}")
-    return failures + _allowed_gather(world, x, gy)
+    return failures + _allowed_gather(world, x, gy) + _tiny_vit(world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -296,4 +296,10 @@ def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
     out = F.scaled_dot_product_attention(
         query.to_local(), key.to_local(), value.to_local(), mask, *args, **kwargs
     )
+    if out.numel() == 0 and isinstance(mask, torch.Tensor) and mask.requires_grad:
+        # A rank holding no windows (fewer windows than ranks): torch answers an empty
+        # batch without reading the mask, so the mask's gradient would skip its sum over
+        # the ranks (``sdpa_bias``) and the other ranks would wait in it. A zero term keeps
+        # this rank in that sum (its share: zeros).
+        out = out + mask.sum() * 0
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))

@@ -1,0 +1,54 @@
+"""``split`` / ``chunk`` of a token tensor along a dim no layout splits: local pieces.
+
+A token layout (``_StridedShard``: flattened pixels, the batch of windows of
+``_windows.py``, tiles' nested tokens) cut along an unsplit dim -- TinyViT's
+``qkv.view(B, N, heads, -1).split([kd, kd, vd], dim=3)`` on the batch of windows -- keeps
+every token on its rank: each piece is the rank's local piece with the same placements.
+DTensor's own rule for ``split_with_sizes`` accepts a ``_StridedShard`` only when it can
+treat it as even; on uneven strips (fewer windows than ranks, one rank holding none) it
+would replicate, gathering the activation. Plain ``Shard`` layouts are
+``_channels.py``'s; prefix tokens (a class token) ``_token_prefix.py``'s.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._dims import norm_dim, wrap
+from ._prefix_shard import prefix_of
+from ._tokens import chain, is_nested, is_tokens, split_layouts
+
+#: the size argument's keyword in ``torch.split``, ``Tensor.split`` and ``chunk``
+_SIZES = ("split_size_or_sections", "split_size", "chunks")
+
+
+def _local_pieces(func, prev, x, *args, **kwargs):
+    """``func(x, arg, dim)`` on the local tensor when ``x`` is a token tensor and ``dim``
+    is not split by any of its layouts; otherwise ``prev`` (the handler before)."""
+    arg = args[0] if args else next((kwargs[n] for n in _SIZES if n in kwargs), None)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if (
+        arg is None
+        or set(kwargs) - {"dim", *_SIZES}
+        or not (is_tokens(x) or is_nested(x))
+        or any(p.is_partial() or prefix_of(p) for p in x.placements)
+    ):
+        return prev(x, *args, **kwargs)
+    d = norm_dim(dim, x.ndim)
+    if any(lay.dim == d for lay in split_layouts(x)):
+        return prev(x, *args, **kwargs)
+    metas = func(torch.empty(x.shape, device="meta"), arg, d)
+    pieces = func(x.to_local(), arg, d)
+    return tuple(wrap(t, x, x.placements, m.shape) for t, m in zip(pieces, metas, strict=True))
+
+
+for _fn, _run in (
+    (torch.split, torch.split),
+    (Tensor.split, torch.split),
+    (torch.chunk, torch.chunk),
+    (Tensor.chunk, torch.chunk),
+):
+    chain(_fn, prefix="token_pieces")(
+        lambda prev, x, *a, _run=_run, **k: _local_pieces(_run, prev, x, *a, **k)
+    )
