@@ -63,7 +63,11 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
     dims = set(dims) & {d % x.ndim for d in split if d is not None}
     lead = x.ndim - plain.ndim
     cut = any(d >= lead and plain.shape[d - lead] != 1 for d in dims)
-    if cut and plain.requires_grad and plain.grad_fn is not None:  # computed, not a leaf
+    if not (cut and plain.requires_grad and plain.grad_fn is not None):  # computed, not a leaf
+        return
+    # the audit's yardstick: a gradient of at most an eighth of a rank's input share is not
+    # activation-sized (e.g. a Swin window's bias where the whole map is one window)
+    if plain.numel() > current_runtime().input_share // 8:
         why = (
             f"takes a plain tensor {tuple(plain.shape)} computed at the activation's size with "
             f"the width-sharded activation {x.placements}: its gradient would be all-reduced "

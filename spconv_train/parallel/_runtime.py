@@ -135,6 +135,9 @@ class SpatialRuntime:
         self.registry = HandlerRegistry(parent=DEFAULT_REGISTRY)
         #: sums the partial parameter gradients over the sharding groups (``sum_grad_over``)
         self.grad_reducer = GradReducer()
+        #: elements of one rank's share of the largest activation a spatial layer took (the
+        #: input image at least): the gather guards' yardstick of "activation-sized"
+        self.input_share = 0
 
     def __deepcopy__(self, memo) -> SpatialRuntime:
         # A deep-copied model (e.g. a reference copy) gets its own statistics and registry
@@ -197,3 +200,12 @@ def local_module(model: nn.Module) -> nn.Module:
     model as it is. Validation and start-up probes call it: its forwards need no DDP
     bookkeeping and no lock-step between data-parallel replicas."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def note_share(x) -> None:
+    """Raise the active runtime's ``input_share`` to one rank's share of DTensor ``x``
+    (global elements over the mesh's ranks: the same on every rank)."""
+    rt = current_runtime()
+    share = x.numel() // x.device_mesh.size()
+    if share > rt.input_share:
+        rt.input_share = share

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,6 +26,7 @@ from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 from ._layout import grad_in_layout, in_layout
+from ._runtime import note_share
 
 #: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
 #: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
@@ -235,6 +237,8 @@ def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
     """The local strip of ``x`` (differentiable). ``grad_placements`` labels the gradient
     that flows back (e.g. ``Partial`` on sp when each rank used only part of a replicated
     input). A channels-last block keeps its canonical strides (``_layout.in_layout``)."""
+    if not torch.compiler.is_compiling():
+        note_share(x)
     return in_layout(local_of(x, grad_placements))
 
 
