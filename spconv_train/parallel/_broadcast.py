@@ -51,10 +51,20 @@ ARITH += [
 ]
 
 
+#: why a computed plain tensor cut to the strips is a gather, and the ways out (the end of
+#: the refusals here and in ``_token_prefix.py``)
+PLAIN_GRADIENT_GATHERS = (
+    "its gradient would be all-reduced at full size in the backward. Compute it per strip "
+    "(from a DTensor), keep it a parameter, or detach it"
+)
+
+
 def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
     """Refuse (or with ``allow_gather`` count) ``plain`` cut to ``x``'s strip along one of
     ``dims`` (``x``'s split dims) when the model computed it with a gradient: that
     gradient would be all-reduced at full size (module docstring)."""
+    if not (plain.requires_grad and plain.grad_fn is not None):  # not computed (most calls)
+        return
     # only the spatial splits gather: a plain tensor cut along dp's batch split keeps a
     # batch-sized gradient (e.g. the learned queries of a decoder on the (dp, sp) mesh)
     names = x.device_mesh.mesh_dim_names or ()
@@ -62,17 +72,14 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
     split = [sharded_dim(p) for i, p in enumerate(x.placements) if not names or names[i] in spatial]
     dims = set(dims) & {d % x.ndim for d in split if d is not None}
     lead = x.ndim - plain.ndim
-    cut = any(d >= lead and plain.shape[d - lead] != 1 for d in dims)
-    if not (cut and plain.requires_grad and plain.grad_fn is not None):  # computed, not a leaf
+    if not any(d >= lead and plain.shape[d - lead] != 1 for d in dims):
         return
     # the audit's yardstick: a gradient of at most an eighth of a rank's input share is not
     # activation-sized (e.g. a Swin window's bias where the whole map is one window)
     if plain.numel() > current_runtime().input_share // 8:
         why = (
             f"takes a plain tensor {tuple(plain.shape)} computed at the activation's size with "
-            f"the width-sharded activation {x.placements}: its gradient would be all-reduced "
-            f"at full size in the backward. Compute it per strip (from a DTensor), keep it a "
-            f"parameter, or detach it"
+            f"the width-sharded activation {x.placements}: {PLAIN_GRADIENT_GATHERS}"
         )
         guard_gather(what, "plain", str(x.placements), why)
 

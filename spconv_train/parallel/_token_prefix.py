@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
-from ._broadcast import ARITH, guard_computed_plain
+from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain
 from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
 from ._errors import guard_gather, module_path
@@ -204,8 +204,7 @@ def _guard_computed_prefix(t: Tensor, x: DTensor, d: int, share: int, what: str)
         why = (
             f"puts a plain tensor {tuple(t.shape)} computed with a gradient in front of the "
             f"width-sharded tokens {x.placements} as {t.shape[k]} prefix tokens, held by one "
-            f"rank: its gradient would be all-reduced at full size in the backward. Compute "
-            f"it per strip (from a DTensor), keep it a parameter, or detach it"
+            f"rank: {PLAIN_GRADIENT_GATHERS}"
         )
         guard_gather(what, "plain", str(x.placements), why)
 
