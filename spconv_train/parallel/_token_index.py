@@ -30,9 +30,10 @@ from ._dims import mesh_rank, norm_dim, wrap
 from ._mode import register_handler
 from ._prefix_shard import placement, prefix_of, reduced_placements
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
+from ._token_layout import dim_layouts
 from ._token_prefix import _keeps_prefix, _refuse, has_prefix
 from ._token_ring import token_ring
-from ._tokens import chain, dim_layouts, is_nested, is_tokens, previous, split_layouts
+from ._tokens import chain, is_nested, is_tokens, previous, split_layouts
 
 _T = torch.Tensor
 
