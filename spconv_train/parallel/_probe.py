@@ -53,6 +53,17 @@ def result_shape(func: Callable, shape: Sequence[int], *args, dtype=None, **kwar
     return _probe(func, (tuple(shape),), False, dtype, args, kwargs)
 
 
+def index_shape(shape: Sequence[int], items: tuple) -> Shape:
+    """The global shape of ``t[items]`` for a tensor ``t`` of ``shape``, ``items`` basic
+    indices (ints, slices, ``Ellipsis``, ``None``): slices keyed by their fields."""
+    key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else (i,) for i in items)
+    return _probe(_index, (tuple(shape),), False, None, (key,), {})
+
+
+def _index(t, key: tuple):
+    return t[tuple(slice(*k) if len(k) == 3 else k[0] for k in key)]
+
+
 def cat_shape(shapes: Sequence[Sequence[int]], dim: int) -> Shape:
     """The global shape of ``torch.cat`` of tensors of ``shapes`` along ``dim``."""
     return _probe(torch.cat, tuple(tuple(s) for s in shapes), True, None, (dim,), {})
