@@ -11,7 +11,7 @@ on H x W tiles and rows), in front of its pixel tokens, the other ranks' pixel t
 before. Held once, everything computed on the prefix, and its gradient, is counted once
 (the class token's gradient is summed over the ranks, which hold no part of it but one).
 
-* Token-wise ops stay local: ``TokenLayout`` (``_tokens.py``) counts the prefix, so
+* Token-wise ops stay local: ``TokenLayout`` (``_token_layout.py``) counts the prefix, so
   reshapes, ``F.layer_norm``, ``F.linear``, reductions over the channels
   (``_token_reduce.py``) and a position embedding ``(1, p + L, C)`` (sliced to the rank's
   tokens, the prefix rows on the owner) work as on pixel tokens; ring attention

@@ -18,7 +18,7 @@ window of the map, so on a sharded map each rank needs its part plus a halo of
   one-device tensor ``(N, C * k * k, L)`` in the token layout of the output grid.
 - ``masked_fill`` and ``torch.where`` with a plain mask (out-of-image neighbours of an
   unfolded ones-map set to ``-inf``) index the mask with the rank's positions
-  (``_tokens.local_part``) and run locally; DTensor would refuse a plain tensor there.
+  (``_token_layout.local_part``) and run locally; DTensor would refuse a plain tensor there.
 """
 
 from __future__ import annotations
