@@ -30,6 +30,7 @@ import math
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -131,6 +132,8 @@ CASES = [
 ]  # fmt: skip
 LABELS = {c[0]: c for c in CASES}
 _REL = re.compile(r"relative error ([0-9.e+-]+)")
+#: the start of a line naming a flagged collective that the wider run repeated
+CLEARED = "image-independent: "
 _MOVED = re.compile(r"gathered activation: (\S+) (\([0-9, ]*\))")
 
 
@@ -140,10 +143,13 @@ def width(unit: int, world: int) -> int:
 
 
 def verdict(failures: list[str]) -> tuple[str, str]:
-    """The sweep line's verdict and detail from ``check_strip_model``'s failures (or one
-    exception line from ``_outcome``)."""
+    """The sweep line's verdict and detail from ``check_case``'s failures (or one exception
+    line from ``_outcome``); ``OK`` lists the image-independent collectives it cleared."""
+    notes = Counter(f[len(CLEARED) :] for f in failures if f.startswith(CLEARED))
+    failures = [f for f in failures if not f.startswith(CLEARED)]
     if not failures:
-        return "OK", ""
+        listed = "; ".join(f"{n} x {what}" for what, n in sorted(notes.items()))
+        return "OK", f"{CLEARED}{listed}" if notes else ""
     first = failures[0]
     if first.startswith("SpatialShardingError"):
         return "REFUSED", first
@@ -179,11 +185,14 @@ def _flagged(lines: list[str]) -> list[CommRecord]:
     return [CommRecord(op, "gather", math.prod(shape), shape) for op, shape in shapes]
 
 
-def two_width_check(build, h: int, w: int, wider: int, world: int, **check) -> list[str]:
+def two_width_check(
+    build, h: int, w: int, wider: int, world: int, cleared: list[str] | None = None, **check
+) -> list[str]:
     """``strip_check`` at width ``w``; where its only failures are activation-sized
     collectives (on any rank), the same check at width ``wider`` under a ``CommAudit``,
     and the lines of the collectives that run there again with the same op and shape
-    dropped (they do not grow with the image: ``_comm_audit.grows_with_image``)."""
+    dropped (they do not grow with the image: ``_comm_audit.grows_with_image``), each
+    added to ``cleared`` as ``CLEARED`` + op and shape."""
     lines = strip_check(build, h, w, world, **check)
     only_moved = bool(lines) and all(_MOVED.search(line) for line in lines)
     flag = torch.tensor([float(only_moved)])
@@ -193,14 +202,23 @@ def two_width_check(build, h: int, w: int, wider: int, world: int, **check) -> l
     with CommAudit() as audit:
         strip_check(build, h, wider, world, **check)
     grown = {(r.op, r.shape) for r in grows_with_image(_flagged(lines), audit.records)}
-    return [line for line in lines if all((r.op, r.shape) in grown for r in _flagged([line]))]
+    kept = []
+    for line in lines:
+        found = _flagged([line])
+        if found and not any((r.op, r.shape) in grown for r in found):
+            if cleared is not None:
+                cleared.append(CLEARED + line.split(": ", 1)[1])
+        else:
+            kept.append(line)
+    return kept
 
 
 def check_case(world: int, label: str) -> list[str]:
     """``two_width_check`` of one case at ``world`` ranks, widths ``width`` and ``world``
     units more (the odd factor changed, strips still uneven); its failure lines."""
     _, build, h, unit = LABELS[label]
-    return two_width_check(build, h, width(unit, world), width(unit, world) + unit * world, world)
+    w, cleared = width(unit, world), []
+    return two_width_check(build, h, w, w + unit * world, world, cleared) + cleared
 
 
 def sweep(pool: DistPool, worlds: tuple[int, ...], only: str) -> list[tuple]:

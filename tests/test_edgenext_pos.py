@@ -2,9 +2,11 @@
 rank builds its own block of the encoding and projects it locally, in fp64 against one
 device, output and every parameter gradient, with no activation-sized collective:
 
-- the encoding added to a conv's output, on uneven W strips and on H x W tiles (rows);
-- EdgeNeXt's split transposed-attention block with the encoding (``use_pos_emb``), which
-  used to be refused (a plain activation-sized tensor with a gradient), on uneven strips.
+- EdgeNeXt's split transposed-attention block with the encoding (``use_pos_emb``; built for
+  the whole image, a plain activation-sized tensor with a gradient, it is refused), on
+  uneven strips;
+- the encoding times a conv's output on H x W tiles (uneven rows) and with a data-parallel
+  batch split besides the strips.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 import torch
 from timm.models.edgenext import PositionalEncodingFourier, SplitTransposeBlock
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from spconv_train.parallel._fourier_pos import TIMM_CLASS, fourier_block
 from tests.dist_harness import mesh
@@ -52,15 +55,18 @@ def pos_checks(world: int) -> list[str]:
     def gy(shape):
         return seeded(5, *shape, dtype=torch.float64)
 
-    for label, model in (("conv+pos", _ConvPos()), ("block", _block())):
-        model = model.double().train()
-        for f in check_strip_model(model, x, gy, mesh(world), world, traffic=None, tol=TOL):
-            failures.append(f"{label} strips: {f}")
+    model = _block().double().train()
+    for f in check_strip_model(model, x, gy, mesh(world), world, traffic=None, tol=TOL):
+        failures.append(f"block on strips: {f}")
     rows = seeded(2, 2, 3, 3 * world + 1, 5, dtype=torch.float64)  # uneven rows
-    tiles, placements = mesh_and_placements((world, 1), ("sp_h", "sp_w"))
-    failures += check_model_audited(
-        _ConvPos().double(), rows, gy, tiles, placements, traffic=None, tol=TOL, label="tiles: "
-    )
+    layouts = [("tiles", *mesh_and_placements((world, 1), ("sp_h", "sp_w")), rows)]
+    if world == 2:  # a data-parallel batch split besides the strips
+        layouts.append(("dp", mesh((2, 1)), [Shard(0), Shard(3)], x))
+    for label, dmesh, placements, image in layouts:
+        failures += check_model_audited(
+            _ConvPos().double(), image, gy, dmesh, placements, traffic=None, tol=TOL,
+            label=f"{label}: ",
+        )  # fmt: skip
     return failures
 
 
