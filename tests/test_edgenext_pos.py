@@ -5,8 +5,8 @@ device, output and every parameter gradient, with no activation-sized collective
 - EdgeNeXt's split transposed-attention block with the encoding (``use_pos_emb``; built for
   the whole image, a plain activation-sized tensor with a gradient, it is refused), on
   uneven strips;
-- the encoding times a conv's output on H x W tiles (uneven rows) and with a data-parallel
-  batch split besides the strips.
+- the encoding times a conv's output on H x W tiles or rows (uneven) and with a
+  data-parallel batch split besides the strips.
 """
 
 from __future__ import annotations
@@ -59,9 +59,11 @@ def pos_checks(world: int) -> list[str]:
     for f in check_strip_model(model, x, gy, mesh(world), world, traffic=None, tol=TOL):
         failures.append(f"block on strips: {f}")
     rows = seeded(2, 2, 3, 3 * world + 1, 5, dtype=torch.float64)  # uneven rows
-    layouts = [("tiles", *mesh_and_placements((world, 1), ("sp_h", "sp_w")), rows)]
-    if world == 2:  # a data-parallel batch split besides the strips
-        layouts.append(("dp", mesh((2, 1)), [Shard(0), Shard(3)], x))
+    if world == 2:  # H x W tiles (2 x 1), and a data-parallel batch split besides strips
+        tiles = mesh_and_placements((2, 1), ("sp_h", "sp_w"))
+        layouts = [("tiles", *tiles, rows), ("dp", mesh((2, 1)), [Shard(0), Shard(3)], x)]
+    else:  # rows on the strips' mesh (a tile layout too)
+        layouts = [("rows", mesh(world), [Shard(2)], rows)]
     for label, dmesh, placements, image in layouts:
         failures += check_model_audited(
             _ConvPos().double(), image, gy, dmesh, placements, traffic=None, tol=TOL,
