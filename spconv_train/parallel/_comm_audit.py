@@ -18,9 +18,9 @@ same step on a wider image (the width's odd factor changed, so no width at any s
 one run equals one of the other) and keep only the flagged collectives that the wider run
 did not repeat as often with the same op and shape. A moved activation (or a gradient of
 one) carries the image's width, or a rank's share of it, in its shape, so it never repeats;
-a collective the image's size does not enter repeats exactly. Nothing is left out by size
-alone: a collective that is both large and image-independent is still one the caller sees
-at the first size (``activation_sized``), and only the second run clears it.
+a collective the image's size does not enter repeats exactly. No collective is cleared by
+its size or shape alone (a C x C map and a 32 x 32 image look alike): only by running again,
+unchanged, on the wider image (``scripts/sweep_foreign_models.py``, ``two_width_check``).
 """
 
 from __future__ import annotations
