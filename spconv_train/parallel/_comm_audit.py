@@ -7,6 +7,20 @@ ops DTensor uses for its redistributions (``all_gather_into_tensor``, ...). This
 dispatcher op names: checked against torch 2.13 and 2.14 (``tests/test_comm_audit.py``
 guards it). It plays the role of DTensor's ``CommDebugMode`` but also sees the
 point-to-point halo traffic and plain ``dist.all_reduce`` calls.
+
+What counts as a moved activation: ``activation_sized`` flags a gather-like op, or a
+reduction of a spatial map, of at least a given number of elements (the callers' yardstick:
+a fraction of one rank's strip). On a small image that yardstick is small too, and
+collectives whose size has nothing to do with the image cross it: a channel-attention map
+(batch x heads x C/heads x C/heads, DaViT), the gradient of an attention bias picked from a
+parameter table (heads x 49 x 49, TinyViT). ``grows_with_image`` separates them: run the
+same step on a wider image (the width's odd factor changed, so no width at any stride of
+one run equals one of the other) and keep only the flagged collectives that the wider run
+did not repeat as often with the same op and shape. A moved activation (or a gradient of
+one) carries the image's width, or a rank's share of it, in its shape, so it never repeats;
+a collective the image's size does not enter repeats exactly. No collective is cleared by
+its size or shape alone (a C x C map and a 32 x 32 image look alike): only by running again,
+unchanged, on the wider image (``scripts/sweep_foreign_models.py``, ``two_width_check``).
 """
 
 from __future__ import annotations
@@ -122,6 +136,17 @@ class CommAudit(TorchDispatchMode):
                 or (r.kind == "reduce" and r.shape not in param_shapes and spatial(r.shape))
             )
         ]
+
+
+def grows_with_image(flagged: list[CommRecord], wider: list[CommRecord]) -> list[CommRecord]:
+    """The records of ``flagged`` (activation-sized collectives of a step on one image)
+    whose op and shape the same step on a wider image (``wider``: every record of that run)
+    did not repeat at least as often: those grow with the image, a moved activation. The
+    others (a channel-attention map, a bias table's gradient) are the same whatever the
+    image's size."""
+    seen = Counter((r.op, r.shape) for r in wider)
+    need = Counter((r.op, r.shape) for r in flagged)
+    return [r for r in flagged if need[(r.op, r.shape)] > seen[(r.op, r.shape)]]
 
 
 @contextlib.contextmanager

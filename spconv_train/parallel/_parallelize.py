@@ -35,9 +35,24 @@ _REFUSED_MODULES: dict[type[nn.Module], str] = {
 }
 
 
-def register_spatial_module(base: type[nn.Module]) -> Callable[[type], type]:
+#: ``"module.QualName"`` of a library class the parallel layer does not import -> the mixin
+#: that makes it spatial (``register_spatial_module`` with a name)
+_SPATIAL_MIXINS: dict[str, type] = {}
+
+
+def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], type]:
     """Class decorator: ``parallelize`` turns modules of exactly type ``base`` into the
-    decorated subclass (which must not add parameters or buffers)."""
+    decorated subclass (which must not add parameters or buffers). ``base`` may be a
+    class's qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``) instead,
+    for a library that need not be installed: the decorated class is then a mixin, put in
+    front of the class a model holds (``class Spatial(Mixin, Base)``)."""
+    if isinstance(base, str):
+
+        def named(mixin: type) -> type:
+            _SPATIAL_MIXINS[base] = mixin
+            return mixin
+
+        return named
 
     def deco(cls: type) -> type:
         if not issubclass(cls, base):
@@ -104,8 +119,10 @@ class _SpatialContext:
         graphs = runtime.options.trace_dtensor_ops
         mode = (DTensorGraphMode if graphs else SpatialMode)(runtime)
         self.contexts = (mode, gather_guard(runtime.options.allow_gather))
+        self.runtime = runtime
 
     def __enter__(self) -> None:
+        self.runtime.last_image = None  # a layout from the last forward is no guide
         for c in self.contexts:
             c.__enter__()
 
@@ -175,6 +192,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
         broadcast_model_state(model, mesh)
     for path, module in model.named_modules():
         kind = type(module)
+        mixin = _SPATIAL_MIXINS.get(f"{kind.__module__}.{kind.__qualname__}")
+        if mixin is not None and kind not in _SPATIAL_MODULES:
+            name = f"Spatial{kind.__name__}"
+            register_spatial_module(kind)(type(name, (mixin, kind), {"__module__": __name__}))
         if kind in _SPATIAL_MODULES:
             module.__class__ = _SPATIAL_MODULES[kind]
             module.spatial_name = path or type(model).__name__

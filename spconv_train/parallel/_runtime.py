@@ -138,6 +138,9 @@ class SpatialRuntime:
         #: elements of one rank's share of the largest activation a spatial layer took (the
         #: input image at least): the gather guards' yardstick of "activation-sized"
         self.input_share = 0
+        #: ``(mesh, placements, global shape)`` of the last NCHW map a spatial layer took in
+        #: this forward: the layout of tensors built from shapes alone (``_fourier_pos.py``)
+        self.last_image: tuple | None = None
 
     def __deepcopy__(self, memo) -> SpatialRuntime:
         # A deep-copied model (e.g. a reference copy) gets its own statistics and registry
@@ -204,8 +207,11 @@ def local_module(model: nn.Module) -> nn.Module:
 
 def note_share(x) -> None:
     """Raise the active runtime's ``input_share`` to one rank's share of DTensor ``x``
-    (global elements over the mesh's ranks: the same on every rank)."""
+    (global elements over the mesh's ranks: the same on every rank); an NCHW ``x`` is its
+    ``last_image``."""
     rt = current_runtime()
+    if x.ndim == 4:
+        rt.last_image = (x.device_mesh, tuple(x.placements), tuple(x.shape))
     share = x.numel() // x.device_mesh.size()
     if share > rt.input_share:
         rt.input_share = share

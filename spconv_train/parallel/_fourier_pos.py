@@ -1,0 +1,92 @@
+"""timm EdgeNeXt's Fourier positional encoding, built per strip or tile.
+
+``PositionalEncodingFourier.forward((B, H, W))`` takes the map's size as integers (the
+global shape, read off the sharded activation) and builds the encoding of the whole
+image, a plain ``(B, 2 * hidden_dim, H, W)`` tensor, then projects it with a 1 x 1 conv.
+Added to the sharded tokens, that plain tensor's gradient would be summed over the ranks at
+the activation's size (the computed-plain-tensor guard of ``_broadcast.py`` refuses it).
+
+The encoding is a function of the global coordinates alone: row ``i`` of ``H`` gives
+``sin``/``cos`` of ``(i + 1) / H * 2 pi / temperature ** (2 k / hidden_dim)``, and columns
+likewise. So each rank builds only the block it holds of the last NCHW map a spatial layer
+took in this forward (``SpatialRuntime.last_image``: strips, H x W tiles, a data-parallel
+batch split alike), with the same float32 steps as timm (the values are bitwise those of
+one device), wraps it as a DTensor laid out like that map, and projects it with the
+module's own conv, swapped for the spatial conv by ``parallelize``: a local 1 x 1 conv
+whose weight gradient is summed over the ranks like every other parameter's. Nothing the
+size of the image is built or moved.
+
+timm is matched by the class's qualified name (the parallel layer imports torch only).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._dims import from_local
+from ._geometry import SpatialShardingError
+from ._parallelize import register_spatial_module
+from ._runtime import current_runtime
+from ._sharding import block_slices, mesh_coords
+
+TIMM_CLASS = "timm.models.edgenext.PositionalEncodingFourier"
+_EPS = 1e-6  # timm's
+
+
+def _axis(hidden: int, temperature: float, scale: float, n: int, part: slice, device) -> Tensor:
+    """``(len(part), hidden)``: the interleaved sin / cos encoding of positions ``part`` of
+    ``n`` along one axis, in float32 as timm computes it."""
+    pos = torch.arange(part.start + 1, part.stop + 1, dtype=torch.float32, device=device)
+    pos = pos / (torch.tensor(float(n), device=device) + _EPS) * scale
+    dim_t = torch.arange(hidden, dtype=torch.int64, device=device).to(torch.float32)
+    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / hidden)
+    pos = pos[:, None] / dim_t
+    return torch.stack((pos[:, 0::2].sin(), pos[:, 1::2].cos()), dim=2).flatten(1)
+
+
+def fourier_block(
+    hidden: int, temperature: float, scale: float, size: tuple[int, int], rows: slice,
+    cols: slice, device=None,
+) -> Tensor:  # fmt: skip
+    """``(2 * hidden, len(rows), len(cols))``: rows ``rows`` and columns ``cols`` of timm's
+    ``PositionalEncodingFourier`` encoding of an ``H x W = size`` map (before its
+    projection), the y half first."""
+    y = _axis(hidden, temperature, scale, size[0], rows, device)
+    x = _axis(hidden, temperature, scale, size[1], cols, device)
+    h, w = y.shape[0], x.shape[0]
+    both = (y[:, None, :].expand(h, w, hidden), x[None, :, :].expand(h, w, hidden))
+    return torch.cat(both, dim=2).permute(2, 0, 1)
+
+
+@register_spatial_module(TIMM_CLASS)
+class SpatialFourierEncoding:
+    """``PositionalEncodingFourier`` whose output is laid out like the map it encodes."""
+
+    def forward(self, shape: tuple[int, int, int]):
+        seen = current_runtime().last_image
+        if seen is None:  # no sharded map in this forward: the plain encoding is right
+            return super().forward(shape)
+        mesh, placements, image = seen
+        batch, height, width = (int(n) for n in shape)
+        if (image[0], *image[2:]) != (batch, height, width):
+            raise SpatialShardingError(
+                f"module '{getattr(self, 'spatial_name', '?')}' (PositionalEncodingFourier): "
+                f"asked to encode a {batch} x {height} x {width} map, but the last map a "
+                f"spatial layer took is {image}, so its layout is unknown. Call it with the "
+                f"shape of the activation it is added to (as timm's EdgeNeXt does)."
+            )
+        weight = self.token_projection.weight
+        full = (batch, 2 * self.hidden_dim, height, width)
+        b, _, rows, cols = block_slices(full, placements, mesh_coords(mesh))
+        local = fourier_block(
+            self.hidden_dim,
+            self.temperature,
+            self.scale,
+            (height, width),
+            rows,
+            cols,
+            weight.device,
+        )
+        local = local.to(weight.dtype).expand(b.stop - b.start, -1, -1, -1)
+        return self.token_projection(from_local(local.contiguous(), mesh, placements, full))
