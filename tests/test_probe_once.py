@@ -46,7 +46,8 @@ class Tokens(Splits):
         y = super().forward(x)
         t = y.flatten(2).transpose(1, 2)  # (N, L, C) tokens
         a, b = t.chunk(2, dim=-1)
-        t = torch.cat([a * b.softmax(-1), b], -1) - t.mean(-1, keepdim=True)
+        # the op's own dtype keyword next to the probe's
+        t = torch.cat([a * b.softmax(-1), b], -1) - t.mean(-1, keepdim=True, dtype=t.dtype)
         return t.transpose(1, 2).reshape(y.shape)
 
 
@@ -79,6 +80,9 @@ def test_probe_cached_and_errors_raised_again():
     assert shape == ((2, 3, 5), (2, 4, 5))
     assert result_shape(torch.split, (2, 7, 5), (3, 4), 1) == shape
     assert _cached.cache_info().hits == hits + 1
+    # the op's own ``dtype`` and ``shape`` keywords reach it
+    assert result_shape(torch.sum, (2, 3), 1, meta_dtype=torch.float16, dtype=torch.float64) == (2,)
+    assert result_shape(torch.reshape, (2, 3), shape=(3, -1)) == (3, 2)
     # torch's rules: legacy empty 1-D tensors are skipped by cat
     assert cat_shape([(2, 3), (0,), (2, 4)], 1) == (2, 7)
     # an argument that is no cache key (a list) is probed every call, same result

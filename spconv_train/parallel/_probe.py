@@ -46,11 +46,13 @@ def _probe(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs
     return _cached(*key)
 
 
-def result_shape(func: Callable, shape: Sequence[int], *args, dtype=None, **kwargs) -> Shape:
+def result_shape(
+    func: Callable, shape: Sequence[int], /, *args, meta_dtype=None, **kwargs
+) -> Shape:
     """The global shape of ``func(t, *args, **kwargs)`` for a tensor ``t`` of ``shape``
-    (and ``dtype``, default torch's): a tuple, or a tuple of them for a tuple result (a
-    ``split``, a ``max`` over a dim)."""
-    return _probe(func, (tuple(shape),), False, dtype, args, kwargs)
+    (and ``meta_dtype``, default torch's; ``kwargs`` may hold the op's own ``dtype``): a
+    tuple, or a tuple of them for a tuple result (a ``split``, a ``max`` over a dim)."""
+    return _probe(func, (tuple(shape),), False, meta_dtype, args, kwargs)
 
 
 def index_shape(shape: Sequence[int], items: tuple) -> Shape:

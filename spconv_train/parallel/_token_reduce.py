@@ -102,7 +102,7 @@ def _token_wise(fn, spec: _Spec):
         keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
         placements = reduced_placements(x, dims, keepdim)
         out = fn(x.to_local(), *args, **kwargs)
-        shape = result_shape(fn, x.shape, *args, dtype=x.dtype, **kwargs)
+        shape = result_shape(fn, x.shape, *args, meta_dtype=x.dtype, **kwargs)
         if isinstance(out, tuple):  # max / min: (values, indices)
             parts = [wrap(o, x, placements, s) for o, s in zip(out, shape, strict=True)]
             return type(out)(parts)
