@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_compile import MODELS, build  # noqa: E402
-from bench_conv import init_worker, print_table, spawn_ranks  # noqa: E402
+from bench_compile import MODELS, add_model_args, build, print_setup  # noqa: E402
+from bench_conv import add_run_args, init_worker, print_table, spawn_ranks  # noqa: E402
 
 from spconv_train.distributed import shutdown  # noqa: E402
 
@@ -87,23 +87,12 @@ def _worker(rank: int, ranks: int, port: int, world: int, name: str, args, queue
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["unet", "smp_unet"], choices=MODELS[:3])
-    ap.add_argument("--worlds", type=int, nargs="+", default=[0, 1, 2], help="0: plain model")
-    ap.add_argument("--height", type=int, default=64)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--depth", type=int, default=3)
-    ap.add_argument("--base-width", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--markdown", action="store_true")
+    models, worlds = ["unet", "smp_unet"], [0, 1, 2]
+    add_model_args(ap, models, worlds, (64, 256), 15, MODELS[:3], worlds_help="0: plain model")
+    add_run_args(ap, device=False)
     args = ap.parse_args(argv)
     args.device = "cpu"
-    print(
-        f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
-        f"1x3x{args.height}x{args.width}, cpu, {args.threads} thread(s)/process, "
-        f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
-        file=sys.stderr,
-    )
+    print_setup(args)
     rows = []
     for name in args.models:
         for world in args.worlds:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import _time_steps, init_worker, print_table, spawn_ranks  # noqa: E402
+from bench_conv import _time_steps, add_run_args, init_worker, print_table, spawn_ranks  # noqa: E402
 
 from spconv_train.distributed import shutdown  # noqa: E402
 
@@ -157,19 +157,43 @@ def kernel_rows(device: str, n: int = 1 << 20) -> list[tuple]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["unet"], choices=MODELS)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--height", type=int, default=256)
-    ap.add_argument("--width", type=int, default=1024)
+def add_model_args(
+    ap: argparse.ArgumentParser,
+    models: list[str],
+    worlds: list[int],
+    size: tuple[int, int],
+    rounds: int,
+    choices: tuple[str, ...] = MODELS,
+    worlds_help: str | None = None,
+) -> None:
+    """The options of a benchmark over ``MODELS`` (``build``): ``--models`` (default
+    ``models``, among ``choices``), ``--worlds``, ``--height`` / ``--width`` (default
+    ``size``), the U-Net's ``--depth`` / ``--base-width``, ``--rounds``."""
+    ap.add_argument("--models", nargs="+", default=models, choices=choices)
+    ap.add_argument("--worlds", type=int, nargs="+", default=worlds, help=worlds_help)
+    ap.add_argument("--height", type=int, default=size[0])
+    ap.add_argument("--width", type=int, default=size[1])
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--base-width", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=rounds)
+
+
+def print_setup(args, *extra: str) -> None:
+    """The set-up line on stderr: models, image, device, threads, ``extra``, load, torch."""
+    print(
+        f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
+        f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
+        + "".join(f"{e}, " for e in extra)
+        + f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
+        file=sys.stderr,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_model_args(ap, ["unet"], [1, 2], (256, 1024), 7)
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--markdown", action="store_true")
+    add_run_args(ap)
     ap.add_argument("--no-kernels", action="store_true", help="skip the element-wise table")
     ap.add_argument(
         "--compile-mode",
@@ -187,13 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.compile_mode == "plain" and args.worlds != [1]:
         ap.error("--compile-mode plain runs the model without parallelize: --worlds 1 only")
-    print(
-        f"models {args.models} (U-Net depth {args.depth}, base width {args.base_width}), "
-        f"1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process, "
-        f"backend {args.backend}, compile mode {args.compile_mode}, "
-        f"channels-last {args.channels_last}, bf16 {args.bf16}, "
-        f"load {os.getloadavg()[0]:.1f}, torch {torch.__version__}",
-        file=sys.stderr,
+    print_setup(
+        args,
+        f"backend {args.backend}, compile mode {args.compile_mode}",
+        f"channels-last {args.channels_last}, bf16 {args.bf16}",
     )
     rows = []
     for name in args.models:

@@ -220,6 +220,20 @@ def _worker(rank: int, world: int, port: int, variant: str, args, queue) -> None
     shutdown()  # gloo threads back to normal first (parallel/_comm_threads.py)
 
 
+def add_run_args(ap: argparse.ArgumentParser, device: bool = True) -> None:
+    """The options of every benchmark's run: ``--threads`` per process, ``--device`` (cpu
+    or cuda; left out where the benchmark is CPU only) and ``--markdown``."""
+    ap.add_argument("--threads", type=int, default=1)
+    if device:
+        ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+
+
+def machine() -> str:
+    """``<architecture>, <cores> cores, torch <version>``: the end of a set-up line."""
+    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
 def print_table(header: tuple, rows: list, markdown: bool, width: int = 12) -> None:
     """Print ``rows`` under ``header``: a markdown table for docs/benchmarks.md, or
     right-aligned columns of ``width`` characters."""
@@ -301,9 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    add_run_args(ap)
     ap.add_argument(
         "--copy-windows",
         action="store_true",

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import init_worker, print_table, spawn_ranks  # noqa: E402
+from bench_conv import add_run_args, init_worker, machine, print_table, spawn_ranks  # noqa: E402
 
 from spconv_train.distributed import shutdown  # noqa: E402
 
@@ -115,14 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--height", type=int, default=64)
     ap.add_argument("--width", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--markdown", action="store_true")
+    add_run_args(ap)
     args = ap.parse_args(argv)
     print(
         f"smp Unet on {args.encoder} (random init), AdamW, one step on 1x3x{args.height}x"
-        f"{args.width}, {args.device}; {platform.machine()}, {os.cpu_count()} cores, torch "
-        f"{torch.__version__}",
+        f"{args.width}, {args.device}; " + machine(),
         file=sys.stderr,
     )
     mib = 2**20

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import elapsed  # noqa: E402
+from bench_conv import elapsed, print_table  # noqa: E402
 
 from spconv_train.models import create_model  # noqa: E402
 
@@ -100,12 +100,11 @@ def main(argv: list[str] | None = None) -> None:
                              sec * 1e3, mpx / sec, peak, base / sec))  # fmt: skip
                 print(f"  {rows[-1]}", file=sys.stderr)
     head = ["case", "dtype", "layout", "ms / step", "Mpx/s", "peak MiB", "speed-up"]
-    if args.markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-    for r in rows:
-        cells = [r[0], r[1], r[2], f"{r[3]:.2f}", f"{r[4]:.1f}", f"{r[5]:.0f}", f"{r[6]:.2f}x"]
-        print(("| " + " | ".join(cells) + " |") if args.markdown else "  ".join(cells))
+    cells = [
+        (r[0], r[1], r[2], f"{r[3]:.2f}", f"{r[4]:.1f}", f"{r[5]:.0f}", f"{r[6]:.2f}x")
+        for r in rows
+    ]
+    print_table(tuple(head), cells, args.markdown, width=13)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -27,7 +26,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_conv import _current_mib, _peak_mib, init_worker, spawn_ranks  # noqa: E402
+from bench_conv import (  # noqa: E402
+    _current_mib,
+    _peak_mib,
+    add_run_args,
+    init_worker,
+    machine,
+    print_table,
+    spawn_ranks,
+)
 
 from spconv_train.distributed import shutdown  # noqa: E402
 
@@ -105,14 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-width", type=int, default=16)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--budget-gib", type=float, default=16.0, help="per-rank activation budget")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--markdown", action="store_true")
+    add_run_args(ap)
     args = ap.parse_args(argv)
     print(
         f"U-Net depth {args.depth} base width {args.base_width} (BatchNorm), one training step "
         f"on 1x3x{args.height}x{args.width}, {args.device}, {args.threads} thread(s)/process; "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        + machine(),
         file=sys.stderr,
     )
     rows, single = [], None
@@ -133,15 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         "s/step",
         f"widest W at {args.budget_gib:g} GiB/rank (H={args.height})",
     )
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for w, act, ideal, peak, sec, widest in rows:
-            print(f"| {w} | {act:.0f} | {ideal} | {peak:.0f} | {sec:.1f} | {widest:,} |")
-    else:
-        print("  ".join(header))
-        for w, act, ideal, peak, sec, widest in rows:
-            print(f"{w:>5}  {act:>20.0f}  {ideal:>11}  {peak:>13.0f}  {sec:>6.1f}  {widest:>12,}")
+    cells = [
+        (w, f"{act:.0f}", ideal, f"{peak:.0f}", f"{sec:.1f}", f"{widest:,}")
+        for w, act, ideal, peak, sec, widest in rows
+    ]
+    print_table(header, cells, args.markdown, width=20)
 
 
 if __name__ == "__main__":

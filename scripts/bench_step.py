@@ -41,6 +41,7 @@ from bench_conv import (  # noqa: E402
     _current_mib,
     _peak_mib,
     _time_steps,
+    add_run_args,
     init_worker,
     print_table,
     spawn_ranks,
@@ -220,8 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"])
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_run_args(ap)
     ap.add_argument(
         "--floor",
         action="store_true",
@@ -234,7 +234,6 @@ def main(argv: list[str] | None = None) -> None:
         choices=["builtin", "ddp", "fsdp"],
         help="compare gradient reductions instead (module docstring), e.g. builtin ddp fsdp",
     )
-    ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args(argv)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(

@@ -58,6 +58,18 @@ def grad_dtensor(g: torch.Tensor, dmesh, kind: str, placements) -> DTensor:
     return DTensor.from_local(g * share, dmesh, [Partial()] * dmesh.ndim, run_check=False)
 
 
+def reference_backward(model, x: torch.Tensor, seed: int, dtype=torch.float64) -> tuple:
+    """A copy of ``model`` run on one device on a copy of ``x`` (requiring grad), backward
+    with a gradient ``seeded(seed)`` of ``dtype`` on the output's device: ``(copy, input,
+    output, gradient)``, what a sharded run of ``model`` must match."""
+    ref = copy.deepcopy(model)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    g = seeded(seed, *yr.shape, dtype=dtype).to(yr.device)
+    yr.backward(g)
+    return ref, xr, yr, g
+
+
 def compare_module(model, x, dmesh, placements, grad_kind, label, failures, tol=TOL):
     """Run ``model`` on ``x`` on one device and sharded (``parallelize`` on ``dmesh``, input
     distributed with ``placements``), backward with the same seeded upstream gradient given
@@ -66,11 +78,7 @@ def compare_module(model, x, dmesh, placements, grad_kind, label, failures, tol=
     model (for further checks, e.g. buffers)."""
     dev = device()  # SPCONV_TEST_DEVICE (tests/dist_harness.py)
     model, x = model.to(dev), x.to(dev)
-    ref = copy.deepcopy(model)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    g = seeded(99, *yr.shape).to(dev)
-    yr.backward(g)
+    ref, xr, yr, g = reference_backward(model, x, 99, torch.float32)
 
     par = parallelize(copy.deepcopy(model), dmesh)
     xs = distribute_tensor(x.clone(), dmesh, placements).requires_grad_()

@@ -23,28 +23,42 @@ from tests.reference import rel_err, seeded
 TOL = 1e-12
 
 
+def sdpa_reference(n: int, ev: int, scale: float) -> tuple:
+    """Seeded fp64 q, k (head size 5) and v (head size ``ev``) of ``n`` tokens requiring
+    grad, ``F.scaled_dot_product_attention``'s output on one device, a seeded output
+    gradient and the q / k / v gradients: ``((q, k, v), out, grad, (dq, dk, dv))``."""
+    q, k = seeded(1, 2, 3, n, 5, dtype=torch.float64), seeded(2, 2, 3, n, 5).double()
+    v = seeded(3, 2, 3, n, ev, dtype=torch.float64)
+    for t in (q, k, v):
+        t.requires_grad_()
+    ref = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    g = seeded(4, *ref.shape, dtype=torch.float64)
+    return (q, k, v), ref, g, torch.autograd.grad(ref, (q, k, v), g)
+
+
+def ring_errors(errs: dict, tag: str, reference: tuple, idx, sizes, **ring) -> None:
+    """The ring op on this rank's tokens ``idx`` of ``reference`` (``sdpa_reference``),
+    ``sizes`` tokens per rank, ``ring`` its keywords: the relative errors of its output and
+    q / k / v gradients into ``errs``, keyed by ``tag``."""
+    qkv, ref, g, grads = reference
+    mine = [t.detach()[..., idx, :].clone().requires_grad_() for t in qkv]
+    out = ring_attention(*mine, dist.group.WORLD, sizes, **ring)
+    got = torch.autograd.grad(out, mine, g[..., idx, :])
+    errs[f"out {tag}"] = rel_err(out, ref[..., idx, :])
+    for name, a, b in zip("qkv", got, grads, strict=True):
+        errs[f"d{name} {tag}"] = rel_err(a, b[..., idx, :])
+
+
 def ring_op_errors() -> dict[str, float]:
     """The ring op on a random subset of tokens per rank (any order) against
     ``F.scaled_dot_product_attention`` on one device: output and q / k / v gradients."""
     world, rank = dist.get_world_size(), dist.get_rank()
     errs = {}
     for ev in (5, 3):  # the CPU flash kernel (same head size) and the matmul path
-        q, k = seeded(1, 2, 3, 13, 5, dtype=torch.float64), seeded(2, 2, 3, 13, 5).double()
-        v = seeded(3, 2, 3, 13, ev, dtype=torch.float64)
-        for t in (q, k, v):
-            t.requires_grad_()
-        ref = F.scaled_dot_product_attention(q, k, v, scale=0.37)
-        g = seeded(4, *ref.shape, dtype=torch.float64)
-        grads = torch.autograd.grad(ref, (q, k, v), g)
         bounds = all_shard_bounds(13, world)
         idx = torch.randperm(13, generator=torch.Generator().manual_seed(5))[slice(*bounds[rank])]
-        mine = [t.detach()[..., idx, :].clone().requires_grad_() for t in (q, k, v)]
         sizes = tuple(b - a for a, b in bounds)
-        out = ring_attention(*mine, dist.group.WORLD, sizes, scale=0.37)
-        got = torch.autograd.grad(out, mine, g[..., idx, :])
-        errs[f"out ev={ev}"] = rel_err(out, ref[..., idx, :])
-        for name, a, b in zip("qkv", got, grads, strict=True):
-            errs[f"d{name} ev={ev}"] = rel_err(a, b[..., idx, :])
+        ring_errors(errs, f"ev={ev}", sdpa_reference(13, ev, 0.37), idx, sizes, scale=0.37)
     return errs
 
 
@@ -155,13 +169,18 @@ class Refused(nn.Module):
         return torch.einsum("blc,cd->bld", t, self.proj.weight)
 
 
-def refusal_messages() -> dict[str, str]:
+REFUSED = ("sdpa_mask", "zero_attn", "mix_tokens", "einsum")
+
+
+def refusal_messages(make=None, kinds=REFUSED) -> dict[str, str]:
+    """The ``SpatialShardingError`` message (or "not refused") of each of ``kinds`` run as
+    the module ``blk`` (``make(kind)``, default ``Refused``) of a parallelized model."""
     dmesh = mesh(dist.get_world_size())
     x = distribute_tensor(seeded(1, 2, 4, 3, 5), dmesh, [Shard(3)])
     out = {}
-    for kind in ("sdpa_mask", "zero_attn", "mix_tokens", "einsum"):
+    for kind in kinds:
         model = nn.Sequential()
-        model.add_module("blk", Refused(kind))
+        model.add_module("blk", (make or Refused)(kind))
         try:
             parallelize(model, dmesh)(x)
             out[kind] = "not refused"

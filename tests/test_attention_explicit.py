@@ -14,15 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 
-from spconv_train.parallel import SpatialShardingError, parallelize
 from spconv_train.parallel._attention_explicit import APPLY, SCORES, ring_matmul
 from spconv_train.parallel._geometry import all_shard_bounds
 from tests.dist_harness import mesh
 from tests.op_check import check_model_audited
 from tests.reference import rel_err, seeded
-from tests.test_attention import SelfAttention
+from tests.test_attention import SelfAttention, refusal_messages
 
 TOL = 1e-12
 
@@ -165,26 +164,11 @@ class Refused(nn.Module):
         return torch.einsum("blc,bmc,bld->bmd", t, t, t)
 
 
-def refusal_messages() -> dict[str, str]:
-    dmesh = mesh(dist.get_world_size())
-    x = distribute_tensor(seeded(1, 2, 4, 3, 5), dmesh, [Shard(3)])
-    out = {}
-    for kind in ("plain_weight", "einsum3"):
-        model = nn.Sequential()
-        model.add_module("blk", Refused(kind))
-        try:
-            parallelize(model, dmesh)(x)
-            out[kind] = "not refused"
-        except SpatialShardingError as exc:
-            out[kind] = str(exc)
-    return out
-
-
 def test_other_token_products_refused_with_module_path(dist_pool):
     # DTensor's own rules: an error it raises, named (torch.matmul), or the no-gather
     # guard's refusal of the all-gather it would need (aten.bmm)
     expect = {"plain_weight": "torch.matmul", "einsum3": "aten.bmm"}
-    for msgs in dist_pool.run(2, refusal_messages):
+    for msgs in dist_pool.run(2, refusal_messages, Refused, tuple(expect)):
         for kind, op in expect.items():
             msg = msgs[kind]
             assert "module 'blk'" in msg and op in msg, (kind, msg)

@@ -22,7 +22,7 @@ from spconv_train.parallel import parallelize
 from spconv_train.parallel._layout import empty_as, grad_in_layout, in_layout
 from spconv_train.train.model_setup import to_channels_last
 from tests.dist_harness import device, mesh
-from tests.reference import check_close, seeded
+from tests.reference import check_close, reference_backward, seeded
 
 CL, CL3 = torch.channels_last, torch.channels_last_3d
 
@@ -125,11 +125,7 @@ def _sharded_equals_one_device(world: int, width: int) -> list[str]:
     unet = create_model("unet", num_classes=3, depth=2, base_width=4)
     model = nn.Sequential(unet, SmpLikeBlock(3)).double().to(device())
     x = seeded(5, 1, 3, 16, width, dtype=torch.float64).to(device())
-    ref = copy.deepcopy(model)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    g = seeded(6, *yr.shape, dtype=torch.float64).to(device())
-    yr.backward(g)
+    ref, xr, yr, g = reference_backward(model, x, 6)
     par = parallelize(copy.deepcopy(model), dmesh)
     assert to_channels_last(par, "on")
     xs = _cl_dtensor(x, dmesh).requires_grad_()

@@ -29,7 +29,7 @@ from spconv_train.parallel.extend import (
     sum_grad_over,
 )
 from tests.dist_harness import mesh
-from tests.reference import check_close, seeded
+from tests.reference import check_close, reference_backward, seeded
 
 TOL = 1e-10
 
@@ -102,11 +102,7 @@ def public_api(world: int) -> dict:
     torch.manual_seed(0)
     model = _Net().double()
     x = seeded(1, 2, 3, 6, 3 * world + 1, dtype=torch.float64)
-    ref = copy.deepcopy(model)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    g = seeded(2, *yr.shape, dtype=torch.float64)
-    yr.backward(g)
+    ref, xr, yr, g = reference_backward(model, x, 2)
 
     dmesh = mesh(world)
     par = parallelize(copy.deepcopy(model), dmesh, save_windows_by_reference=False)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from spconv_train.parallel import parallelize
 from tests.dist_harness import mesh
-from tests.reference import check_close, compare_module, seeded
+from tests.reference import check_close, compare_module, reference_backward, seeded
 
 TOL = 1e-10
 
@@ -41,11 +41,7 @@ def strided_linear(world: int) -> list[str]:
     torch.manual_seed(0)
     model = _TokenHead().double()
     x = seeded(1, 2, 3, 5, 4 * world + 1, dtype=torch.float64)
-    ref = copy.deepcopy(model)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    g = seeded(2, *yr.shape, dtype=torch.float64)
-    yr.backward(g)
+    ref, xr, yr, g = reference_backward(model, x, 2)
 
     dmesh = mesh(world)
     par = parallelize(copy.deepcopy(model), dmesh)

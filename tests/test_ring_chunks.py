@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from spconv_train.parallel._live_bytes import PeakBytes
 from spconv_train.parallel._ring import auto_pieces, ring_attention
-from tests.reference import rel_err, seeded
+from tests.reference import seeded
+from tests.test_attention import ring_errors, sdpa_reference
 
 TOL = 1e-12
 # tokens per rank: uneven, and one block (2 tokens) with fewer tokens than m = 3 pieces
@@ -30,20 +31,9 @@ def chunked_errors() -> dict[str, float]:
     idx = idx[start : start + sizes[rank]]
     errs = {}
     for ev in (5, 3):
-        q, k = seeded(1, 2, 3, total, 5, dtype=torch.float64), seeded(2, 2, 3, total, 5).double()
-        v = seeded(3, 2, 3, total, ev, dtype=torch.float64)
-        for t in (q, k, v):
-            t.requires_grad_()
-        ref = F.scaled_dot_product_attention(q, k, v, scale=0.41)
-        g = seeded(4, *ref.shape, dtype=torch.float64)
-        grads = torch.autograd.grad(ref, (q, k, v), g)
+        reference = sdpa_reference(total, ev, 0.41)
         for m in (1, 2, 3):
-            mine = [t.detach()[..., idx, :].clone().requires_grad_() for t in (q, k, v)]
-            out = ring_attention(*mine, dist.group.WORLD, sizes, scale=0.41, pieces=m)
-            got = torch.autograd.grad(out, mine, g[..., idx, :])
-            errs[f"out ev={ev} m={m}"] = rel_err(out, ref[..., idx, :])
-            for name, a, b in zip("qkv", got, grads, strict=True):
-                errs[f"d{name} ev={ev} m={m}"] = rel_err(a, b[..., idx, :])
+            ring_errors(errs, f"ev={ev} m={m}", reference, idx, sizes, scale=0.41, pieces=m)
     return errs
 
 

@@ -1,5 +1,5 @@
 """A plain tensor added to token tensors whose local shards are not the token layout of
-their placements (``_tokens.local_part``): refused with ``SpatialShardingError`` naming the
+their placements (``_token_layout.local_part``): refused with ``SpatialShardingError`` naming the
 op, the module and the shard sizes, never a bare size error or a silent broadcast.
 
 The tokens are those of a ``2 x 3 x 2`` patch grid split along its middle dim, rows 2 + 1,

@@ -40,15 +40,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
-from spconv_train.checkpoint.export import export_checkpoint, export_model
+from spconv_train.checkpoint.export import export_model
 from spconv_train.checkpoint.files import (
     CheckpointError,
     check_files,
     checkpoint_space,
     remove_tree,
-    rng_state,
     save_failure_message,
-    set_rng_state,
     write_text_atomic,
 )
 from spconv_train.checkpoint.manifest import META as _META
@@ -68,16 +66,6 @@ from spconv_train.checkpoint.sync import digest_folder
 from spconv_train.checkpoint.sync import gather as _gather
 from spconv_train.checkpoint.sync import rank as _rank
 from spconv_train.checkpoint.sync import world as _world
-
-__all__ = [
-    "FORMAT_VERSION",
-    "CheckpointError",
-    "CheckpointManager",
-    "export_checkpoint",
-    "read_meta",
-    "rng_state",
-    "set_rng_state",
-]
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 # 3: scheduler.json and extra-rank{r}.json (no pickles); meta.json carries its own digest.

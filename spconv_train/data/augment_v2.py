@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .augment_ops import DrawnOp, apply_intensity, backward_map, resample, source_box
 from .augment_spec import GEOMETRIC, INTENSITY, AugmentSpec
-from .base import DataError, SegmentationSource, check_cols
+from .base import SegmentationSource, check_cols, check_one_size
 from .normalize import _cfg
 from .strips import make_batch
 from .transforms import AugmentParams, draw_augment, load_strip
@@ -217,16 +217,9 @@ def make_plan_batch(
     if not any(p.ops for p in plans):  # crop, resize and flips only
         base = [p.base for p in plans]
         return make_batch(source, indices, cols, base, ignore_index=ignore_index, rows=rows)
-    sizes = {p.out_hw for p in plans}
-    if len(sizes) > 1:
-        listed = ", ".join(
-            f"{source.name(i)} {p.out_hw[0]}x{p.out_hw[1]}"
-            for i, p in zip(indices, plans, strict=True)
-        )
-        raise DataError(
-            f"samples in one batch must have the same size after augmentation (HxW): {listed}; "
-            "set data.height and data.width or use batch size 1"
-        )
+    what = "samples", "after augmentation (HxW)"
+    fix = "set data.height and data.width or use batch size 1"
+    check_one_size(source, indices, [p.out_hw for p in plans], *what, fix)
     parts = [
         load_plan_part(source, i, p, cols, rows=rows, ignore_index=ignore_index, values=values)
         for i, p in zip(indices, plans, strict=True)

@@ -52,6 +52,19 @@ def check_cols(cols: tuple[int, int] | None, width: int, what: str) -> tuple[int
     return a, b
 
 
+def check_one_size(
+    source, indices, sizes: list[tuple[int, ...]], what: str, axes: str, fix: str
+) -> None:
+    """Raise ``DataError`` listing every sample's name and size when ``sizes`` (one per
+    index of ``source``) differ: one batch stacks them. ``what`` names the samples,
+    ``axes`` their size's axes, ``fix`` the way out."""
+    if len(set(sizes)) > 1:
+        listed = ", ".join(
+            f"{source.name(i)} {'x'.join(map(str, s))}" for i, s in zip(indices, sizes, strict=True)
+        )
+        raise DataError(f"{what} in one batch must have the same size {axes}: {listed}; {fix}")
+
+
 class SegmentationSource(ABC):
     """An indexed set of segmentation samples readable column range by column range.
 

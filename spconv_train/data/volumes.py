@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import DataError
+from .base import DataError, check_one_size
 from .synthetic import _mix
 from .synthetic3d import synthetic_volume, synthetic_volume_class_names
 
@@ -164,16 +164,8 @@ def make_volume_batch(
     Returns:
         images float32 ``[B, C, d, h, w]`` and masks int64 ``[B, d, h, w]``.
     """
-    sizes = {aug.out for aug in augments}
-    if len(sizes) > 1:
-        listed = ", ".join(
-            f"{source.name(i)} {'x'.join(map(str, a.out))}"
-            for i, a in zip(indices, augments, strict=True)
-        )
-        raise DataError(
-            f"volumes in one batch must have the same size (DxHxW): {listed}; set a crop "
-            "size (data.depth/height/width) or use batch size 1"
-        )
+    fix = "set a crop size (data.depth/height/width) or use batch size 1"
+    check_one_size(source, indices, [a.out for a in augments], "volumes", "(DxHxW)", fix)
     pairs = zip(indices, augments, strict=True)
     blocks = [load_box(source, i, a, block) for i, a in pairs]
     return torch.stack([b[0] for b in blocks]), torch.stack([b[1] for b in blocks])

@@ -35,22 +35,6 @@ from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
 from spconv_train.distributed.launch_store import attempt_store
 from spconv_train.parallel import ParallelDims, gloo_threads_idle, restore_gloo_threads
 
-__all__ = [
-    "DistInfo",
-    "build_mesh",
-    "default_timeout_s",
-    "env_world_size",
-    "first_to_report",
-    "gather_all",
-    "init_distributed",
-    "is_peer_failure",
-    "peak_memory_mb",
-    "restart_count",
-    "seed_everything",
-    "shutdown",
-    "spatial_mesh",
-]
-
 TIMEOUT_ENV = "SPCONV_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 

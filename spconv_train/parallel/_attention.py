@@ -34,8 +34,9 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._ring import ring_attention
 from ._ring_mask import RingMask, mha_bias, sdpa_bias
+from ._token_layout import _grad_groups, held_indices
 from ._token_ring import Seq, partial_local, token_ring
-from ._tokens import _grad_groups, held_indices, split_layouts
+from ._tokens import split_layouts
 
 log = logging.getLogger("spconv_train.parallel")
 

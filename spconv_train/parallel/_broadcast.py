@@ -35,13 +35,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ._dims import ParallelDims, handled, mesh_group, mesh_rank, sharded_dims, wrap
+from ._dims import ParallelDims, handled, wrap
 from ._errors import guard_gather, run_dtensor_op
-from ._geometry import shard_bounds
-from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._runtime import current_runtime
 from ._sharding import sharded_dim
+from ._token_layout import local_part
 
 #: the arithmetic ops (handlers here, in ``_tokens.py`` and in ``_token_prefix.py``):
 #: ``torch.add`` ... ``Tensor.div`` and the operators ``__add__``, ``__radd__`` ...
@@ -84,19 +83,13 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
         guard_gather(what, "plain", str(x.placements), why)
 
 
-def _local_part(plain: Tensor, x: DTensor, op: str) -> Tensor:
-    """The part of ``plain`` (broadcast against ``x``'s global shape) that meets this rank's
-    local tensor, with its gradient summed over the groups sharding ``x``."""
-    guard_computed_plain(plain, x, sharded_dims(x), op)
-    groups = tuple(mesh_group(x.device_mesh, i) for d, i in sharded_dims(x).items())
-    part = sum_grad_over(plain, groups)
-    lead = x.ndim - part.ndim
-    for d, i in sharded_dims(x).items():
-        k = d - lead
-        if k >= 0 and part.shape[k] != 1:
-            a, b = shard_bounds(x.shape[d], x.device_mesh.size(i), mesh_rank(x.device_mesh, i))
-            part = part.narrow(k, a, b - a)
-    return part
+def plain_part(plain: Tensor, x: DTensor, what: str) -> Tensor:
+    """The part of ``plain`` (a global value broadcast against ``x``) that meets this
+    rank's entries of ``x`` (``local_part``: any layout), after the computed-plain-tensor
+    guard (``guard_computed_plain``, over every dim that splits ``x``)."""
+    split = (d % x.ndim for d in map(sharded_dim, x.placements) if d is not None)
+    guard_computed_plain(plain, x, split, what)  # reads ``split`` only for a computed one
+    return local_part(plain, x, what=what)
 
 
 def _make(func):
@@ -114,7 +107,7 @@ def _make(func):
             shape = torch.broadcast_shapes(dt.shape, plain.shape)
         except RuntimeError:
             return func(a, b, *args, **kwargs)
-        part = _local_part(plain, dt, func.__name__)
+        part = plain_part(plain, dt, func.__name__)
         la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
         out = func(la, lb, *args, **kwargs)
         return wrap(out, dt, dt.placements, shape)

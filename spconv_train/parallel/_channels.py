@@ -1,8 +1,9 @@
 """Ops over channels (or other unsharded dims) on a sharded DTensor, run per strip:
-``F.layer_norm`` over trailing unsharded dims (channels-last LayerNorm after a permute, as in
-timm's ``LayerNorm2d`` / ConvNeXt), ``F.prelu``, ``chunk``/``split`` along an unsharded
-dim, and ``pixel_shuffle`` / ``pixel_unshuffle`` (which move elements between blocks along
-each sharded one of the last two dims, one at a time, on any layout).
+``F.layer_norm`` over trailing unsharded dims (channels-last LayerNorm after a permute, as
+in timm's ``LayerNorm2d`` / ConvNeXt; the channels of pixel tokens, ``_token_layout.py``),
+``F.prelu``, ``chunk``/``split`` along an unsharded dim, and ``pixel_shuffle`` /
+``pixel_unshuffle`` (which move elements between blocks along each sharded one of the last
+two dims, one at a time, on any layout).
 
 Normalising over C (or applying a per-channel slope) is per pixel, so it is exact on each
 strip; the weight and bias gradients are partial sums over the strip, completed over the
@@ -26,17 +27,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ._broadcast import _local_part
+from ._broadcast import plain_part
 from ._dims import handled, mesh_group, norm_dim, sharded_dims, wrap
 from ._dtensor_wrap import local_of
-from ._errors import run_dtensor_op
+from ._errors import module_path, run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
 from ._layout import in_layout
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
+from ._probe import cat_shape, result_shape
 from ._sharding import enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
 from ._tiles import sharded_axes
+from ._token_layout import _grad_groups, is_tokens, split_layouts
 
 
 def _groups(x: DTensor) -> tuple:
@@ -45,19 +48,23 @@ def _groups(x: DTensor) -> tuple:
 
 @register_handler(F.layer_norm, torch.layer_norm)
 def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
-    """``F.layer_norm`` over trailing dims that are not sharded: local on each strip."""
-    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-    if not handled(input):
+    """``F.layer_norm`` over trailing dims no rank splits (the channels of a channels-last
+    map or of tokens): local on each rank, the weight's and bias's gradients summed over
+    the ranks."""
+    tokens = is_tokens(input)  # first: a token tensor's _StridedShard is not ``handled``
+    if not (tokens or handled(input)):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)  # DTensor's rules
-    across = [d for d in sharded_dims(input) if d >= input.ndim - k]
-    if across:  # statistics over a sharded (image) dim: DTensor would gather or fail
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    across = sorted({lay.dim for lay in split_layouts(input) if lay.dim >= input.ndim - k})
+    if across:  # statistics over a split (image or token) dim: DTensor would gather or fail
         raise SpatialShardingError(
-            f"F.layer_norm over the sharded dim(s) {across} of a {tuple(input.shape)} "
-            "activation is not supported (statistics across the image width); normalise "
-            "over the channels (channels-last LayerNorm, GroupNorm) or gather explicitly "
-            "with x.full_tensor()"
+            f"F.layer_norm over the split dim(s) {across} of {tuple(input.shape)} "
+            f"{input.placements} in module '{module_path()}': statistics over the "
+            f"{'tokens' if tokens else 'image width'} of several ranks are not supported; "
+            "normalise over the channels (the last dim: channels-last LayerNorm, GroupNorm) "
+            "or gather explicitly with x.full_tensor()"
         )
-    g = _groups(input)
+    g = _grad_groups(input)
     out = F.layer_norm(
         local_of(input), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
     )
@@ -79,13 +86,20 @@ class SpatialPReLU(nn.PReLU):
     """``nn.PReLU`` (calls ``F.prelu``, handled above; the swap makes it visible)."""
 
 
+def local_pieces(func, x: DTensor, arg, d: int) -> tuple[DTensor, ...]:
+    """``func(x, arg, d)`` (``split`` / ``chunk`` along a dim ``d`` no rank splits): each
+    rank's local pieces, with ``x``'s placements and the pieces' global shapes."""
+    arg = tuple(arg) if isinstance(arg, list) else arg  # sections: a cache key (_probe.py)
+    shapes = result_shape(func, x.shape, arg, d)
+    pieces = func(local_of(x), arg, d)
+    return tuple(wrap(t, x, x.placements, s) for t, s in zip(pieces, shapes, strict=True))
+
+
 def _pieces(func, x, arg, dim, **kwargs):
     d = norm_dim(dim, x.ndim)
     if not handled(x) or d in sharded_dims(x):
         return func(x, arg, dim, **kwargs)
-    metas = func(torch.empty(x.shape, device="meta"), arg, d)
-    locals_ = func(local_of(x), arg, d)
-    return tuple(wrap(t, x, x.placements, m.shape) for t, m in zip(locals_, metas, strict=True))
+    return local_pieces(func, x, arg, d)
 
 
 @register_handler(torch.chunk, Tensor.chunk)
@@ -151,7 +165,7 @@ def _shuffle(input, r: int, up: bool):
     out = fn(local, r)
     for d, start, n in crops:
         out = out.narrow(d, start, n)
-    return leave(out, layout, tuple(fn(torch.empty(x.shape, device="meta"), r).shape))
+    return leave(out, layout, result_shape(fn, x.shape, r))
 
 
 @register_handler(F.pixel_shuffle, torch.pixel_shuffle)
@@ -197,10 +211,10 @@ def spatial_cat(tensors, dim=0, **kwargs):
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     # in_layout: channels-last parts give a channels-last result (_layout.py)
     parts = [
-        in_layout(local_of(t)) if isinstance(t, DTensor) else _local_part(t, first, "cat")
+        in_layout(local_of(t)) if isinstance(t, DTensor) else plain_part(t, first, "cat")
         for t in tensors
     ]
-    shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
+    shape = cat_shape([t.shape for t in tensors], d)
     return wrap(torch.cat(parts, d), first, first.placements, shape)
 
 

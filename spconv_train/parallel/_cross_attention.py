@@ -31,8 +31,9 @@ from ._prefix_shard import placement
 from ._reduce import _global_extreme
 from ._ring_mask import select_rows
 from ._small_sum import sum_replicated
+from ._token_layout import _grad_groups, held_indices
 from ._token_ring import Seq, partial_local, token_ring
-from ._tokens import _grad_groups, held_indices, is_dp, split_layouts
+from ._tokens import is_dp, split_layouts
 
 
 def _refuse(

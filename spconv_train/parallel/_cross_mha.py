@@ -24,8 +24,9 @@ from ._cross_attention import (
 from ._dims import wrap
 from ._halo import sum_grad_over
 from ._ring_mask import _plus, additive
+from ._token_layout import _grad_groups
 from ._token_ring import token_ring
-from ._tokens import _grad_groups, split_layouts
+from ._tokens import split_layouts
 
 
 def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:

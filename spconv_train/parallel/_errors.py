@@ -208,7 +208,7 @@ def install_guard() -> None:
 def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
     """Whether the nesting's chunks of an ``n``-long dim split with factor ``sf`` over
     ``parts`` ranks (the factor up to the next mesh dim's ``nxt`` chunked, each entry a
-    run of ``n // nxt``: ``_tokens._nest``) differ from DTensor's (``n // sf`` chunked)."""
+    run of ``n // nxt``: ``_token_layout._nest``) differ from DTensor's (``n // sf`` chunked)."""
     if nxt % sf or n % nxt:
         return False  # not nested: the one-dim meaning, DTensor's own
     ours = [(b - a) * (n // nxt) for a, b in all_shard_bounds(nxt // sf, parts)]
@@ -217,7 +217,7 @@ def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
 
 def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
     """``{tensor dim: mesh dims}`` of the dims that hold pixel tokens split over several
-    spatial mesh dims (``_tokens.split_layouts``: a ``_StridedShard`` nested with another
+    spatial mesh dims (``_token_layout.split_layouts``: a ``_StridedShard`` nested with another
     split of the dim) whose ranks' entries DTensor's own chunking of those placements
     reads differently: two mesh dims of more than one rank, or one whose chunks differ
     (uneven rows)."""

@@ -44,9 +44,14 @@ def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
             raise ValueError(f"{what}: {name} has {t.numel()} elements for {c} channels")
 
 
-def _layout(x: DTensor, what: str) -> tuple[DTensor, SpatialLayout]:
-    """``spatial_layout`` of an NCHW image or an NCDHW volume, on any layout."""
-    return spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
+def _layout(x: DTensor, what: str, **params: Tensor | None) -> tuple:
+    """``spatial_layout`` of an NCHW image or an NCDHW volume, on any layout, and its
+    ``_as_nchw`` sizes: ``(x, layout, (n, c, h, w))``; the per-channel ``params`` (weight,
+    running statistics) checked against ``c``."""
+    x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
+    nchw = _as_nchw(x.shape)
+    _check_channels(what, nchw[1], **params)
+    return x, layout, nchw
 
 
 def _as_nchw(shape) -> tuple[int, int, int, int]:
@@ -104,9 +109,8 @@ def spatial_batch_norm(
     """``F.batch_norm`` of a sharded DTensor: in training, statistics over the whole
     global batch and image (reduced over the spatial and data-parallel ranks) and the running
     statistics updated in place exactly as torch does, identically on every rank."""
-    x, layout = _layout(input, what)
-    n, c, h, w = _as_nchw(x.shape)
-    _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
+    params = dict(weight=weight, bias=bias, mean=running_mean, var=running_var)
+    x, layout, (n, c, h, w) = _layout(input, what, **params)
     if not training:
         return _normalize_with(x, layout, running_mean, running_var, weight, bias, eps)
     if n * h * w == 1:
@@ -131,8 +135,7 @@ def spatial_group_norm(
 ) -> DTensor:
     """``F.group_norm`` of a sharded DTensor: per sample and group, statistics over
     its channels and the whole image (reduced over the spatial group only)."""
-    x, layout = _layout(input, what)
-    n, c, h, w = _as_nchw(x.shape)
+    x, layout, (n, c, h, w) = _layout(input, what)
     if c % num_groups:
         raise RuntimeError(
             f"{what}: Expected number of channels in input to be divisible by num_groups, "
@@ -160,9 +163,8 @@ def spatial_instance_norm(
     """``F.instance_norm`` of a sharded DTensor: per sample and channel, statistics
     over the whole image. Running statistics (when given) are updated like torch's: with the
     batch average of the per-sample mean and unbiased variance, over the global batch."""
-    x, layout = _layout(input, what)
-    n, c, h, w = _as_nchw(x.shape)
-    _check_channels(what, c, weight=weight, bias=bias, mean=running_mean, var=running_var)
+    params = dict(weight=weight, bias=bias, mean=running_mean, var=running_var)
+    x, layout, (n, c, h, w) = _layout(input, what, **params)
     if not use_input_stats:
         return _normalize_with(x, layout, running_mean, running_var, weight, bias, eps)
     count = h * w

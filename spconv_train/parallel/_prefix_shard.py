@@ -12,13 +12,13 @@ class PrefixShard(_StridedShard):
     """``_StridedShard(dim, split_factor)`` of the pixel tokens behind ``prefix`` tokens that
     the first rank of the mesh dim holds in front of its own: the dim is the ``prefix``
     tokens, then the pixel tokens (nested as without prefix where several mesh dims split
-    them: ``_tokens.split_layouts``). ``prefix`` is keyword-only, so that code copying a
+    them: ``_token_layout.split_layouts``). ``prefix`` is keyword-only, so that code copying a
     ``_StridedShard`` by its two fields fails instead of dropping it.
 
     It compares equal to that ``_StridedShard``: the local tensors are laid out alike, so
     DTensor's own rules (the sum of two gradients of a tensor used twice, the check of a
     gradient's placements against its forward's) take it as is, without moving data;
-    what the prefix changes is read from ``TokenLayout`` (``_tokens.py``) and put back
+    what the prefix changes is read from ``TokenLayout`` (``_token_layout.py``) and put back
     after DTensor's ops (``_token_prefix.py``). Its hash counts the prefix, so that
     DTensor's cache of sharding decisions keeps the two apart (an output spec that copies
     its input's placements must not hand a prefix to pixel tokens of the same shape)."""

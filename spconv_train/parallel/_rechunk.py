@@ -36,6 +36,7 @@ from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import register_handler
 from ._prefix_shard import reduced_placements
+from ._probe import index_shape
 
 
 @dataclass(frozen=True)
@@ -155,11 +156,11 @@ def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None
     return wrap(out.contiguous(), x, x.placements, tuple(shape))
 
 
-def _run_local(x: DTensor, fn, removed: tuple[int, ...] = ()) -> DTensor:
-    """``fn`` on every block (it must not touch the sharded dims); ``removed`` lists the
-    dims ``fn`` drops (integer indices), so the sharded dims' indices shift."""
-    shape = fn(torch.empty(x.shape, device="meta")).shape
-    return wrap(fn(x.to_local()), x, reduced_placements(x, removed), shape)
+def _index_local(x: DTensor, items: tuple, removed: tuple[int, ...] = ()) -> DTensor:
+    """``x[items]`` on every block (``items`` must not touch the sharded dims); ``removed``
+    lists the dims the integer indices drop, so the sharded dims' indices shift."""
+    shape = index_shape(x.shape, items)
+    return wrap(x.to_local()[items], x, reduced_placements(x, removed), shape)
 
 
 def _expand_index(index, ndim: int):
@@ -208,7 +209,7 @@ def spatial_getitem(x, index):
     if all(i == slice(None) for i in items):
         return x
     removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))
-    return _run_local(x, lambda t: t[items], removed)
+    return _index_local(x, items, removed)
 
 
 @register_handler(torch.flip, torch.Tensor.flip)

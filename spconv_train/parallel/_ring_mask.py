@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._tokens import TokenLayout, _grad_groups, dim_layouts, held_indices, local_part, split_layouts
+from ._token_layout import _grad_groups, dim_layouts, held_indices, local_part
+from ._tokens import TokenLayout, split_layouts
 
 
 def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:

@@ -29,10 +29,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from ._dims import mesh_rank, norm_dim, wrap
 from ._mode import register_handler
 from ._prefix_shard import placement, prefix_of, reduced_placements
+from ._probe import index_shape
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
+from ._token_layout import dim_layouts
 from ._token_prefix import _keeps_prefix, _refuse, has_prefix
 from ._token_ring import token_ring
-from ._tokens import chain, dim_layouts, is_nested, is_tokens, previous, split_layouts
+from ._tokens import chain, is_nested, is_tokens, previous, split_layouts
 
 _T = torch.Tensor
 
@@ -46,8 +48,7 @@ def _local_index(x, items: tuple) -> DTensor | None:
         return None
     removed = [d for d, i in enumerate(items) if isinstance(i, int)]
     placements = reduced_placements(x, removed)
-    shape = torch.empty(x.shape, device="meta")[items].shape
-    return wrap(x.to_local()[items], x, placements, shape)
+    return wrap(x.to_local()[items], x, placements, index_shape(x.shape, items))
 
 
 def _local_or_previous(index_of):
@@ -148,7 +149,7 @@ def _prefix_index(x: DTensor, index, whole):
     placements, grads = list(x.placements), list(x.placements)
     for m in dims:
         placements[m], grads[m] = Replicate(), Partial()
-    global_shape = torch.empty(x.shape, device="meta")[items].shape
+    global_shape = index_shape(x.shape, items)
     return DTensor.from_local(
         out, x.device_mesh, placements, run_check=False, shape=global_shape,
         stride=torch.empty(global_shape, device="meta").stride(), grad_placements=grads,

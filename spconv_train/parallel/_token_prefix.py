@@ -11,7 +11,7 @@ on H x W tiles and rows), in front of its pixel tokens, the other ranks' pixel t
 before. Held once, everything computed on the prefix, and its gradient, is counted once
 (the class token's gradient is summed over the ranks, which hold no part of it but one).
 
-* Token-wise ops stay local: ``TokenLayout`` (``_tokens.py``) counts the prefix, so
+* Token-wise ops stay local: ``TokenLayout`` (``_token_layout.py``) counts the prefix, so
   reshapes, ``F.layer_norm``, ``F.linear``, reductions over the channels
   (``_token_reduce.py``) and a position embedding ``(1, p + L, C)`` (sliced to the rank's
   tokens, the prefix rows on the owner) work as on pixel tokens; ring attention
@@ -49,9 +49,11 @@ from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._prefix_shard import PrefixShard, placement, prefix_of
+from ._probe import cat_shape
 from ._registry import function_name
 from ._sharding import sharded_dim
-from ._tokens import is_dp, is_tokens, local_part, previous, split_layouts
+from ._token_layout import local_part
+from ._tokens import is_dp, is_tokens, previous, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -240,7 +242,7 @@ def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
     placements = list(x.placements)
     for lay in lays:
         placements[lay.mesh_dim] = PrefixShard(d, lay.split_factor, prefix=prefix)
-    shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
+    shape = cat_shape([t.shape for t in tensors], d)
     return wrap(torch.cat([*parts, x.to_local()], d), x, placements, shape)
 
 
@@ -258,7 +260,7 @@ def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | No
             leaf = _expanded_leaf(t)
             guard_computed_plain(t if leaf is None else leaf, x, dims, what)
     parts = [t.to_local() if isinstance(t, DTensor) else local_part(t, x) for t in tensors]
-    shape = torch.cat([torch.empty(t.shape, device="meta") for t in tensors], d).shape
+    shape = cat_shape([t.shape for t in tensors], d)
     return wrap(torch.cat(parts, d), x, x.placements, shape)
 
 

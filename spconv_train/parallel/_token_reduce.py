@@ -1,7 +1,8 @@
 """Token-wise reductions: ``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
 ``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
-``F.layer_norm``, ``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel
-tokens (``_tokens.py``), with or without prefix tokens (``_token_prefix.py``).
+``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel tokens
+(``_tokens.py``), with or without prefix tokens (``_token_prefix.py``). ``F.layer_norm`` of
+maps and tokens alike: ``_channels.py``.
 
 Each rank holds whole tokens, so a reduction over the channels (``x.norm(dim=-1)``,
 ``F.normalize(x, dim=-1)``, ``x.mean(-1, keepdim=True)``) is the local one, exact; the
@@ -28,11 +29,13 @@ from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._prefix_shard import prefix_of, reduced_placements
+from ._probe import result_shape
 from ._reduce import _dims  # (and its handlers, wrapped here)
 from ._registry import function_name
 from ._sharding import sharded_dim
+from ._token_layout import _grad_groups
 from ._token_prefix import _as_graph_material
-from ._tokens import _grad_groups, chain, is_tokens, previous, split_layouts
+from ._tokens import chain, is_tokens, previous, split_layouts
 
 _T = torch.Tensor
 
@@ -99,11 +102,11 @@ def _token_wise(fn, spec: _Spec):
         keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
         placements = reduced_placements(x, dims, keepdim)
         out = fn(x.to_local(), *args, **kwargs)
-        shapes = fn(torch.empty(x.shape, device="meta", dtype=x.dtype), *args, **kwargs)
+        shape = result_shape(fn, x.shape, *args, meta_dtype=x.dtype, **kwargs)
         if isinstance(out, tuple):  # max / min: (values, indices)
-            parts = [wrap(o, x, placements, s.shape) for o, s in zip(out, shapes, strict=True)]
+            parts = [wrap(o, x, placements, s) for o, s in zip(out, shape, strict=True)]
             return type(out)(parts)
-        return wrap(out, x, placements, shapes.shape)
+        return wrap(out, x, placements, shape)
 
     handler.__name__ = f"token_{getattr(fn, '__name__', 'op')}"
     return _as_graph_material(handler, prev)
@@ -126,29 +129,10 @@ def _splits_normalized(x: DTensor, normalized_shape) -> bool:
     return any(lay.dim >= x.ndim - k for lay in split_layouts(x))
 
 
-@chain(F.layer_norm, torch.layer_norm)
-def _layer_norm(prev, input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
-    """``F.layer_norm`` of token tensors over trailing dims that no rank splits (the
-    channels): local, the weight's and bias's gradients summed over the ranks."""
-    if not is_tokens(input):
-        return prev(input, normalized_shape, weight, bias, eps, *args)
-    if _splits_normalized(input, normalized_shape):
-        raise SpatialShardingError(
-            f"F.layer_norm over a split dim of {tuple(input.shape)} {input.placements} in "
-            f"module '{module_path()}': statistics over the tokens of several ranks are not "
-            f"supported; normalise over the channels (the last dim)."
-        )
-    g = _grad_groups(input)
-    out = F.layer_norm(
-        input.to_local(), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
-    )
-    return wrap(out, input, input.placements, input.shape)
-
-
 @chain(F.rms_norm)
 def _rms_norm(prev, input, normalized_shape, weight=None, eps=None):
     """``F.rms_norm`` over trailing dims no rank splits (the channels): local, as
-    ``_layer_norm``."""
+    ``F.layer_norm`` (``_channels.spatial_layer_norm``)."""
     # is_tokens first: the layouts are read only for token tensors
     if not is_tokens(input) or _splits_normalized(input, normalized_shape):
         return prev(input, normalized_shape, weight, eps)

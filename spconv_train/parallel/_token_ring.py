@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
 from ._replicas import flat_mesh
-from ._tokens import TokenLayout, held_indices
+from ._token_layout import held_indices
+from ._tokens import TokenLayout
 
 #: the layouts splitting one token dim (every mesh dim that splits it: one on strips,
 #: ``sp_h`` and ``sp_w`` on tiles), empty when it is whole

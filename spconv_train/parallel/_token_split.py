@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dims import norm_dim, wrap
+from ._channels import local_pieces
+from ._dims import norm_dim
 from ._prefix_shard import prefix_of
 from ._tokens import chain, is_nested, is_tokens, split_layouts
 
@@ -38,9 +39,7 @@ def _local_pieces(func, prev, x, *args, **kwargs):
     d = norm_dim(dim, x.ndim)
     if any(lay.dim == d for lay in split_layouts(x)):
         return prev(x, *args, **kwargs)
-    metas = func(torch.empty(x.shape, device="meta"), arg, d)
-    pieces = func(x.to_local(), arg, d)
-    return tuple(wrap(t, x, x.placements, m.shape) for t, m in zip(pieces, metas, strict=True))
+    return local_pieces(func, x, arg, d)
 
 
 for _fn, _run in (

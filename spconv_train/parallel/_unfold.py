@@ -18,7 +18,7 @@ window of the map, so on a sharded map each rank needs its part plus a halo of
   one-device tensor ``(N, C * k * k, L)`` in the token layout of the output grid.
 - ``masked_fill`` and ``torch.where`` with a plain mask (out-of-image neighbours of an
   unfolded ones-map set to ``-inf``) index the mask with the rank's positions
-  (``_tokens.local_part``) and run locally; DTensor would refuse a plain tensor there.
+  (``_token_layout.local_part``) and run locally; DTensor would refuse a plain tensor there.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from torch.distributed.tensor import DTensor
 from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
+from ._probe import result_shape
 from ._runtime import current_runtime
 from ._tiles import along, halo_window
-from ._tokens import _meta_shape, is_tokens, local_part
+from ._token_layout import local_part
+from ._tokens import is_tokens
 from ._window import gather_window, plan_window
 
 
@@ -46,7 +48,7 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
     args = (dimension, size, step)
     if not handled(x):  # tokens, Partial: DTensor's own rules (named errors, _errors.py)
         return run_dtensor_op(torch.Tensor.unfold, (x, *args), {})
-    shape = _meta_shape(torch.Tensor.unfold, x, *args)
+    shape = result_shape(torch.Tensor.unfold, x.shape, *args)
     d = norm_dim(dimension, x.ndim)
     split = sharded_dims(x)
     if sum(1 for p in x.placements if p.is_shard()) != len(split):
@@ -78,7 +80,7 @@ def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
     args = (kernel_size, dilation, padding, stride)
     if not handled(input) or input.ndim != 4:
         return run_dtensor_op(F.unfold, (input, *args), {})
-    shape = _meta_shape(F.unfold, input, *args)
+    shape = result_shape(F.unfold, input.shape, *args)
     win = halo_window(input, kernel_size, stride, padding, dilation, what="F.unfold")
     (h0, h1), (w0, w1) = win.out_ranges[2], win.out_ranges[3]
     cols = F.unfold(win.local, kernel_size, dilation, 0, stride)

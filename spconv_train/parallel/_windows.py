@@ -124,7 +124,7 @@ def _single_window_dims(
 ) -> dict[int, int]:
     """``{mesh dim: output dim}`` of the size-1 factors (single windows: nothing chunked,
     the first rank holds it all) of the batch of windows that a reshape puts back: on
-    tiles (a dim split over several mesh dims, ``_tokens._nest``) the size-1 output dims
+    tiles (a dim split over several mesh dims, ``_token_layout._nest``) the size-1 output dims
     that fit them, outer to inner in mesh dim order (``sp_h``'s window row before
     ``sp_w``'s window column); on one mesh dim the window index it came from
     (``SINGLE_WINDOWS``). ``_target`` would pick the dim of the factor after them (same

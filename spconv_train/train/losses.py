@@ -292,8 +292,18 @@ def dice_loss(
     every rank (one all-reduce of ``3K`` sums); ``loss.backward()`` on every rank gives every
     logits strip its single-device gradient (module docstring)."""
     total, k, dtype = class_sums(logits, target, ignore_index, "dice_loss")
-    dice = (2.0 * total[:k] + smooth) / (total[k : 2 * k] + total[2 * k :] + smooth)
-    return (1.0 - (dice if include_background else dice[1:]).mean()).to(dtype)
+    return overlap_loss(_dice(total, k, smooth), include_background).to(dtype)
+
+
+def _dice(sums: Tensor, k: int, smooth: float) -> Tensor:
+    """Per-class Dice scores from the ``3K`` sums of ``class_sums``."""
+    return (2.0 * sums[:k] + smooth) / (sums[k : 2 * k] + sums[2 * k :] + smooth)
+
+
+def overlap_loss(scores: Tensor, include_background: bool) -> Tensor:
+    """``1 - mean`` of per-class overlap scores (Dice, Tversky), class 0 left out of the
+    mean if not ``include_background``."""
+    return 1.0 - (scores if include_background else scores[1:]).mean()
 
 
 def class_sums(logits: Tensor, target: Tensor, ignore_index: int, what: str) -> tuple:
@@ -335,9 +345,8 @@ def dice_loss_reference(
 ) -> Tensor:
     """Single-device soft Dice loss on plain full tensors (the definition ``dice_loss``
     reproduces on shards): one-hot targets, ignored pixels removed from every sum."""
-    sums, k = class_sums_reference(logits, target, ignore_index), logits.shape[1]
-    dice = (2.0 * sums[:k] + smooth) / (sums[k : 2 * k] + sums[2 * k :] + smooth)
-    return 1.0 - (dice if include_background else dice[1:]).mean()
+    sums = class_sums_reference(logits, target, ignore_index)
+    return overlap_loss(_dice(sums, logits.shape[1], smooth), include_background)
 
 
 def class_sums_reference(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:

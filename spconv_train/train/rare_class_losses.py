@@ -33,6 +33,7 @@ from spconv_train.train.losses import (
     _strips,
     class_sums,
     class_sums_reference,
+    overlap_loss,
     replicated_sum,
 )
 
@@ -113,8 +114,7 @@ def tversky_loss(
     ``tversky_loss_reference`` on the full tensors: a plain scalar with the same value on
     every rank (one all-reduce of ``3K`` sums, shared with the Dice loss)."""
     sums, k, dtype = class_sums(logits, target, ignore_index, "tversky_loss")
-    ti = _tversky(sums, k, alpha, beta, smooth)
-    return (1.0 - (ti if include_background else ti[1:]).mean()).to(dtype)
+    return overlap_loss(_tversky(sums, k, alpha, beta, smooth), include_background).to(dtype)
 
 
 def tversky_loss_reference(
@@ -131,4 +131,4 @@ def tversky_loss_reference(
     removed from every count (``class_sums_reference``)."""
     sums = class_sums_reference(logits, target, ignore_index)
     ti = _tversky(sums, logits.shape[1], alpha, beta, smooth)
-    return 1.0 - (ti if include_background else ti[1:]).mean()
+    return overlap_loss(ti, include_background)

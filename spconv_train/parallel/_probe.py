@@ -1,0 +1,71 @@
+"""Global result shapes of torch ops, probed on meta tensors once per geometry.
+
+A handler that runs an op on a rank's local tensor wraps the result with the op's global
+shape. Running the op on meta tensors of the global shapes gives that shape with torch's
+own rules and checks (``torch.cat`` skipping legacy empty 1-D tensors, ``split``'s
+sections, a reshape's ``-1``), but costs a few aten calls and tens of microseconds each
+time; the shapes repeat every step, so each probe runs once per (op, shapes, arguments) and
+is kept in a bounded cache. Arguments that cannot be a cache key (a list, a slice) probe
+every call. A probe that fails is not cached: the call raises torch's error again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+#: the shape of a result: one tuple, or one per tensor of a tuple / list result
+Shape = tuple
+
+
+def _shape_of(out) -> Shape:
+    if isinstance(out, (tuple, list)):
+        return tuple(tuple(o.shape) for o in out)
+    return tuple(out.shape)
+
+
+def _run(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs: tuple) -> Shape:
+    metas = [torch.empty(s, device="meta", dtype=dtype) for s in shapes]
+    return _shape_of(func(metas if many else metas[0], *args, **dict(kwargs)))
+
+
+_cached = functools.lru_cache(maxsize=1024)(_run)
+
+
+def _probe(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs: dict) -> Shape:
+    key = (func, shapes, many, dtype, args, tuple(kwargs.items()))
+    # a tensor argument would be kept alive by the cache (and hashes by identity)
+    if any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+        return _run(*key)
+    try:
+        hash(key)
+    except TypeError:  # e.g. a list or slice argument: probed every call
+        return _run(*key)
+    return _cached(*key)
+
+
+def result_shape(
+    func: Callable, shape: Sequence[int], /, *args, meta_dtype=None, **kwargs
+) -> Shape:
+    """The global shape of ``func(t, *args, **kwargs)`` for a tensor ``t`` of ``shape``
+    (and ``meta_dtype``, default torch's; ``kwargs`` may hold the op's own ``dtype``): a
+    tuple, or a tuple of them for a tuple result (a ``split``, a ``max`` over a dim)."""
+    return _probe(func, (tuple(shape),), False, meta_dtype, args, kwargs)
+
+
+def index_shape(shape: Sequence[int], items: tuple) -> Shape:
+    """The global shape of ``t[items]`` for a tensor ``t`` of ``shape``, ``items`` basic
+    indices (ints, slices, ``Ellipsis``, ``None``): slices keyed by their fields."""
+    key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else (i,) for i in items)
+    return _probe(_index, (tuple(shape),), False, None, (key,), {})
+
+
+def _index(t, key: tuple):
+    return t[tuple(slice(*k) if len(k) == 3 else k[0] for k in key)]
+
+
+def cat_shape(shapes: Sequence[Sequence[int]], dim: int) -> Shape:
+    """The global shape of ``torch.cat`` of tensors of ``shapes`` along ``dim``."""
+    return _probe(torch.cat, tuple(tuple(s) for s in shapes), True, None, (dim,), {})
