@@ -17,6 +17,7 @@ import torch
 
 from spconv_train.config import ConfigError, load_config, spatial_grid, validate_for_world
 from spconv_train.data import DataError, SyntheticDataset, draw_augment, load_strip, strip_bounds
+from tests.dist_harness import train_on_group
 from tests.test_train_e2e import TINY, read_metrics
 from tests.test_verify import TINY as VERIFY_TINY
 from tests.test_verify import _failed, verify_cases
@@ -187,23 +188,6 @@ def test_validation_image_too_short_for_the_tiles_is_reported_up_front(dist_pool
 # --- training: strips -> tiles ---------------------------------------------------------------
 
 
-def _train_on_group(config: str, sets: list[str], resume: bool) -> str:
-    """``train()`` of ``config`` with ``sets`` on this worker group (what ``spconv-train run``
-    runs on every rank under torchrun); returns this rank's console output."""
-    import contextlib
-    import io
-
-    import torch.distributed as dist
-
-    from spconv_train.train import loop
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):  # the run logger's console writes to sys.stdout
-        loop.train(load_config(config, sets), resume=resume)
-    dist.barrier()
-    return out.getvalue()
-
-
 def test_run_resumes_strip_checkpoint_on_a_tile_grid(dist_pool, tmp_path) -> None:
     """2 steps on 2 width strips (2 ranks), then resumed on a 2x2 grid (4 ranks) to 6 steps:
     real ``train()`` on the shared worker groups (the command line around it runs under
@@ -214,9 +198,9 @@ def test_run_resumes_strip_checkpoint_on_a_tile_grid(dist_pool, tmp_path) -> Non
     text = TINY.format(run_dir=tmp_path / "run").replace("lr: 3.0e-3", "lr: 1.0e-2")
     text = text.replace("height: 32, width: 64", "height: 34, width: 66")
     config.write_text(text, encoding="utf-8")
-    dist_pool.run(2, _train_on_group, str(config), ["training.steps=2"], False)
+    dist_pool.run(2, train_on_group, str(config), ["training.steps=2"], False)
     sets = ["training.steps=6", "parallel.sp=[2, 2]"]
-    out = "".join(dist_pool.run(4, _train_on_group, str(config), sets, True)[0].split())
+    out = "".join(dist_pool.run(4, train_on_group, str(config), sets, True)[0].split())
     assert "meshdp=1xsp=4(2x2tiles)" in out and "resumedfrom" in out, out  # rank 0's console
     run_dir = tmp_path / "run"
     lines = read_metrics(run_dir)
