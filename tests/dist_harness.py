@@ -221,13 +221,17 @@ def train_on_group(config: str, sets: list[str], resume: bool = False) -> str:
     import contextlib
     import io
 
+    import torch._dynamo
     import torch.distributed as dist
 
     from spconv_train.config import load_config
     from spconv_train.train import loop
 
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):  # the run logger's console writes to sys.stdout
-        loop.train(load_config(config, sets), resume=resume)
+    try:
+        with contextlib.redirect_stdout(out):  # the run logger's console writes to sys.stdout
+            loop.train(load_config(config, sets), resume=resume)
+    finally:
+        torch._dynamo.reset()  # a compiled run leaves no compiled code to the next test
     dist.barrier()
     return out.getvalue()
