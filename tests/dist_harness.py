@@ -211,3 +211,27 @@ class DistPool:
         for g in self.groups.values():
             g.reap(deadline)
         self.groups.clear()
+
+
+def train_on_group(config: str, sets: list[str], resume: bool = False) -> str:
+    """``train()`` of the YAML file ``config`` with the ``--set`` overrides ``sets`` on every
+    rank of a worker group, as ``spconv-train run`` runs it under torchrun (without the
+    process start-ups); returns this rank's console output (rank 0's holds the run's lines).
+    Use through ``dist_pool.run(world, train_on_group, config, sets, resume)``."""
+    import contextlib
+    import io
+
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from spconv_train.config import load_config
+    from spconv_train.train import loop
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):  # the run logger's console writes to sys.stdout
+            loop.train(load_config(config, sets), resume=resume)
+    finally:
+        torch._dynamo.reset()  # a compiled run leaves no compiled code to the next test
+    dist.barrier()
+    return out.getvalue()

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tests.conftest import REFERENCE_STEPS
-from tests.test_train_e2e import REPO, _env, exported, launch, ok, read_metrics, tiny_config
+from tests.dist_harness import train_on_group
+from tests.test_train_e2e import REPO, _env, exported, launch, read_metrics, tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -217,10 +218,12 @@ def test_stopped_rank_ends_the_job_with_the_watchdog_naming_step_and_collective(
 
 
 def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(
-    tmp_path, hooked, uninterrupted_run
+    dist_pool, tmp_path, hooked, uninterrupted_run
 ):
     """SIGTERM reaches rank 1 only, mid-run: both ranks agree on the stop step, write its
-    checkpoint, exit 3; --resume then ends with the parameters of an uninterrupted run."""
+    checkpoint, exit 3; resumed (real ``train()`` on the shared 2-rank worker group, what
+    ``run --resume`` runs on every rank) the run ends with the parameters and losses of an
+    uninterrupted run."""
     n = REFERENCE_STEPS
     steps = ("--set", f"training.steps={n}", "--set", "checkpoint.every=100")
     steps += ("--set", "training.val_every=100")
@@ -244,9 +247,8 @@ def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(
     ckpt = cut_dir / "run" / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == f"step-{stop:06d}"
     assert not (cut_dir / "run" / "model.pt").exists()
-    hooked.delenv("SPCONV_TEST_STEP_DELAY")
-    resumed = ok(launch(torchrun_cmd(config, "--resume", *steps)))
-    said = "".join(resumed.stdout.split())  # the console wraps long paths
+    sets = list(steps[1::2])  # the --set values
+    said = "".join(dist_pool.run(2, train_on_group, str(config), sets, True)[0].split())
     assert f"resumedfrom{ckpt / f'step-{stop:06d}'}" in said
     want, got = exported(uninterrupted_run), exported(cut_dir / "run")
     assert want.keys() == got.keys()

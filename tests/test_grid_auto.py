@@ -1,8 +1,8 @@
 """``parallel.sp: 0`` = the automatic grid (most square tile, most cubic block) and volume
 grids ``parallel.sp: [d, h, w]`` from the config (issue 12 item 3): the choice, the config
 errors that name the key, ``verify`` in float64 on volume grids and on an automatic 2 x 2
-image grid, and ``spconv-train run`` under torchrun of a volume split over H and W and of
-a square image at 4 ranks."""
+image grid, and training of a volume split over H and W (on the shared worker groups) and
+of a square image at 4 ranks (under torchrun)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from spconv_train.config import (
     split_dim,
     validate_for_world,
 )
-from tests.test_train_e2e import TINY, ok, read_metrics, torchrun
+from tests.dist_harness import train_on_group
+from tests.test_train_e2e import REPO, TINY, ok, read_metrics, torchrun
 from tests.test_verify import TINY as VERIFY_TINY
 from tests.test_verify import _failed, verify_cases
 from tests.test_volumes_train import TINY3D
@@ -167,15 +168,16 @@ def test_verify_passes_on_volume_grids_and_an_automatic_image_grid(dist_pool) ->
     assert report["grid"] == "2x2 tiles" and "(dp=1 x sp=4 (2x2 tiles))" in report["verdict"]
 
 
-# --- torchrun ---------------------------------------------------------------------------------
+# --- training ---------------------------------------------------------------------------------
 
 
-def test_run_volume_with_sp_0_splits_h_and_w_under_torchrun(tmp_path) -> None:
-    """``configs/unet3d.yaml`` (tiny sizes) on an 8 x 16 x 16 volume at 4 ranks:
+def test_run_volume_with_sp_0_splits_h_and_w(dist_pool, tmp_path) -> None:
+    """``configs/unet3d.yaml`` (tiny sizes) on an 8 x 16 x 16 volume at 4 ranks (real
+    ``train()`` on the shared worker group, as ``spconv-train run`` runs it on every rank):
     ``parallel.sp: 0`` chooses ``[1, 2, 2]`` (8^3 blocks), printed and saved in
     ``config.yaml``; the loss goes down on a repeated volume, checkpoints and a ``model.pt``
     that loads into the plain model are written, and the middle slices are logged stitched
-    from the blocks. (The one torchrun of the 3-D config in the suite.)"""
+    from the blocks. (The one training run of the 3-D config in the suite.)"""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from spconv_train.models import create_model
@@ -187,8 +189,8 @@ def test_run_volume_with_sp_0_splits_h_and_w_under_torchrun(tmp_path) -> None:
     sets += ["data.hflip=0", "training.steps=6", "training.val_every=3", "training.log_every=1"]
     sets += ["checkpoint.every=3", "logging.progress=false"]
     sets += ["schedule.name=constant", "schedule.warmup_steps=0"]
-    proc = ok(torchrun("configs/unet3d.yaml", *(a for s in sets for a in ("--set", s)), nproc=4))
-    assert "mesh dp=1 x sp=4 (1x2x2 blocks)" in proc.stdout + proc.stderr
+    out = dist_pool.run(4, train_on_group, str(REPO / "configs" / "unet3d.yaml"), sets)[0]
+    assert "meshdp=1xsp=4(1x2x2blocks)" in "".join(out.split()), out  # rank 0's console
     saved = load_config(run_dir / "config.yaml", check_paths=False)
     assert saved.parallel.sp == [1, 2, 2]  # the choice is recorded: a resume reproduces it
     assert (saved.data.kind, saved.data.depth) == ("volume", 8)

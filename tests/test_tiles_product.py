@@ -2,9 +2,9 @@
 
 Config and mesh resolution, per-tile loading of augmented samples (equal to slicing the
 whole augmented sample), the trainer's feed and validation items on a (dp, sp_h, sp_w)
-mesh, ``run_verify`` on 2x2 and 2x1x2 meshes (sharded vs one device, float64), and one
-``spconv-train run`` under torchrun: 2 steps on width strips (2 ranks), resumed on a 2x2
-grid (4 ranks) to 6 steps.
+mesh, ``run_verify`` on 2x2 and 2x1x2 meshes (sharded vs one device, float64), and one training
+run on the shared worker groups: 2 steps on width strips (2 ranks), resumed on a 2x2 grid
+(4 ranks) to 6 steps.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 from spconv_train.config import ConfigError, load_config, spatial_grid, validate_for_world
 from spconv_train.data import DataError, SyntheticDataset, draw_augment, load_strip, strip_bounds
-from tests.test_train_e2e import TINY, ok, read_metrics, torchrun
+from tests.dist_harness import train_on_group
+from tests.test_train_e2e import TINY, read_metrics
 from tests.test_verify import TINY as VERIFY_TINY
 from tests.test_verify import _failed, verify_cases
 
@@ -184,25 +185,23 @@ def test_validation_image_too_short_for_the_tiles_is_reported_up_front(dist_pool
     assert dist_pool.run(4, _short_val_check, 24)[0] == ("ok", None)
 
 
-# --- torchrun: strips -> tiles ----------------------------------------------------------------
+# --- training: strips -> tiles ---------------------------------------------------------------
 
 
-def test_run_resumes_strip_checkpoint_on_a_tile_grid(tmp_path) -> None:
-    """2 steps on 2 width strips, then ``--resume`` on a 2x2 grid (4 ranks) to 6 steps."""
+def test_run_resumes_strip_checkpoint_on_a_tile_grid(dist_pool, tmp_path) -> None:
+    """2 steps on 2 width strips (2 ranks), then resumed on a 2x2 grid (4 ranks) to 6 steps:
+    real ``train()`` on the shared worker groups (the command line around it runs under
+    torchrun in tests/test_train_e2e.py)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     config = tmp_path / "run.yaml"
     text = TINY.format(run_dir=tmp_path / "run").replace("lr: 3.0e-3", "lr: 1.0e-2")
     text = text.replace("height: 32, width: 64", "height: 34, width: 66")
     config.write_text(text, encoding="utf-8")
-    ok(torchrun(config, "--set", "training.steps=2"))
-    proc = ok(
-        torchrun(
-            config, "--resume", "--set", "training.steps=6", "--set", "parallel.sp=[2, 2]", nproc=4
-        )
-    )
-    out = proc.stdout + proc.stderr
-    assert "mesh dp=1 x sp=4 (2x2 tiles)" in out and "resumed from" in out
+    dist_pool.run(2, train_on_group, str(config), ["training.steps=2"], False)
+    sets = ["training.steps=6", "parallel.sp=[2, 2]"]
+    out = "".join(dist_pool.run(4, train_on_group, str(config), sets, True)[0].split())
+    assert "meshdp=1xsp=4(2x2tiles)" in out and "resumedfrom" in out, out  # rank 0's console
     run_dir = tmp_path / "run"
     lines = read_metrics(run_dir)
     train = [m for m in lines if m["split"] == "train"]

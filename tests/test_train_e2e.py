@@ -5,9 +5,10 @@ run of ``tests/conftest.py``); the run's artifacts are checked (exit code, check
 metrics.jsonl, TensorBoard events, the exported model), and a run that crashed and was
 restarted by torchrun must end with exactly the same parameters (a run stopped by SIGTERM and
 resumed: tests/test_faults_e2e.py; a finished run resumed with more steps:
-tests/test_resume_config.py). Also: activation checkpointing and
-compile change nothing, a folder dataset of PNG files trains data-parallel in bf16, a bad
-config exits 2 and a diverging run exits 1.
+tests/test_resume_config.py). Also (real ``train()`` on the shared worker groups, no
+process start-up): activation checkpointing and compile change nothing, a folder dataset
+of PNG files trains data-parallel in bf16; and a bad config exits 2, an image too narrow
+for the network exits 2 under torchrun, a diverging run exits 1.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from spconv_train.checkpoint import FORMAT_VERSION
 from spconv_train.cli import app
 from spconv_train.models import create_model
 from tests.conftest import REFERENCE, REFERENCE_STEPS
+from tests.dist_harness import train_on_group
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -312,13 +314,17 @@ def test_torchrun_restart_resumes_automatically(uninterrupted_run, tmp_path, mon
         assert torch.equal(want[key], got[key]), key
 
 
-def test_activation_checkpointing_and_compile_change_nothing(uninterrupted_run, tmp_path):
+def test_activation_checkpointing_and_compile_change_nothing(
+    dist_pool, uninterrupted_run, tmp_path
+):
     """One run with both (as ``prepare_model`` stacks them: checkpointed blocks, then
     compiled; tests/test_activation_checkpointing.py and tests/test_compile.py check each
-    alone at the module level) ends with the parameters of the plain run."""
-    sets = ["training.activation_checkpointing=true", "training.compile=true"]
+    alone at the module level) ends with the parameters of the plain run. Real ``train()``
+    on the shared 2-rank worker group (what ``spconv-train run`` runs on every rank)."""
+    sets = [f"training.steps={REFERENCE_STEPS}", "training.activation_checkpointing=true"]
+    sets += ["training.compile=true"]
     sets += ["training.compile_backend=eager"]
-    ok(torchrun(tiny_config(tmp_path), *REFERENCE, *(a for s in sets for a in ("--set", s))))
+    dist_pool.run(2, train_on_group, str(tiny_config(tmp_path)), sets)
     want, got = exported(uninterrupted_run), exported(tmp_path / "run")
     assert want.keys() == got.keys()  # compiled in place: the same state_dict keys
     for key in want:
@@ -327,21 +333,18 @@ def test_activation_checkpointing_and_compile_change_nothing(uninterrupted_run, 
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_folder_dataset_data_parallel_bf16(tmp_path):
+def test_folder_dataset_data_parallel_bf16(dist_pool, tmp_path):
+    """A folder of PNG files trains data-parallel (2 ranks, ``parallel.sp=1``) in bf16, on
+    the shared worker group."""
     data = tmp_path / "data"
     args = ["--num-train", "4", "--num-val", "3", "--height", "32", "--width", "64"]
     made = CliRunner().invoke(app, ["make-data", str(data), *args, "--classes", "3"])
     assert made.exit_code == 0, made.output
-    proc = ok(
-        torchrun(
-            tiny_config(tmp_path),
-            *("--set", "data.source=folder", "--set", f"data.root={data}"),
-            *("--set", "parallel.sp=1", "--set", "training.precision=bf16"),
-            *("--set", "training.loss=ce+dice", "--set", "optimizer.name=sgd"),
-            *("--set", "schedule.name=poly", "--set", "data.scale=[0.8, 1.25]"),
-        )
-    )
-    assert "mesh dp=2 x sp=1" in proc.stdout
+    sets = ["data.source=folder", f"data.root={data}", "parallel.sp=1"]
+    sets += ["training.precision=bf16", "training.loss=ce+dice", "optimizer.name=sgd"]
+    sets += ["schedule.name=poly", "data.scale=[0.8, 1.25]"]
+    out = dist_pool.run(2, train_on_group, str(tiny_config(tmp_path)), sets)[0]
+    assert "mesh dp=2 x sp=1" in out, out  # rank 0's console
     val = [m for m in read_metrics(tmp_path / "run") if m["split"] == "val"]
     assert [m["step"] for m in val] == [2, 4] and all(math.isfinite(m["loss"]) for m in val)
     assert len(exported(tmp_path / "run")) > 0

@@ -1,7 +1,7 @@
 """Volumes in training (issue 12 item 3): losses and metrics on sharded 5-D logits against
-one device and ``verify`` on a 3-D config split over D and over H. ``spconv-train run`` of
-``configs/unet3d.yaml`` under a real torchrun (4 ranks, H and W split):
-``tests/test_grid_auto.py::test_run_volume_with_sp_0_splits_h_and_w_under_torchrun``."""
+one device and ``verify`` on a 3-D config split over D and over H. Training of
+``configs/unet3d.yaml`` at 4 ranks (H and W split):
+``tests/test_grid_auto.py::test_run_volume_with_sp_0_splits_h_and_w``."""
 
 from __future__ import annotations
 

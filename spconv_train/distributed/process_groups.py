@@ -33,7 +33,6 @@ from spconv_train.config import ConfigError
 from spconv_train.distributed.cpu_affinity import bind_local_rank
 from spconv_train.distributed.cpu_malloc import tune_cpu_allocator
 from spconv_train.distributed.launch_store import attempt_store
-from spconv_train.parallel import ParallelDims, gloo_threads_idle, restore_gloo_threads
 
 TIMEOUT_ENV = "SPCONV_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
@@ -152,6 +151,10 @@ def init_distributed(
     to its own share of the cores (``cpu_affinity.bind_local_rank``) before gloo starts its
     threads, which are then made ``SCHED_IDLE`` (``parallel.gloo_threads_idle``).
     """
+    # here, not at the top: a command that stops before its process group (a refused run
+    # folder, --help) starts without the parallel layer (DTensor, Dynamo: seconds of CPU)
+    from spconv_train.parallel import gloo_threads_idle
+
     backend = resolve_backend(backend)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world = (env_rank(), env_world_size()) if launched else (0, 1)
@@ -207,6 +210,8 @@ def build_mesh(
     ``r // sp``; tiles and blocks are numbered row-major over the spatial dims), so halo
     traffic stays between neighbouring ranks, usually on one node.
     """
+    from spconv_train.parallel import ParallelDims, gloo_threads_idle
+
     if dp * sp != dist.get_world_size():
         raise ValueError(f"mesh {dp}x{sp} does not match world size {dist.get_world_size()}")
     dims = ParallelDims.of(dp, sp, grid)  # raises for a grid that does not hold sp ranks
@@ -220,6 +225,8 @@ def build_mesh(
 def spatial_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The spatial sub-mesh of a ``build_mesh`` mesh: ``("sp",)``, ``("sp_h", "sp_w")`` or
     the volume block dims (every dim but ``"dp"``)."""
+    from spconv_train.parallel import ParallelDims
+
     names = ParallelDims.spatial_names_of(mesh)
     return mesh[names] if len(names) > 1 else mesh[names[0]]
 
@@ -238,6 +245,8 @@ def shutdown(*, barrier: bool = False, failed: bool = False) -> None:
     multi = dist.get_world_size() > 1
     if failed and multi and dist.get_backend() == "nccl":
         return
+    from spconv_train.parallel import restore_gloo_threads
+
     restore_gloo_threads()  # torn down idle-only, gloo aborted the process (_comm_threads.py)
     if barrier and multi and not failed:
         dist.barrier()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["SHARED_ERRORS", "ImagesFailed", "PredictError"]
+__all__ = ["ImagesFailed", "PredictError"]  # and SHARED_ERRORS, built on first use (below)
 
 
 class PredictError(Exception):
@@ -32,6 +32,12 @@ def _shared_errors() -> dict[str, type[Exception]]:
     return {e.__name__: e for e in (SpatialShardingError, DataError, PredictError)}
 
 
-#: The errors a rank's failure is re-raised as on every rank (by name; exit code 2); any
-#: other failure is a crash (exit code 1).
-SHARED_ERRORS = _shared_errors()
+def __getattr__(name: str) -> dict[str, type[Exception]]:
+    """``SHARED_ERRORS``: the errors a rank's failure is re-raised as on every rank (by name;
+    exit code 2); any other failure is a crash (exit code 1). Built on first use: it imports
+    ``spconv_train.parallel`` (DTensor, Dynamo: seconds of CPU), which ``spconv-train --help``
+    and a command that stops before any model is built never need."""
+    if name == "SHARED_ERRORS":
+        globals()[name] = errors = _shared_errors()
+        return errors
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
