@@ -50,6 +50,20 @@ machine measured (docs/benchmarks.md, ``torch.compile``). ``tests/test_compile.p
 ``tests/test_compile_models.py`` and
 ``tests/test_train_e2e.py::test_activation_checkpointing_and_compile_change_nothing``
 exercise the modes.
+
+Why spatial layers are not opaque nodes of one whole-model graph (a design measured and
+not kept, 2026-11-27, 2-core Intel Xeon, torch 2.14.1 CPU): one generic custom op per layer
+call (its local inputs re-wrapped as DTensors, the eager layer run inside with its autograd
+tape kept under a handle, a backward op running ``torch.autograd.grad`` through the tape)
+compiled the whole U-Net into one graph, exact in fp64 and with inductor in fp32 at 2
+ranks, but stepped 1.04-1.27x slower than eager (1 and 2 ranks, 1x3x64x256 and 1x3x128x512):
+each region pays the eager layer's Python plus its own (custom-op dispatch, re-wrapping,
+the tape, a nested autograd engine run, per-use parameter-gradient sums, since the bucketed
+reducer cannot span nested backwards), and the only code inductor gains on between layers
+is a ReLU. Dynamo also hit ``RecursionError`` tracing smp's ResNet and torchvision's
+MobileNetV3 encoders that way. Faster than eager needs per-family custom ops whose impls
+call the layers' plain-tensor forward and backward bodies directly (no DTensor, no nested
+engine inside), with the parameter gradients leaving through ``AccumulateGrad`` as in eager.
 """
 
 from __future__ import annotations
