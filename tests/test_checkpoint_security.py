@@ -25,7 +25,7 @@ from torch import nn
 
 import spconv_train.checkpoint.manager as ckpt
 from spconv_train.checkpoint import CheckpointError, CheckpointManager, export_checkpoint
-from spconv_train.checkpoint.files import digest_files
+from spconv_train.checkpoint.files import digest_files, rng_state, set_rng_state
 from spconv_train.checkpoint.manifest import manifest_text, read_state
 from spconv_train.checkpoint.safe_load import read_dcp_metadata
 from spconv_train.config import ConfigError, check_resume_steps
@@ -57,7 +57,7 @@ def trained(root: Path, steps: int = 2):
         model(torch.randn(2, 3, 8, 8)).square().mean().backward()
         opt.step()
         sched.step()
-        cm.save(step, model, opt, scheduler=sched, extra={"rng": ckpt.rng_state(), "n": step})
+        cm.save(step, model, opt, scheduler=sched, extra={"rng": rng_state(), "n": step})
     return cm, model, opt, sched
 
 
@@ -262,7 +262,7 @@ def test_model_weights_with_a_pickle_are_refused_without_torchs_advice(tmp_path)
 def test_a_normal_round_trip_restores_exactly(tmp_path):
     """Format 3 (JSON state files): weights, optimizer, scheduler and every RNG state."""
     cm, model, opt, sched = trained(tmp_path / "run")
-    rng = ckpt.rng_state()
+    rng = rng_state()
     folder = cm.save(3, model, opt, scheduler=sched, extra={"rng": rng, "t": (1, {2: "x"})})
     assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".distcp")) == [
         ".metadata",
@@ -271,12 +271,12 @@ def test_a_normal_round_trip_restores_exactly(tmp_path):
         "scheduler.json",
     ]
     want = [(torch.rand(3), np.random.rand(2), random.random()) for _ in range(2)]
-    ckpt.set_rng_state(ckpt.rng_state() | {"python": random.getstate()})  # moved on
+    set_rng_state(rng_state() | {"python": random.getstate()})  # moved on
     fresh, opt2, sched2 = small()
     step, extra = cm.load(cm.newest_good(), fresh, opt2, scheduler=sched2)
     assert (step, extra["t"]) == (3, (1, {2: "x"}))
     for got_state in (rng, extra["rng"]):
-        ckpt.set_rng_state(got_state)
+        set_rng_state(got_state)
         got = (torch.rand(3), np.random.rand(2), random.random())
         assert torch.equal(got[0], want[0][0]) and np.array_equal(got[1], want[0][1])
         assert got[2] == want[0][2]
