@@ -34,7 +34,8 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._ring import ring_attention
 from ._ring_mask import RingMask, mha_bias, sdpa_bias
-from ._token_layout import _grad_groups, held_indices
+from ._sharding import grad_groups
+from ._token_layout import held_indices
 from ._token_ring import Seq, partial_local, token_ring
 from ._tokens import split_layouts
 
@@ -175,7 +176,7 @@ def spatial_multi_head_attention(*args, **kwargs):
             "sequence (dim 0 of (L, N, E))",
         )
     mode, kseq = _kv_mode(q, k, v, seq, what)
-    groups = _grad_groups(q)
+    groups = grad_groups(q)
     heads, e = kw["num_heads"], q.shape[-1]
     kv = [k.to_local(), v.to_local()] if mode == "ring" else [partial_local(t, seq) for t in (k, v)]
     # every weight gradient is a partial sum: each rank's queries (and, on the ring, keys)

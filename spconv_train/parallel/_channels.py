@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._broadcast import plain_part
-from ._dims import handled, mesh_group, norm_dim, sharded_dims, wrap
+from ._dims import handled, norm_dim, sharded_dims, wrap
 from ._dtensor_wrap import local_of
 from ._errors import module_path, run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
@@ -37,13 +37,9 @@ from ._layout import in_layout
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
 from ._probe import cat_shape, result_shape
-from ._sharding import enter, leave, sharded_dim, sharding_mesh_dims, spatial_layout
+from ._sharding import enter, grad_groups, leave, sharded_dim, spatial_layout
 from ._tiles import sharded_axes
-from ._token_layout import _grad_groups, is_tokens, split_layouts
-
-
-def _groups(x: DTensor) -> tuple:
-    return tuple(mesh_group(x.device_mesh, i) for i in sharded_dims(x).values())
+from ._token_layout import is_tokens, split_layouts
 
 
 @register_handler(F.layer_norm, torch.layer_norm)
@@ -64,7 +60,7 @@ def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
             "normalise over the channels (the last dim: channels-last LayerNorm, GroupNorm) "
             "or gather explicitly with x.full_tensor()"
         )
-    g = _grad_groups(input)
+    g = grad_groups(input)
     out = F.layer_norm(
         local_of(input), normalized_shape, sum_grad_over(weight, g), sum_grad_over(bias, g), eps
     )
@@ -77,7 +73,7 @@ def spatial_prelu(input, weight):
     DTensor has no sharding rule for its backward (``_prelu_kernel_backward``)."""
     if not handled(input) or (input.ndim > 1 and 1 in sharded_dims(input)):
         return F.prelu(input, weight)
-    out = F.prelu(local_of(input), sum_grad_over(weight, _groups(input)))
+    out = F.prelu(local_of(input), sum_grad_over(weight, grad_groups(input)))
     return wrap(out, input, input.placements, input.shape)
 
 
@@ -233,9 +229,8 @@ def _functional_linear(input, weight, bias=None):
             raise SpatialShardingError(
                 f"F.linear on a Partial DTensor {input.placements}: redistribute it first."
             )
-    mesh, placements = input.device_mesh, tuple(input.placements)
-    # Every mesh dimension that splits rows of the input (Shard or _StridedShard) holds a
-    # partial sum of the weight gradient.
-    groups = tuple(mesh_group(mesh, i) for i in sharding_mesh_dims(placements))
+    placements = tuple(input.placements)
+    # every mesh dimension that splits rows of the input holds a partial weight gradient
+    groups = grad_groups(input)
     out = F.linear(local_of(input), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
     return wrap(out, input, placements, (*input.shape[:-1], out.shape[-1]))

@@ -30,8 +30,9 @@ from ._halo import sum_grad_over
 from ._prefix_shard import placement
 from ._reduce import _global_extreme
 from ._ring_mask import select_rows
+from ._sharding import grad_groups
 from ._small_sum import sum_replicated
-from ._token_layout import _grad_groups, held_indices
+from ._token_layout import held_indices
 from ._token_ring import Seq, partial_local, token_ring
 from ._tokens import is_dp, split_layouts
 
@@ -90,7 +91,7 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
                 what, f"queries split as {q.placements} next to keys split as {k.placements}"
             )
         return partial_local(q, kseq)
-    return _batch_rows(sum_grad_over(q, _grad_groups(k)), k, kseq, batch_dim, 1)
+    return _batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
 
 
 def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tensor | None:
@@ -101,7 +102,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
-        part = select_rows(mask, {-1: kseq}, _grad_groups(k))  # the columns of this rank's keys
+        part = select_rows(mask, {-1: kseq}, grad_groups(k))  # the columns of this rank's keys
         return part if rows is None else _batch_rows(part, k, kseq, 0, rows)
     last = mask.ndim - 1
     lays = split_layouts(mask)

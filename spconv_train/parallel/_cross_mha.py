@@ -24,7 +24,7 @@ from ._cross_attention import (
 from ._dims import wrap
 from ._halo import sum_grad_over
 from ._ring_mask import _plus, additive
-from ._token_layout import _grad_groups
+from ._sharding import grad_groups
 from ._token_ring import token_ring
 from ._tokens import split_layouts
 
@@ -69,7 +69,7 @@ def _whole_mha(kw: dict, what: str):
     whole queries): torch's own on the local tensors, every parameter's gradient summed
     over the batch split alone (the same on every spatial rank)."""
     q, k, v = kw["query"], kw["key"], kw["value"]
-    groups, args = _grad_groups(q), dict(kw)
+    groups, args = grad_groups(q), dict(kw)
     same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
     if not same or q.ndim != 3 or any(lay.dim != 1 for lay in split_layouts(q)):
         raise _refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
@@ -119,12 +119,12 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
         raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
     heads, e = kw["num_heads"], q.shape[-1]
     xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
-    qh, kh, vh = in_heads(kw, xs, _grad_groups(k))  # every rank's share of the keys
+    qh, kh, vh = in_heads(kw, xs, grad_groups(k))  # every rank's share of the keys
     mask = _mha_mask(kw, k, kseq, qh.shape[0], qh.dtype)
     group = token_ring(k.device_mesh, kseq).group
     out = attend(qh, kh, vh, mask, 1.0 / math.sqrt(e // heads), group, kw["need_weights"])
     out = out.permute(2, 0, 1, 3).flatten(2)  # (Q, N, E)
-    whole = _grad_groups(k, kseq)  # the output side: the batch split alone
+    whole = grad_groups(k, kseq)  # the output side: the batch split alone
     w, b = (sum_grad_over(kw[f"out_proj_{n}"], whole) for n in ("weight", "bias"))
     out = F.linear(out, w, b)
     return wrap(out, k, out_placements(k, kseq), (*q.shape[:-1], e)), None

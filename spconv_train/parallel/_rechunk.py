@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._dims import handled, is_dp, mesh_axis, norm_dim, sharded_dims, wrap
+from ._dtensor_wrap import local_of
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import register_handler
@@ -160,7 +161,7 @@ def _index_local(x: DTensor, items: tuple, removed: tuple[int, ...] = ()) -> DTe
     """``x[items]`` on every block (``items`` must not touch the sharded dims); ``removed``
     lists the dims the integer indices drop, so the sharded dims' indices shift."""
     shape = index_shape(x.shape, items)
-    return wrap(x.to_local()[items], x, reduced_placements(x, removed), shape)
+    return wrap(local_of(x)[items], x, reduced_placements(x, removed), shape)
 
 
 def _expand_index(index, ndim: int):

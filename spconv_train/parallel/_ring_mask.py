@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._token_layout import _grad_groups, dim_layouts, held_indices, local_part
+from ._sharding import grad_groups
+from ._token_layout import dim_layouts, held_indices, local_part
 from ._tokens import TokenLayout, split_layouts
 
 
@@ -179,7 +180,7 @@ def mha_bias(
     split like the keys, this rank's keys' entries (``_key_mask``). ``q``, ``k``: the
     sequence-first queries ``(L, N, E)`` and keys."""
     bias = None
-    n, groups = q.shape[1], _grad_groups(q)
+    n, groups = q.shape[1], grad_groups(q)
     if isinstance(key_padding_mask, DTensor):
         kbias, key_padding_mask = _key_mask(key_padding_mask, k, what), None
     else:

@@ -51,6 +51,15 @@ def sharding_mesh_dims(placements) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(placements) if sharded_dim(p) is not None)
 
 
+def grad_groups(x: DTensor, exclude=()) -> tuple:
+    """The process groups of the mesh dims splitting ``x`` (``Shard``, ``_StridedShard``,
+    prefix tokens: each holds a partial sum of a parameter's gradient), but the mesh dims
+    of ``exclude`` (layouts with a ``mesh_dim``, ``_token_layout.TokenLayout``)."""
+    skip = {lay.mesh_dim for lay in exclude}
+    dims = sharding_mesh_dims(x.placements)
+    return tuple(mesh_group(x.device_mesh, i) for i in dims if i not in skip)
+
+
 def block_slices(shape: tuple[int, ...], placements, coords) -> tuple[slice, ...]:
     """Slices of a global tensor of ``shape`` that the rank at mesh ``coords`` (one
     ``(mesh dim size, index)`` per mesh dimension) holds under ``placements``: DTensor's

@@ -15,12 +15,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import is_dp, mesh_group, mesh_rank
+from ._dims import is_dp, mesh_rank
 from ._errors import module_path
 from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import sum_grad_over
 from ._prefix_shard import prefix_of
-from ._sharding import sharded_dim, sharding_mesh_dims
+from ._sharding import grad_groups, sharded_dim
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,6 @@ def is_tokens(x) -> bool:
     return isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements)
 
 
-def _grad_groups(x: DTensor, exclude: tuple[TokenLayout, ...] = ()) -> tuple:
-    """The process groups of the mesh dims splitting ``x``, but those of ``exclude``."""
-    skip = {lay.mesh_dim for lay in exclude}
-    dims = sharding_mesh_dims(x.placements)
-    return tuple(mesh_group(x.device_mesh, i) for i in dims if i not in skip)
-
-
 def _unheld(x: DTensor, plain: Tensor, d: int, held: int, what: str) -> Exception:
     return SpatialShardingError(
         f"{what} of a token tensor {tuple(x.shape)} {x.placements} and a plain tensor "
@@ -150,7 +143,7 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
     of ``x`` (all of dim ``skip`` of ``x``), with its gradient summed over the ranks that
     split ``x``. Refuses (``SpatialShardingError`` naming ``what`` and the module) a local
     tensor of ``x`` that does not hold the entries its placements give the rank."""
-    part = sum_grad_over(plain, _grad_groups(x))
+    part = sum_grad_over(plain, grad_groups(x))
     lead = x.ndim - part.ndim
     split = {d % x.ndim for d in map(sharded_dim, x.placements) if d is not None} - {skip}
     cut = sorted(d for d in split if d >= lead and part.shape[d - lead] != 1)

@@ -32,8 +32,7 @@ from ._prefix_shard import prefix_of, reduced_placements
 from ._probe import result_shape
 from ._reduce import _dims  # (and its handlers, wrapped here)
 from ._registry import function_name
-from ._sharding import sharded_dim
-from ._token_layout import _grad_groups
+from ._sharding import grad_groups, sharded_dim
 from ._token_prefix import _as_graph_material
 from ._tokens import chain, is_tokens, previous, split_layouts
 
@@ -137,6 +136,6 @@ def _rms_norm(prev, input, normalized_shape, weight=None, eps=None):
     if not is_tokens(input) or _splits_normalized(input, normalized_shape):
         return prev(input, normalized_shape, weight, eps)
     out = F.rms_norm(
-        input.to_local(), normalized_shape, sum_grad_over(weight, _grad_groups(input)), eps
+        input.to_local(), normalized_shape, sum_grad_over(weight, grad_groups(input)), eps
     )
     return wrap(out, input, input.placements, input.shape)
