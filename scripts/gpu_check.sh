@@ -54,7 +54,7 @@ if [[ "$DEVICE" == cuda ]]; then
     GRIDS=(tests/test_conv_grid.py tests/test_conv.py tests/test_pool.py tests/test_norm.py tests/test_upsample.py
            tests/test_ops_reduce.py tests/test_ops_channels.py tests/test_ops_rechunk.py
            tests/test_pointwise.py tests/test_halo_conv.py tests/test_conv3d.py
-           tests/test_ops3d.py tests/test_fsdp.py)
+           tests/test_ops3d.py tests/test_fsdp.py tests/test_norm_fused.py)
     GRID_FILTER=()
     STEP=(--worlds 1 $([[ $RANKS -gt 1 ]] && echo 2) --height 512 --width 1024 --iters 5)
     CONV=(--channels 64 --height 1024 --width 4096 --worlds 1 $([[ $RANKS -gt 1 ]] && echo 2)

@@ -157,3 +157,36 @@ def test_kernel_moments_match_two_pass(dtype, cl):
         assert n == groups.shape[-1] and mean.dtype == torch.float32
         torch.testing.assert_close(mean.double(), want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(m2.double() / n, var, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "dtype, cl", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)]
+)
+def test_backward_kernel_pieces_on_device(dtype, cl):
+    """The two ``native_batch_norm_backward`` calls of the fused backward on the harness
+    device (CUDA under ``SPCONV_TEST_DEVICE=cuda``, where the kernel asserts on an undefined
+    ``save_mean``) against their formulas in fp64: ``sum(dy * xhat)``, ``sum(dy)`` and
+    ``invstd * w * dy`` in ``dy``'s dtype."""
+    from spconv_train.parallel._norm_stats import _affine_sums, _mixed_ok, _scaled
+
+    dev = device()
+    x = _input(5, 2, 9, dtype, channels_last=cl).to(dev)
+    dy = _input(6, 2, 9, dtype, channels_last=cl).to(dev)
+    var, mean = torch.var_mean(x.double(), (0, 2, 3), correction=0)
+    invstd = torch.rsqrt(var + 1e-5)
+    w = seeded(7, C).double().to(dev) + 1.0
+    stats = (mean.float(), var.float())
+    gw, gb = _affine_sums(dy, x, w.float(), stats, invstd.float(), 1e-5)
+    scaled = _scaled(dy, x, w.float(), stats, invstd.float(), 1e-5)
+    # the statistics as the kernels get them (fp32): their rounding times sum(dy) is no error
+    mean, invstd, w = mean.float().double(), invstd.float().double(), w.float().double()
+    xhat = (x.double() - mean.view(1, C, 1, 1)) * invstd.view(1, C, 1, 1)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # fp32 sums of 108 terms; bf16 output
+    sums = torch.stack([gw, gb]).double()
+    want = torch.stack([(dy.double() * xhat).sum((0, 2, 3)), dy.double().sum((0, 2, 3))])
+    torch.testing.assert_close(sums, want, rtol=tol, atol=tol)
+    want = dy.double() * (invstd * w).view(1, C, 1, 1)
+    assert scaled.dtype == dtype and gw.dtype == torch.float32
+    torch.testing.assert_close(scaled.double(), want, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        assert _mixed_ok(dev.type, dtype, torch.float32)

@@ -173,12 +173,11 @@ def _mixed_ok(device: str, dtype: torch.dtype, stats: torch.dtype) -> bool:
     p = torch.ones(2, dtype=stats, device=device)
     try:
         y = torch.batch_norm(x, p, p, p, p, False, 0.0, 1e-5, False)
-        grads = torch.ops.aten.native_batch_norm_backward(
-            y, x, p, None, None, p, p, True, 1e-5, [False, True, True]
-        )
+        grads = _affine_sums(y, x, p, (p, p), p, 1e-5)
+        scaled = _scaled(y, x, p, (p, p), p, 1e-5)
     except (RuntimeError, NotImplementedError):
         return False
-    return y.dtype == dtype and grads[1].dtype == stats
+    return y.dtype == scaled.dtype == dtype and grads[0].dtype == stats
 
 
 def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -272,13 +271,7 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     cells: _Cells = ctx.cells
     want_dx, want_dw, want_db = wants
     stats = (mean.reshape(-1), var.reshape(-1))
-    # The affine gradients only (mask): sum(dy * xhat) and sum(dy), the same in training and
-    # evaluation form. The training form with the saved mean / invstd is used because CUDA's
-    # kernel requires them (torch 2.11 asserts on ``save_mean`` without them; CPU does not);
-    # likewise a defined weight (``w``: ones without affine; ``gw`` does not depend on it).
-    _, gw, gb = torch.ops.aten.native_batch_norm_backward(
-        dy, x, w, None, None, stats[0], invstd.reshape(-1), True, ctx.eps, [False, True, True]
-    )
+    gw, gb = _affine_sums(dy, x, w, stats, invstd.reshape(-1), ctx.eps)
     if want_dx or ctx.reduce_affine:
         # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts
         sums = sum_now(torch.cat([gw, gb]), *cells.groups).split(gw.numel())
@@ -293,10 +286,30 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
             dx = dx.addcmul_(dy, _hw(a[None]))
         else:  # ``a * dy`` as the evaluation-form backward: a bf16 ``addcmul_`` with an fp32
             # scale takes CPU's unvectorised mixed-dtype loop (10-20x slower, torch 2.14)
-            ady = torch.ops.aten.native_batch_norm_backward(
-                dy, x, w, *stats, None, None, False, ctx.eps, [True, False, False]
-            )[0]
-            dx = dx.add_(ady)
+            dx = dx.add_(_scaled(dy, x, w, stats, invstd.reshape(-1), ctx.eps))
     dw = gw.to(weight.dtype) if want_dw else None
     db = gb.to(ctx.bias_dtype) if want_db else None
     return dx, dw, db, None, None, None, None, None
+
+
+# ``native_batch_norm_backward`` as the two pieces used above. CUDA's kernel asserts that
+# ``save_mean`` / ``save_invstd`` are defined in either form (torch 2.11 on an H200:
+# "save_mean should always be defined"; CPU takes ``None``), so both forms pass them; in the
+# evaluation form CPU reads the running statistics and CUDA the saved ones (non-empty), the
+# same values. ``w`` is always defined (ones without affine; ``gw`` does not depend on it).
+
+
+def _affine_sums(dy, x, w, stats, invstd, eps) -> tuple[Tensor, Tensor]:
+    """Local ``sum(dy * xhat)`` and ``sum(dy)`` per channel (the affine gradients' mask)."""
+    _, gw, gb = torch.ops.aten.native_batch_norm_backward(
+        dy, x, w, None, None, stats[0], invstd, True, eps, [False, True, True]
+    )
+    return gw, gb
+
+
+def _scaled(dy, x, w, stats, invstd, eps) -> Tensor:
+    """``invstd * w * dy`` in the statistics' precision, written in ``dy``'s dtype (the
+    evaluation-form input gradient)."""
+    return torch.ops.aten.native_batch_norm_backward(
+        dy, x, w, *stats, stats[0], invstd, False, eps, [True, False, False]
+    )[0]
