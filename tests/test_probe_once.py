@@ -90,3 +90,15 @@ def test_probe_cached_and_errors_raised_again():
     for _ in range(2):  # a failing probe is not cached: torch's error every time
         with pytest.raises(RuntimeError):
             cat_shape([(2, 3), (3, 4)], 1)
+
+
+def test_probe_keys_tell_bool_from_int():
+    """``1`` and ``True`` are the same dict key, not the same index: ``t[1]`` drops a dim,
+    ``t[True]`` adds one; each is probed under its own key whichever comes first."""
+    from spconv_train.parallel._probe import index_shape
+
+    assert index_shape((2, 3), (1,)) == (3,)
+    assert index_shape((2, 3), (True,)) == (1, 2, 3)
+    assert index_shape((2, 3), (slice(None), 1)) == (2,)
+    assert index_shape((2, 3), (slice(None), True)) == (2, 1, 3)
+    assert result_shape(torch.sum, (2, 3), 1, True) == (2, 1)  # dim 1, keepdim

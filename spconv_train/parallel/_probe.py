@@ -31,7 +31,17 @@ def _run(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs: 
     return _shape_of(func(metas if many else metas[0], *args, **dict(kwargs)))
 
 
-_cached = functools.lru_cache(maxsize=1024)(_run)
+def _types(x):
+    """The types of an argument's leaves: ``1``, ``1.0`` and ``True`` are equal keys to a
+    dict, but ``t[1]`` drops a dim where ``t[True]`` adds one."""
+    if isinstance(x, (tuple, list)):
+        return tuple(_types(i) for i in x)
+    return type(x)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached(types: tuple, *key) -> Shape:
+    return _run(*key)
 
 
 def _probe(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs: dict) -> Shape:
@@ -43,7 +53,7 @@ def _probe(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs
         hash(key)
     except TypeError:  # e.g. a list or slice argument: probed every call
         return _run(*key)
-    return _cached(*key)
+    return _cached(_types(key[4:]), *key)
 
 
 def result_shape(
