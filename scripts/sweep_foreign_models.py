@@ -192,7 +192,8 @@ def two_width_check(
     collectives (on any rank), the same check at width ``wider`` under a ``CommAudit``,
     and the lines of the collectives that run there again with the same op and shape
     dropped (they do not grow with the image: ``_comm_audit.grows_with_image``), each
-    added to ``cleared`` as ``CLEARED`` + op and shape."""
+    added to ``cleared`` as ``CLEARED`` + op and shape; the wider check's other failures are
+    kept, prefixed with its width."""
     lines = strip_check(build, h, w, world, **check)
     only_moved = bool(lines) and all(_MOVED.search(line) for line in lines)
     flag = torch.tensor([float(only_moved)])
@@ -200,9 +201,16 @@ def two_width_check(
     if not flag.item():
         return lines
     with CommAudit() as audit:
-        strip_check(build, h, wider, world, **check)
+        wider_lines = strip_check(build, h, wider, world, **check)
+    flagged = {(r.op, r.shape) for r in _flagged(lines)}
     grown = {(r.op, r.shape) for r in grows_with_image(_flagged(lines), audit.records)}
-    kept = []
+    # the wider run's own failures count: a wrong value, or a collective flagged there
+    # that the first width did not run with that op and shape (it grew with the image)
+    kept = [
+        f"at width {wider}: {line}"
+        for line in wider_lines
+        if not _MOVED.search(line) or any((r.op, r.shape) not in flagged for r in _flagged([line]))
+    ]
     for line in lines:
         found = _flagged([line])
         if found and not any((r.op, r.shape) in grown for r in found):

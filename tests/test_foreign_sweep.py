@@ -101,10 +101,12 @@ def _two_widths(world: int) -> list[str]:
     """The sweep's two-width audit (``scripts/sweep_foreign_models.py``): TinyViT's block on
     a 4 x 5 map (padded to 2 x 2 windows, fewer than 3 ranks) is exact and its bias table's
     gradient, all-reduced at ``(heads, 9, 9)`` whatever the width, is no gather; the planted
-    all-reduce of an activation's shape still is."""
+    all-reduce of an activation's shape still is, at both widths."""
     failures = two_width_check(_TinyVit, 4, 5, 5 + world, world)
     planted = two_width_check(_Planted, 4, 5, 5 + world, world)
-    if planted != ["gathered activation: allreduce_ (2, 4, 4, 5)"]:
+    wider = 5 + world  # the wider run's own gather (a new shape: it grew) is reported too
+    want = [f"at width {wider}: gathered activation: allreduce_ (2, 4, 4, {wider})"]
+    if planted != [*want, "gathered activation: allreduce_ (2, 4, 4, 5)"]:
         failures.append(f"planted gather: {planted}")
     return failures
 
