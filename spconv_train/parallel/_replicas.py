@@ -1,28 +1,12 @@
 """One model across the ranks of a mesh: the same starting state, and torch's gradient
 reducers in place of the runtime's own.
 
-``broadcast_model_state`` (``parallelize``'s ``sync_state``) copies mesh rank 0's
-parameters and buffers to every rank. The ranks of the sp dimension each run a strip of
-*one* network: a rank that built its model from another random state would compute its
-strip with other weights and the stitched output would be silently wrong at every column
-(DistributedDataParallel has the same hazard across replicas and broadcasts rank 0's state
-when it wraps a model).
-
-``replicate_gradients`` (DDP, ``parallel.grad_reduce: ddp``, the default) and
-``shard_parameters`` (FSDP2: every rank holds ``1 / world`` of the parameters, gradients and
-optimizer state, each parameter sharded along dim 0, a block's parameters all-gathered
-before its forward and backward and its gradients reduce-scattered after it) both reduce
-over the mesh flattened to one dimension. Gradient semantics (docs/design.md, "Exact
-semantics"): the loss is the global mean, so a parameter that meets a sharded activation
-gets on each rank a partial gradient whose sum over the activation's sharding groups
-(width and batch) is the single-device gradient. Both wrappers average over all ``world``
-ranks; the model's ``GradReducer`` steps aside (``defer_to``) and only scales each partial
-gradient by the size of its groups, so the average is exactly that sum and nothing is
-reduced twice. Gradients already complete on every rank (batch norm's affine gradients,
-which ride on its statistics all-reduce) average to themselves. Dividing by ``dp`` instead
-would be wrong: every data-parallel rank's gradient is already a share of the global mean.
-DDP was measured against the built-in bucketed reducer over the same groups
-(``scripts/bench_step.py --reducers builtin ddp``, docs/benchmarks.md) and is no slower.
+``broadcast_model_state`` (``sync_state``) copies mesh rank 0's parameters and buffers to
+every rank; ``replicate_gradients`` (DDP, the default) and ``shard_parameters`` (FSDP2)
+reduce over the mesh flattened to one dimension, the ``GradReducer`` deferring to them
+(``defer_to``: partial gradients scaled by the size of their groups). Gradient semantics
+and why: docs/design.md, "Every rank starts from the same weights", "Parameter gradients
+are averaged by DistributedDataParallel by default", "With FSDP nothing is reduced twice".
 """
 
 from __future__ import annotations
