@@ -1,14 +1,9 @@
 """Halo exchange along the width, as differentiable point-to-point communication.
 
-``gather_columns`` returns, on every rank of a spatial group, the global columns its
-``ExchangePlan`` says it needs: its own columns are sliced locally, the others arrive from
-the (neighbouring) ranks that own them. All sends and receives of one call are posted
-together with ``batch_isend_irecv`` on the spatial process group, so a 2-D ``(dp, sp)``
-mesh works and only real neighbours talk.
-
-The exchange is linear; its adjoint sends each received column's gradient back to its owner,
-which adds it onto its own columns. That is the backward here, written with the same
-primitive in the other direction.
+``gather_columns``: on every rank of a spatial group, the global columns its ``ExchangePlan``
+needs, its own sliced locally, the others from their owners, all posted in one
+``batch_isend_irecv`` on the spatial group (so a ``(dp, sp)`` mesh works); the backward is
+the adjoint, the same primitive in the other direction (docs/halo.md).
 """
 
 from __future__ import annotations
