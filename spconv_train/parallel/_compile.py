@@ -14,18 +14,6 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-__all__ = [
-    "eager_from_eager",
-    "graph_handler",
-    "in_dtensor_graphs",
-    "mutates_input",
-    "returns_view",
-    "not_traced",
-    "route_through_modes",
-    "run_eagerly",
-    "traced_dtensor_op",
-]
-
 F = TypeVar("F", bound=Callable)
 
 # Reading a DTensor's metadata creates no graph op; breaking the graph there would only
@@ -63,11 +51,7 @@ def eager_from_eager(fn: F) -> F:
     code (``SpatialMode.__torch_function__``): called from eager code, after a graph break
     at the op, it has nothing to compile, and compiled per op and shape it hit the
     recompile limit."""
-    from torch._C._dynamo.eval_frame import (
-        _FrameAction,
-        _FrameExecStrategy,
-        set_code_exec_strategy,
-    )
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
     set_code_exec_strategy(fn.__code__, skip)

@@ -24,13 +24,7 @@ from ._layout import memory_format
 from ._mode import register_handler
 from ._parallelize import spatial_module
 from ._runtime import current_runtime
-from ._sharding import (
-    SpatialLayout,
-    enter,
-    leave,
-    run_unsharded,
-    spatial_layout,
-)
+from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
 from ._tiles import along, layout_axes
 
 #: the linear mode of each tensor rank (its 1-D table is the "bilinear" one, per dim)

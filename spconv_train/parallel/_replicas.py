@@ -170,8 +170,5 @@ def replicate_gradients(model: nn.Module) -> nn.Module:
         return model
     runtime.grad_reducer.defer_to(mesh.size())
     return DistributedDataParallel(
-        model,
-        process_group=mesh.get_group(),
-        static_graph=True,
-        forward_sync_buffers=False,
+        model, process_group=mesh.get_group(), static_graph=True, forward_sync_buffers=False
     )

@@ -26,12 +26,7 @@ from ._mode import register_handler
 from ._prefix_shard import placement
 from ._probe import result_shape
 from ._registry import DEFAULT_REGISTRY, function_name
-from ._token_layout import (
-    TokenLayout,
-    _nest,
-    is_tokens,
-    split_layouts,
-)
+from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts
 
 
 def is_nested(x) -> bool:

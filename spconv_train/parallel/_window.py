@@ -113,12 +113,7 @@ def plan_window(
 
 
 def gather_window(
-    local: Tensor,
-    wp: WindowPlan,
-    rank: int,
-    group,
-    mode: str = "zeros",
-    value: float = 0.0,
+    local: Tensor, wp: WindowPlan, rank: int, group, mode: str = "zeros", value: float = 0.0
 ) -> Tensor:
     """Fetch this rank's window (halo included) along the last dim and pad it at the image
     edges, so the local op afterwards runs with padding 0 along that dim.
