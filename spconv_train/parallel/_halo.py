@@ -66,8 +66,7 @@ def post_p2p(
     Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
     posting order (per ``tag``), which both sides derive from the same ``ExchangePlan``.
     Sent bytes and messages are added to ``stats`` (the runtime's, captured in the forward),
-    and so is the time spent posting and, in ``wait``, blocked.
-    """
+    and so is the time spent posting and, in ``wait``, blocked."""
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p, tag=tag) for p, t in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p, tag=tag) for p, t in sends]
     if not ops:
@@ -168,8 +167,7 @@ def gather_columns(
     ``local`` (columns ``plan.owned[rank]`` of the global tensor) and its neighbours', with
     ``pad_lo``/``pad_hi`` columns of ``value`` around them (image-edge padding).
 
-    Differentiable: the backward returns every halo gradient to the rank that owns the column.
-    """
+    Differentiable: the backward returns every halo gradient to the rank that owns the column."""
     if len(plan.owned) == 1 and not (pad_lo or pad_hi):
         # One rank, no padding: no communication and no copy.
         # (The whole strip is returned as is: a full-width narrow's backward would
@@ -189,8 +187,7 @@ class _SumGradOverGroups(torch.autograd.Function):
 
     Wrapped around a parameter where it meets a local strip of a sharded activation: the
     local gradient is a partial sum over the strip (and over the local batch on a
-    data-parallel dimension), and the sum over the groups is the single-device gradient.
-    """
+    data-parallel dimension), and the sum over the groups is the single-device gradient."""
 
     @staticmethod
     def forward(ctx, param: Tensor, groups: tuple) -> Tensor:
@@ -211,8 +208,7 @@ def sum_grad_over(param: Tensor | None, groups: tuple) -> Tensor | None:
     A parameter (a leaf) is handed to the current runtime's ``GradReducer``: the gradient
     of this use is summed once per backward, bucketed with the others and overlapped with
     the rest of the backward. Any other tensor gets an autograd node that all-reduces its
-    gradient.
-    """
+    gradient."""
     if param is None or not groups or not (param.requires_grad and torch.is_grad_enabled()):
         return param
     if param.is_leaf:

@@ -92,8 +92,7 @@ def resize_table(
     "nearest"/"nearest-exact": ``(index,)``. "bilinear": ``(i0, i1, w0, w1)`` with output
     ``j = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``. ``double``: the input is float64, for which
     ATen computes scales and weights in float64 (float32 otherwise). Indices are
-    non-decreasing in ``j``.
-    """
+    non-decreasing in ``j``."""
     j = torch.arange(size_out, dtype=torch.int64)
     last = size_in - 1
     opm = torch.float64 if double else torch.float32

@@ -86,8 +86,7 @@ def plan_window(
     ``ceil_mode``: as extra ``pad_hi``, ``_tiles.ceil_geom``).
 
     Raises ``SpatialShardingError`` (naming ``what``) when a strip is empty or narrower than
-    the halo it must give to its neighbour.
-    """
+    the halo it must give to its neighbour."""
     if mode not in PAD_MODES:
         raise SpatialShardingError(f"{what}: padding mode {mode!r} is not supported")
     owned = check_strips(what, width, parts, "input")
@@ -120,8 +119,7 @@ def gather_window(
 
     ``mode`` "zeros"/"constant" pads with ``value`` (e.g. ``-inf`` for max pooling);
     "reflect"/"replicate"/"circular" follow ``F.pad``. ``halo_window`` does the same for
-    every sharded dim of any layout.
-    """
+    every sharded dim of any layout."""
     pl, pr, cl, cr = wp.edges[rank]
     if mode in ("zeros", "constant"):
         # The width padding is written straight into the window buffer (no extra copy).
@@ -234,8 +232,7 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
 
     Without it, a convolution's saved input (part + halo, a separate buffer) would sit next
     to the part itself, saved by the op before it: twice the activation memory of one
-    device. A no-op when the current runtime's ``save_windows_by_reference`` option is off.
-    """
+    device. A no-op when the current runtime's ``save_windows_by_reference`` option is off."""
 
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
