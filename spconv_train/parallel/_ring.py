@@ -240,17 +240,10 @@ def block_backward(
 
 
 class RingAttention(torch.autograd.Function):
-    """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``.
-
-    ``q``, ``k``, ``v``: this rank's tokens, ``(..., L_r, E)`` (``v``: ``(..., L_r, Ev)``),
-    the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group;
-    ``pieces``: ``m``, the pieces each key / value block travels in; ``bias``: this rank's
-    rows of an additive mask (or None), which ``mask`` places on the pieces (the causal
-    mask too); ``kbias``: an additive mask of this rank's keys ``(..., L_r, 1)`` (a key
-    padding mask split like the keys, or None), which travels with them. Memory: besides its
-    own tensors a rank holds the piece it works on, the one in flight, one output (forward)
-    or query gradient (backward) of the kernel and, in the backward, a piece's gradients and
-    its received accumulator; the online-softmax updates run in place."""
+    """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``: the autograd
+    function of ``ring_attention`` (the arguments are its own; ``sizes``: ``L_r`` of every
+    rank, ``pieces``: ``m``). Memory per rank: docs/attention.md, "Exact global attention";
+    the online-softmax updates run in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
