@@ -124,12 +124,10 @@ class HaloWindow:
         return leave(out, self.layout, tile_shape(self.input_shape, out, self))
 
     def saving(self):
-        """Context: an op run inside it that saves ``local`` for its backward keeps the local
-        part by reference plus the thin halo slabs of every exchange (edges and corners)
-        instead of the window copy, and rebuilds the window in the backward (activation
-        memory of a sharded conv: one device's / N; ``_window.saving_steps_by_reference``).
-        A no-op for windows padded locally, cropped or built in a non-constant mode, and
-        for plain tensors."""
+        """Context: an op run inside it saves the window as the local part by reference
+        plus the halo slabs of every exchange (``_window.saving_steps_by_reference``). A
+        no-op for windows padded locally, cropped or built in a non-constant mode, and for
+        plain tensors."""
         if self.reshaped or not self.steps or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         return saving_steps_by_reference(self.window, self.source, self.steps, self.value)

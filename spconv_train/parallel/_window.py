@@ -228,11 +228,8 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
     """While active, an op that saves ``window`` (built from ``local`` by the exchanges
     ``steps``, ``WindowStep``, in order: one per sharded dim; edge padding of ``value``) for
     its backward saves a recipe instead (``local`` by reference plus its halo slabs) and
-    rebuilds the window in the backward.
-
-    Without it, a convolution's saved input (part + halo, a separate buffer) would sit next
-    to the part itself, saved by the op before it: twice the activation memory of one
-    device. A no-op when the current runtime's ``save_windows_by_reference`` option is off."""
+    rebuilds the window in the backward (why: docs/design.md, "Saving windows by
+    reference"). A no-op when the runtime's ``save_windows_by_reference`` option is off."""
 
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
