@@ -9,19 +9,10 @@ Using it (torch's own ``init_device_mesh``, ``distribute_tensor``, ``Shard``)::
     y = model(x)                      # DTensor, Shard(3); y.full_tensor() == model(img)
     runtime_of(model).stats           # halo seconds / bytes / messages, gathers
 
-``ParallelDims`` names the mesh dims and what each shards (``dp``: the batch; ``sp``: one
-spatial dim; ``sp_d`` / ``sp_h`` / ``sp_w``: D / H / W of tiles and volume blocks).
-``CommAudit`` (a context manager) lists every collective a step issued.
-``shard_parameters(model, blocks)`` adds FSDP2 over the whole mesh (each rank keeps
-``1 / world`` of the parameters, gradients and optimizer state); ``replicate_gradients``
-wraps the model in ``DistributedDataParallel`` instead (``local_module`` unwraps it).
-On CPU, create the gloo process groups (the mesh) inside ``with gloo_threads_idle():``:
-gloo's helper threads then stop taking cores from the compute threads.
-
-Making a new op spatial: ``spconv_train.parallel.extend`` (``docs/extending.md``).
-Importing this package registers nothing and patches nothing: ``parallelize`` installs the
-built-in handlers (``extend.install``). Every name in ``__all__`` is public and documented;
-``parallel._x`` modules are not. This package depends only on torch.
+Every name in ``__all__`` is public and documented (README, "Make your own op spatial");
+op authors use ``spconv_train.parallel.extend`` (``docs/extending.md``). Importing this package
+registers and patches nothing (``parallelize`` installs the built-in handlers). On CPU,
+create the gloo process groups inside ``with gloo_threads_idle():``. Depends only on torch.
 """
 
 from ._comm_audit import CommAudit

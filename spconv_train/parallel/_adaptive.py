@@ -1,25 +1,13 @@
 """Adaptive max and average pooling of any spatial rank on any layout: one implementation.
 
-Output cell ``j`` of a dim of size ``n`` pooled to ``o`` covers the input range
-``[floor(j*n/o), ceil((j+1)*n/o))`` (PyTorch's rule), so a window is a box and the pool is
-separable: every spatial dim is reduced over its window segments in turn. Max pooling
-reduces the innermost dim first and keeps the first maximum of each segment, tracking the
-global flat index, so the maximum found is the first in row-major order: torch's
-tie-break, on every layout (the gradient goes to that element only).
-
-Two placements of the output:
-
-- *halo*: one sharded dim pooled to more than one cell (images: only when every rank gets
-  an output cell). The output keeps the input's ``Shard`` (DTensor chunking); each rank
-  fetches the planes its windows read from its neighbours (``_adaptive_exchange``, refused
-  when a window reads beyond them): averages pool the other dims first, so those planes
-  are already pooled; max pooling fetches input planes (its tie order needs them).
-- *reduce* (global and small pooling: DeepLabV3's ASPP, LR-ASPP, squeeze-excitation, CBAM):
-  each rank reduces its own part of every window; an all-reduce over the spatial mesh dims
-  combines the parts (max: the value, then the smallest global flat index among the ranks
-  holding it, whose rank alone passes the gradient) and the output is ``Replicate`` on
-  them. With several sharded dims, outputs over a quarter of the smallest tile are refused:
-  that all-reduce and the replicated output would cost an activation.
+Cell ``j`` of a dim of size ``n`` pooled to ``o`` covers ``[floor(j*n/o), ceil((j+1)*n/o))``,
+so the pool is separable, one dim at a time; max pooling keeps the first maximum by global
+flat index (torch's tie-break on every layout). Two placements of the output: *halo* (one
+sharded dim pooled to more than one cell: the input's ``Shard``, each rank fetching from its
+neighbours the planes its windows read, pooled first for averages) and *reduce* (global and
+small pools: per-rank parts combined by an all-reduce, ``Replicate``; max by value, then the
+smallest global index, whose rank alone passes the gradient; with several sharded dims,
+outputs over a quarter of the smallest tile are refused). docs/tiles.md, docs/volumes.md.
 """
 
 from __future__ import annotations

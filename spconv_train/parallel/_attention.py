@@ -1,16 +1,11 @@
 """Exact global attention over sharded pixel tokens: ``F.scaled_dot_product_attention`` and
 ``nn.MultiheadAttention`` (``F.multi_head_attention_forward``).
 
-The sequence dim of q, k and v is split over the spatial ranks (a token layout,
-``_tokens.py``). When k and v are split like q (self-attention over the pixels), the
-key / value blocks go around the ring of the spatial group (``_ring.py``): exact, memory
-per rank O(L / P), no activation gather. When k and v are not split at all (small or
-replicated: cross-attention to learned queries, keys from a global pooling) every rank
-attends its own queries to all of them locally, and their gradient is summed over the
-ranks. Attention masks and biases (``attn_mask``, ``key_padding_mask``, ``is_causal``)
-meet the rank's query rows and each key piece's columns (``_ring_mask.py``). Attention
-dropout and the extra keys of ``nn.MultiheadAttention`` (``bias_k``, ``add_zero_attn``)
-are refused with ``SpatialShardingError`` naming the op and the module.
+K / V split like the queries go around the ring (``_ring.py``, exact, memory O(L / P) per
+rank); whole K / V are attended locally, their gradient summed over the ranks; masks and
+biases meet the rank's query rows and each piece's key columns (``_ring_mask.py``).
+Attention dropout and ``bias_k`` / ``add_zero_attn`` are refused by name.
+docs/attention.md.
 """
 
 from __future__ import annotations

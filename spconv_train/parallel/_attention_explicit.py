@@ -1,26 +1,12 @@
 """Attention written out over sharded pixel tokens: ``q @ k.transpose(-2, -1)`` -> softmax ->
 ``@ v`` (``@``, ``torch.matmul``, ``torch.bmm``, two-operand ``torch.einsum``).
 
-The queries' sequence dim (rows, dim -2) is split over the spatial ranks (a token layout,
-``_tokens.py``). The product of the queries with the keys keeps that split and holds
-*every* key on each rank (its rows of the one-device score matrix, keys in global order):
-a DTensor with the queries' placements. Scaling, softmax over the keys and dropout are
-then local (DTensor's own rules: the split dim is not the reduced one). The product of
-those weights with the values contracts over every key again. When the keys / values are
-split over the same ranks (self-attention, or their own layout: spatial-reduction
-attention's strided-conv keys), both products run as ring matmuls; when they are whole on
-every rank, locally with their gradient summed over the ranks. Any other product goes to
-DTensor's own rules: the no-gather guard refuses one that would move a sharded
-activation, naming the aten op and the module (``allow_gather`` runs it gathered), and a
-DTensor error becomes a ``SpatialShardingError`` naming the op and the module
-(``_errors.py``).
-
-The ring matmuls (``docs/attention.md``): **scores** ``S = q @ k^T``, each rank's query
-rows of ``S`` against every key in the global key order, and **apply** ``O = A @ v``, its
-rows of the weights against every value. The key (value) blocks travel whole around the
-ring (``_ring.Ring`` with one piece per block), never assembled on one rank; the
-backward's accumulators follow them home. Memory per rank: its rows of ``S``
-(``L_q / P x L_k``), its own blocks, the one in flight and one accumulator.
+The scores keep the queries' split with every key per rank (scaling, softmax over the keys
+and dropout then local under DTensor's rules); both products run as ring matmuls
+(``_ring.Ring``, whole key / value blocks, the backward's accumulators following them
+home) when keys and values are split over the same ranks, locally with the gradient summed
+when they are whole. Any other product goes to DTensor's rules behind the no-gather guard.
+docs/attention.md, "Attention written out".
 """
 
 from __future__ import annotations

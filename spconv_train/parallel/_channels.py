@@ -1,21 +1,11 @@
 """Ops over channels (or other unsharded dims) on a sharded DTensor, run per strip:
-``F.layer_norm`` over trailing unsharded dims (channels-last LayerNorm after a permute, as
-in timm's ``LayerNorm2d`` / ConvNeXt; the channels of pixel tokens, ``_token_layout.py``),
-``F.prelu``, ``chunk``/``split`` along an unsharded dim, and ``pixel_shuffle`` /
-``pixel_unshuffle`` (which move elements between blocks along each sharded one of the last
-two dims, one at a time, on any layout).
-
-Normalising over C (or applying a per-channel slope) is per pixel, so it is exact on each
-strip; the weight and bias gradients are partial sums over the strip, completed over the
-mesh dimensions that shard the activation (``sum_grad_over``).
-
-``F.linear`` on a DTensor whose last dim is not sharded: classification heads on globally
-pooled features (``Replicate`` on sp, maybe ``Shard(0)`` on dp); token heads (smp Segformer)
-on ``x.flatten(2).transpose(1, 2)`` of a sharded map, whose pixels are split over the sp
-ranks as a ``_StridedShard``. DTensor refuses to mix its DTensor input with the plain
-parameters, so the plain op runs on the local tensor (rows are independent) and the weight
-gradient is summed over every mesh dimension whose placement splits the rows
-(``sharding_mesh_dims``: ``Shard`` and ``_StridedShard`` alike).
+``F.layer_norm`` over trailing unsharded dims, ``F.prelu``, ``chunk`` / ``split`` along an
+unsharded dim, ``pixel_shuffle`` / ``pixel_unshuffle`` (elements moved between blocks along
+each sharded one of the last two dims, one at a time) and ``F.linear`` on rows that are
+whole (heads on pooled features, token heads; DTensor refuses to mix a DTensor input with
+plain parameters). Per-pixel ops are exact per strip; weight and bias gradients are
+completed over every mesh dim that splits the rows (``sum_grad_over``,
+``sharding_mesh_dims``).
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Count the communication a sharded step does, and catch hidden activation gathers.
 
-``CommAudit`` is a ``TorchDispatchMode`` that records every c10d operation dispatched while
-it is active: the classic ``c10d.*`` ops (``allreduce_``, ``send``, ``recv_``, ``scatter_``,
-...) that ``torch.distributed`` calls go through, and the functional ``_c10d_functional.*``
-ops DTensor uses for its redistributions (``all_gather_into_tensor``, ...). This leans on
-dispatcher op names: checked against torch 2.13 and 2.14 (``tests/test_comm_audit.py``
-guards it). It plays the role of DTensor's ``CommDebugMode`` but also sees the
-point-to-point halo traffic and plain ``dist.all_reduce`` calls.
-
-What counts as a moved activation: ``activation_sized`` flags a gather-like op, or a
-reduction of a spatial map, of at least a given number of elements (the callers' yardstick:
-a fraction of one rank's strip). On a small image that yardstick is small too, and
-collectives whose size has nothing to do with the image cross it: a channel-attention map
-(batch x heads x C/heads x C/heads, DaViT), the gradient of an attention bias picked from a
-parameter table (heads x 49 x 49, TinyViT). ``grows_with_image`` separates them: run the
-same step on a wider image (the width's odd factor changed, so no width at any stride of
-one run equals one of the other) and keep only the flagged collectives that the wider run
-did not repeat as often with the same op and shape. A moved activation (or a gradient of
-one) carries the image's width, or a rank's share of it, in its shape, so it never repeats;
-a collective the image's size does not enter repeats exactly. No collective is cleared by
-its size or shape alone (a C x C map and a 32 x 32 image look alike): only by running again,
-unchanged, on the wider image (``scripts/sweep_foreign_models.py``, ``two_width_check``).
+``CommAudit`` (a ``TorchDispatchMode``, like DTensor's ``CommDebugMode`` but also seeing the
+point-to-point halo traffic and plain ``dist.all_reduce``) records the classic ``c10d.*`` and
+the functional ``_c10d_functional.*`` ops by dispatcher name (torch 2.13 and 2.14,
+``tests/test_comm_audit.py``). ``activation_sized`` flags a gather-like op or a reduction of a
+spatial map above a size; ``grows_with_image`` keeps only the flagged collectives that a run
+on a wider image (its width's odd factor changed, so no width at any stride repeats) does
+not repeat with the same op and shape: a moved activation carries the width in its shape,
+a collective the image size does not enter (a channel-attention map, a bias table's
+gradient) repeats exactly. docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """Keep gloo's helper threads from taking the CPU away from a rank's compute thread.
 
-Every gloo process group runs an event-loop thread (``gloo_tcp_loop``) that reads the
-sockets, and worker threads (``pt_gloo_runloop``) that run collectives. When a message
-arrives while the rank's own thread holds the connection's lock (it is posting the next
-``irecv``/``isend``, which takes the same lock), the loop thread's handler only *tries* the
-lock, gives up, and goes back to ``epoll_wait``, which reports the unread socket again at
-once: the loop thread spins. On a machine whose cores are all busy with the ranks' compute
-threads (the usual CPU set-up: ``ranks x threads = cores``), the spinning thread is
-scheduled onto the lock holder's core and takes it away from the lock holder until the
-scheduler's next tick (4 ms on the CI machine): posting one receive then takes 3-9 ms.
-Measured on the 2-core CI machine (docs/benchmarks.md, "CPU thread placement"), a 2-rank
-``Conv2d(16, 16, 3)`` forward + backward on 16 x 256 x 1024 takes 23.2 ms per step with
-gloo's threads left alone, against a no-communication floor of 16.4 ms; 21.5 ms with them
-``SCHED_IDLE``, 19.0 ms with each rank also bound to its own core
-(``spconv_train/distributed/cpu_affinity.py``).
-
-``yield_gloo_threads`` gives those threads the ``SCHED_IDLE`` policy: they run whenever a
-core would otherwise idle (a rank waiting on a message leaves its core to them at once) and
-never preempt a compute thread. Lowering one's own threads' priority needs no privilege.
-The main thread, other Python threads and the store's thread are left alone. It only acts on
-threads that exist, and a gloo thread names itself only once it runs: wrap the code that
-creates process groups (each gloo group starts threads of its own) in
-``gloo_threads_idle()``, which waits for the threads the block started to take their names.
-``SPCONV_GLOO_THREADS=normal`` in the environment leaves them as they are.
-
-Torch internals leaned on: the thread names, set by gloo's TCP transport and by
-``ProcessGroupGloo`` (checked on torch 2.14.1 with its bundled gloo;
-``tests/test_comm_threads.py`` fails if no thread of a gloo group carries them any more).
+gloo's socket loop thread (``gloo_tcp_loop``) spins while a rank's thread holds a
+connection's lock and, on busy cores, takes the lock holder's core until the next
+scheduler tick; ``yield_gloo_threads`` gives gloo's threads (``gloo_tcp_loop``,
+``pt_gloo_runloop``) ``SCHED_IDLE`` (no privilege needed), leaving the main thread, other
+Python threads and the store's thread alone. A gloo thread names itself only once it runs,
+so ``gloo_threads_idle()`` wraps process-group creation and waits for the new threads'
+names; ``SPCONV_GLOO_THREADS=normal`` turns it off. The thread names are a torch internal
+(torch 2.14.1; ``tests/test_comm_threads.py``). Why and measurements: docs/design.md, "CPU
+runs", and docs/benchmarks.md, "CPU thread placement".
 """
 
 from __future__ import annotations

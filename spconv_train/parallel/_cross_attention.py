@@ -1,18 +1,12 @@
-"""Cross attention of whole queries to sharded keys: learned queries (DETR, Mask2Former,
-SAM's token-to-image attention) attending to the pixel tokens of a sharded map.
+"""Cross attention of whole queries to sharded keys (DETR, Mask2Former, SAM's
+token-to-image attention) through ``F.scaled_dot_product_attention``.
 
-The queries' sequence is not split (a plain tensor, or a DTensor replicated over the
-spatial ranks); the keys' and values' sequence is (a token layout, ``_tokens.py``). Every
-rank attends all the queries to its own keys, shifted by the row maximum over every
-rank's scores (an all-reduce max of a query-sized tensor), and the ranks' unnormalised
-outputs ``exp(s - m) @ v`` and denominators ``sum exp(s - m)`` are summed over the ranks
-holding tokens (one query-sized sum): exact, no key or value moves. Backward by autograd
-through the same terms: the queries' gradient is a partial sum per rank (reduced where it
-meets their whole value), the keys' and values' gradients stay local. A query that sees no
-key of a rank gets nothing from it; one that sees no key at all gives what torch gives on
-one device (SDPA: zeros; ``nn.MultiheadAttention`` with ``need_weights``: NaN).
-Masks are split like the keys along their last dim (a DTensor) or whole (indexed with the
-rank's token indices); a float mask that requires grad gets its exact gradient.
+Every rank attends all the queries to its own keys; a row maximum (all-reduce max) and one
+query-sized sum of ``exp(s - m) @ v`` and ``sum exp(s - m)`` combine the parts exactly, no
+key or value moving; the backward is autograd through the same terms. A query that sees no
+key at all gives what torch gives on one device (SDPA: zeros; ``nn.MultiheadAttention``
+with ``need_weights``: NaN). docs/attention.md, "Learned queries attending to sharded
+keys".
 """
 
 from __future__ import annotations

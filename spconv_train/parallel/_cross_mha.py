@@ -13,14 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from ._cross_attention import (
-    Seq,
-    _refuse,
-    attend,
-    local_mask,
-    local_query,
-    out_placements,
-)
+from ._cross_attention import Seq, _refuse, attend, local_mask, local_query, out_placements
 from ._dims import wrap
 from ._halo import sum_grad_over
 from ._ring_mask import _plus, additive

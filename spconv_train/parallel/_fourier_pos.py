@@ -1,22 +1,12 @@
 """timm EdgeNeXt's Fourier positional encoding, built per strip or tile.
 
-``PositionalEncodingFourier.forward((B, H, W))`` takes the map's size as integers (the
-global shape, read off the sharded activation) and builds the encoding of the whole
-image, a plain ``(B, 2 * hidden_dim, H, W)`` tensor, then projects it with a 1 x 1 conv.
-Added to the sharded tokens, that plain tensor's gradient would be summed over the ranks at
-the activation's size (the computed-plain-tensor guard of ``_broadcast.py`` refuses it).
-
-The encoding is a function of the global coordinates alone: row ``i`` of ``H`` gives
-``sin``/``cos`` of ``(i + 1) / H * 2 pi / temperature ** (2 k / hidden_dim)``, and columns
-likewise. So each rank builds only the block it holds of the last NCHW map a spatial layer
-took in this forward (``SpatialRuntime.last_image``: strips, H x W tiles, a data-parallel
-batch split alike), with the same float32 steps as timm (the values are bitwise those of
-one device), wraps it as a DTensor laid out like that map, and projects it with the
-module's own conv, swapped for the spatial conv by ``parallelize``: a local 1 x 1 conv
-whose weight gradient is summed over the ranks like every other parameter's. Nothing the
-size of the image is built or moved.
-
-timm is matched by the class's qualified name (the parallel layer imports torch only).
+timm builds the whole image's encoding as a plain tensor from the global size, whose
+gradient, added to sharded tokens, would be summed at the activation's size (refused by
+``_broadcast.py``'s guard). The encoding depends on global coordinates alone, so each rank
+builds only its block of the last map a spatial layer took (``SpatialRuntime.last_image``),
+with timm's float32 steps (bitwise one device's), and projects it with the module's own
+conv, made spatial by ``parallelize``. timm is matched by the class's qualified name.
+docs/models.md.
 """
 
 from __future__ import annotations

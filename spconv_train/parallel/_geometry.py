@@ -22,8 +22,7 @@ def shard_bounds(size: int, parts: int, index: int) -> Interval:
     """Columns ``[start, stop)`` that DTensor's ``Shard`` gives to ``index`` of ``parts``.
 
     DTensor splits like ``torch.chunk``: ``ceil(size / parts)`` per rank, so the last ranks
-    get fewer columns and possibly none.
-    """
+    get fewer columns and possibly none."""
     chunk = -(-size // parts) if parts > 0 else 0
     return min(index * chunk, size), min((index + 1) * chunk, size)
 
@@ -63,8 +62,7 @@ class ExchangePlan:
 
     ``needed[r]`` is an ordered list of intervals inside ``[0, width)``; rank ``r`` receives
     the concatenation of those columns, in order. ``wrap`` allows the first and last rank to
-    talk (circular padding); otherwise only neighbouring ranks may exchange.
-    """
+    talk (circular padding); otherwise only neighbouring ranks may exchange."""
 
     width: int
     owned: tuple[Interval, ...]

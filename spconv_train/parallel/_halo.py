@@ -1,14 +1,9 @@
 """Halo exchange along the width, as differentiable point-to-point communication.
 
-``gather_columns`` returns, on every rank of a spatial group, the global columns its
-``ExchangePlan`` says it needs: its own columns are sliced locally, the others arrive from
-the (neighbouring) ranks that own them. All sends and receives of one call are posted
-together with ``batch_isend_irecv`` on the spatial process group, so a 2-D ``(dp, sp)``
-mesh works and only real neighbours talk.
-
-The exchange is linear; its adjoint sends each received column's gradient back to its owner,
-which adds it onto its own columns. That is the backward here, written with the same
-primitive in the other direction.
+``gather_columns``: on every rank of a spatial group, the global columns its ``ExchangePlan``
+needs, its own sliced locally, the others from their owners, all posted in one
+``batch_isend_irecv`` on the spatial group (so a ``(dp, sp)`` mesh works); the backward is
+the adjoint, the same primitive in the other direction (docs/halo.md).
 """
 
 from __future__ import annotations
@@ -71,8 +66,7 @@ def post_p2p(
     Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
     posting order (per ``tag``), which both sides derive from the same ``ExchangePlan``.
     Sent bytes and messages are added to ``stats`` (the runtime's, captured in the forward),
-    and so is the time spent posting and, in ``wait``, blocked.
-    """
+    and so is the time spent posting and, in ``wait``, blocked."""
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p, tag=tag) for p, t in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p, tag=tag) for p, t in sends]
     if not ops:
@@ -173,8 +167,7 @@ def gather_columns(
     ``local`` (columns ``plan.owned[rank]`` of the global tensor) and its neighbours', with
     ``pad_lo``/``pad_hi`` columns of ``value`` around them (image-edge padding).
 
-    Differentiable: the backward returns every halo gradient to the rank that owns the column.
-    """
+    Differentiable: the backward returns every halo gradient to the rank that owns the column."""
     if len(plan.owned) == 1 and not (pad_lo or pad_hi):
         # One rank, no padding: no communication and no copy.
         # (The whole strip is returned as is: a full-width narrow's backward would
@@ -194,8 +187,7 @@ class _SumGradOverGroups(torch.autograd.Function):
 
     Wrapped around a parameter where it meets a local strip of a sharded activation: the
     local gradient is a partial sum over the strip (and over the local batch on a
-    data-parallel dimension), and the sum over the groups is the single-device gradient.
-    """
+    data-parallel dimension), and the sum over the groups is the single-device gradient."""
 
     @staticmethod
     def forward(ctx, param: Tensor, groups: tuple) -> Tensor:
@@ -216,8 +208,7 @@ def sum_grad_over(param: Tensor | None, groups: tuple) -> Tensor | None:
     A parameter (a leaf) is handed to the current runtime's ``GradReducer``: the gradient
     of this use is summed once per backward, bucketed with the others and overlapped with
     the rest of the backward. Any other tensor gets an autograd node that all-reduces its
-    gradient.
-    """
+    gradient."""
     if param is None or not groups or not (param.requires_grad and torch.is_grad_enabled()):
         return param
     if param.is_leaf:

@@ -1,21 +1,12 @@
 """``install()``: register the built-in spatial handlers and modules, once, explicitly.
 
-Importing ``spconv_train.parallel`` registers nothing and patches nothing. The built-in op
-modules (``_conv``, ``_pool``, ``_norm``, ...) declare their handlers with
-``register_handler`` and their module swaps with ``register_spatial_module``; ``install()``
-imports every one of them and then makes the ops that have no spatial implementation raise
-(the default refusal table below). It is idempotent and thread-safe, and every entry point
-that needs the handlers calls it first: ``parallelize``, ``SpatialMode`` and the
-registration functions of ``spconv_train.parallel.extend`` (so a handler a user registers
-is never overwritten by a built-in one installed later).
-
-The changes to torch state the parallel layer makes happen here too, not at import:
-registering a handler adds its functions to Dynamo's set of functions it routes through
-``TorchFunctionMode`` (``_compile.route_through_modes``), and the no-silent-gather guard
-wraps DTensor's report of implicit redistributions (``_errors.install_guard``),
-``DTensor.full_tensor`` / ``redistribute`` refuse the pixel tokens of tiles, whose nested
-placements DTensor would misread (``_errors.install_token_guard``), and
-DTensor learns the element-wise rule for three backward ops it lacks
+Importing ``spconv_train.parallel`` registers and patches nothing. ``install()`` (idempotent,
+thread-safe; called first by ``parallelize``, ``SpatialMode`` and ``extend``'s registration
+functions, so a user's handler is never overwritten) imports every op module, applies the
+default refusal table below, and makes the parallel layer's changes to torch state:
+Dynamo's routed functions (``_compile.route_through_modes``), the no-silent-gather guard
+(``_errors.install_guard``), the tiles' token guard on ``full_tensor`` / ``redistribute``
+(``_errors.install_token_guard``) and DTensor's element-wise rule for three backward ops
 (``_errors.add_pointwise_strategies``).
 """
 

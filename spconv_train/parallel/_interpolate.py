@@ -1,22 +1,10 @@
 """``F.interpolate`` / ``nn.Upsample`` on every layout: width strips, H x W tiles, volume
-blocks ("nearest", "nearest-exact" and the linear mode of the input's rank, "bilinear" or
-"trilinear", with ``align_corners`` either way; "area" is torch's adaptive average pool).
+blocks ("nearest", "nearest-exact", "linear" / "bilinear" / "trilinear" with
+``align_corners`` either way; "area" is torch's adaptive average pool).
 
-Resizing part by part is only right if every output column takes its source coordinate from
-the *global* sizes: ``F.interpolate`` on a strip would use the strip's width and shift every
-coordinate. So a resize is an index table plus weights per dimension, computed from the
-global sizes with PyTorch's own arithmetic (ATen ``UpSample.h``: ``area_pixel_compute_scale``,
-``nearest_idx``, ``compute_source_index_and_lambda``, in the same float precision and with
-the same special cases), and applied with ``index_select`` (nearest) or two
-``index_select`` and a weighted sum (linear: the same 1-D table for "linear", "bilinear" and
-"trilinear", which are separable), width first, then height, then depth, in the order
-ATen's CPU kernel sums. Along a sharded dim a rank fetches the input columns its output
-chunk reads (``plan_resize``, one halo exchange over that dim's mesh dim, done on the result
-of the dims before it) and applies the table restricted to its chunk; autograd through
-``index_select`` gives the backward. A spatially replicated input (e.g. DeepLab's pooled
-branch) is resized straight into this rank's output part: each rank reads its columns
-locally and its input gradient is only its part of the sum (``Partial`` on the spatial mesh
-dims).
+A resize is an index table plus weights per dim from the *global* sizes, with ATen's own
+arithmetic, applied with ``index_select`` per dim (W, then H, then D) after one halo
+exchange per sharded dim (``plan_resize``): docs/halo.md, "Resizing".
 """
 
 from __future__ import annotations
@@ -36,13 +24,7 @@ from ._layout import memory_format
 from ._mode import register_handler
 from ._parallelize import spatial_module
 from ._runtime import current_runtime
-from ._sharding import (
-    SpatialLayout,
-    enter,
-    leave,
-    run_unsharded,
-    spatial_layout,
-)
+from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
 from ._tiles import along, layout_axes
 
 #: the linear mode of each tensor rank (its 1-D table is the "bilinear" one, per dim)
@@ -110,8 +92,7 @@ def resize_table(
     "nearest"/"nearest-exact": ``(index,)``. "bilinear": ``(i0, i1, w0, w1)`` with output
     ``j = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``. ``double``: the input is float64, for which
     ATen computes scales and weights in float64 (float32 otherwise). Indices are
-    non-decreasing in ``j``.
-    """
+    non-decreasing in ``j``."""
     j = torch.arange(size_out, dtype=torch.int64)
     last = size_in - 1
     opm = torch.float64 if double else torch.float32

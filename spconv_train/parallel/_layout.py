@@ -1,28 +1,13 @@
 """Memory layout of local blocks: channels-last activations stay channels-last.
 
-With ``training.channels_last`` the convolutions compute channels-last (NHWC / NDHWC in
-memory) and so should everything between them: a layer whose output comes back NCHW
-makes the next convolution copy its input to channels-last, and its backward the gradient
-both ways. Two things here keep the layout:
-
-- ``in_layout``: the local block a DTensor hands to local code. ``DTensor.to_local`` and
-  ``DTensor.from_local`` each take a ``view_as`` of the local tensor, and a view gives a
-  size-1 dim the stride ``size * stride`` of the dim after it: a channels-last block of
-  batch 1 (the usual per-rank batch of a spatially sharded image) comes out with the batch
-  stride ``C`` instead of ``C*H*W``. Still channels-last-contiguous, but torch's
-  ``suggest_memory_format`` no longer calls it channels-last, so ``torch.cat``,
-  ``max_pool2d``, ``interpolate`` and the batch norm return NCHW results for it (and their
-  backward NCHW gradients). ``in_layout`` gives such a block its canonical strides again,
-  as views (no copy; autograd and in-place ops see ordinary views). The gradients that
-  DTensor's backward hands to local code have the same broken stride, and the backward
-  kernels that read the layout off their gradient (max pooling, batch norm, padding)
-  would copy or return it NCHW: ``grad_in_layout``, on the way out of local code
-  (``_sharding.leave``), gives them the canonical strides in the backward.
-- ``empty_as``: a new buffer (a halo window) in the layout of the block it is built from;
-  ``new_empty`` would allocate NCHW. (Likewise ops that allocate their result contiguous,
-  such as ``index_select``, run on the channels-moved-last view: ``_interpolate._apply``.)
-- ``reshape_kept``: a reshape that leaves a tensor of the right shape as it is (a
-  same-shape view would break the gradient's batch stride again).
+``to_local`` / ``from_local`` take a ``view_as``, which gives a size-1 batch dim the stride
+``C`` instead of ``C*H*W``: still channels-last-contiguous, but ``suggest_memory_format`` no
+longer calls it channels-last, so ``torch.cat``, ``max_pool2d``, ``interpolate``, batch norm
+(and the backward kernels reading the layout off their gradient) return NCHW and the next
+convolution copies. ``in_layout`` / ``grad_in_layout`` (the latter on the way out,
+``_sharding.leave``) restore canonical strides by views, no copy; ``empty_as`` allocates a
+buffer in its source's layout (``new_empty`` would be NCHW); ``reshape_kept`` leaves a tensor
+of the right shape as it is (a same-shape view would break the batch stride again).
 """
 
 from __future__ import annotations

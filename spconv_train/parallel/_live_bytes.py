@@ -1,13 +1,10 @@
 """``LiveBytes``: how much activation memory a forward leaves alive for its backward.
 
-Counted exactly, independent of the allocator: the distinct storages of the plain tensors
-created while the meter is active that are still referenced when ``live()`` is asked
-(after a forward: what autograd saved, plus the output). A storage is alive while any
-tensor uses it, including autograd's saved copies whose Python object is long gone, so
-the meter holds a C++-level weak reference to the *storage* (``StorageWeakRef``), not a
-Python weakref to the tensor object (which dies with its wrapper: an undercount).
-Activation checkpointing shows up here (recomputed tensors are freed after the forward),
-where a saved-tensor hook placed outside the checkpointed blocks would not see them.
+Counted exactly, independent of the allocator: the distinct storages of the tensors created
+under the meter still referenced when ``live()`` is asked. It holds a C++-level weak
+reference to each *storage* (``StorageWeakRef``): a Python weakref to the tensor dies with
+its wrapper while autograd's saved copy lives on (an undercount). Activation checkpointing
+shows here, where a saved-tensor hook outside the checkpointed blocks would not see it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """Max, average and adaptive pooling of NCHW images and NCDHW volumes on every layout: the
 public functions, modules and torch-function routes, and max / average pooling itself
-(adaptive pooling: ``_adaptive.py``, separable window reductions with torch's tie-break).
-Volumes refuse ``return_indices`` (there is no sharded ``MaxUnpool3d`` to use them either).
+(adaptive pooling: ``_adaptive.py``). Volumes refuse ``return_indices`` (no sharded
+``MaxUnpool3d`` uses them).
 
-A layout is its list of sharded axes (``_tiles.layout_axes``: none, strips, tiles or
-blocks). ``tile_window`` fetches the halo of every sharded dim in turn (W first, then H on
-the W window, then D: corners included), with ``ceil_mode`` turned into extra padding after
-(``ceil_geom``); image edges are ``-inf`` for max pooling, zeros for averaging. The unchanged
-local op then runs on the window with padding 0 along the sharded dims and the layer's own
-padding along the others, so a tie inside a window resolves exactly as on one device (the
-window is a contiguous box of the input, scanned in the same order). ``return_indices``
-gives global indices into the flattened spatial dims, as torch's.
-
-Average pooling divides by PyTorch's divisor computed from *global* positions
-(``count_include_pad``, ceil overhang) unless the local op's divisor is already right.
-The divisor factors and torch's argument checks are computed once per geometry
-(``functools.lru_cache``), not on every forward.
+``tile_window`` fetches the halo of every sharded dim (``ceil_mode`` as extra padding after,
+``ceil_geom``; edges ``-inf`` for max, zeros for averages); the unchanged local op runs on
+the window, a contiguous box scanned in the same order, so ties resolve as on one device;
+indices are global. Average pooling divides by torch's divisor from *global* positions
+unless the local one is right; divisors and argument checks are cached per geometry.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Global result shapes of torch ops, probed on meta tensors once per geometry.
 
-A handler that runs an op on a rank's local tensor wraps the result with the op's global
-shape. Running the op on meta tensors of the global shapes gives that shape with torch's
-own rules and checks (``torch.cat`` skipping legacy empty 1-D tensors, ``split``'s
-sections, a reshape's ``-1``), but costs a few aten calls and tens of microseconds each
-time; the shapes repeat every step, so each probe runs once per (op, shapes, arguments) and
-is kept in a bounded cache. Arguments that cannot be a cache key (a list, a slice) probe
-every call. A probe that fails is not cached: the call raises torch's error again.
+The meta run applies torch's own rules and checks (``torch.cat`` skipping legacy empty 1-D
+tensors, ``split``'s sections, a reshape's ``-1``) but costs tens of microseconds, so each
+probe is cached per (op, shapes, arguments) in a bounded cache; arguments that cannot be a
+key probe every call, and a failed probe is not cached (the call raises torch's error).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""Re-chunk a sharded dim: a new sharded tensor whose every element along that dim is a copy
-of some input element (or a fill value), with point-to-point traffic only; and the ops that
-are such a re-chunk: ``F.pad`` (every mode, negative amounts crop), slicing
-(``x[..., a:b:s]``, centre crops), ``flip`` and ``roll``.
+"""Re-chunk a sharded dim: every output element along it a copy of some input element (or a
+fill), with point-to-point traffic only; and the ops that are such a re-chunk: ``F.pad``
+(every mode, negative amounts crop), slicing (``x[..., a:b:s]``), ``flip`` and ``roll``.
 
-Each of them changes, along every sharded spatial dim of any layout (the width of strips, H
-and W of tiles, D, H or W of a volume, any of a block's, the same dims of a channels-last
-map or volume: ``rechunk_axes``; one dim at a time over its own mesh dim), which global
-column each output column reads and, since DTensor chunks the *new* size afresh, which rank
-owns it. A map is given as a few ``Segment``s (runs of output columns: a
-fill, or input columns ``start, start + step, ...``; step 0 repeats one column, step -1
-mirrors). Every rank computes every rank's needs from the map (no metadata exchange),
-receives from each owner the hull of the columns it needs (one message per owner pair,
-``gather_columns``), and picks its columns locally (``index_select``, whose backward adds
-duplicated reads, e.g. reflect padding, back up). Flip pairs rank r with rank n-1-r: P2P
-with the owner, never a gather. The backward returns every gradient column to its owner.
-
-Along the other dims the op runs on each block as is (the batch only when it is not
-sharded): padding is separable per dim, so the dims no mesh dim shards are padded locally.
-Index forms handled: ints, slices (step > 0), ``...``; anything else (tensor or boolean
-indices, ``None``) goes to DTensor's own rules.
+Along each sharded spatial dim of any layout (``rechunk_axes``, one dim at a time) the op is
+a map of ``Segment``s (a fill, or input columns ``start + step * i``; step 0 repeats, -1
+mirrors); every rank computes every rank's needs from it, receives the hull of its columns
+from each owner (``gather_columns``) and picks locally with ``index_select`` (whose backward
+adds duplicated reads back up). Unsharded dims run the op locally. Index forms: ints,
+slices (step > 0), ``...``; anything else goes to DTensor's rules.
 """
 
 from __future__ import annotations

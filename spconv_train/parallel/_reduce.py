@@ -1,27 +1,14 @@
 """Reductions and scans over any dimensions of a sharded DTensor (any layout): ``sum``,
-``mean``, ``amax``, ``amin``, ``var``, ``std`` (functions and Tensor methods, any
-``dim``/``keepdim``), the L2 norm (``x.norm(2, dim)``, ``torch.linalg.vector_norm``:
-timm ConvNeXt-V2's global response norm over H x W), ``softmax``, ``log_softmax`` and
+``mean``, ``amax``, ``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax`` and
 ``cumsum``.
 
-timm's squeeze-excitation blocks call ``x.mean((2, 3), keepdim=True)`` on the activation;
-DTensor would answer with a ``Partial`` (or all-to-all the activation first). Here each rank
-reduces its own part and small all-reduces of the per-part results (sums, maxima, element
-counts; variances in two passes: global mean, then squared deviations) over the mesh
-dimensions that shard a reduced dimension give the exact value, replicated there. A
-reduction that keeps the sharded dims (over C, say) is purely local and stays sharded.
-
-Gradients: sums go through ``sum_replicated`` (identity backward: the replicated output's
-gradient reaches every rank whole); ``amax``/``amin`` spread the gradient evenly over all
-elements equal to the extreme value on every rank, as torch does.
-
-Scans along an unsharded dim (softmax over channels, the usual case) run on each block.
-Along a sharded dim each block needs only small statistics of the others, never their
-elements: softmax the global row maximum (all-reduce MAX, no gradient: softmax does not
-depend on it) and the global sum of exponentials; cumsum the totals of the blocks before it
-(every rank's row totals, all-reduced into one small table). Those sums use the autograd-aware
-all-reduce of ``torch.distributed.nn``: each rank uses the global value with its own part of
-the gradient, and the backward sums those parts over the ranks.
+Each rank reduces its own part; small all-reduces of the per-part results over the mesh
+dims that shard a reduced dim give the exact value, replicated there (variances in two
+passes). Sums go through ``sum_replicated``; ``amax`` / ``amin`` spread the gradient evenly
+over every element equal to the extreme, as torch does. Scans along a sharded dim need only
+small statistics of the other blocks (softmax: the row maximum, no gradient, and the sum of
+exponentials; cumsum: the totals of the blocks before), all-reduced through
+``torch.distributed.nn`` so the backward sums each rank's part of the gradient.
 """
 
 from __future__ import annotations

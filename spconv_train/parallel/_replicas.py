@@ -1,28 +1,12 @@
 """One model across the ranks of a mesh: the same starting state, and torch's gradient
 reducers in place of the runtime's own.
 
-``broadcast_model_state`` (``parallelize``'s ``sync_state``) copies mesh rank 0's
-parameters and buffers to every rank. The ranks of the sp dimension each run a strip of
-*one* network: a rank that built its model from another random state would compute its
-strip with other weights and the stitched output would be silently wrong at every column
-(DistributedDataParallel has the same hazard across replicas and broadcasts rank 0's state
-when it wraps a model).
-
-``replicate_gradients`` (DDP, ``parallel.grad_reduce: ddp``, the default) and
-``shard_parameters`` (FSDP2: every rank holds ``1 / world`` of the parameters, gradients and
-optimizer state, each parameter sharded along dim 0, a block's parameters all-gathered
-before its forward and backward and its gradients reduce-scattered after it) both reduce
-over the mesh flattened to one dimension. Gradient semantics (docs/design.md, "Exact
-semantics"): the loss is the global mean, so a parameter that meets a sharded activation
-gets on each rank a partial gradient whose sum over the activation's sharding groups
-(width and batch) is the single-device gradient. Both wrappers average over all ``world``
-ranks; the model's ``GradReducer`` steps aside (``defer_to``) and only scales each partial
-gradient by the size of its groups, so the average is exactly that sum and nothing is
-reduced twice. Gradients already complete on every rank (batch norm's affine gradients,
-which ride on its statistics all-reduce) average to themselves. Dividing by ``dp`` instead
-would be wrong: every data-parallel rank's gradient is already a share of the global mean.
-DDP was measured against the built-in bucketed reducer over the same groups
-(``scripts/bench_step.py --reducers builtin ddp``, docs/benchmarks.md) and is no slower.
+``broadcast_model_state`` (``sync_state``) copies mesh rank 0's parameters and buffers to
+every rank; ``replicate_gradients`` (DDP, the default) and ``shard_parameters`` (FSDP2)
+reduce over the mesh flattened to one dimension, the ``GradReducer`` deferring to them
+(``defer_to``: partial gradients scaled by the size of their groups). Gradient semantics
+and why: docs/design.md, "Every rank starts from the same weights", "Parameter gradients
+are averaged by DistributedDataParallel by default", "With FSDP nothing is reduced twice".
 """
 
 from __future__ import annotations
@@ -102,18 +86,13 @@ def shard_parameters(
     """Apply FSDP2 ``fully_shard`` to each of ``blocks`` and then to the root ``model`` (a
     ``parallelize``d model) over all ranks of its mesh; returns the same model, in place.
 
-    Parameters become ``DTensor`` shards (``Shard(0)`` on the flattened mesh), so the
-    optimizer built afterwards keeps ``1 / world`` of its state per rank; names and
-    ``state_dict`` keys are unchanged. Each block is one all-gather / reduce-scatter unit
-    (its parameters are freed after its forward and gathered again in the backward); the
-    root holds the parameters outside any block and keeps them gathered from its forward
-    to the end of the backward. ``param_dtype`` (e.g. ``torch.bfloat16``) is the dtype the
-    forward computes with, ``reduce_dtype`` the one gradients are reduced in (FSDP2's
-    ``MixedPrecisionPolicy``; None: the parameters' own dtype).
-
-    Raises ``ValueError`` for a model that was not parallelized or is sharded already, or
-    that has a non-contiguous (e.g. channels-last) parameter.
-    """
+    Parameters become ``Shard(0)`` DTensors on the flattened mesh (build the optimizer
+    afterwards: ``1 / world`` of its state per rank; names and ``state_dict`` keys
+    unchanged). Each block is one all-gather / reduce-scatter unit, freed after its forward;
+    the root keeps its own parameters gathered from its forward to the end of the backward.
+    ``param_dtype`` / ``reduce_dtype``: FSDP2's ``MixedPrecisionPolicy`` (None: the
+    parameters' dtype). Raises ``ValueError`` for a model not parallelized, sharded
+    already, or with a non-contiguous (channels-last) parameter."""
     runtime = runtime_of(model)
     if is_sharded(model):
         raise ValueError(f"shard_parameters: {type(model).__name__} is sharded already")
@@ -143,8 +122,7 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
     Its forwards then talk to no rank outside their own spatial group, so data-parallel
     replicas may run different numbers of them (validation: image ``i`` on replica
     ``i % dp``); without it each forward all-gathers over the whole mesh and the replicas
-    would have to run in lock-step.
-    """
+    would have to run in lock-step."""
     if not is_sharded(model):
         yield
         return
@@ -165,19 +143,12 @@ def replicate_gradients(model: nn.Module) -> nn.Module:
     ranks of its mesh, its ``GradReducer`` deferring to it; a one-rank mesh returns
     ``model`` itself (nothing to reduce).
 
-    DDP runs with ``static_graph``: its first backward finds the parameters no rank used
-    (a head or encoder stage the forward skips, a weight off the loss's path), which then
-    keep ``.grad`` None, as on one device; later steps neither walk the autograd graph
-    nor all-reduce a used-parameter map (``find_unused_parameters`` would, every step).
-    Without either, such a model fails at its second step. The price: the parameters a
-    step uses must be the same every step (a model that skips layers at random needs
-    ``parallel.grad_reduce: builtin``).
-
-    Buffers are not broadcast before each forward (``forward_sync_buffers=False``): batch
-    norm's running statistics are computed from the all-reduced batch statistics and are
-    the same on every rank already. Parameter and buffer names gain DDP's ``module.``
-    prefix; ``local_module`` gives the wrapped model back.
-    """
+    DDP runs with ``static_graph`` (parameters no rank uses keep ``.grad`` None, as on one
+    device, with no per-step graph walk; the set of used parameters must stay the same
+    every step, else ``parallel.grad_reduce: builtin``) and without buffer broadcasts
+    (batch norm's running statistics are equal on every rank already): docs/design.md.
+    Without either, a model with unused parameters fails at its second step. Names gain
+    DDP's ``module.`` prefix; ``local_module`` gives the wrapped model back."""
     runtime = runtime_of(model)
     if local_module(model) is not model:
         raise ValueError("replicate_gradients: the model is wrapped in DDP already")
@@ -186,8 +157,5 @@ def replicate_gradients(model: nn.Module) -> nn.Module:
         return model
     runtime.grad_reducer.defer_to(mesh.size())
     return DistributedDataParallel(
-        model,
-        process_group=mesh.get_group(),
-        static_graph=True,
-        forward_sync_buffers=False,
+        model, process_group=mesh.get_group(), static_graph=True, forward_sync_buffers=False
     )

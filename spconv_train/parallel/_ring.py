@@ -1,18 +1,12 @@
 """The ring: blocks that travel around a process group point to point (``Ring``), and
-ring attention on it (``ring_attention``); the design is in ``docs/attention.md``.
+ring attention on it (``ring_attention``); the schedule and the design are in
+docs/attention.md, "Exact global attention: the ring".
 
-Every rank holds one block per travelling operand (keys and values; one operand of a
-ring matmul, ``_attention_explicit.py``), cut into ``m`` pieces. ``P`` pieces circulate at once,
-one per rank, one hop per step (``post_p2p``); after ``P`` hops a piece retires and its
-owner injects its next one, so rank ``r`` works at step ``t`` on piece ``t // P`` of rank
-``r - t % P``. Each piece's transfer is posted before the current piece's compute, so
-they overlap. In the backward each piece's gradient accumulator follows one step behind
-it, every rank adds its part, and after ``P`` hops it is home: its compute overlaps too.
-
-Ring attention merges the per-piece results with an online log-sum-exp softmax (memory
-per rank O(L / P)); per piece the CPU flash kernel (and its backward, which takes the
-*global* output and log-sum-exp) runs where it applies, plain matmuls elsewhere. An
-attention mask or bias meets each piece as its block of columns (``_ring_mask.py``).
+Pieces travel one hop per step, each transfer posted before the current piece's compute
+(overlapped); in the backward each piece's gradient accumulator follows one step behind
+it. Ring attention merges per-piece results with an online log-sum-exp; per piece the CPU
+flash kernel (its backward taking the *global* output and log-sum-exp) runs where it
+applies, plain matmuls elsewhere; masks meet each piece as columns (``_ring_mask.py``).
 """
 
 from __future__ import annotations
@@ -246,17 +240,10 @@ def block_backward(
 
 
 class RingAttention(torch.autograd.Function):
-    """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``.
-
-    ``q``, ``k``, ``v``: this rank's tokens, ``(..., L_r, E)`` (``v``: ``(..., L_r, Ev)``),
-    the same leading dims on every rank; ``sizes``: ``L_r`` of every rank of the group;
-    ``pieces``: ``m``, the pieces each key / value block travels in; ``bias``: this rank's
-    rows of an additive mask (or None), which ``mask`` places on the pieces (the causal
-    mask too); ``kbias``: an additive mask of this rank's keys ``(..., L_r, 1)`` (a key
-    padding mask split like the keys, or None), which travels with them. Memory: besides its
-    own tensors a rank holds the piece it works on, the one in flight, one output (forward)
-    or query gradient (backward) of the kernel and, in the backward, a piece's gradients and
-    its received accumulator; the online-softmax updates run in place."""
+    """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``: the autograd
+    function of ``ring_attention`` (the arguments are its own; ``sizes``: ``L_r`` of every
+    rank, ``pieces``: ``m``). Memory per rank: docs/attention.md, "Exact global attention";
+    the online-softmax updates run in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):

@@ -1,22 +1,12 @@
 """Attention masks and biases on the ring (``_ring.py``): where a mask meets the key /
-value pieces.
+value pieces (docs/attention.md, "Masks and biases on the ring").
 
-A mask given whole (``(L, S)``, or broadcastable to ``(N, heads, L, S)`` as
-``F.scaled_dot_product_attention`` takes it) is cut to this rank's query rows (and images,
-on a data-parallel split of the batch) once, before the ring (``select_rows``): the global
-token indices the rank holds (``held_indices``) pick them, and nothing beyond those rows is
-formed. A mask that is a DTensor split like the queries along dim -2 holds those rows
-already. At each ring step ``RingMask.block`` picks the columns of the piece worked on by
-the global indices of its keys (its owner's held tokens) and makes them an additive bias in
-the queries' dtype (a boolean mask stays boolean until then: 0 where attended, ``-inf``
-elsewhere); a ``key_padding_mask`` split like the keys travels with them, and
-``is_causal`` is formed per piece from the two index sets (query index >= key index).
-
-A bias that requires grad gets its gradient exactly: the score gradient of every block
-(``P * (dP - rowsum(dO * O))``, formed by the matmul backward) is summed over the dims the
-bias broadcasts and added into its columns (``RingMask.add_grad``); the gradient of a whole
-mask's rows is then summed over the ranks where it meets the plain tensor (like a position
-embedding's: a parameter's goes through the bucketed gradient reduction).
+A whole mask is cut once to this rank's query rows (``select_rows``, by ``held_indices``);
+a DTensor mask split like the queries holds them already. ``RingMask.block`` picks each
+piece's key columns and makes them an additive bias in the queries' dtype; a
+``key_padding_mask`` travels with the keys, ``is_causal`` is formed per piece from the two
+index sets. A bias that requires grad gets the score gradient of every block summed into
+its columns (``RingMask.add_grad``), then over the ranks where it meets the plain tensor.
 """
 
 from __future__ import annotations

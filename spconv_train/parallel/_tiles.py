@@ -1,16 +1,12 @@
 """The layout's sharded axes, and the halo window of any window op over them
 (``docs/tiles.md``, ``docs/extending.md``).
 
-A layout shards some spatial dims, each over one mesh dim (``layout_axes``: a strip's one
-axis, a tile's or block's two or three, none when replicated). A window op computes
-output ``j`` of a dim from inputs ``j * stride - pad_lo + t * dilation``, ``t < kernel``,
-so each rank needs its part, a halo from its neighbours and the image edges padded in the
-op's mode. ``tile_window`` builds that window on every layout with the one-dim machinery
-(``_window``), one sharded dim moved last at a time: W first, then H *on the W window*,
-then D, so the corners come from the diagonal neighbours in neighbour-only exchanges, and
-the backward is the chain of the exchanges' adjoints. The unchanged local op then runs on
-the window with padding 0; ``HaloWindow.wrap`` makes its result the output DTensor.
-``halo_window`` is the same for op authors, the geometry given as ``F.conv*d`` takes it.
+``layout_axes``: the (tensor dim, mesh dim) of every sharded spatial dim (a strip's one, a
+tile's or block's two or three, none when replicated). ``tile_window`` builds a window op's
+input window with the one-dim machinery of ``_window``, one sharded dim at a time: W, then
+H *on the W window*, then D, so corners come from diagonal neighbours in neighbour-only
+exchanges; ``HaloWindow.wrap`` makes the local result the output DTensor. ``halo_window``
+is the same for op authors, the geometry given as ``F.conv*d`` takes it.
 """
 
 from __future__ import annotations
@@ -128,12 +124,10 @@ class HaloWindow:
         return leave(out, self.layout, tile_shape(self.input_shape, out, self))
 
     def saving(self):
-        """Context: an op run inside it that saves ``local`` for its backward keeps the local
-        part by reference plus the thin halo slabs of every exchange (edges and corners)
-        instead of the window copy, and rebuilds the window in the backward (activation
-        memory of a sharded conv: one device's / N; ``_window.saving_steps_by_reference``).
-        A no-op for windows padded locally, cropped or built in a non-constant mode, and
-        for plain tensors."""
+        """Context: an op run inside it saves the window as the local part by reference
+        plus the halo slabs of every exchange (``_window.saving_steps_by_reference``). A
+        no-op for windows padded locally, cropped or built in a non-constant mode, and for
+        plain tensors."""
         if self.reshaped or not self.steps or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         return saving_steps_by_reference(self.window, self.source, self.steps, self.value)

@@ -1,22 +1,12 @@
-"""Indexing token tensors. Along dims no rank splits: ``kv[0]`` of SegFormer's and
-timm's stacked keys and values, ``x.select(0, i)``, ``x[:, :, 0]``.
+"""Indexing token tensors along dims no rank splits (``kv[0]``, ``x.select(0, i)``,
+``x[:, :, 0]``), and behind prefix tokens (``_token_prefix.py``).
 
-The result is the local tensor indexed the same way; the split dims only shift. DTensor's
-own rule would run ``select`` here too, but its backward (``select_backward``) builds the
-gradient from the *global* size, turned into a local one by DTensor's chunking, which is
-not the token layout of a dim split over several mesh dims (H x W tiles, ``_tokens.py``):
-run locally, autograd takes the backward on the local tensors.
-
-Behind prefix (class / register) tokens (``_token_prefix.py``): ``x[:, p:]`` gives the
-pixel tokens in their layout again (the owner of the prefix drops its prefix rows); an
-index or slice inside the prefix (``x[:, 0]``, ``x[:, :p]``) is broadcast from the owner to
-the ranks that split the tokens: a ``Replicate`` DTensor of ``N * p * C`` values, whose
-gradient is summed back to the owner.
-
-The owner is the first rank of the token ring (``_token_ring.py``): on strips the first
-rank of the spatial mesh dim, on H x W tiles and rows the rank at ``(0, 0)`` of the
-flattened ``(sp_h, sp_w)`` group, the one the ring's group and the token layouts
-(``TokenLayout.indices``: the prefix on the first rank of every mesh dim) agree on.
+The local tensor is indexed the same way: DTensor's ``select_backward`` would build the
+gradient from the global size chunked DTensor's way, which is not the token layout of a
+dim split over several mesh dims (tiles). ``x[:, p:]`` gives the pixel tokens in their
+layout again; an index inside the prefix (``x[:, 0]``, ``x[:, :p]``) is broadcast from the
+owner (the first rank of the token ring, ``_token_ring.py``) as a ``Replicate`` DTensor,
+its gradient summed back to the owner. docs/attention.md, "Prefix tokens".
 """
 
 from __future__ import annotations

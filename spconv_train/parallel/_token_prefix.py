@@ -1,35 +1,13 @@
 """Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens.
 
-timm's ``VisionTransformer`` concatenates its class token (and ``reg_tokens`` register
-tokens), the same for every image, in front of the pixel tokens:
-``torch.cat([cls.expand(N, -1, -1), x], dim=1)``, runs its blocks over the ``p + L`` tokens,
-and slices the prefix off again (``x[:, p:]``, ``x[:, :p]``, ``x[:, 0]``). Here the
-concatenation gives a DTensor whose token dim is a ``PrefixShard`` (``_prefix_shard.py``) on
-every mesh dim splitting it: the ``p`` prefix tokens held by one rank alone, the first of
-each of those mesh dims (of the spatial group on W strips; at ``(0, 0)`` of ``(sp_h, sp_w)``
-on H x W tiles and rows), in front of its pixel tokens, the other ranks' pixel tokens as
-before. Held once, everything computed on the prefix, and its gradient, is counted once
-(the class token's gradient is summed over the ranks, which hold no part of it but one).
-
-* Token-wise ops stay local: ``TokenLayout`` (``_token_layout.py``) counts the prefix, so
-  reshapes, ``F.layer_norm``, ``F.linear``, reductions over the channels
-  (``_token_reduce.py``) and a position embedding ``(1, p + L, C)`` (sliced to the rank's
-  tokens, the prefix rows on the owner) work as on pixel tokens; ring attention
-  (``_attention.py``, ``_attention_explicit.py``) takes every rank's token count and global
-  indices from the layout, so the prefix keys are attended exactly once. The ops DTensor
-  runs itself (permutes, ``unbind``, activations, dropout, scalar arithmetic) run on the
-  plain placements and get the prefix back.
-* Indexing the token dim (``x[:, p:]``, ``x[:, 0]``): ``_token_index.py``.
-  ``t.expand_as(tokens)`` of a replicated tensor of one token (smp DPT's "cat" readout)
-  expands it locally over the rank's tokens.
-
-Refused with ``SpatialShardingError`` naming the op and the module: a slice of the token
-dim that mixes the prefix and the pixel tokens, and an op that reduces over the tokens
-behind a prefix. A plain tensor the model computed with a gradient (a position table
-resized to the token grid) joined to the tokens is a gather in the backward, its gradient
-all-reduced at full size: refused (counted with ``allow_gather``, ``_errors.guard_gather``)
+``torch.cat([cls.expand(N, -1, -1), x], 1)`` gives a token dim that is a ``PrefixShard``
+(``_prefix_shard.py``): the prefix held once, by the first rank of every mesh dim splitting
+the tokens, so everything computed on it, and its gradient, counts once; token-wise ops
+read the prefix from ``TokenLayout``; slicing it off again is ``_token_index.py``.
+Refused by name: slices mixing prefix and pixel tokens, reductions over the tokens behind a
+prefix, and a plain tensor with a gradient joined to the tokens (a gather in the backward)
 in arithmetic (``_tokens.py``), in ``torch.cat`` along the channels, and as prefix tokens as
-long as a rank's share of the pixel tokens or longer (a class or register token is not).
+long as a rank's share of the pixel tokens. docs/attention.md, "Prefix tokens".
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""Token-wise reductions: ``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
+"""Token-wise reductions and scans (``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
 ``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
-``F.rms_norm`` ... over dims that no rank splits (the channels) of pixel tokens
-(``_tokens.py``), with or without prefix tokens (``_token_prefix.py``). ``F.layer_norm`` of
-maps and tokens alike: ``_channels.py``.
+``F.rms_norm`` ...) over dims no rank splits (the channels) of pixel tokens, with or without
+prefix tokens; ``F.layer_norm``: ``_channels.py``.
 
-Each rank holds whole tokens, so a reduction over the channels (``x.norm(dim=-1)``,
-``F.normalize(x, dim=-1)``, ``x.mean(-1, keepdim=True)``) is the local one, exact; the
-result keeps the token layout (the prefix included). DTensor's own rules would run the
-forward locally too, but its backward sizes the gradient by its own chunking of the
-placements (``expand`` of a ``mean``'s gradient), which is not the layout behind a prefix
-or of nested tiles: "The expanded size of the tensor (15) must match the existing size
-(17)". A reduction over the tokens themselves goes to the handler registered before
-(``_reduce.py``, DTensor's rules); behind a prefix it is refused with
-``SpatialShardingError`` naming the op and the module (the prefix is on one rank alone).
+Each rank holds whole tokens, so the local reduction is exact and keeps the token layout.
+Run here rather than by DTensor, whose backward sizes the gradient by its own chunking,
+which is not the layout behind a prefix or of nested tiles ("The expanded size of the
+tensor (15) must match the existing size (17)"). A reduction over the tokens goes to the
+handler registered before (``_reduce.py``); behind a prefix it is refused by name.
 """
 
 from __future__ import annotations

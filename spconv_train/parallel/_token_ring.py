@@ -1,14 +1,8 @@
-"""The ring over every rank that holds part of a token sequence.
-
-Attention over sharded pixel tokens passes key / value blocks around the ranks that split
-the sequence (``_ring.py``, ``_attention_explicit.py``). On strips that is one mesh dim's group;
-on H x W tiles (and rows on a ``(sp_h, sp_w)`` mesh) the tokens are split over two mesh
-dims (``_tokens.py``: nested layouts), so the ring runs over the process group of both:
-the sub-mesh of those dims flattened to one (``_replicas.flat_mesh``, DeviceMesh's
-``_flatten``: created collectively the first time, on every rank at once as every rank
-runs the same attention, and kept by the root mesh, so later calls reuse it). The group's
-members are ordered by ``dist.get_process_group_ranks``; each member's place on the mesh
-gives its token count and global token indices, which the ring ops take per group rank.
+"""The ring over every rank that holds part of a token sequence: one mesh dim's group on
+strips; on tiles and rows the sub-mesh of both dims flattened to one (``_replicas.flat_mesh``,
+created collectively the first time, on every rank at once, and kept by the root mesh),
+members ordered by ``dist.get_process_group_ranks``, each member's token count and global
+indices from its place on the mesh.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""``split`` / ``chunk`` of a token tensor along a dim no layout splits: local pieces.
-
-A token layout (``_StridedShard``: flattened pixels, the batch of windows of
-``_windows.py``, tiles' nested tokens) cut along an unsplit dim -- TinyViT's
-``qkv.view(B, N, heads, -1).split([kd, kd, vd], dim=3)`` on the batch of windows -- keeps
-every token on its rank: each piece is the rank's local piece with the same placements.
-DTensor's own rule for ``split_with_sizes`` accepts a ``_StridedShard`` only when it can
-treat it as even; on uneven strips (fewer windows than ranks, one rank holding none) it
-would replicate, gathering the activation. Plain ``Shard`` layouts are
-``_channels.py``'s; prefix tokens (a class token) ``_token_prefix.py``'s.
+"""``split`` / ``chunk`` of a token tensor along a dim no layout splits: local pieces with
+the same placements. DTensor's ``split_with_sizes`` takes a ``_StridedShard`` only when it
+can treat it as even; on uneven strips (a rank holding no window) it would replicate,
+gathering the activation. Plain ``Shard`` layouts: ``_channels.py``; prefix tokens:
+``_token_prefix.py``.
 """
 
 from __future__ import annotations

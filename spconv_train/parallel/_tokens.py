@@ -1,24 +1,11 @@
 """Token layouts: an NCHW map flattened to a sequence of pixel tokens, kept sharded.
 
-``x.flatten(2).transpose(1, 2)`` of a width-sharded map gives ``(N, L, C)`` tokens in
-row-major order: on a W strip a rank owns, for every row ``h``, the tokens ``h * W + w``
-of its columns ``w`` -- not a contiguous chunk of ``L``. DTensor calls that
-``_StridedShard(dim, split_factor=H)``: the dim viewed as ``(H, W)`` with ``W`` chunked.
-That placement *is* the token layout here (``TokenLayout`` reads it): what a rank holds
-is exactly its local flatten, so token-wise ops stay local:
-
-* reshapes (``reshape``, ``view``, ``flatten``, ``unflatten``) that keep the sharded
-  factor of the token dim whole run on the local tensor (``(N, L, C) -> (N, L, heads, d)``,
-  tokens back to ``(N, C, H, W)`` or channels-last ``(N, H, W, C)``), also for uneven
-  splits, where DTensor refuses ("Cannot unflatten unevenly sharded tensor");
-* element-wise arithmetic with a plain tensor (an absolute position embedding
-  ``(1, L, C)`` is sliced to the rank's tokens, its gradient summed over the ranks);
-  ``F.linear``, activations and dropout already run locally; norms and reductions over
-  the channels: ``_token_reduce.py``.
-
-A reshape that would mix the tokens of different ranks is refused with
-``SpatialShardingError`` naming the op and the module. Prefix tokens (a ViT's class and
-register tokens, ``_token_prefix.py``) are counted in ``TokenLayout.prefix``.
+``x.flatten(2).transpose(1, 2)`` of a W strip holds, per row, the tokens of the rank's
+columns: DTensor's ``_StridedShard(dim, split_factor=H)``, read by ``TokenLayout``. Reshapes
+that keep the sharded factor whole run locally (also for uneven splits, where DTensor
+refuses "Cannot unflatten unevenly sharded tensor"); arithmetic with a plain tensor slices
+it to the rank's tokens, its gradient summed; a reshape mixing ranks' tokens is refused by
+name. docs/attention.md, "Token layout".
 """
 
 from __future__ import annotations
@@ -39,12 +26,7 @@ from ._mode import register_handler
 from ._prefix_shard import placement
 from ._probe import result_shape
 from ._registry import DEFAULT_REGISTRY, function_name
-from ._token_layout import (
-    TokenLayout,
-    _nest,
-    is_tokens,
-    split_layouts,
-)
+from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts
 
 
 def is_nested(x) -> bool:

@@ -1,24 +1,11 @@
 """Sliding windows of a sharded map, and masks that pick among them: what a user-written
-neighbourhood (local) attention is made of (``docs/attention.md``).
+neighbourhood (local) attention is made of (docs/attention.md, "Neighbourhood attention").
 
-Every pixel attends to the ``k x k`` pixels around it: the keys and values of those
-neighbours come from ``F.unfold(k, kernel, dilation, padding)`` (an NCHW map, the
-neighbours stacked on the channels, the pixels flattened) or from ``F.pad`` and
-``Tensor.unfold`` along each spatial dim (any rank: images and volumes). Both read a
-window of the map, so on a sharded map each rank needs its part plus a halo of
-``k // 2 * dilation`` from its neighbours, never the whole map:
-
-- ``Tensor.unfold(dim, size, step)`` along a sharded dim fetches the halo along that dim
-  (``plan_window`` / ``gather_window``, point to point) and unfolds the local window: the
-  rank's output positions are DTensor's chunks of the unfolded dim, the new trailing dim
-  is whole. Along a dim no rank splits it is the local op.
-- ``F.unfold`` fetches the halo of every sharded dim (``halo_window``, corners included),
-  unfolds the window with padding 0 and flattens the local output grid as the token
-  reshape of ``_tokens.py`` / ``_windows.py`` would flatten the map: the result is the
-  one-device tensor ``(N, C * k * k, L)`` in the token layout of the output grid.
-- ``masked_fill`` and ``torch.where`` with a plain mask (out-of-image neighbours of an
-  unfolded ones-map set to ``-inf``) index the mask with the rank's positions
-  (``_token_layout.local_part``) and run locally; DTensor would refuse a plain tensor there.
+``Tensor.unfold`` along a sharded dim fetches the halo along it (``plan_window`` /
+``gather_window``) and unfolds locally; ``F.unfold`` fetches the halo of every sharded dim
+(``halo_window``) and flattens the local output grid as the token reshape would, giving the
+one-device ``(N, C * k * k, L)`` in the output grid's token layout; ``masked_fill`` /
+``torch.where`` with a plain mask index it with the rank's positions and run locally.
 """
 
 from __future__ import annotations

@@ -86,8 +86,7 @@ def plan_window(
     ``ceil_mode``: as extra ``pad_hi``, ``_tiles.ceil_geom``).
 
     Raises ``SpatialShardingError`` (naming ``what``) when a strip is empty or narrower than
-    the halo it must give to its neighbour.
-    """
+    the halo it must give to its neighbour."""
     if mode not in PAD_MODES:
         raise SpatialShardingError(f"{what}: padding mode {mode!r} is not supported")
     owned = check_strips(what, width, parts, "input")
@@ -113,20 +112,14 @@ def plan_window(
 
 
 def gather_window(
-    local: Tensor,
-    wp: WindowPlan,
-    rank: int,
-    group,
-    mode: str = "zeros",
-    value: float = 0.0,
+    local: Tensor, wp: WindowPlan, rank: int, group, mode: str = "zeros", value: float = 0.0
 ) -> Tensor:
     """Fetch this rank's window (halo included) along the last dim and pad it at the image
     edges, so the local op afterwards runs with padding 0 along that dim.
 
     ``mode`` "zeros"/"constant" pads with ``value`` (e.g. ``-inf`` for max pooling);
     "reflect"/"replicate"/"circular" follow ``F.pad``. ``halo_window`` does the same for
-    every sharded dim of any layout.
-    """
+    every sharded dim of any layout."""
     pl, pr, cl, cr = wp.edges[rank]
     if mode in ("zeros", "constant"):
         # The width padding is written straight into the window buffer (no extra copy).
@@ -235,12 +228,8 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
     """While active, an op that saves ``window`` (built from ``local`` by the exchanges
     ``steps``, ``WindowStep``, in order: one per sharded dim; edge padding of ``value``) for
     its backward saves a recipe instead (``local`` by reference plus its halo slabs) and
-    rebuilds the window in the backward.
-
-    Without it, a convolution's saved input (part + halo, a separate buffer) would sit next
-    to the part itself, saved by the op before it: twice the activation memory of one
-    device. A no-op when the current runtime's ``save_windows_by_reference`` option is off.
-    """
+    rebuilds the window in the backward (why: docs/design.md, "Saving windows by
+    reference"). A no-op when the runtime's ``save_windows_by_reference`` option is off."""
 
     # Hooks already active (activation checkpointing, offloading, a memory meter) keep
     # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``

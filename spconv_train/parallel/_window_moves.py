@@ -1,15 +1,9 @@
-"""Which reshapes of a sharded map are window cuts (``_windows.py``): the factorisation of
-a split dim into ``(windows, ws)`` with the window factor split, and the merge of such a
-factorisation back, or of the split window index with the dims around it into the batch of
-windows. Shape arithmetic only: ``_windows.window_reshape`` runs the moves.
-
-The split dim may sit anywhere: W of strips (the innermost window index), H of a map split
-along H alone, D or H of a channels-last volume ``(B, D, H, W, C)`` (MONAI's SwinUNETR in
-3-D). A split window index followed by whole ones (``nH`` before ``nW``) merged into the
-batch of windows is a ``Move`` with an ``outer`` factor: the rank's windows are re-chunked
-to even chunks of the merged ``nH * nW`` run (the batch is then
-``_StridedShard(0, split_factor=outer)``, runs of one window), and the reverse view
-factorises that chunked run again, re-chunking to whole window rows.
+"""Which reshapes of a sharded map are window cuts (``_windows.py``): a split dim factorised
+into ``(windows, ws)`` with the window factor split, such a factorisation merged back, or
+the split window index merged with the dims around it into the batch of windows. Shape
+arithmetic only (``_windows.window_reshape`` runs the moves); a split window index before
+whole ones merges as a ``Move`` with an ``outer`` factor (re-chunked to even chunks of the
+merged run). docs/attention.md, "Window attention (Swin)".
 """
 
 from __future__ import annotations

@@ -1,37 +1,12 @@
 """Window partition and reverse of a sharded map (Swin), and the ops that run per window.
 
-Swin cuts a channels-last map ``(B, H, W, C)`` into ``ws x ws`` windows::
-
-    x.view(B, H // ws, ws, W // ws, ws, C).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, C)
-
-and back (``window_reverse``: the same steps reversed). On a map split along W (strips; H
-and W on tiles) the first view *factorises* the split dim into ``(W // ws, ws)`` with the
-window factor split: DTensor's ``Shard`` of that factor gives rank ``r`` the windows
-``shard_bounds(W // ws, P, r)``, i.e. the columns ``[a * ws, b * ws)``. Those are the map's
-own columns ``shard_bounds(W, P, r)`` only when the map's chunks fall on window boundaries.
-When they do not (``W = 12``, ``ws = 4`` over 2 ranks: 6 + 6 columns, but 2 + 1 windows)
-the view first re-chunks the map to the window-aligned owners with point-to-point traffic
-(``gather_columns``: every rank receives from its neighbours exactly the columns of its
-windows, the backward sends the gradients back); the reverse view, which merges
-``(W // ws, ws)`` into ``W`` again, re-chunks to the map's own chunks. The same holds for
-any reshape that factorises a split dim with the split factor outermost (patch merging's
-``x.reshape(B, H // 2, 2, W // 2, 2, C)``) or merges such a factorisation back, in any
-layout of the other dims (NCHW as well as channels-last).
-
-The merge of ``(B, H // ws, W // ws)`` into the batch of windows is a token layout
-(``_tokens.py``): ``_StridedShard(0, split_factor=B * H // ws)``, every rank's windows are
-its local batch. On H x W tiles (and rows) each split dim is cut as above over its own mesh
-dim, and the batch of windows is the tiles' nested layout (``_StridedShard(0, B)`` over
-``sp_h``, ``_StridedShard(0, B * H // ws)`` over ``sp_w``). A split dim before the
-innermost window index (D or H of a volume) merges by a re-chunk (``_window_moves.py``).
-A ``dp`` mesh dim splits whole images: a re-chunk counts only this rank's images among
-the whole entries in front of the chunked run (``_local_outer``).
-Everything per window stays local: Linear, LayerNorm, softmax, the relative position bias
-(a ``(1, heads, N, N)`` plain tensor broadcast over the windows), the shifted-window mask
-(``(nW, N, N)``, indexed with the rank's windows by the token arithmetic of
-``_tokens.py``), and here: ``q @ k.transpose(-2, -1)`` / ``attn @ v`` and
-``F.scaled_dot_product_attention`` on operands split only along their batch dims, with an
-attention mask sliced to the rank's windows.
+A reshape that factorises a split dim into ``(n // ws, ws)`` (window partition, patch
+merging) re-chunks the map to window-aligned owners point to point when the chunks do not
+fall on window boundaries, and the reverse merge re-chunks back; the window batch is a
+token layout (``_StridedShard(0, B * H // ws)``, nested on tiles), a split dim before the
+innermost window index merges by a re-chunk (``_window_moves.py``), and a ``dp`` dim counts
+only this rank's images (``_local_outer``). Per-window matmuls and SDPA with a mask sliced
+to the rank's windows run locally. docs/attention.md, "Window attention (Swin)".
 """
 
 from __future__ import annotations

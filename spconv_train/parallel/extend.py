@@ -1,24 +1,8 @@
 """The op-author API of ``spconv_train.parallel``: make your own op or layer spatial.
 
-``docs/extending.md`` walks through it. In short, inside a handler or a spatial module:
-
-- ``register_handler(*functions)`` routes torch functions / Tensor methods called on a
-  DTensor to your handler while a parallelized model runs; ``register_spatial_module(Base)``
-  makes ``parallelize`` swap every ``Base`` module for your subclass; ``refuse_handler`` /
-  ``refuse_module`` make something raise ``SpatialShardingError`` with your reason.
-- ``spatial_layout(x, what)`` reads the layout (``SpatialLayout``); ``enter`` / ``leave`` go
-  to the local part and back; ``run_unsharded`` runs a plain op when no spatial dim is split.
-- ``halo_window(x, kernel, stride, padding, dilation, padding_mode)`` fetches this rank's
-  input window of a window op on any layout (strips, tiles, volume blocks) and
-  ``HaloWindow.wrap`` turns the local result into the output DTensor.
-- ``sum_grad_over(param, groups)`` completes a parameter gradient (a partial sum per rank).
-- ``plan_window`` / ``gather_window`` (one sharded dim, the last) and ``ExchangePlan`` /
-  ``gather_columns`` (any set of positions per rank) are the lower-level halo pieces.
-
-Handlers are registered by these calls, never by importing this module. The built-in ones
-are installed by ``install()`` (idempotent), which ``parallelize``, ``SpatialMode`` and the
-registration functions here call first, so a handler you register always takes precedence
-over a built-in one for the same function.
+``docs/extending.md`` walks through it. Handlers are registered by its calls, never by
+importing this module; each calls ``install()`` first, so a handler you register takes
+precedence over a built-in one for the same function.
 """
 
 from __future__ import annotations
