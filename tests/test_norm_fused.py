@@ -160,7 +160,13 @@ def test_kernel_moments_match_two_pass(dtype, cl):
 
 
 @pytest.mark.parametrize(
-    "dtype, cl", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)]
+    "dtype, cl",
+    [
+        (torch.bfloat16, True),
+        (torch.bfloat16, False),
+        (torch.float32, True),
+        (torch.float32, False),
+    ],
 )
 def test_backward_kernel_pieces_on_device(dtype, cl):
     """The two ``native_batch_norm_backward`` calls of the fused backward on the harness
@@ -170,6 +176,11 @@ def test_backward_kernel_pieces_on_device(dtype, cl):
     from spconv_train.parallel._norm_stats import _affine_sums, _mixed_ok, _scaled
 
     dev = device()
+    if dtype == torch.bfloat16 and dev.type != "cpu":
+        # CUDA takes the composed path for bf16 (``_mixed_ok``): there these kernels' sums
+        # of a contiguous bf16 input carried bf16-sized errors (H200, torch 2.11)
+        assert not _mixed_ok(dev.type, dtype, torch.float32)
+        return
     x = _input(5, 2, 9, dtype, channels_last=cl).to(dev)
     dy = _input(6, 2, 9, dtype, channels_last=cl).to(dev)
     var, mean = torch.var_mean(x.double(), (0, 2, 3), correction=0)
@@ -189,4 +200,4 @@ def test_backward_kernel_pieces_on_device(dtype, cl):
     assert scaled.dtype == dtype and gw.dtype == torch.float32
     torch.testing.assert_close(scaled.double(), want, rtol=tol, atol=tol)
     if dtype == torch.bfloat16:
-        assert _mixed_ok(dev.type, dtype, torch.float32)
+        assert _mixed_ok(dev.type, dtype, torch.float32)  # CPU's mixed-dtype kernels
