@@ -57,11 +57,38 @@ def refuse_handler(*functions: Callable, reason: str) -> None:
     DEFAULT_REGISTRY.refuse(*functions, reason=reason)
 
 
+#: argument classes seen so far, by whether they are DTensors (``_is_dtensor_class``):
+#: the scan of every call's arguments below reads an argument's class, no function call
+_DTENSOR_CLASSES: set[type] = {DTensor}
+_OTHER_CLASSES: set[type] = {torch.Tensor, torch.nn.Parameter, int, float, bool, type(None)}
+#: what ``__torch_function__`` receives for a property read (``x.shape``: the getter's
+#: ``__get__``, a new object per read, so never a registry key)
+_METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
+
+
+def _is_dtensor_class(cls: type) -> bool:
+    if issubclass(cls, DTensor):
+        _DTENSOR_CLASSES.add(cls)
+        return True
+    if cls is not list and cls is not tuple:
+        _OTHER_CLASSES.add(cls)
+    return False
+
+
 def _has_dtensor(args, kwargs) -> bool:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, DTensor):
+    """Whether a DTensor is among ``args``, ``kwargs`` or the lists and tuples in them."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        cls = a.__class__
+        if cls in _OTHER_CLASSES:
+            continue
+        if cls in _DTENSOR_CLASSES:
             return True
-        if isinstance(a, (list, tuple)) and any(isinstance(b, DTensor) for b in a):
+        if cls is list or cls is tuple:
+            for b in a:
+                c = b.__class__
+                if c in _DTENSOR_CLASSES or (c not in _OTHER_CLASSES and _is_dtensor_class(c)):
+                    return True
+        elif _is_dtensor_class(cls):
             return True
     return False
 
@@ -99,6 +126,9 @@ class SpatialMode(TorchFunctionMode):
 
     @eager_from_eager  # see _compile.py
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func.__class__ is _METHOD_WRAPPER and func.__name__ == "__get__":
+            # a property read (``x.shape``, ``x.requires_grad``): no handler, no graph op
+            return func(*args)
         kwargs = kwargs or {}
         if not _has_dtensor(args, kwargs):
             # most calls the mode sees are plain-tensor ops inside spatial layers and
