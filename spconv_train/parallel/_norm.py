@@ -93,7 +93,7 @@ def _update(pairs: tuple[tuple[Tensor | None, Tensor], ...], momentum: float) ->
     """``running = momentum * value + (1 - momentum) * running`` for each ``(running, value)``
     pair with a running tensor: the same products and sum, in three ops for all of them."""
     running = [r for r, _ in pairs if r is not None]
-    values = [v.reshape(-1) for r, v in pairs if r is not None]
+    values = [v if v.dim() == 1 else v.reshape(-1) for r, v in pairs if r is not None]
     if not running:
         return
     with torch._C.DisableTorchFunction():  # plain tensors: skip the mode (see _normalize)

@@ -26,7 +26,8 @@ from ._small_sum import group_size, sum_now
 class _Cells:
     """A layer's statistics: "batch" (per channel), "group" (per sample and channel group) or
     "instance" (per sample and channel); ``count`` global elements each, their parts held by
-    the ranks of ``groups``."""
+    the ranks of ``groups``. Batch statistics travel flat, ``(C,)`` (the shape torch's
+    batch-norm kernels take, so no view per use), the others as ``(N, groups or C)``."""
 
     kind: str
     channels: int
@@ -46,7 +47,7 @@ class _Cells:
         """Per-statistic values -> ``(1 or N, C)``, each channel with its statistic."""
         if self.kind == "group":
             return cells.repeat_interleave(self.channels // self.num_groups, dim=1)
-        return cells
+        return cells[None] if cells.dim() == 1 else cells
 
 
 def _hw(t: Tensor) -> Tensor:
@@ -115,13 +116,14 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
         if _kernel_stats(x.device.type, x.dtype, layout):
             n = view.numel() // max(view.shape[1], 1)
             mean, var = torch.batch_norm_update_stats(view, *_placeholders(x, view.shape[1]), 0.0)
-            shape = (1, stats) if cells.kind == "batch" else (x.shape[0], stats)
-            return n, mean.view(shape), var.view(shape) * n
+            if cells.kind == "batch":
+                return n, mean, var * n
+            return n, mean.view(x.shape[0], stats), var.view(x.shape[0], stats) * n
     if cells.kind == "batch":  # over (N, H, W) at once: fewer ops than (H, W), then N
         n = x.numel() // max(stats, 1)
         mean = x.sum((0, 2, 3), dtype=acc, keepdim=True) / max(n, 1)  # (1, C, 1, 1)
         m2 = (x.to(acc) - mean).square_().sum((0, 2, 3))
-        return n, mean.view(1, stats), m2[None]
+        return n, mean.view(stats), m2
     s = cells.collect(x.sum((2, 3), dtype=acc))
     n = x.numel() // max(s.numel(), 1)  # elements of each statistic held by this rank
     mean = s / max(n, 1)
@@ -214,10 +216,9 @@ class _Normalize(torch.autograd.Function):
     def forward(ctx, x, weight, bias, mean, var, eps, cells: _Cells, reduce_affine=False):
         invstd = torch.rsqrt(var + eps)
         ctx.fused = _fused(x, weight, bias, mean, cells)
-        if ctx.fused:
-            stats = (mean.reshape(-1), var.reshape(-1))
+        if ctx.fused:  # batch statistics: flat (``_Cells``)
             w, b = _as(weight, mean.dtype), _as(bias, mean.dtype)
-            y = torch.batch_norm(x, w, b, *stats, False, 0.0, eps, False)
+            y = torch.batch_norm(x, w, b, mean, var, False, 0.0, eps, False)
         else:
             scale = cells.spread(invstd)
             if weight is not None:
@@ -239,7 +240,7 @@ class _Normalize(torch.autograd.Function):
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         if ctx.fused:
-            w = _as(weight, mean.dtype) if weight is not None else torch.ones_like(mean[0])
+            w = _as(weight, mean.dtype) if weight is not None else torch.ones_like(mean)
             wants = (want_dx, want_dw, want_db)
             return _fused_backward(ctx, dy.to(x.dtype), x, weight, w, mean, var, invstd, wants)
         w = weight if weight is not None else torch.ones_like(cells.spread(invstd)[0])
@@ -285,7 +286,7 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     sums are batch norm's affine gradients, so one all-reduce completes both."""
     cells: _Cells = ctx.cells
     want_dx, want_dw, want_db = wants
-    stats, invstd = (mean.reshape(-1), var.reshape(-1)), invstd.reshape(-1)
+    stats = (mean, var)  # flat, as ``invstd`` (``_Cells``)
     gw, gb = _affine_sums(dy, x, w, stats, invstd, ctx.eps)
     if want_dx or ctx.reduce_affine:
         # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts
