@@ -121,7 +121,12 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
             return n, mean.view(x.shape[0], stats), var.view(x.shape[0], stats) * n
     if cells.kind == "batch":  # over (N, H, W) at once: fewer ops than (H, W), then N
         n = x.numel() // max(stats, 1)
-        mean = x.sum((0, 2, 3), dtype=acc, keepdim=True) / max(n, 1)  # (1, C, 1, 1)
+        # (1, C, 1, 1); ``mean`` is the sum divided by ``n`` in one op (empty: zeros)
+        mean = (
+            x.mean((0, 2, 3), dtype=acc, keepdim=True)
+            if n
+            else x.sum((0, 2, 3), dtype=acc, keepdim=True)
+        )
         m2 = (x.to(acc) - mean).square_().sum((0, 2, 3))
         return n, mean.view(stats), m2
     s = cells.collect(x.sum((2, 3), dtype=acc))
