@@ -129,6 +129,12 @@ class SpatialMode(TorchFunctionMode):
         if func.__class__ is _METHOD_WRAPPER and func.__name__ == "__get__":
             # a property read (``x.shape``, ``x.requires_grad``): no handler, no graph op
             return func(*args)
+        if not kwargs:
+            for a in args:  # plain tensors and numbers only: no call (``_has_dtensor``)
+                if a.__class__ not in _OTHER_CLASSES:
+                    break
+            else:
+                return func(*args)
         kwargs = kwargs or {}
         if not _has_dtensor(args, kwargs):
             # most calls the mode sees are plain-tensor ops inside spatial layers and

@@ -294,8 +294,10 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     stats = (mean, var)  # flat, as ``invstd`` (``_Cells``)
     gw, gb = _affine_sums(dy, x, w, stats, invstd, ctx.eps)
     if want_dx or ctx.reduce_affine:
-        # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts
-        sums = sum_now(torch.cat([gw, gb]), *cells.groups).split(gw.numel())
+        sums = (gw, gb)  # on one rank of every group the parts are the sums
+        if any(group_size(g) > 1 for g in cells.groups):
+            # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts
+            sums = sum_now(torch.cat([gw, gb]), *cells.groups).split(gw.numel())
         if ctx.reduce_affine:
             gw, gb = sums
     dx = None
