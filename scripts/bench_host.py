@@ -95,22 +95,28 @@ def _worker(rank: int, procs: int, port: int, name: str, world: int, args, queue
     shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
+def _options() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_model_args(ap, ["unet", "smp_unet"], [0, 1, 2], (32, 64), 9)
+    add_model_args(ap, ["unet", "smp_unet"], [0, 1, 2], (32, 64), 9, worlds_help="0: plain model")
     add_run_args(ap, device=False)
     ap.add_argument("--profile", type=int, default=0, help="print rank 0's top N functions")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _row(name: str, world: int, args) -> tuple:
+    """``(model, world, CPU s, Python calls, aten ops)`` of rank 0 (its profile printed)."""
+    results = spawn_ranks(_worker, max(world, 1), name, world, args)
+    r0 = next(r for r in results if r["rank"] == 0)
+    print(r0["top"], end="")
+    label = f"{world} rank(s)" if world else "plain"
+    return (name, label, f"{r0['cpu']:.4f}", r0["calls"], r0["aten"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _options().parse_args(argv)
     args.device = "cpu"
     print_setup(args)
-    rows = []
-    for name in args.models:
-        for world in args.worlds:
-            results = spawn_ranks(_worker, max(world, 1), name, world, args)
-            r0 = next(r for r in results if r["rank"] == 0)
-            print(r0["top"], end="")
-            label = f"{world} rank(s)" if world else "plain"
-            rows.append((name, label, f"{r0['cpu']:.4f}", r0["calls"], r0["aten"]))
+    rows = [_row(name, world, args) for name in args.models for world in args.worlds]
     print_table(("model", "world", "CPU s", "Python calls", "aten ops"), rows, args.markdown)
 
 
