@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ._compile import not_traced, route_through_modes
 
 #: bumped by every ``register`` / ``refuse`` of any registry: ``lookup``'s resolved entries
@@ -108,7 +110,10 @@ class HandlerRegistry:
     def lookup(self, fn: Callable) -> Entry | None:
         """The entry for ``fn`` here or in a parent registry (``None`` if there is none).
         Resolved once per function until a registry changes (``SpatialMode`` looks up every
-        call with a DTensor argument)."""
+        call with a DTensor argument); not under ``torch.compile``, where Dynamo would guard
+        on the resolved entries and recompile when one is added."""
+        if torch.compiler.is_compiling():
+            return self._find(fn)
         if self._generation != _GENERATION[0]:
             self._resolved, self._generation = {}, _GENERATION[0]
         try:
