@@ -167,3 +167,33 @@ def test_batch_norm_step_aten_ops(dist_pool):
     for rank, c in enumerate(dist_pool.run(2, _norm_counts, 2)):
         assert c["close"], (rank, c)
         assert c["sharded"] <= NORM_ATEN_BOUND, (rank, c)
+
+
+def _scan_cases(world: int) -> list[str]:
+    """``_has_dtensor`` on the argument shapes torch functions take (failures listed)."""
+    dmesh = mesh(world)
+    d = distribute_tensor(torch.randn(2, 4 * world), dmesh, [Shard(1)])
+    t = torch.randn(2)
+    pair = collections.namedtuple("pair", "a b")
+
+    class Items(list):
+        pass
+
+    cases = [
+        ((t, 1.0, None, "x", torch.Size([2])), {}, False),
+        ((torch.nn.Parameter(t), object()), {}, False),
+        ((d,), {}, True),
+        ((t,), {"other": d}, True),
+        (([t, d],), {}, True),
+        (((t, d),), {}, True),
+        ((pair(t, d),), {}, True),  # a tuple subclass: its items are scanned too
+        ((pair(t, t),), {}, False),
+        ((Items([d]),), {}, True),
+    ]
+    return [f"{a} {k}" for _ in range(2) for a, k, want in cases if _has_dtensor(a, k) != want]
+
+
+def test_argument_scan_finds_dtensors(dist_pool):
+    """The mode's class-based scan (each class classified once) finds a DTensor as an
+    argument, a keyword argument or an item of a list, tuple or their subclasses."""
+    assert dist_pool.run(1, _scan_cases, 1) == [[]]

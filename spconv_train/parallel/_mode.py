@@ -57,22 +57,42 @@ def refuse_handler(*functions: Callable, reason: str) -> None:
     DEFAULT_REGISTRY.refuse(*functions, reason=reason)
 
 
-#: argument classes seen so far, by whether they are DTensors (``_is_dtensor_class``):
-#: the scan of every call's arguments below reads an argument's class, no function call
+#: argument classes seen so far: DTensors, lists and tuples (their items are scanned, one
+#: level, as torch's own argument parsing does) and the rest (``_classify``): the scan of
+#: every call's arguments below reads an argument's class, no function call
 _DTENSOR_CLASSES: set[type] = {DTensor}
-_OTHER_CLASSES: set[type] = {torch.Tensor, torch.nn.Parameter, int, float, bool, type(None)}
+_SEQUENCE_CLASSES: set[type] = {list, tuple}
+_OTHER_CLASSES: set[type] = {
+    torch.Tensor,
+    torch.nn.Parameter,
+    torch.Size,
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+}
 #: what ``__torch_function__`` receives for a property read (``x.shape``: the getter's
 #: ``__get__``, a new object per read, so never a registry key)
 _METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
 
 
-def _is_dtensor_class(cls: type) -> bool:
+def _classify(cls: type) -> None:
     if issubclass(cls, DTensor):
         _DTENSOR_CLASSES.add(cls)
-        return True
-    if cls is not list and cls is not tuple:
+    elif issubclass(cls, (list, tuple)):
+        _SEQUENCE_CLASSES.add(cls)
+    else:
         _OTHER_CLASSES.add(cls)
-    return False
+
+
+def _is_dtensor(a) -> bool:
+    cls = a.__class__
+    if cls in _OTHER_CLASSES or cls in _SEQUENCE_CLASSES:
+        return False
+    if cls not in _DTENSOR_CLASSES:
+        _classify(cls)
+    return cls in _DTENSOR_CLASSES
 
 
 def _has_dtensor(args, kwargs) -> bool:
@@ -81,16 +101,21 @@ def _has_dtensor(args, kwargs) -> bool:
         cls = a.__class__
         if cls in _OTHER_CLASSES:
             continue
-        if cls in _DTENSOR_CLASSES:
-            return True
-        if cls is list or cls is tuple:
+        if cls in _SEQUENCE_CLASSES or (cls not in _DTENSOR_CLASSES and _sequence(cls)):
             for b in a:
-                c = b.__class__
-                if c in _DTENSOR_CLASSES or (c not in _OTHER_CLASSES and _is_dtensor_class(c)):
+                if b.__class__ in _DTENSOR_CLASSES or (
+                    b.__class__ not in _OTHER_CLASSES and _is_dtensor(b)
+                ):
                     return True
-        elif _is_dtensor_class(cls):
+        elif _is_dtensor(a):
             return True
     return False
+
+
+def _sequence(cls: type) -> bool:
+    if cls not in _OTHER_CLASSES and cls not in _SEQUENCE_CLASSES:
+        _classify(cls)
+    return cls in _SEQUENCE_CLASSES
 
 
 class SpatialMode(TorchFunctionMode):
