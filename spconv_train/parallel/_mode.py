@@ -101,7 +101,9 @@ def _has_dtensor(args, kwargs) -> bool:
         cls = a.__class__
         if cls in _OTHER_CLASSES:
             continue
-        if cls in _SEQUENCE_CLASSES or (cls not in _DTENSOR_CLASSES and _sequence(cls)):
+        if cls in _DTENSOR_CLASSES:
+            return True
+        if cls in _SEQUENCE_CLASSES or _sequence(cls):
             for b in a:
                 if b.__class__ in _DTENSOR_CLASSES or (
                     b.__class__ not in _OTHER_CLASSES and _is_dtensor(b)
