@@ -40,10 +40,9 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ._small_sum import sum_async
+from ._small_sum import group_size, sum_async
 
 #: Default bucket size (DDP's default).
 BUCKET_BYTES = 25 * 2**20
@@ -102,7 +101,7 @@ class _PartialUse(torch.autograd.Function):
 
 
 def _reducing_groups(groups: tuple) -> tuple:
-    return tuple(g for g in groups if dist.get_world_size(g) > 1)
+    return tuple(g for g in groups if group_size(g) > 1)
 
 
 class GradReducer:
@@ -152,7 +151,7 @@ class GradReducer:
         parameter's hook; what the use passes on to the parameter."""
         if self.deferred_world is not None:
             groups = self._pending[key][1]
-            return grad * math.prod(dist.get_world_size(g) for g in groups)
+            return grad * math.prod(group_size(g) for g in groups)
         known = self._partial.get(key)
         self._partial[key] = grad if known is None else known + grad  # never in place: shared
         return torch.zeros_like(grad)

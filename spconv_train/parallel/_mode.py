@@ -57,13 +57,67 @@ def refuse_handler(*functions: Callable, reason: str) -> None:
     DEFAULT_REGISTRY.refuse(*functions, reason=reason)
 
 
+#: argument classes seen so far: DTensors, lists and tuples (their items are scanned, one
+#: level, as torch's own argument parsing does) and the rest (``_classify``): the scan of
+#: every call's arguments below reads an argument's class, no function call
+_DTENSOR_CLASSES: set[type] = {DTensor}
+_SEQUENCE_CLASSES: set[type] = {list, tuple}
+_OTHER_CLASSES: set[type] = {
+    torch.Tensor,
+    torch.nn.Parameter,
+    torch.Size,
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+}
+#: what ``__torch_function__`` receives for a property read (``x.shape``: the getter's
+#: ``__get__``, a new object per read, so never a registry key)
+_METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
+
+
+def _classify(cls: type) -> None:
+    if issubclass(cls, DTensor):
+        _DTENSOR_CLASSES.add(cls)
+    elif issubclass(cls, (list, tuple)):
+        _SEQUENCE_CLASSES.add(cls)
+    else:
+        _OTHER_CLASSES.add(cls)
+
+
+def _is_dtensor(a) -> bool:
+    cls = a.__class__
+    if cls in _OTHER_CLASSES or cls in _SEQUENCE_CLASSES:
+        return False
+    if cls not in _DTENSOR_CLASSES:
+        _classify(cls)
+    return cls in _DTENSOR_CLASSES
+
+
 def _has_dtensor(args, kwargs) -> bool:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, DTensor):
+    """Whether a DTensor is among ``args``, ``kwargs`` or the lists and tuples in them."""
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        cls = a.__class__
+        if cls in _OTHER_CLASSES:
+            continue
+        if cls in _DTENSOR_CLASSES:
             return True
-        if isinstance(a, (list, tuple)) and any(isinstance(b, DTensor) for b in a):
+        if cls in _SEQUENCE_CLASSES or _sequence(cls):
+            for b in a:
+                if b.__class__ in _DTENSOR_CLASSES or (
+                    b.__class__ not in _OTHER_CLASSES and _is_dtensor(b)
+                ):
+                    return True
+        elif _is_dtensor(a):
             return True
     return False
+
+
+def _sequence(cls: type) -> bool:
+    if cls not in _OTHER_CLASSES and cls not in _SEQUENCE_CLASSES:
+        _classify(cls)
+    return cls in _SEQUENCE_CLASSES
 
 
 class SpatialMode(TorchFunctionMode):
@@ -99,6 +153,15 @@ class SpatialMode(TorchFunctionMode):
 
     @eager_from_eager  # see _compile.py
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func.__class__ is _METHOD_WRAPPER and func.__name__ == "__get__":
+            # a property read (``x.shape``, ``x.requires_grad``): no handler, no graph op
+            return func(*args)
+        if not kwargs:
+            for a in args:  # plain tensors and numbers only: no call (``_has_dtensor``)
+                if a.__class__ not in _OTHER_CLASSES:
+                    break
+            else:
+                return func(*args)
         kwargs = kwargs or {}
         if not _has_dtensor(args, kwargs):
             # most calls the mode sees are plain-tensor ops inside spatial layers and

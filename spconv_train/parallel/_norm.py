@@ -76,7 +76,7 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     # Plain local tensors only from here: torch functions skip the spatial mode's dispatch
     # (about 30 us per call, some 40 calls per layer: more than the kernels of a small map)
     with torch._C.DisableTorchFunction():
-        mean, var = _moments(local.detach(), cells)
+        mean, var = _moments(local, cells)  # under no_grad
         y = _Normalize.apply(local, weight, bias, mean, var, eps, cells, reduce_affine)
     return leave(reshape_kept(y, shape), layout, tuple(x.shape)), mean, var
 
@@ -89,10 +89,20 @@ def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> 
 
 
 @torch.no_grad()
-def _update(running: Tensor | None, value: Tensor, momentum: float) -> None:
-    if running is not None:
-        with torch._C.DisableTorchFunction():  # plain tensors: skip the mode (see _normalize)
-            running.copy_(momentum * value.reshape(-1) + (1 - momentum) * running)
+def _update(pairs: tuple[tuple[Tensor | None, Tensor], ...], momentum: float) -> None:
+    """``running = momentum * value + (1 - momentum) * running`` for each ``(running, value)``
+    pair with a running tensor: the same products and sum, in three ops for all of them."""
+    running = [r for r, _ in pairs if r is not None]
+    values = [v if v.dim() == 1 else v.reshape(-1) for r, v in pairs if r is not None]
+    if not running:
+        return
+    with torch._C.DisableTorchFunction():  # plain tensors: skip the mode (see _normalize)
+        if len({t.dtype for t in running + values}) > 1:  # mixed: promoted, then written
+            for r, v in zip(running, values, strict=True):
+                r.copy_(momentum * v + (1 - momentum) * r)
+            return
+        torch._foreach_mul_(running, 1 - momentum)
+        torch._foreach_add_(running, torch._foreach_mul(values, momentum))
 
 
 def spatial_batch_norm(
@@ -120,8 +130,7 @@ def spatial_batch_norm(
     count = n * h * w
     cells = _Cells("batch", c, c, count, layout.stat_groups)
     y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
-    _update(running_mean, mean, momentum)
-    _update(running_var, var * (count / (count - 1)), momentum)
+    _update(((running_mean, mean), (running_var, var * (count / (count - 1)))), momentum)
     return y
 
 
@@ -180,8 +189,7 @@ def spatial_instance_norm(
         )
         avg = torch.stack([mean.sum(0), (var * (count / (count - 1))).sum(0)])
         avg = sum_now(avg.contiguous(), *dp) / n
-        _update(running_mean, avg[0], momentum)
-        _update(running_var, avg[1], momentum)
+        _update(((running_mean, avg[0]), (running_var, avg[1])), momentum)
     return y
 
 

@@ -19,14 +19,15 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ._layout import memory_format
-from ._small_sum import sum_now
+from ._small_sum import group_size, sum_now
 
 
 @dataclass(frozen=True)
 class _Cells:
     """A layer's statistics: "batch" (per channel), "group" (per sample and channel group) or
     "instance" (per sample and channel); ``count`` global elements each, their parts held by
-    the ranks of ``groups``."""
+    the ranks of ``groups``. Batch statistics travel flat, ``(C,)`` (the shape torch's
+    batch-norm kernels take, so no view per use), the others as ``(N, groups or C)``."""
 
     kind: str
     channels: int
@@ -46,11 +47,19 @@ class _Cells:
         """Per-statistic values -> ``(1 or N, C)``, each channel with its statistic."""
         if self.kind == "group":
             return cells.repeat_interleave(self.channels // self.num_groups, dim=1)
-        return cells
+        return cells[None] if cells.dim() == 1 else cells
 
 
 def _hw(t: Tensor) -> Tensor:
-    return t[:, :, None, None]
+    """``(1 or N, C)`` -> ``(1 or N, C, 1, 1)``: one view op (indexing with ``None`` runs two)."""
+    return t.reshape(*t.shape, 1, 1)
+
+
+@functools.cache
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The statistics' precision for an input of ``dtype``: fp32 or better (an aten op per
+    call where ``torch.promote_types`` is called)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 #: Input dtypes whose statistics and normalisation torch's kernels take in fp32 (its
@@ -97,7 +106,7 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
     statistics as batch norm of the ``(1, N * groups, -, W)`` view of a contiguous part), else
     two-pass: the mean, then squared deviations from it (no sum-of-squares cancellation for
     large means). ``torch.var_mean`` ran 3x slower on CPU than both (torch 2.14)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = _acc_dtype(x.dtype)
     stats = cells.num_groups if cells.kind != "batch" else cells.channels
     view = x if cells.kind == "batch" and x.numel() else None  # empty: the passes give zeros
     if cells.kind != "batch" and x.numel() and x.is_contiguous():
@@ -107,8 +116,19 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
         if _kernel_stats(x.device.type, x.dtype, layout):
             n = view.numel() // max(view.shape[1], 1)
             mean, var = torch.batch_norm_update_stats(view, *_placeholders(x, view.shape[1]), 0.0)
-            shape = (1, stats) if cells.kind == "batch" else (x.shape[0], stats)
-            return n, mean.view(shape), var.view(shape) * n
+            if cells.kind == "batch":
+                return n, mean, var * n
+            return n, mean.view(x.shape[0], stats), var.view(x.shape[0], stats) * n
+    if cells.kind == "batch":  # over (N, H, W) at once: fewer ops than (H, W), then N
+        n = x.numel() // max(stats, 1)
+        # (1, C, 1, 1); ``mean`` is the sum divided by ``n`` in one op (empty: zeros)
+        mean = (
+            x.mean((0, 2, 3), dtype=acc, keepdim=True)
+            if n
+            else x.sum((0, 2, 3), dtype=acc, keepdim=True)
+        )
+        m2 = (x.to(acc) - mean).square_().sum((0, 2, 3))
+        return n, mean.view(stats), m2
     s = cells.collect(x.sum((2, 3), dtype=acc))
     n = x.numel() // max(s.numel(), 1)  # elements of each statistic held by this rank
     mean = s / max(n, 1)
@@ -126,9 +146,11 @@ def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
     by a reduce of the squared deviations from the global mean. Every rank merges the same
     gathered values in the same order, so the statistics agree bit for bit."""
     n, mean, m2 = _local_moments(x, cells)
-    count = torch.full_like(mean, n)
+    count: Tensor | int = n
     for group in cells.groups:
-        if dist.get_world_size(group) > 1:
+        if group_size(group) > 1:
+            if isinstance(count, int):
+                count = torch.full_like(mean, n)
             count, mean, m2 = _merge_moments(count, mean, m2, group)
     return mean, m2 / cells.count
 
@@ -139,7 +161,7 @@ def _merge_moments(count: Tensor, mean: Tensor, m2: Tensor, group) -> tuple[Tens
     summed (the same few values an all-gather would move, as a reduction of statistics, the
     kind of collective the communication audit expects from a norm layer)."""
     parts = torch.stack([count, mean, m2])
-    ranks = dist.get_world_size(group)
+    ranks = group_size(group)
     slots = parts.new_zeros(ranks * parts.numel())  # flat: statistics, not a spatial map
     slots.view(ranks, -1)[dist.get_rank(group)] = parts.reshape(-1)
     sum_now(slots, group)
@@ -201,10 +223,9 @@ class _Normalize(torch.autograd.Function):
     def forward(ctx, x, weight, bias, mean, var, eps, cells: _Cells, reduce_affine=False):
         invstd = torch.rsqrt(var + eps)
         ctx.fused = _fused(x, weight, bias, mean, cells)
-        if ctx.fused:
-            stats = (mean.reshape(-1), var.reshape(-1))
+        if ctx.fused:  # batch statistics: flat (``_Cells``)
             w, b = _as(weight, mean.dtype), _as(bias, mean.dtype)
-            y = torch.batch_norm(x, w, b, *stats, False, 0.0, eps, False)
+            y = torch.batch_norm(x, w, b, mean, var, False, 0.0, eps, False)
         else:
             scale = cells.spread(invstd)
             if weight is not None:
@@ -226,7 +247,7 @@ class _Normalize(torch.autograd.Function):
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         if ctx.fused:
-            w = _as(weight, mean.dtype) if weight is not None else torch.ones_like(mean[0])
+            w = _as(weight, mean.dtype) if weight is not None else torch.ones_like(mean)
             wants = (want_dx, want_dw, want_db)
             return _fused_backward(ctx, dy.to(x.dtype), x, weight, w, mean, var, invstd, wants)
         w = weight if weight is not None else torch.ones_like(cells.spread(invstd)[0])
@@ -272,23 +293,25 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     sums are batch norm's affine gradients, so one all-reduce completes both."""
     cells: _Cells = ctx.cells
     want_dx, want_dw, want_db = wants
-    stats = (mean.reshape(-1), var.reshape(-1))
-    gw, gb = _affine_sums(dy, x, w, stats, invstd.reshape(-1), ctx.eps)
+    stats = (mean, var)  # flat, as ``invstd`` (``_Cells``)
+    gw, gb = _affine_sums(dy, x, w, stats, invstd, ctx.eps)
     if want_dx or ctx.reduce_affine:
-        # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts
-        sums = sum_now(torch.cat([gw, gb]), *cells.groups).split(gw.numel())
+        sums = (gw, gb)  # on one rank of every group the parts are the sums
+        if any(group_size(g) > 1 for g in cells.groups):
+            # ``torch.cat`` copies: ``gw``/``gb`` stay this rank's parts
+            sums = sum_now(torch.cat([gw, gb]), *cells.groups).split(gw.numel())
         if ctx.reduce_affine:
             gw, gb = sums
     dx = None
     if want_dx:
-        a = invstd.reshape(-1) * w
+        a = invstd * w
         shift = (a * sums[0] / -cells.count, a * sums[1] / -cells.count)
         dx = torch.batch_norm(x, *shift, *stats, False, 0.0, ctx.eps, False)
         if x.dtype == a.dtype:
-            dx = dx.addcmul_(dy, _hw(a[None]))
+            dx = dx.addcmul_(dy, a.view(1, -1, 1, 1))
         else:  # ``a * dy`` as the evaluation-form backward: a bf16 ``addcmul_`` with an fp32
             # scale takes CPU's unvectorised mixed-dtype loop (10-20x slower, torch 2.14)
-            dx = dx.add_(_scaled(dy, x, w, stats, invstd.reshape(-1), ctx.eps))
+            dx = dx.add_(_scaled(dy, x, w, stats, invstd, ctx.eps))
     dw = gw.to(weight.dtype) if want_dw else None
     db = gb.to(ctx.bias_dtype) if want_db else None
     return dx, dw, db, None, None, None, None, None

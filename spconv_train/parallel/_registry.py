@@ -13,7 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ._compile import not_traced, route_through_modes
+
+#: bumped by every ``register`` / ``refuse`` of any registry: ``lookup``'s resolved entries
+#: (a child's include its parent's) are kept while it stays the same
+_GENERATION = [0]
+#: functions resolved per registry at most (a bound on what the cache keeps alive)
+_MAX_RESOLVED = 4096
 
 
 @dataclass(frozen=True)
@@ -49,12 +57,15 @@ class HandlerRegistry:
     def __init__(self, parent: HandlerRegistry | None = None) -> None:
         self.parent = parent
         self._entries: dict[int, tuple[Callable, Entry]] = {}
+        #: ``fn -> (fn, entry or None)`` as ``lookup`` resolved it, at ``_generation``
+        self._resolved: dict = {}
+        self._generation = -1
 
     def __deepcopy__(self, memo) -> HandlerRegistry:
         # A deep-copied model gets its own entries but shares the parent (the default
         # registry, where every op module registers).
         new = HandlerRegistry(self.parent)
-        new._entries = dict(self._entries)
+        new._entries = dict(self._entries)  # its own resolved entries, built on use
         return new
 
     def register(
@@ -79,6 +90,7 @@ class HandlerRegistry:
                 # The function object is kept alive with its id, so the id cannot be reused.
                 entry = Entry(function_name(fn), handler=handler, run=run)
                 self._entries[id(fn)] = (fn, entry)
+            _GENERATION[0] += 1
             return handler
 
         return deco
@@ -93,13 +105,33 @@ class HandlerRegistry:
             if keep_handlers and old is not None and old.handler is not None:
                 continue
             self._entries[id(fn)] = (fn, Entry(function_name(fn), refused=reason))
+        _GENERATION[0] += 1
 
     def lookup(self, fn: Callable) -> Entry | None:
-        """The entry for ``fn`` here or in a parent registry (``None`` if there is none)."""
+        """The entry for ``fn`` here or in a parent registry (``None`` if there is none).
+        Resolved once per function until a registry changes (``SpatialMode`` looks up every
+        call with a DTensor argument); not under ``torch.compile``, where Dynamo would guard
+        on the resolved entries and recompile when one is added."""
+        if torch.compiler.is_compiling():
+            return self._find(fn)
+        if self._generation != _GENERATION[0]:
+            self._resolved, self._generation = {}, _GENERATION[0]
+        try:
+            hit = self._resolved.get(fn)
+        except TypeError:  # an unhashable callable
+            return self._find(fn)
+        if hit is not None and hit[0] is fn:
+            return hit[1]
+        entry = self._find(fn)
+        if len(self._resolved) < _MAX_RESOLVED:
+            self._resolved[fn] = (fn, entry)
+        return entry
+
+    def _find(self, fn: Callable) -> Entry | None:
         found = self._entries.get(id(fn))
         if found is not None:
             return found[1]
-        return self.parent.lookup(fn) if self.parent is not None else None
+        return self.parent._find(fn) if self.parent is not None else None
 
     def handler(self, fn: Callable) -> Callable | None:
         """The handler registered for ``fn`` (``None`` if it is refused or unknown)."""

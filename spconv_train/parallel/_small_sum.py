@@ -32,9 +32,26 @@ BUCKET_TAG = 0x5C0A
 STATS_TAG = 0x5C0B
 
 
+#: ``id(group) -> (group, size)``: ``dist.get_world_size`` costs a dozen Python calls, and
+#: the statistics ask it per layer and step; each entry holds its group, so its id cannot
+#: be reused while cached
+_SIZES: dict[int, tuple] = {}
+
+
+def group_size(group) -> int:
+    """``dist.get_world_size(group)``, looked up once per process group (``None``, the
+    default group, every call: a new default group may replace it)."""
+    if group is None:
+        return dist.get_world_size()
+    hit = _SIZES.get(id(group))
+    if hit is None or hit[0] is not group:
+        hit = _SIZES[id(group)] = (group, dist.get_world_size(group))
+    return hit[1]
+
+
 def by_exchange(t: Tensor, group) -> bool:
     """Whether summing ``t`` over ``group`` goes by exchange (small, on CPU)."""
-    others = dist.get_world_size(group) - 1
+    others = group_size(group) - 1
     return not t.is_cuda and t.numel() * t.element_size() * others <= EXCHANGE_SUM_BYTES
 
 
@@ -43,7 +60,7 @@ class ExchangeSum:
     the sum in ``buffer``, added in rank order, so every rank holds the same bits."""
 
     def __init__(self, buffer: Tensor, group, tag: int = BUCKET_TAG) -> None:
-        ranks, me = dist.get_world_size(group), dist.get_rank(group)
+        ranks, me = group_size(group), dist.get_rank(group)
         self.buffer = buffer
         # a contiguous copy: the send buffer must not change while in flight, and gloo
         # sends dense buffers only
@@ -81,7 +98,7 @@ def sum_now(t: Tensor, *groups) -> Tensor:
     """Sum ``t`` in place over each of ``groups`` in turn now and return it: a norm layer's
     statistics, a global pool's partial sums (posted in the same order on every rank)."""
     for group in groups:
-        if dist.get_world_size(group) > 1:
+        if group_size(group) > 1:
             sum_async(t, group, STATS_TAG).wait()
     return t
 
@@ -104,6 +121,6 @@ def sum_replicated(t: Tensor, groups) -> Tensor:
     """``t`` summed over each of ``groups`` in turn, differentiably (``_SumReplicated``):
     the global value of a reduction whose parts the ranks of ``groups`` hold."""
     for group in groups:
-        if dist.get_world_size(group) > 1:
+        if group_size(group) > 1:
             t = _SumReplicated.apply(t, group)
     return t
