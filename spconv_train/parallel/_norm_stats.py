@@ -190,8 +190,9 @@ def _mixed_ok(device: str, dtype: torch.dtype, stats: torch.dtype) -> bool:
     backward) take a ``dtype`` input with ``stats``-dtype statistics and affine; decided
     once per device type and dtypes, with a tiny probe."""
     if dtype not in _LOW or stats != torch.float32 or device != "cpu":
-        # CUDA: the affine sums of a contiguous bf16 input came back with bf16-sized errors
-        # and the two-part ``dx`` lost digits (H200, torch 2.11): the composed path there
+        # CUDA takes the composed path: there the affine sums of a contiguous bf16 input
+        # came back with bf16-sized errors and the bf16 training-step check failed (gradient
+        # distance 6x the plain model's own; H200, torch 2.11, scripts/gpu_check.py)
         return False
     x = torch.ones(2, 2, 2, 2, dtype=dtype, device=device)
     p = torch.ones(2, dtype=stats, device=device)
