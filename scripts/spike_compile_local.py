@@ -13,17 +13,16 @@ three routes in the same processes, interleaved round by round:
   ``register_autograd`` backward is a second custom op calling ``_HaloConv.backward`` on
   them. Batch norm: local sums, one ``_functional_collectives.all_reduce`` (traceable) in an
   autograd function, normalise + ReLU in plain ops that inductor fuses. Parameter
-  gradients: one flat all-reduce after ``backward()``. ``B compiled`` is
-  ``torch.compile`` (inductor) of that forward; Dynamo's counters are printed (graphs,
-  graph breaks, frames compiled after the first step).
+  gradients: one flat all-reduce after ``backward()``. ``B compiled``: ``torch.compile``
+  (inductor) of that forward; Dynamo's counters are printed (graphs, graph breaks).
 
 Printed per world size: CPU seconds per step (``time.process_time``, max over ranks;
 min / median over ``--rounds``), wall seconds (median), Python calls per step (rank 0,
 ``sys.setprofile``), and the fp64 check: every route's output and every parameter gradient
 against the one-device model (max abs error).
 
-Usage: ``python scripts/spike_compile_local.py [--worlds 1 2 --width 64 --blocks 2
---image-h 32 --image-w 255 --rounds 7 --threads 1]``.
+Usage: ``python scripts/spike_compile_local.py [--worlds 1 2 --width 64 --blocks 2 --image-h 32
+--image-w 255 --rounds 7 --threads 1]`` (docs/design.md, ``torch.compile``: the results).
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -57,19 +57,12 @@ _PLANS: dict[int, list] = {}
 
 def _plan_key(width: int, kernel: int, rank: int, parts: int, group) -> int:
     """The registry key of a 'same' conv's halo plan over ``parts`` strips of ``width``."""
-    key = hash((width, kernel, rank, parts))
+    key, pad = hash((width, kernel, rank, parts)), kernel // 2
     if key not in _PLANS:
-        pad = kernel // 2
         wp = plan_window("spike conv", width, parts, kernel, 1, 1, pad, pad)
-        split = plan_split(wp, rank, kernel, 1, 1, pad)
-        _PLANS[key] = [wp, split, rank, group, ((1, 1), (pad,), (1, 1), 1), None]
+        geo = ((1, 1), (pad,), (1, 1), 1)
+        _PLANS[key] = [wp, plan_split(wp, rank, kernel, 1, 1, pad), rank, group, geo, None]
     return key
-
-
-def _halo_shapes(x: Tensor, key: int) -> list[tuple[int, ...]]:
-    wp, _, rank = _PLANS[key][:3]
-    pieces = [(s, e) for q, s, e in wp.exchange.pieces(rank) if q != rank]
-    return [(*x.shape[:-1], e - s) for s, e in pieces]
 
 
 @torch.library.custom_op("spike::halo_conv", mutates_args=())
@@ -84,12 +77,15 @@ def halo_conv_op(x: Tensor, w: Tensor, key: int) -> list[Tensor]:
 
 @halo_conv_op.register_fake
 def _(x, w, key):
-    out = x.new_empty((x.shape[0], w.shape[0], *x.shape[2:]))
-    return [out, *(x.new_empty(s) for s in _halo_shapes(x, key))]
+    wp, _, rank = _PLANS[key][:3]
+    halos = [(*x.shape[:-1], e - s) for q, s, e in wp.exchange.pieces(rank) if q != rank]
+    return [x.new_empty((x.shape[0], w.shape[0], *x.shape[2:])), *map(x.new_empty, halos)]
 
 
 @torch.library.custom_op("spike::halo_conv_bwd", mutates_args=())
-def halo_conv_bwd_op(g: Tensor, x: Tensor, w: Tensor, halos: list[Tensor], key: int) -> list[Tensor]:
+def halo_conv_bwd_op(
+    g: Tensor, x: Tensor, w: Tensor, halos: list[Tensor], key: int
+) -> list[Tensor]:
     """(input gradient, weight gradient) by ``_HaloConv.backward`` on the saved halos."""
     meta, corrections = _PLANS[key][5]
     ctx = SimpleNamespace(saved_tensors=(x, w, *halos), meta=meta, corrections=corrections)
@@ -104,9 +100,8 @@ def _(g, x, w, halos, key):
 
 
 def _setup(ctx, inputs, output):
-    x, w, key = inputs
-    ctx.save_for_backward(x, w, *output[1:])
-    ctx.key = key
+    ctx.save_for_backward(*inputs[:2], *output[1:])
+    ctx.key = inputs[2]
 
 
 def _backward(ctx, grads):
@@ -137,8 +132,7 @@ def bn_local(x: Tensor, bn: nn.BatchNorm2d, count: int, world: int) -> Tensor:
     sums = torch.cat([x.sum((0, 2, 3)), (x * x).sum((0, 2, 3))])
     if world > 1:
         sums = _AllReduceSum.apply(sums)
-    mean = sums[:c] / count
-    var = sums[c:] / count - mean * mean
+    mean, var = sums[:c] / count, sums[c:] / count - (sums[:c] / count) ** 2
     scale = torch.rsqrt(var + bn.eps) * bn.weight
     return x * scale[:, None, None] + (bn.bias - mean * scale)[:, None, None]
 
@@ -154,8 +148,7 @@ class Block(nn.Module):
         self.bn2 = nn.BatchNorm2d(c)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + x)
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))) + x)
 
 
 def forward_local(model: nn.Sequential, x: Tensor, width: int, world: int, group) -> Tensor:
@@ -177,10 +170,9 @@ def forward_local(model: nn.Sequential, x: Tensor, width: int, world: int, group
 def _reduce_grads(model: nn.Module) -> None:
     """Sum every parameter gradient over the ranks (one flat all-reduce)."""
     grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.flatten() for g in grads])
+    flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat)
-    for g, v in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        g.copy_(v.view_as(g))
+    torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
 
 
 def _routes(model, img, world, mesh):
@@ -191,8 +183,6 @@ def _routes(model, img, world, mesh):
     lo, hi = all_shard_bounds(width, world)[dist.get_rank()]
     strip = img[..., lo:hi].contiguous()
     dx = distribute_tensor(img, mesh, [Shard(3)])
-    numel = img.numel()
-    compiled = torch.compile(lambda t: forward_local(b, t, width, world, group))
 
     def step_a():
         y = a(dx)
@@ -201,13 +191,16 @@ def _routes(model, img, world, mesh):
 
     def step_b(fn):
         y = fn(strip)
-        ((y * y).sum() / numel).backward()
+        ((y * y).sum() / img.numel()).backward()
         if world > 1:
             _reduce_grads(b)
         return y
 
-    eager_b = lambda: step_b(lambda t: forward_local(b, t, width, world, group))  # noqa: E731
-    return {"A eager": (a, step_a), "B eager": (b, eager_b), "B compiled": (b, lambda: step_b(compiled))}
+    eager = lambda t: forward_local(b, t, width, world, group)  # noqa: E731
+    compiled = torch.compile(eager)
+    steps = {"A eager": step_a, "B eager": lambda: step_b(eager)}
+    steps["B compiled"] = lambda: step_b(compiled)
+    return {name: (a if name[0] == "A" else b, step) for name, step in steps.items()}
 
 
 def _errors(routes, model, img, world) -> dict[str, float]:
@@ -220,8 +213,11 @@ def _errors(routes, model, img, world) -> dict[str, float]:
     for name, (m, step) in routes.items():
         m.zero_grad(set_to_none=True)
         out = step()
-        errs = [(out - y[..., lo:hi]).abs().max()]
-        errs += [(p.grad - q.grad).abs().max() for p, q in zip(m.parameters(), ref.parameters(), strict=True)]
+        pairs = zip(m.parameters(), ref.parameters(), strict=True)
+        errs = [
+            (out - y[..., lo:hi]).abs().max(),
+            *((p.grad - q.grad).abs().max() for p, q in pairs),
+        ]
         err = torch.stack(errs).max().reshape(1)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         found[name] = err.item()
@@ -229,52 +225,54 @@ def _errors(routes, model, img, world) -> dict[str, float]:
 
 
 def _python_calls(fn) -> int:
-    calls = [0]
-
-    def prof(frame, event, arg):
-        if event == "call":
-            calls[0] += 1
-
-    sys.setprofile(prof)
+    """Python function calls during one call of ``fn`` (``sys.setprofile``)."""
+    calls = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and calls.append(1))
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return calls[0]
+    return len(calls)
 
 
-def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    mesh = init_worker(rank, world, port, args)
-    torch.manual_seed(0)
-    model = nn.Sequential(*(Block(args.width) for _ in range(args.blocks)))
-    img = torch.randn(1, args.width, args.image_h, args.image_w)
-    out = {"errors": _errors(_routes(model.double(), img.double(), world, mesh), model, img.double(), world)}
-    torch._dynamo.reset()
-    model, img = model.float(), img.float()
-    routes = _routes(model, img, world, mesh)
-    torch._dynamo.utils.counters.clear()
+def _time_routes(routes, rounds: int) -> dict[str, tuple[float, float, float]]:
+    """Per route: (min, median CPU s, median wall s) per step, max over ranks; the routes
+    interleaved round by round after two warm-up rounds (compilation)."""
     cpu, wall = {n: [] for n in routes}, {n: [] for n in routes}
-    for r in range(args.rounds + 2):
-        if r == 2:
-            frames_after_warmup = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for r in range(rounds + 2):
         for name, (m, step) in routes.items():
             m.zero_grad(set_to_none=True)
             dist.barrier()
             c0, w0 = time.process_time(), time.perf_counter()
             step()
-            t = torch.tensor([time.process_time() - c0, time.perf_counter() - w0], dtype=torch.float64)
+            t = [time.process_time() - c0, time.perf_counter() - w0]
+            t = torch.tensor(t, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if r >= 2:
                 cpu[name].append(t[0].item())
                 wall[name].append(t[1].item())
-    c = torch._dynamo.utils.counters
-    out["dynamo"] = {
-        "graphs": c["stats"]["unique_graphs"],
-        "graph breaks": sum(c["graph_break"].values()),
-        "graphs after warm-up": c["stats"]["unique_graphs"] - frames_after_warmup,
-    }
+    return {n: (min(cpu[n]), statistics.median(cpu[n]), statistics.median(wall[n])) for n in cpu}
+
+
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
+    mesh = init_worker(rank, world, port, args)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block(args.width) for _ in range(args.blocks))).double()
+    img = torch.randn(1, args.width, args.image_h, args.image_w, dtype=torch.float64)
+    out = {"errors": _errors(_routes(model, img, world, mesh), model, img, world)}
+    torch._dynamo.reset()
+    model, img = model.float(), img.float()
+    routes = _routes(model, img, world, mesh)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    out["time"] = _time_routes(routes, args.rounds)
+    graphs = counters["stats"]["unique_graphs"]
     out["calls"] = {n: _python_calls(s) for n, (_, s) in routes.items()}
-    out["time"] = {n: (min(cpu[n]), statistics.median(cpu[n]), statistics.median(wall[n])) for n in routes}
+    out["dynamo"] = {
+        "graphs": graphs,
+        "graph breaks": sum(counters["graph_break"].values()),
+        "graphs compiled by a later step": counters["stats"]["unique_graphs"] - graphs,
+    }
     dist.barrier()
     dist.destroy_process_group()
     queue.put((rank, out))
@@ -283,12 +281,9 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--image-h", type=int, default=32)
-    ap.add_argument("--image-w", type=int, default=255)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=1)
+    sizes = {"width": 64, "blocks": 2, "image-h": 32, "image-w": 255, "rounds": 7, "threads": 1}
+    for name, default in sizes.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args()
     args.device = "cpu"
     for world in args.worlds:
@@ -297,8 +292,8 @@ def main() -> None:
         print(f"  dynamo: {res['dynamo']}")
         base = res["time"]["A eager"][1]
         for name, (cmin, cmed, wmed) in res["time"].items():
-            line = f"cpu min {cmin:.4f} med {cmed:.4f} s ({cmed / base:.2f}x A) wall med {wmed:.4f} s"
-            print(f"  {name:11s} {line}  python calls {res['calls'][name]}")
+            cpu = f"cpu min {cmin:.4f} med {cmed:.4f} s ({cmed / base:.2f}x A)"
+            print(f"  {name:11s} {cpu}, wall med {wmed:.4f} s, python calls {res['calls'][name]}")
 
 
 if __name__ == "__main__":
