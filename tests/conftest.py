@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.background_jobs import BackgroundJobs, job, wanted
 from tests.dist_harness import DistPool
 
 
@@ -31,8 +32,8 @@ REFERENCE_STEPS = 8
 REFERENCE = ("--set", f"training.steps={REFERENCE_STEPS}")
 
 
-@pytest.fixture(scope="package")
-def uninterrupted_run(tmp_path_factory) -> Path:
+@job("uninterrupted_run")
+def _uninterrupted(folder: Path) -> Path:
     """The run folder of one uninterrupted ``torchrun`` job (2 ranks) of the tiny config of
     ``tests/test_train_e2e.py`` stretched to ``REFERENCE_STEPS`` steps (validation and a
     checkpoint every 2 steps): its artifacts are checked in ``test_train_e2e.py``, and its
@@ -41,6 +42,20 @@ def uninterrupted_run(tmp_path_factory) -> Path:
     validation do not change them: several of those jobs run without either)."""
     from tests.test_train_e2e import ok, tiny_config, torchrun
 
-    folder = tmp_path_factory.mktemp("uninterrupted")
     ok(torchrun(tiny_config(folder), *REFERENCE))
     return folder / "run"
+
+
+@pytest.fixture(scope="package")
+def background_jobs(request, tmp_path_factory):
+    """The process jobs of the selected e2e tests, started together on first use
+    (``tests/background_jobs.py``)."""
+    jobs = BackgroundJobs(wanted(request.session.items), tmp_path_factory.mktemp)
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture(scope="package")
+def uninterrupted_run(background_jobs) -> Path:
+    """The run folder of the uninterrupted reference job (``_uninterrupted``)."""
+    return background_jobs.result("uninterrupted_run")

@@ -1,0 +1,120 @@
+"""Process jobs of the end-to-end tests, run in the background while other tests run.
+
+A ``torchrun`` job on 2 cores keeps about one core busy (its agent's start-up, the
+workers' imports and teardown run on one core, a tiny model's steps wait on each other),
+so the suite's e2e jobs are started together, at most ``PARALLEL`` at a time, when the
+first test that needs one of them starts; each test then waits for its own job's result
+and makes its assertions on it.
+
+A job is a function ``fn(folder) -> result`` registered with ``@job(name)`` in the module
+of its test; it launches its processes (``launch`` / ``Job`` with explicit environments:
+jobs run in threads, so none may change ``os.environ``) and returns what the test checks.
+A test declares its jobs with ``@pytest.mark.job(name)`` (or by using a fixture of the
+job's name) and reads them with ``background_jobs.result(name)``; only the jobs of the
+selected tests run, in the order of those tests. A job that fails (e.g. ``pytest.fail``
+in a wait) raises in its test. ``exclusive`` jobs run alone among the background jobs
+(the watchdog test's 4 s timeout must not measure another job's start-up).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+#: background jobs at once (each ``torchrun`` job is an agent and its workers)
+PARALLEL = int(os.environ.get("SPCONV_TEST_JOBS", "2"))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A registered job: ``fn(folder)`` and whether it must run alone."""
+
+    name: str
+    fn: Callable[[Path], object]
+    exclusive: bool = False
+
+
+JOBS: dict[str, Spec] = {}
+
+
+def job(name: str, exclusive: bool = False):
+    """Register ``fn(folder) -> result`` as the background job ``name``."""
+
+    def register(fn: Callable[[Path], object]) -> Callable[[Path], object]:
+        if name in JOBS and JOBS[name].fn is not fn:
+            raise ValueError(f"two background jobs named {name!r}")
+        JOBS[name] = Spec(name, fn, exclusive)
+        return fn
+
+    return register
+
+
+def wanted(items) -> list[str]:
+    """The names of the jobs the selected test ``items`` use, in the order of first use
+    (a ``job`` marker, or a fixture of the job's name)."""
+    names: list[str] = []
+    for item in items:
+        marks = [m.args[0] for m in item.iter_markers("job")]
+        for name in [*marks, *getattr(item, "fixturenames", ())]:
+            if name in JOBS and name not in names:
+                names.append(name)
+    return names
+
+
+class BackgroundJobs:
+    """Runs the given jobs in order, ``parallel`` at a time, each in a folder made by
+    ``mkdir(name)``; ``result(name)`` waits for one."""
+
+    def __init__(self, names: list[str], mkdir: Callable[[str], Path], parallel: int = PARALLEL):
+        self._specs = [JOBS[n] for n in names]
+        self._futures: dict[str, Future] = {n: Future() for n in names}
+        self._mkdir = mkdir
+        self._parallel = max(1, parallel)
+        self._slots = threading.Semaphore(self._parallel)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._dispatcher = threading.Thread(target=self._dispatch, name="e2e-jobs", daemon=True)
+        self._dispatcher.start()
+
+    def _dispatch(self) -> None:
+        for spec in self._specs:
+            slots = self._parallel if spec.exclusive else 1
+            for _ in range(slots):
+                self._slots.acquire()
+            future = self._futures[spec.name]
+            if self._stop.is_set() or not future.set_running_or_notify_cancel():
+                self._slots.release(slots)
+                continue
+            thread = threading.Thread(
+                target=self._run, args=(spec, future, slots), name=f"job-{spec.name}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def _run(self, spec: Spec, future: Future, slots: int) -> None:
+        try:
+            future.set_result(spec.fn(self._mkdir(spec.name)))
+        except BaseException as error:  # noqa: BLE001 - pytest.fail too: raised in the test
+            future.set_exception(error)
+        finally:
+            self._slots.release(slots)
+
+    def result(self, name: str):
+        """The return value of job ``name`` (waits for it; raises what the job raised)."""
+        if name not in self._futures:
+            raise KeyError(f"background job {name!r} was not started (no selected test uses it)")
+        return self._futures[name].result()
+
+    def close(self) -> None:
+        """Start no more jobs; wait for the running ones (each is bounded by its own
+        timeouts)."""
+        self._stop.set()
+        for future in self._futures.values():
+            future.cancel()
+        self._dispatcher.join()
+        for thread in self._threads:
+            thread.join()
