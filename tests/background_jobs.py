@@ -9,11 +9,13 @@ and makes its assertions on it.
 A job is a function ``fn(folder) -> result`` registered with ``@job(name)`` in the module
 of its test; it launches its processes (``launch`` / ``Job`` with explicit environments:
 jobs run in threads, so none may change ``os.environ``) and returns what the test checks.
-A test declares its jobs with ``@pytest.mark.job(name)`` (or by using a fixture of the
-job's name) and reads them with ``background_jobs.result(name)``; only the jobs of the
-selected tests run, in the order of those tests. A job that fails (e.g. ``pytest.fail``
-in a wait) raises in its test. ``exclusive`` jobs run alone among the background jobs
-(the watchdog test's 4 s timeout must not measure another job's start-up).
+Its processes get the environment of the moment the jobs started (``environ()``), not the
+temporary variables of whichever test runs meanwhile. A test declares its jobs with
+``@pytest.mark.job(name)`` (or by using a fixture of the job's name) and reads them with
+``background_jobs.result(name)``; only the jobs of the selected tests run, in the order of
+those tests. A job that fails (e.g. ``pytest.fail`` in a wait) raises in its test.
+``exclusive`` jobs run alone among the background jobs (the watchdog test's 4 s timeout
+must not measure another job's start-up).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ class Spec:
 
 
 JOBS: dict[str, Spec] = {}
+_LOCAL = threading.local()
+
+
+def environ() -> dict[str, str]:
+    """The environment for a launched process: in a background job, ``os.environ`` as it
+    was when the jobs started; elsewhere ``os.environ`` now."""
+    return dict(getattr(_LOCAL, "environ", os.environ))
 
 
 def job(name: str, exclusive: bool = False):
@@ -73,6 +82,7 @@ class BackgroundJobs:
         self._specs = [JOBS[n] for n in names]
         self._futures: dict[str, Future] = {n: Future() for n in names}
         self._mkdir = mkdir
+        self._environ = dict(os.environ)  # before any test's monkeypatch of this test
         self._parallel = max(1, parallel)
         self._slots = threading.Semaphore(self._parallel)
         self._stop = threading.Event()
@@ -96,6 +106,7 @@ class BackgroundJobs:
             thread.start()
 
     def _run(self, spec: Spec, future: Future, slots: int) -> None:
+        _LOCAL.environ = self._environ
         try:
             future.set_result(spec.fn(self._mkdir(spec.name)))
         except BaseException as error:  # noqa: BLE001 - pytest.fail too: raised in the test

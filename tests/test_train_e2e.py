@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 from spconv_train.checkpoint import FORMAT_VERSION
 from spconv_train.cli import app
 from spconv_train.models import create_model
-from tests.background_jobs import job
+from tests.background_jobs import environ, job
 from tests.conftest import REFERENCE, REFERENCE_STEPS
 from tests.dist_harness import train_on_group
 
@@ -124,7 +124,8 @@ def tiny_config(folder: Path, name: str = "run") -> Path:
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a launched process: this one's, one thread, ``extra`` on top."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "SPCONV_TIMEOUT_S": "120", **(extra or {})}
+    env = {**environ(), "OMP_NUM_THREADS": "1", "SPCONV_TIMEOUT_S": "120"}
+    return {**env, **(extra or {})}
 
 
 def hook_env(folder: Path, hook: str) -> dict[str, str]:
@@ -132,7 +133,7 @@ def hook_env(folder: Path, hook: str) -> dict[str, str]:
     put it on the launched processes' ``PYTHONPATH`` (pass them as ``env``)."""
     (folder / "hook").mkdir()
     (folder / "hook" / "sitecustomize.py").write_text(hook)
-    path = os.pathsep.join(filter(None, [str(folder / "hook"), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(folder / "hook"), environ().get("PYTHONPATH")]))
     return {"PYTHONPATH": path}
 
 
