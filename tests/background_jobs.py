@@ -2,9 +2,9 @@
 
 A ``torchrun`` job on 2 cores keeps about one core busy (its agent's start-up, the
 workers' imports and teardown run on one core, a tiny model's steps wait on each other),
-so the suite's e2e jobs are started together, at most ``PARALLEL`` at a time, when the
-first test that needs one of them starts; each test then waits for its own job's result
-and makes its assertions on it.
+and so do many of the suite's other tests; the e2e jobs therefore start in the background
+with the first test of the run, at most ``PARALLEL`` at a time, while the other tests run,
+and each e2e test waits for its own job's result and makes its assertions on it.
 
 A job is a function ``fn(folder) -> result`` registered with ``@job(name)`` in the module
 of its test; it launches its processes (``launch`` / ``Job`` with explicit environments:
@@ -14,8 +14,8 @@ temporary variables of whichever test runs meanwhile. A test declares its jobs w
 ``@pytest.mark.job(name)`` (or by using a fixture of the job's name) and reads them with
 ``background_jobs.result(name)``; only the jobs of the selected tests run, in the order of
 those tests. A job that fails (e.g. ``pytest.fail`` in a wait) raises in its test.
-``exclusive`` jobs run alone among the background jobs (the watchdog test's 4 s timeout
-must not measure another job's start-up).
+``exclusive`` jobs run when their test asks, in its thread, with no background job running
+(the watchdog test's 4 s timeout must not measure a busy machine).
 """
 
 from __future__ import annotations
@@ -76,49 +76,73 @@ def wanted(items) -> list[str]:
 
 class BackgroundJobs:
     """Runs the given jobs in order, ``parallel`` at a time, each in a folder made by
-    ``mkdir(name)``; ``result(name)`` waits for one."""
+    ``mkdir(name)``; ``result(name)`` waits for one. An ``exclusive`` job is not queued:
+    ``result`` runs it in the caller's thread once the running jobs have ended, and no
+    other job starts meanwhile."""
 
     def __init__(self, names: list[str], mkdir: Callable[[str], Path], parallel: int = PARALLEL):
-        self._specs = [JOBS[n] for n in names]
+        self._specs = {n: JOBS[n] for n in names}
         self._futures: dict[str, Future] = {n: Future() for n in names}
         self._mkdir = mkdir
         self._environ = dict(os.environ)  # before any test's monkeypatch of this test
         self._parallel = max(1, parallel)
         self._slots = threading.Semaphore(self._parallel)
+        self._gate = threading.Lock()  # held while a job is being started (or runs alone)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._dispatcher = threading.Thread(target=self._dispatch, name="e2e-jobs", daemon=True)
+        queued = [spec for spec in self._specs.values() if not spec.exclusive]
+        self._dispatcher = threading.Thread(
+            target=self._dispatch, args=(queued,), name="e2e-jobs", daemon=True
+        )
         self._dispatcher.start()
 
-    def _dispatch(self) -> None:
-        for spec in self._specs:
-            slots = self._parallel if spec.exclusive else 1
-            for _ in range(slots):
+    def _dispatch(self, queued: list[Spec]) -> None:
+        for spec in queued:
+            with self._gate:
                 self._slots.acquire()
-            future = self._futures[spec.name]
-            if self._stop.is_set() or not future.set_running_or_notify_cancel():
-                self._slots.release(slots)
-                continue
-            thread = threading.Thread(
-                target=self._run, args=(spec, future, slots), name=f"job-{spec.name}", daemon=True
-            )
-            self._threads.append(thread)
-            thread.start()
+                future = self._futures[spec.name]
+                if self._stop.is_set() or not future.set_running_or_notify_cancel():
+                    self._slots.release()
+                    continue
+                thread = threading.Thread(
+                    target=self._run, args=(spec, future), name=f"job-{spec.name}", daemon=True
+                )
+                self._threads.append(thread)
+                thread.start()
 
-    def _run(self, spec: Spec, future: Future, slots: int) -> None:
+    def _run(self, spec: Spec, future: Future) -> None:
+        try:
+            self._call(spec, future)
+        finally:
+            self._slots.release()
+
+    def _call(self, spec: Spec, future: Future) -> None:
         _LOCAL.environ = self._environ
         try:
             future.set_result(spec.fn(self._mkdir(spec.name)))
         except BaseException as error:  # noqa: BLE001 - pytest.fail too: raised in the test
             future.set_exception(error)
         finally:
-            self._slots.release(slots)
+            del _LOCAL.environ
+
+    def _run_alone(self, spec: Spec, future: Future) -> None:
+        with self._gate:  # no job starts now
+            for _ in range(self._parallel):  # the running ones end
+                self._slots.acquire()
+            try:
+                if future.set_running_or_notify_cancel():
+                    self._call(spec, future)
+            finally:
+                self._slots.release(self._parallel)
 
     def result(self, name: str):
         """The return value of job ``name`` (waits for it; raises what the job raised)."""
         if name not in self._futures:
             raise KeyError(f"background job {name!r} was not started (no selected test uses it)")
-        return self._futures[name].result()
+        future = self._futures[name]
+        if self._specs[name].exclusive and not future.done():
+            self._run_alone(self._specs[name], future)
+        return future.result()
 
     def close(self) -> None:
         """Start no more jobs; wait for the running ones (each is bounded by its own

@@ -46,10 +46,10 @@ def _uninterrupted(folder: Path) -> Path:
     return folder / "run"
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="package", autouse=True)
 def background_jobs(request, tmp_path_factory):
-    """The process jobs of the selected e2e tests, started together on first use
-    (``tests/background_jobs.py``)."""
+    """The process jobs of the selected e2e tests, started in the background with the first
+    test (``tests/background_jobs.py``)."""
     jobs = BackgroundJobs(wanted(request.session.items), tmp_path_factory.mktemp)
     yield jobs
     jobs.close()
