@@ -40,7 +40,8 @@ def _uninterrupted(folder: Path) -> Path:
     parameters and losses are what the interrupted, resumed and restarted jobs there and
     in ``test_faults_e2e.py`` / ``test_multinode_e2e.py`` must end with (checkpointing and
     validation do not change them: several of those jobs run without either)."""
-    from tests.test_train_e2e import ok, tiny_config, torchrun
+    from tests.processes import torchrun
+    from tests.test_train_e2e import ok, tiny_config
 
     ok(torchrun(tiny_config(folder), *REFERENCE))
     return folder / "run"

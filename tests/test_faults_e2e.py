@@ -25,15 +25,8 @@ import torch
 from tests.background_jobs import job
 from tests.conftest import REFERENCE_STEPS
 from tests.dist_harness import train_on_group
-from tests.test_train_e2e import (
-    REPO,
-    _env,
-    exported,
-    hook_env,
-    launch,
-    read_metrics,
-    tiny_config,
-)
+from tests.processes import REPO, hook_env, launch, launch_env
+from tests.test_train_e2e import exported, read_metrics, tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -97,7 +90,7 @@ class Job:
         self.out, self.err = folder / "stdout.txt", folder / "stderr.txt"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=err, cwd=REPO, env=_env(env), start_new_session=True
+                cmd, stdout=out, stderr=err, cwd=REPO, env=launch_env(env), start_new_session=True
             )
 
     def wait_for_step(self, run_dir: Path, step: int, timeout: float = 120) -> None:

@@ -28,7 +28,8 @@ from spconv_train.logging.run_folder import (
     write_job,
 )
 from tests.background_jobs import job
-from tests.test_train_e2e import tiny_config, torchrun
+from tests.processes import torchrun
+from tests.test_train_e2e import tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 import subprocess
-import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -31,13 +28,13 @@ from typer.testing import CliRunner
 from spconv_train.checkpoint import FORMAT_VERSION
 from spconv_train.cli import app
 from spconv_train.models import create_model
-from tests.background_jobs import environ, job
+from tests.background_jobs import job
 from tests.conftest import REFERENCE, REFERENCE_STEPS
 from tests.dist_harness import train_on_group
+from tests.processes import hook_env, torchrun
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = """\
 run_dir: {run_dir}
 model:
@@ -120,54 +117,6 @@ def tiny_config(folder: Path, name: str = "run") -> Path:
     path = folder / f"{name}.yaml"
     path.write_text(TINY.format(run_dir=folder / name), encoding="utf-8")
     return path
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a launched process: this one's, one thread, ``extra`` on top."""
-    env = {**environ(), "OMP_NUM_THREADS": "1", "SPCONV_TIMEOUT_S": "120"}
-    return {**env, **(extra or {})}
-
-
-def hook_env(folder: Path, hook: str) -> dict[str, str]:
-    """Write ``hook`` as ``folder/hook/sitecustomize.py``; the environment variables that
-    put it on the launched processes' ``PYTHONPATH`` (pass them as ``env``)."""
-    (folder / "hook").mkdir()
-    (folder / "hook" / "sitecustomize.py").write_text(hook)
-    path = os.pathsep.join(filter(None, [str(folder / "hook"), environ().get("PYTHONPATH")]))
-    return {"PYTHONPATH": path}
-
-
-def launch(
-    cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """Run ``cmd`` (with the variables ``env`` added to the environment) in its own process
-    group; on a timeout kill the whole group (torchrun's workers too, which would otherwise
-    outlive it) and fail."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=_env(env),
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {cmd}\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def torchrun(
-    *args: object, nproc: int = 2, restarts: int = 0, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node N -m spconv_train run ARGS`` (as ``make run`` does)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    cmd += [f"--max-restarts={restarts}", "-m", "spconv_train", "run", *map(str, args)]
-    return launch(cmd, env=env)
 
 
 def plain(*args: object) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from spconv_train.verify._compare import Check, Collector, floors, resolve_tolerances
 from spconv_train.verify._report import VerifyReport
 from tests.background_jobs import job
-from tests.test_train_e2e import launch
+from tests.processes import launch
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
