@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.background_jobs import BackgroundJobs, job, wanted
 from tests.dist_harness import DistPool
 
 
@@ -31,16 +32,31 @@ REFERENCE_STEPS = 8
 REFERENCE = ("--set", f"training.steps={REFERENCE_STEPS}")
 
 
-@pytest.fixture(scope="package")
-def uninterrupted_run(tmp_path_factory) -> Path:
+@job("uninterrupted_run")
+def _uninterrupted(folder: Path) -> Path:
     """The run folder of one uninterrupted ``torchrun`` job (2 ranks) of the tiny config of
     ``tests/test_train_e2e.py`` stretched to ``REFERENCE_STEPS`` steps (validation and a
     checkpoint every 2 steps): its artifacts are checked in ``test_train_e2e.py``, and its
     parameters and losses are what the interrupted, resumed and restarted jobs there and
     in ``test_faults_e2e.py`` / ``test_multinode_e2e.py`` must end with (checkpointing and
     validation do not change them: several of those jobs run without either)."""
-    from tests.test_train_e2e import ok, tiny_config, torchrun
+    from tests.processes import torchrun
+    from tests.test_train_e2e import ok, tiny_config
 
-    folder = tmp_path_factory.mktemp("uninterrupted")
     ok(torchrun(tiny_config(folder), *REFERENCE))
     return folder / "run"
+
+
+@pytest.fixture(scope="package", autouse=True)
+def background_jobs(request, tmp_path_factory):
+    """The process jobs of the selected e2e tests, started in the background with the first
+    test (``tests/background_jobs.py``)."""
+    jobs = BackgroundJobs(wanted(request.session.items), tmp_path_factory.mktemp)
+    yield jobs
+    jobs.close()
+
+
+@pytest.fixture(scope="package")
+def uninterrupted_run(background_jobs) -> Path:
+    """The run folder of the uninterrupted reference job (``_uninterrupted``)."""
+    return background_jobs.result("uninterrupted_run")

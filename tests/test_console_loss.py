@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from spconv_train.cli import app
 from spconv_train.data import write_synthetic_dataset
-from tests.test_train_e2e import REPO, read_metrics
+from tests.processes import REPO
+from tests.test_train_e2e import read_metrics
 
 # torchrun's error recorder around the command cannot register faulthandler on the
 # in-process runner's captured output (no file descriptor); nothing to see there

@@ -10,6 +10,7 @@ file only rank 1 cannot read; rank 1 stopped with SIGSTOP; SIGTERM reaching rank
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -21,9 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.background_jobs import job
 from tests.conftest import REFERENCE_STEPS
 from tests.dist_harness import train_on_group
-from tests.test_train_e2e import REPO, _env, exported, launch, read_metrics, tiny_config
+from tests.processes import REPO, hook_env, launch, launch_env
+from tests.test_train_e2e import exported, read_metrics, tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -68,15 +71,10 @@ if os.environ.get("SPCONV_TEST_STEP_DELAY"):
 """
 
 
-@pytest.fixture
-def hooked(tmp_path, monkeypatch):
-    """Put ``HOOK`` on the workers' ``PYTHONPATH``; returns ``monkeypatch`` to set faults."""
-    folder = tmp_path / "hook"
-    folder.mkdir()
-    (folder / "sitecustomize.py").write_text(HOOK)
-    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
-    monkeypatch.setenv("PYTHONPATH", path)
-    return monkeypatch
+def hooked(folder: Path, **variables: str) -> dict[str, str]:
+    """The environment variables that put ``HOOK`` (written into ``folder``) on the workers'
+    ``PYTHONPATH``, and ``variables`` (the faults: ``SPCONV_TEST_FAULT``, ...)."""
+    return {**hook_env(folder, HOOK), **variables}
 
 
 def torchrun_cmd(*args: object, extra: tuple[str, ...] = ()) -> list[str]:
@@ -87,11 +85,12 @@ def torchrun_cmd(*args: object, extra: tuple[str, ...] = ()) -> list[str]:
 class Job:
     """A torchrun job started in the background, its output in files (no pipe fills up)."""
 
-    def __init__(self, cmd: list[str], folder: Path):
+    def __init__(self, cmd: list[str], folder: Path, env: dict[str, str] | None = None):
+        """Start ``cmd`` with the variables ``env`` added to the environment."""
         self.out, self.err = folder / "stdout.txt", folder / "stderr.txt"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=err, cwd=REPO, env=_env(), start_new_session=True
+                cmd, stdout=out, stderr=err, cwd=REPO, env=launch_env(env), start_new_session=True
             )
 
     def wait_for_step(self, run_dir: Path, step: int, timeout: float = 120) -> None:
@@ -157,20 +156,32 @@ class Job:
 # --- item 5: every rank's error reaches the user -----------------------------------------
 
 
+FAULTS = {
+    "data_rank1": "/data/images/train/img_007.npy: cannot read columns 32-64",
+    "config_rank1": "model.weights: /weights/unet.pt: truncated file",
+}
+
+
+def _fault_job(fault: str, folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """A torchrun job of the tiny config with ``fault`` injected by ``HOOK``."""
+    no_val = ("--set", "training.val_every=100")  # the 3rd sample read is step 3's
+    env = hooked(folder, SPCONV_TEST_FAULT=fault)
+    return launch(torchrun_cmd(tiny_config(folder), *no_val), timeout=120, env=env), folder
+
+
+for _fault in FAULTS:
+    job(f"fault_{_fault}")(functools.partial(_fault_job, _fault))
+
+
 @pytest.mark.parametrize(
     ("fault", "says"),
-    [
-        ("data_rank1", "/data/images/train/img_007.npy: cannot read columns 32-64"),
-        ("config_rank1", "model.weights: /weights/unet.pt: truncated file"),
-    ],
+    [pytest.param(f, says, marks=pytest.mark.job(f"fault_{f}")) for f, says in FAULTS.items()],
 )
-def test_error_on_one_rank_is_printed_with_its_rank_and_file(tmp_path, hooked, fault, says):
+def test_error_on_one_rank_is_printed_with_its_rank_and_file(background_jobs, fault, says):
     """Rank 1 alone fails: its message (rank, file) is printed, the job ends at once (the
     subprocess timeout of 120 s bounds it; the process-group timeout is 120 s too), and
     rank 0 says in one line that it lost its peer instead of dumping a gloo traceback."""
-    hooked.setenv("SPCONV_TEST_FAULT", fault)
-    no_val = ("--set", "training.val_every=100")  # the 3rd sample read is step 3's
-    proc = launch(torchrun_cmd(tiny_config(tmp_path), *no_val), timeout=120)
+    proc, folder = background_jobs.result(f"fault_{fault}")
     assert proc.returncode != 0
     assert f"[rank 1] {says}" in proc.stderr, proc.stderr[-4000:]
     assert "exitcode  : 2" in proc.stderr  # rank 1's own exit code, in torchrun's summary
@@ -182,28 +193,34 @@ def test_error_on_one_rank_is_printed_with_its_rank_and_file(tmp_path, hooked, f
             lost = "[rank 0] stopped in step 3: data and forward pass"
             assert lost in proc.stderr, proc.stderr[-4000:]
             assert "lost the connection to another rank" in proc.stderr
-        assert not (tmp_path / "run" / "checkpoints" / "step-000004").exists()
+        assert not (folder / "run" / "checkpoints" / "step-000004").exists()
 
 
-def test_stopped_rank_ends_the_job_with_the_watchdog_naming_step_and_collective(tmp_path, hooked):
-    """SIGSTOP rank 1 after step 2: rank 0 waits in a collective of the next phase until
-    parallel.timeout_s, then the watchdog names the step and phase and exits 4."""
-    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.2")
-    config = tiny_config(tmp_path)
+@job("watchdog", exclusive=True)  # alone: its 4 s timeout must not meet a busy machine
+def _watchdog_job(folder: Path) -> subprocess.CompletedProcess:
+    """Stop rank 1 after step 2 (SIGSTOP), wait for the watchdog's message."""
+    config = tiny_config(folder)
     args = ("--set", "training.steps=200", "--set", "parallel.timeout_s=4")
     args += ("--set", "training.val_every=100", "--set", "checkpoint.every=100")
-    job = Job(torchrun_cmd(config, *args), tmp_path)
+    job = Job(torchrun_cmd(config, *args), folder, hooked(folder, SPCONV_TEST_STEP_DELAY="0.2"))
     try:
-        job.wait_for_step(tmp_path / "run", 2)
+        job.wait_for_step(folder / "run", 2)
         stopped = job.worker(1)
         os.kill(stopped, signal.SIGSTOP)
         job.wait_for_stderr("watchdog: stuck")
         # torchrun now SIGTERMs the stopped rank and SIGKILLs it 30 s later; play the
         # cluster's part at once to keep the test short.
         os.kill(stopped, signal.SIGKILL)
-        proc = job.finish(timeout=120)
+        return job.finish(timeout=120)
     finally:
         job.kill()
+
+
+@pytest.mark.job("watchdog")
+def test_stopped_rank_ends_the_job_with_the_watchdog_naming_step_and_collective(background_jobs):
+    """SIGSTOP rank 1 after step 2: rank 0 waits in a collective of the next phase until
+    parallel.timeout_s, then the watchdog names the step and phase and exits 4."""
+    proc = background_jobs.result("watchdog")
     assert proc.returncode != 0
     match = re.search(r"\[rank 0\] error: watchdog: stuck for (\d+) s in step (\d+): ", proc.stderr)
     assert match, proc.stderr[-4000:]
@@ -217,27 +234,34 @@ def test_stopped_rank_ends_the_job_with_the_watchdog_naming_step_and_collective(
 # --- item 7: preemption ----------------------------------------------------------------------
 
 
+N_STEPS = ("--set", f"training.steps={REFERENCE_STEPS}", "--set", "checkpoint.every=100")
+N_STEPS += ("--set", "training.val_every=100")
+
+
+@job("sigterm_one_rank")
+def _sigterm_one_rank_job(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """SIGTERM to rank 1 of a torchrun job after its step 2; its result and config."""
+    config = tiny_config(folder)
+    job = Job(torchrun_cmd(config, *N_STEPS), folder, hooked(folder, SPCONV_TEST_STEP_DELAY="0.3"))
+    try:
+        job.wait_for_step(folder / "run", 2)
+        os.kill(job.worker(1), signal.SIGTERM)
+        return job.finish(timeout=120), config
+    finally:
+        job.kill()
+
+
+@pytest.mark.job("sigterm_one_rank")
 def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(
-    dist_pool, tmp_path, hooked, uninterrupted_run
+    dist_pool, background_jobs, uninterrupted_run
 ):
     """SIGTERM reaches rank 1 only, mid-run: both ranks agree on the stop step, write its
     checkpoint, exit 3; resumed (real ``train()`` on the shared 2-rank worker group, what
     ``run --resume`` runs on every rank) the run ends with the parameters and losses of an
     uninterrupted run."""
-    n = REFERENCE_STEPS
-    steps = ("--set", f"training.steps={n}", "--set", "checkpoint.every=100")
-    steps += ("--set", "training.val_every=100")
-    cut_dir = tmp_path / "cut"
-    cut_dir.mkdir()
-    config = tiny_config(cut_dir)
-    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
-    job = Job(torchrun_cmd(config, *steps), cut_dir)
-    try:
-        job.wait_for_step(cut_dir / "run", 2)
-        os.kill(job.worker(1), signal.SIGTERM)
-        proc = job.finish(timeout=120)
-    finally:
-        job.kill()
+    n, steps = REFERENCE_STEPS, N_STEPS
+    proc, config = background_jobs.result("sigterm_one_rank")
+    cut_dir = config.parent
     match = re.search(rf"stopped by SIGTERM after step (\d+) of {n}", proc.stderr)
     assert match, proc.stderr[-4000:]
     stop = int(match.group(1))
@@ -261,20 +285,26 @@ def test_sigterm_on_one_rank_checkpoints_exits_3_and_resumes_exactly(
     assert losses[0] == losses[1]
 
 
-def test_sigterm_to_a_plain_run_exits_3_with_a_checkpoint(tmp_path, hooked):
-    """One process, no torchrun: the exit code itself is the documented 3."""
-    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
+@job("sigterm_plain")
+def _sigterm_plain_job(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """SIGTERM to a one-process run after its step 2."""
     args = ("--set", "training.steps=40", "--set", "checkpoint.every=100")
-    cmd = [sys.executable, "-m", "spconv_train", "run", str(tiny_config(tmp_path)), *args]
-    job = Job(cmd, tmp_path)
+    cmd = [sys.executable, "-m", "spconv_train", "run", str(tiny_config(folder)), *args]
+    job = Job(cmd, folder, hooked(folder, SPCONV_TEST_STEP_DELAY="0.3"))
     try:
-        job.wait_for_step(tmp_path / "run", 2)
+        job.wait_for_step(folder / "run", 2)
         os.kill(job.proc.pid, signal.SIGTERM)
-        proc = job.finish(timeout=120)
+        return job.finish(timeout=120), folder
     finally:
         job.kill()
+
+
+@pytest.mark.job("sigterm_plain")
+def test_sigterm_to_a_plain_run_exits_3_with_a_checkpoint(background_jobs):
+    """One process, no torchrun: the exit code itself is the documented 3."""
+    proc, folder = background_jobs.result("sigterm_plain")
     assert proc.returncode == 3, proc.stderr[-3000:]
     match = re.search(r"stopped by SIGTERM after step (\d+) of 40", proc.stderr)
     assert match and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    latest = (tmp_path / "run" / "checkpoints" / "latest").read_text().strip()
+    latest = (folder / "run" / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step-{int(match.group(1)):06d}"

@@ -7,7 +7,6 @@ test files the script names must exist."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -15,23 +14,34 @@ from pathlib import Path
 
 import pytest
 
+from tests.background_jobs import environ, job
+
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_check_cpu_mode_passes_and_writes_every_table(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable)
+@job("gpu_check_cpu")
+def _gpu_check_cpu_job(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """``scripts/gpu_check.sh --device cpu --out FOLDER --skip-grids``."""
+    env = dict(environ(), PYTHON=sys.executable)
     env.pop("SPCONV_TEST_DEVICE", None)
     script = str(REPO / "scripts" / "gpu_check.sh")
     done = subprocess.run(
-        ["bash", script, "--device", "cpu", "--out", str(tmp_path), "--skip-grids"],
+        ["bash", script, "--device", "cpu", "--out", str(folder), "--skip-grids"],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
+    return done, folder
+
+
+@pytest.mark.job("gpu_check_cpu")
+def test_gpu_check_cpu_mode_passes_and_writes_every_table(background_jobs):
+    """The script's CPU mode (run in the background: ``_gpu_check_cpu_job``)."""
+    done, tmp_path = background_jobs.result("gpu_check_cpu")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (tmp_path / "gpu_check.md").read_text()
     assert report.rstrip().endswith("verdict: PASS"), report

@@ -25,7 +25,8 @@ from spconv_train.config import (
     validate_for_world,
 )
 from tests.dist_harness import train_on_group
-from tests.test_train_e2e import REPO, TINY, ok, read_metrics, torchrun
+from tests.processes import REPO, torchrun
+from tests.test_train_e2e import TINY, ok, read_metrics
 from tests.test_verify import TINY as VERIFY_TINY
 from tests.test_verify import _failed, verify_cases
 from tests.test_volumes_train import TINY3D

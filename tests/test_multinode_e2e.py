@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,8 +21,9 @@ import pytest
 import torch
 
 from spconv_train.distributed import free_port
+from tests.background_jobs import job
 from tests.conftest import REFERENCE_STEPS
-from tests.test_faults_e2e import Job, hooked  # noqa: F401 - hooked is a fixture
+from tests.test_faults_e2e import Job, hooked
 from tests.test_train_e2e import exported, tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
@@ -38,27 +40,30 @@ def node_cmd(config: Path, endpoint: str, *args: str) -> list[str]:
     return [*cmd, "-m", "spconv_train", "run", str(config), *args]
 
 
-def test_two_nodes_resume_on_the_first_restart_after_a_worker_is_killed(
-    tmp_path,
-    hooked,  # noqa: F811
-    uninterrupted_run,
-):
-    cut_dir = tmp_path / "cut"
-    cut_dir.mkdir()
-    config, run_dir = tiny_config(cut_dir), cut_dir / "run"
-    hooked.setenv("SPCONV_TEST_STEP_DELAY", "0.3")
+@job("two_nodes")
+def _two_nodes_job(folder: Path) -> tuple[list[subprocess.CompletedProcess], Path]:
+    """Both nodes' agents; node 1's worker killed after step 3. Their results, the run."""
+    config, run_dir = tiny_config(folder), folder / "run"
+    env = hooked(folder, SPCONV_TEST_STEP_DELAY="0.3")
     endpoint = f"127.0.0.1:{free_port()}"
     nodes = []
-    for name in ("node0", "node1"):
-        (cut_dir / name).mkdir()
-        nodes.append(Job(node_cmd(config, endpoint, *STEPS), cut_dir / name))
     try:
+        for name in ("node0", "node1"):
+            (folder / name).mkdir()
+            nodes.append(Job(node_cmd(config, endpoint, *STEPS), folder / name, env))
         nodes[0].wait_for_step(run_dir, 3)
         os.kill(nodes[1].worker(), signal.SIGKILL)
-        procs = [node.finish(timeout=240) for node in nodes]
+        return [node.finish(timeout=240) for node in nodes], run_dir
     finally:
         for node in nodes:
             node.kill()
+
+
+@pytest.mark.job("two_nodes")
+def test_two_nodes_resume_on_the_first_restart_after_a_worker_is_killed(
+    background_jobs, uninterrupted_run
+):
+    procs, run_dir = background_jobs.result("two_nodes")
     out = "\n".join(p.stdout + p.stderr for p in procs)
     assert [p.returncode for p in procs] == [0, 0], out[-6000:]
     assert "already holds a run" not in out, out[-6000:]

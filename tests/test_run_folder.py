@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ from spconv_train.logging.run_folder import (
     read_job,
     write_job,
 )
-from tests.test_train_e2e import tiny_config, torchrun
+from tests.background_jobs import job
+from tests.processes import torchrun
+from tests.test_train_e2e import tiny_config
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -189,21 +192,30 @@ def test_job_record_round_trip_and_finish(tmp_path, monkeypatch):
 # --- real torchrun --------------------------------------------------------------------------
 
 
-def test_torchrun_restart_never_takes_over_a_refused_folder(tmp_path):
+@job("refused_folder")
+def _refused_folder_job(folder: Path) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """``torchrun --max-restarts 1`` (``checkpoint.resume=never``) in a folder holding
+    another job's run: the result, the folder's files before and after."""
+    config = tiny_config(folder)
+    run_dir = folder / "run"
+    _old_run(run_dir)
+    write_job(run_dir, JobRecord(job="an-earlier-job", decision="fresh", attempt=0))
+    before = _tree(run_dir)
+    proc = torchrun(config, "--set", "checkpoint.resume=never", restarts=1)
+    return proc, before, _tree(run_dir)
+
+
+@pytest.mark.job("refused_folder")
+def test_torchrun_restart_never_takes_over_a_refused_folder(background_jobs):
     """``torchrun --max-restarts 1`` in a folder holding another job's run: the old code's
     restart deleted it (``checkpoint.resume=never``) or continued it (``auto``). Both attempts
     must refuse (exit 2 from every worker, so torchrun fails) and leave every byte in place.
     The policy reaches only ``plan_start``, whose answers for both policies on restarts are
     the unit tests above (``test_a_refused_job_keeps_refusing_on_restarts``); one real
-    torchrun, with the policy whose old failure lost data, checks the launch around it."""
-    policy = "never"
-    config = tiny_config(tmp_path)
-    run_dir = tmp_path / "run"
-    _old_run(run_dir)
-    write_job(run_dir, JobRecord(job="an-earlier-job", decision="fresh", attempt=0))
-    before = _tree(run_dir)
-    proc = torchrun(config, "--set", f"checkpoint.resume={policy}", restarts=1)
+    torchrun, with the policy whose old failure lost data, checks the launch around it
+    (the job: ``_refused_folder_job``, run in the background)."""
+    proc, before, after = background_jobs.result("refused_folder")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert "already holds a run" in out and "torchrun restart 1: still refused" in out, out[-3000:]
-    assert _tree(run_dir) == before
+    assert after == before

@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
 import subprocess
-import sys
 import traceback
 import warnings
 from pathlib import Path
@@ -31,12 +28,13 @@ from typer.testing import CliRunner
 from spconv_train.checkpoint import FORMAT_VERSION
 from spconv_train.cli import app
 from spconv_train.models import create_model
+from tests.background_jobs import job
 from tests.conftest import REFERENCE, REFERENCE_STEPS
 from tests.dist_harness import train_on_group
+from tests.processes import hook_env, torchrun
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = """\
 run_dir: {run_dir}
 model:
@@ -119,38 +117,6 @@ def tiny_config(folder: Path, name: str = "run") -> Path:
     path = folder / f"{name}.yaml"
     path.write_text(TINY.format(run_dir=folder / name), encoding="utf-8")
     return path
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "SPCONV_TIMEOUT_S": "120"}
-
-
-def launch(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on a timeout kill the whole group (torchrun's
-    workers too, which would otherwise outlive it) and fail."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=_env(),
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout} s: {cmd}\n{out[-3000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def torchrun(*args: object, nproc: int = 2, restarts: int = 0) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node N -m spconv_train run ARGS`` (as ``make run`` does)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    cmd += [f"--max-restarts={restarts}", "-m", "spconv_train", "run", *map(str, args)]
-    return launch(cmd)
 
 
 def plain(*args: object) -> subprocess.CompletedProcess:
@@ -281,24 +247,30 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
 """
 
 
-def test_torchrun_restart_resumes_automatically(uninterrupted_run, tmp_path, monkeypatch):
-    """One rank crashes in step 3, after bit-flipping the step-2 checkpoint: the other exits
-    instead of hanging, torchrun restarts both, and the run resumes on its own
-    (checkpoint.resume=auto) from the newest good checkpoint (step 1: the checksum of step 2
-    fails) and ends exactly like the uninterrupted run; the first attempt's --overwrite is
-    not repeated by the restart."""
-    run_dir = tmp_path / "run"
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(INJECT.format(run_dir=str(run_dir)))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
-    )
+@job("torchrun_restart")
+def _restart_job(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """The job of ``test_torchrun_restart_resumes_automatically``, over an older run."""
+    run_dir = folder / "run"
     stale = run_dir / "checkpoints" / "step-000009"  # an older run, overwritten
     stale.mkdir(parents=True)
     (stale / "meta.json").write_text('{"step": 9}')
     every_1 = ("--set", "checkpoint.every=1")
-    proc = ok(torchrun(tiny_config(tmp_path), "--overwrite", *REFERENCE, *every_1, restarts=1))
+    env = hook_env(folder, INJECT.format(run_dir=str(run_dir)))
+    config = tiny_config(folder)
+    return torchrun(config, "--overwrite", *REFERENCE, *every_1, restarts=1, env=env), folder
+
+
+@pytest.mark.job("torchrun_restart")
+def test_torchrun_restart_resumes_automatically(uninterrupted_run, background_jobs):
+    """One rank crashes in step 3, after bit-flipping the step-2 checkpoint: the other exits
+    instead of hanging, torchrun restarts both, and the run resumes on its own
+    (checkpoint.resume=auto) from the newest good checkpoint (step 1: the checksum of step 2
+    fails) and ends exactly like the uninterrupted run; the first attempt's --overwrite is
+    not repeated by the restart (the job: ``_restart_job``, run in the background)."""
+    proc, folder = background_jobs.result("torchrun_restart")
+    ok(proc)
+    run_dir = folder / "run"
+    stale = run_dir / "checkpoints" / "step-000009"
     out = proc.stdout + proc.stderr
     assert "injected failure on rank 1" in out
     # The restart resumes what attempt 0 wrote: --overwrite is not applied a second time.
@@ -359,15 +331,22 @@ def test_bad_config_exits_2_before_starting(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_image_too_narrow_for_the_network_exits_2_naming_the_layer(tmp_path):
-    # 3 columns over 2 ranks pass the config check (strips of 2 and 1) but the first
-    # max-pool leaves one output column: rank 1 would get none. Found at the first forward,
-    # on every rank together; torchrun itself then exits 1.
-    proc = torchrun(tiny_config(tmp_path), "--set", "data.width=3", "--set", "parallel.sp=2")
+@job("too_narrow")
+def _too_narrow_job(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """3 columns over 2 ranks pass the config check (strips of 2 and 1) but the first
+    max-pool leaves one output column: rank 1 would get none."""
+    config = tiny_config(folder)
+    return torchrun(config, "--set", "data.width=3", "--set", "parallel.sp=2"), folder
+
+
+@pytest.mark.job("too_narrow")
+def test_image_too_narrow_for_the_network_exits_2_naming_the_layer(background_jobs):
+    # Found at the first forward, on every rank together; torchrun itself then exits 1.
+    proc, folder = background_jobs.result("too_narrow")
     assert proc.returncode != 0
     assert "exitcode  : 2" in proc.stderr
     assert "downs.0.0 (MaxPool2d" in proc.stderr and "parallel.sp" in proc.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (folder / "run" / "checkpoints").exists()
 
 
 def test_non_finite_loss_stops_with_exit_1_and_no_new_checkpoint(tmp_path):

@@ -12,6 +12,8 @@ import contextlib
 import io
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from typer.testing import CliRunner
 
 from spconv_train.verify._compare import Check, Collector, floors, resolve_tolerances
 from spconv_train.verify._report import VerifyReport
+from tests.background_jobs import job
+from tests.processes import launch
 
 pytestmark = pytest.mark.e2e  # runs the command line or torchrun as processes
 
@@ -203,22 +207,24 @@ def test_broken_halo_fails(dist_pool):
 # --- the command line -----------------------------------------------------------------------
 
 
-def test_verify_command_through_torchrun(tmp_path, monkeypatch, capfd):
-    """``spconv-train verify CONFIG --nproc 2`` re-launches itself through torchrun (the
-    command runs in this process: one interpreter start less; ``python -m spconv_train``
-    itself: tests/test_cli.py)."""
-    from spconv_train.cli import app
-
-    config = tmp_path / "tiny.yaml"
+@job("verify_torchrun")
+def _verify_torchrun_job(folder: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """``python -m spconv_train verify CONFIG --nproc 2`` (it re-launches itself through
+    torchrun); its result and report file."""
+    config = folder / "tiny.yaml"
     config.write_text(TINY_YAML, encoding="utf-8")
-    report_path = tmp_path / "report.json"
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("SPCONV_TIMEOUT_S", "120")
+    report_path = folder / "report.json"
     args = ["verify", str(config), "--nproc", "2", "--steps", "1", "--json", str(report_path)]
-    result = CliRunner().invoke(app, args)
-    out, err = capfd.readouterr()  # the workers write to this process's stdout / stderr
-    assert result.exit_code == 0, result.output[-3000:] + out[-3000:] + err[-3000:]
+    return launch([sys.executable, "-m", "spconv_train", *args]), report_path
+
+
+@pytest.mark.job("verify_torchrun")
+def test_verify_command_through_torchrun(background_jobs):
+    """``spconv-train verify CONFIG --nproc 2`` re-launches itself through torchrun (a
+    process in the background: ``_verify_torchrun_job``)."""
+    proc, report_path = background_jobs.result("verify_torchrun")
+    out, err = proc.stdout, proc.stderr  # the workers write to the command's stdout / stderr
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert "PASS" in out
     report = json.loads(report_path.read_text())
     assert report["passed"] and report["world_size"] == 2 and report["steps"] == 1
