@@ -22,7 +22,9 @@ non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of i
 ``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
 counted (the runtime's ``stats.gathers``) instead; ``guard_gather`` applies the same rule to
 handlers that see a gather coming by other means (``_broadcast.py``: the gradient of a plain
-tensor the model computed at the activation's size). Explicit ``redistribute()`` /
+tensor the model computed at the activation's size). Outside the forward (a loss or a
+metric on the output, the backward) the rule holds for tensors sharded over the image on
+the mesh of a parallelized model (``guard_mesh``). Explicit ``redistribute()`` /
 ``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
 tokens of tiles, below).
 
@@ -194,7 +196,41 @@ def _observe(cls, src_spec, dst_spec, message):
             f"activation {src} -> {dst} to run it"
         )
         guard_gather(_op_of(message) or str(message), src, dst, why)
+    elif (
+        _active() is None
+        and src_spec.mesh in _SPATIAL_MESHES
+        and _moves_activation(src_spec, dst_spec)
+    ):
+        _guard_outside(_op_of(message) or str(message), src_spec, dst_spec)
     return _original(cls, src_spec, dst_spec, message)
+
+
+#: The meshes of parallelized models and their ``allow_gather`` (the last ``parallelize``
+#: on a mesh sets it): outside a forward, DTensor's implicit moves of a tensor sharded over
+#: the image on such a mesh (a loss or a metric on the output, the backward of a model op)
+#: are refused or counted as inside it.
+_SPATIAL_MESHES: dict = {}
+
+
+def guard_mesh(mesh, allow: bool) -> None:
+    """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the
+    parallelized forward too (``parallelize`` calls it)."""
+    _SPATIAL_MESHES[mesh] = allow
+
+
+def _guard_outside(op: str, src_spec, dst_spec) -> None:
+    src, dst = str(src_spec.placements), str(dst_spec.placements)
+    if not _SPATIAL_MESHES[src_spec.mesh]:
+        raise SpatialShardingError(
+            f"{op} outside the parallelized model's forward (a loss or a metric on its "
+            f"output?) would make DTensor redistribute a tensor sharded over the image "
+            f"{src} -> {dst} (gathering the image on every rank). Compute it on the local "
+            f"parts (y.to_local(); the losses and metrics of spconv_train.train), gather "
+            f"explicitly if that is meant (y.full_tensor()), or accept the gather with "
+            f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
+        )
+    GATHER_EVENTS.append(GatherEvent(op, "<outside the forward>", src, dst))
+    log.warning("allowed gather of a sharded tensor outside the forward: %s", op)
 
 
 def install_guard() -> None:
@@ -329,30 +365,6 @@ def add_pointwise_strategies() -> None:
 
             info = RuntimeSchemaInfo(static_kwargkey=["out"])
             register_op_strategy(op, schema_info=info)(_pointwise_ops.pointwise_strategy)
-
-
-def track_module_paths(model: nn.Module) -> None:
-    """Forward pre-/post-hooks that let the guard name the module an op runs in."""
-
-    def enter(path):
-        def hook(module, args):
-            guard = _active()
-            if guard is not None:
-                guard.modules.append(path)
-
-        return hook
-
-    def leave(module, args, output):
-        guard = _active()
-        if guard is not None and guard.modules:
-            guard.modules.pop()
-
-    for path, module in model.named_modules():
-        if getattr(module, "_spatial_tracked", False):
-            continue
-        module.register_forward_pre_hook(enter(path or type(model).__name__))
-        module.register_forward_hook(leave)
-        module._spatial_tracked = True
 
 
 def _placements(args, kwargs) -> list[str]:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced, run_eagerly
 from ._dims import GRID_MESH_DIMS, SP
-from ._errors import gather_guard, module_label, track_module_paths
+from ._errors import _active, gather_guard, guard_mesh, module_label
 from ._geometry import SpatialShardingError
 from ._install import install
 from ._mode import DTensorGraphMode, SpatialMode
@@ -181,6 +181,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     opts = SpatialOptions.from_kwargs("parallelize", **options)
     install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
     _sp_mesh_dim(mesh)
+    guard_mesh(mesh, opts.allow_gather)
     problems = _refusals(model)
     if problems:
         raise SpatialShardingError(
@@ -206,3 +207,27 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     model.spatial_runtime = SpatialRuntime(mesh, opts)
     track_module_paths(model)
     return model
+
+
+def track_module_paths(model: nn.Module) -> None:
+    """Forward pre-/post-hooks that let the guard name the module an op runs in."""
+
+    def enter(path):
+        def hook(module, args):
+            guard = _active()
+            if guard is not None:
+                guard.modules.append(path)
+
+        return hook
+
+    def leave(module, args, output):
+        guard = _active()
+        if guard is not None and guard.modules:
+            guard.modules.pop()
+
+    for path, module in model.named_modules():
+        if getattr(module, "_spatial_tracked", False):
+            continue
+        module.register_forward_pre_hook(enter(path or type(model).__name__))
+        module.register_forward_hook(leave)
+        module._spatial_tracked = True
