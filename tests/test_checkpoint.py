@@ -50,7 +50,8 @@ def train(model, opt, sched, dmesh, start: int, steps: int) -> None:
         target = seeded(1000 + step, 1, 2, 6, WIDTH)
         if dmesh is not None:
             x, target = (distribute_tensor(t, dmesh, [Shard(3)]) for t in (x, target))
-        loss = ((model(x) - target) ** 2).mean()
+        # a sum (a partial reduction) over the uneven strips, not DTensor's mean (a gather)
+        loss = ((model(x) - target) ** 2).sum() / target.numel()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -39,9 +39,10 @@ def train_compare(shape: tuple[int, ...], steps: int = 10) -> list[str]:
             x = seeded(100 * i + step, batch, cfg["in_channels"], 12, width)
             y_ref = ref(x)
             target = seeded(5000 + 100 * i + step, *y_ref.shape)
-            loss_ref = ((y_ref - target) ** 2).mean()
+            loss_ref = ((y_ref - target) ** 2).sum() / target.numel()
             y_par = par(distribute_tensor(x, dmesh, placements))
-            loss_par = ((y_par - distribute_tensor(target, dmesh, placements)) ** 2).mean()
+            t_par = distribute_tensor(target, dmesh, placements)
+            loss_par = ((y_par - t_par) ** 2).sum() / target.numel()  # a sum: no gather
             for opt, loss in ((opt_r, loss_ref), (opt_p, loss_par)):
                 opt.zero_grad()
                 loss.backward()

@@ -188,9 +188,10 @@ def test_error_on_one_rank_is_printed_with_its_rank_and_file(background_jobs, fa
     assert "[rank0]: Traceback" not in proc.stderr  # no gloo traceback from the healthy rank
     if fault == "data_rank1":  # rank 0 was waiting for rank 1 in step 3's halo exchange
         # unless torchrun's SIGTERM (sent when rank 1 exits) reached rank 0 first: a race
-        # on a slow machine, in which rank 0 has nothing to report
-        if "exitcode  : -15" not in proc.stderr:
-            lost = "[rank 0] stopped in step 3: data and forward pass"
+        # on a slow machine, in which rank 0 has nothing to report; what it does report is
+        # checked either way
+        lost = "[rank 0] stopped in step 3: data and forward pass"
+        if lost in proc.stderr or "exitcode  : -15" not in proc.stderr:
             assert lost in proc.stderr, proc.stderr[-4000:]
             assert "lost the connection to another rank" in proc.stderr
         assert not (folder / "run" / "checkpoints" / "step-000004").exists()

@@ -23,8 +23,8 @@ non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of i
 counted (the runtime's ``stats.gathers``) instead; ``guard_gather`` applies the same rule to
 handlers that see a gather coming by other means (``_broadcast.py``: the gradient of a plain
 tensor the model computed at the activation's size). Outside the forward (a loss or a
-metric on the output, the backward) the rule holds for tensors sharded over the image on
-the mesh of a parallelized model (``guard_mesh``). Explicit ``redistribute()`` /
+metric on the output; not the backward) the rule holds for tensors sharded over the image
+on the mesh of a parallelized model (``guard_mesh``). Explicit ``redistribute()`` /
 ``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
 tokens of tiles, below).
 
@@ -196,20 +196,25 @@ def _observe(cls, src_spec, dst_spec, message):
             f"activation {src} -> {dst} to run it"
         )
         guard_gather(_op_of(message) or str(message), src, dst, why)
-    elif (
-        _active() is None
-        and src_spec.mesh in _SPATIAL_MESHES
-        and _moves_activation(src_spec, dst_spec)
-    ):
+    elif _guarded_outside(src_spec, dst_spec):
         _guard_outside(_op_of(message) or str(message), src_spec, dst_spec)
     return _original(cls, src_spec, dst_spec, message)
 
 
 #: The meshes of parallelized models and their ``allow_gather`` (the last ``parallelize``
-#: on a mesh sets it): outside a forward, DTensor's implicit moves of a tensor sharded over
-#: the image on such a mesh (a loss or a metric on the output, the backward of a model op)
-#: are refused or counted as inside it.
+#: on a mesh sets it): DTensor's implicit moves of tensors sharded over the image on them
+#: are refused or counted outside the forward too (``_guarded_outside``).
 _SPATIAL_MESHES: dict = {}
+
+
+def _guarded_outside(src_spec, dst_spec) -> bool:
+    """A move of a tensor sharded over the image on a parallelized model's mesh outside its
+    forward and outside any backward (the model's own gradient moves, e.g. ``from_local``'s
+    of a small replicated map, are weighed by the communication audit).
+    ``_current_graph_task_id`` is -1 outside a backward (torch internals, 2.14.1)."""
+    if _active() is not None or src_spec.mesh not in _SPATIAL_MESHES:
+        return False
+    return torch._C._current_graph_task_id() == -1 and _moves_activation(src_spec, dst_spec)
 
 
 def guard_mesh(mesh, allow: bool) -> None:
