@@ -110,7 +110,7 @@ def _step_counts(world: int) -> dict:
 #: 2026-11-27; 881 with an unused ``to_local`` per in-place activation, 1037 with a permute
 #: pair around every window exchange along the width, 1007 with the batch norm's statistics
 #: in (1, C) shapes and one op per running statistic), of which permutes (those of the split
-#: halo conv's edge windows), and the Python function calls (``cProfile``: 11 518; 11 919
+#: halo conv's edge windows), and the Python function calls (``cProfile``: 11 551; 11 919
 #: with ``DTensor.__init__`` per crossing and a signature bind per activation, 17 607 with a
 #: registry lookup and a generator per torch call in ``SpatialMode``)
 ATEN_BOUND, PERMUTE_BOUND, PYTHON_CALLS_BOUND = 880, 11, 11700

@@ -48,12 +48,12 @@ _PLAIN = (Shard, Replicate)
 #: ``torch._disable_dynamo`` and an export marker (~2 us and seven Python calls a
 #: construction here); ``__new__`` (torch's C++ ``_dtensor__new__``) builds the DTensor and
 #: sets ``_spec`` and ``_local_tensor``. Eager code only: under ``torch.compile`` the public
-#: functions run (module docstring).
+#: functions run (module docstring), under ``torch.export`` the constructor with its marker.
 _FAST_NEW = DTensor.__new__ is getattr(torch.Tensor, "_dtensor__new__", None)
 
 
 def _dtensor(local: Tensor, spec, requires_grad: bool) -> DTensor:
-    if _FAST_NEW:
+    if _FAST_NEW and not torch.compiler.is_exporting():
         return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
     return DTensor(local, spec, requires_grad=requires_grad)
 
