@@ -43,6 +43,21 @@ _MAX_ENTRIES = 4096
 _PLAIN = (Shard, Replicate)
 
 
+#: ``DTensor(local, spec, requires_grad=...)`` without the call of ``DTensor.__init__``:
+#: torch 2.14's ``__init__`` only calls ``Tensor.__init__`` (a no-op), behind
+#: ``torch._disable_dynamo`` and an export marker (~2 us and seven Python calls a
+#: construction here); ``__new__`` (torch's C++ ``_dtensor__new__``) builds the DTensor and
+#: sets ``_spec`` and ``_local_tensor``. Eager code only: under ``torch.compile`` the public
+#: functions run (module docstring), under ``torch.export`` the constructor with its marker.
+_FAST_NEW = DTensor.__new__ is getattr(torch.Tensor, "_dtensor__new__", None)
+
+
+def _dtensor(local: Tensor, spec, requires_grad: bool) -> DTensor:
+    if _FAST_NEW and not torch.compiler.is_exporting():
+        return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):  # row-major
@@ -67,7 +82,7 @@ class _FromLocal(torch.autograd.Function):
         ctx.forward_input_device_mesh = spec.mesh
         ctx.grad_placements = None
         ctx.set_materialize_grads(False)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        return _dtensor(local.view_as(local), spec, local.requires_grad)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -94,7 +109,7 @@ def wrap_local(local: Tensor, mesh, placements, shape, stride=None) -> DTensor:
         return out
     if not local.requires_grad:
         # no graph to record: the DTensor itself, as the autograd function would build it
-        return DTensor(local.view_as(local), hit[1], requires_grad=False)
+        return _dtensor(local.view_as(local), hit[1], False)
     return _FromLocal.apply(local, hit[1])
 
 
@@ -129,7 +144,7 @@ class _ToLocal(torch.autograd.Function):
             if all(type(p) in _PLAIN for p in (*spec.placements, *out.placements)):
                 _remember(_GRAD_SPECS, key, out._spec)
             return out, none
-        return DTensor(grad.view_as(grad), grad_spec, requires_grad=grad.requires_grad), None
+        return _dtensor(grad.view_as(grad), grad_spec, grad.requires_grad), None
 
 
 def local_of(x: DTensor, grad_placements=None) -> Tensor:

@@ -59,32 +59,51 @@ def _wrap(x: DTensor, local_out: torch.Tensor) -> DTensor:
     return wrap_local(local_out, x.device_mesh, x.placements, x.shape, x.stride())
 
 
-def _local(x: DTensor, what: str) -> torch.Tensor:
+def _check_not_partial(x: DTensor, what: str) -> None:
     if any(p.is_partial() for p in x.placements):
         raise SpatialShardingError(f"{what} on a Partial DTensor {x.placements}: not element-wise")
+
+
+def _local(x: DTensor, what: str) -> torch.Tensor:
+    _check_not_partial(x, what)
     return local_of(x)
 
 
-def _make_local_handler(fn):
-    """Handler running ``fn`` on the local strip. ``F`` functions take an ``inplace`` flag
-    that is cleared; the ``torch``/``torch._C._nn`` functions of the same name take none."""
+def _inplace_reader(fn):
+    """``(args, kwargs) -> bool``: the ``inplace`` flag of a call of ``fn`` (its arguments
+    after the input), read by position or name without binding the whole signature;
+    ``None`` for functions without the flag (``torch`` / ``torch._C._nn`` builtins,
+    ``F.gelu``...)."""
     try:
-        sig = inspect.signature(fn)
+        params = list(inspect.signature(fn).parameters.values())
     except ValueError:  # a builtin (torch.relu, torch._C._nn.elu ...): no in-place flag
-        sig = None
+        return None
+    names = [p.name for p in params]
+    if "inplace" not in names:
+        return None
+    index, default = names.index("inplace") - 1, params[names.index("inplace")].default
+
+    def inplace(args: tuple, kwargs: dict) -> bool:
+        if "inplace" in kwargs:
+            return bool(kwargs["inplace"])
+        return bool(args[index]) if len(args) > index else default
+
+    return inplace
+
+
+def _make_local_handler(fn):
+    """Handler running ``fn`` on the local strip; in-place requests (``F`` functions'
+    ``inplace`` flag) run as DTensor's own in-place op (module docstring)."""
+    inplace = _inplace_reader(fn)
     what = function_name(fn)
 
     def handler(input, *args, **kwargs):
         if not isinstance(input, DTensor):
             return fn(input, *args, **kwargs)
-        local = _local(input, what)
-        if sig is None:
-            return _wrap(input, fn(local, *args, **kwargs))
-        bound = sig.bind(input, *args, **kwargs)
-        if bound.arguments.get("inplace", False):  # in place, eagerly (module docstring)
+        if inplace is not None and inplace(args, kwargs):  # eagerly (module docstring)
+            _check_not_partial(input, what)
             return run_eagerly(run_dtensor_op, fn, (input, *args), kwargs)
-        bound.arguments["input"] = local
-        return _wrap(input, fn(*bound.args, **bound.kwargs))
+        return _wrap(input, fn(_local(input, what), *args, **kwargs))
 
     handler.__name__ = f"spatial_{fn.__name__}"
     return graph_handler(handler)

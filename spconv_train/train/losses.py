@@ -79,10 +79,12 @@ class _SumForwardIdentityBackward(torch.autograd.Function):
 def replicated_sum(x: Tensor, groups: tuple) -> Tensor:
     """Sum of ``x`` over the ranks of ``groups`` (same value on every rank); the backward is
     the identity. Correct when every rank backpropagates the same function of the result
-    (see the module docstring). ``groups=()`` returns ``x`` unchanged."""
+    (see the module docstring). Groups of one rank add nothing (a one-rank mesh): ``x`` is
+    returned unchanged when no group has more ranks, as for ``groups=()``."""
+    groups = tuple(g for g in groups if dist.get_world_size(g) > 1)
     if not groups:
         return x
-    return _SumForwardIdentityBackward.apply(x, tuple(groups))
+    return _SumForwardIdentityBackward.apply(x, groups)
 
 
 def _target_placements(like: DTensor) -> tuple:
