@@ -47,11 +47,27 @@ def _uninterrupted(folder: Path) -> Path:
     return folder / "run"
 
 
+_SELECTED = pytest.StashKey[list]()
+
+
+class _Selected:
+    """Keeps the tests left after ``-m`` / ``-k`` deselection (``trylast``: after it): their
+    background jobs start with the first of them."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items) -> None:
+        config.stash[_SELECTED] = list(items)
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(_Selected())
+
+
 @pytest.fixture(scope="package", autouse=True)
 def background_jobs(request, tmp_path_factory):
     """The process jobs of the selected e2e tests, started in the background with the first
     test (``tests/background_jobs.py``)."""
-    jobs = BackgroundJobs(wanted(request.session.items), tmp_path_factory.mktemp)
+    jobs = BackgroundJobs(wanted(request.config.stash[_SELECTED]), tmp_path_factory.mktemp)
     yield jobs
     jobs.close()
 

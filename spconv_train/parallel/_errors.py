@@ -104,7 +104,8 @@ _local = threading.local()
 GATHER_EVENTS: list[GatherEvent] = []
 
 
-def _active() -> _Guard | None:
+def active_guard() -> _Guard | None:
+    """This thread's guard of a running parallelized forward (``None`` outside one)."""
     return getattr(_local, "guard", None)
 
 
@@ -112,7 +113,7 @@ def _active() -> _Guard | None:
 def gather_guard(allow: bool = False):
     """While active, DTensor's implicit moves of a sharded activation raise (or, with
     ``allow``, are logged and counted in ``GATHER_EVENTS``)."""
-    prev = _active()
+    prev = active_guard()
     _local.guard = _Guard(allow, list(prev.modules) if prev else [])
     try:
         yield _local.guard
@@ -123,7 +124,7 @@ def gather_guard(allow: bool = False):
 def module_path() -> str:
     """Path of the innermost module of the parallelized model running now (``<model>``
     outside one)."""
-    guard = _active()
+    guard = active_guard()
     return guard.modules[-1] if guard is not None and guard.modules else "<model>"
 
 
@@ -155,7 +156,7 @@ def guard_gather(op: str, src: str, dst: str, why: str) -> None:
     parallelized model runs: raise ``SpatialShardingError`` saying ``why`` it moves and the
     ways out, or with ``allow_gather`` log and count it (``GATHER_EVENTS``, the runtime's
     ``stats``). Outside a parallelized forward nothing happens."""
-    guard = _active()
+    guard = active_guard()
     if guard is None:
         return
     where = module_path()
@@ -178,8 +179,7 @@ _original = ExplicitRedistributionContext.observe_redistribution.__func__
 
 def _op_of(message) -> str | None:
     """The op an implicit redistribution's ``message`` names (``"... for aten.x(..."``)."""
-    found = re.search(r"for (\S+?)[(\s]", str(message))
-    return found.group(1) if found else None
+    return (found := re.search(r"for (\S+?)[(\s]", str(message))) and found.group(1)
 
 
 def _observe(cls, src_spec, dst_spec, message):
@@ -189,7 +189,7 @@ def _observe(cls, src_spec, dst_spec, message):
     if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
         what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
-    if _active() is not None and _moves_activation(src_spec, dst_spec):
+    if active_guard() is not None and _moves_activation(src_spec, dst_spec):
         src, dst = str(src_spec.placements), str(dst_spec.placements)
         why = (
             f"has no spatial implementation, and DTensor would redistribute the width-sharded "
@@ -212,7 +212,7 @@ def _guarded_outside(src_spec, dst_spec) -> bool:
     forward and outside any backward (the model's own gradient moves, e.g. ``from_local``'s
     of a small replicated map, are weighed by the communication audit).
     ``_current_graph_task_id`` is -1 outside a backward (torch internals, 2.14.1)."""
-    if _active() is not None or src_spec.mesh not in _SPATIAL_MESHES:
+    if active_guard() is not None or src_spec.mesh not in _SPATIAL_MESHES:
         return False
     return torch._C._current_graph_task_id() == -1 and _moves_activation(src_spec, dst_spec)
 

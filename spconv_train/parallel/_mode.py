@@ -57,67 +57,44 @@ def refuse_handler(*functions: Callable, reason: str) -> None:
     DEFAULT_REGISTRY.refuse(*functions, reason=reason)
 
 
-#: argument classes seen so far: DTensors, lists and tuples (their items are scanned, one
-#: level, as torch's own argument parsing does) and the rest (``_classify``): the scan of
-#: every call's arguments below reads an argument's class, no function call
-_DTENSOR_CLASSES: set[type] = {DTensor}
-_SEQUENCE_CLASSES: set[type] = {list, tuple}
-_OTHER_CLASSES: set[type] = {
-    torch.Tensor,
-    torch.nn.Parameter,
-    torch.Size,
-    int,
-    float,
-    bool,
-    str,
-    type(None),
-}
+#: argument class -> what it is to the scan below: a DTensor, a list or tuple (its items
+#: are scanned, one level, as torch's own argument parsing does) or something else; filled
+#: as classes are met, so that a call's scan reads classes in a dict, no function call
+_OTHER, _SEQUENCE, _DTENSOR = 0, 1, 2
+_KINDS: dict[type, int] = {DTensor: _DTENSOR, list: _SEQUENCE, tuple: _SEQUENCE}
+_KINDS.update(dict.fromkeys((torch.Tensor, torch.nn.Parameter, torch.Size), _OTHER))
+_KINDS.update(dict.fromkeys((int, float, bool, str, type(None)), _OTHER))
 #: what ``__torch_function__`` receives for a property read (``x.shape``: the getter's
 #: ``__get__``, a new object per read, so never a registry key)
 _METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
 
 
-def _classify(cls: type) -> None:
-    if issubclass(cls, DTensor):
-        _DTENSOR_CLASSES.add(cls)
-    elif issubclass(cls, (list, tuple)):
-        _SEQUENCE_CLASSES.add(cls)
-    else:
-        _OTHER_CLASSES.add(cls)
-
-
-def _is_dtensor(a) -> bool:
-    cls = a.__class__
-    if cls in _OTHER_CLASSES or cls in _SEQUENCE_CLASSES:
-        return False
-    if cls not in _DTENSOR_CLASSES:
-        _classify(cls)
-    return cls in _DTENSOR_CLASSES
+def _kind(cls: type) -> int:
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS[cls] = (
+            _DTENSOR
+            if issubclass(cls, DTensor)
+            else _SEQUENCE
+            if issubclass(cls, (list, tuple))
+            else _OTHER
+        )
+    return kind
 
 
 def _has_dtensor(args, kwargs) -> bool:
     """Whether a DTensor is among ``args``, ``kwargs`` or the lists and tuples in them."""
     for a in (*args, *kwargs.values()) if kwargs else args:
-        cls = a.__class__
-        if cls in _OTHER_CLASSES:
-            continue
-        if cls in _DTENSOR_CLASSES:
+        cls = a.__class__  # a known class costs no call (the lookup is a subscript)
+        kind = _KINDS[cls] if cls in _KINDS else _kind(cls)
+        if kind == _DTENSOR:
             return True
-        if cls in _SEQUENCE_CLASSES or _sequence(cls):
+        if kind == _SEQUENCE:
             for b in a:
-                if b.__class__ in _DTENSOR_CLASSES or (
-                    b.__class__ not in _OTHER_CLASSES and _is_dtensor(b)
-                ):
+                cls = b.__class__
+                if (_KINDS[cls] if cls in _KINDS else _kind(cls)) == _DTENSOR:
                     return True
-        elif _is_dtensor(a):
-            return True
     return False
-
-
-def _sequence(cls: type) -> bool:
-    if cls not in _OTHER_CLASSES and cls not in _SEQUENCE_CLASSES:
-        _classify(cls)
-    return cls in _SEQUENCE_CLASSES
 
 
 class SpatialMode(TorchFunctionMode):
@@ -158,7 +135,7 @@ class SpatialMode(TorchFunctionMode):
             return func(*args)
         if not kwargs:
             for a in args:  # plain tensors and numbers only: no call (``_has_dtensor``)
-                if a.__class__ not in _OTHER_CLASSES:
+                if a.__class__ not in _KINDS or _KINDS[a.__class__] != _OTHER:
                     break
             else:
                 return func(*args)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced, run_eagerly
 from ._dims import GRID_MESH_DIMS, SP
-from ._errors import _active, gather_guard, guard_mesh, module_label
+from ._errors import active_guard, gather_guard, guard_mesh, module_label
 from ._geometry import SpatialShardingError
 from ._install import install
 from ._mode import DTensorGraphMode, SpatialMode
@@ -214,14 +214,14 @@ def track_module_paths(model: nn.Module) -> None:
 
     def enter(path):
         def hook(module, args):
-            guard = _active()
+            guard = active_guard()
             if guard is not None:
                 guard.modules.append(path)
 
         return hook
 
     def leave(module, args, output):
-        guard = _active()
+        guard = active_guard()
         if guard is not None and guard.modules:
             guard.modules.pop()
 
