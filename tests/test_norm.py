@@ -74,7 +74,10 @@ class _Functional(nn.Module):
         y = y + F.group_norm(x, 3, w[1], eps=1e-3)
         y = y + F.instance_norm(x, weight=w[2], bias=b[2]) * 2.0
         y = y + torch.batch_norm(x, w[2], None, rm[1], rv[1], True, 0.1, 1e-5, False)
-        return y + torch.instance_norm(x, None, b[1], None, None, True, 0.1, 1e-5, False)
+        # torch's own backward of ``instance_norm`` with a bias and no weight fails on CUDA
+        # ("tensor does not have a device"; torch 2.11, H200): a weight of ones there
+        wi = None if x.device.type == "cpu" else torch.ones_like(b[1])
+        return y + torch.instance_norm(x, wi, b[1], None, None, True, 0.1, 1e-5, False)
 
 
 def _buffers_check(label, par, ref, failures) -> list[torch.Tensor]:
