@@ -6,7 +6,8 @@ training step (forward + cross-entropy + backward) on a ``1 x 3 x H x W`` image,
 warm-up steps: the CPU seconds per step (``time.process_time`` of each rank's process, max
 over ranks; the minimum over ``--rounds`` rounds of 2 steps), and on rank 0 the Python
 function calls of one step (``cProfile``) and its aten ops (a ``TorchDispatchMode``).
-``--profile N`` prints rank 0's ``N`` top functions by own time and by calls instead.
+``--profile N`` prints rank 0's ``N`` top functions by own time and by calls instead;
+``--compile`` compiles the model first (``training.compile``'s default mode).
 
 Usage: ``python scripts/bench_host.py [--models unet smp_unet --worlds 0 1 2 --height 32
 --width 64 --rounds 9 --markdown]``.
@@ -62,6 +63,8 @@ def _worker(rank: int, procs: int, port: int, name: str, world: int, args, queue
         model = parallelize(model, mesh)
         x = distribute_tensor(img, mesh, [Shard(3)])
         tgt = distribute_tensor(target, mesh, [Shard(2)]).to_local()
+    if args.compile:  # ``training.compile: true`` in its default mode (a graph break around it)
+        model = torch.compile(model, dynamic=False)
 
     def step() -> None:
         cross_entropy(model(x), tgt).backward()
@@ -100,6 +103,9 @@ def _options() -> argparse.ArgumentParser:
     add_model_args(ap, ["unet", "smp_unet"], [0, 1, 2], (32, 64), 9, worlds_help="0: plain model")
     add_run_args(ap, device=False)
     ap.add_argument("--profile", type=int, default=0, help="print rank 0's top N functions")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (default mode) first"
+    )
     return ap
 
 
@@ -108,7 +114,7 @@ def _row(name: str, world: int, args) -> tuple:
     results = spawn_ranks(_worker, max(world, 1), name, world, args)
     r0 = next(r for r in results if r["rank"] == 0)
     print(r0["top"], end="")
-    label = f"{world} rank(s)" if world else "plain"
+    label = (f"{world} rank(s)" if world else "plain") + (", compiled" if args.compile else "")
     return (name, label, f"{r0['cpu']:.4f}", r0["calls"], r0["aten"])
 
 
