@@ -181,7 +181,18 @@ def _fused(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean, cells: _
     affine = all(t is None or t.is_floating_point() for t in (weight, bias))
     if cells.kind != "batch" or not affine:
         return False
-    return x.dtype == mean.dtype or _mixed_ok(x.device.type, x.dtype, mean.dtype)
+    if x.dtype == mean.dtype:
+        return True
+    # CUDA's bf16 sums are fp32-exact on its channels-last kernels only (NCHW: 4.6e-3
+    # relative, channels-last 2.3e-7; H200, torch 2.11, scripts/probe_bn_cuda.py)
+    layout_ok = x.device.type == "cpu" or _cl_format(x) is not None
+    return layout_ok and _mixed_ok(x.device.type, x.dtype, mean.dtype)
+
+
+def _cl_format(x: Tensor) -> torch.memory_format | None:
+    """``x``'s channels-last memory format if it is laid out so, else None."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return fmt if fmt is not None and x.is_contiguous(memory_format=fmt) else None
 
 
 @functools.cache
@@ -189,20 +200,18 @@ def _mixed_ok(device: str, dtype: torch.dtype, stats: torch.dtype) -> bool:
     """Whether the device's batch-norm kernels (inference form and the affine-gradient
     backward) take a ``dtype`` input with ``stats``-dtype statistics and affine; decided
     once per device type and dtypes, with a tiny probe."""
-    if dtype not in _LOW or stats != torch.float32 or device != "cpu":
-        # CUDA takes the composed path: there the affine sums of a contiguous bf16 input
-        # came back with bf16-sized errors and the bf16 training-step check failed (gradient
-        # distance 6x the plain model's own; H200, torch 2.11, scripts/gpu_check.py)
+    if dtype not in _LOW or stats != torch.float32:
         return False
     x = torch.ones(2, 2, 2, 2, dtype=dtype, device=device)
+    x = x.contiguous(memory_format=torch.channels_last)
     p = torch.ones(2, dtype=stats, device=device)
     try:
         y = torch.batch_norm(x, p, p, p, p, False, 0.0, 1e-5, False)
         grads = _affine_sums(y, x, p, (p, p), p, 1e-5)
-        scaled = _scaled(y, x, p, (p, p), p, 1e-5)
+        dx = _dx(y, x, p, (p, p), p, grads, 8, 1e-5)
     except (RuntimeError, NotImplementedError):
         return False
-    return y.dtype == scaled.dtype == dtype and grads[0].dtype == stats
+    return y.dtype == dx.dtype == dtype and grads[0].dtype == stats
 
 
 def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -295,6 +304,9 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     cells: _Cells = ctx.cells
     want_dx, want_dw, want_db = wants
     stats = (mean, var)  # flat, as ``invstd`` (``_Cells``)
+    low = x.dtype != mean.dtype
+    if low and x.device.type != "cpu":
+        dy = dy.contiguous(memory_format=_cl_format(x))  # the exact kernels (``_fused``)
     gw, gb = _affine_sums(dy, x, w, stats, invstd, ctx.eps)
     if want_dx or ctx.reduce_affine:
         sums = (gw, gb)  # on one rank of every group the parts are the sums
@@ -305,24 +317,38 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
             gw, gb = sums
     dx = None
     if want_dx:
-        a = invstd * w
-        shift = (a * sums[0] / -cells.count, a * sums[1] / -cells.count)
-        dx = torch.batch_norm(x, *shift, *stats, False, 0.0, ctx.eps, False)
-        if x.dtype == a.dtype:
-            dx = dx.addcmul_(dy, a.view(1, -1, 1, 1))
-        else:  # ``a * dy`` as the evaluation-form backward: a bf16 ``addcmul_`` with an fp32
-            # scale takes CPU's unvectorised mixed-dtype loop (10-20x slower, torch 2.14)
-            dx = dx.add_(_scaled(dy, x, w, stats, invstd, ctx.eps))
+        dx = _dx(dy, x, w, stats, invstd, sums, cells.count, ctx.eps)
     dw = gw.to(weight.dtype) if want_dw else None
     db = gb.to(ctx.bias_dtype) if want_db else None
     return dx, dw, db, None, None, None, None, None
 
 
-# ``native_batch_norm_backward`` as the two pieces used above. CUDA's kernel asserts that
-# ``save_mean`` / ``save_invstd`` are defined in either form (torch 2.11 on an H200:
-# "save_mean should always be defined"; CPU takes ``None``), so both forms pass them; in the
-# evaluation form CPU reads the running statistics and CUDA the saved ones (non-empty), the
-# same values. ``w`` is always defined (ones without affine; ``gw`` does not depend on it).
+# CUDA's ``native_batch_norm_backward`` asserts that ``save_mean`` / ``save_invstd`` are
+# defined (torch 2.11 on an H200: "save_mean should always be defined"; CPU takes ``None``).
+# ``w`` is always defined (ones without affine; ``gw`` does not depend on it).
+
+
+def _dx(dy, x, w, stats, invstd, sums, count: int, eps) -> Tensor:
+    """``a * dy - xhat * (a * gw / count) - a * gb / count`` with ``a = invstd * w`` and
+    ``sums = (gw, gb)`` global, rounded once to ``x``'s dtype: where ``dy`` is close to its
+    projection the terms cancel, and a bf16 sum of two rounded terms lost up to 40x the
+    precision of one rounding (``scripts/probe_bn_cuda.py``, ``dy = 30 * xhat + noise``)."""
+    a = invstd * w
+    if x.dtype != a.dtype and x.device.type != "cpu":
+        # SyncBatchNorm's kernel: fp32 inside, one rounding; the sums as means (its count
+        # tensor is int32, too small for the pixels of a whole slide)
+        one = torch.ones(1, dtype=torch.int32, device=x.device)
+        return torch.batch_norm_backward_elemt(
+            dy, x, stats[0], invstd, w, sums[1] / count, sums[0] / (invstd * count), one
+        )
+    shift = (a * sums[0] / -count, a * sums[1] / -count)
+    if x.dtype == a.dtype:
+        dx = torch.batch_norm(x, *shift, *stats, False, 0.0, eps, False)
+        return dx.addcmul_(dy, a.view(1, -1, 1, 1))
+    # CPU, bf16 / fp16: in the statistics' dtype, then rounded (a low-precision
+    # ``addcmul_`` with an fp32 scale takes CPU's unvectorised mixed-dtype loop, torch 2.14)
+    dx = torch.batch_norm(x.to(a.dtype), *shift, *stats, False, 0.0, eps, False)
+    return dx.addcmul_(dy.to(a.dtype), a.view((1, -1) + (1,) * (x.dim() - 2))).to(x.dtype)
 
 
 def _affine_sums(dy, x, w, stats, invstd, eps) -> tuple[Tensor, Tensor]:
@@ -331,11 +357,3 @@ def _affine_sums(dy, x, w, stats, invstd, eps) -> tuple[Tensor, Tensor]:
         dy, x, w, None, None, stats[0], invstd, True, eps, [False, True, True]
     )
     return gw, gb
-
-
-def _scaled(dy, x, w, stats, invstd, eps) -> Tensor:
-    """``invstd * w * dy`` in the statistics' precision, written in ``dy``'s dtype (the
-    evaluation-form input gradient)."""
-    return torch.ops.aten.native_batch_norm_backward(
-        dy, x, w, *stats, stats[0], invstd, False, eps, [True, False, False]
-    )[0]
