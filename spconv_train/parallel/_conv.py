@@ -81,8 +81,7 @@ def spatial_conv(
     padding_mode: str = "zeros",
     what: str = "conv",
 ) -> DTensor:
-    """``F.conv{n}d`` of a DTensor on any layout (``n``: the weight's); ``padding`` is
-    ``(before, after)`` per spatial dim (``conv_pads``)."""
+    """``F.conv{n}d`` of a DTensor on any layout; ``padding``: ``conv_pads``."""
     n = weight.ndim - 2
     stride, dilation = ntuple(stride, n), ntuple(dilation, n)
     x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
@@ -109,9 +108,7 @@ def spatial_conv(
             others = {d: geoms[d] for d in axes if d != last}
             tw = tile_window(local, shape, layout, what, others, pad_local=False)
             pad_other = tuple(0 if d in axes else padding[d - 2][0] for d in range(2, last))
-            # The other dims' window is saved as the part by reference + thin halo slabs.
-            saving = tw.saving() if others else contextlib.nullcontext()
-            with saving:
+            with tw.saving():  # the other dims' window: the part by reference + halo slabs
                 args = (wp, split, rank, group, stride, pad_other, dilation, groups)
                 out = halo_conv(tw.window, w, b, *args)
             out_shape = list(tile_shape(shape, out, tw))
@@ -182,8 +179,7 @@ _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 @dataclass(frozen=True)
 class TransposePlan:
-    """One transposed convolution along a sharded dim; ``windows``: per rank the input
-    columns ``[lo, hi)`` it convolves (``hi <= lo``: none reach it)."""
+    """A transposed convolution along a sharded dim; ``windows``: per rank its input columns."""
 
     exchange: ExchangePlan
     out_width: int
@@ -202,8 +198,7 @@ def plan_conv_transpose(
     padding: int,
     output_padding: int,
 ) -> TransposePlan:
-    """Plan a transposed convolution of the given width geometry over ``parts`` ranks;
-    ``SpatialShardingError`` for a geometry torch rejects too or a halo beyond neighbours."""
+    """Plan a transposed convolution of the given width geometry over ``parts`` ranks."""
     if not (output_padding < stride or output_padding < dilation):
         raise SpatialShardingError(
             f"{what}: width output_padding {output_padding} must be smaller than the stride "
@@ -250,8 +245,7 @@ def spatial_conv_transpose(
     dilation,
     what: str = "conv_transpose",
 ) -> DTensor:
-    """``F.conv_transpose{n}d`` of a DTensor on any layout (``n``: the weight's); module
-    docstring."""
+    """``F.conv_transpose{n}d`` of a DTensor on any layout (module docstring)."""
     n = weight.ndim - 2
     s, p, op, dil = (ntuple(v, n) for v in (stride, padding, output_padding, dilation))
     x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
@@ -275,9 +269,8 @@ def spatial_conv_transpose(
             t = along(t, d, lambda m, e=tp.exchange, r=rank, g=group: gather_columns(m, e, r, g))
             steps.append(WindowStep(d, tp.exchange, rank, 0, 0, t))
         if hi <= lo:
-            # No input reaches this rank's outputs: convolve one zero row instead, so the
-            # weight and the exchange stay in this rank's graph and their backward
-            # collectives run on every rank (a rank skipping them would hang the others).
+            # No input reaches this rank's outputs: one zero row keeps the weight and the
+            # exchange in its graph (every rank must run their backward collectives).
             t, fetched = along(t, d, lambda m: F.pad(m, (0, 1))), False
         pads[j], out_pads[j], shape[d] = 0, 0, tp.out_width
         placed.append((d, lo * s[j] - p[j], *tp.out_bounds[rank]))
@@ -300,8 +293,7 @@ def spatial_conv_transpose(
 
 
 class _SpatialConvTranspose:
-    """``ConvTranspose{n}d`` running ``spatial_conv_transpose`` on a DTensor input (any
-    layout), ``output_padding`` from the global shape (``output_size`` works)."""
+    """``ConvTranspose{n}d`` running ``spatial_conv_transpose`` on a DTensor input."""
 
     spatial_name: str = ""
 

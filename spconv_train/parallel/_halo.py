@@ -26,22 +26,18 @@ class PendingExchange:
         stats.halo_seconds += posted_s
 
     def wait(self) -> None:
-        """Block until every posted message is done; the time blocked goes to the stats
-        (on CUDA by events, settled when read: docs/halo.md)."""
+        """Block until every message is done; the time blocked goes to the stats (docs/halo.md)."""
         if not self.works:
             return
-        if self.probe is not None and self.probe.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for work in self.works:
-                work.wait()
-            end.record()
-            self.stats._pending.append((start, end))
+        cuda = self.probe is not None and self.probe.is_cuda
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2 if cuda else 0)]
+        t0 = events[0].record() if cuda else time.perf_counter()
+        for work in self.works:
+            work.wait()
+        if cuda:
+            events[1].record()
+            self.stats._pending.append(tuple(events))
         else:
-            t0 = time.perf_counter()
-            for work in self.works:
-                work.wait()
             self.stats.halo_seconds += time.perf_counter() - t0
         self.works = []
 
@@ -70,8 +66,7 @@ def post_p2p(
 
 
 class _GatherColumns(torch.autograd.Function):
-    """Forward: one buffer of ``pad_lo`` columns of ``value``, the needed columns, ``pad_hi``
-    columns of ``value`` (a single copy of the strip). Backward: the adjoint."""
+    """Forward: one buffer, edge padding written in place. Backward: the adjoint."""
 
     @staticmethod
     def forward(ctx, local, plan, rank, group, pad_lo=0, pad_hi=0, value=0.0):

@@ -82,8 +82,7 @@ def _split_one(
 
 
 def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tensor) -> Tensor:
-    """Global input columns ``[lo, hi)``, zeros outside ``sources`` (``(first global
-    column, columns)`` pairs)."""
+    """Global input columns ``[lo, hi)`` from ``(first column, columns)`` sources, else zeros."""
     out = empty_as(like, (*like.shape[:-1], hi - lo)).zero_()  # in like's layout
     for start, cols in sources:
         s, e = max(lo, start), min(hi, start + cols.shape[-1])
@@ -135,8 +134,7 @@ def _halo_runs(
 
 
 def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor, dilation):
-    """``(halo index, *run)`` of every ``_halo_runs`` run: what the whole-strip convolution
-    (which saw zeros there) is missing."""
+    """``(halo index, *run)`` of every ``_halo_runs`` run: the halos' missing share."""
     kw, dw = weight.shape[-1], dilation[-1]
     pad_w = _same_pad(weight, dilation)
     found = []
@@ -161,8 +159,7 @@ def _batch_to_columns(y: Tensor, n: int) -> Tensor:
 
 
 class _HaloConv(torch.autograd.Function):
-    """``F.conv{2,3}d`` of ``local`` sharded along its last dim (module docstring); ``geo``
-    = (stride, pad_other, dilation, groups)."""
+    """The convolution of ``halo_conv``; ``geo`` = (stride, pad_other, dilation, groups)."""
 
     @staticmethod
     def forward(ctx, local, weight, bias, wp, split, rank, group, geo):
@@ -286,8 +283,7 @@ class _HaloConv(torch.autograd.Function):
 
 @not_traced  # an exchange inside an autograd function (see _compile.py)
 def halo_conv(local, weight, bias, wp, split, rank, group, stride, pad_other, dilation, groups):
-    """The rank's output of a zero-padded convolution of ``local`` sharded along its last
-    dim; ``pad_other``: the padding of every other spatial dim."""
+    """This rank's output of the convolution; ``pad_other``: the other dims' padding."""
     if local.ndim == 3:  # a 1-D signal: an image of height 1 (the halo runs need a height)
         args = (wp, split, rank, group, (1, *stride), (0,), (1, *dilation), groups)
         return halo_conv(local.unsqueeze(2), weight.unsqueeze(2), bias, *args).squeeze(2)

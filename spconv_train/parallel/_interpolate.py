@@ -1,9 +1,6 @@
-"""``F.interpolate`` / ``nn.Upsample`` on every layout: width strips, H x W tiles, volume
-blocks ("nearest", "nearest-exact", "linear" / "bilinear" / "trilinear" with
-``align_corners`` either way; "area" is torch's adaptive average pool).
-
-A resize is an index table plus weights per dim from the *global* sizes, with ATen's own
-arithmetic, applied with ``index_select`` per dim (W, then H, then D) after one halo
+"""``F.interpolate`` / ``nn.Upsample`` on every layout ("nearest", "nearest-exact", the
+linear modes; "area" is torch's adaptive average pool): per dim an index table and weights
+from the *global* sizes with ATen's arithmetic, applied with ``index_select`` after one halo
 exchange per sharded dim (``plan_resize``): docs/halo.md, "Resizing".
 """
 
@@ -50,10 +47,8 @@ def resize_sizes(
     recompute_scale_factor: bool | None,
     what: str = "interpolate",
 ) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
-    """Output spatial sizes and the scales ATen receives, following ``F.interpolate``'s
-    rules for any number of spatial dims: a ``scale_factor`` (unless
-    ``recompute_scale_factor``) gives ``floor(in * scale)`` and is passed on, so the
-    coordinate map uses ``1 / scale_factor`` rather than ``in / out``."""
+    """Output spatial sizes and the scales ATen receives (``F.interpolate``'s rules: a
+    ``scale_factor`` gives ``floor(in * scale)`` and, unless recomputed, is passed on)."""
     n = len(in_sizes)
     if mode in ("nearest", "nearest-exact", "area") and align_corners is not None:
         raise ValueError(
@@ -65,10 +60,19 @@ def resize_sizes(
     if size is not None:
         if recompute_scale_factor:
             raise ValueError("recompute_scale_factor is not meaningful with an explicit size.")
-        return tuple(int(o) for o in _per_dim(size, n, "size", what)), (None,) * n
-    sf = tuple(float(f) for f in _per_dim(scale_factor, n, "scale_factor", what))
-    out = tuple(math.floor(i * f) for i, f in zip(in_sizes, sf, strict=True))
-    return out, ((None,) * n if recompute_scale_factor else sf)
+        out, scales = tuple(int(o) for o in _per_dim(size, n, "size", what)), (None,) * n
+    else:
+        sf = tuple(float(f) for f in _per_dim(scale_factor, n, "scale_factor", what))
+        out = tuple(math.floor(i * f) for i, f in zip(in_sizes, sf, strict=True))
+        scales = (None,) * n if recompute_scale_factor else sf
+    if min(out) < 1:
+        raise SpatialShardingError(
+            f"{what}: output size {out} of input {in_sizes} is empty; torch rejects it."
+        )
+    return out, scales
+
+
+_geometry = functools.lru_cache(maxsize=1024)(resize_sizes)  # once per call geometry
 
 
 def _ratio(size_in: int, size_out: int, scale: float | None, dtype: torch.dtype) -> Tensor:
@@ -87,12 +91,9 @@ def resize_table(
     scale: float | None,
     double: bool = False,
 ) -> tuple[Tensor, ...]:
-    """Global source table of one resized dimension, exactly as ATen's CPU kernel builds it.
-
-    "nearest"/"nearest-exact": ``(index,)``. "bilinear": ``(i0, i1, w0, w1)`` with output
-    ``j = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``. ``double``: the input is float64, for which
-    ATen computes scales and weights in float64 (float32 otherwise). Indices are
-    non-decreasing in ``j``."""
+    """Global source table of one resized dim, as ATen's CPU kernel builds it: ``(index,)``
+    (nearest modes) or ``(i0, i1, w0, w1)`` (``y[j] = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``),
+    indices non-decreasing; ``double``: a float64 input (float64 scales and weights)."""
     j = torch.arange(size_out, dtype=torch.int64)
     last = size_in - 1
     opm = torch.float64 if double else torch.float32
@@ -134,9 +135,8 @@ def resize_table(
 def plan_resize(
     what: str, width: int, out: int, parts: int, mode: str, align: bool, scale, double, sharded
 ) -> tuple[ExchangePlan, tuple[Interval, ...]]:
-    """The input columns every rank reads for its chunk of the resize ``width -> out`` over
-    ``parts`` ranks (as an exchange; a rank may get no output when ``out < parts``), and the
-    chunks (DTensor chunking). ``sharded``: the input is sharded, only neighbours lend."""
+    """The input columns every rank reads for its chunk of the resize ``width -> out`` (an
+    exchange) and the chunks; ``sharded``: the input is sharded, only neighbours lend."""
     table = resize_table(mode, width, out, align, scale, double)
     first, last = table[0], table[1] if len(table) > 1 else table[0]
     out_bounds = tuple(all_shard_bounds(out, parts))
@@ -147,14 +147,6 @@ def plan_resize(
     if sharded:
         plan.check_neighbours(what)
     return plan, out_bounds
-
-
-def _is_identity(table: tuple[Tensor, ...], size_in: int) -> bool:
-    """Whether a global table maps every output index to the same input index, weight 1."""
-    idx = table[0]
-    if idx.numel() != size_in or not torch.equal(idx, torch.arange(size_in)):
-        return False
-    return len(table) == 1 or not bool(table[3].any())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -170,11 +162,10 @@ def _local_table(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[Tensor, ...] | None:
-    """Rows ``[o0, o1)`` of a resize table, indices shifted by ``start``, on ``device``;
-    ``None`` when the table is the identity (nothing to do)."""
+    """Rows ``[o0, o1)`` of a resize table, indices from ``start``; ``None``: the identity."""
     table = resize_table(mode, size_in, size_out, align_corners, scale, dtype == torch.float64)
-    if _is_identity(table, size_in):
-        return None
+    if torch.equal(table[0], torch.arange(size_in)) and (len(table) == 1 or not table[3].any()):
+        return None  # the identity
     idx = [t[o0:o1] - start for t in table[:2]]
     weights = [t[o0:o1].to(dtype) for t in table[2:]]
     return tuple(t.to(device) for t in (*idx, *weights))
@@ -196,25 +187,13 @@ def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
     return t.index_select(dim, i0) * w0.view(shape) + t.index_select(dim, i1) * w1.view(shape)
 
 
-@functools.lru_cache(maxsize=1024)
-def _geometry(in_sizes, size, scale_factor, mode, align_corners, recompute, what):
-    """``resize_sizes`` plus the empty-output check, once per call geometry."""
-    out, scales = resize_sizes(in_sizes, size, scale_factor, mode, align_corners, recompute, what)
-    if min(out) < 1:
-        raise SpatialShardingError(
-            f"{what}: output size {out} of input {in_sizes} is empty; torch rejects it."
-        )
-    return out, scales
-
-
 def _hashable(v):
     return tuple(v) if isinstance(v, (list, tuple)) else v
 
 
 def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...]:
-    """Where a spatially replicated input's resize output goes: the tiles of a tile mesh
-    (``sp_d`` -> D, ``sp_h`` -> H, ``sp_w`` -> W), width strips of an image on a strip
-    mesh, nowhere (stays replicated) for a volume on a strip mesh."""
+    """Where a replicated input's resize output goes: the tiles of a tile mesh, strips of an
+    image on a strip mesh, nowhere for a volume on a strip mesh."""
     names = layout.mesh.mesh_dim_names or ()
     axes = tuple(
         (i + ndim - 3, names.index(n))
@@ -227,8 +206,7 @@ def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int],
 
 
 def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, what):
-    """The resize of ``x`` over its layout's sharded axes (or, replicated, into the parts of
-    ``_replicated_axes``), last spatial dim first; ``mode`` is a table mode."""
+    """The resize of ``x`` (``mode``: a table mode), last spatial dim first; None: nowhere."""
     replicated = not layout_axes(layout)
     axes = _replicated_axes(layout, x.ndim) if replicated else layout_axes(layout)
     if not axes:
@@ -252,8 +230,7 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
             if replicated:  # this rank's columns, read locally
                 y = y.narrow(d, start, needed[0][1] - start if needed else 0)
             else:
-                # Every rank takes part in the exchange, even one with no output columns:
-                # others may need its columns, and its backward sends their gradients back.
+                # (every rank takes part, also one without outputs: others read its columns)
                 group = mesh_group(mesh, m)
                 y = along(y, d, lambda t, e=ex, r=rank, g=group: gather_columns(t, e, r, g))
             o0, o1 = out_bounds[rank]
@@ -279,11 +256,7 @@ def spatial_interpolate(
     antialias: bool = False,
     what: str = "interpolate",
 ):
-    """``F.interpolate`` of a sharded DTensor (an NCHW image or NCDHW volume on any
-    layout); same values and input gradient as on the whole tensor. Supports "nearest",
-    "nearest-exact" and the rank's linear mode (align_corners either way), ``size`` or
-    ``scale_factor`` and ``recompute_scale_factor``; "area" runs through the registered
-    spatial adaptive average pool (exactly what torch does)."""
+    """``F.interpolate`` of a sharded image or volume on any layout."""
     x = input
     key = (tuple(x.shape[2:]), _hashable(size), _hashable(scale_factor))
     linear = LINEAR.get(x.ndim)
@@ -323,8 +296,6 @@ def _area(x, out_sizes: tuple[int, ...], what: str):
     return handler(x, out_sizes)
 
 
-# ``nn.Upsample`` and its two fixed-mode subclasses: parallelize swaps them in place, and a
-# sharded input is resized part by part with global coordinates.
 _UPSAMPLE_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
 SpatialUpsample, SpatialUpsamplingNearest2d, SpatialUpsamplingBilinear2d = (
     spatial_module(base, spatial_interpolate, *_UPSAMPLE_ARGS, module=__name__)

@@ -31,8 +31,7 @@ from ._small_sum import sum_now
 
 
 def _layout(x: DTensor, what: str, **params: Tensor | None) -> tuple:
-    """``(x, layout, _as_nchw sizes)`` of an image or volume on any layout, the per-channel
-    ``params`` checked against the channels."""
+    """``(x, layout, _as_nchw sizes)``; the per-channel ``params`` checked."""
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
     nchw = _as_nchw(x.shape)
     for name, t in params.items():
@@ -42,15 +41,13 @@ def _layout(x: DTensor, what: str, **params: Tensor | None) -> tuple:
 
 
 def _as_nchw(shape) -> tuple[int, int, int, int]:
-    """The 4-D view the statistics run on: ``(N, C, H, W)``, ``(N, C, D*H, W)`` of a volume,
-    ``(N, C, 1, L)`` of a signal."""
+    """The 4-D view the statistics run on (statistics only count elements)."""
     return (shape[0], shape[1], math.prod(shape[2:-1]), shape[-1])
 
 
 @not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
 def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, eps: float):
-    """``(output DTensor, mean, biased variance)`` of ``x`` normalised with the global
-    statistics ``cells``."""
+    """``(output, mean, biased variance)`` of ``x`` normalised with global ``cells``."""
     local = enter(x)
     shape = local.shape
     if local.ndim != 4:  # the same statistics on a 4-D view of the local part
@@ -76,8 +73,7 @@ def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> 
 
 @torch.no_grad()
 def _update(pairs: tuple[tuple[Tensor | None, Tensor], ...], momentum: float) -> None:
-    """``running = momentum * value + (1 - momentum) * running`` per ``(running, value)``
-    pair with a running tensor, in three ops for all of them."""
+    """``running = momentum * value + (1 - momentum) * running``, all pairs in three ops."""
     running = [r for r, _ in pairs if r is not None]
     values = [v if v.dim() == 1 else v.reshape(-1) for r, v in pairs if r is not None]
     if not running:
@@ -163,8 +159,7 @@ def spatial_instance_norm(
     cells = _Cells("instance", c, c, count, layout.spatial_groups)
     y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
     if running_mean is not None or running_var is not None:
-        # Every rank of the spatial group holds the same per-sample statistics: average them
-        # over the global batch by summing over the local samples and the batch-sharded dims.
+        # (the same per-sample statistics on the spatial group: summed over the batch dims)
         dp = tuple(
             layout.mesh.get_group(i) for i in layout.batch_dims if i not in layout.spatial_mesh_dims
         )
@@ -225,9 +220,8 @@ SpatialInstanceNorm2d, SpatialInstanceNorm3d = spatial_subclasses(
 )
 
 
-# The functional handlers. ``F.batch_norm`` and ``F.instance_norm`` take the arguments of
-# the functions above; ``torch.batch_norm`` / ``torch.instance_norm`` put weight and bias
-# first and end with a required ``cudnn_enabled``.
+# The functional handlers (``torch.batch_norm`` / ``torch.instance_norm`` put weight and bias
+# first and end with a required ``cudnn_enabled``).
 register_handler(F.batch_norm)(functools.partial(spatial_batch_norm, what="F.batch_norm"))
 register_handler(F.instance_norm)(functools.partial(spatial_instance_norm, what="F.instance_norm"))
 

@@ -83,8 +83,7 @@ def _kernel_stats(device: str, dtype: torch.dtype, channels_last: bool) -> bool:
 
 
 def _placeholders(x: Tensor, channels: int) -> tuple[Tensor, Tensor]:
-    """fp32 running statistics for ``batch_norm_update_stats`` (momentum 0): their dtype
-    makes a low-precision input's moments fp32."""
+    """fp32 running statistics (momentum 0): a low-precision input's moments in fp32."""
     zeros = torch.zeros(2, channels, dtype=torch.float32, device=x.device)
     return zeros[0], zeros[1]
 
@@ -232,9 +231,8 @@ class _Normalize(torch.autograd.Function):
         s1 = g.sum((2, 3))  # local sum of dy per (sample, channel)
         s2 = (g * xmu).sum((2, 3))  # local sum of dy * (x - mean)
         dx = dw = db = None
-        # Local partial sums, all-reduced together in one call: the sums of d(xhat) and
-        # d(xhat) * (x - mean) per statistic (for dx) and, with ``reduce_affine``, the affine
-        # gradients (otherwise ``sum_grad_over`` completes them).
+        # One all-reduce: the sums for dx and, with ``reduce_affine``, the affine gradients
+        # (otherwise ``sum_grad_over`` completes them).
         parts = [cells.collect(s1 * w), cells.collect(s2 * w)] if want_dx else []
         local_dw = (s2 * s).sum(0) if want_dw else None
         local_db = s1.sum(0) if want_db else None
