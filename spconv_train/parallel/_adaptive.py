@@ -1,11 +1,7 @@
-"""Adaptive max and average pooling of any spatial rank on any layout: one implementation.
-
-Cell ``j`` of a dim of size ``n`` pooled to ``o`` covers ``[floor(j*n/o), ceil((j+1)*n/o))``:
-separable, one dim at a time; maxima keep the first by global flat index (torch's
-tie-break). *Halo* (one sharded dim pooled to more than one cell): the input's ``Shard``,
-each rank fetching the planes its windows read. *Reduce* (global and small pools): per-rank
-parts all-reduced, ``Replicate`` (max: by value, then the smallest global index, whose rank
-alone passes the gradient). docs/tiles.md, docs/volumes.md.
+"""Adaptive max and average pooling of any spatial rank on any layout, separable per dim;
+*halo* (one sharded dim pooled to more than one cell: the input's ``Shard``) or *reduce*
+(global and small pools: parts all-reduced, ``Replicate``; max by value, then the smallest
+global index, whose rank alone passes the gradient). docs/tiles.md, docs/volumes.md.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ def adaptive_bounds(size: int, out: int, lo: int = 0, hi: int | None = None) -> 
 
 @functools.lru_cache(maxsize=1024)
 def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
-    """Input planes each rank gathers for its chunk of ``out`` adaptive outputs (none
-    without output); ``SpatialShardingError`` for a window beyond the neighbours."""
+    """Input planes each rank gathers for its chunk of ``out`` adaptive outputs."""
     owned = check_strips(what, width, parts, "input")
     needed = tuple(
         (((o0 * width) // out, -(-(o1 * width) // out)),) if o0 < o1 else ()
@@ -87,8 +82,7 @@ def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(what: str, sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, ...]:
-    """``DimPlan`` per spatial dim; ``axes``: ``(j, parts, rank)`` of the sharded dims;
-    ``halo``: the rank's output chunk from fetched planes, else its own part's share."""
+    """``DimPlan`` per spatial dim; ``axes``: ``(j, parts, rank)``; ``halo``: the output chunk's."""
     plans = []
     for j, (n, o) in enumerate(zip(sizes, out, strict=True)):
         ax = next(((p, r) for i, p, r in axes if i == j), None)
@@ -119,10 +113,8 @@ def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
         inner = 0 if idx is None else idx.movedim(d, -1).gather(-1, at)
         t, idx = v.movedim(-1, d), (inner + (at + offset) * stride).movedim(-1, d)
         stride *= sizes[j]
-        view = [1] * len(plans)
-        view[j] = -1
         hit = torch.tensor([e > s for s, e in segs], dtype=torch.bool, device=t.device)
-        valid = valid & hit.view(view)
+        valid = valid & hit.view(-1, *(1,) * (len(plans) - 1 - j))
     return t, idx, valid
 
 
@@ -214,17 +206,13 @@ def adaptive_pool(
         elif t.shape[d] == 0:  # empty block: one neutral element keeps the local ops defined
             neutral = 0.0 if kind == "avg" else float("-inf")
             t = along(t, d, lambda m, v=neutral: F.pad(m, (0, 1), value=v))
-    shape = (x.shape[0], x.shape[1], *out)
+    shape, out_layout = (x.shape[0], x.shape[1], *out), layout if halo else _replicated(layout)
     if kind == "avg":
         v = _reduce_avg(t, plans, sharded)
-        if halo:
-            return leave(v, layout, shape)
-        v = sum_replicated(v, [group for *_, group in axes])
-        return leave(v, _replicated(layout), shape)
+        v = v if halo else sum_replicated(v, [group for *_, group in axes])
+        return leave(v, out_layout, shape)
     v, idx, valid = _reduce_max(t, plans, sizes)
-    if halo:
-        out_layout = layout
-    else:
+    if not halo:
         best = v.detach().clone()
         groups = [group for _, parts, _, group in axes if parts > 1]
         for group in groups:
@@ -233,8 +221,7 @@ def adaptive_pool(
         cand = torch.where(valid & (v.detach() == best), idx, torch.iinfo(idx.dtype).max)
         for group in groups:
             dist.all_reduce(cand, dist.ReduceOp.MIN, group=group)
-        v = torch.where(valid & (idx == cand), v, best)  # only the owner passes the gradient
-        idx, out_layout = cand, _replicated(layout)
+        v, idx = torch.where(valid & (idx == cand), v, best), cand  # only the owner: gradient
     if not return_indices:
         return leave(v, out_layout, shape)
     return leave(v, out_layout, shape), leave(idx, out_layout, shape)

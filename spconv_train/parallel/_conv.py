@@ -1,14 +1,8 @@
-"""Convolution and transposed convolution of any spatial rank on every layout: one
-implementation each (every ``nn.Conv*d`` configuration and padding mode).
-
-Over the layout's sharded axes (``_tiles.layout_axes``), W first, then H on the W window,
-then D (corners included). Convolution: the overlapped fast path (``_halo_conv.py``) for
-zero padding when the last dim is sharded, else the window of ``tile_window`` (edges padded
-in the layer's mode) and the local convolution with padding 0 there; symmetric zero padding
-of unsharded dims stays inside the convolution. Transposed convolution: each rank fetches
-the input columns that reach its DTensor chunk of the output (``plan_conv_transpose``),
-convolves without bias or padding there, crops or zero-pads to its chunk and adds the bias
-last (docs/halo.md). The choice of path is the same on every rank (message order).
+"""Convolution and transposed convolution of any spatial rank on every layout, one
+implementation each: the overlapped ``_halo_conv.py`` path where the last dim is sharded and
+zero-padded, else the local convolution on ``tile_window``'s window; transposed convolution
+from the input columns that reach each rank's outputs (docs/halo.md). The path chosen is the
+same on every rank (message order).
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ from ._runtime import current_runtime
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._tiles import (
     along,
-    axis_of,
     layout_axes,
     sharded_axes,
     tile_shape,
@@ -151,8 +144,7 @@ class _SpatialConv:
 
 
 def spatial_subclasses(mixin: type, *bases: type, module: str) -> list[type]:
-    """``Spatial<base>(mixin, base)`` per base, registered for ``parallelize`` to swap in
-    place (parameters, hooks and ``state_dict`` keys stay the original's)."""
+    """``Spatial<base>(mixin, base)`` per base, registered for ``parallelize`` to swap in place."""
     made = []
     for base in bases:
         name = f"Spatial{base.__name__}"
@@ -255,8 +247,7 @@ def spatial_conv_transpose(
             x, layout, lambda t, w, b: conv(t, w, b, s, p, op, groups, dil), weight, bias
         )
     t = local = enter(x)
-    pads, out_pads, shape = list(p), list(op), list(x.shape)
-    placed, steps, fetched = [], [], True
+    pads, out_pads, placed, steps, fetched = list(p), list(op), [], [], True
     for d, parts, rank, group in reversed(sharded_axes(layout)):  # W first, then H, D
         j = d - 2
         tp = plan_conv_transpose(
@@ -272,23 +263,17 @@ def spatial_conv_transpose(
             # No input reaches this rank's outputs: one zero row keeps the weight and the
             # exchange in its graph (every rank must run their backward collectives).
             t, fetched = along(t, d, lambda m: F.pad(m, (0, 1))), False
-        pads[j], out_pads[j], shape[d] = 0, 0, tp.out_width
-        placed.append((d, lo * s[j] - p[j], *tp.out_bounds[rank]))
+        pads[j] = out_pads[j] = 0
+        placed.append((d, lo * s[j] - p[j], *tp.out_bounds[rank], tp.out_width))
     w = sum_grad_over(weight, layout.grad_groups)
-    # Save the local part by reference + the thin halo slabs, not the window copy (~1/N).
-    saving = contextlib.nullcontext()
-    if fetched and steps and torch.is_grad_enabled():
-        saving = saving_steps_by_reference(t, local, tuple(steps))
-    with saving:
+    save = fetched and steps and torch.is_grad_enabled()  # the part by reference + halo slabs
+    with saving_steps_by_reference(t, local, tuple(steps)) if save else contextlib.nullcontext():
         y = conv(t, w, None, s, tuple(pads), tuple(out_pads), groups, dil)
-    for d, start, o0, o1 in placed:
-        y = along(y, d, lambda m, a=start, o0=o0, o1=o1: _place(m, a, o0, o1))
+    shape = [x.shape[0], *y.shape[1:]]
+    for d, start, o0, o1, width in placed:  # along the sharded dims: the global width
+        y, shape[d] = along(y, d, lambda m, a=start, o0=o0, o1=o1: _place(m, a, o0, o1)), width
     if bias is not None:
         y = y + sum_grad_over(bias, layout.grad_groups).view(1, -1, *([1] * n))
-    shape[1] = y.shape[1]
-    for d in range(2, x.ndim):
-        if axis_of(layout, d) is None:
-            shape[d] = y.shape[d]
     return leave(y, layout, tuple(shape))
 
 

@@ -93,8 +93,7 @@ class ExchangePlan:
         return list(self._pieces[rank])
 
     def sends(self, rank: int) -> list[tuple[int, int, int]]:
-        """``(receiver, start, stop)`` pieces that ``rank`` owns and others need, ordered by
-        receiver and then by the receiver's piece order (so P2P messages match up)."""
+        """``(receiver, start, stop)`` pieces ``rank`` gives, in the receivers' (P2P) order."""
         return list(self._sends[rank])
 
     def check_neighbours(self, what: str) -> None:

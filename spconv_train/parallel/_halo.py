@@ -73,18 +73,14 @@ class _GatherColumns(torch.autograd.Function):
         ctx.plan, ctx.rank, ctx.group, ctx.pad_lo = plan, rank, group, pad_lo
         # The backward runs after the model's forward returned: keep the runtime's stats.
         ctx.stats = stats = current_runtime().stats
-        ctx.local_shape = local.shape
-        a = plan.owned[rank][0]
-        pieces = plan.pieces(rank)
+        ctx.local_shape, a, pieces = local.shape, plan.owned[rank][0], plan.pieces(rank)
         total = sum(e - s for _, s, e in pieces)
         out = empty_as(local, (*local.shape[:-1], pad_lo + total + pad_hi))
         if pad_lo:
             out.narrow(-1, 0, pad_lo).fill_(value)
         if pad_hi:
             out.narrow(-1, pad_lo + total, pad_hi).fill_(value)
-        recvs: list[tuple[int, Tensor]] = []
-        arrivals: list[tuple[Tensor, Tensor]] = []
-        offset = pad_lo
+        recvs, arrivals, offset = [], [], pad_lo  # arrivals: (window slice, receive buffer)
         for owner, s, e in pieces:
             dst = out.narrow(-1, offset, e - s)
             offset += e - s
@@ -103,9 +99,7 @@ class _GatherColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         plan, rank, group = ctx.plan, ctx.rank, ctx.group
-        a, b = plan.owned[rank]
-        pieces = plan.pieces(rank)
-        given = plan.sends(rank)
+        (a, b), pieces, given = plan.owned[rank], plan.pieces(rank), plan.sends(rank)
         *offsets, _ = itertools.accumulate((e - s for _, s, e in pieces), initial=ctx.pad_lo)
         own = [(off, s, e) for off, (q, s, e) in zip(offsets, pieces, strict=True) if q == rank]
         if len(own) == 1 and own[0][1:] == (a, b):

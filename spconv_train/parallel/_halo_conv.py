@@ -1,14 +1,7 @@
-"""Zero-padded convolution along a sharded last dim without a padded copy, overlapped.
-
-The fast path of ``_conv.spatial_conv`` when the tensor's last dim is sharded (a 1-D signal
-runs as an image of height 1); every other dim is whole and zero-padded inside the
-convolution (``pad_other``) or already windowed (padding 0). The interior output columns
-are a convolution of the strip itself, the edge ones of thin windows; a stride-1 "same"
-convolution convolves the whole strip and adds the halo's share per kernel tap
-(``_halo_corrections``; folding the halo columns into *channels* instead would build a
-weight of Cout*C*edge*halo*kh elements: 1.8 GB per edge for DeepLabV3's ASPP in fp64). The
-exchange overlaps the interior in forward and backward, in one autograd node that saves
-the strip by reference, the thin halos and the weight (docs/halo.md).
+"""Zero-padded convolution along a sharded last dim without a padded copy, the exchange
+overlapped with the interior in forward and backward; "same" convolutions convolve the whole
+strip and add the halo's share per kernel tap (docs/halo.md, docs/design.md). Saved: the
+strip by reference, the thin halos, the weight.
 """
 
 from __future__ import annotations
@@ -120,10 +113,7 @@ def _dense_like(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
 def _halo_runs(
     first: int, count: int, strip_start: int, pad_w: int, kw: int, dw: int, hs: int, he: int
 ) -> tuple[tuple[int, int, int, int], ...]:
-    """The runs ``(tap t, first output o, first halo column h, length L)`` of the edge
-    outputs ``[first, first + count)`` of a whole-strip convolution (strip from global
-    column ``strip_start``) that read the halo ``[hs, he)`` through tap ``t``: at most one
-    per tap (consecutive outputs read consecutive columns)."""
+    """Runs ``(tap, first output, first halo column, length)`` of outputs reading ``[hs, he)``."""
     runs = []
     for t in range(kw):
         base = strip_start + first - pad_w + t * dw  # global column output ``first`` reads

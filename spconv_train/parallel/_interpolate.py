@@ -112,12 +112,8 @@ def resize_table(
         raise SpatialShardingError(f"interpolate mode {mode!r} has no index table")
     if size_out == size_in:  # compute_source_index_and_lambda: "scale_factor = 1, copy"
         return j, j, torch.ones(size_out, dtype=opm), torch.zeros(size_out, dtype=opm)
-    if align_corners:
-        ratio = (
-            torch.tensor(size_in - 1, dtype=opm) / torch.tensor(size_out - 1, dtype=opm)
-            if size_out > 1
-            else torch.tensor(0.0, dtype=opm)
-        )
+    if align_corners:  # (one output: j = 0, so any finite ratio gives 0)
+        ratio = torch.tensor(size_in - 1, dtype=opm) / torch.tensor(max(size_out - 1, 1), dtype=opm)
         real = ratio * j.to(opm)
     else:
         # ATen's float32 ``ratio * (j + 0.5) - 0.5`` is compiled into one fused multiply-add
@@ -135,8 +131,7 @@ def resize_table(
 def plan_resize(
     what: str, width: int, out: int, parts: int, mode: str, align: bool, scale, double, sharded
 ) -> tuple[ExchangePlan, tuple[Interval, ...]]:
-    """The input columns every rank reads for its chunk of the resize ``width -> out`` (an
-    exchange) and the chunks; ``sharded``: the input is sharded, only neighbours lend."""
+    """The exchange of the input each rank's output chunk reads, and the chunks."""
     table = resize_table(mode, width, out, align, scale, double)
     first, last = table[0], table[1] if len(table) > 1 else table[0]
     out_bounds = tuple(all_shard_bounds(out, parts))
@@ -180,8 +175,7 @@ def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
     if len(table) == 1:
         return t.index_select(dim, table[0])
     i0, i1, w0, w1 = table
-    shape = [1] * t.ndim
-    shape[dim] = -1
+    shape = (-1, *(1,) * (t.ndim - 1 - dim))
     # ATen sums t0 * w0 + t1 * w1 with the width innermost: the same order (equal to ~1 ulp;
     # the compiler may fuse ATen's multiply-add).
     return t.index_select(dim, i0) * w0.view(shape) + t.index_select(dim, i1) * w1.view(shape)
@@ -192,8 +186,7 @@ def _hashable(v):
 
 
 def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...]:
-    """Where a replicated input's resize output goes: the tiles of a tile mesh, strips of an
-    image on a strip mesh, nowhere for a volume on a strip mesh."""
+    """Where a replicated input's resize goes: tiles, an image's strips, or nowhere."""
     names = layout.mesh.mesh_dim_names or ()
     axes = tuple(
         (i + ndim - 3, names.index(n))
@@ -211,11 +204,9 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
     axes = _replicated_axes(layout, x.ndim) if replicated else layout_axes(layout)
     if not axes:
         return None
-    mesh, by_dim = layout.mesh, dict(axes)
-    grad_pl = list(layout.placements)
-    for _, m in axes:
-        grad_pl[m] = Partial()
-    y = enter(x, tuple(grad_pl) if replicated else None)
+    mesh, by_dim, by_mesh = layout.mesh, dict(axes), {m: d for d, m in axes}
+    pls = list(enumerate(layout.placements))
+    y = enter(x, tuple(Partial() if m in by_mesh else p for m, p in pls) if replicated else None)
     double = x.dtype == torch.float64
     for d in range(x.ndim - 1, 1, -1):
         n_out, scale = out_sizes[d - 2], scales[d - 2]
@@ -239,11 +230,8 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
         )
         if table is not None:
             y = _apply(y, d, table)
-    pl = list(layout.placements)
-    for d, m in axes:
-        pl[m] = Shard(d)
-    out = SpatialLayout(mesh, tuple(pl), layout.sp_dim)
-    return leave(y, out, (x.shape[0], x.shape[1], *out_sizes))
+    pl = tuple(Shard(by_mesh[m]) if m in by_mesh else p for m, p in pls)
+    return leave(y, SpatialLayout(mesh, pl, layout.sp_dim), (x.shape[0], x.shape[1], *out_sizes))
 
 
 def spatial_interpolate(

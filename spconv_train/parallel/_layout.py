@@ -1,10 +1,6 @@
-"""Memory layout of local blocks: channels-last activations stay channels-last.
-
-``to_local`` / ``from_local`` take a ``view_as``, which gives a size-1 batch dim the stride
-``C`` instead of ``C*H*W``: still channels-last-contiguous, but ``suggest_memory_format`` no
-longer says so, and ``torch.cat``, pooling, ``interpolate``, batch norm (and backward kernels
-reading the layout off their gradient) return NCHW: the next convolution copies.
-``in_layout`` / ``grad_in_layout`` restore canonical strides by views, no copy.
+"""Memory layout of local blocks: channels-last activations stay channels-last (``to_local`` /
+``from_local`` give a size-1 batch dim the stride ``C``, which torch's kernels read as NCHW;
+docs/design.md).
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ def memory_format(t: Tensor) -> torch.memory_format:
 
 
 def in_layout(t: Tensor) -> Tensor:
-    """``t`` itself, or for a channels-last block of batch 1 whose batch stride is not
-    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides."""
+    """``t``, or a channels-last batch-1 block viewed with canonical strides (no copy)."""
     if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
         return t
     if t.stride(0) == math.prod(t.shape):

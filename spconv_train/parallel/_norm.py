@@ -1,11 +1,7 @@
-"""Sharded normalisation on every layout and spatial rank: batch (and sync batch), group and
-instance norm, modules and functionals (the arithmetic: ``_norm_stats.py``).
-
-No halo, only statistics: each part is normalised with global statistics whose small sums
-are reduced over ``layout.stat_groups`` for batch norm (spatial and data-parallel mesh dims,
-like SyncBatchNorm; its affine gradients ride on that all-reduce) or the spatial groups for
-group and instance norm (their affine gradients completed by ``sum_grad_over``). Running
-statistics follow torch's, identical on every rank.
+"""Sharded batch (and sync batch), group and instance norm on every layout and spatial rank,
+modules and functionals: statistics reduced over ``layout.stat_groups`` (batch norm, like
+SyncBatchNorm; its affine gradients ride on that all-reduce) or the spatial groups; running
+statistics as torch's on every rank. The arithmetic: ``_norm_stats.py``.
 """
 
 from __future__ import annotations
@@ -147,8 +143,7 @@ def spatial_instance_norm(
     eps: float = 1e-5,
     what: str = "instance_norm",
 ) -> DTensor:
-    """``F.instance_norm`` of a sharded DTensor; running statistics (when given) updated
-    with the global batch's average per-sample mean and unbiased variance, as torch's."""
+    """``F.instance_norm`` of a sharded DTensor (running statistics as torch's)."""
     params = dict(weight=weight, bias=bias, mean=running_mean, var=running_var)
     x, layout, (n, c, h, w) = _layout(input, what, **params)
     if not use_input_stats:

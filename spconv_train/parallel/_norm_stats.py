@@ -109,11 +109,7 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
     if cells.kind == "batch":  # over (N, H, W) at once: fewer ops than (H, W), then N
         n = x.numel() // max(stats, 1)
         # (1, C, 1, 1); ``mean`` is the sum divided by ``n`` in one op (empty: zeros)
-        mean = (
-            x.mean((0, 2, 3), dtype=acc, keepdim=True)
-            if n
-            else x.sum((0, 2, 3), dtype=acc, keepdim=True)
-        )
+        mean = (x.mean if n else x.sum)((0, 2, 3), dtype=acc, keepdim=True)
         m2 = (x.to(acc) - mean).square_().sum((0, 2, 3))
         return n, mean.view(stats), m2
     s = cells.collect(x.sum((2, 3), dtype=acc))
@@ -230,7 +226,7 @@ class _Normalize(torch.autograd.Function):
         g = dy.to(s.dtype)
         s1 = g.sum((2, 3))  # local sum of dy per (sample, channel)
         s2 = (g * xmu).sum((2, 3))  # local sum of dy * (x - mean)
-        dx = dw = db = None
+        dx = None
         # One all-reduce: the sums for dx and, with ``reduce_affine``, the affine gradients
         # (otherwise ``sum_grad_over`` completes them).
         parts = [cells.collect(s1 * w), cells.collect(s2 * w)] if want_dx else []
@@ -240,8 +236,7 @@ class _Normalize(torch.autograd.Function):
         flat = [t.reshape(-1) for t in parts + shared]
         if flat:
             red = sum_now(torch.cat(flat), *cells.groups)
-            sizes = [t.numel() for t in flat]
-            pieces = list(red.split(sizes))
+            pieces = list(red.split([t.numel() for t in flat]))
             if want_dx:
                 a = cells.spread(pieces.pop(0).view_as(parts[0]) / cells.count)
                 b = cells.spread(pieces.pop(0).view_as(parts[1]) / cells.count)
@@ -251,10 +246,8 @@ class _Normalize(torch.autograd.Function):
             if ctx.reduce_affine:
                 local_dw = pieces.pop(0) if want_dw else None
                 local_db = pieces.pop(0) if want_db else None
-        if want_dw:
-            dw = local_dw.to(weight.dtype)
-        if want_db:
-            db = local_db.to(ctx.bias_dtype)
+        dw = local_dw.to(weight.dtype) if want_dw else None
+        db = local_db.to(ctx.bias_dtype) if want_db else None
         return dx, dw, db, None, None, None, None, None
 
 

@@ -1,9 +1,6 @@
-"""Max and average pooling on every layout, and the public functions, modules and
-torch-function routes of every pooling (adaptive pooling: ``_adaptive.py``).
-
-The local op runs on ``tile_window``'s window (``ceil_mode`` as extra padding, edges
-``-inf`` for max), a contiguous box scanned in the same order, so ties resolve as on one
-device; indices are global; averages divide by torch's divisor from *global* positions.
+"""Max and average pooling on every layout (the local op on ``tile_window``'s window: ties
+as on one device, global indices, torch's divisor from *global* positions), and the public
+functions, modules and torch-function routes of every pooling (adaptive: ``_adaptive.py``).
 """
 
 from __future__ import annotations
@@ -119,11 +116,9 @@ def avg_pool(
         sums = pool(tw.window, k, s, op_pad, ceil_mode, True, 1)
         div = sums.new_ones(())
         for i in range(2, x.ndim):  # the outer product of the per-dim counts
-            j = i - 2
-            f = _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
-            view = [1] * (x.ndim - 2)
-            view[j] = -1
-            div = div * torch.tensor(f, dtype=sums.dtype, device=sums.device).view(view)
+            f = _counts(x.shape[i], k[i - 2], s[i - 2], p[i - 2], *tw.out_ranges[i], include_pad)
+            f = torch.tensor(f, dtype=sums.dtype, device=sums.device)
+            div = div * f.view(-1, *(1,) * (x.ndim - 1 - i))
         out = sums / div
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
 

@@ -1,11 +1,7 @@
 """Re-chunk a sharded dim (every output element a copy of an input element or a fill, by
-point-to-point messages only), and the ops that are one: ``F.pad`` (every mode; negative
-amounts crop), basic slicing, ``flip`` and ``roll``.
-
-Along each sharded dim (``rechunk_axes``) in turn the op is a map of ``Segment``s; every rank
-receives the hull of its columns from each owner (``gather_columns``) and picks with
-``index_select`` (whose backward adds duplicated reads up). Unsharded dims run the op
-locally; index forms other than ints, slices (step > 0) and ``...`` go to DTensor's rules.
+point-to-point messages only: a map of ``Segment``s, received as hulls per owner and picked by
+``index_select``), and the ops that are one: ``F.pad`` (every mode; negative amounts crop),
+basic slicing (other index forms: DTensor's rules), ``flip`` and ``roll``.
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ def _sources(segments: tuple[Segment, ...], lo: int, hi: int) -> list[int]:
 
 @dataclass(frozen=True)
 class RemapPlan:
-    """The exchange (hulls per owner) and, per rank, where each output column sits in the
-    received buffer (whose last column is the fill value when ``fills[rank]``)."""
+    """The exchange and per rank each output column's place in the received buffer."""
 
     exchange: ExchangePlan
     out_width: int
@@ -106,16 +101,13 @@ def remap_axis(local: Tensor, d: int, size: int, segments, axis, value: float = 
 
 
 def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
-    """``{tensor dim: (parts, rank, group)}`` of every dim of ``x`` but the batch that a
-    ``Shard`` of a non-``dp`` mesh dim splits (any layout, channels-last maps too)."""
+    """``{tensor dim: (parts, rank, group)}`` of each non-batch dim a non-``dp`` mesh dim splits."""
     mesh = x.device_mesh
     return {d: mesh_axis(mesh, m) for d, m in sharded_dims(x).items() if d > 0 and not is_dp(x, m)}
 
 
 def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None):
-    """The DTensor whose dim ``d`` holds ``maps[d]`` (``Segment``s) for every ``d`` in
-    ``maps``; ``then``: a local op run on each block afterwards (along unsharded dims),
-    giving a result of global ``shape``."""
+    """``x`` with dim ``d`` holding ``maps[d]`` per ``d``; ``then``: a local op afterwards."""
     axes = rechunk_axes(x)
     local = x.to_local()
     for d, segments in maps.items():

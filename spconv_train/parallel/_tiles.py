@@ -25,8 +25,7 @@ IntOrSeq = int | Sequence[int]
 
 
 def layout_axes(layout: SpatialLayout | None) -> tuple[tuple[int, int], ...]:
-    """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout (``None``: a
-    plain tensor), in tensor-dim order: ops written over it run on every layout."""
+    """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout, in order."""
     if layout is None:
         return ()
     if layout.axes:
@@ -121,13 +120,9 @@ def tile_window(
     value: float = 0.0,
     pad_local: bool = True,
 ) -> HaloWindow:
-    """This rank's window (halos and corners fetched, image edges padded in ``mode``) for a
-    window op of ``geoms`` per spatial dim of the global ``shape`` (``layout=None``: a plain
-    tensor); the local op then runs with padding 0 and ``ceil_mode`` off. ``pad_local=False``
-    leaves the padding of unsharded dims to the local op."""
-    t = local
-    sizes, ranges, starts = {}, {}, {}
-    steps, cropped = [], False
+    """This rank's window (halos, corners, edges padded in ``mode``) for an op of ``geoms``, to
+    run with padding 0 and ``ceil_mode`` off (``pad_local=False``: unsharded dims as is)."""
+    t, sizes, ranges, starts, steps, cropped = local, {}, {}, {}, [], False
     for d in sorted(geoms, reverse=True):  # W first, then H including the W halo: corners
         k, s, dil, lo, hi = geoms[d]
         ax = axis_of(layout, d)
@@ -147,12 +142,10 @@ def tile_window(
     for d in range(t.ndim - 1, 1, -1):  # F.pad lists the last dim first
         local_pad = pad_local and d in geoms and axis_of(layout, d) is None
         pads += list(geoms[d][3:5]) if local_pad else [0, 0]
+    constant = mode in ("zeros", "constant")
     if any(pads):
-        if mode in ("zeros", "constant"):
-            t = F.pad(t, pads, mode="constant", value=value)
-        else:
-            t = F.pad(t, pads, mode=mode)
-    reshaped = cropped or any(pads) or mode not in ("zeros", "constant")
+        t = F.pad(t, pads, mode="constant", value=value) if constant else F.pad(t, pads, mode=mode)
+    reshaped = cropped or any(pads) or not constant
     return HaloWindow(
         t, layout, shape, sizes, ranges, starts, what, tuple(steps), reshaped, local, value
     )

@@ -43,26 +43,15 @@ def _sources(lo: int, hi: int, width: int, mode: str) -> list[Interval]:
     if mode == "circular":
         if lo < -width or hi > 2 * width:
             raise SpatialShardingError("circular padding wider than the image")
-        parts = []
-        if lo < 0:
-            parts.append((width + lo, width))
-        if max(lo, 0) < min(hi, width):
-            parts.append((max(lo, 0), min(hi, width)))
-        if hi > width:
-            parts.append((0, hi - width))
-        return parts
+        parts = [(width + lo, width), (max(lo, 0), min(hi, width)), (0, hi - width)]
+        return [(a, b) for a, b in parts if a < b]  # wrapped left, inside, wrapped right
     src_lo, src_hi = min(max(lo, 0), width), max(min(hi, width), min(max(lo, 0), width))
-    if mode == "reflect":
-        # Column -i mirrors column i (and W-1+i mirrors W-1-i): the edge rank needs them too.
+    if mode in ("reflect", "replicate"):  # reflect: column -i mirrors i, W-1+i mirrors W-1-i
+        reflect = mode == "reflect"
         if lo < 0:
-            src_lo, src_hi = 0, max(src_hi, 1 - lo)
+            src_lo, src_hi = 0, max(src_hi, 1 - lo if reflect else 1)
         if hi > width:
-            src_lo, src_hi = min(src_lo, 2 * width - 1 - hi), width
-    elif mode == "replicate":
-        if lo < 0:
-            src_lo, src_hi = 0, max(src_hi, 1)
-        if hi > width:
-            src_lo, src_hi = min(src_lo, width - 1), width
+            src_lo, src_hi = min(src_lo, 2 * width - 1 - hi if reflect else width - 1), width
     return [(src_lo, src_hi)] if src_lo < src_hi else []
 
 
@@ -78,9 +67,7 @@ def plan_window(
     pad_hi: int,
     mode: str = "zeros",
 ) -> WindowPlan:
-    """Plan a window op of the given width geometry over ``parts`` spatial ranks (``ceil_mode``
-    as extra ``pad_hi``: ``_tiles.ceil_geom``); ``SpatialShardingError`` (naming ``what``)
-    for an empty strip or one narrower than the halo it must lend."""
+    """Plan a window op along a width over ``parts`` ranks (``ceil_mode``: extra ``pad_hi``)."""
     if mode not in PAD_MODES:
         raise SpatialShardingError(f"{what}: padding mode {mode!r} is not supported")
     owned = check_strips(what, width, parts, "input")
@@ -123,9 +110,7 @@ def gather_window(
 
 @dataclass(frozen=True)
 class WindowStep:
-    """One exchange that built (part of) a window: along tensor dim ``dim``, ``exchange``'s
-    pieces for ``rank`` between ``pad_lo`` and ``pad_hi`` elements of edge padding, giving
-    ``result``. A window fetched along several dims is the chain of its steps."""
+    """One exchange of a window's chain (W, then H, D): ``exchange``'s pieces between edge pads."""
 
     dim: int
     exchange: ExchangePlan
@@ -141,9 +126,8 @@ class _WindowRecipe:
     active before (``outer``: a memory meter, offloading, checkpointing see what is kept)."""
 
     def __init__(self, window: Tensor, local: Tensor, steps, value, outer):
-        self.shape, self.stride = window.shape, window.stride()
-        self.value, self.outer = value, outer
-        self.version = local._version
+        self.shape, self.stride, self.value = window.shape, window.stride(), value
+        self.outer, self.version = outer, local._version
         self.local = outer[0](local) if outer else local
         #: per step: (dim, parts); a part is ("pad", n), ("own", (start, n)) or ("halo", t)
         self.levels: list[tuple[int, list[tuple[str, object]]]] = []
