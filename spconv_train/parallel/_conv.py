@@ -104,9 +104,7 @@ def spatial_conv(
             with tw.saving():  # the other dims' window: the part by reference + halo slabs
                 args = (wp, split, rank, group, stride, pad_other, dilation, groups)
                 out = halo_conv(tw.window, w, b, *args)
-            out_shape = list(tile_shape(shape, out, tw))
-            out_shape[last] = wp.out_width
-            return leave(out, layout, tuple(out_shape))
+            return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
     tw = tile_window(local, shape, layout, what, geoms, padding_mode, pad_local=not inside)
     conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in geoms)
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).

@@ -56,8 +56,7 @@ def plan_split(
 def _split_one(
     wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
 ) -> SplitPlan | None:
-    a, b = wp.exchange.owned[rank]
-    o0, o1 = wp.out_bounds[rank]
+    (a, b), (o0, o1) = wp.exchange.owned[rank], wp.out_bounds[rank]
     reach = dilation * (kernel - 1)
     # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
     i0 = max(o0, -(-(a + pad_lo) // stride))
@@ -69,8 +68,7 @@ def _split_one(
         if q > p:
             lo = p * stride - pad_lo
             edges.append((p - o0, q - p, lo, (q - 1) * stride - pad_lo + reach + 1))
-    c0 = i0 * stride - pad_lo - a
-    c1 = (i1 - 1) * stride - pad_lo + reach + 1 - a
+    c0, c1 = i0 * stride - pad_lo - a, (i1 - 1) * stride - pad_lo + reach + 1 - a
     return SplitPlan((i0 - o0, i1 - o0), (c0, c1), tuple(edges))
 
 
@@ -125,14 +123,13 @@ def _halo_runs(
 
 def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor, dilation):
     """``(halo index, *run)`` of every ``_halo_runs`` run: the halos' missing share."""
-    kw, dw = weight.shape[-1], dilation[-1]
-    pad_w = _same_pad(weight, dilation)
-    found = []
-    for first, count, _, _ in split.edges:
-        for i, (hs, h) in enumerate(halos):
-            for run in _halo_runs(first, count, strip_start, pad_w, kw, dw, hs, hs + h.shape[-1]):
-                found.append((i, *run))
-    return found
+    geo = (strip_start, _same_pad(weight, dilation), weight.shape[-1], dilation[-1])
+    return [
+        (i, *run)
+        for first, count, _, _ in split.edges
+        for i, (hs, h) in enumerate(halos)
+        for run in _halo_runs(first, count, *geo, hs, hs + h.shape[-1])
+    ]
 
 
 def _columns_to_batch(x: Tensor) -> Tensor:
@@ -155,8 +152,7 @@ class _HaloConv(torch.autograd.Function):
     def forward(ctx, local, weight, bias, wp, split, rank, group, geo):
         stride, pad_other, dilation, groups = geo
         conv, conv_less = _CONV[local.ndim - 2], _CONV[local.ndim - 3]
-        stats = current_runtime().stats
-        ex, a = wp.exchange, wp.exchange.owned[rank][0]
+        stats, ex, a = current_runtime().stats, wp.exchange, wp.exchange.owned[rank][0]
         pieces = [(q, s, e) for q, s, e in ex.pieces(rank) if q != rank]
         recvs = [(q, local.new_empty((*local.shape[:-1], e - s))) for q, s, e in pieces]
         halos = [(s, buf) for (_, s, _), (_, buf) in zip(pieces, recvs, strict=True)]
@@ -198,8 +194,7 @@ class _HaloConv(torch.autograd.Function):
         stride, pad_other, dilation, groups = geo
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
         halos = list(zip(halo_starts, halo_bufs, strict=True))
-        need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = has_bias and ctx.needs_input_grad[2]
+        need_in, need_w, need_b = *ctx.needs_input_grad[:2], has_bias and ctx.needs_input_grad[2]
         bias_sizes = [weight.shape[0]] if has_bias else None
 
         def conv_bwd(g, x, w=weight, pad=(*pad_other, 0), mask=(need_in, need_w, need_b)):
@@ -212,8 +207,7 @@ class _HaloConv(torch.autograd.Function):
         def add(x, y):
             return y if x is None else (x if y is None else x + y)
 
-        gw = gb = None
-        edge_grads = []
+        gw, gb, edge_grads = None, None, []
         # Edges first: their input gradients hold the halo gradients to send back.
         if split.whole_strip:  # the halo runs: the halos' input and weight gradient shares
             for i, t, o, h, length in ctx.corrections:
@@ -251,8 +245,7 @@ class _HaloConv(torch.autograd.Function):
             pad = (*pad_other, _same_pad(weight, dilation))
             grad_local, gwi, gbi = conv_bwd(grad_out, local, pad=pad)
         else:
-            i0, i1 = split.interior
-            c0, c1 = split.strip_cols
+            (i0, i1), (c0, c1) = split.interior, split.strip_cols
             gi, gwi, gbi = conv_bwd(grad_out.narrow(-1, i0, i1 - i0), local.narrow(-1, c0, c1 - c0))
             grad_local = None
             if need_in:

@@ -261,11 +261,9 @@ def spatial_interpolate(
             f"'area' via {area}). Use one of those, or gather explicitly (x.full_tensor())."
         )
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
-    if mode == linear and align_corners is None:
-        align_corners = False
     out, scales = _geometry(*key, mode, align_corners, recompute_scale_factor, what)
     table_mode = "bilinear" if mode == linear else mode  # the same 1-D linear table
-    y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)
+    y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)  # None: False
     if y is None:  # a replicated volume on a strip mesh: the plain op, output replicated
         args = (size, scale_factor, mode, align_corners, recompute_scale_factor)
         return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))

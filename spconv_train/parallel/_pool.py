@@ -78,8 +78,7 @@ def max_pool(
     # start along the sharded dims (the op's own padding leaves the others' coordinates)
     rest, flat, stride = idx, torch.zeros_like(idx), 1
     for i in range(x.ndim - 1, 1, -1):
-        n = tw.window.shape[i]
-        start = tw.starts[i] if i in sharded else 0
+        n, start = tw.window.shape[i], tw.starts[i] if i in sharded else 0
         flat = flat + (rest % n + start) * stride
         rest, stride = rest // n, stride * x.shape[i]
     return leave(out, layout, shape), leave(flat, layout, shape)

@@ -134,8 +134,7 @@ def _expand_index(index, ndim: int):
     if any(isinstance(i, bool) for i in items) or sum(i is Ellipsis for i in items) > 1:
         return None
     if Ellipsis in items:
-        k = items.index(Ellipsis)
-        fill = ndim - (len(items) - 1)
+        k, fill = items.index(Ellipsis), ndim - (len(items) - 1)
         items = (*items[:k], *(slice(None),) * fill, *items[k + 1 :])
     items = (*items, *(slice(None),) * (ndim - len(items)))
     return items if len(items) == ndim else None

@@ -132,9 +132,8 @@ class _WindowRecipe:
         #: per step: (dim, parts); a part is ("pad", n), ("own", (start, n)) or ("halo", t)
         self.levels: list[tuple[int, list[tuple[str, object]]]] = []
         for st in steps:
-            a = st.exchange.owned[st.rank][0]
+            a, offset = st.exchange.owned[st.rank][0], st.pad_lo
             parts: list[tuple[str, object]] = [("pad", st.pad_lo)] if st.pad_lo else []
-            offset = st.pad_lo
             for owner, s, e in st.exchange.pieces(st.rank):
                 if owner == st.rank:
                     parts.append(("own", (s - a, e - s)))
