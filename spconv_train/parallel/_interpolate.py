@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from ._dims import GRID_MESH_DIMS, mesh_group, mesh_rank
+from ._dims import GRID_MESH_DIMS, mesh_axis
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._layout import memory_format
@@ -212,8 +212,7 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
         n_out, scale = out_sizes[d - 2], scales[d - 2]
         o0, o1, start = 0, n_out, 0
         if d in by_dim:
-            m = by_dim[d]
-            parts, rank = mesh.size(m), mesh_rank(mesh, m)
+            parts, rank, group = mesh_axis(mesh, by_dim[d])
             geom = (x.shape[d], n_out, parts, mode, align, scale, double, not replicated)
             ex, out_bounds = plan_resize(what, *geom)
             needed = ex.needed[rank]
@@ -222,7 +221,6 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
                 y = y.narrow(d, start, needed[0][1] - start if needed else 0)
             else:
                 # (every rank takes part, also one without outputs: others read its columns)
-                group = mesh_group(mesh, m)
                 y = along(y, d, lambda t, e=ex, r=rank, g=group: gather_columns(t, e, r, g))
             o0, o1 = out_bounds[rank]
         table = _local_table(
@@ -245,9 +243,8 @@ def spatial_interpolate(
     what: str = "interpolate",
 ):
     """``F.interpolate`` of a sharded image or volume on any layout."""
-    x = input
+    x, linear = input, LINEAR.get(input.ndim)
     key = (tuple(x.shape[2:]), _hashable(size), _hashable(scale_factor))
-    linear = LINEAR.get(x.ndim)
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
         out, _ = _geometry(*key, mode, align_corners, recompute, what)
