@@ -1,13 +1,7 @@
-"""Adaptive max and average pooling of any spatial rank on any layout: one implementation.
-
-Cell ``j`` of a dim of size ``n`` pooled to ``o`` covers ``[floor(j*n/o), ceil((j+1)*n/o))``,
-so the pool is separable, one dim at a time; max pooling keeps the first maximum by global
-flat index (torch's tie-break on every layout). Two placements of the output: *halo* (one
-sharded dim pooled to more than one cell: the input's ``Shard``, each rank fetching from its
-neighbours the planes its windows read, pooled first for averages) and *reduce* (global and
-small pools: per-rank parts combined by an all-reduce, ``Replicate``; max by value, then the
-smallest global index, whose rank alone passes the gradient; with several sharded dims,
-outputs over a quarter of the smallest tile are refused). docs/tiles.md, docs/volumes.md.
+"""Adaptive max and average pooling of any spatial rank on any layout, separable per dim;
+*halo* (one sharded dim pooled to more than one cell: the input's ``Shard``) or *reduce*
+(global and small pools: parts all-reduced, ``Replicate``; max by value, then the smallest
+global index, whose rank alone passes the gradient). docs/tiles.md, docs/volumes.md.
 """
 
 from __future__ import annotations
@@ -42,9 +36,7 @@ def adaptive_bounds(size: int, out: int, lo: int = 0, hi: int | None = None) -> 
 
 @functools.lru_cache(maxsize=1024)
 def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
-    """Input planes each rank gathers to compute its chunk of ``out`` adaptive outputs
-    (DTensor chunking; none for a rank that gets no output when ``out < parts``). Raises
-    ``SpatialShardingError`` (naming ``what``) when a window reads beyond the neighbours."""
+    """Input planes each rank gathers for its chunk of ``out`` adaptive outputs."""
     owned = check_strips(what, width, parts, "input")
     needed = tuple(
         (((o0 * width) // out, -(-(o1 * width) // out)),) if o0 < o1 else ()
@@ -69,8 +61,7 @@ def _segment_sums(g: Tensor, segs: Segments) -> Tensor:
 
 
 def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
-    """Max of ``g`` over segments of its last dim and the (first) index where it is
-    reached; an empty segment gives ``-inf`` at index ``g.shape[-1]``."""
+    """Max over segments of the last dim and its first index (empty: ``-inf`` at the end)."""
     w = g.shape[-1]
     if w and segs == ((0, w),):
         return g.max(-1, keepdim=True)  # the first maximum, as documented
@@ -91,9 +82,7 @@ def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(what: str, sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, ...]:
-    """Per spatial dim the window segments this rank reduces (``DimPlan``). ``axes``: ``(j,
-    parts, rank)`` of the sharded spatial dims; ``halo``: the one sharded dim keeps its
-    shard (the rank's output chunk from fetched planes), else each rank reduces its own."""
+    """``DimPlan`` per spatial dim; ``axes``: ``(j, parts, rank)``; ``halo``: the output chunk's."""
     plans = []
     for j, (n, o) in enumerate(zip(sizes, out, strict=True)):
         ax = next(((p, r) for i, p, r in axes if i == j), None)
@@ -113,8 +102,7 @@ def _plan(what: str, sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple
 
 
 def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
-    """``(values, global flat index, valid)`` of the max over every window: innermost dim
-    first, the first maximum of each segment, so the first in row-major order wins."""
+    """``(values, global flat index, valid)`` of the max over every window, innermost first."""
     idx, stride = None, 1
     valid = torch.ones((), dtype=torch.bool, device=t.device)
     for j in range(len(plans) - 1, -1, -1):
@@ -125,17 +113,13 @@ def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
         inner = 0 if idx is None else idx.movedim(d, -1).gather(-1, at)
         t, idx = v.movedim(-1, d), (inner + (at + offset) * stride).movedim(-1, d)
         stride *= sizes[j]
-        view = [1] * len(plans)
-        view[j] = -1
         hit = torch.tensor([e > s for s, e in segs], dtype=torch.bool, device=t.device)
-        valid = valid & hit.view(view)
+        valid = valid & hit.view(-1, *(1,) * (len(plans) - 1 - j))
     return t, idx, valid
 
 
 def _pool_free_dims(t: Tensor, out: tuple, sharded: set) -> Tensor:
-    """torch's adaptive average over the dims no mesh dim shards (an adaptive pool to the
-    same size is the identity on the others): done before any exchange, so the halo moves
-    pooled planes."""
+    """torch's adaptive average over the unsharded dims (first: the halo moves less)."""
     if len(sharded) == len(out):
         return t
     keep = [t.shape[j + 2] if j in sharded else o for j, o in enumerate(out)]
@@ -147,8 +131,7 @@ def _pool_free_dims(t: Tensor, out: tuple, sharded: set) -> Tensor:
 
 
 def _reduce_avg(t: Tensor, plans: tuple[DimPlan, ...], sharded: set) -> Tensor:
-    """The average over every window of the sharded dims (the others already pooled):
-    segment sums divided by the global window lengths."""
+    """The average over every window of the sharded dims (the others already pooled)."""
     for j in sorted(sharded, reverse=True):
         segs, _, lens = plans[j]
         div = torch.tensor(lens, dtype=t.dtype, device=t.device)
@@ -165,8 +148,7 @@ def _replicated(layout: SpatialLayout) -> SpatialLayout:
 
 
 def _check_small_output(x: DTensor, axes, out: tuple, kind: str, what: str) -> None:
-    """Refuse a reduce over several sharded dims whose output exceeds a quarter of the
-    smallest tile (so no tile is empty either)."""
+    """Refuse a reduce over several sharded dims to more than a quarter of the smallest tile."""
     parts = {d: p for d, p, _, _ in axes}
     smallest = cells = 1
     for d in range(2, x.ndim):
@@ -181,9 +163,28 @@ def _check_small_output(x: DTensor, axes, out: tuple, kind: str, what: str) -> N
         )
 
 
-def adaptive_pool(x: DTensor, out: tuple, kind: str, return_indices: bool, what: str):
-    """Adaptive ``kind`` ("avg" / "max") pooling of ``x`` to ``out`` (one size per spatial
-    dim) on any layout; with ``return_indices`` (max) also the global flat indices."""
+def no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
+    """Refuse ``return_indices`` on volumes (no sharded ``MaxUnpool3d`` uses them)."""
+    if return_indices and rank == 3:
+        raise SpatialShardingError(
+            f"{what}: return_indices is not supported on a sharded volume (no MaxUnpool3d "
+            f"either); use the values only"
+        )
+
+
+def adaptive_pool(
+    x: DTensor, output_size, return_indices: bool = False, *, rank: int, kind: str, what=""
+):
+    """``F.adaptive_{kind}_pool{rank}d`` (``kind``: "avg" / "max") of ``x`` on any layout."""
+    what = what or f"adaptive_{kind}_pool{rank}d"
+    size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
+    if len(size) != rank:
+        raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
+    shape = x.shape[2 : 2 + rank]
+    out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
+    if min(out) < 1:
+        raise ValueError(f"{what}: output size must be positive, got {output_size}")
+    no_volume_indices(rank, return_indices, what)
     x, layout = spatial_layout(x, what, len(out) + 2, tiles=True)
     axes, sizes = sharded_axes(layout), tuple(x.shape[2:])
     # Images keep Replicate when some rank would get no output cell (flatten + Linear heads
@@ -205,17 +206,13 @@ def adaptive_pool(x: DTensor, out: tuple, kind: str, return_indices: bool, what:
         elif t.shape[d] == 0:  # empty block: one neutral element keeps the local ops defined
             neutral = 0.0 if kind == "avg" else float("-inf")
             t = along(t, d, lambda m, v=neutral: F.pad(m, (0, 1), value=v))
-    shape = (x.shape[0], x.shape[1], *out)
+    shape, out_layout = (x.shape[0], x.shape[1], *out), layout if halo else _replicated(layout)
     if kind == "avg":
         v = _reduce_avg(t, plans, sharded)
-        if halo:
-            return leave(v, layout, shape)
-        v = sum_replicated(v, [group for *_, group in axes])
-        return leave(v, _replicated(layout), shape)
+        v = v if halo else sum_replicated(v, [group for *_, group in axes])
+        return leave(v, out_layout, shape)
     v, idx, valid = _reduce_max(t, plans, sizes)
-    if halo:
-        out_layout = layout
-    else:
+    if not halo:
         best = v.detach().clone()
         groups = [group for _, parts, _, group in axes if parts > 1]
         for group in groups:
@@ -224,8 +221,7 @@ def adaptive_pool(x: DTensor, out: tuple, kind: str, return_indices: bool, what:
         cand = torch.where(valid & (v.detach() == best), idx, torch.iinfo(idx.dtype).max)
         for group in groups:
             dist.all_reduce(cand, dist.ReduceOp.MIN, group=group)
-        v = torch.where(valid & (idx == cand), v, best)  # only the owner passes the gradient
-        idx, out_layout = cand, _replicated(layout)
+        v, idx = torch.where(valid & (idx == cand), v, best), cand  # only the owner: gradient
     if not return_indices:
         return leave(v, out_layout, shape)
     return leave(v, out_layout, shape), leave(idx, out_layout, shape)

@@ -1,34 +1,8 @@
-"""Convolution (``Conv1d/2d/3d``, ``F.conv1d/2d/3d``) on every layout: one implementation.
-
-A layout is its list of sharded axes (``_tiles.layout_axes``): none (replicated), one
-(strips, a volume sharded along D, H or W, a 1-D signal), two or three (tiles, volume
-blocks). Every ``nn.Conv*d`` configuration is covered: any kernel (even ones too), stride,
-dilation, groups, padding given as int, tuple, ``'same'`` or ``'valid'``, and the padding
-modes zeros/reflect/replicate/circular. The output is laid out like the input, each rank
-holding DTensor's chunk of the output along every sharded dim.
-
-Two paths, chosen identically on every rank (they order their messages differently):
-
-- the fast path (``_halo_conv.py``), for zero padding when the last tensor dim is sharded:
-  the other sharded dims are windowed first (``tile_window``; the corners then come with the
-  exchange along the last dim), and the convolution along the last dim runs on the part
-  itself with the halo exchange overlapped, no padded copy;
-- the window path: ``tile_window`` fetches the halo of every sharded dim in turn (W, then H
-  on the W window, then D: corners included) with the image edges padded in the layer's
-  mode, and the unchanged local convolution runs on that window with padding 0 there.
-
-Symmetric zero padding of the dims no mesh dim shards is done inside the convolution
-itself, as ``nn.Conv2d`` does. Weight and bias gradients are summed over the ranks holding
-other parts (and other batch parts).
-
-Transposed convolution (``ConvTranspose2d/3d``, ``F.conv_transpose2d/3d``): along a sharded
-dim input column ``i`` adds into output columns ``i*s - p + t*d`` (``t < k``), so the rank
-owning output columns ``[o0, o1)`` (DTensor chunking of the output) fetches the input
-columns that reach them (``plan_conv_transpose``), runs the local op with padding 0 there
-and no bias, crops or zero-pads the result to exactly ``[o0, o1)`` (columns no input
-reaches, e.g. the ``output_padding`` band, are zero in torch too) and adds the bias last.
-The sharded dims in turn (W, then H on the W window, then D: corner inputs arrive with the
-second exchange); the others run the ordinary way.
+"""Convolution and transposed convolution of any spatial rank on every layout, one
+implementation each: the overlapped ``_halo_conv.py`` path where the last dim is sharded and
+zero-padded, else the local convolution on ``tile_window``'s window; transposed convolution
+from the input columns that reach each rank's outputs (docs/halo.md). The path chosen is the
+same on every rank (message order).
 """
 
 from __future__ import annotations
@@ -52,7 +26,6 @@ from ._runtime import current_runtime
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._tiles import (
     along,
-    axis_of,
     layout_axes,
     sharded_axes,
     tile_shape,
@@ -80,14 +53,10 @@ def conv_pads(padding, kernel: tuple[int, ...], dilation) -> Pads:
 
 
 def conv_padding(conv: nn.Module) -> Pads:
-    """The padding a ``Conv*d`` applies *now*, per spatial dim.
-
-    Read from the live ``padding``/``dilation``/``kernel_size`` attributes, as
-    ``_conv_forward`` does for zero padding: code that edits a layer after construction
-    (smp's ``make_dilated``) changes them, while the cached ``_reversed_padding_repeated_twice``
-    keeps the constructor's values. The other padding modes *do* use that cache in torch (it
-    pads with ``F.pad`` first), so they read it too: the sharded layer computes exactly what
-    the single-device layer computes."""
+    """The padding a ``Conv*d`` applies *now*, per spatial dim, as torch reads it: zero
+    padding from the live attributes (smp's ``make_dilated`` edits them after
+    construction), the other modes from the constructor's ``_reversed_padding_repeated_twice``
+    (torch pads with ``F.pad`` from that cache first)."""
     if conv.padding_mode != "zeros":
         rev = conv._reversed_padding_repeated_twice  # last dim first
         return tuple(zip(rev[::2], rev[1::2], strict=True))[::-1]
@@ -105,20 +74,15 @@ def spatial_conv(
     padding_mode: str = "zeros",
     what: str = "conv",
 ) -> DTensor:
-    """Convolution of a DTensor of any spatial rank (the weight's) on any layout; same
-    result as ``F.conv{n}d`` on the whole tensor. ``padding`` is ``(before, after)`` per
-    spatial dim (``conv_pads``)."""
+    """``F.conv{n}d`` of a DTensor on any layout; ``padding``: ``conv_pads``."""
     n = weight.ndim - 2
     stride, dilation = ntuple(stride, n), ntuple(dilation, n)
     x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
     shape = tuple(x.shape)
     axes = {d: (parts, rank, group) for d, parts, rank, group in sharded_axes(layout)}
-    zeros = padding_mode == "zeros"
-    # Symmetric zero padding of the dims no mesh dim shards is cheapest inside the conv.
-    whole = [d for d in range(2, x.ndim) if d not in axes]
-    inside = zeros and all(padding[d - 2][0] == padding[d - 2][1] for d in whole)
-    if all(parts == 1 for parts, _, _ in axes.values()):
-        # Whole extents on every rank (replicated, or one part per axis): the plain op.
+    whole = [d for d in range(2, x.ndim) if d not in axes]  # padded inside the conv
+    inside = padding_mode == "zeros" and all(padding[d - 2][0] == padding[d - 2][1] for d in whole)
+    if all(parts == 1 for parts, _, _ in axes.values()):  # whole extents: the plain op
         plain = _plain(stride, padding, dilation, groups, padding_mode)
         return run_unsharded(x, layout, plain, weight, bias)
     geoms = {
@@ -137,14 +101,10 @@ def spatial_conv(
             others = {d: geoms[d] for d in axes if d != last}
             tw = tile_window(local, shape, layout, what, others, pad_local=False)
             pad_other = tuple(0 if d in axes else padding[d - 2][0] for d in range(2, last))
-            # The other dims' window is saved as the part by reference + thin halo slabs.
-            saving = tw.saving() if others else contextlib.nullcontext()
-            with saving:
+            with tw.saving():  # the other dims' window: the part by reference + halo slabs
                 args = (wp, split, rank, group, stride, pad_other, dilation, groups)
                 out = halo_conv(tw.window, w, b, *args)
-            out_shape = list(tile_shape(shape, out, tw))
-            out_shape[last] = wp.out_width
-            return leave(out, layout, tuple(out_shape))
+            return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
     tw = tile_window(local, shape, layout, what, geoms, padding_mode, pad_local=not inside)
     conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in geoms)
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).
@@ -154,8 +114,7 @@ def spatial_conv(
 
 
 def _plain(stride, padding: Pads, dilation, groups: int, padding_mode: str):
-    """The single-device convolution of the given geometry, as a function of
-    ``(input, weight, bias)``: padding inside the convolution when torch's layer does it."""
+    """The single-device convolution as a function of ``(input, weight, bias)``."""
     flat = [a for pair in padding[::-1] for a in pair]  # F.pad lists the last dim first
     mode = "constant" if padding_mode == "zeros" else padding_mode
     symmetric = padding_mode == "zeros" and all(a == b for a, b in padding)
@@ -171,8 +130,7 @@ def _plain(stride, padding: Pads, dilation, groups: int, padding_mode: str):
 
 
 class _SpatialConv:
-    """Forward of the spatial ``Conv*d`` modules: a sharded DTensor input runs
-    ``spatial_conv``, a plain tensor the ordinary layer."""
+    """``Conv*d`` running ``spatial_conv`` on a DTensor input (any layout)."""
 
     spatial_name: str = ""
 
@@ -183,30 +141,26 @@ class _SpatialConv:
         return spatial_conv(input, self.weight, self.bias, *args, what=module_label(self))
 
 
-@register_spatial_module(nn.Conv1d)
-class SpatialConv1d(_SpatialConv, nn.Conv1d):
-    """``nn.Conv1d`` on an NCL signal sharded along its length (or replicated)."""
+def spatial_subclasses(mixin: type, *bases: type, module: str) -> list[type]:
+    """``Spatial<base>(mixin, base)`` per base, registered for ``parallelize`` to swap in place."""
+    made = []
+    for base in bases:
+        name = f"Spatial{base.__name__}"
+        attrs = {"__doc__": mixin.__doc__, "__module__": module, "__qualname__": name}
+        made.append(register_spatial_module(base)(type(name, (mixin, base), attrs)))
+    return made
 
 
-@register_spatial_module(nn.Conv2d)
-class SpatialConv2d(_SpatialConv, nn.Conv2d):
-    """``nn.Conv2d`` on a sharded NCHW input (strips or tiles). ``parallelize`` turns a
-    model's ``Conv2d`` modules into this class in place, so parameters, hooks and
-    ``state_dict`` keys stay exactly those of the original."""
-
-
-@register_spatial_module(nn.Conv3d)
-class SpatialConv3d(_SpatialConv, nn.Conv3d):
-    """``nn.Conv3d`` on a volume sharded along one, two or three of D, H, W."""
+SpatialConv1d, SpatialConv2d, SpatialConv3d = spatial_subclasses(
+    _SpatialConv, nn.Conv1d, nn.Conv2d, nn.Conv3d, module=__name__
+)
 
 
 @register_handler(F.conv1d, F.conv2d, F.conv3d)  # torch.conv*d are the same objects
 def _functional_conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-    """``F.conv1d/2d/3d`` called from model code on a sharded input."""
-    n = weight.ndim - 2
     pads = conv_pads(padding, tuple(weight.shape[2:]), dilation)
-    args = (stride, pads, dilation, groups)
-    return spatial_conv(input, weight, bias, *args, what=f"F.conv{n}d")
+    what = f"F.conv{weight.ndim - 2}d"
+    return spatial_conv(input, weight, bias, stride, pads, dilation, groups, what=what)
 
 
 #: the local op per spatial rank
@@ -215,12 +169,11 @@ _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 @dataclass(frozen=True)
 class TransposePlan:
-    """Everything every rank needs to run one transposed convolution on its strip."""
+    """A transposed convolution along a sharded dim; ``windows``: per rank its input columns."""
 
     exchange: ExchangePlan
     out_width: int
     out_bounds: tuple[Interval, ...]
-    #: per rank: the input columns ``[lo, hi)`` it convolves (``hi <= lo``: none reach it)
     windows: tuple[Interval, ...]
 
 
@@ -235,11 +188,7 @@ def plan_conv_transpose(
     padding: int,
     output_padding: int,
 ) -> TransposePlan:
-    """Plan a transposed convolution of the given width geometry over ``parts`` ranks.
-
-    Raises ``SpatialShardingError`` (naming ``what``) for a geometry torch rejects too, or
-    when a rank would need columns from a rank that is not its neighbour.
-    """
+    """Plan a transposed convolution of the given width geometry over ``parts`` ranks."""
     if not (output_padding < stride or output_padding < dilation):
         raise SpatialShardingError(
             f"{what}: width output_padding {output_padding} must be smaller than the stride "
@@ -265,10 +214,9 @@ def plan_conv_transpose(
 
 
 def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
-    """Crop or zero-pad ``y`` (whose first column is global column ``start``) to exactly the
-    global columns ``[o0, o1)``: one ``F.pad`` (a negative amount crops), whose result and
-    gradient keep ``y``'s memory layout (a cropping ``narrow``'s backward would allocate
-    the gradient NCHW: a conversion for a channels-last transposed convolution)."""
+    """``y`` (first column: global ``start``) cropped or zero-padded to global ``[o0, o1)``
+    by one ``F.pad``, which keeps ``y``'s memory layout in forward and backward (a cropping
+    ``narrow``'s backward would allocate the gradient NCHW)."""
     a, b = max(start, o0), min(start + y.shape[-1], o1)
     if b <= a:  # nothing of y lands in [o0, o1): all zeros (y stays in the graph)
         return F.pad(y.narrow(-1, 0, 0), (o1 - o0, 0))
@@ -287,12 +235,7 @@ def spatial_conv_transpose(
     dilation,
     what: str = "conv_transpose",
 ) -> DTensor:
-    """Transposed convolution of a sharded DTensor of any spatial rank (the weight's) on any
-    layout; same result as ``F.conv_transpose{n}d`` on the whole tensor. Per sharded dim
-    (W, then H on the W window, then D): fetch the input rows or columns that reach this
-    rank's outputs; then convolve with padding 0 along those dims and no bias, place the
-    result on the rank's output range per sharded dim, add the bias last. Weight and bias
-    gradients are summed over the ranks holding other parts (and other batch parts)."""
+    """``F.conv_transpose{n}d`` of a DTensor on any layout (module docstring)."""
     n = weight.ndim - 2
     s, p, op, dil = (ntuple(v, n) for v in (stride, padding, output_padding, dilation))
     x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
@@ -302,8 +245,7 @@ def spatial_conv_transpose(
             x, layout, lambda t, w, b: conv(t, w, b, s, p, op, groups, dil), weight, bias
         )
     t = local = enter(x)
-    pads, out_pads, shape = list(p), list(op), list(x.shape)
-    placed, steps, fetched = [], [], True
+    pads, out_pads, placed, steps, fetched = list(p), list(op), [], [], True
     for d, parts, rank, group in reversed(sharded_axes(layout)):  # W first, then H, D
         j = d - 2
         tp = plan_conv_transpose(
@@ -316,34 +258,25 @@ def spatial_conv_transpose(
             t = along(t, d, lambda m, e=tp.exchange, r=rank, g=group: gather_columns(m, e, r, g))
             steps.append(WindowStep(d, tp.exchange, rank, 0, 0, t))
         if hi <= lo:
-            # No input reaches this rank's outputs: convolve one zero row instead, so the
-            # weight and the exchange stay in this rank's graph and their backward
-            # collectives run on every rank (a rank skipping them would hang the others).
+            # No input reaches this rank's outputs: one zero row keeps the weight and the
+            # exchange in its graph (every rank must run their backward collectives).
             t, fetched = along(t, d, lambda m: F.pad(m, (0, 1))), False
-        pads[j], out_pads[j], shape[d] = 0, 0, tp.out_width
-        placed.append((d, lo * s[j] - p[j], *tp.out_bounds[rank]))
+        pads[j] = out_pads[j] = 0
+        placed.append((d, lo * s[j] - p[j], *tp.out_bounds[rank], tp.out_width))
     w = sum_grad_over(weight, layout.grad_groups)
-    # Save the local part by reference + the thin halo slabs, not the window copy (~1/N).
-    saving = contextlib.nullcontext()
-    if fetched and steps and torch.is_grad_enabled():
-        saving = saving_steps_by_reference(t, local, tuple(steps))
-    with saving:
+    save = fetched and steps and torch.is_grad_enabled()  # the part by reference + halo slabs
+    with saving_steps_by_reference(t, local, tuple(steps)) if save else contextlib.nullcontext():
         y = conv(t, w, None, s, tuple(pads), tuple(out_pads), groups, dil)
-    for d, start, o0, o1 in placed:
-        y = along(y, d, lambda m, a=start, o0=o0, o1=o1: _place(m, a, o0, o1))
+    shape = [x.shape[0], *y.shape[1:]]
+    for d, start, o0, o1, width in placed:  # along the sharded dims: the global width
+        y, shape[d] = along(y, d, lambda m, a=start, o0=o0, o1=o1: _place(m, a, o0, o1)), width
     if bias is not None:
         y = y + sum_grad_over(bias, layout.grad_groups).view(1, -1, *([1] * n))
-    shape[1] = y.shape[1]
-    for d in range(2, x.ndim):
-        if axis_of(layout, d) is None:
-            shape[d] = y.shape[d]
     return leave(y, layout, tuple(shape))
 
 
 class _SpatialConvTranspose:
-    """Forward of the spatial ``ConvTranspose{n}d`` modules on a sharded DTensor:
-    ``output_padding`` from the global shape (as torch does, so ``output_size`` works), then
-    ``spatial_conv_transpose``. A plain tensor input runs the ordinary layer."""
+    """``ConvTranspose{n}d`` running ``spatial_conv_transpose`` on a DTensor input."""
 
     spatial_name: str = ""
 
@@ -361,23 +294,15 @@ class _SpatialConvTranspose:
         return spatial_conv_transpose(input, self.weight, self.bias, *args, what=what)
 
 
-@register_spatial_module(nn.ConvTranspose2d)
-class SpatialConvTranspose2d(_SpatialConvTranspose, nn.ConvTranspose2d):
-    """``nn.ConvTranspose2d`` on a sharded NCHW input (strips or tiles); ``parallelize``
-    turns a model's ``ConvTranspose2d`` modules into this class in place."""
-
-
-@register_spatial_module(nn.ConvTranspose3d)
-class SpatialConvTranspose3d(_SpatialConvTranspose, nn.ConvTranspose3d):
-    """``nn.ConvTranspose3d`` on a volume sharded along one, two or three of D, H, W."""
+SpatialConvTranspose2d, SpatialConvTranspose3d = spatial_subclasses(
+    _SpatialConvTranspose, nn.ConvTranspose2d, nn.ConvTranspose3d, module=__name__
+)
 
 
 @register_handler(F.conv_transpose2d, F.conv_transpose3d)  # torch.conv_transpose*d: the same
 def _functional_conv_transpose(
     input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
 ):
-    """``F.conv_transpose2d`` / ``F.conv_transpose3d`` called from model code on a sharded
-    input."""
     args = (stride, padding, output_padding, groups, dilation)
     what = f"F.conv_transpose{weight.ndim - 2}d"
     return spatial_conv_transpose(input, weight, bias, *args, what=what)

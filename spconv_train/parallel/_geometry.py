@@ -1,8 +1,6 @@
-"""Halo arithmetic along the width: who owns which columns, and which columns a window op reads.
-
-Everything here works in *global* column indices (see ``docs/halo.md``). Nothing
-here communicates: every rank can compute every other rank's plan, which is what lets the
-exchange post matching sends and receives without a metadata round trip.
+"""Halo arithmetic in *global* column indices (docs/halo.md): who owns which columns and which
+columns a window op reads. Nothing communicates: every rank computes every rank's plan, so
+the exchange posts matching sends and receives without a metadata round trip.
 """
 
 from __future__ import annotations
@@ -19,10 +17,8 @@ class SpatialShardingError(ValueError):
 
 
 def shard_bounds(size: int, parts: int, index: int) -> Interval:
-    """Columns ``[start, stop)`` that DTensor's ``Shard`` gives to ``index`` of ``parts``.
-
-    DTensor splits like ``torch.chunk``: ``ceil(size / parts)`` per rank, so the last ranks
-    get fewer columns and possibly none."""
+    """Columns ``[start, stop)`` that DTensor's ``Shard`` gives to ``index`` of ``parts``
+    (as ``torch.chunk``: ``ceil(size / parts)`` per rank, the last ones fewer or none)."""
     chunk = -(-size // parts) if parts > 0 else 0
     return min(index * chunk, size), min((index + 1) * chunk, size)
 
@@ -49,8 +45,7 @@ def window_out_size(
 def window_input_range(
     out_start: int, out_stop: int, kernel: int, stride: int, dilation: int, pad_lo: int
 ) -> Interval:
-    """Input columns ``[lo, hi)`` (global, may reach into the padding) read by outputs
-    ``[out_start, out_stop)``: output ``j`` reads ``j*stride - pad_lo + t*dilation``."""
+    """Global input ``[lo, hi)`` (into the padding too) of outputs ``[out_start, out_stop)``."""
     lo = out_start * stride - pad_lo
     hi = (out_stop - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
     return lo, hi
@@ -58,19 +53,16 @@ def window_input_range(
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """Which global columns every rank of a spatial group owns and which it needs.
-
-    ``needed[r]`` is an ordered list of intervals inside ``[0, width)``; rank ``r`` receives
-    the concatenation of those columns, in order. ``wrap`` allows the first and last rank to
-    talk (circular padding); otherwise only neighbouring ranks may exchange."""
+    """Which global columns every rank of a spatial group owns and which it needs: rank ``r``
+    receives the columns of the intervals ``needed[r]``, in order. ``wrap``: the first and
+    last rank may talk too (circular padding)."""
 
     width: int
     owned: tuple[Interval, ...]
     needed: tuple[tuple[Interval, ...], ...]
     wrap: bool = False
 
-    # Plans are cached (plan_window & co.) and reused by every step: the pieces and sends
-    # of every rank are computed once per plan, not on each exchange.
+    # (computed once per plan: plans are cached and reused by every step)
     @functools.cached_property
     def _pieces(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
         return tuple(
@@ -101,8 +93,7 @@ class ExchangePlan:
         return list(self._pieces[rank])
 
     def sends(self, rank: int) -> list[tuple[int, int, int]]:
-        """``(receiver, start, stop)`` pieces that ``rank`` owns and others need, ordered by
-        receiver and then by the receiver's piece order (so P2P messages match up)."""
+        """``(receiver, start, stop)`` pieces ``rank`` gives, in the receivers' (P2P) order."""
         return list(self._sends[rank])
 
     def check_neighbours(self, what: str) -> None:

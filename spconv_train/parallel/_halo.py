@@ -1,9 +1,6 @@
-"""Halo exchange along the width, as differentiable point-to-point communication.
-
-``gather_columns``: on every rank of a spatial group, the global columns its ``ExchangePlan``
-needs, its own sliced locally, the others from their owners, all posted in one
-``batch_isend_irecv`` on the spatial group (so a ``(dp, sp)`` mesh works); the backward is
-the adjoint, the same primitive in the other direction (docs/halo.md).
+"""Halo exchange along the last dim as differentiable point-to-point communication
+(``gather_columns``, one ``batch_isend_irecv`` on the spatial group; its backward is the
+adjoint, docs/halo.md), and ``sum_grad_over``.
 """
 
 from __future__ import annotations
@@ -22,33 +19,25 @@ from ._runtime import SpatialStats, current_runtime
 
 
 class PendingExchange:
-    """Sends and receives posted with ``batch_isend_irecv``, not waited on yet: compute
-    that does not need the halo runs in between (``post_p2p`` ... ``wait``)."""
+    """Messages posted by ``post_p2p``, not waited on yet."""
 
     def __init__(self, works: list, stats: SpatialStats, probe: Tensor | None, posted_s: float):
         self.works, self.stats, self.probe = works, stats, probe
         stats.halo_seconds += posted_s
 
     def wait(self) -> None:
-        """Block until every posted message is done; add the time blocked to the stats.
-
-        On CUDA the time is GPU time between events around the wait (the compute stream
-        stalled on the halo), settled lazily when ``halo_seconds`` is read: a host timer
-        would only measure NCCL's enqueue. On CPU it is host wall time."""
+        """Block until every message is done; the time blocked goes to the stats (docs/halo.md)."""
         if not self.works:
             return
-        if self.probe is not None and self.probe.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            for work in self.works:
-                work.wait()
-            end.record()
-            self.stats._pending.append((start, end))
+        cuda = self.probe is not None and self.probe.is_cuda
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2 if cuda else 0)]
+        t0 = events[0].record() if cuda else time.perf_counter()
+        for work in self.works:
+            work.wait()
+        if cuda:
+            events[1].record()
+            self.stats._pending.append(tuple(events))
         else:
-            t0 = time.perf_counter()
-            for work in self.works:
-                work.wait()
             self.stats.halo_seconds += time.perf_counter() - t0
         self.works = []
 
@@ -60,13 +49,9 @@ def post_p2p(
     stats: SpatialStats,
     tag: int = 0,
 ) -> PendingExchange:
-    """Post every send and receive together (``batch_isend_irecv``); ``wait()`` on the result
-    before reading a receive buffer or writing a send buffer.
-
-    Peers are ranks *within* ``group``. Messages between one pair of ranks are matched by
-    posting order (per ``tag``), which both sides derive from the same ``ExchangePlan``.
-    Sent bytes and messages are added to ``stats`` (the runtime's, captured in the forward),
-    and so is the time spent posting and, in ``wait``, blocked."""
+    """Post every send and receive together; ``wait()`` on the result before reading a
+    receive or writing a send buffer. Peers are ranks *within* ``group``; messages pair up
+    by posting order per ``tag``. Bytes, messages and time go to ``stats``."""
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p, tag=tag) for p, t in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p, tag=tag) for p, t in sends]
     if not ops:
@@ -80,44 +65,32 @@ def post_p2p(
     return PendingExchange(works, stats, probe, posted)
 
 
-def _column_slice(x: Tensor, start: int, stop: int) -> Tensor:
-    return x.narrow(-1, start, stop - start)
-
-
 class _GatherColumns(torch.autograd.Function):
-    """Forward: one buffer holding ``pad_lo`` columns of ``value``, the needed columns, and
-    ``pad_hi`` columns of ``value`` (the image-edge padding is written in place, so the
-    window costs a single copy of the strip). Backward: the adjoint."""
+    """Forward: one buffer, edge padding written in place. Backward: the adjoint."""
 
     @staticmethod
     def forward(ctx, local, plan, rank, group, pad_lo=0, pad_hi=0, value=0.0):
         ctx.plan, ctx.rank, ctx.group, ctx.pad_lo = plan, rank, group, pad_lo
         # The backward runs after the model's forward returned: keep the runtime's stats.
         ctx.stats = stats = current_runtime().stats
-        ctx.local_shape = local.shape
-        a = plan.owned[rank][0]
-        pieces = plan.pieces(rank)
+        ctx.local_shape, a, pieces = local.shape, plan.owned[rank][0], plan.pieces(rank)
         total = sum(e - s for _, s, e in pieces)
         out = empty_as(local, (*local.shape[:-1], pad_lo + total + pad_hi))
         if pad_lo:
             out.narrow(-1, 0, pad_lo).fill_(value)
         if pad_hi:
             out.narrow(-1, pad_lo + total, pad_hi).fill_(value)
-        recvs: list[tuple[int, Tensor]] = []
-        arrivals: list[tuple[Tensor, Tensor]] = []
-        offset = pad_lo
+        recvs, arrivals, offset = [], [], pad_lo  # arrivals: (window slice, receive buffer)
         for owner, s, e in pieces:
             dst = out.narrow(-1, offset, e - s)
             offset += e - s
             if owner == rank:
-                dst.copy_(_column_slice(local, s - a, e - a))
+                dst.copy_(local.narrow(-1, s - a, e - s))
             else:  # gloo needs contiguous buffers: receive, then place
                 buf = local.new_empty((*local.shape[:-1], e - s))
                 recvs.append((owner, buf))
                 arrivals.append((dst, buf))
-        sends = [
-            (q, _column_slice(local, s - a, e - a).contiguous()) for q, s, e in plan.sends(rank)
-        ]
+        sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in plan.sends(rank)]
         post_p2p(group, sends, recvs, stats).wait()
         for dst, buf in arrivals:
             dst.copy_(buf)
@@ -126,9 +99,7 @@ class _GatherColumns(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         plan, rank, group = ctx.plan, ctx.rank, ctx.group
-        a, b = plan.owned[rank]
-        pieces = plan.pieces(rank)
-        given = plan.sends(rank)
+        (a, b), pieces, given = plan.owned[rank], plan.pieces(rank), plan.sends(rank)
         *offsets, _ = itertools.accumulate((e - s for _, s, e in pieces), initial=ctx.pad_lo)
         own = [(off, s, e) for off, (q, s, e) in zip(offsets, pieces, strict=True) if q == rank]
         if len(own) == 1 and own[0][1:] == (a, b):
@@ -138,7 +109,7 @@ class _GatherColumns(torch.autograd.Function):
         else:
             grad_local = empty_as(grad, ctx.local_shape).zero_()
             for off, s, e in own:
-                _column_slice(grad_local, s - a, e - a).add_(grad.narrow(-1, off, e - s))
+                grad_local.narrow(-1, s - a, e - s).add_(grad.narrow(-1, off, e - s))
         # Gradients of the columns this rank received go back to their owners ...
         sends = [
             (q, grad.narrow(-1, off, e - s).contiguous())
@@ -149,7 +120,7 @@ class _GatherColumns(torch.autograd.Function):
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
         post_p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()
         for _, buf, s, e in recvs:
-            _column_slice(grad_local, s - a, e - a).add_(buf)
+            grad_local.narrow(-1, s - a, e - s).add_(buf)
         return grad_local, None, None, None, None, None, None
 
 
@@ -163,17 +134,13 @@ def gather_columns(
     pad_hi: int = 0,
     value: float = 0.0,
 ) -> Tensor:
-    """Return the columns ``plan.needed[rank]`` (concatenated, in order) from the local strip
-    ``local`` (columns ``plan.owned[rank]`` of the global tensor) and its neighbours', with
-    ``pad_lo``/``pad_hi`` columns of ``value`` around them (image-edge padding).
-
-    Differentiable: the backward returns every halo gradient to the rank that owns the column."""
-    if len(plan.owned) == 1 and not (pad_lo or pad_hi):
-        # One rank, no padding: no communication and no copy.
-        # (The whole strip is returned as is: a full-width narrow's backward would
-        # allocate its gradient NCHW.)
+    """The columns ``plan.needed[rank]`` (in order) from the local strip ``local`` (columns
+    ``plan.owned[rank]``) and its neighbours', between ``pad_lo``/``pad_hi`` columns of
+    ``value``. Differentiable: halo gradients go back to the columns' owners."""
+    if len(plan.owned) == 1 and not (pad_lo or pad_hi):  # no communication, no copy
+        # (the whole strip as is: a full-width narrow's backward allocates its gradient NCHW)
         parts = [
-            local if (s, e) == (0, local.shape[-1]) else _column_slice(local, s, e)
+            local if (s, e) == (0, local.shape[-1]) else local.narrow(-1, s, e - s)
             for s, e in plan.needed[0]
         ]
         if not parts:
@@ -183,11 +150,7 @@ def gather_columns(
 
 
 class _SumGradOverGroups(torch.autograd.Function):
-    """Identity forward; backward all-reduces (sums) the gradient over process groups.
-
-    Wrapped around a parameter where it meets a local strip of a sharded activation: the
-    local gradient is a partial sum over the strip (and over the local batch on a
-    data-parallel dimension), and the sum over the groups is the single-device gradient."""
+    """Identity forward; backward all-reduces (sums) the gradient over process groups."""
 
     @staticmethod
     def forward(ctx, param: Tensor, groups: tuple) -> Tensor:
@@ -203,12 +166,9 @@ class _SumGradOverGroups(torch.autograd.Function):
 
 
 def sum_grad_over(param: Tensor | None, groups: tuple) -> Tensor | None:
-    """``param`` unchanged in forward; its gradient summed over ``groups`` in backward.
-
-    A parameter (a leaf) is handed to the current runtime's ``GradReducer``: the gradient
-    of this use is summed once per backward, bucketed with the others and overlapped with
-    the rest of the backward. Any other tensor gets an autograd node that all-reduces its
-    gradient."""
+    """``param`` unchanged in forward; its gradient (a partial sum over the local part)
+    summed over ``groups`` in backward: by the runtime's ``GradReducer`` for a leaf
+    (bucketed, overlapped), by an all-reducing autograd node otherwise."""
     if param is None or not groups or not (param.requires_grad and torch.is_grad_enabled()):
         return param
     if param.is_leaf:

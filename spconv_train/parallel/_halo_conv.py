@@ -1,34 +1,7 @@
-"""Zero-padded convolution along a sharded last dim without a padded copy, overlapped.
-
-The fast path of ``_conv.spatial_conv`` for a layout whose last sharded axis is the tensor's
-last dim (the width: strips, tiles, volume blocks sharded along W; a 1-D signal runs as an
-image of height 1). Every other dim is either whole on the rank and zero-padded inside the
-convolution (``pad_other``), or already windowed along its own sharded axis (padding 0
-there). Below, "columns" are positions along the last dim.
-
-Output columns of a rank split in three: the *interior* ones, whose receptive field lies
-inside the local strip, are a convolution of the strip itself (width padding 0, a view of
-the strip, no copy); the few columns on each side read halo columns or the image-edge
-padding and are convolved from *thin* windows (halo + a few strip columns + zeros). The
-halo exchange is posted before the interior convolution and waited on after it, so the
-messages travel while the big convolution runs.
-
-For the common "same" convolution (stride 1, zero padding of half the kernel's reach) the
-output strip is the input strip, and the split is cheaper still: the whole strip is
-convolved with the width padding inside the convolution, exactly as the no-communication
-floor does (no input or output copy), and the few output columns next to a neighbour,
-which read zeros there instead of its halo, get the halo's share added: a convolution of
-the halo columns alone along the other dims (``_halo_corrections``: per kernel tap, the run
-of halo columns it meets folded into the batch, one convolution of one rank less with that
-tap's weight). In the backward the whole-strip gradients are complete for the strip's own
-columns; the same runs give the halo columns' input gradient (sent back) and their share of
-the weight gradient. (Folding the halo columns into *channels* instead would build a
-weight of Cout*C*edge*halo*kh elements: 1.8 GB per edge for DeepLabV3's ASPP in fp64.)
-
-The backward mirrors it in one autograd node: the edge gradients first (thin), then the
-halo gradients are posted back to their owners, the interior's input and weight gradients
-are computed while they travel, and the arrivals are added last. Saved for the backward:
-the strip (by reference: the op before usually saved it anyway), the thin halos, the weight.
+"""Zero-padded convolution along a sharded last dim without a padded copy, the exchange
+overlapped with the interior in forward and backward; "same" convolutions convolve the whole
+strip and add the halo's share per kernel tap (docs/halo.md, docs/design.md). Saved: the
+strip by reference, the thin halos, the weight.
 """
 
 from __future__ import annotations
@@ -51,16 +24,14 @@ from ._window import WindowPlan
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Interior/edge split of one rank's output columns (all indices local to the rank)."""
+    """Interior/edge split of one rank's output columns (indices local to the rank):
+    interior outputs ``[i0, i1)`` read strip columns ``strip_cols``; per edge ``(first
+    output, count, global input lo, hi)``; ``whole_strip``: every output strip is its input
+    strip (stride 1, "same" zero padding), convolved whole, the halo columns corrected."""
 
-    #: interior outputs [i0, i1) of the rank's output strip, read strip columns [c0, c1)
     interior: tuple[int, int]
     strip_cols: tuple[int, int]
-    #: per edge (left, right): (first output, output count, global input column lo, hi)
     edges: tuple[tuple[int, int, int, int], ...]
-    #: every rank's output strip is its input strip (stride 1, "same" zero padding): the
-    #: whole strip is convolved with the width padding inside the convolution (no copy of
-    #: input or output) and only the edge columns that read halos are corrected
     whole_strip: bool = False
 
 
@@ -68,11 +39,9 @@ class SplitPlan:
 def plan_split(
     wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
 ) -> SplitPlan | None:
-    """The split for ``rank``, or ``None`` when some rank has no interior output column (a
-    strip narrower than the kernel's reach): every rank then convolves a gathered window.
-
-    The choice is the same on every rank: the two paths order their halo messages and the
-    weight-gradient all-reduce differently in the backward, and a mix would deadlock."""
+    """The split for ``rank``, or ``None`` when some rank has no interior output column:
+    every rank then takes the window path (the same choice on every rank: the two paths
+    order their backward messages differently, a mix would deadlock)."""
     splits = [
         _split_one(wp, r, kernel, stride, dilation, pad_lo) for r in range(len(wp.out_bounds))
     ]
@@ -87,8 +56,7 @@ def plan_split(
 def _split_one(
     wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
 ) -> SplitPlan | None:
-    a, b = wp.exchange.owned[rank]
-    o0, o1 = wp.out_bounds[rank]
+    (a, b), (o0, o1) = wp.exchange.owned[rank], wp.out_bounds[rank]
     reach = dilation * (kernel - 1)
     # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
     i0 = max(o0, -(-(a + pad_lo) // stride))
@@ -100,14 +68,12 @@ def _split_one(
         if q > p:
             lo = p * stride - pad_lo
             edges.append((p - o0, q - p, lo, (q - 1) * stride - pad_lo + reach + 1))
-    c0 = i0 * stride - pad_lo - a
-    c1 = (i1 - 1) * stride - pad_lo + reach + 1 - a
+    c0, c1 = i0 * stride - pad_lo - a, (i1 - 1) * stride - pad_lo + reach + 1 - a
     return SplitPlan((i0 - o0, i1 - o0), (c0, c1), tuple(edges))
 
 
 def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tensor) -> Tensor:
-    """Global input columns ``[lo, hi)`` as a new tensor: zeros outside the ``sources``
-    (``(first global column, columns)`` pairs: the strip and the received halos)."""
+    """Global input columns ``[lo, hi)`` from ``(first column, columns)`` sources, else zeros."""
     out = empty_as(like, (*like.shape[:-1], hi - lo)).zero_()  # in like's layout
     for start, cols in sources:
         s, e = max(lo, start), min(hi, start + cols.shape[-1])
@@ -117,8 +83,7 @@ def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tens
 
 
 def _add_thin_grad(lo: int, grad: Tensor, start: int, target: Tensor) -> None:
-    """Add the part of window gradient ``grad`` (global columns from ``lo``) that falls on
-    ``target`` (global columns from ``start``) into ``target``."""
+    """Add the part of ``grad`` (global columns from ``lo``) on ``target`` (from ``start``)."""
     s, e = max(lo, start), min(lo + grad.shape[-1], start + target.shape[-1])
     if s < e:
         target.narrow(-1, s - start, e - s).add_(grad.narrow(-1, s - lo, e - s))
@@ -135,9 +100,8 @@ def _same_pad(weight: Tensor, dilation) -> int:
 
 def _dense_like(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
     """``g`` dense in the memory format the convolution of ``x`` by ``w`` computes in
-    (channels-last when either is, as PyTorch picks it): the output gradient of a
-    channels-last convolution (``training.channels_last``) stays channels-last, where
-    ``g.contiguous()`` would copy it to NCHW and ``convolution_backward`` back again."""
+    (channels-last when either is): ``g.contiguous()`` would copy a channels-last gradient
+    to NCHW and ``convolution_backward`` back again."""
     if any(t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1 for t in (x, w)):
         return g.contiguous(memory_format=CHANNELS_LAST[g.dim()])
     return g.contiguous()
@@ -147,12 +111,7 @@ def _dense_like(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
 def _halo_runs(
     first: int, count: int, strip_start: int, pad_w: int, kw: int, dw: int, hs: int, he: int
 ) -> tuple[tuple[int, int, int, int], ...]:
-    """For the edge outputs ``[first, first + count)`` of a whole-strip convolution (output
-    column = strip column; the strip starts at global column ``strip_start``): the runs
-    ``(kernel tap t, first output column o, first halo column h, length L)`` where outputs
-    ``o .. o+L-1`` read halo columns ``h .. h+L-1`` (of the halo covering global columns
-    ``[hs, he)``) through tap ``t``. Through one tap, consecutive outputs read consecutive
-    columns, so each tap meets a halo in at most one run."""
+    """Runs ``(tap, first output, first halo column, length)`` of outputs reading ``[hs, he)``."""
     runs = []
     for t in range(kw):
         base = strip_start + first - pad_w + t * dw  # global column output ``first`` reads
@@ -163,53 +122,44 @@ def _halo_runs(
 
 
 def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor, dilation):
-    """``(halo index, tap, first output, first halo column, length)`` of every run of edge
-    outputs that read a halo: what the whole-strip convolution (which saw zeros there) is
-    missing."""
-    kw, dw = weight.shape[-1], dilation[-1]
-    pad_w = _same_pad(weight, dilation)
-    found = []
-    for first, count, _, _ in split.edges:
-        for i, (hs, h) in enumerate(halos):
-            for run in _halo_runs(first, count, strip_start, pad_w, kw, dw, hs, hs + h.shape[-1]):
-                found.append((i, *run))
-    return found
+    """``(halo index, *run)`` of every ``_halo_runs`` run: the halos' missing share."""
+    geo = (strip_start, _same_pad(weight, dilation), weight.shape[-1], dilation[-1])
+    return [
+        (i, *run)
+        for first, count, _, _ in split.edges
+        for i, (hs, h) in enumerate(halos)
+        for run in _halo_runs(first, count, *geo, hs, hs + h.shape[-1])
+    ]
 
 
 def _columns_to_batch(x: Tensor) -> Tensor:
-    """``(N, C, *S, L)`` -> ``(N*L, C, *S)``: a run of halo columns folded into the batch,
-    so one convolution of one rank less with a tap's weight (a view) gives that tap's share
-    of every output of the run. (A thin full-rank convolution does the same arithmetic on
-    PyTorch's im2col kernel, which inputs under 20480 elements get: ~4x slower.)"""
+    """``(N, C, *S, L)`` -> ``(N*L, C, *S)``: one convolution of one rank less with a tap's
+    weight then gives that tap's share of the whole run (a thin full-rank convolution runs
+    PyTorch's im2col kernel below 20480 input elements: ~4x slower)."""
     n, w = x.shape[0], x.shape[-1]
     return x.squeeze(-1) if w == 1 else x.movedim(-1, 1).reshape(n * w, *x.shape[1:-1])
 
 
 def _batch_to_columns(y: Tensor, n: int) -> Tensor:
-    """The inverse of ``_columns_to_batch``: ``(N*L, C, *S)`` -> ``(N, C, *S, L)``."""
+    """``(N*L, C, *S)`` -> ``(N, C, *S, L)``."""
     return y.view(n, -1, *y.shape[1:]).movedim(1, -1)
 
 
 class _HaloConv(torch.autograd.Function):
-    """``F.conv{2,3}d`` of ``local`` sharded along its last dim (zero padding), split as
-    described in the module docstring. ``geo`` = (stride, pad_other, dilation, groups)."""
+    """The convolution of ``halo_conv``; ``geo`` = (stride, pad_other, dilation, groups)."""
 
     @staticmethod
     def forward(ctx, local, weight, bias, wp, split, rank, group, geo):
         stride, pad_other, dilation, groups = geo
         conv, conv_less = _CONV[local.ndim - 2], _CONV[local.ndim - 3]
-        stats = current_runtime().stats
-        ex, a = wp.exchange, wp.exchange.owned[rank][0]
+        stats, ex, a = current_runtime().stats, wp.exchange, wp.exchange.owned[rank][0]
         pieces = [(q, s, e) for q, s, e in ex.pieces(rank) if q != rank]
         recvs = [(q, local.new_empty((*local.shape[:-1], e - s))) for q, s, e in pieces]
         halos = [(s, buf) for (_, s, _), (_, buf) in zip(pieces, recvs, strict=True)]
         sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in ex.sends(rank)]
         pending = post_p2p(group, sends, recvs, stats)
-        corrections = []  # the halo runs (_halo_corrections), reused by the backward
-        if split.whole_strip:
-            # The strip with zero width padding inside the convolution (what one device
-            # computes, except that the columns next to a neighbour read zeros instead of
-            # its halo); the halo's share of those few columns is then added.
+        corrections = []  # the halo runs, reused by the backward
+        if split.whole_strip:  # the edge columns read zeros, not the halo: add its share
             pad_w = _same_pad(weight, dilation)
             out = conv(local, weight, bias, stride, (*pad_other, pad_w), dilation, groups)
             pending.wait()
@@ -229,8 +179,7 @@ class _HaloConv(torch.autograd.Function):
             for first, _, lo, hi in split.edges:
                 edge = conv(_thin_window(lo, hi, sources, local), weight, bias, *geom)
                 (left if first < split.interior[0] else right).append(edge)
-            # One output buffer by concatenation: the interior result is written once more
-            # (a copy of the output, not of the input window).
+            # (the interior result copied once more: the output, not the input window)
             out = torch.cat([*left, inner, *right], dim=-1) if left or right else inner
         ctx.save_for_backward(local, weight, *(h for _, h in halos))
         ctx.meta = (wp, split, rank, group, geo, stats, [s for s, _ in halos], bias is not None)
@@ -245,8 +194,7 @@ class _HaloConv(torch.autograd.Function):
         stride, pad_other, dilation, groups = geo
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
         halos = list(zip(halo_starts, halo_bufs, strict=True))
-        need_in, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_b = has_bias and ctx.needs_input_grad[2]
+        need_in, need_w, need_b = *ctx.needs_input_grad[:2], has_bias and ctx.needs_input_grad[2]
         bias_sizes = [weight.shape[0]] if has_bias else None
 
         def conv_bwd(g, x, w=weight, pad=(*pad_other, 0), mask=(need_in, need_w, need_b)):
@@ -259,14 +207,9 @@ class _HaloConv(torch.autograd.Function):
         def add(x, y):
             return y if x is None else (x if y is None else x + y)
 
-        gw = gb = None
-        edge_grads = []
+        gw, gb, edge_grads = None, None, []
         # Edges first: their input gradients hold the halo gradients to send back.
-        if split.whole_strip:
-            # The whole-strip backward below already gives the strip's columns their full
-            # gradient and the bias its; what it lacks is the halo columns' share: the
-            # input gradient sent back, and the weight gradient of the halo values (the
-            # whole-strip convolution saw zeros there). The halo runs give both.
+        if split.whole_strip:  # the halo runs: the halos' input and weight gradient shares
             for i, t, o, h, length in ctx.corrections:
                 hs, halo = halos[i]
                 batch = halo.shape[0]
@@ -302,8 +245,7 @@ class _HaloConv(torch.autograd.Function):
             pad = (*pad_other, _same_pad(weight, dilation))
             grad_local, gwi, gbi = conv_bwd(grad_out, local, pad=pad)
         else:
-            i0, i1 = split.interior
-            c0, c1 = split.strip_cols
+            (i0, i1), (c0, c1) = split.interior, split.strip_cols
             gi, gwi, gbi = conv_bwd(grad_out.narrow(-1, i0, i1 - i0), local.narrow(-1, c0, c1 - c0))
             grad_local = None
             if need_in:
@@ -324,8 +266,7 @@ class _HaloConv(torch.autograd.Function):
 
 @not_traced  # an exchange inside an autograd function (see _compile.py)
 def halo_conv(local, weight, bias, wp, split, rank, group, stride, pad_other, dilation, groups):
-    """The rank's output of a zero-padded convolution of ``local`` sharded along its last
-    dim (see module doc); ``pad_other``: the padding of every other spatial dim."""
+    """This rank's output of the convolution; ``pad_other``: the other dims' padding."""
     if local.ndim == 3:  # a 1-D signal: an image of height 1 (the halo runs need a height)
         args = (wp, split, rank, group, (1, *stride), (0,), (1, *dilation), groups)
         return halo_conv(local.unsqueeze(2), weight.unsqueeze(2), bias, *args).squeeze(2)
@@ -333,9 +274,7 @@ def halo_conv(local, weight, bias, wp, split, rank, group, stride, pad_other, di
     device = local.device.type
     if not torch.is_autocast_enabled(device):
         return _HaloConv.apply(local, weight, bias, wp, split, rank, group, geo)
-    # Under autocast a convolution runs in the autocast dtype: cast here, outside the
-    # autograd function (its backward runs without autocast, so inputs, weight and saved
-    # tensors must already agree), as autocast would cast them for F.conv2d.
+    # Autocast's casts for F.conv2d, done here: the backward runs without autocast.
     low = torch.get_autocast_dtype(device)
     args = (local.to(low), weight.to(low), None if bias is None else bias.to(low))
     with torch.autocast(device, enabled=False):

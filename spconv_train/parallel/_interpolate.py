@@ -1,9 +1,6 @@
-"""``F.interpolate`` / ``nn.Upsample`` on every layout: width strips, H x W tiles, volume
-blocks ("nearest", "nearest-exact", "linear" / "bilinear" / "trilinear" with
-``align_corners`` either way; "area" is torch's adaptive average pool).
-
-A resize is an index table plus weights per dim from the *global* sizes, with ATen's own
-arithmetic, applied with ``index_select`` per dim (W, then H, then D) after one halo
+"""``F.interpolate`` / ``nn.Upsample`` on every layout ("nearest", "nearest-exact", the
+linear modes; "area" is torch's adaptive average pool): per dim an index table and weights
+from the *global* sizes with ATen's arithmetic, applied with ``index_select`` after one halo
 exchange per sharded dim (``plan_resize``): docs/halo.md, "Resizing".
 """
 
@@ -17,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from ._dims import GRID_MESH_DIMS, mesh_group, mesh_rank
+from ._dims import GRID_MESH_DIMS, mesh_axis
 from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._layout import memory_format
@@ -50,10 +47,8 @@ def resize_sizes(
     recompute_scale_factor: bool | None,
     what: str = "interpolate",
 ) -> tuple[tuple[int, ...], tuple[float | None, ...]]:
-    """Output spatial sizes and the scales ATen receives, following ``F.interpolate``'s
-    rules for any number of spatial dims: a ``scale_factor`` (unless
-    ``recompute_scale_factor``) gives ``floor(in * scale)`` and is passed on, so the
-    coordinate map uses ``1 / scale_factor`` rather than ``in / out``."""
+    """Output spatial sizes and the scales ATen receives (``F.interpolate``'s rules: a
+    ``scale_factor`` gives ``floor(in * scale)`` and, unless recomputed, is passed on)."""
     n = len(in_sizes)
     if mode in ("nearest", "nearest-exact", "area") and align_corners is not None:
         raise ValueError(
@@ -65,10 +60,19 @@ def resize_sizes(
     if size is not None:
         if recompute_scale_factor:
             raise ValueError("recompute_scale_factor is not meaningful with an explicit size.")
-        return tuple(int(o) for o in _per_dim(size, n, "size", what)), (None,) * n
-    sf = tuple(float(f) for f in _per_dim(scale_factor, n, "scale_factor", what))
-    out = tuple(math.floor(i * f) for i, f in zip(in_sizes, sf, strict=True))
-    return out, ((None,) * n if recompute_scale_factor else sf)
+        out, scales = tuple(int(o) for o in _per_dim(size, n, "size", what)), (None,) * n
+    else:
+        sf = tuple(float(f) for f in _per_dim(scale_factor, n, "scale_factor", what))
+        out = tuple(math.floor(i * f) for i, f in zip(in_sizes, sf, strict=True))
+        scales = (None,) * n if recompute_scale_factor else sf
+    if min(out) < 1:
+        raise SpatialShardingError(
+            f"{what}: output size {out} of input {in_sizes} is empty; torch rejects it."
+        )
+    return out, scales
+
+
+_geometry = functools.lru_cache(maxsize=1024)(resize_sizes)  # once per call geometry
 
 
 def _ratio(size_in: int, size_out: int, scale: float | None, dtype: torch.dtype) -> Tensor:
@@ -87,12 +91,9 @@ def resize_table(
     scale: float | None,
     double: bool = False,
 ) -> tuple[Tensor, ...]:
-    """Global source table of one resized dimension, exactly as ATen's CPU kernel builds it.
-
-    "nearest"/"nearest-exact": ``(index,)``. "bilinear": ``(i0, i1, w0, w1)`` with output
-    ``j = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``. ``double``: the input is float64, for which
-    ATen computes scales and weights in float64 (float32 otherwise). Indices are
-    non-decreasing in ``j``."""
+    """Global source table of one resized dim, as ATen's CPU kernel builds it: ``(index,)``
+    (nearest modes) or ``(i0, i1, w0, w1)`` (``y[j] = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``),
+    indices non-decreasing; ``double``: a float64 input (float64 scales and weights)."""
     j = torch.arange(size_out, dtype=torch.int64)
     last = size_in - 1
     opm = torch.float64 if double else torch.float32
@@ -111,12 +112,8 @@ def resize_table(
         raise SpatialShardingError(f"interpolate mode {mode!r} has no index table")
     if size_out == size_in:  # compute_source_index_and_lambda: "scale_factor = 1, copy"
         return j, j, torch.ones(size_out, dtype=opm), torch.zeros(size_out, dtype=opm)
-    if align_corners:
-        ratio = (
-            torch.tensor(size_in - 1, dtype=opm) / torch.tensor(size_out - 1, dtype=opm)
-            if size_out > 1
-            else torch.tensor(0.0, dtype=opm)
-        )
+    if align_corners:  # (one output: j = 0, so any finite ratio gives 0)
+        ratio = torch.tensor(size_in - 1, dtype=opm) / torch.tensor(max(size_out - 1, 1), dtype=opm)
         real = ratio * j.to(opm)
     else:
         # ATen's float32 ``ratio * (j + 0.5) - 0.5`` is compiled into one fused multiply-add
@@ -134,9 +131,7 @@ def resize_table(
 def plan_resize(
     what: str, width: int, out: int, parts: int, mode: str, align: bool, scale, double, sharded
 ) -> tuple[ExchangePlan, tuple[Interval, ...]]:
-    """The input columns every rank reads for its chunk of the resize ``width -> out`` over
-    ``parts`` ranks (as an exchange; a rank may get no output when ``out < parts``), and the
-    chunks (DTensor chunking). ``sharded``: the input is sharded, only neighbours lend."""
+    """The exchange of the input each rank's output chunk reads, and the chunks."""
     table = resize_table(mode, width, out, align, scale, double)
     first, last = table[0], table[1] if len(table) > 1 else table[0]
     out_bounds = tuple(all_shard_bounds(out, parts))
@@ -147,14 +142,6 @@ def plan_resize(
     if sharded:
         plan.check_neighbours(what)
     return plan, out_bounds
-
-
-def _is_identity(table: tuple[Tensor, ...], size_in: int) -> bool:
-    """Whether a global table maps every output index to the same input index, weight 1."""
-    idx = table[0]
-    if idx.numel() != size_in or not torch.equal(idx, torch.arange(size_in)):
-        return False
-    return len(table) == 1 or not bool(table[3].any())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -170,11 +157,10 @@ def _local_table(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[Tensor, ...] | None:
-    """Rows ``[o0, o1)`` of a resize table, indices shifted by ``start``, on ``device``;
-    ``None`` when the table is the identity (nothing to do)."""
+    """Rows ``[o0, o1)`` of a resize table, indices from ``start``; ``None``: the identity."""
     table = resize_table(mode, size_in, size_out, align_corners, scale, dtype == torch.float64)
-    if _is_identity(table, size_in):
-        return None
+    if torch.equal(table[0], torch.arange(size_in)) and (len(table) == 1 or not table[3].any()):
+        return None  # the identity
     idx = [t[o0:o1] - start for t in table[:2]]
     weights = [t[o0:o1].to(dtype) for t in table[2:]]
     return tuple(t.to(device) for t in (*idx, *weights))
@@ -189,22 +175,10 @@ def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
     if len(table) == 1:
         return t.index_select(dim, table[0])
     i0, i1, w0, w1 = table
-    shape = [1] * t.ndim
-    shape[dim] = -1
+    shape = (-1, *(1,) * (t.ndim - 1 - dim))
     # ATen sums t0 * w0 + t1 * w1 with the width innermost: the same order (equal to ~1 ulp;
     # the compiler may fuse ATen's multiply-add).
     return t.index_select(dim, i0) * w0.view(shape) + t.index_select(dim, i1) * w1.view(shape)
-
-
-@functools.lru_cache(maxsize=1024)
-def _geometry(in_sizes, size, scale_factor, mode, align_corners, recompute, what):
-    """``resize_sizes`` plus the empty-output check, once per call geometry."""
-    out, scales = resize_sizes(in_sizes, size, scale_factor, mode, align_corners, recompute, what)
-    if min(out) < 1:
-        raise SpatialShardingError(
-            f"{what}: output size {out} of input {in_sizes} is empty; torch rejects it."
-        )
-    return out, scales
 
 
 def _hashable(v):
@@ -212,9 +186,7 @@ def _hashable(v):
 
 
 def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...]:
-    """Where a spatially replicated input's resize output goes: the tiles of a tile mesh
-    (``sp_d`` -> D, ``sp_h`` -> H, ``sp_w`` -> W), width strips of an image on a strip
-    mesh, nowhere (stays replicated) for a volume on a strip mesh."""
+    """Where a replicated input's resize goes: tiles, an image's strips, or nowhere."""
     names = layout.mesh.mesh_dim_names or ()
     axes = tuple(
         (i + ndim - 3, names.index(n))
@@ -227,24 +199,20 @@ def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int],
 
 
 def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, what):
-    """The resize of ``x`` over its layout's sharded axes (or, replicated, into the parts of
-    ``_replicated_axes``), last spatial dim first; ``mode`` is a table mode."""
+    """The resize of ``x`` (``mode``: a table mode), last spatial dim first; None: nowhere."""
     replicated = not layout_axes(layout)
     axes = _replicated_axes(layout, x.ndim) if replicated else layout_axes(layout)
     if not axes:
         return None
-    mesh, by_dim = layout.mesh, dict(axes)
-    grad_pl = list(layout.placements)
-    for _, m in axes:
-        grad_pl[m] = Partial()
-    y = enter(x, tuple(grad_pl) if replicated else None)
+    mesh, by_dim, by_mesh = layout.mesh, dict(axes), {m: d for d, m in axes}
+    pls = list(enumerate(layout.placements))
+    y = enter(x, tuple(Partial() if m in by_mesh else p for m, p in pls) if replicated else None)
     double = x.dtype == torch.float64
     for d in range(x.ndim - 1, 1, -1):
         n_out, scale = out_sizes[d - 2], scales[d - 2]
         o0, o1, start = 0, n_out, 0
         if d in by_dim:
-            m = by_dim[d]
-            parts, rank = mesh.size(m), mesh_rank(mesh, m)
+            parts, rank, group = mesh_axis(mesh, by_dim[d])
             geom = (x.shape[d], n_out, parts, mode, align, scale, double, not replicated)
             ex, out_bounds = plan_resize(what, *geom)
             needed = ex.needed[rank]
@@ -252,9 +220,7 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
             if replicated:  # this rank's columns, read locally
                 y = y.narrow(d, start, needed[0][1] - start if needed else 0)
             else:
-                # Every rank takes part in the exchange, even one with no output columns:
-                # others may need its columns, and its backward sends their gradients back.
-                group = mesh_group(mesh, m)
+                # (every rank takes part, also one without outputs: others read its columns)
                 y = along(y, d, lambda t, e=ex, r=rank, g=group: gather_columns(t, e, r, g))
             o0, o1 = out_bounds[rank]
         table = _local_table(
@@ -262,11 +228,8 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
         )
         if table is not None:
             y = _apply(y, d, table)
-    pl = list(layout.placements)
-    for d, m in axes:
-        pl[m] = Shard(d)
-    out = SpatialLayout(mesh, tuple(pl), layout.sp_dim)
-    return leave(y, out, (x.shape[0], x.shape[1], *out_sizes))
+    pl = tuple(Shard(by_mesh[m]) if m in by_mesh else p for m, p in pls)
+    return leave(y, SpatialLayout(mesh, pl, layout.sp_dim), (x.shape[0], x.shape[1], *out_sizes))
 
 
 def spatial_interpolate(
@@ -279,14 +242,9 @@ def spatial_interpolate(
     antialias: bool = False,
     what: str = "interpolate",
 ):
-    """``F.interpolate`` of a sharded DTensor (an NCHW image or NCDHW volume on any
-    layout); same values and input gradient as on the whole tensor. Supports "nearest",
-    "nearest-exact" and the rank's linear mode (align_corners either way), ``size`` or
-    ``scale_factor`` and ``recompute_scale_factor``; "area" runs through the registered
-    spatial adaptive average pool (exactly what torch does)."""
-    x = input
+    """``F.interpolate`` of a sharded image or volume on any layout."""
+    x, linear = input, LINEAR.get(input.ndim)
     key = (tuple(x.shape[2:]), _hashable(size), _hashable(scale_factor))
-    linear = LINEAR.get(x.ndim)
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
         out, _ = _geometry(*key, mode, align_corners, recompute, what)
@@ -300,11 +258,9 @@ def spatial_interpolate(
             f"'area' via {area}). Use one of those, or gather explicitly (x.full_tensor())."
         )
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
-    if mode == linear and align_corners is None:
-        align_corners = False
     out, scales = _geometry(*key, mode, align_corners, recompute_scale_factor, what)
     table_mode = "bilinear" if mode == linear else mode  # the same 1-D linear table
-    y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)
+    y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)  # None: False
     if y is None:  # a replicated volume on a strip mesh: the plain op, output replicated
         args = (size, scale_factor, mode, align_corners, recompute_scale_factor)
         return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
@@ -323,8 +279,6 @@ def _area(x, out_sizes: tuple[int, ...], what: str):
     return handler(x, out_sizes)
 
 
-# ``nn.Upsample`` and its two fixed-mode subclasses: parallelize swaps them in place, and a
-# sharded input is resized part by part with global coordinates.
 _UPSAMPLE_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")
 SpatialUpsample, SpatialUpsamplingNearest2d, SpatialUpsamplingBilinear2d = (
     spatial_module(base, spatial_interpolate, *_UPSAMPLE_ARGS, module=__name__)

@@ -1,13 +1,6 @@
-"""Memory layout of local blocks: channels-last activations stay channels-last.
-
-``to_local`` / ``from_local`` take a ``view_as``, which gives a size-1 batch dim the stride
-``C`` instead of ``C*H*W``: still channels-last-contiguous, but ``suggest_memory_format`` no
-longer calls it channels-last, so ``torch.cat``, ``max_pool2d``, ``interpolate``, batch norm
-(and the backward kernels reading the layout off their gradient) return NCHW and the next
-convolution copies. ``in_layout`` / ``grad_in_layout`` (the latter on the way out,
-``_sharding.leave``) restore canonical strides by views, no copy; ``empty_as`` allocates a
-buffer in its source's layout (``new_empty`` would be NCHW); ``reshape_kept`` leaves a tensor
-of the right shape as it is (a same-shape view would break the batch stride again).
+"""Memory layout of local blocks: channels-last activations stay channels-last (``to_local`` /
+``from_local`` give a size-1 batch dim the stride ``C``, which torch's kernels read as NCHW;
+docs/design.md).
 """
 
 from __future__ import annotations
@@ -22,9 +15,7 @@ CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def memory_format(t: Tensor) -> torch.memory_format:
-    """``t``'s dense memory format: channels-last when ``t`` is an image or volume batch
-    stored channels-last (and not also contiguous: one channel, or 1x1 maps), else
-    ``torch.contiguous_format``."""
+    """``t``'s channels-last format if stored so (and not also contiguous), else contiguous."""
     fmt = CHANNELS_LAST.get(t.dim())
     if fmt is not None and t.is_contiguous(memory_format=fmt) and not t.is_contiguous():
         return fmt
@@ -32,16 +23,14 @@ def memory_format(t: Tensor) -> torch.memory_format:
 
 
 def in_layout(t: Tensor) -> Tensor:
-    """``t`` itself, or for a channels-last block of batch 1 whose batch stride is not
-    ``C*H*W`` (module docstring) the same memory viewed with the canonical strides."""
+    """``t``, or a channels-last batch-1 block viewed with canonical strides (no copy)."""
     if t.shape[0] != 1 or memory_format(t) is torch.contiguous_format:
         return t
     if t.stride(0) == math.prod(t.shape):
         return t
-    # Channels last: with the batch dim squeezed away the channels lead (stride 1), and a
-    # size-1 dim inserted before the outermost spatial dim (stride H*W*C) gets the stride
-    # size * stride = C*H*W; moved to the front, it is the batch dim. Three views of plain
-    # tensors: past the spatial mode's handler lookup (``_mode.py``), which costs more.
+    # Batch squeezed, a size-1 dim inserted before the outermost spatial dim (stride H*W*C)
+    # gets stride C*H*W; moved to the front, it is the batch dim. Views of plain tensors:
+    # past the spatial mode's handler lookup (``_mode.py``), which costs more.
     with torch._C.DisableTorchFunction():
         return t.squeeze(0).unsqueeze(1).transpose(0, 1)
 
@@ -59,10 +48,7 @@ def grad_in_layout(t: Tensor) -> Tensor:
 
 
 def empty_as(like: Tensor, shape) -> Tensor:
-    """An uninitialised tensor of ``shape`` with ``like``'s dtype and device, its dims
-    ordered in memory as ``like``'s are (as ``torch.empty_like`` keeps a dense layout):
-    channels-last for a channels-last ``like``, also when ``like`` is a permuted view of
-    one (``_tiles.along``)."""
+    """An uninitialised tensor of ``shape`` like ``like``, dims in memory in its order."""
     if like.is_contiguous():
         return like.new_empty(shape)
     # outermost dim first; on equal strides (size-1 dims) the tensor's own order

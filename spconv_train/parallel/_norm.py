@@ -1,20 +1,7 @@
-"""Sharded normalisation on every layout (strips, tiles, volume blocks):
-``BatchNorm2d``/``BatchNorm3d`` (and ``SyncBatchNorm``), ``GroupNorm``,
-``InstanceNorm2d``/``InstanceNorm3d`` and their functional forms.
-
-No halo, only statistics: each rank sums its part, the small sums are all-reduced over the
-ranks holding other parts of the same statistic, and each part is normalised with the global
-values. Batch norm: one statistic per channel over the global batch and image, reduced over
-``layout.stat_groups`` (every spatial and data-parallel mesh dim, like SyncBatchNorm); group
-and instance norm: per sample, reduced over the spatial mesh dims only. The statistics only
-count elements, so one implementation serves every spatial rank and layout. Each rank's
-moments (one fused kernel or two passes, in fp32 or better) are merged exactly across ranks
-in one collective, so large means cost no digits. The backward is the analytic one
-with its two sums reduced the same way. Batch norm's affine gradients travel in that same
-all-reduce (its groups are the gradient groups), so they are reduced once; group and
-instance norm's (on a (dp, sp) mesh) are local partial sums completed by
-``sum_grad_over``. Running statistics follow torch exactly and are identical on every rank
-(all compute them from the same reduced sums). The arithmetic is in ``_norm_stats.py``.
+"""Sharded batch (and sync batch), group and instance norm on every layout and spatial rank,
+modules and functionals: statistics reduced over ``layout.stat_groups`` (batch norm, like
+SyncBatchNorm; its affine gradients ride on that all-reduce) or the spatial groups; running
+statistics as torch's on every rank. The arithmetic: ``_norm_stats.py``.
 """
 
 from __future__ import annotations
@@ -28,43 +15,35 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced
+from ._conv import spatial_subclasses
 from ._errors import module_label
 from ._halo import sum_grad_over
 from ._layout import reshape_kept
 from ._mode import register_handler
 from ._norm_stats import _Cells, _moments, _Normalize
-from ._parallelize import register_spatial_module, spatial_module
+from ._parallelize import spatial_module
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_now
 
 
-def _check_channels(what: str, c: int, **tensors: Tensor | None) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.numel() != c:
-            raise ValueError(f"{what}: {name} has {t.numel()} elements for {c} channels")
-
-
 def _layout(x: DTensor, what: str, **params: Tensor | None) -> tuple:
-    """``spatial_layout`` of an NCHW image or an NCDHW volume, on any layout, and its
-    ``_as_nchw`` sizes: ``(x, layout, (n, c, h, w))``; the per-channel ``params`` (weight,
-    running statistics) checked against ``c``."""
+    """``(x, layout, _as_nchw sizes)``; the per-channel ``params`` checked."""
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
     nchw = _as_nchw(x.shape)
-    _check_channels(what, nchw[1], **params)
+    for name, t in params.items():
+        if t is not None and t.numel() != nchw[1]:
+            raise ValueError(f"{what}: {name} has {t.numel()} elements for {nchw[1]} channels")
     return x, layout, nchw
 
 
 def _as_nchw(shape) -> tuple[int, int, int, int]:
-    """The 4-D view the statistics run on, for any spatial rank: ``(N, C, H, W)`` of an
-    image, ``(N, C, D*H, W)`` of a volume, ``(N, C, 1, L)`` of a signal (statistics only
-    count elements)."""
+    """The 4-D view the statistics run on (statistics only count elements)."""
     return (shape[0], shape[1], math.prod(shape[2:-1]), shape[-1])
 
 
 @not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
 def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, eps: float):
-    """Normalise the local part of ``x`` with global statistics ``cells``; returns the
-    output DTensor and the statistics (mean, biased variance)."""
+    """``(output, mean, biased variance)`` of ``x`` normalised with global ``cells``."""
     local = enter(x)
     shape = local.shape
     if local.ndim != 4:  # the same statistics on a 4-D view of the local part
@@ -90,8 +69,7 @@ def _normalize_with(x: DTensor, layout, mean, var, weight, bias, eps: float) -> 
 
 @torch.no_grad()
 def _update(pairs: tuple[tuple[Tensor | None, Tensor], ...], momentum: float) -> None:
-    """``running = momentum * value + (1 - momentum) * running`` for each ``(running, value)``
-    pair with a running tensor: the same products and sum, in three ops for all of them."""
+    """``running = momentum * value + (1 - momentum) * running``, all pairs in three ops."""
     running = [r for r, _ in pairs if r is not None]
     values = [v if v.dim() == 1 else v.reshape(-1) for r, v in pairs if r is not None]
     if not running:
@@ -116,9 +94,7 @@ def spatial_batch_norm(
     eps: float = 1e-5,
     what: str = "batch_norm",
 ) -> DTensor:
-    """``F.batch_norm`` of a sharded DTensor: in training, statistics over the whole
-    global batch and image (reduced over the spatial and data-parallel ranks) and the running
-    statistics updated in place exactly as torch does, identically on every rank."""
+    """``F.batch_norm`` of a sharded DTensor (training: global batch statistics)."""
     params = dict(weight=weight, bias=bias, mean=running_mean, var=running_var)
     x, layout, (n, c, h, w) = _layout(input, what, **params)
     if not training:
@@ -142,15 +118,13 @@ def spatial_group_norm(
     eps: float = 1e-5,
     what: str = "group_norm",
 ) -> DTensor:
-    """``F.group_norm`` of a sharded DTensor: per sample and group, statistics over
-    its channels and the whole image (reduced over the spatial group only)."""
-    x, layout, (n, c, h, w) = _layout(input, what)
+    """``F.group_norm`` of a sharded DTensor."""
+    x, layout, (n, c, h, w) = _layout(input, what, weight=weight, bias=bias)
     if c % num_groups:
         raise RuntimeError(
             f"{what}: Expected number of channels in input to be divisible by num_groups, "
             f"but got input of shape {list(x.shape)} and num_groups={num_groups}"
         )
-    _check_channels(what, c, weight=weight, bias=bias)
     count = c // num_groups * h * w
     if n * count == 1:
         raise ValueError(f"{what}: Expected more than 1 value per channel, got {list(x.shape)}")
@@ -169,9 +143,7 @@ def spatial_instance_norm(
     eps: float = 1e-5,
     what: str = "instance_norm",
 ) -> DTensor:
-    """``F.instance_norm`` of a sharded DTensor: per sample and channel, statistics
-    over the whole image. Running statistics (when given) are updated like torch's: with the
-    batch average of the per-sample mean and unbiased variance, over the global batch."""
+    """``F.instance_norm`` of a sharded DTensor (running statistics as torch's)."""
     params = dict(weight=weight, bias=bias, mean=running_mean, var=running_var)
     x, layout, (n, c, h, w) = _layout(input, what, **params)
     if not use_input_stats:
@@ -182,8 +154,7 @@ def spatial_instance_norm(
     cells = _Cells("instance", c, c, count, layout.spatial_groups)
     y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
     if running_mean is not None or running_var is not None:
-        # Every rank of the spatial group holds the same per-sample statistics: average them
-        # over the global batch by summing over the local samples and the batch-sharded dims.
+        # (the same per-sample statistics on the spatial group: summed over the batch dims)
         dp = tuple(
             layout.mesh.get_group(i) for i in layout.batch_dims if i not in layout.spatial_mesh_dims
         )
@@ -194,7 +165,9 @@ def spatial_instance_norm(
 
 
 class _SpatialBatchNorm:
-    """``_BatchNorm.forward`` (torch 2.14) with the sharded functional."""
+    """``_BatchNorm.forward`` (torch 2.14) running ``spatial_batch_norm`` on a DTensor input:
+    statistics over the global batch and image (SyncBatchNorm: over the input's mesh, its
+    ``process_group`` unused)."""
 
     spatial_name: str = ""
 
@@ -215,32 +188,15 @@ class _SpatialBatchNorm:
         return spatial_batch_norm(x, rm, rv, w, b, batch_stats, factor, self.eps, what)
 
 
-@register_spatial_module(nn.BatchNorm2d)
-class SpatialBatchNorm2d(_SpatialBatchNorm, nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` on a sharded input: batch statistics over the whole global
-    batch and image, as SyncBatchNorm over the mesh. Plain tensors run the ordinary layer."""
-
-
-@register_spatial_module(nn.BatchNorm3d)
-class SpatialBatchNorm3d(_SpatialBatchNorm, nn.BatchNorm3d):
-    """``nn.BatchNorm3d`` on a sharded volume: statistics over the whole global batch and
-    volume (reduced over the spatial and data-parallel ranks)."""
-
-
-@register_spatial_module(nn.SyncBatchNorm)
-class SpatialSyncBatchNorm(_SpatialBatchNorm, nn.SyncBatchNorm):
-    """``nn.SyncBatchNorm`` on a sharded input: synchronised over the input's mesh
-    (spatial and data-parallel dimensions); its ``process_group`` is not used."""
-
-
-_GROUP_NORM_ARGS = ("num_groups", "weight", "bias", "eps")
-SpatialGroupNorm = spatial_module(
-    nn.GroupNorm, spatial_group_norm, *_GROUP_NORM_ARGS, module=__name__
-)  # statistics reduced over the spatial mesh dims
+SpatialBatchNorm2d, SpatialBatchNorm3d, SpatialSyncBatchNorm = spatial_subclasses(
+    _SpatialBatchNorm, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, module=__name__
+)
+_NORM_ARGS = ("num_groups", "weight", "bias", "eps")
+SpatialGroupNorm = spatial_module(nn.GroupNorm, spatial_group_norm, *_NORM_ARGS, module=__name__)
 
 
 class _SpatialInstanceNorm:
-    """``_InstanceNorm`` with the sharded functional for DTensor inputs (any spatial rank)."""
+    """``_InstanceNorm`` running ``spatial_instance_norm`` on a DTensor input."""
 
     spatial_name: str = ""
 
@@ -254,19 +210,13 @@ class _SpatialInstanceNorm:
         return spatial_instance_norm(x, rm, rv, w, b, batch_stats, momentum, self.eps, what)
 
 
-@register_spatial_module(nn.InstanceNorm2d)
-class SpatialInstanceNorm2d(_SpatialInstanceNorm, nn.InstanceNorm2d):
-    """``nn.InstanceNorm2d`` on a sharded input (statistics reduced over the spatial ranks)."""
+SpatialInstanceNorm2d, SpatialInstanceNorm3d = spatial_subclasses(
+    _SpatialInstanceNorm, nn.InstanceNorm2d, nn.InstanceNorm3d, module=__name__
+)
 
 
-@register_spatial_module(nn.InstanceNorm3d)
-class SpatialInstanceNorm3d(_SpatialInstanceNorm, nn.InstanceNorm3d):
-    """``nn.InstanceNorm3d`` on a sharded volume (statistics reduced over the spatial ranks)."""
-
-
-# The functional handlers. ``F.batch_norm`` and ``F.instance_norm`` take the arguments of
-# the functions above; ``torch.batch_norm`` / ``torch.instance_norm`` put weight and bias
-# first and end with a required ``cudnn_enabled``.
+# The functional handlers (``torch.batch_norm`` / ``torch.instance_norm`` put weight and bias
+# first and end with a required ``cudnn_enabled``).
 register_handler(F.batch_norm)(functools.partial(spatial_batch_norm, what="F.batch_norm"))
 register_handler(F.instance_norm)(functools.partial(spatial_instance_norm, what="F.instance_norm"))
 
@@ -287,5 +237,4 @@ register_handler(torch.instance_norm)(_weight_first(spatial_instance_norm, "torc
 
 @register_handler(F.group_norm, torch.group_norm)  # same leading arguments
 def _functional_group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
-    """``F.group_norm`` (or ``torch.group_norm``) on a sharded input."""
     return spatial_group_norm(input, num_groups, weight, bias, eps, "F.group_norm")

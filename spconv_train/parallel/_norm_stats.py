@@ -1,11 +1,6 @@
-"""The arithmetic of sharded normalisation on every layout (``_norm.py`` holds the layers).
-
-Statistics: each rank takes the moments of its own part and the parts are merged exactly
-across ranks in one collective (``_moments``). ``_Normalize`` applies them and runs the
-analytic backward, whose sums are reduced the same way; batch statistics run on torch's
-fused batch-norm kernels (``_fused``), bf16/fp16 inputs too (fp32 statistics, output in the
-input's dtype), and the per-rank moments come from one fused kernel where that is faster
-(``_kernel_stats``).
+"""The arithmetic of sharded normalisation (``_norm.py`` holds the layers): per-rank moments
+merged exactly in one collective (``_moments``), ``_Normalize`` and its analytic backward,
+batch statistics on torch's fused kernels (``_fused``); docs/design.md.
 """
 
 from __future__ import annotations
@@ -24,10 +19,9 @@ from ._small_sum import group_size, sum_now
 
 @dataclass(frozen=True)
 class _Cells:
-    """A layer's statistics: "batch" (per channel), "group" (per sample and channel group) or
-    "instance" (per sample and channel); ``count`` global elements each, their parts held by
-    the ranks of ``groups``. Batch statistics travel flat, ``(C,)`` (the shape torch's
-    batch-norm kernels take, so no view per use), the others as ``(N, groups or C)``."""
+    """A layer's statistics: "batch" (per channel; flat ``(C,)``, as torch's kernels take
+    them), "group" or "instance" (per sample: ``(N, groups or C)``); ``count`` global
+    elements each, their parts held by the ranks of ``groups``."""
 
     kind: str
     channels: int
@@ -57,8 +51,7 @@ def _hw(t: Tensor) -> Tensor:
 
 @functools.cache
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The statistics' precision for an input of ``dtype``: fp32 or better (an aten op per
-    call where ``torch.promote_types`` is called)."""
+    """The statistics' precision for ``dtype``: fp32 or better (cached: an aten op per call)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -69,12 +62,10 @@ _LOW = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def _kernel_stats(device: str, dtype: torch.dtype, channels_last: bool) -> bool:
-    """Whether a part's per-channel moments come from ``torch.batch_norm_update_stats``
-    (one fused pass; fp32 results for a low-precision input, with fp32 placeholder running
-    statistics and momentum 0) instead of the two-pass code. Decided once per device type,
-    dtype and layout. fp64 keeps the two passes (its digits); so does contiguous fp32 on
-    CPU, where that kernel's strided loop ran 2-3x slower than the two passes (torch 2.14,
-    2-core Xeon); a kernel that refuses the dtype leaves the two passes too."""
+    """Whether a part's moments come from ``torch.batch_norm_update_stats`` (one fused pass)
+    instead of two passes, once per device type, dtype and layout: not fp64 (its digits),
+    nor contiguous fp32 on CPU (that kernel's strided loop ran 2-3x slower, torch 2.14,
+    2-core Xeon), nor a dtype the kernel refuses."""
     if dtype not in _LOW + (torch.float32,):
         return False
     if device == "cpu" and dtype == torch.float32 and not channels_last:
@@ -92,20 +83,16 @@ def _kernel_stats(device: str, dtype: torch.dtype, channels_last: bool) -> bool:
 
 
 def _placeholders(x: Tensor, channels: int) -> tuple[Tensor, Tensor]:
-    """fp32 running statistics for ``batch_norm_update_stats`` (momentum 0 leaves them as
-    they are): their dtype makes a low-precision input's moments fp32."""
+    """fp32 running statistics (momentum 0): a low-precision input's moments in fp32."""
     zeros = torch.zeros(2, channels, dtype=torch.float32, device=x.device)
     return zeros[0], zeros[1]
 
 
 def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
-    """(elements per statistic, mean, M2) of this rank's part, per statistic, in the
-    statistics' precision (fp32 or better).
-
-    On ``batch_norm_update_stats`` where ``_kernel_stats`` allows (group and instance
-    statistics as batch norm of the ``(1, N * groups, -, W)`` view of a contiguous part), else
-    two-pass: the mean, then squared deviations from it (no sum-of-squares cancellation for
-    large means). ``torch.var_mean`` ran 3x slower on CPU than both (torch 2.14)."""
+    """(elements per statistic, mean, M2) of this rank's part in fp32 or better: by
+    ``batch_norm_update_stats`` where ``_kernel_stats`` allows (group and instance norm on
+    the ``(1, N * groups, -, W)`` view of a contiguous part), else two passes (the mean,
+    then squared deviations: no cancellation for large means)."""
     acc = _acc_dtype(x.dtype)
     stats = cells.num_groups if cells.kind != "batch" else cells.channels
     view = x if cells.kind == "batch" and x.numel() else None  # empty: the passes give zeros
@@ -122,11 +109,7 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
     if cells.kind == "batch":  # over (N, H, W) at once: fewer ops than (H, W), then N
         n = x.numel() // max(stats, 1)
         # (1, C, 1, 1); ``mean`` is the sum divided by ``n`` in one op (empty: zeros)
-        mean = (
-            x.mean((0, 2, 3), dtype=acc, keepdim=True)
-            if n
-            else x.sum((0, 2, 3), dtype=acc, keepdim=True)
-        )
+        mean = (x.mean if n else x.sum)((0, 2, 3), dtype=acc, keepdim=True)
         m2 = (x.to(acc) - mean).square_().sum((0, 2, 3))
         return n, mean.view(stats), m2
     s = cells.collect(x.sum((2, 3), dtype=acc))
@@ -138,13 +121,10 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
 
 @torch.no_grad()
 def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
-    """Global mean and biased variance of every statistic, from the local part ``x`` (a 4-D view).
-
-    Each rank takes the moments of its own part (``_local_moments``), and the parts are
-    merged exactly (Chan et al.: ``M2 = sum M2_i + sum n_i (mean_i - mean)^2``) from one
-    collective per process group: one collective instead of a reduce of the sums followed
-    by a reduce of the squared deviations from the global mean. Every rank merges the same
-    gathered values in the same order, so the statistics agree bit for bit."""
+    """Global mean and biased variance of every statistic from the local 4-D part ``x``:
+    the parts' moments merged exactly (Chan et al.: ``M2 = sum M2_i + sum n_i (mean_i -
+    mean)^2``) from one collective per group, the same values in the same order on every
+    rank (bit-identical statistics)."""
     n, mean, m2 = _local_moments(x, cells)
     count: Tensor | int = n
     for group in cells.groups:
@@ -156,10 +136,9 @@ def _moments(x: Tensor, cells: _Cells) -> tuple[Tensor, Tensor]:
 
 
 def _merge_moments(count: Tensor, mean: Tensor, m2: Tensor, group) -> tuple[Tensor, ...]:
-    """(count, mean, M2) of every statistic over the ranks of ``group``, from one collective:
-    each rank writes its moments into its own slot of a zeroed buffer and the buffer is
-    summed (the same few values an all-gather would move, as a reduction of statistics, the
-    kind of collective the communication audit expects from a norm layer)."""
+    """(count, mean, M2) over the ranks of ``group``: each rank's moments in its own slot of
+    a zeroed buffer, summed (an all-gather's values as the reduction the communication audit
+    expects from a norm layer)."""
     parts = torch.stack([count, mean, m2])
     ranks = group_size(group)
     slots = parts.new_zeros(ranks * parts.numel())  # flat: statistics, not a spatial map
@@ -172,12 +151,9 @@ def _merge_moments(count: Tensor, mean: Tensor, m2: Tensor, group) -> tuple[Tens
 
 
 def _fused(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean, cells: _Cells) -> bool:
-    """Whether batch statistics go through torch's own fused batch-norm kernels (its
-    inference form, fed the global statistics): per-channel cells, and an input in the
-    statistics' dtype or, where the device's kernels take it (``_mixed_ok``), a
-    lower-precision one (bf16/fp16 input, fp32 statistics and affine: torch computes in
-    fp32 and writes the input's dtype, as its own batch norm does under autocast). The affine
-    parameters are cast to the statistics' dtype (a few values)."""
+    """Whether batch statistics go through torch's fused batch-norm kernels (inference form,
+    fed the global statistics): an input in the statistics' dtype, or a bf16/fp16 one
+    where the device's mixed-dtype kernels take it (``_mixed_ok``)."""
     affine = all(t is None or t.is_floating_point() for t in (weight, bias))
     if cells.kind != "batch" or not affine:
         return False
@@ -220,14 +196,7 @@ def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 class _Normalize(torch.autograd.Function):
     """``(x - mean) * invstd * weight + bias``; the backward goes through the statistics, its
-    sums reduced like them. Only ``x`` is saved, as in torch's own batch norm.
-
-    Batch statistics run on torch's fused kernels (``_fused``; a bf16/fp16 input with
-    fp32 statistics too, computed in fp32 inside the kernels): the
-    forward is ``batch_norm`` in its inference form with the global statistics, the
-    backward's local sums are ``native_batch_norm_backward``'s affine gradients
-    (``sum(dy * xhat)``, ``sum(dy)``), and ``dx`` is one more inference-form ``batch_norm``
-    plus one ``addcmul``: three passes over the local part instead of about ten."""
+    sums reduced like them; only ``x`` is saved. Batch statistics: ``_fused_backward``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, var, eps, cells: _Cells, reduce_affine=False):
@@ -266,10 +235,9 @@ class _Normalize(torch.autograd.Function):
         g = dy.to(s.dtype)
         s1 = g.sum((2, 3))  # local sum of dy per (sample, channel)
         s2 = (g * xmu).sum((2, 3))  # local sum of dy * (x - mean)
-        dx = dw = db = None
-        # Local partial sums, all-reduced together in one call: the sums of d(xhat) and
-        # d(xhat) * (x - mean) per statistic (for dx) and, with ``reduce_affine``, the affine
-        # gradients (otherwise ``sum_grad_over`` completes them).
+        dx = None
+        # One all-reduce: the sums for dx and, with ``reduce_affine``, the affine gradients
+        # (otherwise ``sum_grad_over`` completes them).
         parts = [cells.collect(s1 * w), cells.collect(s2 * w)] if want_dx else []
         local_dw = (s2 * s).sum(0) if want_dw else None
         local_db = s1.sum(0) if want_db else None
@@ -277,8 +245,7 @@ class _Normalize(torch.autograd.Function):
         flat = [t.reshape(-1) for t in parts + shared]
         if flat:
             red = sum_now(torch.cat(flat), *cells.groups)
-            sizes = [t.numel() for t in flat]
-            pieces = list(red.split(sizes))
+            pieces = list(red.split([t.numel() for t in flat]))
             if want_dx:
                 a = cells.spread(pieces.pop(0).view_as(parts[0]) / cells.count)
                 b = cells.spread(pieces.pop(0).view_as(parts[1]) / cells.count)
@@ -288,19 +255,16 @@ class _Normalize(torch.autograd.Function):
             if ctx.reduce_affine:
                 local_dw = pieces.pop(0) if want_dw else None
                 local_db = pieces.pop(0) if want_db else None
-        if want_dw:
-            dw = local_dw.to(weight.dtype)
-        if want_db:
-            db = local_db.to(ctx.bias_dtype)
+        dw = local_dw.to(weight.dtype) if want_dw else None
+        db = local_db.to(ctx.bias_dtype) if want_db else None
         return dx, dw, db, None, None, None, None, None
 
 
 def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
-    """``_Normalize.backward`` of batch statistics on torch's fused kernels (see there).
-
-    With ``gw = sum(dy * xhat)`` and ``gb = sum(dy)`` over the global batch and image and
-    ``a = invstd * w``: ``dx = a * dy - xhat * (a * gw / count) - a * gb / count``. The two
-    sums are batch norm's affine gradients, so one all-reduce completes both."""
+    """``_Normalize.backward`` of batch statistics on torch's fused kernels: with ``gw =
+    sum(dy * xhat)``, ``gb = sum(dy)`` (global; batch norm's affine gradients, one
+    all-reduce) and ``a = invstd * w``, ``dx = a * dy - xhat * (a * gw / count) - a * gb /
+    count``: three passes over the local part instead of about ten."""
     cells: _Cells = ctx.cells
     want_dx, want_dw, want_db = wants
     stats = (mean, var)  # flat, as ``invstd`` (``_Cells``)

@@ -1,13 +1,6 @@
-"""Max, average and adaptive pooling of NCHW images and NCDHW volumes on every layout: the
-public functions, modules and torch-function routes, and max / average pooling itself
-(adaptive pooling: ``_adaptive.py``). Volumes refuse ``return_indices`` (no sharded
-``MaxUnpool3d`` uses them).
-
-``tile_window`` fetches the halo of every sharded dim (``ceil_mode`` as extra padding after,
-``ceil_geom``; edges ``-inf`` for max, zeros for averages); the unchanged local op runs on
-the window, a contiguous box scanned in the same order, so ties resolve as on one device;
-indices are global. Average pooling divides by torch's divisor from *global* positions
-unless the local one is right; divisors and argument checks are cached per geometry.
+"""Max and average pooling on every layout (the local op on ``tile_window``'s window: ties
+as on one device, global indices, torch's divisor from *global* positions), and the public
+functions, modules and torch-function routes of every pooling (adaptive: ``_adaptive.py``).
 """
 
 from __future__ import annotations
@@ -19,38 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._adaptive import adaptive_pool
-from ._geometry import SpatialShardingError, ntuple
+from ._adaptive import adaptive_pool, no_volume_indices
+from ._geometry import ntuple
 from ._mode import register_handler
 from ._parallelize import spatial_module
 from ._sharding import enter, leave, spatial_layout
 from ._tiles import ceil_geom, layout_axes, tile_shape, tile_window
-
-
-def _adaptive(x, output_size, return_indices: bool = False, *, rank: int, kind: str, what=""):
-    """``F.adaptive_{kind}_pool{rank}d`` on a sharded DTensor: the input's ``Shard`` when
-    every rank gets an output element along its sharded dims, else ``Replicate`` on the
-    spatial mesh dims (global pooling); ties go to the first element in row-major order
-    and indices are global, as in torch."""
-    what = what or f"adaptive_{kind}_pool{rank}d"
-    size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
-    if len(size) != rank:
-        raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
-    shape = x.shape[2 : 2 + rank]
-    out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
-    if min(out) < 1:
-        raise ValueError(f"{what}: output size must be positive, got {output_size}")
-    _no_volume_indices(rank, return_indices, what)
-    return adaptive_pool(x, out, kind, return_indices, what)
-
-
-def _no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
-    if return_indices and rank == 3:
-        raise SpatialShardingError(
-            f"{what}: return_indices is not supported on a sharded volume (no MaxUnpool3d "
-            f"either); use the values only"
-        )
-
 
 #: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
 _MAX = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
@@ -59,24 +26,20 @@ _AVG = {3: F.avg_pool1d, 4: F.avg_pool2d, 5: F.avg_pool3d}
 
 @functools.lru_cache(maxsize=1024)
 def _torch_checks(kind: str, shape: tuple[int, ...], *args) -> None:
-    """torch's own argument checks of a pool (they differ with and without indices), on a
-    meta tensor: once per geometry (a failing call is not cached and raises again)."""
+    """torch's own argument checks of a pool, on a meta tensor, once per geometry."""
     pool = _MAX if kind == "max" else _AVG
     pool[len(shape)](torch.empty(shape, device="meta"), *args)
 
 
 @functools.lru_cache(maxsize=1024)
 def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: bool):
-    """PyTorch's average-pool divisor factor along one dimension for outputs ``[lo, hi)``:
-    the window clipped to ``size + pad`` (``count_include_pad``) or to the input."""
+    """torch's average-pool divisor factor along one dim for outputs ``[lo, hi)``."""
     windows = [(j * s - pad, min(j * s - pad + k, size + pad)) for j in range(lo, hi)]
     return tuple(e - a if include_pad else min(e, size) - max(a, 0) for a, e in windows)
 
 
 def _window(x: DTensor, what: str, k, s, p, d, ceil_mode: bool, value: float):
-    """``(layout, local, tile window, op padding, geometries, sharded dims)`` of a pooling
-    op on ``x``: the halo of every sharded dim fetched (``value`` at the input's edges); the
-    local op pads the other dims itself."""
+    """``(layout, local, window, op padding, geometries, sharded dims)`` of a pooling op."""
     x, layout = spatial_layout(x, what, len(k) + 2, tiles=True)
     shape = tuple(x.shape)
     geoms = {i: ceil_geom(shape[i], k[i - 2], s[i - 2], d[i - 2], p[i - 2], ceil_mode)
@@ -100,11 +63,9 @@ def max_pool(
     rank: int,
     what: str = "",
 ):
-    """``F.max_pool{rank}d`` of a DTensor on any layout (same arguments, values and
-    gradients); with ``return_indices`` (images) also the global flat indices of the
-    maxima, as torch's."""
+    """``F.max_pool{rank}d`` of a DTensor on any layout (indices global, as torch's)."""
     what = what or f"max_pool{rank}d"
-    _no_volume_indices(rank, return_indices, what)
+    no_volume_indices(rank, return_indices, what)
     k, s, p, d = pool_args(rank, kernel_size, stride, padding, dilation)
     _torch_checks("max", tuple(x.shape), k, s, p, d, ceil_mode, return_indices)
     layout, local, tw, op_pad, _, sharded = _window(x, what, k, s, p, d, ceil_mode, float("-inf"))
@@ -117,8 +78,7 @@ def max_pool(
     # start along the sharded dims (the op's own padding leaves the others' coordinates)
     rest, flat, stride = idx, torch.zeros_like(idx), 1
     for i in range(x.ndim - 1, 1, -1):
-        n = tw.window.shape[i]
-        start = tw.starts[i] if i in sharded else 0
+        n, start = tw.window.shape[i], tw.starts[i] if i in sharded else 0
         flat = flat + (rest % n + start) * stride
         rest, stride = rest // n, stride * x.shape[i]
     return leave(out, layout, shape), leave(flat, layout, shape)
@@ -136,8 +96,7 @@ def avg_pool(
     rank: int,
     what: str = "",
 ) -> DTensor:
-    """``F.avg_pool{rank}d`` of a DTensor on any layout: padding and ceil-mode overhang are
-    counted exactly as PyTorch counts them on the whole input."""
+    """``F.avg_pool{rank}d`` of a DTensor on any layout."""
     what = what or f"avg_pool{rank}d"
     k, s, p, _ = pool_args(rank, kernel_size, stride, padding)
     include_pad, divisor = count_include_pad, divisor_override
@@ -156,18 +115,15 @@ def avg_pool(
         sums = pool(tw.window, k, s, op_pad, ceil_mode, True, 1)
         div = sums.new_ones(())
         for i in range(2, x.ndim):  # the outer product of the per-dim counts
-            j = i - 2
-            f = _counts(x.shape[i], k[j], s[j], p[j], *tw.out_ranges[i], include_pad)
-            view = [1] * (x.ndim - 2)
-            view[j] = -1
-            div = div * torch.tensor(f, dtype=sums.dtype, device=sums.device).view(view)
+            f = _counts(x.shape[i], k[i - 2], s[i - 2], p[i - 2], *tw.out_ranges[i], include_pad)
+            f = torch.tensor(f, dtype=sums.dtype, device=sums.device)
+            div = div * f.view(-1, *(1,) * (x.ndim - 1 - i))
         out = sums / div
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
 
 
 def pool_args(ndim: int, kernel_size, stride, padding, dilation=1):
-    """``(k, s, p, d)``: the pooling arguments as one int per spatial dim (torch's default
-    stride: the kernel)."""
+    """``(k, s, p, d)``, one int per spatial dim (the default stride: the kernel)."""
     k = ntuple(kernel_size, ndim)
     s = ntuple(stride, ndim) if stride else k
     return k, s, ntuple(padding, ndim), ntuple(dilation, ndim)
@@ -179,10 +135,10 @@ _AVG_ARGS = (*_MAX_ARGS[:3], "ceil_mode", "count_include_pad", "divisor_override
 _AMAX_ARGS = ("output_size", "return_indices")
 spatial_max_pool2d, spatial_max_pool3d = (functools.partial(max_pool, rank=n) for n in (2, 3))
 spatial_avg_pool2d, spatial_avg_pool3d = (functools.partial(avg_pool, rank=n) for n in (2, 3))
-spatial_adaptive_avg_pool2d = functools.partial(_adaptive, rank=2, kind="avg")
-spatial_adaptive_avg_pool3d = functools.partial(_adaptive, rank=3, kind="avg")
-spatial_adaptive_max_pool2d = functools.partial(_adaptive, rank=2, kind="max")
-spatial_adaptive_max_pool3d = functools.partial(_adaptive, rank=3, kind="max")
+spatial_adaptive_avg_pool2d = functools.partial(adaptive_pool, rank=2, kind="avg")
+spatial_adaptive_avg_pool3d = functools.partial(adaptive_pool, rank=3, kind="avg")
+spatial_adaptive_max_pool2d = functools.partial(adaptive_pool, rank=2, kind="max")
+spatial_adaptive_max_pool3d = functools.partial(adaptive_pool, rank=3, kind="max")
 _module = functools.partial(spatial_module, module=__name__)
 SpatialMaxPool2d = _module(nn.MaxPool2d, spatial_max_pool2d, *_MAX_ARGS)
 SpatialMaxPool3d = _module(nn.MaxPool3d, spatial_max_pool3d, *_MAX_ARGS)
@@ -210,11 +166,9 @@ def _register(fn, *functions, pair_after: int = 0) -> None:
     register_handler(*functions)(handler)
 
 
-# F.max_pool*d and F.adaptive_max_pool*d dispatch on return_indices: SpatialMode sees the
-# dispatcher itself (-> tensor or pair) or a function that always returns a pair
-# (F.*_with_indices, and torch._C._nn.adaptive_max_pool*d despite its name); the 3-D pair
-# forms are routed so that they refuse clearly instead of gathering. F.avg_pool*d is
-# torch._C._nn.avg_pool*d; torch.max_pool*d are separate objects.
+# SpatialMode sees F.max_pool*d / F.adaptive_max_pool*d (tensor or pair) or a function always
+# returning a pair (F.*_with_indices, torch._C._nn.adaptive_max_pool*d; 3-D: to refuse them
+# clearly). F.avg_pool*d is torch._C._nn.avg_pool*d; torch.max_pool*d are separate objects.
 _nn = torch._C._nn
 _register(spatial_max_pool2d, F.max_pool2d, torch.max_pool2d)
 _register(spatial_max_pool2d, F.max_pool2d_with_indices, _nn.max_pool2d_with_indices, pair_after=6)

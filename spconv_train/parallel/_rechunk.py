@@ -1,13 +1,7 @@
-"""Re-chunk a sharded dim: every output element along it a copy of some input element (or a
-fill), with point-to-point traffic only; and the ops that are such a re-chunk: ``F.pad``
-(every mode, negative amounts crop), slicing (``x[..., a:b:s]``), ``flip`` and ``roll``.
-
-Along each sharded spatial dim of any layout (``rechunk_axes``, one dim at a time) the op is
-a map of ``Segment``s (a fill, or input columns ``start + step * i``; step 0 repeats, -1
-mirrors); every rank computes every rank's needs from it, receives the hull of its columns
-from each owner (``gather_columns``) and picks locally with ``index_select`` (whose backward
-adds duplicated reads back up). Unsharded dims run the op locally. Index forms: ints,
-slices (step > 0), ``...``; anything else goes to DTensor's rules.
+"""Re-chunk a sharded dim (every output element a copy of an input element or a fill, by
+point-to-point messages only: a map of ``Segment``s, received as hulls per owner and picked by
+``index_select``), and the ops that are one: ``F.pad`` (every mode; negative amounts crop),
+basic slicing (other index forms: DTensor's rules), ``flip`` and ``roll``.
 """
 
 from __future__ import annotations
@@ -31,21 +25,16 @@ from ._probe import index_shape
 
 @dataclass(frozen=True)
 class Segment:
-    """``length`` output columns reading input columns ``start + i * step``, or the fill
-    value when ``start`` is None."""
+    """``length`` output columns reading input columns ``start + i * step`` (step 0 repeats,
+    -1 mirrors), or the fill value when ``start`` is None."""
 
     length: int
     start: int | None = None
     step: int = 1
 
 
-def fill(length: int) -> Segment:
-    """``length`` columns of the fill value."""
-    return Segment(length)
-
-
 def cols(start: int, length: int, step: int = 1) -> Segment:
-    """``length`` input columns from ``start`` by ``step`` (0: repeated, -1: mirrored)."""
+    """``length`` input columns from ``start`` by ``step``."""
     return Segment(length, start, step)
 
 
@@ -62,8 +51,7 @@ def _sources(segments: tuple[Segment, ...], lo: int, hi: int) -> list[int]:
 
 @dataclass(frozen=True)
 class RemapPlan:
-    """The exchange (hulls per owner) and, per rank, where each output column sits in the
-    received buffer (the last buffer column holds the fill value when ``fills[rank]``)."""
+    """The exchange and per rank each output column's place in the received buffer."""
 
     exchange: ExchangePlan
     out_width: int
@@ -74,8 +62,7 @@ class RemapPlan:
 
 @functools.lru_cache(maxsize=1024)
 def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPlan:
-    """Plan the re-chunk of a ``width``-column input over ``parts`` ranks into the columns
-    ``segments`` describe (their total length is the output width)."""
+    """Plan the re-chunk of a ``width``-column input over ``parts`` ranks into ``segments``."""
     out_width = sum(s.length for s in segments)
     owned = all_shard_bounds(width, parts)
     needed, index, fills, identity = [], [], [], []
@@ -84,21 +71,16 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
         for c in src:
             if not -1 <= c < width:
                 raise ValueError(f"re-chunk map reads column {c} of a {width}-column input")
-        hulls, offsets, total = [], [], 0
+        hulls, total = [], 0  # (offset in the buffer, lo, hi) per owner read
         for a, b in owned:
             mine = [c for c in src if a <= c < b]
             if mine:
-                hulls.append((min(mine), max(mine) + 1))
-                offsets.append(total)
+                hulls.append((total, min(mine), max(mine) + 1))
                 total += max(mine) + 1 - min(mine)
-        where = []
-        for c in src:
-            if c < 0:
-                where.append(total)
-                continue
-            k = next(i for i, (a, b) in enumerate(hulls) if a <= c < b)
-            where.append(offsets[k] + c - hulls[k][0])
-        needed.append(tuple(hulls))
+        where = [
+            total if c < 0 else next(o + c - a for o, a, b in hulls if a <= c < b) for c in src
+        ]
+        needed.append(tuple((a, b) for _, a, b in hulls))
         index.append(tuple(where))
         fills.append(any(c < 0 for c in src))
         identity.append(where == list(range(total)))
@@ -107,9 +89,7 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
 
 
 def remap_axis(local: Tensor, d: int, size: int, segments, axis, value: float = 0.0) -> Tensor:
-    """Re-chunk dim ``d`` (global ``size``) of a local block into the elements ``segments``
-    describe, over ``axis`` (``(parts, rank, group)`` of the mesh dim sharding ``d``, or
-    None: ``d`` is whole on every rank and is remapped locally)."""
+    """Re-chunk dim ``d`` of a local block over ``axis`` (``(parts, rank, group)`` or None)."""
     parts, rank, group = axis or (1, 0, None)
     plan = plan_remap(size, parts, tuple(segments))
     g = gather_columns(
@@ -121,19 +101,13 @@ def remap_axis(local: Tensor, d: int, size: int, segments, axis, value: float = 
 
 
 def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
-    """``{tensor dim: (parts, rank, group)}`` of every dim of ``x`` a re-chunk moves: each
-    dim but the batch that a plain ``Shard`` of a non-``dp`` mesh dim splits, in any layout
-    (NCHW strips and tiles, NCDHW volumes, channels-last maps ``(B, H, W, C)`` and
-    ``(B, D, H, W, C)`` split along any of their spatial dims)."""
+    """``{tensor dim: (parts, rank, group)}`` of each non-batch dim a non-``dp`` mesh dim splits."""
     mesh = x.device_mesh
     return {d: mesh_axis(mesh, m) for d, m in sharded_dims(x).items() if d > 0 and not is_dp(x, m)}
 
 
 def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None):
-    """The DTensor whose dim ``d`` holds the elements ``maps[d]`` describe (``Segment``s),
-    for every ``d`` in ``maps``: each sharded dim (``rechunk_axes``) re-chunked over its
-    own mesh dim in turn, the others locally. ``then``: a local op run on each block
-    afterwards (along unsharded dims), giving a result of global ``shape``."""
+    """``x`` with dim ``d`` holding ``maps[d]`` per ``d``; ``then``: a local op afterwards."""
     axes = rechunk_axes(x)
     local = x.to_local()
     for d, segments in maps.items():
@@ -147,8 +121,7 @@ def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None
 
 
 def _index_local(x: DTensor, items: tuple, removed: tuple[int, ...] = ()) -> DTensor:
-    """``x[items]`` on every block (``items`` must not touch the sharded dims); ``removed``
-    lists the dims the integer indices drop, so the sharded dims' indices shift."""
+    """``x[items]`` on every block; ``removed``: the dims integer indices drop."""
     shape = index_shape(x.shape, items)
     return wrap(local_of(x)[items], x, reduced_placements(x, removed), shape)
 
@@ -161,17 +134,15 @@ def _expand_index(index, ndim: int):
     if any(isinstance(i, bool) for i in items) or sum(i is Ellipsis for i in items) > 1:
         return None
     if Ellipsis in items:
-        k = items.index(Ellipsis)
-        fill = ndim - (len(items) - 1)
+        k, fill = items.index(Ellipsis), ndim - (len(items) - 1)
         items = (*items[:k], *(slice(None),) * fill, *items[k + 1 :])
     items = (*items, *(slice(None),) * (ndim - len(items)))
     return items if len(items) == ndim else None
 
 
 def _split(x, dims) -> list[int] | None:
-    """The sharded dims among ``dims`` that a re-chunk moves (``rechunk_axes``), or None
-    when ``dims`` touch another sharded dim (the batch): then DTensor's own rules run,
-    watched by the no-gather guard."""
+    """The sharded dims among ``dims`` a re-chunk moves, or None when ``dims`` touch another
+    sharded dim (the batch: DTensor's own rules, watched by the no-gather guard)."""
     where, axes = sharded_dims(x), rechunk_axes(x)
     remapped = [d for d in dims if d in axes]
     return None if any(d in where and d not in remapped for d in dims) else remapped
@@ -204,8 +175,7 @@ def spatial_getitem(x, index):
 
 @register_handler(torch.flip, torch.Tensor.flip)
 def spatial_flip(x, *dims, **kwargs):
-    """``torch.flip`` / ``x.flip``: reversing a sharded dim mirrors the owners (rank r <->
-    rank n-1-r, point to point)."""
+    """``torch.flip`` / ``x.flip``: along a sharded dim a mirroring re-chunk."""
     given = kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims
     wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)] if handled(x) else []
     remapped = _split(x, wanted) if handled(x) else None
@@ -225,19 +195,13 @@ def spatial_roll(x, shifts, dims=None):
     remapped = _split(x, dims_l) if len(shifts_l) == len(dims_l) else None
     if remapped is None:
         return torch.roll(x, shifts, dims)
-    totals: dict[int, int] = {}  # rolls along one dim add up
-    local_s, local_d = [], []
-    for s, d in zip(shifts_l, dims_l, strict=True):
-        if d in remapped:
-            totals[d] = totals.get(d, 0) + s
-        else:
-            local_s.append(s)
-            local_d.append(d)
+    pairs = list(zip(shifts_l, dims_l, strict=True))
     maps: dict[int, list[Segment]] = {}
-    for d, s in totals.items():
-        n, k = x.shape[d], s % x.shape[d]
+    for d in remapped:  # rolls along one dim add up
+        n, k = x.shape[d], sum(s for s, e in pairs if e == d) % x.shape[d]
         maps[d] = [g for g in (cols(n - k, k), cols(0, n - k)) if g.length]
-    then = (lambda t: torch.roll(t, local_s, local_d)) if local_d else None
+    rest = [(s, d) for s, d in pairs if d not in remapped]
+    then = (lambda t: torch.roll(t, *map(list, zip(*rest, strict=True)))) if rest else None
     return remap_dims(x, maps, then=then)
 
 
@@ -249,7 +213,7 @@ def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
     pl, pr = max(left, 0), max(right, 0)
     mid = cols(a, b - a)
     if mode == "constant":
-        sides = fill(pl), fill(pr)
+        sides = Segment(pl), Segment(pr)  # fills
     elif mode == "reflect":
         sides = cols(pl, pl, -1), cols(width - 2, pr, -1)
     elif mode == "replicate":
@@ -267,9 +231,7 @@ def _out_shape(shape: tuple[int, ...], pad: tuple[int, ...], mode: str, value) -
 
 @register_handler(F.pad, torch._C._nn.pad)
 def spatial_pad(input, pad, mode: str = "constant", value=None):
-    """``F.pad`` of a sharded image or volume (exact, differentiable, neighbour traffic
-    only); each sharded dim re-chunked, the others padded locally. Same arguments as
-    ``F.pad``."""
+    """``F.pad`` of a sharded image or volume: sharded dims re-chunked, the others local."""
     if not handled(input) or input.ndim not in (4, 5):
         return F.pad(input, pad, mode, value)
     pad, ndim = [int(p) for p in pad], input.ndim

@@ -1,12 +1,6 @@
-"""The layout's sharded axes, and the halo window of any window op over them
-(``docs/tiles.md``, ``docs/extending.md``).
-
-``layout_axes``: the (tensor dim, mesh dim) of every sharded spatial dim (a strip's one, a
-tile's or block's two or three, none when replicated). ``tile_window`` builds a window op's
-input window with the one-dim machinery of ``_window``, one sharded dim at a time: W, then
-H *on the W window*, then D, so corners come from diagonal neighbours in neighbour-only
-exchanges; ``HaloWindow.wrap`` makes the local result the output DTensor. ``halo_window``
-is the same for op authors, the geometry given as ``F.conv*d`` takes it.
+"""The layout's sharded axes (``layout_axes``), and a window op's input window over them
+(``tile_window``; ``halo_window`` for op authors): W, then H *on the W window*, then D, so
+corners come from diagonal neighbours in neighbour-only exchanges (docs/tiles.md).
 """
 
 from __future__ import annotations
@@ -22,7 +16,6 @@ from torch.distributed.tensor import DTensor
 
 from ._dims import mesh_axis
 from ._geometry import SpatialShardingError, window_out_size
-from ._layout import reshape_kept
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._window import PAD_MODES, WindowStep, gather_window, plan_window, saving_steps_by_reference
 
@@ -32,10 +25,7 @@ IntOrSeq = int | Sequence[int]
 
 
 def layout_axes(layout: SpatialLayout | None) -> tuple[tuple[int, int], ...]:
-    """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout, in tensor-dim
-    order: a tile's or block's axes, a strip's one axis, none for a spatially replicated
-    input (or ``None``, a plain tensor). Ops written over this list run on every layout
-    (strips are the one-axis case)."""
+    """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout, in order."""
     if layout is None:
         return ()
     if layout.axes:
@@ -44,8 +34,7 @@ def layout_axes(layout: SpatialLayout | None) -> tuple[tuple[int, int], ...]:
 
 
 def axis_of(layout: SpatialLayout | None, d: int) -> tuple[int, int, object] | None:
-    """``(parts, rank, group)`` of the mesh dimension sharding tensor dim ``d`` of any
-    layout (``layout_axes``), or ``None`` when ``d`` is not sharded."""
+    """``(parts, rank, group)`` of the mesh dim sharding tensor dim ``d``, or ``None``."""
     for td, m in layout_axes(layout):
         if td == d:
             return mesh_axis(layout.mesh, m)
@@ -53,8 +42,7 @@ def axis_of(layout: SpatialLayout | None, d: int) -> tuple[int, int, object] | N
 
 
 def sharded_axes(layout: SpatialLayout) -> list[tuple[int, int, int, object]]:
-    """``(tensor dim, parts, rank, group)`` of every sharded spatial dim of any layout,
-    in tensor-dim order (for ops that are separable per dim: one 1-D step per dim)."""
+    """``(tensor dim, parts, rank, group)`` of every sharded spatial dim, in order."""
     return [(d, *axis_of(layout, d)) for d, _ in layout_axes(layout)]
 
 
@@ -66,34 +54,28 @@ def along(t: Tensor, d: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
 
 
 def ceil_geom(size: int, k: int, s: int, d: int, p: int, ceil_mode: bool) -> Geom:
-    """A pooling dim's geometry with ``ceil_mode`` turned into extra padding after (the
-    positions the last ceil window overhangs), so the plain floor rule gives the same size."""
+    """A pooling dim's geometry with ``ceil_mode`` as extra padding after (same output size)."""
     out = window_out_size(size, k, s, d, p, p, ceil_mode)
     return k, s, d, p, max(p, (out - 1) * s + d * (k - 1) + 1 - size - p)
 
 
 @dataclass(frozen=True)
 class HaloWindow:
-    """This rank's input window for a window op, and the way back to the output DTensor."""
+    """This rank's input window for a window op (local part + halos + edge padding: run the
+    op on it with padding 0), and the way back to the output DTensor. Per spatial tensor
+    dim: the global output size, the output positions this rank computes, the global input
+    index of the window's first element (may be negative). ``steps``: the exchanges that
+    built the window from ``source`` (``reshaped``: padded or cropped afterwards too)."""
 
-    #: the window (local part + halos + edge padding): run the op on it with padding 0
     window: Tensor
-    #: the input's layout (``None`` for a plain tensor)
-    layout: SpatialLayout | None
-    #: the global input shape
+    layout: SpatialLayout | None  # None: a plain tensor
     input_shape: tuple[int, ...]
-    #: ``{spatial tensor dim: size}``: the global output size
     out_sizes: dict[int, int]
-    #: ``{spatial tensor dim: (start, stop)}``: the global output positions this rank computes
     out_ranges: dict[int, tuple[int, int]]
-    #: global input index of the window's first element per spatial dim (may be negative)
     starts: dict[int, int]
     what: str = "halo_window"
-    #: the exchanges that built ``window`` from the local part, in order (W, then H, then D)
     steps: tuple[WindowStep, ...] = ()
-    #: ``window`` is not just the chain of ``steps`` (padded locally afterwards, or cropped)
     reshaped: bool = True
-    #: the local part the window was built from, and the edge padding value
     source: Tensor | None = None
     value: float = 0.0
 
@@ -109,9 +91,7 @@ class HaloWindow:
         return self.layout.grad_groups if self.layout is not None else ()
 
     def wrap(self, out: Tensor) -> Tensor:
-        """The op's local result on ``local`` as the output DTensor (laid out like the
-        input; its spatial dims have the global output sizes, its other dims are what
-        ``out`` has). A plain tensor is returned as it is."""
+        """The op's local result on ``local`` as the output DTensor (a plain tensor as it is)."""
         for d, (lo, hi) in self.out_ranges.items():
             if out.ndim != len(self.input_shape) or out.shape[d] != hi - lo:
                 raise SpatialShardingError(
@@ -124,10 +104,7 @@ class HaloWindow:
         return leave(out, self.layout, tile_shape(self.input_shape, out, self))
 
     def saving(self):
-        """Context: an op run inside it saves the window as the local part by reference
-        plus the halo slabs of every exchange (``_window.saving_steps_by_reference``). A
-        no-op for windows padded locally, cropped or built in a non-constant mode, and for
-        plain tensors."""
+        """Context: the window saved by reference (``saving_steps_by_reference``) if it can be."""
         if self.reshaped or not self.steps or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         return saving_steps_by_reference(self.window, self.source, self.steps, self.value)
@@ -143,15 +120,9 @@ def tile_window(
     value: float = 0.0,
     pad_local: bool = True,
 ) -> HaloWindow:
-    """This rank's window (halos and corners fetched, every image edge padded in ``mode``)
-    for a window op of geometry ``geoms`` (one per spatial tensor dim of the global
-    ``shape``; ``layout=None``: ``local`` is a plain tensor). The local op then runs with
-    padding 0 and ``ceil_mode`` off. Differentiable. ``pad_local=False`` leaves the padding
-    of the dims no mesh dim shards to the local op. Raises ``SpatialShardingError``
-    (naming ``what``) for parts narrower than the halo."""
-    t = local
-    sizes, ranges, starts = {}, {}, {}
-    steps, cropped = [], False
+    """This rank's window (halos, corners, edges padded in ``mode``) for an op of ``geoms``, to
+    run with padding 0 and ``ceil_mode`` off (``pad_local=False``: unsharded dims as is)."""
+    t, sizes, ranges, starts, steps, cropped = local, {}, {}, {}, [], False
     for d in sorted(geoms, reverse=True):  # W first, then H including the W halo: corners
         k, s, dil, lo, hi = geoms[d]
         ax = axis_of(layout, d)
@@ -161,7 +132,7 @@ def tile_window(
             continue
         parts, rank, group = ax
         wp = plan_window(what, shape[d], parts, k, s, dil, lo, hi, mode)
-        t = along(t, d, lambda m, wp=wp, ax=ax: _gather(m, wp, *ax[1:], mode, value))
+        t = along(t, d, lambda m, wp=wp, ax=ax: gather_window(m, wp, *ax[1:], mode, value))
         pl, pr, cl, cr = wp.edges[rank]
         steps.append(WindowStep(d, wp.exchange, rank, pl, pr, t))
         cropped = cropped or bool(cl or cr)
@@ -171,30 +142,17 @@ def tile_window(
     for d in range(t.ndim - 1, 1, -1):  # F.pad lists the last dim first
         local_pad = pad_local and d in geoms and axis_of(layout, d) is None
         pads += list(geoms[d][3:5]) if local_pad else [0, 0]
+    constant = mode in ("zeros", "constant")
     if any(pads):
-        if mode in ("zeros", "constant"):
-            t = F.pad(t, pads, mode="constant", value=value)
-        else:
-            t = F.pad(t, pads, mode=mode)
-    reshaped = cropped or any(pads) or mode not in ("zeros", "constant")
+        t = F.pad(t, pads, mode="constant", value=value) if constant else F.pad(t, pads, mode=mode)
+    reshaped = cropped or any(pads) or not constant
     return HaloWindow(
         t, layout, shape, sizes, ranges, starts, what, tuple(steps), reshaped, local, value
     )
 
 
-def _gather(m: Tensor, wp, rank: int, group, mode: str, value: float) -> Tensor:
-    """``gather_window`` of a tile with the dim to exchange last (``F.pad``'s reflect,
-    replicate and circular modes pad the last dims of a 3-D or 4-D tensor only)."""
-    shape = m.shape
-    if m.ndim > 4 and mode not in ("zeros", "constant"):
-        m = m.flatten(1, m.ndim - 3)
-    g = gather_window(m, wp, rank, group, mode, value)
-    return reshape_kept(g, (*shape[:-1], g.shape[-1]))
-
-
 def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[int, ...]:
-    """Global shape of a window op's output ``out``: global batch, the spatial dims' global
-    output sizes, the other dims as computed."""
+    """Global shape of a window op's output ``out``."""
     shape = [x_shape[0], *out.shape[1:]]
     for d, n in tw.out_sizes.items():
         shape[d] = n
@@ -232,16 +190,13 @@ def halo_window(
     value: float = 0.0,
     what: str = "halo_window",
 ) -> HaloWindow:
-    """This rank's input window for a window op of the given geometry on ``x`` (an NCHW
-    image or NCDHW volume, sharded in any layout, replicated, or a plain tensor).
-
-    ``kernel``, ``stride``, ``dilation``: an int or one per spatial dim; ``padding``: an int,
-    or per spatial dim an int or a ``(before, after)`` pair. ``padding_mode`` is one of
-    ``"zeros"``, ``"constant"`` (with ``value``; e.g. ``-inf`` for a max), ``"reflect"``,
-    ``"replicate"``, ``"circular"`` (as ``F.pad``). Raises ``SpatialShardingError`` naming
-    ``what`` when a rank's part is narrower than the halo it must lend, or would have no
-    output. Differentiable: the halo's backward sends the gradients of borrowed positions
-    back to their owners."""
+    """This rank's input window for a window op of the given geometry on ``x`` (an image or
+    volume on any layout, replicated, or a plain tensor). ``kernel``, ``stride``,
+    ``dilation``: an int or one per spatial dim; ``padding``: an int, or per spatial dim an
+    int or a ``(before, after)`` pair; ``padding_mode``: "zeros", "constant" (with ``value``,
+    e.g. ``-inf`` for a max), "reflect", "replicate", "circular". Differentiable. Raises
+    ``SpatialShardingError`` naming ``what`` for a part narrower than its halo or without
+    output."""
     if padding_mode not in PAD_MODES:
         raise SpatialShardingError(
             f"{what}: padding_mode {padding_mode!r} is not one of {list(PAD_MODES)}"

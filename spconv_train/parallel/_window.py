@@ -1,10 +1,6 @@
-"""A window op's halo along one sharded dim (the last), and windows saved by reference.
-
-``plan_window`` turns a layer's geometry along the dim into an ``ExchangePlan`` plus, per
-rank, the padding to add at the image edges and the positions to crop afterwards.
-``gather_window`` runs it: the unchanged local op then runs with padding 0 along the dim
-and produces exactly this rank's outputs (DTensor chunking). ``_tiles.tile_window`` chains
-it over every sharded dim of a layout. ``saving_steps_by_reference``: below.
+"""A window op's halo along one sharded dim, the last (``plan_window``, ``gather_window``:
+the local op then runs with padding 0 there and gives this rank's DTensor chunk of the
+output; docs/halo.md), and windows saved for the backward by reference.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from ._geometry import (
     window_out_size,
 )
 from ._halo import gather_columns
+from ._layout import reshape_kept
 from ._runtime import current_runtime
 
 PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
@@ -33,12 +30,11 @@ PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
 
 @dataclass(frozen=True)
 class WindowPlan:
-    """Everything every rank needs to run one window op on its strip."""
+    """A window op along a sharded dim; ``edges``: per rank (pad_lo, pad_hi, crop_lo, crop_hi)."""
 
     exchange: ExchangePlan
     out_width: int
     out_bounds: tuple[Interval, ...]
-    #: per rank: (pad_left, pad_right, crop_left, crop_right) applied to the gathered columns
     edges: tuple[tuple[int, int, int, int], ...]
 
 
@@ -47,26 +43,15 @@ def _sources(lo: int, hi: int, width: int, mode: str) -> list[Interval]:
     if mode == "circular":
         if lo < -width or hi > 2 * width:
             raise SpatialShardingError("circular padding wider than the image")
-        parts = []
-        if lo < 0:
-            parts.append((width + lo, width))
-        if max(lo, 0) < min(hi, width):
-            parts.append((max(lo, 0), min(hi, width)))
-        if hi > width:
-            parts.append((0, hi - width))
-        return parts
+        parts = [(width + lo, width), (max(lo, 0), min(hi, width)), (0, hi - width)]
+        return [(a, b) for a, b in parts if a < b]  # wrapped left, inside, wrapped right
     src_lo, src_hi = min(max(lo, 0), width), max(min(hi, width), min(max(lo, 0), width))
-    if mode == "reflect":
-        # Column -i mirrors column i (and W-1+i mirrors W-1-i): the edge rank needs them too.
+    if mode in ("reflect", "replicate"):  # reflect: column -i mirrors i, W-1+i mirrors W-1-i
+        reflect = mode == "reflect"
         if lo < 0:
-            src_lo, src_hi = 0, max(src_hi, 1 - lo)
+            src_lo, src_hi = 0, max(src_hi, 1 - lo if reflect else 1)
         if hi > width:
-            src_lo, src_hi = min(src_lo, 2 * width - 1 - hi), width
-    elif mode == "replicate":
-        if lo < 0:
-            src_lo, src_hi = 0, max(src_hi, 1)
-        if hi > width:
-            src_lo, src_hi = min(src_lo, width - 1), width
+            src_lo, src_hi = min(src_lo, 2 * width - 1 - hi if reflect else width - 1), width
     return [(src_lo, src_hi)] if src_lo < src_hi else []
 
 
@@ -82,11 +67,7 @@ def plan_window(
     pad_hi: int,
     mode: str = "zeros",
 ) -> WindowPlan:
-    """Plan a window op of the given width geometry over ``parts`` spatial ranks (a pool's
-    ``ceil_mode``: as extra ``pad_hi``, ``_tiles.ceil_geom``).
-
-    Raises ``SpatialShardingError`` (naming ``what``) when a strip is empty or narrower than
-    the halo it must give to its neighbour."""
+    """Plan a window op along a width over ``parts`` ranks (``ceil_mode``: extra ``pad_hi``)."""
     if mode not in PAD_MODES:
         raise SpatialShardingError(f"{what}: padding mode {mode!r} is not supported")
     owned = check_strips(what, width, parts, "input")
@@ -114,31 +95,22 @@ def plan_window(
 def gather_window(
     local: Tensor, wp: WindowPlan, rank: int, group, mode: str = "zeros", value: float = 0.0
 ) -> Tensor:
-    """Fetch this rank's window (halo included) along the last dim and pad it at the image
-    edges, so the local op afterwards runs with padding 0 along that dim.
-
-    ``mode`` "zeros"/"constant" pads with ``value`` (e.g. ``-inf`` for max pooling);
-    "reflect"/"replicate"/"circular" follow ``F.pad``. ``halo_window`` does the same for
-    every sharded dim of any layout."""
+    """This rank's window along the last dim, edges padded in ``mode`` (constant: ``value``)."""
     pl, pr, cl, cr = wp.edges[rank]
-    if mode in ("zeros", "constant"):
-        # The width padding is written straight into the window buffer (no extra copy).
+    if mode in ("zeros", "constant"):  # the padding written into the window buffer
         g = gather_columns(local, wp.exchange, rank, group, pl, pr, value)
     else:
         g = gather_columns(local, wp.exchange, rank, group)
         if pl or pr:  # (a circular window wraps around in the exchange: never padded)
-            # two dims listed: F.pad's modes take a 3-D or a 4-D tensor then
-            g = F.pad(g, (pl, pr, 0, 0), mode=mode)
+            # F.pad's modes pad two listed dims of a 3-D or 4-D tensor only
+            flat = F.pad(g.flatten(1, g.ndim - 3) if g.ndim > 4 else g, (pl, pr, 0, 0), mode=mode)
+            g = reshape_kept(flat, (*g.shape[:-1], flat.shape[-1]))
     return g.narrow(-1, cl, g.shape[-1] - cl - cr) if cl or cr else g
 
 
 @dataclass(frozen=True)
 class WindowStep:
-    """One exchange that built (part of) a window: along tensor dim ``dim``, ``exchange``'s
-    pieces for ``rank`` between ``pad_lo`` and ``pad_hi`` elements of edge padding.
-    ``result`` is the tensor it produced (its halo pieces are copied when the window is
-    saved). A window fetched along several dims (a tile: W, then H on the W window, then D)
-    is the chain of its steps, in order."""
+    """One exchange of a window's chain (W, then H, D): ``exchange``'s pieces between edge pads."""
 
     dim: int
     exchange: ExchangePlan
@@ -149,22 +121,19 @@ class WindowStep:
 
 
 class _WindowRecipe:
-    """How to rebuild a padded window from the local strip or tile (kept by reference:
-    usually the op before saved it anyway) and thin copies of the halos of every step.
-    Both go through the hooks that were active before (``outer``), so a memory meter,
-    offloading or activation checkpointing sees exactly what is kept."""
+    """How to rebuild a padded window from the local part (by reference: usually the op
+    before saved it anyway) and thin copies of every step's halos, both through the hooks
+    active before (``outer``: a memory meter, offloading, checkpointing see what is kept)."""
 
     def __init__(self, window: Tensor, local: Tensor, steps, value, outer):
-        self.shape, self.stride = window.shape, window.stride()
-        self.value, self.outer = value, outer
-        self.version = local._version
+        self.shape, self.stride, self.value = window.shape, window.stride(), value
+        self.outer, self.version = outer, local._version
         self.local = outer[0](local) if outer else local
         #: per step: (dim, parts); a part is ("pad", n), ("own", (start, n)) or ("halo", t)
         self.levels: list[tuple[int, list[tuple[str, object]]]] = []
         for st in steps:
-            a = st.exchange.owned[st.rank][0]
+            a, offset = st.exchange.owned[st.rank][0], st.pad_lo
             parts: list[tuple[str, object]] = [("pad", st.pad_lo)] if st.pad_lo else []
-            offset = st.pad_lo
             for owner, s, e in st.exchange.pieces(st.rank):
                 if owner == st.rank:
                     parts.append(("own", (s - a, e - s)))
@@ -192,8 +161,7 @@ class _WindowRecipe:
         return out
 
     def _fill(self, out: Tensor, level: int, local: Tensor, cuts: dict) -> None:
-        """Write step ``level``'s result into ``out``, restricted to ``cuts`` (``{dim:
-        (start, n)}`` along the dims of the later steps, in local coordinates)."""
+        """Write step ``level``'s result into ``out``, restricted to ``cuts`` ({dim: (at, n)})."""
         if level < 0:
             out.copy_(_cut(local, cuts))
             return
@@ -219,30 +187,22 @@ def _cut(t: Tensor, cuts: dict) -> Tensor:
     return t
 
 
-def _shares(a: Tensor, b: Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 @contextlib.contextmanager
 def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
-    """While active, an op that saves ``window`` (built from ``local`` by the exchanges
-    ``steps``, ``WindowStep``, in order: one per sharded dim; edge padding of ``value``) for
-    its backward saves a recipe instead (``local`` by reference plus its halo slabs) and
-    rebuilds the window in the backward (why: docs/design.md, "Saving windows by
-    reference"). A no-op when the runtime's ``save_windows_by_reference`` option is off."""
-
-    # Hooks already active (activation checkpointing, offloading, a memory meter) keep
-    # seeing every other saved tensor: chain to them. ``_top_saved_tensors_default_hooks``
-    # is internal (checked against torch 2.14; tests/test_conv.py covers the chaining).
-    if not current_runtime().options.save_windows_by_reference or _shares(window, local):
+    """While active, an op saving ``window`` (built from ``local`` by ``steps``, edge padding
+    of ``value``) saves a recipe instead, rebuilt in the backward (docs/design.md, "Saving
+    windows by reference"); a no-op when the runtime's option is off."""
+    # Hooks already active (checkpointing, offloading, a memory meter) see every other saved
+    # tensor: chained (the internal hook getter checked on torch 2.14, tests/test_conv.py).
+    view = window.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+    if view or not current_runtime().options.save_windows_by_reference:
         yield  # a view of the local tensor is no copy: nothing to save differently
         return
     outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     outer_pack, outer_unpack = outer if outer else (None, None)
     key = (window.data_ptr(), window.shape, window.stride())
-    # Every saved tensor keeps its pack hook alive until the backward frees it (torch's
-    # PySavedVariableHooks): a closure over the window would keep the very copy this
-    # avoids. The hook reads the tensors from ``held``, emptied when the op has run.
+    # Every saved tensor keeps its pack hook alive until the backward (PySavedVariableHooks):
+    # a closure over the window would keep the copy this avoids; ``held`` is emptied instead.
     held = [window, local, steps]
 
     def pack(t: Tensor):
