@@ -1,18 +1,15 @@
 """Exact global attention over sharded pixel tokens: ``F.scaled_dot_product_attention`` and
-``nn.MultiheadAttention`` (``F.multi_head_attention_forward``).
-
-K / V split like the queries go around the ring (``_ring.py``, exact, memory O(L / P) per
-rank); whole K / V are attended locally, their gradient summed over the ranks; masks and
-biases meet the rank's query rows and each piece's key columns (``_ring_mask.py``).
-Attention dropout and ``bias_k`` / ``add_zero_attn`` are refused by name.
-docs/attention.md.
+``nn.MultiheadAttention`` (``F.multi_head_attention_forward``). K / V split like the
+queries go around the ring (``_ring.py``); whole K / V are attended locally, their gradient
+summed over the ranks; masks meet the rank's query rows and each piece's key columns
+(``_ring_mask.py``). docs/attention.md.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-import math
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +18,9 @@ from torch.distributed.tensor import DTensor
 
 from ._cross_attention import _refuse as refuse
 from ._cross_attention import cross_sdpa, split_keys
-from ._cross_mha import cross_mha, in_heads, unsupported_mha
+from ._cross_mha import cross_mha, project_attend, unsupported_mha
 from ._dims import wrap
 from ._errors import module_path
-from ._geometry import SpatialShardingError
-from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._ring import ring_attention
 from ._ring_mask import RingMask, mha_bias, sdpa_bias
@@ -36,9 +31,11 @@ from ._tokens import split_layouts
 
 log = logging.getLogger("spconv_train.parallel")
 
+_refuse = functools.partial(refuse, where="on a sharded token sequence")
 
-def _refuse(what: str, why: str) -> SpatialShardingError:
-    return refuse(what, why, "on a sharded token sequence")
+#: the keys and values of one attention call: their local tensors and the ring they go
+#: around (``group``, every member's token count, every member's global key indices)
+Keys = tuple[Tensor, Tensor, object, tuple[int, ...], tuple[Tensor, ...]]
 
 
 def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
@@ -53,11 +50,11 @@ def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq
     return tuple(found)
 
 
-def _kv_mode(q: DTensor, k, v, seq: Seq, what: str) -> tuple[str, Seq]:
-    """``("ring", layouts of k's sequence)``: k, v split over the same mesh dims as q's
-    sequence (their own token counts: e.g. keys from a strided conv of the map, as in
-    spatial-reduction attention); ``("local", seq)``: k, v whole on those ranks, split
-    like q elsewhere (the batch)."""
+def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
+    """``k``, ``v`` split over the same mesh dims as ``q``'s sequence (their own token
+    counts: e.g. keys from a strided conv of the map, spatial-reduction attention) go
+    around those ranks; whole there and split like ``q`` elsewhere (the batch) they are a
+    ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _refuse(what, "plain-tensor keys / values next to sharded queries")
     dims = {m.mesh_dim for m in seq}
@@ -68,40 +65,25 @@ def _kv_mode(q: DTensor, k, v, seq: Seq, what: str) -> tuple[str, Seq]:
         kseq = tuple(m for m in lays if m.mesh_dim in dims)
         on_seq = all(m.dim == seq[0].dim for m in kseq)
         if rest == others and {m.mesh_dim for m in kseq} == dims and on_seq:
-            return "ring", kseq
-        if rest == others and not kseq:
-            return "local", seq
+            ring = token_ring(q.device_mesh, kseq)
+            return k.to_local(), v.to_local(), ring.group, ring.sizes(), ring.columns(q.device)
+        if rest == others and not kseq:  # every key here, in global order
+            n = k.shape[seq[0].dim - q.ndim]  # (k's own batch dims may broadcast)
+            cols = (torch.arange(n, device=q.device),)
+            return partial_local(k, seq), partial_local(v, seq), None, (n,), cols
     raise _refuse(
         what,
         f"keys / values split as {k.placements}, {v.placements} unlike the queries {q.placements}",
     )
 
 
-def _attend(
-    ql: Tensor,
-    kl: Tensor,
-    vl: Tensor,
-    mode: str,
-    kseq: Seq,
-    q: DTensor,
-    scale: float | None,
-    bias: Tensor | None = None,
-    causal: Seq = (),
-    kbias: Tensor | None = None,
-) -> Tensor:
-    """Attention of local queries ``(..., L_r, E)`` to all keys (ring or local); ``bias``:
-    the rank's rows of an additive mask; ``causal``: the queries' sequence layouts when
-    ``is_causal`` (a key after the query by global token index is masked); ``kbias``: an
-    additive mask of the rank's keys (ring only), which travels with them."""
-    rows = held_indices(causal).to(ql.device) if causal else None
+def _attend(ql, kl, vl, scale, keys: Keys, bias=None, rows=None, kbias=None) -> Tensor:
+    """Attention of local queries ``(..., L_r, E)`` to the keys of ``keys``; ``bias``: the
+    rank's rows of an additive mask; ``rows``: the queries' global indices when causal;
+    ``kbias``: an additive mask of the rank's keys (ring only), which travels with them."""
     masked = bias is not None or rows is not None or kbias is not None
-    if mode == "local":  # every key here, in global order: a ring of one rank
-        group, sizes, cols = None, (kl.shape[-2],), (torch.arange(kl.shape[-2], device=ql.device),)
-    else:
-        ring = token_ring(q.device_mesh, kseq)
-        group, sizes, cols = ring.group, ring.sizes(), ring.columns(ql.device)
-    mask = RingMask(cols, rows, ql.dtype) if masked else None
-    return ring_attention(ql, kl, vl, group, sizes, scale, bias=bias, mask=mask, kbias=kbias)
+    mask = RingMask(keys[4], rows, ql.dtype) if masked else None
+    return ring_attention(ql, kl, vl, *keys[2:4], scale, bias=bias, mask=mask, kbias=kbias)
 
 
 @register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
@@ -129,14 +111,10 @@ def spatial_sdpa(
         if attn_mask is not None or is_causal:
             raise _refuse(what, "an attention mask on queries whose sequence is whole")
         return F.scaled_dot_product_attention(query, key, value, scale=scale)  # DTensor's
-    mode, kseq = _kv_mode(query, key, value, seq, what)
-    if mode == "ring":
-        kl, vl = key.to_local(), value.to_local()
-    else:
-        kl, vl = partial_local(key, seq), partial_local(value, seq)
+    keys = _keys(query, key, value, seq, what)
     bias = sdpa_bias(attn_mask, query, what)
-    causal = seq if is_causal else ()
-    out = _attend(query.to_local(), kl, vl, mode, kseq, query, scale, bias, causal)
+    rows = held_indices(seq).to(query.device) if is_causal else None
+    out = _attend(query.to_local(), *keys[:2], scale, keys, bias, rows)
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
 
@@ -170,21 +148,12 @@ def spatial_multi_head_attention(*args, **kwargs):
             f"queries {tuple(q.shape)} {q.placements} without a split "
             "sequence (dim 0 of (L, N, E))",
         )
-    mode, kseq = _kv_mode(q, k, v, seq, what)
-    groups = grad_groups(q)
-    heads, e = kw["num_heads"], q.shape[-1]
-    kv = [k.to_local(), v.to_local()] if mode == "ring" else [partial_local(t, seq) for t in (k, v)]
-    # every weight gradient is a partial sum: each rank's queries (and, on the ring, keys)
-    qh, kh, vh = in_heads(kw, (q.to_local(), *kv), groups)
+    keys = _keys(q, k, v, seq, what)
     # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
-    bias, kbias = mha_bias(kw["attn_mask"], kw["key_padding_mask"], q, k, heads, what)
-    out = _attend(qh, kh, vh, mode, kseq, q, 1.0 / math.sqrt(e // heads), bias, (), kbias)
-    out = out.permute(2, 0, 1, 3).flatten(2)  # (L_r, N, E)
-    out = F.linear(
-        out,
-        sum_grad_over(kw["out_proj_weight"], groups),
-        sum_grad_over(kw["out_proj_bias"], groups),
-    )
+    bias, kbias = mha_bias(kw["attn_mask"], kw["key_padding_mask"], q, k, kw["num_heads"], what)
+    groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
+    attend = functools.partial(_attend, keys=keys, bias=bias, kbias=kbias)
+    out = project_attend(kw, (q.to_local(), *keys[:2]), groups, groups, attend)
     if kw["need_weights"]:
         log.debug("nn.MultiheadAttention in '%s': attention weights not formed", module_path())
     return wrap(out, q, q.placements, q.shape), None

@@ -80,20 +80,25 @@ def _whole_mha(kw: dict, what: str):
     return wrap(out, q, q.placements, q.shape), weights
 
 
-def in_heads(kw: dict, xs: tuple[Tensor, ...], groups: tuple) -> list[Tensor]:
-    """The sequence-first local queries, keys and values ``xs`` (``(L, N, E)``) through the
-    q / k / v input projections of ``nn.MultiheadAttention``'s functional arguments ``kw``
-    (their gradients summed over ``groups``), split into heads: ``(N, heads, L, E / heads)``."""
+def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend) -> Tensor:
+    """The sequence-first local queries, keys and values ``xs`` (``(L, N, E)``) through
+    ``nn.MultiheadAttention``'s input projections (arguments ``kw``, gradients summed over
+    ``groups``), split into heads ``(N, heads, L, E / heads)``, ``attend(qh, kh, vh,
+    scale)``, and the output projection (gradients summed over ``out_groups``)."""
+    heads = kw["num_heads"]
     if kw["use_separate_proj_weight"]:
         ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
     else:
         ws = list(sum_grad_over(kw["in_proj_weight"], groups).chunk(3))
     bias = sum_grad_over(kw["in_proj_bias"], groups)
     bs = list(bias.chunk(3)) if bias is not None else [None] * 3
-    return [
-        F.linear(x, w, b).reshape(*x.shape[:2], kw["num_heads"], -1).permute(1, 2, 0, 3)
+    qh, kh, vh = (
+        F.linear(x, w, b).reshape(*x.shape[:2], heads, -1).permute(1, 2, 0, 3)
         for x, w, b in zip(xs, ws, bs, strict=True)
-    ]
+    )
+    out = attend(qh, kh, vh, 1.0 / math.sqrt(xs[0].shape[-1] // heads))
+    w, b = (sum_grad_over(kw[f"out_proj_{n}"], out_groups) for n in ("weight", "bias"))
+    return F.linear(out.permute(2, 0, 1, 3).flatten(2), w, b)  # (L, N, E)
 
 
 def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
@@ -110,14 +115,13 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     q, k, v = kw["query"], kw["key"], kw["value"]
     if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
         raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
-    heads, e = kw["num_heads"], q.shape[-1]
     xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
-    qh, kh, vh = in_heads(kw, xs, grad_groups(k))  # every rank's share of the keys
-    mask = _mha_mask(kw, k, kseq, qh.shape[0], qh.dtype)
     group = token_ring(k.device_mesh, kseq).group
-    out = attend(qh, kh, vh, mask, 1.0 / math.sqrt(e // heads), group, kw["need_weights"])
-    out = out.permute(2, 0, 1, 3).flatten(2)  # (Q, N, E)
-    whole = grad_groups(k, kseq)  # the output side: the batch split alone
-    w, b = (sum_grad_over(kw[f"out_proj_{n}"], whole) for n in ("weight", "bias"))
-    out = F.linear(out, w, b)
-    return wrap(out, k, out_placements(k, kseq), (*q.shape[:-1], e)), None
+
+    def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
+        mask = _mha_mask(kw, k, kseq, qh.shape[0], qh.dtype)
+        return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
+
+    # the input side: every rank's share of the keys; the output side: the batch alone
+    out = project_attend(kw, xs, grad_groups(k), grad_groups(k, kseq), attend_heads)
+    return wrap(out, k, out_placements(k, kseq), q.shape), None

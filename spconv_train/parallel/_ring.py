@@ -1,12 +1,7 @@
 """The ring: blocks that travel around a process group point to point (``Ring``), and
-ring attention on it (``ring_attention``); the schedule and the design are in
-docs/attention.md, "Exact global attention: the ring".
-
-Pieces travel one hop per step, each transfer posted before the current piece's compute
-(overlapped); in the backward each piece's gradient accumulator follows one step behind
-it. Ring attention merges per-piece results with an online log-sum-exp; per piece the CPU
-flash kernel (its backward taking the *global* output and log-sum-exp) runs where it
-applies, plain matmuls elsewhere; masks meet each piece as columns (``_ring_mask.py``).
+ring attention on it (``ring_attention``): schedule, overlap, memory and the per-piece
+kernels in docs/attention.md, "Exact global attention: the ring"; masks meet each piece as
+columns (``_ring_mask.py``).
 """
 
 from __future__ import annotations
@@ -40,16 +35,14 @@ Item = tuple[int, int]  # (owner rank, piece)
 
 def auto_pieces(sizes: tuple[int, ...]) -> int:
     """``m`` for blocks of ``sizes`` tokens: ``PIECES``, fewer where pieces would fall
-    under ``MIN_PIECE_TOKENS`` tokens (1 for small blocks). The same on every rank."""
+    under ``MIN_PIECE_TOKENS`` tokens. The same on every rank."""
     return max(1, min(PIECES, max(sizes) // MIN_PIECE_TOKENS))
 
 
 class Ring:
-    """The schedule of one ring call: who sends which piece to whom, when.
-
-    ``sizes``: tokens (dim -2) of every rank's blocks; ``pieces``: ``m``; ``blocks``: this
-    rank's blocks (their leading dims, last dim, dtype and device are those of every
-    rank's)."""
+    """The schedule of one ring call: who sends which piece to whom, when. ``sizes``:
+    tokens (dim -2) of every rank's blocks; ``pieces``: ``m``; ``blocks``: this rank's
+    (their leading dims, last dim, dtype and device are every rank's)."""
 
     def __init__(self, group, sizes: tuple[int, ...], pieces: int, blocks: Blocks):
         self.group, self.pieces, self.parts = group, pieces, len(sizes)
@@ -91,24 +84,18 @@ class Ring:
         return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag)
 
     def pass_on(self, step: int, piece: Blocks) -> tuple[PendingExchange, Blocks | None]:
-        """Post the send of the piece worked on at ``step`` to the next rank and the receive
-        of the piece for ``step + 1`` from the previous one, unless the piece's round ends
-        here (then the next step works on an own piece): ``(pending, next piece)``."""
+        """Post the send of the piece of ``step`` and the receive of the piece of ``step +
+        1``, unless its round ends here (the next piece is an own one): ``(pending, next)``."""
         if (step + 1) % self.parts == 0:
             return self._post(None, None, KV), None
         nxt = self.empty(self.item(step + 1))
         return self._post(piece, nxt, KV), nxt
 
     def recv_grads(self, step: int) -> tuple[PendingExchange, Blocks]:
-        """Post the receive of the gradient accumulator the previous rank sent at
-        ``step - 1``: the one of this step's piece or, at an own piece's step (``step % P
-        == 0``, and after the last step), this rank's piece ``step // P - 1`` home."""
+        """Post the receive of the accumulator the previous rank sent at ``step - 1``: this
+        step's piece's or, at an own piece's step (and after the last), an own one, home."""
         buf = self.empty(self.item(step - 1, self.prev))
         return self._post(None, buf, GRAD), buf
-
-    def send_grads(self, grads: Blocks) -> PendingExchange:
-        """Post the send of a gradient accumulator to the next rank."""
-        return self._post(tuple(t.contiguous() for t in grads), None, GRAD)
 
     def forward(self, blocks: Blocks, work: Callable[[Item, Blocks], None]) -> None:
         """``work(item, piece)`` on every piece of every rank's ``blocks``, in ring order,
@@ -126,11 +113,21 @@ class Ring:
         """The gradients of this rank's ``blocks``: ``grads_of(item, piece)`` (this rank's
         part of a piece's gradients) summed over the ranks by the accumulators that follow
         the pieces around the ring."""
-        home_grads = _HomeGrads(self, blocks)
+        home = None  # allocated at the first piece home (m = 1: the received buffers)
+
+        def store(piece: int, grads: Blocks) -> None:
+            nonlocal home
+            if self.pieces == 1:  # after the ring: the peak does not hold the pieces too
+                home = grads
+                return
+            home = tuple(torch.empty_like(t) for t in blocks) if home is None else home
+            for dst, src in zip(self.own(home, piece, dense=False), grads, strict=True):
+                dst.copy_(src)
+
         cur = sent = None  # the piece worked on; the accumulator sent last step
         for step in range(self.steps):
-            home = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
-            if home:
+            own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
+            if own:
                 cur = self.own(blocks, step // self.parts)
             acc = self.recv_grads(step) if step else None
             pending, nxt = self.pass_on(step, cur)
@@ -143,38 +140,20 @@ class Ring:
             cur = None
             if acc is not None:
                 acc[0].wait()
-                if home:  # an own piece's gradients, after their last visit
-                    home_grads.store(step // self.parts - 1, acc[1])
+                if own:  # an own piece's gradients, after their last visit
+                    store(step // self.parts - 1, acc[1])
                 else:  # add this rank's part into the received accumulator
                     grads = tuple(s.add_(g) for s, g in zip(acc[1], grads, strict=True))
             acc = None
-            sent = self.send_grads(grads)
+            sent = self._post(tuple(t.contiguous() for t in grads), None, GRAD)
             del grads
             pending.wait()
             cur = nxt
         last, grads = self.recv_grads(self.steps)  # this rank's last piece, home
         last.wait()
-        home_grads.store(self.pieces - 1, grads)
+        store(self.pieces - 1, grads)
         sent.wait()
-        return home_grads.grads
-
-
-class _HomeGrads:
-    """This rank's block gradients, filled piece by piece as the accumulators come home;
-    allocated at the first (with one piece: after the ring, when the pieces in flight are
-    gone, so the peak does not hold them)."""
-
-    def __init__(self, ring: Ring, blocks: Blocks) -> None:
-        self.ring, self.like, self.grads = ring, blocks, None
-
-    def store(self, piece: int, grads: Blocks) -> None:
-        if self.ring.pieces == 1:  # the whole block: the received buffers are the gradients
-            self.grads = grads
-            return
-        if self.grads is None:
-            self.grads = tuple(torch.empty_like(t) for t in self.like)
-        for dst, src in zip(self.ring.own(self.grads, piece, dense=False), grads, strict=True):
-            dst.copy_(src)
+        return home
 
 
 def _flash_ok(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -184,9 +163,7 @@ def _flash_ok(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
 
 
 def _kernel_mask(mask: Tensor | None) -> Tensor | None:
-    if mask is None or mask.ndim in (2, 4):
-        return mask
-    return mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    return None if mask is None else mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
@@ -310,12 +287,10 @@ def ring_attention(
     kbias: Tensor | None = None,
 ) -> Tensor:
     """Exact ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` over the tokens of
-    every rank of ``group`` (``sizes``: how many each holds), differentiable. ``q``, ``k``,
-    ``v`` hold this rank's tokens in the same order; the result is this rank's queries'.
-    ``pieces``: how many pieces each key / value block travels in (``m``, the same on
-    every rank; by default ``auto_pieces(sizes)``). ``mask``: where a mask meets the keys
-    (``_ring_mask.RingMask``), with ``bias`` this rank's rows of an additive mask and
-    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
+    every rank of ``group`` (``sizes``: how many each holds), differentiable: this rank's
+    queries' output. ``pieces``: ``m`` (by default ``auto_pieces(sizes)``). ``mask``: where
+    a mask meets the keys (``RingMask``), with ``bias`` this rank's rows of an additive mask
+    and ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:  # every key here (``group`` may be None)
         kb = () if kbias is None else (kbias,)

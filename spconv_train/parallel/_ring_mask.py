@@ -1,12 +1,7 @@
-"""Attention masks and biases on the ring (``_ring.py``): where a mask meets the key /
-value pieces (docs/attention.md, "Masks and biases on the ring").
-
-A whole mask is cut once to this rank's query rows (``select_rows``, by ``held_indices``);
-a DTensor mask split like the queries holds them already. ``RingMask.block`` picks each
-piece's key columns and makes them an additive bias in the queries' dtype; a
-``key_padding_mask`` travels with the keys, ``is_causal`` is formed per piece from the two
-index sets. A bias that requires grad gets the score gradient of every block summed into
-its columns (``RingMask.add_grad``), then over the ranks where it meets the plain tensor.
+"""Attention masks and biases on the ring (``_ring.py``): a whole mask cut once to this
+rank's query rows, each piece's key columns made an additive bias, a ``key_padding_mask``
+travelling with the keys, ``is_causal`` formed per piece, a learned bias's gradient summed
+into its columns (docs/attention.md, "Masks and biases on the ring").
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ from ._tokens import TokenLayout, split_layouts
 
 
 def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
-    """``mask`` as an additive bias of ``dtype``: a boolean mask gives ``-inf`` where it
-    equals ``masked`` (SDPA: ``False`` is masked out; ``nn.MultiheadAttention``: ``True``)
-    and 0 elsewhere; a float mask is the bias itself."""
+    """``mask`` as an additive bias of ``dtype``: a boolean one ``-inf`` where it equals
+    ``masked`` (SDPA masks ``False``, ``nn.MultiheadAttention`` ``True``), else 0."""
     if mask.dtype != torch.bool:
         return mask.to(dtype)
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
@@ -39,10 +33,9 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
     """The entries of the whole ``mask`` that this rank's queries (or keys) meet: along
-    each mask dim of ``picks`` (negative, counted from the end: -2 the query rows, -4 the
-    images; -1 the key columns, ``_cross_attention.local_mask``) the global indices the
-    layouts give this rank, where the mask has that dim and does not broadcast it. Its
-    gradient is summed over ``groups`` (the ranks splitting those queries or keys)."""
+    each mask dim of ``picks`` (from the end: -2 the query rows, -4 the images, -1 the key
+    columns) the indices the layouts give this rank, unless broadcast. Its gradient is
+    summed over ``groups`` (the ranks splitting those queries or keys)."""
     part = sum_grad_over(mask, groups)
     for d, lays in picks.items():
         if lays and -d <= part.ndim and part.shape[d] != 1:
@@ -51,18 +44,17 @@ def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups:
 
 
 def finite(lse: Tensor) -> Tensor:
-    """``lse`` with the rows that no key reached (``-inf``) at 0, as the CPU flash kernel
-    gives them: ``exp(score - lse)`` is then 0 there instead of NaN."""
+    """``lse`` with the rows no key reached (``-inf``) at 0, as the CPU flash kernel gives
+    them: ``exp(score - lse)`` is then 0 there, not NaN."""
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
 @dataclass(frozen=True)
 class RingMask:
-    """Where the mask meets the ring's pieces: ``cols``, the global key indices every ring
-    member holds in its local order; ``rows``, for causal attention, the global indices of
-    this rank's queries (None: not causal); ``dtype``: the queries'. The bias itself (this
-    rank's rows, additive or boolean as SDPA reads it, its last dim all ``S`` keys or 1)
-    is passed apart, as an autograd input."""
+    """Where the mask meets the ring's pieces: ``cols``, the global key indices of every
+    ring member in its local order; ``rows``, the global indices of this rank's queries
+    when causal; ``dtype``: the queries'. The bias (this rank's rows, its last dim all
+    ``S`` keys or 1) is passed apart, as an autograd input."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
@@ -77,22 +69,19 @@ class RingMask:
     ) -> Tensor | None:
         """The additive mask of the keys ``span`` (``(owner, lo, hi)``: tokens ``lo:hi`` of
         the owner's block) for this rank's queries; ``travelling``: the piece's own key
-        mask ``(..., tokens, 1)`` when one travels with the keys. None when nothing masks."""
+        mask ``(..., tokens, 1)``, if one travels. None when nothing masks."""
         keys = self._keys(span)
         out = travelling[0].transpose(-2, -1) if travelling else None
         if bias is not None:
             cols = bias if bias.shape[-1] == 1 else bias.index_select(-1, keys)
             out = _plus(out, additive(cols, self.dtype, masked=False))
-        if self.rows is not None:
-            late = self.rows.unsqueeze(-1) < keys  # a key after the query
-            causal = torch.zeros(late.shape, dtype=self.dtype, device=keys.device)
-            causal.masked_fill_(late, -math.inf)
-            out = _plus(out, causal)
+        if self.rows is not None:  # a key after the query is masked
+            out = _plus(out, additive(self.rows.unsqueeze(-1) < keys, self.dtype, masked=True))
         return out
 
     def add_grad(self, dbias: Tensor, span: tuple[int, int, int], ds: Tensor) -> None:
-        """Add the score gradient ``ds`` of the keys ``span`` into ``dbias`` (the bias's
-        shape): summed over the dims the bias broadcasts, into its columns of those keys."""
+        """Add the score gradient ``ds`` of the keys ``span`` into ``dbias``'s columns of
+        those keys, summed over the dims the bias broadcasts."""
         if dbias.shape[-1] == 1:
             dbias.add_(ds.sum_to_size(dbias.shape))
             return
@@ -101,8 +90,8 @@ class RingMask:
 
 
 def key_grads(travelling: tuple, ds: Tensor | None) -> tuple[Tensor, ...]:
-    """The gradient of the travelling key mask of a piece (``()`` without one; zeros
-    when ``ds`` was not formed: the mask needs none)."""
+    """The gradient of a piece's travelling key mask (``()`` without one; zeros when ``ds``
+    was not formed: the mask needs none)."""
     if not travelling:
         return ()
     kb = travelling[0]
@@ -115,18 +104,10 @@ def _plus(a: Tensor | None, b: Tensor) -> Tensor:
     return b if a is None else a + b
 
 
-def _picks(q: DTensor, mask_dims: dict[int, int]) -> dict[int, tuple[TokenLayout, ...]]:
-    """The layouts splitting ``q``, keyed by the mask dim each split dim of ``q`` meets
-    (``mask_dims``: q dim -> mask dim counted from the end)."""
-    lays = split_layouts(q)
-    return {mask_dims[d]: dim_layouts(lays, d) for d in {lay.dim for lay in lays}}
-
-
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows (and batch entries: images, windows) of
-    ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a DTensor split like the
-    queries ``q``): boolean as given (a byte per entry), a float mask as an additive bias in
-    the queries' dtype."""
+    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or a DTensor
+    split like the queries ``q``): boolean as given (a byte per entry), a float one in the
+    queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -163,19 +144,18 @@ def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
 def mha_bias(
     attn_mask, key_padding_mask, q: DTensor, k: DTensor, heads: int, what: str
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``nn.MultiheadAttention``'s masks (boolean: True is masked out) on the ring:
-    ``(bias, key bias)``. ``bias``: this rank's rows of the whole ones (``attn_mask``
-    ``(L, S)`` or ``(N * heads, L, S)``, ``key_padding_mask`` ``(N, S)``), one additive
-    bias broadcastable to ``(N_r, heads, L_r, S)``; ``key bias``: a ``key_padding_mask``
-    split like the keys, this rank's keys' entries (``_key_mask``). ``q``, ``k``: the
-    sequence-first queries ``(L, N, E)`` and keys."""
-    bias = None
+    """``nn.MultiheadAttention``'s masks on the ring: ``(bias, key bias)``. ``bias``: this
+    rank's rows of the whole ones (``attn_mask`` ``(L, S)`` or ``(N * heads, L, S)``,
+    ``key_padding_mask`` ``(N, S)``) as one additive bias broadcasting to ``(N_r, heads,
+    L_r, S)``; ``key bias``: a ``key_padding_mask`` split like the keys (``_key_mask``).
+    ``q``, ``k``: the sequence-first queries ``(L, N, E)`` and keys."""
+    bias, lays = None, split_layouts(q)
     n, groups = q.shape[1], grad_groups(q)
-    if isinstance(key_padding_mask, DTensor):
-        kbias, key_padding_mask = _key_mask(key_padding_mask, k, what), None
-    else:
-        kbias = None
-    for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+    # (L, N, E) against (N, heads, L, S): q's dim 0 meets the mask's -2, dim 1 its -4
+    picks = {{0: -2, 1: -4}[d]: dim_layouts(lays, d) for d in {lay.dim for lay in lays}}
+    kbias = _key_mask(key_padding_mask, k, what) if isinstance(key_padding_mask, DTensor) else None
+    kpm = key_padding_mask if kbias is None else None
+    for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", kpm)):
         if mask is None:
             continue
         if isinstance(mask, DTensor):
@@ -188,7 +168,6 @@ def mha_bias(
             mask = mask.view(n, 1, 1, mask.shape[-1])
         elif mask.ndim == 3:
             mask = mask.view(n, heads, *mask.shape[-2:])
-        picks = _picks(q, {0: -2, 1: -4})  # (L, N, E) against (N, heads, L, S)
         part = additive(select_rows(mask, picks, ()), q.dtype, True)
         bias = _plus(bias, part)
     return bias, kbias
