@@ -150,7 +150,8 @@ def spatial_multi_head_attention(*args, **kwargs):
         )
     keys = _keys(q, k, v, seq, what)
     # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
-    bias, kbias = mha_bias(kw["attn_mask"], kw["key_padding_mask"], q, k, kw["num_heads"], what)
+    masks = (kw["attn_mask"], kw["key_padding_mask"])
+    bias, kbias = mha_bias(*masks, q, k, seq, kw["num_heads"], what)
     groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
     attend = functools.partial(_attend, keys=keys, bias=bias, kbias=kbias)
     out = project_attend(kw, (q.to_local(), *keys[:2]), groups, groups, attend)

@@ -1,11 +1,8 @@
 """Attention written out over sharded pixel tokens: ``q @ k.transpose(-2, -1)`` -> softmax ->
-``@ v`` (``@``, ``torch.matmul``, ``torch.bmm``, two-operand ``torch.einsum``).
-
-The scores keep the queries' split with every key per rank (scaling, softmax over the keys
-and dropout then local under DTensor's rules); both products run as ring matmuls
-(``_ring.Ring``, whole key / value blocks, the backward's accumulators following them
-home) when keys and values are split over the same ranks, locally with the gradient summed
-when they are whole. Any other product goes to DTensor's rules behind the no-gather guard.
+``@ v`` (``@``, ``torch.matmul``, ``torch.bmm``, two-operand ``torch.einsum``). The scores
+keep the queries' split with every key per rank; both products run as ring matmuls
+(``_ring.Ring``, whole blocks) when keys and values are split over the same ranks, locally
+when they are whole; any other product goes to DTensor's rules behind the no-gather guard.
 docs/attention.md, "Attention written out".
 """
 
@@ -27,32 +24,12 @@ from ._tokens import MATMULS, chain, split_layouts
 SCORES, APPLY, LOCAL = "scores", "apply", "local"
 
 
-def _block_forward(kind: str, a: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None:
-    if kind == SCORES:  # this block's key columns of the scores
-        out.index_copy_(-1, cols, a @ t.transpose(-2, -1))
-    else:  # the weights of this block's keys times its values
-        out.add_(a.index_select(-1, cols) @ t)
-
-
-def _block_backward(
-    kind: str, a: Tensor, t: Tensor, cols: Tensor, dout: Tensor, da: Tensor
-) -> Tensor:
-    """Adds the block's part of ``da`` into ``da``; returns this rank's part of the block's
-    gradient."""
-    if kind == SCORES:
-        ds = dout.index_select(-1, cols)
-        da.add_(ds @ t)
-        return ds.transpose(-2, -1) @ a
-    da.index_add_(-1, cols, dout @ t.transpose(-2, -1))
-    return a.index_select(-1, cols).transpose(-2, -1) @ dout
-
-
 class RingMatmul(torch.autograd.Function):
     """``SCORES``: ``a @ t_all^T`` (``a``: ``(*lead, L_r, d)``, result ``(*lead, L_r,
     n_cols)``); ``APPLY``: ``a @ t_all`` (``a``: ``(*lead, L_r, n_cols)``, result
     ``(*lead, L_r, e)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; ``t_all``
     the blocks of every rank in global order: block ``j`` holds the global indices
-    ``cols[j]`` of the ``n_cols`` keys."""
+    ``cols[j]`` of the ``n_cols`` keys. One rank: the plain product."""
 
     @staticmethod
     def forward(ctx, a, t, kind: str, group, sizes: tuple[int, ...], cols: tuple, n_cols: int):
@@ -62,7 +39,14 @@ class RingMatmul(torch.autograd.Function):
             out = a.new_empty(*a.shape[:-1], n_cols)
         else:
             out = a.new_zeros(*a.shape[:-1], t.shape[-1])
-        ring.forward((t,), lambda item, tb: _block_forward(kind, a, tb[0], cols[item[0]], out))
+
+        def work(item: Item, tb: Blocks) -> None:
+            if kind == SCORES:  # this block's key columns of the scores
+                out.index_copy_(-1, cols[item[0]], a @ tb[0].transpose(-2, -1))
+            else:  # the weights of this block's keys times its values
+                out.add_(a.index_select(-1, cols[item[0]]) @ tb[0])
+
+        ring.forward((t,), work)
         ctx.save_for_backward(a, t)
         ctx.kind, ctx.ring, ctx.cols = kind, ring, cols
         return out
@@ -75,7 +59,13 @@ class RingMatmul(torch.autograd.Function):
         da = torch.zeros_like(a)
 
         def grads_of(item: Item, tb: Blocks) -> Blocks:
-            return (_block_backward(kind, a, tb[0], cols[item[0]], dout, da),)
+            """Adds the block's part of ``da``; this rank's part of the block's gradient."""
+            if kind == SCORES:
+                ds = dout.index_select(-1, cols[item[0]])
+                da.add_(ds @ tb[0])
+                return (ds.transpose(-2, -1) @ a,)
+            da.index_add_(-1, cols[item[0]], dout @ tb[0].transpose(-2, -1))
+            return (a.index_select(-1, cols[item[0]]).transpose(-2, -1) @ dout,)
 
         (dt,) = ctx.ring.backward((t,), grads_of)
         return da, dt, None, None, None, None, None
@@ -84,7 +74,7 @@ class RingMatmul(torch.autograd.Function):
 def ring_matmul(
     kind: str, a: Tensor, t: Tensor, group, sizes: tuple[int, ...], cols: tuple, n_cols: int
 ) -> Tensor:
-    """Differentiable ``RingMatmul`` (see there); one rank: the plain product."""
+    """Differentiable ``RingMatmul`` (see there)."""
     if len(sizes) == 1:  # every key here, in global order
         return a @ t.transpose(-2, -1) if kind == SCORES else a @ t
     return RingMatmul.apply(a, t, kind, group, tuple(sizes), tuple(cols), n_cols)
@@ -110,18 +100,15 @@ def _plan(a, b) -> tuple[str, Seq, Seq] | None:
         x, y = la.get(mesh_dim), lb.get(mesh_dim)
         if x is None or y is None or (x.dim, x.split_factor) != (y.dim, y.split_factor):
             return None
-        if x.dim >= a.ndim - 2:
+        if x.dim >= a.ndim - 2:  # not a batch dim
             return None
     kb = tuple(lb[m] for m in sorted(seq) if m in lb)
     if not kb:
         return LOCAL, rows, rows
     if len(kb) != len(rows) or len({m.dim for m in kb}) != 1:
         return None
-    if kb[0].dim == b.ndim - 1:
-        return SCORES, rows, kb
-    if kb[0].dim == b.ndim - 2:
-        return APPLY, rows, kb
-    return None
+    kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim)
+    return None if kind is None else (kind, rows, kb)
 
 
 def token_matmul(a, b) -> DTensor | None:
@@ -131,18 +118,14 @@ def token_matmul(a, b) -> DTensor | None:
     if plan is None:
         return None
     kind, seq, kb = plan
-    shape = (*a.shape[:-1], b.shape[-1])
     if kind == LOCAL:
         out = a.to_local() @ partial_local(b, seq)
-        return wrap(out, a, a.placements, shape)
-    t = b.to_local()
-    if kind == SCORES:
-        t = t.transpose(-2, -1)
-    ring = token_ring(a.device_mesh, kb)
-    out = ring_matmul(
-        kind, a.to_local(), t, ring.group, ring.sizes(), ring.columns(t.device), b.shape[kb[0].dim]
-    )
-    return wrap(out, a, a.placements, shape)
+    else:
+        t = b.to_local().transpose(-2, -1) if kind == SCORES else b.to_local()
+        ring = token_ring(a.device_mesh, kb)
+        cols = ring.columns(t.device)
+        out = ring_matmul(kind, a.to_local(), t, ring.group, ring.sizes(), cols, b.shape[kb[0].dim])
+    return wrap(out, a, a.placements, (*a.shape[:-1], b.shape[-1]))
 
 
 @chain(*MATMULS)

@@ -23,7 +23,7 @@ from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._prefix_shard import placement
 from ._reduce import _global_extreme
-from ._ring_mask import select_rows
+from ._ring_mask import batch_rows, select_rows
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
 from ._token_layout import held_indices
@@ -64,17 +64,6 @@ def out_placements(k: DTensor, kseq: Seq) -> tuple:
     return tuple(Replicate() if i in dims else p for i, p in enumerate(k.placements))
 
 
-def _batch_rows(t: Tensor, k: DTensor, kseq: Seq, dim: int, rows: int) -> Tensor:
-    """This rank's batch of a plain ``t`` along ``dim`` (``rows`` entries per sample:
-    ``nn.MultiheadAttention``'s ``(N * heads, Q, L)`` masks) where ``k``'s batch is split
-    (data parallel); a size-1 (broadcast) dim stays."""
-    outer = tuple(lay for lay in split_layouts(k) if lay not in kseq)
-    if not outer or t.shape[dim] == 1:
-        return t
-    idx = held_indices(outer).view(-1, 1) * rows + torch.arange(rows).view(1, -1)
-    return t.index_select(dim, idx.reshape(-1).to(t.device))
-
-
 def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
     """The queries every rank attends to its keys: a DTensor's local tensor (it must be
     whole on the spatial ranks and split like ``k`` elsewhere) or a plain tensor's batch
@@ -85,7 +74,7 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
                 what, f"queries split as {q.placements} next to keys split as {k.placements}"
             )
         return partial_local(q, kseq)
-    return _batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
+    return batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
 
 
 def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tensor | None:
@@ -97,7 +86,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
         return None
     if not isinstance(mask, DTensor):
         part = select_rows(mask, {-1: kseq}, grad_groups(k))  # the columns of this rank's keys
-        return part if rows is None else _batch_rows(part, k, kseq, 0, rows)
+        return part if rows is None else batch_rows(part, k, kseq, 0, rows)
     last = mask.ndim - 1
     lays = split_layouts(mask)
     on_last = tuple(lay for lay in lays if lay.dim == last)

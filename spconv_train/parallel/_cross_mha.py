@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ._cross_attention import Seq, _refuse, attend, local_mask, local_query, out_placements
 from ._dims import wrap
 from ._halo import sum_grad_over
-from ._ring_mask import _plus, additive
+from ._ring_mask import mha_mask
 from ._sharding import grad_groups
 from ._token_ring import token_ring
 from ._tokens import split_layouts
@@ -41,20 +41,6 @@ def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
     if kw["training"] and kw["dropout_p"] > 0:  # replicas would draw different masks
         return f"attention dropout (dropout={kw['dropout_p']}) in training"
     return None
-
-
-def _mha_mask(kw: dict, k: DTensor, kseq: Seq, n: int, dtype) -> Tensor | None:
-    """``attn_mask`` and ``key_padding_mask`` of this rank's keys and batch as one additive
-    mask broadcasting against the scores ``(n, heads, Q, L_r)``."""
-    heads, what = kw["num_heads"], "nn.MultiheadAttention"
-    am, kpm, out = kw["attn_mask"], kw["key_padding_mask"], None
-    if am is not None:  # (Q, L) or (n * heads, Q, L)
-        am = additive(local_mask(am, k, kseq, heads if am.ndim == 3 else None, what), dtype, True)
-        out = am.view(n, heads, *am.shape[1:]) if am.ndim == 3 else am
-    if kpm is not None:  # (n, L)
-        kpm = additive(local_mask(kpm, k, kseq, 1, what), dtype, True)
-        out = _plus(out, kpm.view(n, 1, 1, kpm.shape[-1]))
-    return out
 
 
 def _whole_mha(kw: dict, what: str):
@@ -119,7 +105,10 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     group = token_ring(k.device_mesh, kseq).group
 
     def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
-        mask = _mha_mask(kw, k, kseq, qh.shape[0], qh.dtype)
+        masks, heads = (kw["attn_mask"], kw["key_padding_mask"]), kw["num_heads"]
+        mask = mha_mask(
+            *masks, heads, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what)
+        )
         return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
 
     # the input side: every rank's share of the keys; the output side: the batch alone

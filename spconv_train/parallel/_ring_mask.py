@@ -18,7 +18,7 @@ from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._sharding import grad_groups
-from ._token_layout import dim_layouts, held_indices, local_part
+from ._token_layout import held_indices, local_part
 from ._tokens import TokenLayout, split_layouts
 
 
@@ -141,33 +141,49 @@ def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
     return local.view(local.shape[0], 1, local.shape[1], 1)
 
 
-def mha_bias(
-    attn_mask, key_padding_mask, q: DTensor, k: DTensor, heads: int, what: str
-) -> tuple[Tensor | None, Tensor | None]:
+def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor:
+    """This rank's batch of a plain ``t`` along ``dim`` (``rows`` entries per sample:
+    ``nn.MultiheadAttention``'s ``(N * heads, Q, L)`` masks) where ``x``'s batch (its splits
+    outside the sequence layouts ``seq``) is split; a size-1 (broadcast) dim stays."""
+    outer = tuple(lay for lay in split_layouts(x) if lay not in seq)
+    if not outer or t.shape[dim] == 1:
+        return t
+    idx = held_indices(outer).view(-1, 1) * rows + torch.arange(rows).view(1, -1)
+    return t.index_select(dim, idx.reshape(-1).to(t.device))
+
+
+def mha_mask(attn_mask, key_padding_mask, heads: int, dtype, cut) -> Tensor | None:
+    """``nn.MultiheadAttention``'s ``attn_mask`` (``(Q, S)`` or ``(N * heads, Q, S)``) and
+    ``key_padding_mask`` (``(N, S)``), True masked out, each cut to this rank by ``cut(mask,
+    name, per_sample)`` (entries of dim 0 per sample; None: no batch dim), as one additive
+    mask broadcasting against the scores ``(N_r, heads, Q_r, S_r)``."""
+    out = None
+    if attn_mask is not None:
+        per = heads if attn_mask.ndim == 3 else None
+        am = additive(cut(attn_mask, "attn_mask", per), dtype, True)
+        out = am.view(-1, heads, *am.shape[1:]) if am.ndim == 3 else am
+    if key_padding_mask is not None:
+        kpm = additive(cut(key_padding_mask, "key_padding_mask", 1), dtype, True)
+        out = _plus(out, kpm.view(-1, 1, 1, kpm.shape[-1]))
+    return out
+
+
+def mha_bias(attn_mask, key_padding_mask, q: DTensor, k: DTensor, seq: tuple, heads: int, what):
     """``nn.MultiheadAttention``'s masks on the ring: ``(bias, key bias)``. ``bias``: this
-    rank's rows of the whole ones (``attn_mask`` ``(L, S)`` or ``(N * heads, L, S)``,
-    ``key_padding_mask`` ``(N, S)``) as one additive bias broadcasting to ``(N_r, heads,
-    L_r, S)``; ``key bias``: a ``key_padding_mask`` split like the keys (``_key_mask``).
-    ``q``, ``k``: the sequence-first queries ``(L, N, E)`` and keys."""
-    bias, lays = None, split_layouts(q)
-    n, groups = q.shape[1], grad_groups(q)
-    # (L, N, E) against (N, heads, L, S): q's dim 0 meets the mask's -2, dim 1 its -4
-    picks = {{0: -2, 1: -4}[d]: dim_layouts(lays, d) for d in {lay.dim for lay in lays}}
+    rank's rows and batch of the whole masks (``mha_mask``); ``key bias``: a
+    ``key_padding_mask`` split like the keys (``_key_mask``). ``q``, ``k``: the
+    sequence-first queries ``(L, N, E)`` and keys; ``seq``: the layouts of ``L``."""
     kbias = _key_mask(key_padding_mask, k, what) if isinstance(key_padding_mask, DTensor) else None
-    kpm = key_padding_mask if kbias is None else None
-    for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", kpm)):
-        if mask is None:
-            continue
+    groups = grad_groups(q)
+
+    def cut(mask: Tensor, name: str, per: int | None) -> Tensor:
         if isinstance(mask, DTensor):
             raise SpatialShardingError(
                 f"{what} in module '{module_path()}': an {name} that is a DTensor "
                 f"({mask.placements}) is not supported; pass it whole (a plain tensor)."
             )
-        mask = sum_grad_over(mask, groups)  # before the view: a parameter's own gradient
-        if name == "key_padding_mask":
-            mask = mask.view(n, 1, 1, mask.shape[-1])
-        elif mask.ndim == 3:
-            mask = mask.view(n, heads, *mask.shape[-2:])
-        part = additive(select_rows(mask, picks, ()), q.dtype, True)
-        bias = _plus(bias, part)
-    return bias, kbias
+        part = select_rows(mask, {-2: seq} if name == "attn_mask" else {}, groups)
+        return part if per is None else batch_rows(part, q, seq, 0, per)
+
+    kpm = key_padding_mask if kbias is None else None
+    return mha_mask(attn_mask, kpm, heads, q.dtype, cut), kbias

@@ -26,25 +26,6 @@ from ._tokens import TokenLayout
 Seq = tuple[TokenLayout, ...]
 
 
-@functools.lru_cache(maxsize=64)
-def _group_of(mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> tuple[object, tuple]:
-    """``(group, coords)``: the process group over ``mesh_dims`` holding this rank, and the
-    mesh coordinates of its members in group-rank order."""
-    if len(mesh_dims) == 1:
-        group = mesh.get_group(mesh_dims[0])
-    else:
-        names = mesh.mesh_dim_names
-        if not names:
-            raise ValueError(
-                "attention over tokens split over several mesh dims needs a mesh with "
-                "mesh_dim_names (e.g. ('sp_h', 'sp_w'))"
-            )
-        group = flat_mesh(mesh[tuple(names[m] for m in mesh_dims)]).get_group()
-    ranks = torch.as_tensor(dist.get_process_group_ranks(group))
-    coords = tuple(tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks.tolist())
-    return group, coords
-
-
 @dataclass(frozen=True)
 class TokenRing:
     """The ring over the ranks that split one token dim: its ``group`` and, per member in
@@ -71,7 +52,17 @@ class TokenRing:
 def token_ring(mesh: DeviceMesh, lays: tuple[TokenLayout, ...]) -> TokenRing:
     """The ring of the ranks splitting the token dim of ``lays`` (every layout of that
     dim of one tensor; a ``dp`` split of the same dim is left to the batch)."""
-    group, coords = _group_of(mesh, tuple(lay.mesh_dim for lay in lays))
+    dims = tuple(lay.mesh_dim for lay in lays)
+    if len(dims) == 1:
+        group = mesh.get_group(dims[0])
+    elif not mesh.mesh_dim_names:
+        raise ValueError(
+            "attention over tokens split over several mesh dims needs a mesh with "
+            "mesh_dim_names (e.g. ('sp_h', 'sp_w'))"
+        )
+    else:
+        group = flat_mesh(mesh[tuple(mesh.mesh_dim_names[m] for m in dims)]).get_group()
+    coords = [(mesh.mesh == r).nonzero()[0].tolist() for r in dist.get_process_group_ranks(group)]
     members = tuple(
         tuple(dataclasses.replace(lay, rank=c[lay.mesh_dim]) for lay in lays) for c in coords
     )
