@@ -17,8 +17,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._cross_attention import _refuse as refuse
-from ._cross_attention import cross_sdpa, split_keys
-from ._cross_mha import cross_mha, project_attend, unsupported_mha
+from ._cross_attention import cross_mha, cross_sdpa, project_attend, split_keys, unsupported_mha
 from ._dims import wrap
 from ._errors import module_path
 from ._mode import register_handler
@@ -134,7 +133,7 @@ def spatial_multi_head_attention(*args, **kwargs):
     kw = bound.arguments
     q, k, v = kw["query"], kw["key"], kw["value"]
     kseq = split_keys(q, k, 0)
-    if kseq is not None:  # whole queries (keys split, or whole too): _cross_mha.py
+    if kseq is not None:  # whole queries (keys split, or whole too): _cross_attention.py
         return cross_mha(kw, kseq)
     if not isinstance(q, DTensor):
         raise _refuse(what, "plain-tensor queries next to sharded keys / values")

@@ -13,10 +13,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import _attention  # noqa: F401  (registers first)
-from ._cross_attention import einsum_terms, whole_operand_einsum
 from ._dims import wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
+from ._prefix_shard import placement
 from ._ring import Blocks, Item, Ring
 from ._token_ring import Seq, partial_local, token_ring
 from ._tokens import MATMULS, chain, split_layouts
@@ -132,6 +132,60 @@ def token_matmul(a, b) -> DTensor | None:
 def _matmul(prev, a, b, *args, **kwargs):
     out = token_matmul(a, b) if not args and not kwargs else None
     return out if out is not None else prev(a, b, *args, **kwargs)
+
+
+def einsum_terms(equation: str) -> tuple[str, str, str] | None:
+    """``(a, b, out)``: the index strings of a two-operand ``torch.einsum`` equation with an
+    explicit output, no ellipsis and no index twice in a term; ``None`` for any other."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        return None
+    (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
+    return None if any(len(set(s)) != len(s) for s in (sa, sb, out)) else (sa, sb, out)
+
+
+def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
+    """``torch.einsum`` (``einsum_terms``) of two DTensors where one is whole on every mesh
+    dim that splits the other along an index kept in the output and absent from it
+    (Mask2Former's mask prediction ``"bqc,bchw->bqhw"``: whole queries times the sharded
+    map): local, the output split like that operand, the whole one's gradient a partial sum
+    per rank. ``None`` for any other product (both split alike, e.g. a ``dp`` batch, is
+    local too)."""
+    sa, sb, out = terms
+    if (len(sa), len(sb)) != (a.ndim, b.ndim):
+        return None
+    if a.device_mesh != b.device_mesh or any(
+        p.is_partial() for p in (*a.placements, *b.placements)
+    ):
+        return None
+    la, lb = ({m.mesh_dim: m for m in split_layouts(t)} for t in (a, b))
+    placements, partial = list(a.placements), [[], []]
+    for i in range(a.device_mesh.ndim):
+        x, y = la.get(i), lb.get(i)
+        lay, side, names = (x, 0, sa) if x is not None else (y, 1, sb)
+        if lay is None:
+            continue
+        ch = names[lay.dim]
+        if x is not None and y is not None:  # split alike on both (a batch index)
+            if sb.find(ch) != y.dim or (x.split_factor, x.inner) != (y.split_factor, y.inner):
+                return None
+        elif ch in (sb if side == 0 else sa):
+            return None  # contracted or shared with the whole operand: not local
+        if ch not in out:
+            return None
+        placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
+        if x is None or y is None:
+            partial[1 - side].append(lay)  # the whole operand meets this rank's part
+    ops = [
+        partial_local(t, tuple(p)) if p else t.to_local()
+        for t, p in zip((a, b), partial, strict=True)
+    ]
+    sizes: dict[str, int] = {}
+    for names, t in ((sa, a), (sb, b)):
+        for ch, n in zip(names, t.shape, strict=True):
+            sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
+    shape = tuple(sizes[ch] for ch in out)
+    return wrap(torch.einsum(f"{sa},{sb}->{out}", *ops), a, placements, shape)
 
 
 def _as_matmul(sa: str, sb: str, out: str) -> tuple[str, str, str] | None:

@@ -1,12 +1,10 @@
-"""Cross attention of whole queries to sharded keys (DETR, Mask2Former, SAM's
-token-to-image attention) through ``F.scaled_dot_product_attention``.
-
-Every rank attends all the queries to its own keys; a row maximum (all-reduce max) and one
-query-sized sum of ``exp(s - m) @ v`` and ``sum exp(s - m)`` combine the parts exactly, no
-key or value moving; the backward is autograd through the same terms. A query that sees no
-key at all gives what torch gives on one device (SDPA: zeros; ``nn.MultiheadAttention``
-with ``need_weights``: NaN). docs/attention.md, "Learned queries attending to sharded
-keys".
+"""Whole queries attending to sharded keys (DETR, Mask2Former, SAM's token-to-image
+attention) through ``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention``: every
+rank attends the queries to its own keys, a row maximum and one query-sized sum combine the
+parts exactly (``attend``), no key or value moving; masks are cut to the rank's keys and
+batch (``local_mask``). Also ``nn.MultiheadAttention`` among whole queries, and its
+projections for both routes (``project_attend``). docs/attention.md, "Learned queries
+attending to sharded keys".
 """
 
 from __future__ import annotations
@@ -14,16 +12,16 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._prefix_shard import placement
 from ._reduce import _global_extreme
-from ._ring_mask import batch_rows, select_rows
+from ._ring_mask import batch_rows, mha_mask, select_rows
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
 from ._token_layout import held_indices
@@ -45,16 +43,14 @@ def split_keys(q, k, seq_dim: int) -> Seq | None:
     """The layouts splitting ``k``'s sequence dim ``seq_dim`` over spatial mesh dims when
     the queries' sequence is whole (the cross route; empty: neither is split), ``None``
     when the queries' sequence is split (the ring) or ``k`` is no DTensor."""
-    if not isinstance(k, DTensor):
+
+    def on_seq(x: DTensor) -> Seq:
+        d = seq_dim % x.ndim
+        return tuple(m for m in split_layouts(x) if m.dim == d and not is_dp(x, m.mesh_dim))
+
+    if not isinstance(k, DTensor) or (isinstance(q, DTensor) and on_seq(q)):
         return None
-    if isinstance(q, DTensor) and any(
-        lay.dim == seq_dim % q.ndim and not is_dp(q, lay.mesh_dim) for lay in split_layouts(q)
-    ):
-        return None
-    seq_dim %= k.ndim
-    return tuple(
-        lay for lay in split_layouts(k) if lay.dim == seq_dim and not is_dp(k, lay.mesh_dim)
-    )
+    return on_seq(k)
 
 
 def out_placements(k: DTensor, kseq: Seq) -> tuple:
@@ -79,9 +75,8 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
 
 def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tensor | None:
     """The columns of ``mask`` (``(..., Q, L)``) that meet this rank's keys, and its batch
-    (``rows`` entries of dim 0 per sample; ``None``: no batch dim). A DTensor split like
-    the keys along its last dim gives its local tensor; a whole one (plain or replicated)
-    is indexed with the rank's token indices, its gradient summed over the ranks."""
+    (``rows`` entries of dim 0 per sample; ``None``: no batch dim): a DTensor's split like
+    the keys along its last dim, a whole one's picked (its gradient summed)."""
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
@@ -112,9 +107,9 @@ def attend(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, kseq_group, empty_nan
 ) -> Tensor:
     """``softmax(q k^T * scale + mask) v`` of whole queries over the keys of every rank of
-    ``kseq_group`` (each holds its own ``k``, ``v``, ``mask`` columns), differentiable.
-    A bool ``mask`` is True where a query may attend (SDPA's meaning), a float one is
-    added. A query that sees no key at all gives NaN with ``empty_nan``, else zeros."""
+    ``kseq_group`` (each holds its own ``k``, ``v``, ``mask`` columns; a bool ``mask`` True
+    where a query may attend), by autograd. A query that sees no key gives NaN with
+    ``empty_nan`` (``nn.MultiheadAttention`` with ``need_weights``), else zeros (SDPA)."""
     s = (q @ k.transpose(-2, -1)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
@@ -153,55 +148,95 @@ def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, sc
     return wrap(out, key, out_placements(key, kseq), (*query.shape[:-1], value.shape[-1]))
 
 
-def einsum_terms(equation: str) -> tuple[str, str, str] | None:
-    """``(a, b, out)``: the index strings of a two-operand ``torch.einsum`` equation with an
-    explicit output, no ellipsis and no index twice in a term; ``None`` for any other."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq or eq.count(",") != 1:
-        return None
-    (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
-    return None if any(len(set(s)) != len(s) for s in (sa, sb, out)) else (sa, sb, out)
-
-
-def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
-    """``torch.einsum`` (``einsum_terms``) of two DTensors where one is whole on every mesh
-    dim that splits the other along an index kept in the output and absent from it
-    (Mask2Former's mask prediction ``"bqc,bchw->bqhw"``: whole queries times the sharded
-    map): local, the output split like that operand, the whole one's gradient a partial sum
-    per rank. ``None`` for any other product (both split alike, e.g. a ``dp`` batch, is
-    local too)."""
-    sa, sb, out = terms
-    if (len(sa), len(sb)) != (a.ndim, b.ndim):
-        return None
-    if a.device_mesh != b.device_mesh or any(
-        p.is_partial() for p in (*a.placements, *b.placements)
+def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
+    """What the spatial routes of ``F.multi_head_attention_forward`` (arguments ``kw``) do
+    not take, or None; ``causal_with_mask``: ``is_causal`` is taken next to an
+    ``attn_mask`` (the ring's route: the mask alone gives the result; torch refuses it
+    without one), else refused (the cross route)."""
+    for name, why in (
+        ("bias_k", "bias_k / bias_v (add_bias_kv=True)"),
+        ("add_zero_attn", "add_zero_attn=True"),
+        ("static_k", "static_k / static_v"),
     ):
-        return None
-    la, lb = ({m.mesh_dim: m for m in split_layouts(t)} for t in (a, b))
-    placements, partial = list(a.placements), [[], []]
-    for i in range(a.device_mesh.ndim):
-        x, y = la.get(i), lb.get(i)
-        lay, side, names = (x, 0, sa) if x is not None else (y, 1, sb)
-        if lay is None:
-            continue
-        ch = names[lay.dim]
-        if x is not None and y is not None:  # split alike on both (a batch index)
-            if sb.find(ch) != y.dim or (x.split_factor, x.inner) != (y.split_factor, y.inner):
-                return None
-        elif ch in (sb if side == 0 else sa):
-            return None  # contracted or shared with the whole operand: not local
-        if ch not in out:
-            return None
-        placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
-        if x is None or y is None:
-            partial[1 - side].append(lay)  # the whole operand meets this rank's part
-    ops = [
-        partial_local(t, tuple(p)) if p else t.to_local()
-        for t, p in zip((a, b), partial, strict=True)
-    ]
-    sizes: dict[str, int] = {}
-    for names, t in ((sa, a), (sb, b)):
-        for ch, n in zip(names, t.shape, strict=True):
-            sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
-    shape = tuple(sizes[ch] for ch in out)
-    return wrap(torch.einsum(f"{sa},{sb}->{out}", *ops), a, placements, shape)
+        if kw.get(name) is not None and kw.get(name) is not False:
+            return why
+    if kw["is_causal"] and not causal_with_mask:
+        return "is_causal=True"
+    if kw["is_causal"] and kw["attn_mask"] is None:
+        return "is_causal=True without an attn_mask"
+    if kw["training"] and kw["dropout_p"] > 0:  # replicas would draw different masks
+        return f"attention dropout (dropout={kw['dropout_p']}) in training"
+    return None
+
+
+def _whole_mha(kw: dict, what: str):
+    """``F.multi_head_attention_forward`` with no sequence split (self-attention among
+    whole queries): torch's own on the local tensors, every parameter's gradient summed
+    over the batch split alone (the same on every spatial rank)."""
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    groups, args = grad_groups(q), dict(kw)
+    same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
+    if not same or q.ndim != 3 or any(lay.dim != 1 for lay in split_layouts(q)):
+        raise _refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
+    for name, t in kw.items():
+        if name.endswith("mask") and t is not None and (groups or isinstance(t, DTensor)):
+            raise _refuse(what, f"{name} with queries split as {q.placements}")
+        if isinstance(t, Tensor) and name not in ("query", "key", "value"):
+            args[name] = sum_grad_over(t, groups)
+    out, weights = F.multi_head_attention_forward(
+        **{**args, "query": q.to_local(), "key": k.to_local(), "value": v.to_local()}
+    )
+    if weights is not None:  # (N, [heads,] Q, S): the batch first
+        batch = tuple(Shard(0) if p == Shard(1) else p for p in q.placements)
+        weights = wrap(weights, q, batch, (q.shape[1], *weights.shape[1:]))
+    return wrap(out, q, q.placements, q.shape), weights
+
+
+def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend) -> Tensor:
+    """The sequence-first local queries, keys and values ``xs`` (``(L, N, E)``) through
+    ``nn.MultiheadAttention``'s input projections (arguments ``kw``, gradients summed over
+    ``groups``), split into heads ``(N, heads, L, E / heads)``, ``attend(qh, kh, vh,
+    scale)``, and the output projection (gradients summed over ``out_groups``)."""
+    heads = kw["num_heads"]
+    if kw["use_separate_proj_weight"]:
+        ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
+    else:
+        ws = list(sum_grad_over(kw["in_proj_weight"], groups).chunk(3))
+    bias = sum_grad_over(kw["in_proj_bias"], groups)
+    bs = list(bias.chunk(3)) if bias is not None else [None] * 3
+    qh, kh, vh = (
+        F.linear(x, w, b).reshape(*x.shape[:2], heads, -1).permute(1, 2, 0, 3)
+        for x, w, b in zip(xs, ws, bs, strict=True)
+    )
+    out = attend(qh, kh, vh, 1.0 / math.sqrt(xs[0].shape[-1] // heads))
+    w, b = (sum_grad_over(kw[f"out_proj_{n}"], out_groups) for n in ("weight", "bias"))
+    return F.linear(out.permute(2, 0, 1, 3).flatten(2), w, b)  # (L, N, E)
+
+
+def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
+    """``F.multi_head_attention_forward`` (sequence-first ``(Q, N, E)`` whole queries,
+    ``(L, N, E)`` keys / values with ``L`` split): projections local, the attention of
+    ``attend``, the output whole on every spatial rank. The q / k / v projections' weight
+    gradients are partial sums per rank, the output projection's is whole. The averaged
+    attention weights (``Q x L``) are not formed: the second output is ``None``."""
+    why = unsupported_mha(kw, causal_with_mask=False)
+    if why:
+        raise _refuse(what, why)
+    if not kseq:
+        return _whole_mha(kw, what)
+    q, k, v = kw["query"], kw["key"], kw["value"]
+    if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
+        raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
+    xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
+    group = token_ring(k.device_mesh, kseq).group
+
+    def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
+        masks, heads = (kw["attn_mask"], kw["key_padding_mask"]), kw["num_heads"]
+        mask = mha_mask(
+            *masks, heads, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what)
+        )
+        return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
+
+    # the input side: every rank's share of the keys; the output side: the batch alone
+    out = project_attend(kw, xs, grad_groups(k), grad_groups(k, kseq), attend_heads)
+    return wrap(out, k, out_placements(k, kseq), q.shape), None

@@ -1,11 +1,7 @@
-"""Sliding windows of a sharded map, and masks that pick among them: what a user-written
-neighbourhood (local) attention is made of (docs/attention.md, "Neighbourhood attention").
-
-``Tensor.unfold`` along a sharded dim fetches the halo along it (``plan_window`` /
-``gather_window``) and unfolds locally; ``F.unfold`` fetches the halo of every sharded dim
-(``halo_window``) and flattens the local output grid as the token reshape would, giving the
-one-device ``(N, C * k * k, L)`` in the output grid's token layout; ``masked_fill`` /
-``torch.where`` with a plain mask index it with the rank's positions and run locally.
+"""Sliding windows of a sharded map (``Tensor.unfold``, ``F.unfold`` through the halo),
+and plain masks that pick among them (``masked_fill``, ``torch.where``): what a
+user-written neighbourhood attention is made of (docs/attention.md, "Neighbourhood
+attention").
 """
 
 from __future__ import annotations
@@ -29,18 +25,15 @@ from ._window import gather_window, plan_window
 @register_handler(torch.Tensor.unfold)
 def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
     """``x.unfold(dimension, size, step)`` of a sharded tensor: along a sharded dim the
-    halo of ``size - 1`` positions comes from the next rank (point to point), then the
-    local window is unfolded; along any other dim the local op. Same arguments as
-    ``Tensor.unfold``."""
+    halo of ``size - 1`` positions comes from the next rank, then the local op."""
     args = (dimension, size, step)
-    if not handled(x):  # tokens, Partial: DTensor's own rules (named errors, _errors.py)
+    split = sharded_dims(x) if handled(x) else None
+    # tokens, Partial (DTensor's own rules, named errors), or one dim split over several
+    # mesh dims (no halo plan for that here)
+    if split is None or sum(p.is_shard() for p in x.placements) != len(split):
         return run_dtensor_op(torch.Tensor.unfold, (x, *args), {})
     shape = result_shape(torch.Tensor.unfold, x.shape, *args)
     d = norm_dim(dimension, x.ndim)
-    split = sharded_dims(x)
-    if sum(1 for p in x.placements if p.is_shard()) != len(split):
-        # one dim split over several mesh dims: no halo plan for that here
-        return run_dtensor_op(torch.Tensor.unfold, (x, *args), {})
     local = x.to_local()
     # the global strides DTensor's later view rules read mirror the local tensor's: the
     # window is a new buffer with ``d`` innermost, unfolded as a view (as on one device)
@@ -60,10 +53,9 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
 
 @register_handler(F.unfold)
 def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
-    """``F.unfold`` (im2col) of a sharded NCHW map, on strips, tiles and rows: the window
-    with its halos (``halo_window``), unfolded with padding 0, and the rank's output grid
-    flattened into the token layout of ``(N, C * prod(kernel_size), L)``. Same arguments
-    as ``F.unfold``."""
+    """``F.unfold`` (im2col) of a sharded NCHW map: the window with its halos, unfolded with
+    padding 0, the rank's output grid flattened into the token layout of ``(N, C * k * k,
+    L)``."""
     args = (kernel_size, dilation, padding, stride)
     if not handled(input) or input.ndim != 4:
         return run_dtensor_op(F.unfold, (input, *args), {})
@@ -79,10 +71,9 @@ def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
 
 
 def _local_operands(args: tuple):
-    """The DTensor whose layout the result takes and ``args`` turned into local operands
-    (its local tensor, plain tensors indexed with its positions, other values as they
-    are), or ``None`` where DTensor's own rules apply (DTensors laid out differently, a
-    plain tensor that would broadcast the sharded one)."""
+    """The DTensor whose layout the result takes and ``args`` as local operands (plain
+    tensors indexed with its positions), or ``None`` where DTensor's own rules apply
+    (DTensors laid out differently, a plain tensor that would broadcast the sharded one)."""
     like = next(a for a in args if isinstance(a, DTensor))
     if not (handled(like) or is_tokens(like)):
         return None
@@ -91,23 +82,21 @@ def _local_operands(args: tuple):
         if isinstance(a, DTensor):
             if a.placements != like.placements or a.shape != like.shape:
                 return None
-            out.append(a.to_local())
+            a = a.to_local()
         elif isinstance(a, Tensor) and a.ndim:
             try:
-                fits = torch.broadcast_shapes(a.shape, like.shape) == like.shape
+                if torch.broadcast_shapes(a.shape, like.shape) != like.shape:
+                    return None
             except RuntimeError:  # torch's own message, from DTensor's rules
                 return None
-            if not fits or a.ndim > like.ndim:
-                return None
-            out.append(local_part(a, like))
-        else:
-            out.append(a)
+            a = local_part(a, like)
+        out.append(a)
     return like, out
 
 
 def _with_plain_masks(func):
-    """Handler for an element-wise selection ``func`` (``masked_fill``, ``where``): a plain
-    mask or operand next to a sharded DTensor is indexed with the rank's positions."""
+    """Handler of an element-wise selection ``func``: a plain mask or operand next to a
+    sharded DTensor indexed with the rank's positions."""
 
     def handler(*args, **kwargs):
         plain = any(isinstance(a, Tensor) and not isinstance(a, DTensor) and a.ndim for a in args)
