@@ -98,7 +98,7 @@ def _plan(a, b) -> tuple[str, Seq, Seq] | None:
     seq = {m.mesh_dim for m in rows}
     for mesh_dim in (set(la) | set(lb)) - seq:  # batch splits, alike on both
         x, y = la.get(mesh_dim), lb.get(mesh_dim)
-        if x is None or y is None or (x.dim, x.split_factor) != (y.dim, y.split_factor):
+        if None in (x, y) or (x.dim, x.split_factor) != (y.dim, y.split_factor):
             return None
         if x.dim >= a.ndim - 2:  # not a batch dim
             return None
@@ -112,8 +112,7 @@ def _plan(a, b) -> tuple[str, Seq, Seq] | None:
 
 
 def token_matmul(a, b) -> DTensor | None:
-    """``a @ b`` when it is one of the attention products on split rows (see the module
-    docstring); ``None`` when it is not."""
+    """``a @ b`` when it is one of the attention products on split rows, else ``None``."""
     plan = _plan(a, b)
     if plan is None:
         return None
@@ -146,17 +145,12 @@ def einsum_terms(equation: str) -> tuple[str, str, str] | None:
 
 def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
     """``torch.einsum`` (``einsum_terms``) of two DTensors where one is whole on every mesh
-    dim that splits the other along an index kept in the output and absent from it
-    (Mask2Former's mask prediction ``"bqc,bchw->bqhw"``: whole queries times the sharded
-    map): local, the output split like that operand, the whole one's gradient a partial sum
-    per rank. ``None`` for any other product (both split alike, e.g. a ``dp`` batch, is
-    local too)."""
+    dim that splits the other along an output index it lacks (Mask2Former's mask
+    prediction ``"bqc,bchw->bqhw"``), locally: the whole one's gradient a partial sum per
+    rank (both split alike, e.g. a ``dp`` batch, is local too). ``None`` for any other."""
     sa, sb, out = terms
-    if (len(sa), len(sb)) != (a.ndim, b.ndim):
-        return None
-    if a.device_mesh != b.device_mesh or any(
-        p.is_partial() for p in (*a.placements, *b.placements)
-    ):
+    pending = any(p.is_partial() for p in (*a.placements, *b.placements))
+    if (len(sa), len(sb)) != (a.ndim, b.ndim) or a.device_mesh != b.device_mesh or pending:
         return None
     la, lb = ({m.mesh_dim: m for m in split_layouts(t)} for t in (a, b))
     placements, partial = list(a.placements), [[], []]

@@ -149,24 +149,19 @@ def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, sc
 
 
 def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
-    """What the spatial routes of ``F.multi_head_attention_forward`` (arguments ``kw``) do
-    not take, or None; ``causal_with_mask``: ``is_causal`` is taken next to an
-    ``attn_mask`` (the ring's route: the mask alone gives the result; torch refuses it
-    without one), else refused (the cross route)."""
-    for name, why in (
-        ("bias_k", "bias_k / bias_v (add_bias_kv=True)"),
-        ("add_zero_attn", "add_zero_attn=True"),
-        ("static_k", "static_k / static_v"),
-    ):
-        if kw.get(name) is not None and kw.get(name) is not False:
-            return why
-    if kw["is_causal"] and not causal_with_mask:
-        return "is_causal=True"
-    if kw["is_causal"] and kw["attn_mask"] is None:
-        return "is_causal=True without an attn_mask"
-    if kw["training"] and kw["dropout_p"] > 0:  # replicas would draw different masks
-        return f"attention dropout (dropout={kw['dropout_p']}) in training"
-    return None
+    """What the spatial routes of ``F.multi_head_attention_forward`` do not take, or None;
+    ``causal_with_mask``: ``is_causal`` is taken next to an ``attn_mask`` (the ring's route:
+    the mask alone gives the result), else refused (the cross route)."""
+    dropout = f"attention dropout (dropout={kw['dropout_p']}) in training"
+    checks = (
+        (kw["bias_k"] is not None, "bias_k / bias_v (add_bias_kv=True)"),
+        (kw["add_zero_attn"], "add_zero_attn=True"),
+        (kw["static_k"] is not None, "static_k / static_v"),
+        (kw["is_causal"] and not causal_with_mask, "is_causal=True"),
+        (kw["is_causal"] and kw["attn_mask"] is None, "is_causal=True without an attn_mask"),
+        (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
+    )
+    return next((why for bad, why in checks if bad), None)
 
 
 def _whole_mha(kw: dict, what: str):
@@ -214,11 +209,9 @@ def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend
 
 
 def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
-    """``F.multi_head_attention_forward`` (sequence-first ``(Q, N, E)`` whole queries,
-    ``(L, N, E)`` keys / values with ``L`` split): projections local, the attention of
-    ``attend``, the output whole on every spatial rank. The q / k / v projections' weight
-    gradients are partial sums per rank, the output projection's is whole. The averaged
-    attention weights (``Q x L``) are not formed: the second output is ``None``."""
+    """``F.multi_head_attention_forward`` of whole queries ``(Q, N, E)`` and keys / values
+    ``(L, N, E)`` with ``L`` split (``kseq``; whole: ``_whole_mha``): the output whole on
+    every spatial rank; the attention weights (``Q x L``) are not formed (``None``)."""
     why = unsupported_mha(kw, causal_with_mask=False)
     if why:
         raise _refuse(what, why)

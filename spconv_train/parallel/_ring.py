@@ -28,6 +28,8 @@ PIECES = 8
 MIN_PIECE_TOKENS = 64
 
 KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 Blocks = tuple[Tensor, ...]  # one piece (or block) of every operand that travels
 Item = tuple[int, int]  # (owner rank, piece)
@@ -171,56 +173,12 @@ def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     return s if mask is None else s + mask
 
 
-def block_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Attention of ``q`` to one key / value block: ``(out, lse)``, ``lse`` the log-sum-exp
-    of the scaled scores per query (shape ``q.shape[:-1]``); ``mask``: an additive bias of
-    the block's scores. A query that no key of the block reaches gets ``lse`` ``-inf`` and
-    output 0."""
-    if _flash_ok(q, v, mask):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=_kernel_mask(mask), scale=scale
-        )
-        if mask is not None:  # the kernel gives lse 0 to rows it masks whole
-            lse = lse.masked_fill((mask == -math.inf).all(-1), -math.inf)
-        return out, lse
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - finite(lse).unsqueeze(-1)) @ v, lse
-
-
-def block_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    mask: Tensor | None = None,
-    need_ds: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients ``(dq, dk, dv, ds)`` of one block given the *global* ``out`` and ``lse``
-    (finite: ``finite``) of the queries; ``ds``, the gradient of the block's scores (of an
-    additive bias of them), only with ``need_ds`` (the matmul path forms it)."""
-    if _flash_ok(q, v, mask) and not need_ds:
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(mask), scale=scale
-        )
-        return (*grads, None)
-    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
-    dv = p.transpose(-2, -1) @ dout
-    dp = dout @ v.transpose(-2, -1)
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv, ds
-
-
 class RingAttention(torch.autograd.Function):
     """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``: the autograd
-    function of ``ring_attention`` (the arguments are its own; ``sizes``: ``L_r`` of every
-    rank, ``pieces``: ``m``). Memory per rank: docs/attention.md, "Exact global attention";
-    the online-softmax updates run in place."""
+    function of ``ring_attention`` (its arguments; ``sizes``: ``L_r`` of every rank,
+    ``pieces``: ``m``). Per piece the CPU flash kernel where it applies (its backward given
+    the *global* output and log-sum-exp), plain matmuls elsewhere; the online-softmax
+    updates run in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
@@ -232,14 +190,25 @@ class RingAttention(torch.autograd.Function):
 
         def work(item: Item, kv: Blocks) -> None:
             nonlocal lse
-            if q.shape[-2] and kv[0].shape[-2]:
-                block = mask.block(bias, ring.span(item), kv[2:]) if mask else None
-                o_b, lse_b = block_forward(q, kv[0], kv[1], scale, block)
-                new = torch.logaddexp(lse, lse_b)
-                base = finite(new)  # rows no key reached yet stay 0 (not NaN)
-                out.mul_(torch.exp(lse - base).unsqueeze(-1))
-                out.add_(o_b.mul_(torch.exp(lse_b - base).unsqueeze(-1)))
-                lse = new
+            if not (q.shape[-2] and kv[0].shape[-2]):
+                return
+            block = mask.block(bias, ring.span(item), kv[2:]) if mask else None
+            # the piece's output and log-sum-exp (-inf, output 0: a query it does not reach)
+            if _flash_ok(q, v, block):
+                o_b, lse_b = _FLASH(
+                    q, kv[0], kv[1], 0.0, False, attn_mask=_kernel_mask(block), scale=scale
+                )
+                if block is not None:  # the kernel gives lse 0 to rows it masks whole
+                    lse_b = lse_b.masked_fill((block == -math.inf).all(-1), -math.inf)
+            else:
+                s = _scores(q, kv[0], scale, block)
+                lse_b = torch.logsumexp(s, dim=-1)
+                o_b = torch.exp(s - finite(lse_b).unsqueeze(-1)) @ kv[1]
+            new = torch.logaddexp(lse, lse_b)
+            base = finite(new)  # rows no key reached yet stay 0 (not NaN)
+            out.mul_(torch.exp(lse - base).unsqueeze(-1))
+            out.add_(o_b.mul_(torch.exp(lse_b - base).unsqueeze(-1)))
+            lse = new
 
         ring.forward(blocks, work)
         ctx.save_for_backward(q, *blocks, out, finite(lse), bias)
@@ -253,16 +222,23 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         dbias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
-        need_ds = dbias is not None or ctx.needs_input_grad[4]
+        need_ds = dbias is not None or ctx.needs_input_grad[4]  # the score gradient, formed
 
         def grads_of(item: Item, kv: Blocks) -> Blocks:
             if not (q.shape[-2] and kv[0].shape[-2]):
                 return tuple(t.zero_() for t in ring.empty(item))
-            span = ring.span(item)
+            (k, v), span = kv[:2], ring.span(item)
             block = mask.block(bias, span, kv[2:]) if mask else None
-            dq_b, dk_b, dv_b, ds = block_backward(
-                dout, q, kv[0], kv[1], out, lse, scale, block, need_ds
-            )
+            ds = None
+            if _flash_ok(q, v, block) and not need_ds:
+                dq_b, dk_b, dv_b = _FLASH_BACKWARD(
+                    dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(block), scale=scale
+                )
+            else:
+                p = torch.exp(_scores(q, k, scale, block) - lse.unsqueeze(-1))
+                dv_b = p.transpose(-2, -1) @ dout
+                ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
+                dq_b, dk_b = (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale
             dq.add_(dq_b)
             if dbias is not None:
                 mask.add_grad(dbias, span, ds)
