@@ -64,8 +64,7 @@ def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
         kseq = tuple(m for m in lays if m.mesh_dim in dims)
         on_seq = all(m.dim == seq[0].dim for m in kseq)
         if rest == others and {m.mesh_dim for m in kseq} == dims and on_seq:
-            ring = token_ring(q.device_mesh, kseq)
-            return k.to_local(), v.to_local(), ring.group, ring.sizes(), ring.columns(q.device)
+            return k.to_local(), v.to_local(), *token_ring(q.device_mesh, kseq).spec(q.device)
         if rest == others and not kseq:  # every key here, in global order
             n = k.shape[seq[0].dim - q.ndim]  # (k's own batch dims may broadcast)
             cols = (torch.arange(n, device=q.device),)

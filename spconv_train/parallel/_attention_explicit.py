@@ -46,7 +46,7 @@ class RingMatmul(torch.autograd.Function):
             else:  # the weights of this block's keys times its values
                 out.add_(a.index_select(-1, cols[item[0]]) @ tb[0])
 
-        ring.forward((t,), work)
+        ring.run((t,), work)
         ctx.save_for_backward(a, t)
         ctx.kind, ctx.ring, ctx.cols = kind, ring, cols
         return out
@@ -67,7 +67,7 @@ class RingMatmul(torch.autograd.Function):
             da.index_add_(-1, cols[item[0]], dout @ tb[0].transpose(-2, -1))
             return (a.index_select(-1, cols[item[0]]).transpose(-2, -1) @ dout,)
 
-        (dt,) = ctx.ring.backward((t,), grads_of)
+        (dt,) = ctx.ring.run((t,), grads_of, grads=True)
         return da, dt, None, None, None, None, None
 
 
@@ -121,9 +121,8 @@ def token_matmul(a, b) -> DTensor | None:
         out = a.to_local() @ partial_local(b, seq)
     else:
         t = b.to_local().transpose(-2, -1) if kind == SCORES else b.to_local()
-        ring = token_ring(a.device_mesh, kb)
-        cols = ring.columns(t.device)
-        out = ring_matmul(kind, a.to_local(), t, ring.group, ring.sizes(), cols, b.shape[kb[0].dim])
+        spec = token_ring(a.device_mesh, kb).spec(t.device)  # group, sizes, columns
+        out = ring_matmul(kind, a.to_local(), t, *spec, b.shape[kb[0].dim])
     return wrap(out, a, a.placements, (*a.shape[:-1], b.shape[-1]))
 
 

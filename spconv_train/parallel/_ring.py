@@ -99,22 +99,11 @@ class Ring:
         buf = self.empty(self.item(step - 1, self.prev))
         return self._post(None, buf, GRAD), buf
 
-    def forward(self, blocks: Blocks, work: Callable[[Item, Blocks], None]) -> None:
-        """``work(item, piece)`` on every piece of every rank's ``blocks``, in ring order,
-        the next piece's transfer overlapped with each call."""
-        cur = None
-        for step in range(self.steps):
-            if step % self.parts == 0:
-                cur = self.own(blocks, step // self.parts)
-            pending, nxt = self.pass_on(step, cur)
-            work(self.item(step), cur)
-            pending.wait()
-            cur = nxt
-
-    def backward(self, blocks: Blocks, grads_of: Callable[[Item, Blocks], Blocks]) -> Blocks:
-        """The gradients of this rank's ``blocks``: ``grads_of(item, piece)`` (this rank's
-        part of a piece's gradients) summed over the ranks by the accumulators that follow
-        the pieces around the ring."""
+    def run(self, blocks: Blocks, fn: Callable[[Item, Blocks], Blocks | None], grads=False):
+        """``fn(item, piece)`` on every piece of every rank's ``blocks``, in ring order, the
+        next piece's transfer overlapped with each call. With ``grads``: ``fn`` gives this
+        rank's part of the piece's gradients, summed over the ranks by accumulators that
+        follow the pieces one step behind; returns the gradients of this rank's ``blocks``."""
         home = None  # allocated at the first piece home (m = 1: the received buffers)
 
         def store(piece: int, grads: Blocks) -> None:
@@ -131,29 +120,32 @@ class Ring:
             own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
             if own:
                 cur = self.own(blocks, step // self.parts)
-            acc = self.recv_grads(step) if step else None
+            acc = self.recv_grads(step) if grads and step else None
             pending, nxt = self.pass_on(step, cur)
             if sent is not None:
                 # the next rank posted its receive at the start of this step too: the wait
                 # is short, and frees the accumulator before this compute
                 sent.wait()
                 sent = None  # (it holds a buffer)
-            grads = grads_of(self.item(step), cur)
+            part = fn(self.item(step), cur)
             cur = None
             if acc is not None:
                 acc[0].wait()
                 if own:  # an own piece's gradients, after their last visit
                     store(step // self.parts - 1, acc[1])
                 else:  # add this rank's part into the received accumulator
-                    grads = tuple(s.add_(g) for s, g in zip(acc[1], grads, strict=True))
+                    part = tuple(s.add_(g) for s, g in zip(acc[1], part, strict=True))
             acc = None
-            sent = self._post(tuple(t.contiguous() for t in grads), None, GRAD)
-            del grads
+            if grads:
+                sent = self._post(tuple(t.contiguous() for t in part), None, GRAD)
+            del part
             pending.wait()
             cur = nxt
-        last, grads = self.recv_grads(self.steps)  # this rank's last piece, home
+        if not grads:
+            return None
+        last, part = self.recv_grads(self.steps)  # this rank's last piece, home
         last.wait()
-        store(self.pieces - 1, grads)
+        store(self.pieces - 1, part)
         sent.wait()
         return home
 
@@ -210,7 +202,7 @@ class RingAttention(torch.autograd.Function):
             out.add_(o_b.mul_(torch.exp(lse_b - base).unsqueeze(-1)))
             lse = new
 
-        ring.forward(blocks, work)
+        ring.run(blocks, work)
         ctx.save_for_backward(q, *blocks, out, finite(lse), bias)
         ctx.ring, ctx.scale, ctx.mask = ring, scale, mask
         return out
@@ -245,7 +237,7 @@ class RingAttention(torch.autograd.Function):
             # the travelling key mask's gradient (zeros when it needs none) follows it home
             return dk_b, dv_b, *key_grads(kv[2:], ds)
 
-        dk, dv, *dkb = ring.backward(tuple(blocks), grads_of)
+        dk, dv, *dkb = ring.run(tuple(blocks), grads_of, grads=True)
         dkb = dkb[0] if dkb and ctx.needs_input_grad[4] else None
         return dq, dk, dv, dbias, dkb, None, None, None, None, None
 

@@ -33,19 +33,17 @@ class TokenRing:
 
     group: object
     members: tuple[tuple[TokenLayout, ...], ...]
-    #: ``columns`` per device, built on the first call (``token_ring`` keeps the ring)
-    _columns: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    #: ``spec`` per device, built on the first call (``token_ring`` keeps the ring)
+    _specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def sizes(self) -> tuple[int, ...]:
-        """How many tokens every member holds."""
-        return tuple(int(c.numel()) for c in self.columns("cpu"))
-
-    def columns(self, device) -> tuple[Tensor, ...]:
-        """The global token indices every member holds, in its local order."""
+    def spec(self, device) -> tuple[object, tuple[int, ...], tuple[Tensor, ...]]:
+        """``(group, every member's token count, the global token indices every member
+        holds in its local order, on device)``."""
         key = str(torch.device(device))
-        if key not in self._columns:
-            self._columns[key] = tuple(held_indices(m).to(device) for m in self.members)
-        return self._columns[key]
+        if key not in self._specs:
+            cols = tuple(held_indices(m).to(device) for m in self.members)
+            self._specs[key] = (self.group, tuple(int(c.numel()) for c in cols), cols)
+        return self._specs[key]
 
 
 @functools.lru_cache(maxsize=256)
