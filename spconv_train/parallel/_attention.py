@@ -229,10 +229,7 @@ def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
     group = token_ring(k.device_mesh, kseq).group
 
     def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
-        masks, heads = (kw["attn_mask"], kw["key_padding_mask"]), kw["num_heads"]
-        mask = mha_mask(
-            *masks, heads, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what)
-        )
+        mask = mha_mask(kw, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what))
         return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
 
     # the input side: every rank's share of the keys; the output side: the batch alone
@@ -360,8 +357,7 @@ def spatial_multi_head_attention(*args, **kwargs):
         )
     keys = _keys(q, k, v, seq, what)
     # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
-    masks = (kw["attn_mask"], kw["key_padding_mask"])
-    bias, kbias = mha_bias(*masks, q, k, seq, kw["num_heads"], what)
+    bias, kbias = mha_bias(kw, q, k, seq, what)
     groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
     attend = functools.partial(_attend, keys=keys, bias=bias, kbias=kbias)
     out = project_attend(kw, (q.to_local(), *keys[:2]), groups, groups, attend)

@@ -49,6 +49,9 @@ def finite(lse: Tensor) -> Tensor:
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
+Span = tuple[int, int, int]  # (owner, lo, hi): tokens lo:hi of the owner's block
+
+
 @dataclass(frozen=True)
 class RingMask:
     """Where the mask meets the ring's pieces: ``cols``, the global key indices of every
@@ -60,16 +63,13 @@ class RingMask:
     rows: Tensor | None
     dtype: torch.dtype
 
-    def _keys(self, span: tuple[int, int, int]) -> Tensor:
+    def _keys(self, span: Span) -> Tensor:
         owner, lo, hi = span
         return self.cols[owner][lo:hi]
 
-    def block(
-        self, bias: Tensor | None, span: tuple[int, int, int], travelling: tuple = ()
-    ) -> Tensor | None:
-        """The additive mask of the keys ``span`` (``(owner, lo, hi)``: tokens ``lo:hi`` of
-        the owner's block) for this rank's queries; ``travelling``: the piece's own key
-        mask ``(..., tokens, 1)``, if one travels. None when nothing masks."""
+    def block(self, bias: Tensor | None, span: Span, travelling: tuple) -> Tensor | None:
+        """The additive mask of the keys ``span`` for this rank's queries; ``travelling``:
+        the piece's own key mask ``(..., tokens, 1)``, if one travels. None: nothing masks."""
         keys = self._keys(span)
         out = travelling[0].transpose(-2, -1) if travelling else None
         if bias is not None:
@@ -79,14 +79,13 @@ class RingMask:
             out = _plus(out, additive(self.rows.unsqueeze(-1) < keys, self.dtype, masked=True))
         return out
 
-    def add_grad(self, dbias: Tensor, span: tuple[int, int, int], ds: Tensor) -> None:
+    def add_grad(self, dbias: Tensor, span: Span, ds: Tensor) -> None:
         """Add the score gradient ``ds`` of the keys ``span`` into ``dbias``'s columns of
         those keys, summed over the dims the bias broadcasts."""
         if dbias.shape[-1] == 1:
             dbias.add_(ds.sum_to_size(dbias.shape))
-            return
-        ds = ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1])
-        dbias.index_add_(-1, self._keys(span), ds)
+        else:
+            dbias.index_add_(-1, self._keys(span), ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1]))
 
 
 def key_grads(travelling: tuple, ds: Tensor | None) -> tuple[Tensor, ...]:
@@ -152,28 +151,28 @@ def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor
     return t.index_select(dim, idx.reshape(-1).to(t.device))
 
 
-def mha_mask(attn_mask, key_padding_mask, heads: int, dtype, cut) -> Tensor | None:
-    """``nn.MultiheadAttention``'s ``attn_mask`` (``(Q, S)`` or ``(N * heads, Q, S)``) and
-    ``key_padding_mask`` (``(N, S)``), True masked out, each cut to this rank by ``cut(mask,
-    name, per_sample)`` (entries of dim 0 per sample; None: no batch dim), as one additive
-    mask broadcasting against the scores ``(N_r, heads, Q_r, S_r)``."""
-    out = None
-    if attn_mask is not None:
-        per = heads if attn_mask.ndim == 3 else None
-        am = additive(cut(attn_mask, "attn_mask", per), dtype, True)
+def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
+    """``nn.MultiheadAttention``'s (arguments ``kw``) ``attn_mask`` (``(Q, S)`` or ``(N *
+    heads, Q, S)``) and ``key_padding_mask`` (``(N, S)``), True masked out, each cut to this
+    rank by ``cut(mask, name, per_sample)`` (entries of dim 0 per sample; None: no batch
+    dim), as one additive mask broadcasting against the scores ``(N_r, heads, Q_r, S_r)``."""
+    heads, am, kpm, out = kw["num_heads"], kw["attn_mask"], kw["key_padding_mask"], None
+    if am is not None:
+        am = additive(cut(am, "attn_mask", heads if am.ndim == 3 else None), dtype, True)
         out = am.view(-1, heads, *am.shape[1:]) if am.ndim == 3 else am
-    if key_padding_mask is not None:
-        kpm = additive(cut(key_padding_mask, "key_padding_mask", 1), dtype, True)
+    if kpm is not None:
+        kpm = additive(cut(kpm, "key_padding_mask", 1), dtype, True)
         out = _plus(out, kpm.view(-1, 1, 1, kpm.shape[-1]))
     return out
 
 
-def mha_bias(attn_mask, key_padding_mask, q: DTensor, k: DTensor, seq: tuple, heads: int, what):
+def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
     """``nn.MultiheadAttention``'s masks on the ring: ``(bias, key bias)``. ``bias``: this
     rank's rows and batch of the whole masks (``mha_mask``); ``key bias``: a
     ``key_padding_mask`` split like the keys (``_key_mask``). ``q``, ``k``: the
     sequence-first queries ``(L, N, E)`` and keys; ``seq``: the layouts of ``L``."""
-    kbias = _key_mask(key_padding_mask, k, what) if isinstance(key_padding_mask, DTensor) else None
+    kpm = kw["key_padding_mask"]
+    kbias = _key_mask(kpm, k, what) if isinstance(kpm, DTensor) else None
     groups = grad_groups(q)
 
     def cut(mask: Tensor, name: str, per: int | None) -> Tensor:
@@ -185,5 +184,5 @@ def mha_bias(attn_mask, key_padding_mask, q: DTensor, k: DTensor, seq: tuple, he
         part = select_rows(mask, {-2: seq} if name == "attn_mask" else {}, groups)
         return part if per is None else batch_rows(part, q, seq, 0, per)
 
-    kpm = key_padding_mask if kbias is None else None
-    return mha_mask(attn_mask, kpm, heads, q.dtype, cut), kbias
+    kw = kw if kbias is None else {**kw, "key_padding_mask": None}  # it travels
+    return mha_mask(kw, q.dtype, cut), kbias
