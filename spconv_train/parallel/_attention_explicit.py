@@ -21,7 +21,8 @@ from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._prefix_shard import placement
 from ._probe import result_shape
-from ._ring import Blocks, Item, Ring
+from ._ring import Blocks, Ring
+from ._ring_mask import Span
 from ._runtime import current_runtime
 from ._tiles import along, halo_window
 from ._token_layout import local_part
@@ -48,11 +49,11 @@ class RingMatmul(torch.autograd.Function):
         else:
             out = a.new_zeros(*a.shape[:-1], t.shape[-1])
 
-        def work(item: Item, tb: Blocks) -> None:
+        def work(span: Span, tb: Blocks) -> None:
             if kind == SCORES:  # this block's key columns of the scores
-                out.index_copy_(-1, cols[item[0]], a @ tb[0].transpose(-2, -1))
+                out.index_copy_(-1, cols[span[0]], a @ tb[0].transpose(-2, -1))
             else:  # the weights of this block's keys times its values
-                out.add_(a.index_select(-1, cols[item[0]]) @ tb[0])
+                out.add_(a.index_select(-1, cols[span[0]]) @ tb[0])
 
         ring.run((t,), work)
         ctx.save_for_backward(a, t)
@@ -66,14 +67,14 @@ class RingMatmul(torch.autograd.Function):
         dout = dout.contiguous()
         da = torch.zeros_like(a)
 
-        def grads_of(item: Item, tb: Blocks) -> Blocks:
+        def grads_of(span: Span, tb: Blocks) -> Blocks:
             """Adds the block's part of ``da``; this rank's part of the block's gradient."""
             if kind == SCORES:
-                ds = dout.index_select(-1, cols[item[0]])
+                ds = dout.index_select(-1, cols[span[0]])
                 da.add_(ds @ tb[0])
                 return (ds.transpose(-2, -1) @ a,)
-            da.index_add_(-1, cols[item[0]], dout @ tb[0].transpose(-2, -1))
-            return (a.index_select(-1, cols[item[0]]).transpose(-2, -1) @ dout,)
+            da.index_add_(-1, cols[span[0]], dout @ tb[0].transpose(-2, -1))
+            return (a.index_select(-1, cols[span[0]]).transpose(-2, -1) @ dout,)
 
         (dt,) = ctx.ring.run((t,), grads_of, grads=True)
         return da, dt, None, None, None, None, None

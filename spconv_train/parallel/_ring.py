@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._halo import PendingExchange, post_p2p
-from ._ring_mask import RingMask, finite, key_grads
+from ._ring_mask import RingMask, Span, finite, key_grads
 from ._runtime import current_runtime
 
 #: Pieces per block (``m``) when not given: the pieces a rank holds besides its own tensors
@@ -32,7 +32,6 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 Blocks = tuple[Tensor, ...]  # one piece (or block) of every operand that travels
-Item = tuple[int, int]  # (owner rank, piece)
 
 
 def auto_pieces(sizes: tuple[int, ...]) -> int:
@@ -58,14 +57,10 @@ class Ring:
             [(n * j // pieces, n * (j + 1) // pieces) for j in range(pieces)] for n in sizes
         ]
 
-    def item(self, step: int, rank: int | None = None) -> Item:
-        """``(owner, piece)`` that ``rank`` (this one by default) works on at ``step``."""
-        rank = self.rank if rank is None else rank
-        return (rank - step % self.parts) % self.parts, step // self.parts
-
-    def span(self, item: Item) -> tuple[int, int, int]:
-        """``(owner, lo, hi)``: the piece ``item`` as tokens ``lo:hi`` of its owner's block."""
-        return (item[0], *self.bounds[item[0]][item[1]])
+    def span(self, step: int, rank: int | None = None) -> Span:
+        """The piece ``rank`` (this one by default) works on at ``step``."""
+        owner = ((self.rank if rank is None else rank) - step % self.parts) % self.parts
+        return (owner, *self.bounds[owner][step // self.parts])
 
     def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
         """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors; a
@@ -74,10 +69,9 @@ class Ring:
         views = tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
         return tuple(t.contiguous() for t in views) if dense else views
 
-    def empty(self, item: Item) -> Blocks:
+    def empty(self, span: Span) -> Blocks:
         """Uninitialised tensors of a piece, one per operand."""
-        lo, hi = self.bounds[item[0]][item[1]]
-        return tuple(self.like.new_empty(*lead, hi - lo, e) for lead, e in self.specs)
+        return tuple(self.like.new_empty(*lead, span[2] - span[1], e) for lead, e in self.specs)
 
     def _post(self, sends: Blocks | None, recv: Blocks | None, tag: int) -> PendingExchange:
         # empty pieces are not sent: both sides know every piece's size
@@ -90,17 +84,17 @@ class Ring:
         1``, unless its round ends here (the next piece is an own one): ``(pending, next)``."""
         if (step + 1) % self.parts == 0:
             return self._post(None, None, KV), None
-        nxt = self.empty(self.item(step + 1))
+        nxt = self.empty(self.span(step + 1))
         return self._post(piece, nxt, KV), nxt
 
     def recv_grads(self, step: int) -> tuple[PendingExchange, Blocks]:
         """Post the receive of the accumulator the previous rank sent at ``step - 1``: this
         step's piece's or, at an own piece's step (and after the last), an own one, home."""
-        buf = self.empty(self.item(step - 1, self.prev))
+        buf = self.empty(self.span(step - 1, self.prev))
         return self._post(None, buf, GRAD), buf
 
-    def run(self, blocks: Blocks, fn: Callable[[Item, Blocks], Blocks | None], grads=False):
-        """``fn(item, piece)`` on every piece of every rank's ``blocks``, in ring order, the
+    def run(self, blocks: Blocks, fn: Callable[[Span, Blocks], Blocks | None], grads=False):
+        """``fn(span, piece)`` on every piece of every rank's ``blocks``, in ring order, the
         next piece's transfer overlapped with each call. With ``grads``: ``fn`` gives this
         rank's part of the piece's gradients, summed over the ranks by accumulators that
         follow the pieces one step behind; returns the gradients of this rank's ``blocks``."""
@@ -127,7 +121,7 @@ class Ring:
                 # is short, and frees the accumulator before this compute
                 sent.wait()
                 sent = None  # (it holds a buffer)
-            part = fn(self.item(step), cur)
+            part = fn(self.span(step), cur)
             cur = None
             if acc is not None:
                 acc[0].wait()
@@ -180,11 +174,11 @@ class RingAttention(torch.autograd.Function):
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
 
-        def work(item: Item, kv: Blocks) -> None:
+        def work(span: Span, kv: Blocks) -> None:
             nonlocal lse
             if not (q.shape[-2] and kv[0].shape[-2]):
                 return
-            block = mask.block(bias, ring.span(item), kv[2:]) if mask else None
+            block = mask.block(bias, span, kv[2:]) if mask else None
             # the piece's output and log-sum-exp (-inf, output 0: a query it does not reach)
             if _flash_ok(q, v, block):
                 o_b, lse_b = _FLASH(
@@ -216,10 +210,10 @@ class RingAttention(torch.autograd.Function):
         dbias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
         need_ds = dbias is not None or ctx.needs_input_grad[4]  # the score gradient, formed
 
-        def grads_of(item: Item, kv: Blocks) -> Blocks:
+        def grads_of(span: Span, kv: Blocks) -> Blocks:
             if not (q.shape[-2] and kv[0].shape[-2]):
-                return tuple(t.zero_() for t in ring.empty(item))
-            (k, v), span = kv[:2], ring.span(item)
+                return tuple(t.zero_() for t in ring.empty(span))
+            k, v = kv[:2]
             block = mask.block(bias, span, kv[2:]) if mask else None
             ds = None
             if _flash_ok(q, v, block) and not need_ds:
