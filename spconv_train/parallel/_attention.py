@@ -1,10 +1,7 @@
-"""Attention over sharded pixel tokens: ``F.scaled_dot_product_attention`` and
-``nn.MultiheadAttention`` (``F.multi_head_attention_forward``). Queries split along the
-sequence attend exactly by the ring (``_ring.py``: K / V split like them travel; whole K / V
-are attended locally), masks meeting the rank's query rows and each piece's key columns
-(``_ring_mask.py``). Whole queries (DETR, Mask2Former, SAM) attend to sharded keys where
-they lie: a row maximum and one query-sized sum combine the ranks' parts (``attend``).
-docs/attention.md.
+"""``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` over sharded tokens:
+queries split along the sequence by the ring (``_ring.py``, masks by ``_ring_mask.py``);
+whole queries (DETR, Mask2Former, SAM) to sharded keys where they lie, a row maximum and
+one query-sized sum combining the ranks' parts (``attend``). docs/attention.md.
 """
 
 from __future__ import annotations
@@ -66,9 +63,8 @@ def out_placements(k: DTensor, kseq: Seq) -> tuple:
 
 
 def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
-    """The queries every rank attends to its keys: a DTensor's local tensor (it must be
-    whole on the spatial ranks and split like ``k`` elsewhere) or a plain tensor's batch
-    of this rank, with a partial gradient per rank."""
+    """The queries every rank attends to its keys (a DTensor whole on the spatial ranks and
+    split like ``k`` elsewhere, or a plain tensor), with a partial gradient per rank."""
     if isinstance(q, DTensor):
         if tuple(q.placements) != out_placements(k, kseq):
             raise _refuse(
@@ -131,9 +127,8 @@ def attend(
 
 
 def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """``F.scaled_dot_product_attention`` with whole queries ``(..., Q, E)`` and the keys /
-    values' sequence (dim -2) split over the spatial ranks (``kseq``: ``split_keys``'s
-    layouts): whole output on every rank."""
+    """``F.scaled_dot_product_attention`` of whole queries ``(..., Q, E)`` to keys / values
+    whose dim -2 is split (``kseq``): whole output on every rank."""
     what = "F.scaled_dot_product_attention"
     for bad, why in (
         (is_causal, "is_causal=True"),
@@ -193,10 +188,9 @@ def _whole_mha(kw: dict, what: str):
 
 
 def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend) -> Tensor:
-    """The sequence-first local queries, keys and values ``xs`` (``(L, N, E)``) through
-    ``nn.MultiheadAttention``'s input projections (arguments ``kw``, gradients summed over
-    ``groups``), split into heads ``(N, heads, L, E / heads)``, ``attend(qh, kh, vh,
-    scale)``, and the output projection (gradients summed over ``out_groups``)."""
+    """The local ``(L, N, E)`` queries, keys and values ``xs`` through MHA's input
+    projections (gradients summed over ``groups``) into heads ``(N, heads, L, E / heads)``,
+    ``attend(qh, kh, vh, scale)``, the output projection (gradients over ``out_groups``)."""
     heads = kw["num_heads"]
     if kw["use_separate_proj_weight"]:
         ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
@@ -241,8 +235,7 @@ log = logging.getLogger("spconv_train.parallel")
 
 _ring_refuse = functools.partial(_refuse, where="on a sharded token sequence")
 
-#: the keys and values of one attention call: their local tensors and the ring they go
-#: around (``group``, every member's token count, every member's global key indices)
+#: the local keys and values of one attention call and their ring (``TokenRing.spec``)
 Keys = tuple[Tensor, Tensor, object, tuple[int, ...], tuple[Tensor, ...]]
 
 

@@ -1,11 +1,8 @@
-"""Attention written out over sharded pixel tokens. Dense: ``q @ k.transpose(-2, -1)`` ->
-softmax -> ``@ v`` (``@``, ``torch.matmul``, ``torch.bmm``, two-operand ``torch.einsum``),
-the scores keeping the queries' split with every key per rank: ring matmuls (``_ring.Ring``,
-whole blocks) when keys and values are split over the same ranks, local when they are whole,
-any other product DTensor's behind the no-gather guard (docs/attention.md, "Attention
-written out"). Neighbourhood: ``Tensor.unfold`` / ``F.unfold`` through the halo, and plain
-masks picking among the windows (``masked_fill``, ``torch.where``; "Neighbourhood
-attention").
+"""Attention written out over sharded pixel tokens. Dense: ``q @ k^T`` -> softmax -> ``@ v``
+(``@``, matmul, bmm, two-operand einsum) as ring matmuls (``_ring.Ring``, whole blocks), or
+local to whole keys / values (docs/attention.md, "Attention written out"). Neighbourhood:
+``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks picking among the windows
+(``masked_fill``, ``torch.where``; "Neighbourhood attention").
 """
 
 from __future__ import annotations

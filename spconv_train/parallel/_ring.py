@@ -160,11 +160,9 @@ def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
 
 
 class RingAttention(torch.autograd.Function):
-    """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``: the autograd
-    function of ``ring_attention`` (its arguments; ``sizes``: ``L_r`` of every rank,
-    ``pieces``: ``m``). Per piece the CPU flash kernel where it applies (its backward given
-    the *global* output and log-sum-exp), plain matmuls elsewhere; the online-softmax
-    updates run in place."""
+    """The autograd function of ``ring_attention``. Per piece the CPU flash kernel where it
+    applies (its backward given the *global* output and log-sum-exp), plain matmuls
+    elsewhere; the online-softmax updates run in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):

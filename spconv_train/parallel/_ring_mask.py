@@ -32,10 +32,9 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 
 def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
-    """The entries of the whole ``mask`` that this rank's queries (or keys) meet: along
-    each mask dim of ``picks`` (from the end: -2 the query rows, -4 the images, -1 the key
-    columns) the indices the layouts give this rank, unless broadcast. Its gradient is
-    summed over ``groups`` (the ranks splitting those queries or keys)."""
+    """The entries of the whole ``mask`` this rank meets: along each dim of ``picks`` (from
+    the end: -2 query rows, -1 key columns) the indices the layouts give this rank, unless
+    broadcast; its gradient summed over ``groups``."""
     part = sum_grad_over(mask, groups)
     for d, lays in picks.items():
         if lays and -d <= part.ndim and part.shape[d] != 1:

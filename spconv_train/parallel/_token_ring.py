@@ -1,8 +1,6 @@
 """The ring over every rank that holds part of a token sequence: one mesh dim's group on
-strips; on tiles and rows the sub-mesh of both dims flattened to one (``_replicas.flat_mesh``,
-created collectively the first time, on every rank at once, and kept by the root mesh),
-members ordered by ``dist.get_process_group_ranks``, each member's token count and global
-indices from its place on the mesh.
+strips, on tiles and rows both dims flattened to one (``_replicas.flat_mesh``), each
+member's token count and global indices from its place on the mesh (docs/attention.md).
 """
 
 from __future__ import annotations
