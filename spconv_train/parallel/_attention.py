@@ -94,11 +94,9 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
         bad = bad or sorted(lay.mesh_dim for lay in on_last) != dims
         bad = bad or not torch.equal(held_indices(on_last), held_indices(kseq))
     if bad:
-        raise _refuse(
-            what,
-            f"a mask {tuple(mask.shape)} split as {mask.placements} unlike the keys "
-            f"{k.placements} (split its last dim like the keys, or pass it whole)",
-        )
+        fix = "split its last dim like the keys, or pass it whole"
+        split = f"a mask {tuple(mask.shape)} split as {mask.placements}"
+        raise _refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
     if on_last:
         return mask.to_local()
     return select_rows(partial_local(mask, kseq), {-1: kseq}, ())
@@ -271,10 +269,8 @@ def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
             n = k.shape[seq[0].dim - q.ndim]  # (k's own batch dims may broadcast)
             cols = (torch.arange(n, device=q.device),)
             return partial_local(k, seq), partial_local(v, seq), None, (n,), cols
-    raise _ring_refuse(
-        what,
-        f"keys / values split as {k.placements}, {v.placements} unlike the queries {q.placements}",
-    )
+    split = f"{k.placements}, {v.placements}"
+    raise _ring_refuse(what, f"keys / values split as {split} unlike the queries {q.placements}")
 
 
 def _attend(ql, kl, vl, scale, keys: Keys, bias=None, rows=None, kbias=None) -> Tensor:
@@ -343,11 +339,8 @@ def spatial_multi_head_attention(*args, **kwargs):
         raise _ring_refuse(what, why)
     seq = _sequence_layout(q, 0, 1, what)
     if not seq or q.ndim != 3:
-        raise _ring_refuse(
-            what,
-            f"queries {tuple(q.shape)} {q.placements} without a split "
-            "sequence (dim 0 of (L, N, E))",
-        )
+        queries = f"queries {tuple(q.shape)} {q.placements}"
+        raise _ring_refuse(what, f"{queries} without a split sequence (dim 0 of (L, N, E))")
     keys = _keys(q, k, v, seq, what)
     # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
     bias, kbias = mha_bias(kw, q, k, seq, what)
