@@ -1,5 +1,5 @@
 """Whole (learned) queries attending to the pixel tokens of a sharded map (issue 23,
-``spconv_train/parallel/_cross_attention.py``): a Mask2Former-style decoder layer
+``spconv_train/parallel/_attention.py``): a Mask2Former-style decoder layer
 (``nn.MultiheadAttention`` cross attention masked by a mask head, self-attention among the
 queries, an MLP, the mask einsum back on the map) and ``F.scaled_dot_product_attention``
 with replicated and plain queries, masks split like the keys and whole, queries that see

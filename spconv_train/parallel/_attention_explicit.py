@@ -1,50 +1,33 @@
-"""Attention written out over sharded pixel tokens: ``q @ k.transpose(-2, -1)`` -> softmax ->
-``@ v`` (``@``, ``torch.matmul``, ``torch.bmm``, two-operand ``torch.einsum``).
-
-The scores keep the queries' split with every key per rank (scaling, softmax over the keys
-and dropout then local under DTensor's rules); both products run as ring matmuls
-(``_ring.Ring``, whole key / value blocks, the backward's accumulators following them
-home) when keys and values are split over the same ranks, locally with the gradient summed
-when they are whole. Any other product goes to DTensor's rules behind the no-gather guard.
-docs/attention.md, "Attention written out".
+"""Attention written out over sharded pixel tokens. Dense: ``q @ k^T`` -> softmax -> ``@ v``
+(``@``, matmul, bmm, two-operand einsum) as ring matmuls (``_ring.Ring``, whole blocks), or
+local to whole keys / values (docs/attention.md, "Attention written out"). Neighbourhood:
+``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks picking among the windows
+(``masked_fill``, ``torch.where``; "Neighbourhood attention").
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import _attention  # noqa: F401  (registers first)
-from ._cross_attention import einsum_terms, whole_operand_einsum
-from ._dims import wrap
+from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
-from ._ring import Blocks, Item, Ring
+from ._prefix_shard import placement
+from ._probe import result_shape
+from ._ring import Blocks, Ring
+from ._ring_mask import Span
+from ._runtime import current_runtime
+from ._tiles import along, halo_window
+from ._token_layout import local_part
 from ._token_ring import Seq, partial_local, token_ring
-from ._tokens import MATMULS, chain, split_layouts
+from ._tokens import MATMULS, chain, is_tokens, split_layouts
+from ._window import gather_window, plan_window
 
 SCORES, APPLY, LOCAL = "scores", "apply", "local"
-
-
-def _block_forward(kind: str, a: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None:
-    if kind == SCORES:  # this block's key columns of the scores
-        out.index_copy_(-1, cols, a @ t.transpose(-2, -1))
-    else:  # the weights of this block's keys times its values
-        out.add_(a.index_select(-1, cols) @ t)
-
-
-def _block_backward(
-    kind: str, a: Tensor, t: Tensor, cols: Tensor, dout: Tensor, da: Tensor
-) -> Tensor:
-    """Adds the block's part of ``da`` into ``da``; returns this rank's part of the block's
-    gradient."""
-    if kind == SCORES:
-        ds = dout.index_select(-1, cols)
-        da.add_(ds @ t)
-        return ds.transpose(-2, -1) @ a
-    da.index_add_(-1, cols, dout @ t.transpose(-2, -1))
-    return a.index_select(-1, cols).transpose(-2, -1) @ dout
 
 
 class RingMatmul(torch.autograd.Function):
@@ -52,7 +35,7 @@ class RingMatmul(torch.autograd.Function):
     n_cols)``); ``APPLY``: ``a @ t_all`` (``a``: ``(*lead, L_r, n_cols)``, result
     ``(*lead, L_r, e)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; ``t_all``
     the blocks of every rank in global order: block ``j`` holds the global indices
-    ``cols[j]`` of the ``n_cols`` keys."""
+    ``cols[j]`` of the ``n_cols`` keys. One rank: the plain product."""
 
     @staticmethod
     def forward(ctx, a, t, kind: str, group, sizes: tuple[int, ...], cols: tuple, n_cols: int):
@@ -62,7 +45,14 @@ class RingMatmul(torch.autograd.Function):
             out = a.new_empty(*a.shape[:-1], n_cols)
         else:
             out = a.new_zeros(*a.shape[:-1], t.shape[-1])
-        ring.forward((t,), lambda item, tb: _block_forward(kind, a, tb[0], cols[item[0]], out))
+
+        def work(span: Span, tb: Blocks) -> None:
+            if kind == SCORES:  # this block's key columns of the scores
+                out.index_copy_(-1, cols[span[0]], a @ tb[0].transpose(-2, -1))
+            else:  # the weights of this block's keys times its values
+                out.add_(a.index_select(-1, cols[span[0]]) @ tb[0])
+
+        ring.run((t,), work)
         ctx.save_for_backward(a, t)
         ctx.kind, ctx.ring, ctx.cols = kind, ring, cols
         return out
@@ -74,17 +64,23 @@ class RingMatmul(torch.autograd.Function):
         dout = dout.contiguous()
         da = torch.zeros_like(a)
 
-        def grads_of(item: Item, tb: Blocks) -> Blocks:
-            return (_block_backward(kind, a, tb[0], cols[item[0]], dout, da),)
+        def grads_of(span: Span, tb: Blocks) -> Blocks:
+            """Adds the block's part of ``da``; this rank's part of the block's gradient."""
+            if kind == SCORES:
+                ds = dout.index_select(-1, cols[span[0]])
+                da.add_(ds @ tb[0])
+                return (ds.transpose(-2, -1) @ a,)
+            da.index_add_(-1, cols[span[0]], dout @ tb[0].transpose(-2, -1))
+            return (a.index_select(-1, cols[span[0]]).transpose(-2, -1) @ dout,)
 
-        (dt,) = ctx.ring.backward((t,), grads_of)
+        (dt,) = ctx.ring.run((t,), grads_of, grads=True)
         return da, dt, None, None, None, None, None
 
 
 def ring_matmul(
     kind: str, a: Tensor, t: Tensor, group, sizes: tuple[int, ...], cols: tuple, n_cols: int
 ) -> Tensor:
-    """Differentiable ``RingMatmul`` (see there); one rank: the plain product."""
+    """Differentiable ``RingMatmul`` (see there)."""
     if len(sizes) == 1:  # every key here, in global order
         return a @ t.transpose(-2, -1) if kind == SCORES else a @ t
     return RingMatmul.apply(a, t, kind, group, tuple(sizes), tuple(cols), n_cols)
@@ -108,47 +104,87 @@ def _plan(a, b) -> tuple[str, Seq, Seq] | None:
     seq = {m.mesh_dim for m in rows}
     for mesh_dim in (set(la) | set(lb)) - seq:  # batch splits, alike on both
         x, y = la.get(mesh_dim), lb.get(mesh_dim)
-        if x is None or y is None or (x.dim, x.split_factor) != (y.dim, y.split_factor):
+        if None in (x, y) or (x.dim, x.split_factor) != (y.dim, y.split_factor):
             return None
-        if x.dim >= a.ndim - 2:
+        if x.dim >= a.ndim - 2:  # not a batch dim
             return None
     kb = tuple(lb[m] for m in sorted(seq) if m in lb)
     if not kb:
         return LOCAL, rows, rows
     if len(kb) != len(rows) or len({m.dim for m in kb}) != 1:
         return None
-    if kb[0].dim == b.ndim - 1:
-        return SCORES, rows, kb
-    if kb[0].dim == b.ndim - 2:
-        return APPLY, rows, kb
-    return None
+    kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim)
+    return None if kind is None else (kind, rows, kb)
 
 
 def token_matmul(a, b) -> DTensor | None:
-    """``a @ b`` when it is one of the attention products on split rows (see the module
-    docstring); ``None`` when it is not."""
+    """``a @ b`` when it is one of the attention products on split rows, else ``None``."""
     plan = _plan(a, b)
     if plan is None:
         return None
     kind, seq, kb = plan
-    shape = (*a.shape[:-1], b.shape[-1])
     if kind == LOCAL:
         out = a.to_local() @ partial_local(b, seq)
-        return wrap(out, a, a.placements, shape)
-    t = b.to_local()
-    if kind == SCORES:
-        t = t.transpose(-2, -1)
-    ring = token_ring(a.device_mesh, kb)
-    out = ring_matmul(
-        kind, a.to_local(), t, ring.group, ring.sizes(), ring.columns(t.device), b.shape[kb[0].dim]
-    )
-    return wrap(out, a, a.placements, shape)
+    else:
+        t = b.to_local().transpose(-2, -1) if kind == SCORES else b.to_local()
+        spec = token_ring(a.device_mesh, kb).spec(t.device)  # group, sizes, columns
+        out = ring_matmul(kind, a.to_local(), t, *spec, b.shape[kb[0].dim])
+    return wrap(out, a, a.placements, (*a.shape[:-1], b.shape[-1]))
 
 
 @chain(*MATMULS)
 def _matmul(prev, a, b, *args, **kwargs):
     out = token_matmul(a, b) if not args and not kwargs else None
     return out if out is not None else prev(a, b, *args, **kwargs)
+
+
+def einsum_terms(equation: str) -> tuple[str, str, str] | None:
+    """``(a, b, out)``: the index strings of a two-operand ``torch.einsum`` equation with an
+    explicit output, no ellipsis and no index twice in a term; ``None`` for any other."""
+    eq = equation.replace(" ", "")
+    if "->" not in eq or "." in eq or eq.count(",") != 1:
+        return None
+    (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
+    return None if any(len(set(s)) != len(s) for s in (sa, sb, out)) else (sa, sb, out)
+
+
+def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
+    """``torch.einsum`` (``einsum_terms``) of two DTensors where one is whole on every mesh
+    dim that splits the other along an output index it lacks (Mask2Former's mask
+    prediction ``"bqc,bchw->bqhw"``), locally: the whole one's gradient a partial sum per
+    rank (both split alike, e.g. a ``dp`` batch, is local too). ``None`` for any other."""
+    sa, sb, out = terms
+    pending = any(p.is_partial() for p in (*a.placements, *b.placements))
+    if (len(sa), len(sb)) != (a.ndim, b.ndim) or a.device_mesh != b.device_mesh or pending:
+        return None
+    la, lb = ({m.mesh_dim: m for m in split_layouts(t)} for t in (a, b))
+    placements, partial = list(a.placements), [[], []]
+    for i in range(a.device_mesh.ndim):
+        x, y = la.get(i), lb.get(i)
+        lay, side, names = (x, 0, sa) if x is not None else (y, 1, sb)
+        if lay is None:
+            continue
+        ch = names[lay.dim]
+        if x is not None and y is not None:  # split alike on both (a batch index)
+            if sb.find(ch) != y.dim or (x.split_factor, x.inner) != (y.split_factor, y.inner):
+                return None
+        elif ch in (sb if side == 0 else sa):
+            return None  # contracted or shared with the whole operand: not local
+        if ch not in out:
+            return None
+        placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
+        if x is None or y is None:
+            partial[1 - side].append(lay)  # the whole operand meets this rank's part
+    ops = [
+        partial_local(t, tuple(p)) if p else t.to_local()
+        for t, p in zip((a, b), partial, strict=True)
+    ]
+    sizes: dict[str, int] = {}
+    for names, t in ((sa, a), (sb, b)):
+        for ch, n in zip(names, t.shape, strict=True):
+            sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
+    shape = tuple(sizes[ch] for ch in out)
+    return wrap(torch.einsum(f"{sa},{sb}->{out}", *ops), a, placements, shape)
 
 
 def _as_matmul(sa: str, sb: str, out: str) -> tuple[str, str, str] | None:
@@ -191,3 +227,95 @@ def token_einsum(equation, *operands):
         if res is not None:
             return res
     return run_dtensor_op(torch.einsum, (equation, *ops), {})
+
+
+@register_handler(torch.Tensor.unfold)
+def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
+    """``x.unfold(dimension, size, step)`` of a sharded tensor: along a sharded dim the
+    halo of ``size - 1`` positions comes from the next rank, then the local op."""
+    args = (dimension, size, step)
+    split = sharded_dims(x) if handled(x) else None
+    # tokens, Partial (DTensor's own rules, named errors), or one dim split over several
+    # mesh dims (no halo plan for that here)
+    if split is None or sum(p.is_shard() for p in x.placements) != len(split):
+        return run_dtensor_op(torch.Tensor.unfold, (x, *args), {})
+    shape = result_shape(torch.Tensor.unfold, x.shape, *args)
+    d = norm_dim(dimension, x.ndim)
+    local = x.to_local()
+    # the global strides DTensor's later view rules read mirror the local tensor's: the
+    # window is a new buffer with ``d`` innermost, unfolded as a view (as on one device)
+    meta = torch.empty_strided(x.shape, x.stride(), device="meta")
+    if d in split and x.device_mesh.size(split[d]) > 1:
+        mesh, m = x.device_mesh, split[d]
+        rank, group = mesh_rank(mesh, m), mesh_group(mesh, m)
+        wp = plan_window("Tensor.unfold", x.shape[d], mesh.size(m), size, step, 1, 0, 0)
+        local = along(local, d, lambda t: gather_window(t, wp, rank, group))
+        meta = along(meta, d, torch.Tensor.contiguous)
+    out = local.unfold(d, size, step)
+    stride = meta.unfold(d, size, step).stride()
+    return DTensor.from_local(
+        out, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride
+    )
+
+
+@register_handler(F.unfold)
+def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
+    """``F.unfold`` (im2col) of a sharded NCHW map: the window with its halos, unfolded with
+    padding 0, the rank's output grid flattened into the token layout of ``(N, C * k * k,
+    L)``."""
+    args = (kernel_size, dilation, padding, stride)
+    if not handled(input) or input.ndim != 4:
+        return run_dtensor_op(F.unfold, (input, *args), {})
+    shape = result_shape(F.unfold, input.shape, *args)
+    win = halo_window(input, kernel_size, stride, padding, dilation, what="F.unfold")
+    (h0, h1), (w0, w1) = win.out_ranges[2], win.out_ranges[3]
+    cols = F.unfold(win.local, kernel_size, dilation, 0, stride)
+    grid = win.wrap(cols.unflatten(-1, (h1 - h0, w1 - w0)))  # the output grid as a map
+    # flattened as the model's own reshape of such a map would be (token layout, or the
+    # re-chunk of a map split along H over a one-dim mesh)
+    reshape = current_runtime().registry.handler(torch.Tensor.reshape) or torch.Tensor.reshape
+    return reshape(grid, shape)
+
+
+def _local_operands(args: tuple):
+    """The DTensor whose layout the result takes and ``args`` as local operands (plain
+    tensors indexed with its positions), or ``None`` where DTensor's own rules apply
+    (DTensors laid out differently, a plain tensor that would broadcast the sharded one)."""
+    like = next(a for a in args if isinstance(a, DTensor))
+    if not (handled(like) or is_tokens(like)):
+        return None
+    out = []
+    for a in args:
+        if isinstance(a, DTensor):
+            if a.placements != like.placements or a.shape != like.shape:
+                return None
+            a = a.to_local()
+        elif isinstance(a, Tensor) and a.ndim:
+            try:
+                if torch.broadcast_shapes(a.shape, like.shape) != like.shape:
+                    return None
+            except RuntimeError:  # torch's own message, from DTensor's rules
+                return None
+            a = local_part(a, like)
+        out.append(a)
+    return like, out
+
+
+def _with_plain_masks(func):
+    """Handler of an element-wise selection ``func``: a plain mask or operand next to a
+    sharded DTensor indexed with the rank's positions."""
+
+    def handler(*args, **kwargs):
+        plain = any(isinstance(a, Tensor) and not isinstance(a, DTensor) and a.ndim for a in args)
+        found = _local_operands(args) if plain and not kwargs else None
+        if found is None:
+            return run_dtensor_op(func, args, kwargs)
+        like, local = found
+        return wrap(func(*local), like, like.placements, like.shape)
+
+    handler.__name__ = f"masked_{func.__name__}"
+    return handler
+
+
+for _fn in (torch.Tensor.masked_fill, torch.masked_fill, torch.where):
+    register_handler(_fn)(_with_plain_masks(_fn))

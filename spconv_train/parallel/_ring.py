@@ -1,12 +1,7 @@
 """The ring: blocks that travel around a process group point to point (``Ring``), and
-ring attention on it (``ring_attention``); the schedule and the design are in
-docs/attention.md, "Exact global attention: the ring".
-
-Pieces travel one hop per step, each transfer posted before the current piece's compute
-(overlapped); in the backward each piece's gradient accumulator follows one step behind
-it. Ring attention merges per-piece results with an online log-sum-exp; per piece the CPU
-flash kernel (its backward taking the *global* output and log-sum-exp) runs where it
-applies, plain matmuls elsewhere; masks meet each piece as columns (``_ring_mask.py``).
+ring attention on it (``ring_attention``): schedule, overlap, memory and the per-piece
+kernels in docs/attention.md, "Exact global attention: the ring"; masks meet each piece as
+columns (``_ring_mask.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._halo import PendingExchange, post_p2p
-from ._ring_mask import RingMask, finite, key_grads
+from ._ring_mask import RingMask, Span, finite, key_grads
 from ._runtime import current_runtime
 
 #: Pieces per block (``m``) when not given: the pieces a rank holds besides its own tensors
@@ -33,23 +28,22 @@ PIECES = 8
 MIN_PIECE_TOKENS = 64
 
 KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 Blocks = tuple[Tensor, ...]  # one piece (or block) of every operand that travels
-Item = tuple[int, int]  # (owner rank, piece)
 
 
 def auto_pieces(sizes: tuple[int, ...]) -> int:
     """``m`` for blocks of ``sizes`` tokens: ``PIECES``, fewer where pieces would fall
-    under ``MIN_PIECE_TOKENS`` tokens (1 for small blocks). The same on every rank."""
+    under ``MIN_PIECE_TOKENS`` tokens. The same on every rank."""
     return max(1, min(PIECES, max(sizes) // MIN_PIECE_TOKENS))
 
 
 class Ring:
-    """The schedule of one ring call: who sends which piece to whom, when.
-
-    ``sizes``: tokens (dim -2) of every rank's blocks; ``pieces``: ``m``; ``blocks``: this
-    rank's blocks (their leading dims, last dim, dtype and device are those of every
-    rank's)."""
+    """The schedule of one ring call: who sends which piece to whom, when. ``sizes``:
+    tokens (dim -2) of every rank's blocks; ``pieces``: ``m``; ``blocks``: this rank's
+    (their leading dims, last dim, dtype and device are every rank's)."""
 
     def __init__(self, group, sizes: tuple[int, ...], pieces: int, blocks: Blocks):
         self.group, self.pieces, self.parts = group, pieces, len(sizes)
@@ -63,14 +57,10 @@ class Ring:
             [(n * j // pieces, n * (j + 1) // pieces) for j in range(pieces)] for n in sizes
         ]
 
-    def item(self, step: int, rank: int | None = None) -> Item:
-        """``(owner, piece)`` that ``rank`` (this one by default) works on at ``step``."""
-        rank = self.rank if rank is None else rank
-        return (rank - step % self.parts) % self.parts, step // self.parts
-
-    def span(self, item: Item) -> tuple[int, int, int]:
-        """``(owner, lo, hi)``: the piece ``item`` as tokens ``lo:hi`` of its owner's block."""
-        return (item[0], *self.bounds[item[0]][item[1]])
+    def span(self, step: int, rank: int | None = None) -> Span:
+        """The piece ``rank`` (this one by default) works on at ``step``."""
+        owner = ((self.rank if rank is None else rank) - step % self.parts) % self.parts
+        return (owner, *self.bounds[owner][step // self.parts])
 
     def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
         """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors; a
@@ -79,10 +69,9 @@ class Ring:
         views = tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
         return tuple(t.contiguous() for t in views) if dense else views
 
-    def empty(self, item: Item) -> Blocks:
+    def empty(self, span: Span) -> Blocks:
         """Uninitialised tensors of a piece, one per operand."""
-        lo, hi = self.bounds[item[0]][item[1]]
-        return tuple(self.like.new_empty(*lead, hi - lo, e) for lead, e in self.specs)
+        return tuple(self.like.new_empty(*lead, span[2] - span[1], e) for lead, e in self.specs)
 
     def _post(self, sends: Blocks | None, recv: Blocks | None, tag: int) -> PendingExchange:
         # empty pieces are not sent: both sides know every piece's size
@@ -91,90 +80,68 @@ class Ring:
         return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag)
 
     def pass_on(self, step: int, piece: Blocks) -> tuple[PendingExchange, Blocks | None]:
-        """Post the send of the piece worked on at ``step`` to the next rank and the receive
-        of the piece for ``step + 1`` from the previous one, unless the piece's round ends
-        here (then the next step works on an own piece): ``(pending, next piece)``."""
+        """Post the send of the piece of ``step`` and the receive of the piece of ``step +
+        1``, unless its round ends here (the next piece is an own one): ``(pending, next)``."""
         if (step + 1) % self.parts == 0:
             return self._post(None, None, KV), None
-        nxt = self.empty(self.item(step + 1))
+        nxt = self.empty(self.span(step + 1))
         return self._post(piece, nxt, KV), nxt
 
     def recv_grads(self, step: int) -> tuple[PendingExchange, Blocks]:
-        """Post the receive of the gradient accumulator the previous rank sent at
-        ``step - 1``: the one of this step's piece or, at an own piece's step (``step % P
-        == 0``, and after the last step), this rank's piece ``step // P - 1`` home."""
-        buf = self.empty(self.item(step - 1, self.prev))
+        """Post the receive of the accumulator the previous rank sent at ``step - 1``: this
+        step's piece's or, at an own piece's step (and after the last), an own one, home."""
+        buf = self.empty(self.span(step - 1, self.prev))
         return self._post(None, buf, GRAD), buf
 
-    def send_grads(self, grads: Blocks) -> PendingExchange:
-        """Post the send of a gradient accumulator to the next rank."""
-        return self._post(tuple(t.contiguous() for t in grads), None, GRAD)
+    def run(self, blocks: Blocks, fn: Callable[[Span, Blocks], Blocks | None], grads=False):
+        """``fn(span, piece)`` on every piece of every rank's ``blocks``, in ring order, the
+        next piece's transfer overlapped with each call. With ``grads``: ``fn`` gives this
+        rank's part of the piece's gradients, summed over the ranks by accumulators that
+        follow the pieces one step behind; returns the gradients of this rank's ``blocks``."""
+        home = None  # allocated at the first piece home (m = 1: the received buffers)
 
-    def forward(self, blocks: Blocks, work: Callable[[Item, Blocks], None]) -> None:
-        """``work(item, piece)`` on every piece of every rank's ``blocks``, in ring order,
-        the next piece's transfer overlapped with each call."""
-        cur = None
-        for step in range(self.steps):
-            if step % self.parts == 0:
-                cur = self.own(blocks, step // self.parts)
-            pending, nxt = self.pass_on(step, cur)
-            work(self.item(step), cur)
-            pending.wait()
-            cur = nxt
+        def store(piece: int, grads: Blocks) -> None:
+            nonlocal home
+            if self.pieces == 1:  # after the ring: the peak does not hold the pieces too
+                home = grads
+                return
+            home = tuple(torch.empty_like(t) for t in blocks) if home is None else home
+            for dst, src in zip(self.own(home, piece, dense=False), grads, strict=True):
+                dst.copy_(src)
 
-    def backward(self, blocks: Blocks, grads_of: Callable[[Item, Blocks], Blocks]) -> Blocks:
-        """The gradients of this rank's ``blocks``: ``grads_of(item, piece)`` (this rank's
-        part of a piece's gradients) summed over the ranks by the accumulators that follow
-        the pieces around the ring."""
-        home_grads = _HomeGrads(self, blocks)
         cur = sent = None  # the piece worked on; the accumulator sent last step
         for step in range(self.steps):
-            home = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
-            if home:
+            own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
+            if own:
                 cur = self.own(blocks, step // self.parts)
-            acc = self.recv_grads(step) if step else None
+            acc = self.recv_grads(step) if grads and step else None
             pending, nxt = self.pass_on(step, cur)
             if sent is not None:
                 # the next rank posted its receive at the start of this step too: the wait
                 # is short, and frees the accumulator before this compute
                 sent.wait()
                 sent = None  # (it holds a buffer)
-            grads = grads_of(self.item(step), cur)
+            part = fn(self.span(step), cur)
             cur = None
             if acc is not None:
                 acc[0].wait()
-                if home:  # an own piece's gradients, after their last visit
-                    home_grads.store(step // self.parts - 1, acc[1])
+                if own:  # an own piece's gradients, after their last visit
+                    store(step // self.parts - 1, acc[1])
                 else:  # add this rank's part into the received accumulator
-                    grads = tuple(s.add_(g) for s, g in zip(acc[1], grads, strict=True))
+                    part = tuple(s.add_(g) for s, g in zip(acc[1], part, strict=True))
             acc = None
-            sent = self.send_grads(grads)
-            del grads
+            if grads:
+                sent = self._post(tuple(t.contiguous() for t in part), None, GRAD)
+            del part
             pending.wait()
             cur = nxt
-        last, grads = self.recv_grads(self.steps)  # this rank's last piece, home
+        if not grads:
+            return None
+        last, part = self.recv_grads(self.steps)  # this rank's last piece, home
         last.wait()
-        home_grads.store(self.pieces - 1, grads)
+        store(self.pieces - 1, part)
         sent.wait()
-        return home_grads.grads
-
-
-class _HomeGrads:
-    """This rank's block gradients, filled piece by piece as the accumulators come home;
-    allocated at the first (with one piece: after the ring, when the pieces in flight are
-    gone, so the peak does not hold them)."""
-
-    def __init__(self, ring: Ring, blocks: Blocks) -> None:
-        self.ring, self.like, self.grads = ring, blocks, None
-
-    def store(self, piece: int, grads: Blocks) -> None:
-        if self.ring.pieces == 1:  # the whole block: the received buffers are the gradients
-            self.grads = grads
-            return
-        if self.grads is None:
-            self.grads = tuple(torch.empty_like(t) for t in self.like)
-        for dst, src in zip(self.ring.own(self.grads, piece, dense=False), grads, strict=True):
-            dst.copy_(src)
+        return home
 
 
 def _flash_ok(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
@@ -184,9 +151,7 @@ def _flash_ok(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
 
 
 def _kernel_mask(mask: Tensor | None) -> Tensor | None:
-    if mask is None or mask.ndim in (2, 4):
-        return mask
-    return mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    return None if mask is None else mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
 
 
 def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
@@ -194,56 +159,10 @@ def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
     return s if mask is None else s + mask
 
 
-def block_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """Attention of ``q`` to one key / value block: ``(out, lse)``, ``lse`` the log-sum-exp
-    of the scaled scores per query (shape ``q.shape[:-1]``); ``mask``: an additive bias of
-    the block's scores. A query that no key of the block reaches gets ``lse`` ``-inf`` and
-    output 0."""
-    if _flash_ok(q, v, mask):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=_kernel_mask(mask), scale=scale
-        )
-        if mask is not None:  # the kernel gives lse 0 to rows it masks whole
-            lse = lse.masked_fill((mask == -math.inf).all(-1), -math.inf)
-        return out, lse
-    s = _scores(q, k, scale, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - finite(lse).unsqueeze(-1)) @ v, lse
-
-
-def block_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    scale: float,
-    mask: Tensor | None = None,
-    need_ds: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Gradients ``(dq, dk, dv, ds)`` of one block given the *global* ``out`` and ``lse``
-    (finite: ``finite``) of the queries; ``ds``, the gradient of the block's scores (of an
-    additive bias of them), only with ``need_ds`` (the matmul path forms it)."""
-    if _flash_ok(q, v, mask) and not need_ds:
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(mask), scale=scale
-        )
-        return (*grads, None)
-    p = torch.exp(_scores(q, k, scale, mask) - lse.unsqueeze(-1))
-    dv = p.transpose(-2, -1) @ dout
-    dp = dout @ v.transpose(-2, -1)
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, dv, ds
-
-
 class RingAttention(torch.autograd.Function):
-    """``softmax(q k^T * scale) v`` over the keys of every rank of ``group``: the autograd
-    function of ``ring_attention`` (the arguments are its own; ``sizes``: ``L_r`` of every
-    rank, ``pieces``: ``m``). Memory per rank: docs/attention.md, "Exact global attention";
-    the online-softmax updates run in place."""
+    """The autograd function of ``ring_attention``. Per piece the CPU flash kernel where it
+    applies (its backward given the *global* output and log-sum-exp), plain matmuls
+    elsewhere; the online-softmax updates run in place."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
@@ -253,18 +172,29 @@ class RingAttention(torch.autograd.Function):
         out = q.new_zeros(*q.shape[:-1], v.shape[-1])
         lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype, device=q.device)
 
-        def work(item: Item, kv: Blocks) -> None:
+        def work(span: Span, kv: Blocks) -> None:
             nonlocal lse
-            if q.shape[-2] and kv[0].shape[-2]:
-                block = mask.block(bias, ring.span(item), kv[2:]) if mask else None
-                o_b, lse_b = block_forward(q, kv[0], kv[1], scale, block)
-                new = torch.logaddexp(lse, lse_b)
-                base = finite(new)  # rows no key reached yet stay 0 (not NaN)
-                out.mul_(torch.exp(lse - base).unsqueeze(-1))
-                out.add_(o_b.mul_(torch.exp(lse_b - base).unsqueeze(-1)))
-                lse = new
+            if not (q.shape[-2] and kv[0].shape[-2]):
+                return
+            block = mask.block(bias, span, kv[2:]) if mask else None
+            # the piece's output and log-sum-exp (-inf, output 0: a query it does not reach)
+            if _flash_ok(q, v, block):
+                o_b, lse_b = _FLASH(
+                    q, kv[0], kv[1], 0.0, False, attn_mask=_kernel_mask(block), scale=scale
+                )
+                if block is not None:  # the kernel gives lse 0 to rows it masks whole
+                    lse_b = lse_b.masked_fill((block == -math.inf).all(-1), -math.inf)
+            else:
+                s = _scores(q, kv[0], scale, block)
+                lse_b = torch.logsumexp(s, dim=-1)
+                o_b = torch.exp(s - finite(lse_b).unsqueeze(-1)) @ kv[1]
+            new = torch.logaddexp(lse, lse_b)
+            base = finite(new)  # rows no key reached yet stay 0 (not NaN)
+            out.mul_(torch.exp(lse - base).unsqueeze(-1))
+            out.add_(o_b.mul_(torch.exp(lse_b - base).unsqueeze(-1)))
+            lse = new
 
-        ring.forward(blocks, work)
+        ring.run(blocks, work)
         ctx.save_for_backward(q, *blocks, out, finite(lse), bias)
         ctx.ring, ctx.scale, ctx.mask = ring, scale, mask
         return out
@@ -276,23 +206,30 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q)
         dbias = torch.zeros_like(bias) if ctx.needs_input_grad[3] else None
-        need_ds = dbias is not None or ctx.needs_input_grad[4]
+        need_ds = dbias is not None or ctx.needs_input_grad[4]  # the score gradient, formed
 
-        def grads_of(item: Item, kv: Blocks) -> Blocks:
+        def grads_of(span: Span, kv: Blocks) -> Blocks:
             if not (q.shape[-2] and kv[0].shape[-2]):
-                return tuple(t.zero_() for t in ring.empty(item))
-            span = ring.span(item)
+                return tuple(t.zero_() for t in ring.empty(span))
+            k, v = kv[:2]
             block = mask.block(bias, span, kv[2:]) if mask else None
-            dq_b, dk_b, dv_b, ds = block_backward(
-                dout, q, kv[0], kv[1], out, lse, scale, block, need_ds
-            )
+            ds = None
+            if _flash_ok(q, v, block) and not need_ds:
+                dq_b, dk_b, dv_b = _FLASH_BACKWARD(
+                    dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(block), scale=scale
+                )
+            else:
+                p = torch.exp(_scores(q, k, scale, block) - lse.unsqueeze(-1))
+                dv_b = p.transpose(-2, -1) @ dout
+                ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
+                dq_b, dk_b = (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale
             dq.add_(dq_b)
             if dbias is not None:
                 mask.add_grad(dbias, span, ds)
             # the travelling key mask's gradient (zeros when it needs none) follows it home
             return dk_b, dv_b, *key_grads(kv[2:], ds)
 
-        dk, dv, *dkb = ring.backward(tuple(blocks), grads_of)
+        dk, dv, *dkb = ring.run(tuple(blocks), grads_of, grads=True)
         dkb = dkb[0] if dkb and ctx.needs_input_grad[4] else None
         return dq, dk, dv, dbias, dkb, None, None, None, None, None
 
@@ -310,12 +247,10 @@ def ring_attention(
     kbias: Tensor | None = None,
 ) -> Tensor:
     """Exact ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` over the tokens of
-    every rank of ``group`` (``sizes``: how many each holds), differentiable. ``q``, ``k``,
-    ``v`` hold this rank's tokens in the same order; the result is this rank's queries'.
-    ``pieces``: how many pieces each key / value block travels in (``m``, the same on
-    every rank; by default ``auto_pieces(sizes)``). ``mask``: where a mask meets the keys
-    (``_ring_mask.RingMask``), with ``bias`` this rank's rows of an additive mask and
-    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
+    every rank of ``group`` (``sizes``: how many each holds), differentiable: this rank's
+    queries' output. ``pieces``: ``m`` (by default ``auto_pieces(sizes)``). ``mask``: where
+    a mask meets the keys (``RingMask``), with ``bias`` this rank's rows of an additive mask
+    and ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:  # every key here (``group`` may be None)
         kb = () if kbias is None else (kbias,)

@@ -1,12 +1,7 @@
-"""Attention masks and biases on the ring (``_ring.py``): where a mask meets the key /
-value pieces (docs/attention.md, "Masks and biases on the ring").
-
-A whole mask is cut once to this rank's query rows (``select_rows``, by ``held_indices``);
-a DTensor mask split like the queries holds them already. ``RingMask.block`` picks each
-piece's key columns and makes them an additive bias in the queries' dtype; a
-``key_padding_mask`` travels with the keys, ``is_causal`` is formed per piece from the two
-index sets. A bias that requires grad gets the score gradient of every block summed into
-its columns (``RingMask.add_grad``), then over the ranks where it meets the plain tensor.
+"""Attention masks and biases on the ring (``_ring.py``): a whole mask cut once to this
+rank's query rows, each piece's key columns made an additive bias, a ``key_padding_mask``
+travelling with the keys, ``is_causal`` formed per piece, a learned bias's gradient summed
+into its columns (docs/attention.md, "Masks and biases on the ring").
 """
 
 from __future__ import annotations
@@ -23,14 +18,13 @@ from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._sharding import grad_groups
-from ._token_layout import dim_layouts, held_indices, local_part
+from ._token_layout import held_indices, local_part
 from ._tokens import TokenLayout, split_layouts
 
 
 def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
-    """``mask`` as an additive bias of ``dtype``: a boolean mask gives ``-inf`` where it
-    equals ``masked`` (SDPA: ``False`` is masked out; ``nn.MultiheadAttention``: ``True``)
-    and 0 elsewhere; a float mask is the bias itself."""
+    """``mask`` as an additive bias of ``dtype``: a boolean one ``-inf`` where it equals
+    ``masked`` (SDPA masks ``False``, ``nn.MultiheadAttention`` ``True``), else 0."""
     if mask.dtype != torch.bool:
         return mask.to(dtype)
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
@@ -38,11 +32,9 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 
 def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
-    """The entries of the whole ``mask`` that this rank's queries (or keys) meet: along
-    each mask dim of ``picks`` (negative, counted from the end: -2 the query rows, -4 the
-    images; -1 the key columns, ``_cross_attention.local_mask``) the global indices the
-    layouts give this rank, where the mask has that dim and does not broadcast it. Its
-    gradient is summed over ``groups`` (the ranks splitting those queries or keys)."""
+    """The entries of the whole ``mask`` this rank meets: along each dim of ``picks`` (from
+    the end: -2 query rows, -1 key columns) the indices the layouts give this rank, unless
+    broadcast; its gradient summed over ``groups``."""
     part = sum_grad_over(mask, groups)
     for d, lays in picks.items():
         if lays and -d <= part.ndim and part.shape[d] != 1:
@@ -51,58 +43,53 @@ def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups:
 
 
 def finite(lse: Tensor) -> Tensor:
-    """``lse`` with the rows that no key reached (``-inf``) at 0, as the CPU flash kernel
-    gives them: ``exp(score - lse)`` is then 0 there instead of NaN."""
+    """``lse`` with the rows no key reached (``-inf``) at 0, as the CPU flash kernel gives
+    them: ``exp(score - lse)`` is then 0 there, not NaN."""
     return lse.masked_fill(lse == -math.inf, 0.0)
+
+
+Span = tuple[int, int, int]  # (owner, lo, hi): tokens lo:hi of the owner's block
 
 
 @dataclass(frozen=True)
 class RingMask:
-    """Where the mask meets the ring's pieces: ``cols``, the global key indices every ring
-    member holds in its local order; ``rows``, for causal attention, the global indices of
-    this rank's queries (None: not causal); ``dtype``: the queries'. The bias itself (this
-    rank's rows, additive or boolean as SDPA reads it, its last dim all ``S`` keys or 1)
-    is passed apart, as an autograd input."""
+    """Where the mask meets the ring's pieces: ``cols``, the global key indices of every
+    ring member in its local order; ``rows``, the global indices of this rank's queries
+    when causal; ``dtype``: the queries'. The bias (this rank's rows, its last dim all
+    ``S`` keys or 1) is passed apart, as an autograd input."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
     dtype: torch.dtype
 
-    def _keys(self, span: tuple[int, int, int]) -> Tensor:
+    def _keys(self, span: Span) -> Tensor:
         owner, lo, hi = span
         return self.cols[owner][lo:hi]
 
-    def block(
-        self, bias: Tensor | None, span: tuple[int, int, int], travelling: tuple = ()
-    ) -> Tensor | None:
-        """The additive mask of the keys ``span`` (``(owner, lo, hi)``: tokens ``lo:hi`` of
-        the owner's block) for this rank's queries; ``travelling``: the piece's own key
-        mask ``(..., tokens, 1)`` when one travels with the keys. None when nothing masks."""
+    def block(self, bias: Tensor | None, span: Span, travelling: tuple) -> Tensor | None:
+        """The additive mask of the keys ``span`` for this rank's queries; ``travelling``:
+        the piece's own key mask ``(..., tokens, 1)``, if one travels. None: nothing masks."""
         keys = self._keys(span)
         out = travelling[0].transpose(-2, -1) if travelling else None
         if bias is not None:
             cols = bias if bias.shape[-1] == 1 else bias.index_select(-1, keys)
             out = _plus(out, additive(cols, self.dtype, masked=False))
-        if self.rows is not None:
-            late = self.rows.unsqueeze(-1) < keys  # a key after the query
-            causal = torch.zeros(late.shape, dtype=self.dtype, device=keys.device)
-            causal.masked_fill_(late, -math.inf)
-            out = _plus(out, causal)
+        if self.rows is not None:  # a key after the query is masked
+            out = _plus(out, additive(self.rows.unsqueeze(-1) < keys, self.dtype, masked=True))
         return out
 
-    def add_grad(self, dbias: Tensor, span: tuple[int, int, int], ds: Tensor) -> None:
-        """Add the score gradient ``ds`` of the keys ``span`` into ``dbias`` (the bias's
-        shape): summed over the dims the bias broadcasts, into its columns of those keys."""
+    def add_grad(self, dbias: Tensor, span: Span, ds: Tensor) -> None:
+        """Add the score gradient ``ds`` of the keys ``span`` into ``dbias``'s columns of
+        those keys, summed over the dims the bias broadcasts."""
         if dbias.shape[-1] == 1:
             dbias.add_(ds.sum_to_size(dbias.shape))
-            return
-        ds = ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1])
-        dbias.index_add_(-1, self._keys(span), ds)
+        else:
+            dbias.index_add_(-1, self._keys(span), ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1]))
 
 
 def key_grads(travelling: tuple, ds: Tensor | None) -> tuple[Tensor, ...]:
-    """The gradient of the travelling key mask of a piece (``()`` without one; zeros
-    when ``ds`` was not formed: the mask needs none)."""
+    """The gradient of a piece's travelling key mask (``()`` without one; zeros when ``ds``
+    was not formed: the mask needs none)."""
     if not travelling:
         return ()
     kb = travelling[0]
@@ -115,18 +102,10 @@ def _plus(a: Tensor | None, b: Tensor) -> Tensor:
     return b if a is None else a + b
 
 
-def _picks(q: DTensor, mask_dims: dict[int, int]) -> dict[int, tuple[TokenLayout, ...]]:
-    """The layouts splitting ``q``, keyed by the mask dim each split dim of ``q`` meets
-    (``mask_dims``: q dim -> mask dim counted from the end)."""
-    lays = split_layouts(q)
-    return {mask_dims[d]: dim_layouts(lays, d) for d in {lay.dim for lay in lays}}
-
-
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows (and batch entries: images, windows) of
-    ``F.scaled_dot_product_attention``'s ``attn_mask`` (whole, or a DTensor split like the
-    queries ``q``): boolean as given (a byte per entry), a float mask as an additive bias in
-    the queries' dtype."""
+    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or a DTensor
+    split like the queries ``q``): boolean as given (a byte per entry), a float one in the
+    queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -160,35 +139,49 @@ def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
     return local.view(local.shape[0], 1, local.shape[1], 1)
 
 
-def mha_bias(
-    attn_mask, key_padding_mask, q: DTensor, k: DTensor, heads: int, what: str
-) -> tuple[Tensor | None, Tensor | None]:
-    """``nn.MultiheadAttention``'s masks (boolean: True is masked out) on the ring:
-    ``(bias, key bias)``. ``bias``: this rank's rows of the whole ones (``attn_mask``
-    ``(L, S)`` or ``(N * heads, L, S)``, ``key_padding_mask`` ``(N, S)``), one additive
-    bias broadcastable to ``(N_r, heads, L_r, S)``; ``key bias``: a ``key_padding_mask``
-    split like the keys, this rank's keys' entries (``_key_mask``). ``q``, ``k``: the
-    sequence-first queries ``(L, N, E)`` and keys."""
-    bias = None
-    n, groups = q.shape[1], grad_groups(q)
-    if isinstance(key_padding_mask, DTensor):
-        kbias, key_padding_mask = _key_mask(key_padding_mask, k, what), None
-    else:
-        kbias = None
-    for name, mask in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
-        if mask is None:
-            continue
+def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor:
+    """This rank's batch of a plain ``t`` along ``dim`` (``rows`` entries per sample:
+    ``nn.MultiheadAttention``'s ``(N * heads, Q, L)`` masks) where ``x``'s batch (its splits
+    outside the sequence layouts ``seq``) is split; a size-1 (broadcast) dim stays."""
+    outer = tuple(lay for lay in split_layouts(x) if lay not in seq)
+    if not outer or t.shape[dim] == 1:
+        return t
+    idx = held_indices(outer).view(-1, 1) * rows + torch.arange(rows).view(1, -1)
+    return t.index_select(dim, idx.reshape(-1).to(t.device))
+
+
+def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
+    """``nn.MultiheadAttention``'s (arguments ``kw``) ``attn_mask`` (``(Q, S)`` or ``(N *
+    heads, Q, S)``) and ``key_padding_mask`` (``(N, S)``), True masked out, each cut to this
+    rank by ``cut(mask, name, per_sample)`` (entries of dim 0 per sample; None: no batch
+    dim), as one additive mask broadcasting against the scores ``(N_r, heads, Q_r, S_r)``."""
+    heads, am, kpm, out = kw["num_heads"], kw["attn_mask"], kw["key_padding_mask"], None
+    if am is not None:
+        am = additive(cut(am, "attn_mask", heads if am.ndim == 3 else None), dtype, True)
+        out = am.view(-1, heads, *am.shape[1:]) if am.ndim == 3 else am
+    if kpm is not None:
+        kpm = additive(cut(kpm, "key_padding_mask", 1), dtype, True)
+        out = _plus(out, kpm.view(-1, 1, 1, kpm.shape[-1]))
+    return out
+
+
+def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
+    """``nn.MultiheadAttention``'s masks on the ring: ``(bias, key bias)``. ``bias``: this
+    rank's rows and batch of the whole masks (``mha_mask``); ``key bias``: a
+    ``key_padding_mask`` split like the keys (``_key_mask``). ``q``, ``k``: the
+    sequence-first queries ``(L, N, E)`` and keys; ``seq``: the layouts of ``L``."""
+    kpm = kw["key_padding_mask"]
+    kbias = _key_mask(kpm, k, what) if isinstance(kpm, DTensor) else None
+    groups = grad_groups(q)
+
+    def cut(mask: Tensor, name: str, per: int | None) -> Tensor:
         if isinstance(mask, DTensor):
             raise SpatialShardingError(
                 f"{what} in module '{module_path()}': an {name} that is a DTensor "
                 f"({mask.placements}) is not supported; pass it whole (a plain tensor)."
             )
-        mask = sum_grad_over(mask, groups)  # before the view: a parameter's own gradient
-        if name == "key_padding_mask":
-            mask = mask.view(n, 1, 1, mask.shape[-1])
-        elif mask.ndim == 3:
-            mask = mask.view(n, heads, *mask.shape[-2:])
-        picks = _picks(q, {0: -2, 1: -4})  # (L, N, E) against (N, heads, L, S)
-        part = additive(select_rows(mask, picks, ()), q.dtype, True)
-        bias = _plus(bias, part)
-    return bias, kbias
+        part = select_rows(mask, {-2: seq} if name == "attn_mask" else {}, groups)
+        return part if per is None else batch_rows(part, q, seq, 0, per)
+
+    kw = kw if kbias is None else {**kw, "key_padding_mask": None}  # it travels
+    return mha_mask(kw, q.dtype, cut), kbias

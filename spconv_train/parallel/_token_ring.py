@@ -1,8 +1,6 @@
 """The ring over every rank that holds part of a token sequence: one mesh dim's group on
-strips; on tiles and rows the sub-mesh of both dims flattened to one (``_replicas.flat_mesh``,
-created collectively the first time, on every rank at once, and kept by the root mesh),
-members ordered by ``dist.get_process_group_ranks``, each member's token count and global
-indices from its place on the mesh.
+strips, on tiles and rows both dims flattened to one (``_replicas.flat_mesh``), each
+member's token count and global indices from its place on the mesh (docs/attention.md).
 """
 
 from __future__ import annotations
@@ -26,25 +24,6 @@ from ._tokens import TokenLayout
 Seq = tuple[TokenLayout, ...]
 
 
-@functools.lru_cache(maxsize=64)
-def _group_of(mesh: DeviceMesh, mesh_dims: tuple[int, ...]) -> tuple[object, tuple]:
-    """``(group, coords)``: the process group over ``mesh_dims`` holding this rank, and the
-    mesh coordinates of its members in group-rank order."""
-    if len(mesh_dims) == 1:
-        group = mesh.get_group(mesh_dims[0])
-    else:
-        names = mesh.mesh_dim_names
-        if not names:
-            raise ValueError(
-                "attention over tokens split over several mesh dims needs a mesh with "
-                "mesh_dim_names (e.g. ('sp_h', 'sp_w'))"
-            )
-        group = flat_mesh(mesh[tuple(names[m] for m in mesh_dims)]).get_group()
-    ranks = torch.as_tensor(dist.get_process_group_ranks(group))
-    coords = tuple(tuple((mesh.mesh == r).nonzero()[0].tolist()) for r in ranks.tolist())
-    return group, coords
-
-
 @dataclass(frozen=True)
 class TokenRing:
     """The ring over the ranks that split one token dim: its ``group`` and, per member in
@@ -52,26 +31,34 @@ class TokenRing:
 
     group: object
     members: tuple[tuple[TokenLayout, ...], ...]
-    #: ``columns`` per device, built on the first call (``token_ring`` keeps the ring)
-    _columns: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    #: ``spec`` per device, built on the first call (``token_ring`` keeps the ring)
+    _specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
-    def sizes(self) -> tuple[int, ...]:
-        """How many tokens every member holds."""
-        return tuple(int(c.numel()) for c in self.columns("cpu"))
-
-    def columns(self, device) -> tuple[Tensor, ...]:
-        """The global token indices every member holds, in its local order."""
+    def spec(self, device) -> tuple[object, tuple[int, ...], tuple[Tensor, ...]]:
+        """``(group, every member's token count, the global token indices every member
+        holds in its local order, on device)``."""
         key = str(torch.device(device))
-        if key not in self._columns:
-            self._columns[key] = tuple(held_indices(m).to(device) for m in self.members)
-        return self._columns[key]
+        if key not in self._specs:
+            cols = tuple(held_indices(m).to(device) for m in self.members)
+            self._specs[key] = (self.group, tuple(int(c.numel()) for c in cols), cols)
+        return self._specs[key]
 
 
 @functools.lru_cache(maxsize=256)
 def token_ring(mesh: DeviceMesh, lays: tuple[TokenLayout, ...]) -> TokenRing:
     """The ring of the ranks splitting the token dim of ``lays`` (every layout of that
     dim of one tensor; a ``dp`` split of the same dim is left to the batch)."""
-    group, coords = _group_of(mesh, tuple(lay.mesh_dim for lay in lays))
+    dims = tuple(lay.mesh_dim for lay in lays)
+    if len(dims) == 1:
+        group = mesh.get_group(dims[0])
+    elif not mesh.mesh_dim_names:
+        raise ValueError(
+            "attention over tokens split over several mesh dims needs a mesh with "
+            "mesh_dim_names (e.g. ('sp_h', 'sp_w'))"
+        )
+    else:
+        group = flat_mesh(mesh[tuple(mesh.mesh_dim_names[m] for m in dims)]).get_group()
+    coords = [(mesh.mesh == r).nonzero()[0].tolist() for r in dist.get_process_group_ranks(group)]
     members = tuple(
         tuple(dataclasses.replace(lay, rank=c[lay.mesh_dim]) for lay in lays) for c in coords
     )
