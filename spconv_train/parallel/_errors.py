@@ -1,56 +1,32 @@
-"""Name the module an op runs in, and turn what DTensor does with ops it has no spatial
-rule for into clear refusals.
+"""Module labels, clear refusals for ops DTensor has no spatial rule for, and the guards.
 
-``module_label`` formats a spatial layer's ``path (Type(extra_repr))`` once per module and
-keeps it there: the hyperparameters are fixed once it is built, so formatting
-``extra_repr`` on every forward would be repeated work. ``parallelize`` renaming the module
-(its ``spatial_name``) rebuilds it.
+``module_label``: a spatial layer's ``path (Type(extra_repr))``, cached on the module (its
+hyperparameters are fixed; a rename by ``parallelize`` rebuilds it). ``run_dtensor_op``:
+DTensor's failures on a sharded activation read like internal errors ("got mixed
+torch.Tensor and DTensor", "Cannot unflatten unevenly sharded tensor"), so they become a
+``SpatialShardingError`` naming the op, the module path and the placements (cause kept).
 
-An op without a spatial handler falls through to DTensor, whose failures on a sharded
-activation read like internal errors ("aten.native_layer_norm.default got mixed
-torch.Tensor and DTensor", "Cannot unflatten unevenly sharded tensor"). ``SpatialMode``
-runs such ops through ``run_dtensor_op``: a DTensor error becomes a
-``SpatialShardingError`` naming the op, the module path and the placements, with the
-original message kept as the cause.
+No silent gather: an implicit redistribution DTensor decides on that moves a ``Shard`` of a
+non-batch dim (or the ``_StridedShard`` a flatten makes of it) would put the whole image on
+every rank. During a parallelized forward (``gather_guard``) and outside it on such a
+model's mesh (``guard_mesh``: a loss or metric on the output; not the backward) it raises,
+or with ``allow_gather`` is logged and counted (``GATHER_EVENTS``, ``stats.gathers``);
+``guard_gather`` applies the rule to handlers that see a gather coming (``_broadcast.py``).
+Explicit ``redistribute()`` / ``full_tensor()`` stay allowed, but for nested or prefixed
+pixel tokens (``_tokens.py``), which DTensor's own chunking reads wrongly: those are
+refused by name (``install_token_guard``, ``tests/test_tile_tokens_guard.py``).
 
-No silent gather: where DTensor's own sharding rules would instead all-gather or
-all-to-all the sharded activation to run the op (the whole image on every rank: the memory
-saving gone, silently), ``gather_guard`` checks every implicit redistribution DTensor
-decides on while a parallelized model runs its forward. One that moves a ``Shard`` of a
-non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of it) raises
-``SpatialShardingError`` naming the op, the module path and the way out; with
-``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
-counted (the runtime's ``stats.gathers``) instead; ``guard_gather`` applies the same rule to
-handlers that see a gather coming by other means (``_broadcast.py``: the gradient of a plain
-tensor the model computed at the activation's size). Outside the forward (a loss or a
-metric on the output; not the backward) the rule holds for tensors sharded over the image
-on the mesh of a parallelized model (``guard_mesh``). Explicit ``redistribute()`` /
-``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
-tokens of tiles, below).
-
-This module holds the project's uses of DTensor dispatch internals (checked against torch
-2.14.1):
-
-- DTensor's dispatcher reports every implicit redistribution to
-  ``ExplicitRedistributionContext.observe_redistribution`` (``torch.distributed.tensor._utils``,
-  guarded by ``tests/test_no_gather.py``), which ``install_guard`` wraps;
-- DTensor has no sharding strategy for the backward of three element-wise ops
-  (``hardtanh_backward``, ``hardswish_backward``, ``hardsigmoid_backward``: ReLU6,
-  MobileNetV3), so their in-place forms (``F.relu6(x, inplace=True)``), which must run as
-  DTensor's own in-place op to keep their meaning (``_pointwise.py``), could not be
-  differentiated; ``add_pointwise_strategies`` registers the pointwise rule for them
-  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``);
-- pixel tokens of a map split over several mesh dims (H x W tiles, rows: ``_tokens.py``
-  nests ``Shard`` / ``_StridedShard`` of one dim over two mesh dims) mean something else to
-  DTensor's own chunking, so ``DTensor.full_tensor`` and ``DTensor.redistribute`` (and the
-  dispatcher's implicit redistributions, reported to ``_observe``) would return wrong
-  values; ``install_token_guard`` wraps both methods to refuse them by name
-  (``tests/test_tile_tokens_guard.py``).
+DTensor internals used (torch 2.14.1): ``ExplicitRedistributionContext.observe_redistribution``
+(wrapped by ``install_guard``, ``tests/test_no_gather.py``); ``_pointwise_ops.
+_register_single_dim_pointwise`` for three backward ops DTensor lacks a strategy for, whose
+in-place forward (``F.relu6(x, inplace=True)``) must run as DTensor's own op
+(``add_pointwise_strategies``, ``tests/test_inplace.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -58,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -141,14 +117,12 @@ def module_label(module: nn.Module) -> str:
 
 
 def _moves_activation(src, dst) -> bool:
-    for p, q in zip(src.placements, dst.placements, strict=False):
-        if p == q or isinstance(p, Replicate):
-            continue
-        if isinstance(p, Shard) and p.dim == 0 and type(p) is Shard:
-            continue  # a batch shard: a data-parallel matter, not the image
-        if p.is_shard() or type(p).__name__ == "_StridedShard":
-            return True
-    return False
+    """Whether the move changes a split of a non-batch dim (a batch ``Shard(0)`` is a
+    data-parallel matter, not the image)."""
+    return any(
+        p != q and (p.is_shard() or type(p) is _StridedShard) and (type(p), p.dim) != (Shard, 0)
+        for p, q in zip(src.placements, dst.placements, strict=False)
+    )
 
 
 def guard_gather(op: str, src: str, dst: str, why: str) -> None:
@@ -321,6 +295,7 @@ _original_redistribute = DTensor.redistribute
 _original_full_tensor = DTensor.full_tensor
 
 
+@functools.wraps(_original_redistribute)
 def _redistribute(self, device_mesh=None, placements=None, **kwargs):
     if placements is not None and (device_mesh is None or device_mesh == self.device_mesh):
         check_tokens_move(
@@ -329,6 +304,7 @@ def _redistribute(self, device_mesh=None, placements=None, **kwargs):
     return _original_redistribute(self, device_mesh, placements, **kwargs)
 
 
+@functools.wraps(_original_full_tensor)
 def _full_tensor(self, **kwargs):
     check_tokens_move("DTensor.full_tensor()", self.device_mesh, self.placements, self.shape)
     return _original_full_tensor(self, **kwargs)
@@ -339,10 +315,6 @@ def install_token_guard() -> None:
     raise ``SpatialShardingError`` instead of returning wrong values (idempotent; called
     by ``_install.install``, never at import; checked against torch 2.14.1, where
     ``full_tensor`` calls ``redistribute``)."""
-    _redistribute.__doc__, _full_tensor.__doc__ = (
-        _original_redistribute.__doc__,
-        _original_full_tensor.__doc__,
-    )
     DTensor.redistribute = _redistribute
     DTensor.full_tensor = _full_tensor
 
@@ -360,25 +332,8 @@ def add_pointwise_strategies() -> None:
     for name in _POINTWISE_BACKWARDS:
         op = getattr(torch.ops.aten, name).default
         known = (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs)
-        if any(op in funcs for funcs in known):
-            continue
-        if hasattr(_pointwise_ops, "_register_single_dim_pointwise"):  # torch 2.14
+        if not any(op in funcs for funcs in known):
             _pointwise_ops._register_single_dim_pointwise(op)
-        else:  # torch 2.11 registers element-wise ops with the full-mesh strategy
-            from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-            from torch.distributed.tensor._ops.utils import register_op_strategy
-
-            info = RuntimeSchemaInfo(static_kwargkey=["out"])
-            register_op_strategy(op, schema_info=info)(_pointwise_ops.pointwise_strategy)
-
-
-def _placements(args, kwargs) -> list[str]:
-    found = []
-    for a in (*args, *kwargs.values()):
-        for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, DTensor):
-                found.append(f"{tuple(t.shape)} {tuple(t.placements)}")
-    return found
 
 
 def run_dtensor_op(func, args, kwargs):
@@ -391,9 +346,15 @@ def run_dtensor_op(func, args, kwargs):
         text = " ".join(str(exc).split())
         if not any(k.lower() in text.lower() for k in _DTENSOR_ERRORS):
             raise
+        found = [
+            f"{tuple(t.shape)} {tuple(t.placements)}"
+            for a in (*args, *kwargs.values())
+            for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, DTensor)
+        ]
         raise SpatialShardingError(
             f"{function_name(func)} in module '{module_path()}' is not supported on these "
-            f"sharded inputs ({'; '.join(_placements(args, kwargs))}): DTensor has no local "
+            f"sharded inputs ({'; '.join(found)}): DTensor has no local "
             f"rule for it ({text[:300]}). Use a supported op, make it "
             f"spatial (spconv_train.parallel.register_handler), or gather explicitly "
             f"(x.full_tensor())."
