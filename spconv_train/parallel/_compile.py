@@ -85,7 +85,7 @@ def in_dtensor_graphs(handler: Callable) -> bool:
 # torchvision's and smp's ResNets). Dynamo hands ``a += b`` to the mode as ``Tensor.add_``.
 # Under ``trace_dtensor_ops`` such ops run eagerly, in place, between graphs.
 # fmt: off
-_IN_PLACE = frozenset({
+IN_PLACE = frozenset({
     Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.__itruediv__, Tensor.add_,
     Tensor.sub_, Tensor.mul_, Tensor.div_,
 })
@@ -98,7 +98,7 @@ _IN_PLACE = frozenset({
 # ConvNeXt block's ``permute``). A view costs nothing eagerly, so under
 # ``trace_dtensor_ops`` DTensor views run eagerly, between graphs.
 # fmt: off
-_VIEWS = frozenset({
+VIEWS = frozenset({
     Tensor.permute, torch.permute, Tensor.transpose, torch.transpose, Tensor.view,
     Tensor.view_as, Tensor.reshape, torch.reshape, Tensor.reshape_as, Tensor.flatten,
     torch.flatten, Tensor.unflatten, Tensor.squeeze, torch.squeeze, Tensor.unsqueeze,
@@ -108,16 +108,6 @@ _VIEWS = frozenset({
     Tensor.contiguous,
 })
 # fmt: on
-
-
-def returns_view(func: Callable) -> bool:
-    """Whether ``func`` may return a view of its input (run eagerly in DTensor graphs)."""
-    return func in _VIEWS
-
-
-def mutates_input(func: Callable) -> bool:
-    """Whether ``func`` is an in-place arithmetic op (run eagerly in DTensor graphs)."""
-    return func in _IN_PLACE
 
 
 def traced_dtensor_op(func: Callable) -> bool:

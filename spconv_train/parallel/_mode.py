@@ -1,32 +1,24 @@
 """Route torch calls on width-sharded DTensors to spatial handlers.
 
-Model code often calls ``F.interpolate``, ``F.adaptive_avg_pool2d``, ``F.conv2d`` or Tensor
-methods like ``x.mean((2, 3))`` directly (torchvision's and timm's blocks do). While a
-parallelized model runs, ``SpatialMode`` (a ``TorchFunctionMode``) sees every such call:
-when a DTensor is among the arguments it runs the handler the runtime's registry holds for
-that function object; functions registered as *refused* raise a clear error, because
-DTensor's own handling of them on ``Shard(3)`` either gathers the whole activation or is
-silently wrong (see ``docs/halo.md``). Everything else passes through unchanged.
-
-``register_handler(*functions)`` is THE registration API: each op module declares its own
-handlers, keyed by the function objects (``_registry.py``); ``install()`` (``_install.py``)
-imports the op modules and applies the default refusals; ``parallelize`` and ``SpatialMode()``
-call it.
+Model code calls ``F.interpolate``, ``F.conv2d`` or ``x.mean((2, 3))`` directly (torchvision's
+and timm's blocks do). While a parallelized model runs, ``SpatialMode`` (a
+``TorchFunctionMode``) sees every such call: with a DTensor among the arguments it runs the
+handler the runtime's registry holds for that function object, or raises for a *refused*
+one (DTensor would gather the activation or be silently wrong, ``docs/halo.md``); the rest
+passes through. Op modules register with ``register_handler`` (``_registry.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ._compile import (
+    IN_PLACE,
+    VIEWS,
     eager_from_eager,
     in_dtensor_graphs,
-    mutates_input,
-    returns_view,
     run_eagerly,
     traced_dtensor_op,
 )
@@ -36,25 +28,8 @@ from ._install import install
 from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
 
-
-def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Callable], Callable]:
-    """Decorator keyed by the function objects themselves (``torch.Tensor.mean``,
-    ``F.pad``, ``torch.Tensor.__getitem__``, ...): run ``handler(*args, **kwargs)`` instead
-    whenever a DTensor is among the arguments while a parallelized model runs. Tensor
-    methods reach ``SpatialMode`` as the unbound method objects of ``torch.Tensor``.
-
-    The handler receives the call's arguments unchanged (plain tensors and DTensors alike)
-    and must return what the function returns. Registers for every model; a runtime's own
-    ``runtime.registry.register(...)`` registers for one model only. Under ``torch.compile``
-    the handler runs eagerly (a graph break) unless ``traced=True`` (Dynamo inlines it: only
-    for handlers without DTensor ops, since compiled graphs hold plain tensors only)."""
-    return DEFAULT_REGISTRY.register(*functions, traced=traced)
-
-
-def refuse_handler(*functions: Callable, reason: str) -> None:
-    """Make ``functions`` raise ``SpatialShardingError`` with ``reason`` on width-sharded
-    DTensors (functions that have a handler keep it)."""
-    DEFAULT_REGISTRY.refuse(*functions, reason=reason)
+#: the op modules' decorator: a handler for every model (``HandlerRegistry.register``)
+register_handler = DEFAULT_REGISTRY.register
 
 
 #: argument class -> what it is to the scan below: a DTensor, a list or tuple (its items
@@ -146,7 +121,7 @@ class SpatialMode(TorchFunctionMode):
             return func(*args, **kwargs)
         compiling = torch.compiler.is_compiling()
         graphs = compiling and self.dtensor_graphs
-        if graphs and mutates_input(func):
+        if graphs and func in IN_PLACE:
             # in place, eagerly between graphs (see _compile.py); not compiling there
             return run_eagerly(self.__torch_function__, func, types, args, kwargs)
         entry = self.runtime.registry.lookup(func)
@@ -163,7 +138,7 @@ class SpatialMode(TorchFunctionMode):
             raise SpatialShardingError(
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
-        if compiling and (not graphs or returns_view(func)) and not traced_dtensor_op(func):
+        if compiling and (not graphs or func in VIEWS) and not traced_dtensor_op(func):
             # DTensor's own op, outside compiled graphs: they hold plain tensors only
             # (see _compile.py)
             return run_eagerly(func, *args, **kwargs)

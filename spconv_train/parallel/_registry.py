@@ -1,11 +1,7 @@
-"""Handler registry keyed by the function object itself.
-
-A key is the very object model code calls: ``torch.nn.functional.conv2d``,
-``torch.batch_norm`` (a different object from ``F.batch_norm`` with a different signature,
-so it gets its own handler), ``torch._C._nn.adaptive_max_pool2d`` (always returns a pair,
-unlike ``F.adaptive_max_pool2d``), or an unbound Tensor method such as
-``torch.Tensor.mean`` (that is what ``__torch_function__`` receives for ``x.mean()``).
-No names, no argument counting: each function object says what it is.
+"""Handler registry keyed by the function object model code calls: ``F.conv2d``,
+``torch.batch_norm`` (another object than ``F.batch_norm``, another signature),
+``torch._C._nn.adaptive_max_pool2d`` (always a pair), or an unbound Tensor method such as
+``torch.Tensor.mean`` (what ``__torch_function__`` receives for ``x.mean()``).
 """
 
 from __future__ import annotations
@@ -71,14 +67,9 @@ class HandlerRegistry:
     def register(
         self, *functions: Callable, traced: bool = False
     ) -> Callable[[Callable], Callable]:
-        """Decorator: run ``handler(*args, **kwargs)`` instead of each of ``functions``
-        whenever a DTensor is among the arguments while a parallelized model runs.
-
-        Under ``torch.compile`` the handler runs eagerly (a graph break around it) unless
-        ``traced``: Dynamo then inlines it, so only a handler without DTensor ops may be
-        traced (compiled graphs hold plain tensors only, see ``_compile.py``); anything
-        with an exchange, a collective or a cached plan is not graph material either
-        (Dynamo would guard on its Python state and recompile)."""
+        """Decorator: the handler runs instead of ``functions`` on DTensors
+        (``extend.register_handler``). ``traced``: Dynamo inlines it (no DTensor op,
+        exchange, collective or cached plan: Dynamo would guard on its state)."""
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
 
@@ -95,14 +86,12 @@ class HandlerRegistry:
 
         return deco
 
-    def refuse(self, *functions: Callable, reason: str, keep_handlers: bool = True) -> None:
+    def refuse(self, *functions: Callable, reason: str) -> None:
         """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
-        DTensors. A function that already has a handler keeps it unless not
-        ``keep_handlers``."""
+        DTensors; a function that has a handler keeps it."""
         route_through_modes(functions)
         for fn in functions:
-            old = self.lookup(fn)
-            if keep_handlers and old is not None and old.handler is not None:
+            if self.handler(fn) is not None:
                 continue
             self._entries[id(fn)] = (fn, Entry(function_name(fn), refused=reason))
         _GENERATION[0] += 1
