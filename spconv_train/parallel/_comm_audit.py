@@ -27,16 +27,12 @@ _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _P2P = ("send", "recv", "recv_", "recv_any_source_")
 _SKIP = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
 #: Ops that move (pieces of) a whole tensor between ranks rather than reducing it.
+# fmt: off
 _GATHER_LIKE = (
-    "all_gather",
-    "allgather",
-    "all_to_all",
-    "alltoall",
-    "reduce_scatter",
-    "scatter",
-    "broadcast",
-    "gather",
+    "all_gather", "allgather", "all_to_all", "alltoall", "reduce_scatter", "scatter",
+    "broadcast", "gather",
 )
+# fmt: on
 
 
 @dataclass

@@ -1,27 +1,22 @@
-"""Element-wise activations and dropout on width-sharded DTensors, run on the local strip.
+"""Element-wise activations and dropout on sharded DTensors, run on the local strip.
 
-An element-wise op needs no halo, so it is exact on each strip. Under ``torch.compile``
-these handlers run eagerly like every other (see ``_compile.py``). DTensor runs many of them
-itself but lacks backward strategies for some (``hardswish_backward``,
-``hardsigmoid_backward`` in torch 2.14, used by MobileNetV3), so the functional forms are
-all routed here: the plain op runs on the local tensor and autograd does the rest.
-In-place requests (``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, in-place
-dropout) change ``x`` itself, as on one device: code may call them for the side effect and
-go on with ``x``. They run as DTensor's own in-place op on the DTensor (an in-place op on its
+An element-wise op needs no halo. DTensor lacks backward strategies for some
+(``hardswish_backward``, ``hardsigmoid_backward``: MobileNetV3), so the functional forms run
+here on the local tensor. In-place requests (``F.relu(x, inplace=True)``, in-place dropout)
+change ``x`` itself, as on one device, as DTensor's own in-place op (one on the
 ``to_local()`` view would bypass autograd's view tracking), eagerly under ``torch.compile``
-(a mutated graph input fails AOTAutograd's DTensor graphs, ``_compile.py``); DTensor lacks
-the backward rule of three of them, which ``_errors.add_pointwise_strategies`` adds.
+(a mutated graph input fails AOTAutograd's DTensor graphs); the backward rule of three of
+them is ``_errors.add_pointwise_strategies``'.
 
-Dropout: every rank draws its own mask for its own strip, so a sharded run is *not*
-bit-identical to a single-device run while dropout is active (compare with ``p=0`` or in
-eval mode; ``spconv-train verify`` does so). What is kept: each call consumes exactly one
-draw of the global RNG on every rank, so the RNG streams of all ranks stay in step, and
-``dropout2d``'s channel mask (one value per sample and channel) is the same on every strip
-of an image, as a whole-image channel dropout must be.
+Dropout: each rank draws the mask of its own strip, so a sharded run is *not* bit-identical
+to one device while dropout is active (``verify`` compares with it off). Each call takes
+exactly one draw of the global RNG on every rank (the streams stay in step), and
+``dropout2d``'s mask (one value per sample and channel) is the same on every strip.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -37,22 +32,12 @@ from ._mode import register_handler
 from ._registry import function_name
 from ._sharding import sharded_dim
 
+# fmt: off
 _ELEMENTWISE = (
-    "relu",
-    "relu6",
-    "hardswish",
-    "hardsigmoid",
-    "hardtanh",
-    "silu",
-    "gelu",
-    "leaky_relu",
-    "elu",
-    "selu",
-    "celu",
-    "mish",
-    "softplus",
-    "logsigmoid",
+    "relu", "relu6", "hardswish", "hardsigmoid", "hardtanh", "silu", "gelu", "leaky_relu",
+    "elu", "selu", "celu", "mish", "softplus", "logsigmoid",
 )
+# fmt: on
 
 
 def _wrap(x: DTensor, local_out: torch.Tensor) -> DTensor:
@@ -131,8 +116,9 @@ def _batch_part(x: DTensor) -> int:
     return part
 
 
-def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
-    """Dropout on the local strip; the mask's seed takes one draw of the global RNG."""
+def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
+    """``F.dropout`` / ``F.dropout2d`` (``channels_only``) on the local strip, with a
+    per-rank mask whose seed takes one draw of the global RNG (module docstring)."""
     plain = F.dropout2d if channels_only else F.dropout
     if not isinstance(input, DTensor):
         return plain(input, p, training, inplace)
@@ -154,13 +140,6 @@ def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
     return _wrap(input, local * scale)
 
 
-@register_handler(F.dropout, torch.dropout)  # same leading arguments
-def _dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
-    """Element-wise dropout of the local strip with a per-rank mask (see module docstring)."""
-    return _drop(input, p, training, inplace, channels_only=False)
-
-
-@register_handler(F.dropout2d)
-def _dropout2d(input, p: float = 0.5, training: bool = True, inplace: bool = False):
-    """Channel dropout: one mask per (sample, channel), identical on every strip of an image."""
-    return _drop(input, p, training, inplace, channels_only=True)
+# torch.dropout has F.dropout's leading arguments
+register_handler(F.dropout, torch.dropout)(functools.partial(_drop, channels_only=False))
+register_handler(F.dropout2d)(functools.partial(_drop, channels_only=True))
