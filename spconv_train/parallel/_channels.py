@@ -67,11 +67,6 @@ def spatial_prelu(input, weight):
     return wrap(out, input, input.placements, input.shape)
 
 
-@register_spatial_module(nn.PReLU)
-class SpatialPReLU(nn.PReLU):
-    """``nn.PReLU`` (calls ``F.prelu``, handled above; the swap makes it visible)."""
-
-
 def local_pieces(func, x: DTensor, arg, d: int) -> tuple[DTensor, ...]:
     """``func(x, arg, d)`` (``split`` / ``chunk`` along a dim ``d`` no rank splits): each
     rank's local pieces, with ``x``'s placements and the pieces' global shapes."""
@@ -166,14 +161,11 @@ def spatial_pixel_unshuffle(input, downscale_factor):
     return _shuffle(input, int(downscale_factor), False)
 
 
-@register_spatial_module(nn.PixelShuffle)
-class SpatialPixelShuffle(nn.PixelShuffle):
-    """``nn.PixelShuffle`` (calls ``F.pixel_shuffle``, handled above)."""
-
-
-@register_spatial_module(nn.PixelUnshuffle)
-class SpatialPixelUnshuffle(nn.PixelUnshuffle):
-    """``nn.PixelUnshuffle`` (calls ``F.pixel_unshuffle``, handled above)."""
+for _base in (nn.PReLU, nn.PixelShuffle, nn.PixelUnshuffle):
+    # their functional calls are handled here; the swap shows it in ``print(model)``
+    _doc = f"``nn.{_base.__name__}`` (its functional form is handled in ``_channels.py``)."
+    _attrs = {"__module__": __name__, "__doc__": _doc}
+    register_spatial_module(_base)(type(f"Spatial{_base.__name__}", (_base,), _attrs))
 
 
 @register_handler(torch.cat, torch.concat, torch.concatenate)

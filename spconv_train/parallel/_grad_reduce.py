@@ -1,35 +1,19 @@
-"""Bucketed, asynchronous reduction of parameter gradients over the sharding groups.
+"""Bucketed, asynchronous reduction of parameter gradients over the sharding groups
+(docs/design.md, "The built-in reducer is bucketed and asynchronous").
 
-A parameter that meets the local strip of a sharded activation gets a *partial* gradient on
-every rank (its strip's, and its local batch's on a data-parallel dimension); the sum over
-the groups sharding the activation is the single-device gradient (docs/design.md, "Exact
-semantics"). ``sum_grad_over`` marks such a parameter in the forward; this reducer, owned by
-the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
-
-- each marked use of the parameter goes through an identity node (``_PartialUse``) whose
-  backward adds the use's partial gradient to the parameter's partial sum and passes zeros
-  on; a tensor hook on the parameter, which runs once autograd has summed all its uses,
-  copies the partial sum into a flat bucket. The gradient of the parameter's other uses
-  (a whole weight in a plain computation, or a view of it already summed by its own node)
-  is complete on every rank and reaches ``.grad`` unsummed: summing it too would multiply
-  it by the group size. Gradients accumulated by earlier backwards are never summed again;
-- buckets (about ``bucket_bytes``, parameters in reverse forward order, which is roughly the
-  order their gradients arrive) are all-reduced asynchronously as soon as they are full, in
-  bucket order on every rank (collectives must match), while the backward goes on;
-- at the end of the backward (an autograd engine callback, so a plain ``loss.backward()``
-  works) the remaining buckets are sent (a parameter that got no gradient this time adds
-  zeros), every reduction is waited on and the sums are added to ``.grad``; a parameter
-  that no rank got a gradient for (a flag per parameter rides in the bucket) keeps
-  ``.grad`` None, as it would on one device.
-
-Under DDP and FSDP2 (``_replicas.py``) the reducer steps aside (``defer_to``): a marked
-use's partial gradient is only multiplied by the size of its groups, and the wrapper's
-average over the world is then the sum over the groups.
-
-One all-reduce per bucket and group instead of one per parameter and use. A small bucket
-on CPU (gloo) is summed by one exchange instead, on its own message tag
-(``_small_sum.ExchangeSum``): gloo's all-reduce of a 9 KB buffer took 4-5 ms per step on the
-2-core CI machine against ~0.2 ms for the exchange (docs/benchmarks.md, "Case 1").
+A parameter meeting the local strip of a sharded activation gets a *partial* gradient on
+every rank; ``sum_grad_over`` marks such a use in the forward. Each marked use goes through
+an identity node (``_PartialUse``) whose backward adds its gradient to the parameter's
+partial sum and passes zeros on; the parameter's tensor hook (once autograd summed all its
+uses) copies that sum into a flat bucket. The other uses' gradient (a whole weight in plain
+code, a view summed by its own node) is complete on every rank and reaches ``.grad``
+unsummed. Buckets (parameters in reverse forward order) are all-reduced asynchronously
+once full, in bucket order on every rank; an end-of-backward callback sends the rest, waits
+and adds the sums to ``.grad`` (a flag per parameter rides in the bucket: one no rank got a
+gradient for keeps ``.grad`` None). Under DDP / FSDP2 (``defer_to``) a marked use's gradient
+is only scaled by the size of its groups. A small CPU bucket is summed by one exchange on
+its own tag (``_small_sum.ExchangeSum``): gloo's all-reduce of 9 KB took 4-5 ms per step on
+the 2-core CI machine, the exchange ~0.2 ms (docs/benchmarks.md, "Case 1").
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""``parallelize(model, mesh)``: the plan that makes a single-device model run sharded.
+"""``parallelize(model, mesh)``: a single-device model run sharded, its code unchanged.
 
-The model code stays single-device. ``parallelize`` turns every supported spatial module
-into its spatial subclass *in place* (parameters, buffers, hooks and ``state_dict`` keys are
-untouched, and ``print(model)`` shows what will run sharded), refuses modules it cannot run
-with one error listing every offending module path -- *before* it changes anything, so a
-refused model is left exactly as it was -- and makes the model's forward run under
-``SpatialMode`` with the model's ``SpatialRuntime`` so functional calls in model code are
-handled too.
+Every supported module becomes its spatial subclass *in place* (parameters, buffers, hooks
+and ``state_dict`` keys untouched; ``print(model)`` shows it), unsupported ones are refused
+with every path listed *before* anything changes, and the forward runs under ``SpatialMode``
+with the model's ``SpatialRuntime`` (functional calls in model code are handled too).
 """
 
 from __future__ import annotations
@@ -131,20 +128,16 @@ class _SpatialContext:
             c.__exit__(*exc)
 
 
-def _sp_mesh_dim(mesh: DeviceMesh) -> int:
-    names = mesh.mesh_dim_names
-    if mesh.ndim == 1:
-        return 0
-    tile_dims = [names.index(n) for n in GRID_MESH_DIMS if names and n in names]
-    if len(tile_dims) > 1:  # H x W tiles (_tiles.py), volumes over 2-3 of D, H, W
-        return tile_dims[-1]
-    if not names or SP not in names:
+def _check_mesh(mesh: DeviceMesh) -> None:
+    """A mesh of several dims names its spatial ones: ``sp``, or two or three grid dims
+    (H x W tiles, ``_tiles.py``; volume blocks)."""
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
         raise SpatialShardingError(
             f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
             f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
-            f"'sp_h', 'sp_w' for volumes), got {names}"
+            f"'sp_h', 'sp_w' for volumes), got {mesh.mesh_dim_names}"
         )
-    return names.index(SP)
 
 
 def _refusals(model: nn.Module) -> list[str]:
@@ -157,30 +150,17 @@ def _refusals(model: nn.Module) -> list[str]:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
-    """Make ``model`` run width-sharded over the ``"sp"`` dimension of ``mesh``.
-
-    Swaps supported layers in place and returns the same model object, with a new
-    ``SpatialRuntime`` attached (``runtime_of(model)``: options and statistics). Feed it a
-    DTensor with placement ``Shard(3)`` (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh);
-    its output equals the single-device output and, after ``backward``, every rank holds
-    the single-device parameter gradients. Every rank's parameters and buffers are first
-    set to mesh rank 0's (``sync_state``, default True), so a model built from a different
-    random state on some rank is not silently computed with two sets of weights.
-
-    ``options`` are ``SpatialOptions`` fields: ``save_windows_by_reference`` (default True:
-    conv windows cost ~1/N of one device's activation memory), ``allow_gather`` (default
-    False: an op that would make DTensor move a width-sharded activation between ranks
-    raises ``SpatialShardingError`` naming the op and module; True: logged and counted in
-    the runtime's ``stats.gathers``), ``trace_under_compile`` (default False: under
-    ``torch.compile`` the parallelized forward runs eagerly as a whole; True: Dynamo traces
-    its plain-tensor code, see ``SpatialOptions``), ``trace_dtensor_ops`` (default False;
-    True: DTensor ops and element-wise handlers are compiled too, ``_compile.py``). Raises
-    ``SpatialShardingError`` naming every module that cannot run width-sharded, before
-    changing anything; ``TypeError`` for an unknown option.
-    """
+    """Make ``model`` run sharded over the spatial dims of ``mesh`` (``sp``, or ``sp_h`` /
+    ``sp_w`` ...): swaps supported layers in place and returns the same model, with a new
+    ``SpatialRuntime`` attached (``runtime_of(model)``). Fed a DTensor ``Shard(3)``
+    (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh), its output and, after ``backward``,
+    every rank's parameter gradients equal one device's. ``options``: ``SpatialOptions``
+    fields (``sync_state``, default True, first sets every rank's state to mesh rank 0's).
+    Raises ``SpatialShardingError`` naming every module that cannot run sharded, before
+    changing anything; ``TypeError`` for an unknown option."""
     opts = SpatialOptions.from_kwargs("parallelize", **options)
     install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
-    _sp_mesh_dim(mesh)
+    _check_mesh(mesh)
     guard_mesh(mesh, opts.allow_gather)
     problems = _refusals(model)
     if problems:

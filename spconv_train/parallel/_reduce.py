@@ -163,32 +163,25 @@ def _softmax_local(local: Tensor, d: int, group, log: bool) -> Tensor:
     return local - m - torch.log(s) if log else e / s
 
 
-def _softmax(x, dim, dtype, log: bool, plain):
-    if not handled(x) or dim is None:
-        return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
-    d = norm_dim(dim, x.ndim)
-    local = x.to_local() if dtype is None else x.to_local().to(dtype)
-    where = _group(x, d)
-    out = plain(local, d) if where is None else _softmax_local(local, d, where[0], log)
-    return wrap(out, x, x.placements, x.shape)
+def _softmax_like(plain, log: bool):
+    """``plain`` (``softmax``, ``log_softmax``: ``log``) along any dim; along a sharded one
+    via per-strip maxima and sums."""
+
+    def handler(x, dim=None, _stacklevel=3, dtype=None):
+        if not handled(x) or dim is None:
+            return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
+        d = norm_dim(dim, x.ndim)
+        local = x.to_local() if dtype is None else x.to_local().to(dtype)
+        where = _group(x, d)
+        out = plain(local, d) if where is None else _softmax_local(local, d, where[0], log)
+        return wrap(out, x, x.placements, x.shape)
+
+    return handler
 
 
-def _softmax_args(input, dim=None, _stacklevel=3, dtype=None):
-    return input, dim, dtype
-
-
-@register_handler(F.softmax, torch.softmax, torch.Tensor.softmax)
-def spatial_softmax(*args, **kwargs):
-    """``softmax`` along any dim; along a sharded one via per-strip maxima and sums."""
-    x, dim, dtype = _softmax_args(*args, **kwargs)
-    return _softmax(x, dim, dtype, False, torch.softmax)
-
-
-@register_handler(F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
-def spatial_log_softmax(*args, **kwargs):
-    """``log_softmax`` along any dim; along a sharded one via per-strip maxima and sums."""
-    x, dim, dtype = _softmax_args(*args, **kwargs)
-    return _softmax(x, dim, dtype, True, torch.log_softmax)
+for _fn, _log in ((torch.softmax, False), (torch.log_softmax, True)):
+    _all = (getattr(F, _fn.__name__), _fn, getattr(torch.Tensor, _fn.__name__))
+    register_handler(*_all)(_softmax_like(_fn, _log))
 
 
 @register_handler(torch.cumsum, torch.Tensor.cumsum)

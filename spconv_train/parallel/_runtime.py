@@ -1,15 +1,10 @@
-"""The spatial runtime: options, statistics and handler registry of one parallelized model.
+"""The options, statistics and handler registry of one parallelized model.
 
-``parallelize(model, mesh, **options)`` creates a ``SpatialRuntime`` and attaches it to the
-model (``runtime_of(model)``). While the model's forward runs, the runtime is *current*
-(``current_runtime()``): op code reads its options there (e.g. whether conv windows are
-saved by reference) and the halo exchange adds its time and bytes to its ``stats``. Ops
-called outside a parallelized model (a spatial function called directly, a test) see a
-process-wide default runtime with default options.
-
-Backward passes run after the forward has returned, so code that must account work to a
-runtime in the backward captures ``current_runtime()`` in the forward (``_halo.py`` keeps it
-on the autograd context).
+``parallelize`` attaches a ``SpatialRuntime`` to the model (``runtime_of``); during its
+forward it is *current* (``current_runtime()``): ops read its options and the halo exchange
+adds to its ``stats``. Outside one, a process-wide default runtime. The backward runs after
+the forward returned: code accounting work there captures the runtime in the forward
+(``_halo.py`` keeps it on the autograd context).
 """
 
 from __future__ import annotations
