@@ -1,12 +1,8 @@
-"""Tensor dims and mesh dims. Helpers shared by the ops that work on any tensor dimension
-(reductions, slicing, re-chunking, permutes): which tensor dims a DTensor's placements
-shard, and how to wrap a local result back into a DTensor of a given global shape. And
-``ParallelDims``: the mesh dim names (``dp``, ``sp``, ``sp_d``, ``sp_h``, ``sp_w``) and
-what each one shards, asked by every module that builds or reads a mesh.
-
-Only plain ``Shard``/``Replicate`` placements are handled here; anything else (``Partial``,
-``_StridedShard``) makes these handlers hand the call back to DTensor (``handled`` False),
-whose own rules then apply (and, for a move of a sharded activation, the no-gather guard).
+"""Tensor dims and mesh dims: which tensor dims a DTensor's placements shard and wrapping
+a local result back (for the ops along any dim: reductions, slicing, re-chunking), cached
+mesh lookups, and ``ParallelDims``: the mesh dim names (``dp``, ``sp``, ``sp_d``, ``sp_h``,
+``sp_w``) and what each shards. Placements other than plain ``Shard`` / ``Replicate``
+(``handled`` False) are left to DTensor's own rules (and the no-gather guard).
 """
 
 from __future__ import annotations
@@ -39,10 +35,9 @@ def sharded_dims(x: DTensor) -> dict[int, int]:
     return {norm_dim(p.dim, x.ndim): i for i, p in enumerate(x.placements) if isinstance(p, Shard)}
 
 
-def from_local(local: Tensor, mesh, placements, shape) -> DTensor:
-    """``local`` as a DTensor on ``mesh`` with ``placements`` and the contiguous global
-    ``shape`` (given, not inferred: no collective to learn the other ranks' sizes)."""
-    return wrap_local(local, mesh, placements, shape)
+#: ``from_local(local, mesh, placements, shape)``: ``local`` as a DTensor of the contiguous
+#: global ``shape`` (given, not inferred: no collective to learn the other ranks' sizes)
+from_local = wrap_local
 
 
 #: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``. ``DeviceMesh.get_group``

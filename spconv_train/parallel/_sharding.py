@@ -144,10 +144,8 @@ class SpatialLayout:
         every mesh dimension that shards the activation (width or batch)."""
         return tuple(mesh_group(self.mesh, i) for i in sharding_mesh_dims(self.placements))
 
-    @property
-    def stat_groups(self) -> tuple:
-        """Groups to reduce statistics over (same as ``grad_groups``)."""
-        return self.grad_groups
+    #: groups to reduce statistics over: the same
+    stat_groups = grad_groups
 
 
 def spatial_layout(

@@ -1,20 +1,14 @@
 """Sums of small CPU tensors over a process group by one exchange of messages.
 
-Gloo's all-reduce of a few hundred bytes costs two rounds of messages and several thread
-hand-offs; measured on the 2-core CI machine, a normalisation layer's 2C statistics took a
-median 3.5 ms per all-reduce inside a U-Net backward, and a 9 KB gradient bucket 4-5 ms
-(docs/benchmarks.md). Here every rank sends its tensor to every other rank and adds the
-arrivals in rank order instead: one round of messages, and every rank holds the same bits
-(the same values added in the same order), which the norms' statistics rely on.
-
-Point-to-point messages are matched per (peer, tag) in posting order, so each user posts on
-its own tag: the halo exchanges on 0, gradient buckets (posted from gradient hooks, whose
-place among the other messages can differ between ranks) on ``BUCKET_TAG``, and the
-synchronous sums of norm statistics and global pools (posted in the same order on every
-rank, as a collective would have to be) on ``STATS_TAG``. CUDA tensors, and tensors that
-would send more than ``EXCHANGE_SUM_BYTES`` per rank, take ``all_reduce`` (NCCL's, or
-gloo's bandwidth-optimal ring). ``sum_replicated`` is the differentiable form, for the
-global value of a reduction (pooling, ``sum`` / ``mean`` / ``var`` over sharded dims).
+Gloo's all-reduce of a few hundred bytes costs two rounds of messages and thread hand-offs
+(2-core CI machine: a norm's 2C statistics a median 3.5 ms inside a U-Net backward, a 9 KB
+gradient bucket 4-5 ms, docs/benchmarks.md). Here every rank sends its tensor to every
+other and adds the arrivals in rank order: one round, and the same bits on every rank
+(the norms' statistics rely on it). Messages match per (peer, tag) in posting order, so
+each user has its tag: halo exchanges 0, gradient buckets (posted from hooks, in an order
+that can differ between ranks) ``BUCKET_TAG``, norm statistics and global pools (same order
+everywhere) ``STATS_TAG``. CUDA tensors and those sending over ``EXCHANGE_SUM_BYTES`` per
+rank take ``all_reduce``. ``sum_replicated`` is the differentiable form.
 """
 
 from __future__ import annotations
@@ -66,14 +60,10 @@ class ExchangeSum:
         # sends dense buffers only
         mine = buffer.clone(memory_format=torch.contiguous_format)
         self.parts = [mine if q == me else buffer.new_empty(buffer.shape) for q in range(ranks)]
-        ops = [
-            dist.P2POp(dist.irecv, t, group=group, group_peer=q, tag=tag)
+        ops = [  # every receive, then every send
+            dist.P2POp(op, t if op is dist.irecv else mine, group=group, group_peer=q, tag=tag)
+            for op in (dist.irecv, dist.isend)
             for q, t in enumerate(self.parts)
-            if q != me
-        ]
-        ops += [
-            dist.P2POp(dist.isend, mine, group=group, group_peer=q, tag=tag)
-            for q in range(ranks)
             if q != me
         ]
         with counted_as_reduce(buffer):
