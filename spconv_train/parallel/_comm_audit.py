@@ -1,14 +1,10 @@
 """Count the communication a sharded step does, and catch hidden activation gathers.
 
-``CommAudit`` (a ``TorchDispatchMode``, like DTensor's ``CommDebugMode`` but also seeing the
-point-to-point halo traffic and plain ``dist.all_reduce``) records the classic ``c10d.*`` and
-the functional ``_c10d_functional.*`` ops by dispatcher name (torch 2.13 and 2.14,
-``tests/test_comm_audit.py``). ``activation_sized`` flags a gather-like op or a reduction of a
-spatial map above a size; ``grows_with_image`` keeps only the flagged collectives that a run
-on a wider image (its width's odd factor changed, so no width at any stride repeats) does
-not repeat with the same op and shape: a moved activation carries the width in its shape,
-a collective the image size does not enter (a channel-attention map, a bias table's
-gradient) repeats exactly. docs/models.md.
+``CommAudit`` (a ``TorchDispatchMode``; unlike DTensor's ``CommDebugMode`` it sees the
+point-to-point halo traffic and plain ``dist.all_reduce``) records ``c10d.*`` and
+``_c10d_functional.*`` ops by name (``tests/test_comm_audit.py``). ``activation_sized``
+flags big gathers and reductions of spatial maps; ``grows_with_image`` keeps those a run on
+a wider image does not repeat with the same shape (docs/models.md).
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""The way in and out of DTensor at the spatial layers' boundaries, with its metadata cached.
+"""The way in and out of DTensor at the spatial layers' boundaries, its metadata cached.
 
-The one module that leans on DTensor's internals (``DTensor(local, spec)``, ``_spec``,
-``DTensorSpec``, the autograd functions behind ``from_local`` / ``to_local``); checked
-against torch 2.14.1 (``tests/test_dtensor_wrap.py`` compares it with the public API).
-
-``DTensor.from_local`` builds a ``DTensorSpec`` per call (normalising the placements,
-computing and verifying the default shard order), and the backward of ``to_local`` compares
-strides and builds another one through ``from_local``. A spatial layer crosses the boundary
-several times per call with the same few layouts, so here:
-
-- ``wrap_local``: the spec of each ``(mesh, placements, global shape, stride, dtype)`` is
-  the one the public ``DTensor.from_local`` built for its first call; later calls construct
-  the DTensor from it directly, through an autograd function whose backward is torch's own
-  (``_FromTorchTensor.backward``: the gradient redistributed to the forward placements).
-- ``local_of``: ``x.to_local(grad_placements=...)``; its backward looks the gradient's spec
-  up by everything torch's backward reads (the forward spec, ``grad_placements``, the
-  gradient's shape, strides and dtype, the forward local strides) and computes it with
-  torch's backward on a miss, so the gradient DTensor is the one torch would build.
-
-Placements other than exactly ``Shard`` / ``Replicate`` (``Partial``, ``_StridedShard`` and
-its subclasses), meshes on another device type, double backward and ``torch.compile``
-(Dynamo traces the public functions, not these) take the public path.
+``DTensor.from_local`` builds a ``DTensorSpec`` per call, and ``to_local``'s backward builds
+another; a spatial layer crosses several times per call with the same few layouts. So
+``wrap_local`` keeps the spec the public ``from_local`` built for each (mesh, placements,
+shape, stride, dtype) and constructs later DTensors from it (backward: torch's
+``_FromTorchTensor.backward``); ``local_of``'s backward looks the gradient's spec up by
+everything torch's backward reads, computing it with torch's on a miss. Placements other
+than exactly ``Shard`` / ``Replicate``, meshes on another device type, double backward and
+``torch.compile`` take the public path. DTensor internals (torch 2.14.1) are used here only
+(``tests/test_dtensor_wrap.py`` compares with the public API).
 """
 
 from __future__ import annotations

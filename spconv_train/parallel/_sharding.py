@@ -1,12 +1,9 @@
 """How a sharded DTensor is laid out on its mesh, and the way in and out of local code.
 
-A spatial op's input shards one spatial dim over one mesh dim (strips: ``Shard(3)`` of an
-image, one of D, H, W of a volume) or several, one mesh dim each (H x W tiles, volume
-blocks: ``SpatialLayout.axes``, read only for ops that pass ``tiles=True``); other mesh
-dims may shard the batch (``Shard(0)``, data parallel) or replicate. ``spatial_layout``
-reads the layout off the input, ``enter`` hands the local block to local code
-(differentiably), and ``leave`` wraps the local result back into a DTensor of the global
-shape.
+A spatial op's input shards one spatial dim over one mesh dim (strips) or several, one mesh
+dim each (tiles, volume blocks: ``SpatialLayout.axes``, for ops passing ``tiles=True``);
+other mesh dims shard the batch or replicate. ``spatial_layout`` reads the layout, ``enter``
+hands the local block to local code (differentiably), ``leave`` wraps the result back.
 """
 
 from __future__ import annotations
@@ -34,13 +31,10 @@ SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
 
 
 def sharded_dim(placement) -> int | None:
-    """The tensor dimension ``placement`` splits across the ranks of its mesh dimension, or
-    ``None`` (``Replicate``, ``Partial``).
-
-    THE test for "is this sharded?": a ``_StridedShard`` (what ``x.flatten(2)`` of a
-    ``Shard(3)`` tensor becomes) splits its data too, but in torch 2.14 it is not a ``Shard``
-    subclass and its ``is_shard()`` is False; treating it as replicated silently drops the
-    sum of parameter gradients over the ranks."""
+    """The tensor dim ``placement`` splits, or ``None`` (``Replicate``, ``Partial``). THE
+    test for "is this sharded?": a ``_StridedShard`` (``x.flatten(2)`` of a ``Shard(3)``
+    tensor) splits its data too, but in torch 2.14 its ``is_shard()`` is False; read as
+    replicated it would silently drop the sum of parameter gradients over the ranks."""
     if placement.is_shard() or isinstance(placement, _StridedShard):
         return placement.dim
     return None
@@ -61,10 +55,9 @@ def grad_groups(x: DTensor, exclude=()) -> tuple:
 
 
 def block_slices(shape: tuple[int, ...], placements, coords) -> tuple[slice, ...]:
-    """Slices of a global tensor of ``shape`` that the rank at mesh ``coords`` (one
-    ``(mesh dim size, index)`` per mesh dimension) holds under ``placements``: DTensor's
-    chunking (``shard_bounds``), mesh dimensions applied left to right. Raises
-    ``ValueError`` for placements without a simple block (``Partial``, ``_StridedShard``)."""
+    """Slices of a global tensor of ``shape`` that the rank at mesh ``coords`` (``(size,
+    index)`` per mesh dim) holds under ``placements`` (DTensor's chunking, mesh dims left
+    to right); ``ValueError`` for ``Partial``, ``_StridedShard``."""
     ranges = [[0, n] for n in shape]
     for p, (size, index) in zip(placements, coords, strict=True):
         if isinstance(p, Shard):
@@ -89,9 +82,8 @@ def _is_spatial_shard(p, ndim: int) -> bool:
 
 @dataclass(frozen=True)
 class SpatialLayout:
-    """How a spatial op's input is laid out: the mesh, its placements, the spatial ("sp")
-    mesh dimension, this rank's place in it, and which tensor dimensions hold data split
-    over the sp ranks (``dims``: one dim; every sharded spatial dim: ``axes``)."""
+    """A spatial op's input layout: mesh, placements, the spatial ("sp") mesh dim and
+    the tensor dims split over it (``dims``: one dim; every sharded spatial dim: ``axes``)."""
 
     mesh: DeviceMesh
     placements: tuple
@@ -151,15 +143,10 @@ class SpatialLayout:
 def spatial_layout(
     x: DTensor, what: str, ndim: int = 4, tiles: bool = False
 ) -> tuple[DTensor, SpatialLayout]:
-    """Check ``x`` is laid out for a spatial op and return it with its layout.
-
-    An input whose width is replicated on the sp dimension (e.g. after a global pooling)
-    gets a layout with ``width_sharded=False``: ops then run the plain local op
-    (``run_unsharded``). Anything else that is not width-sharded is refused clearly.
-    ``ndim=5``: an NCDHW volume with one of D, H, W sharded (``layout.dim`` says which).
-    An NCHW image sharded along H (``[Shard(2), Shard(3)]`` on a ``(sp_h, sp_w)`` mesh) is a
-    tile layout (``layout.axes``): only ops that handle tiles pass ``tiles=True``; every other
-    op refuses it here, naming itself."""
+    """``x`` and its layout, checked for a spatial op ``what`` on an ``ndim``-D input (5: a
+    volume, ``layout.dim`` one of D, H, W). Replicated on the sp dim (after a global pool):
+    ``width_sharded=False``, the plain local op runs (``run_unsharded``). Sharded along H
+    or several dims: a tile layout (``layout.axes``), refused unless ``tiles``."""
     if x.ndim != ndim:
         kind = {3: "an NCL signal", 5: "an NCDHW volume"}.get(ndim, "an NCHW tensor")
         raise SpatialShardingError(f"{what}: expected {kind}, got shape {tuple(x.shape)}")
@@ -231,29 +218,23 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> 
 
 
 def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
-    """Run ``fn(local, *params)`` on a DTensor whose width is *not* sharded (e.g. the 1x1
-    output of a global pooling in DeepLabV3's ASPP): every rank holds whole rows, so the
-    plain op is exact. Parameter gradients are partial sums only over the batch-sharded
-    mesh dimensions; the output keeps the input's placements."""
+    """``fn(local, *params)`` on a DTensor whose width is *not* sharded (DeepLabV3's pooled
+    1x1 map): exact on whole rows; parameter gradients summed over the batch shards only."""
     groups = layout.grad_groups
     out = fn(enter(x), *(sum_grad_over(p, groups) for p in params))
     return leave(out, layout, (x.shape[0], *out.shape[1:]))
 
 
 def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
-    """The local strip of ``x`` (differentiable). ``grad_placements`` labels the gradient
-    that flows back (e.g. ``Partial`` on sp when each rank used only part of a replicated
-    input). A channels-last block keeps its canonical strides (``_layout.in_layout``)."""
+    """The local strip of ``x`` (differentiable; channels-last keeps canonical strides).
+    ``grad_placements`` labels the gradient flowing back (e.g. ``Partial`` on sp when each
+    rank used only part of a replicated input)."""
     if not torch.compiler.is_compiling():
         note_share(x)
     return in_layout(local_of(x, grad_placements))
 
 
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:
-    """Wrap a local strip into a DTensor of ``global_shape`` laid out like the input.
-
-    The backward of ``from_local`` redistributes an incoming gradient of any placement
-    (``Replicate``, ``Partial``, ...) to this layout before handing it to local code.
-    """
-    # grad_in_layout: the gradient handed back to local code is canonical channels-last
+    """A local strip as a DTensor of ``global_shape`` laid out like the input; the backward
+    redistributes a gradient of any placement to it (canonical channels-last)."""
     return from_local(grad_in_layout(local), like.mesh, like.placements, global_shape)
