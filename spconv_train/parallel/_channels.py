@@ -1,11 +1,8 @@
-"""Ops over channels (or other unsharded dims) on a sharded DTensor, run per strip:
-``F.layer_norm`` over trailing unsharded dims, ``F.prelu``, ``chunk`` / ``split`` along an
-unsharded dim, ``pixel_shuffle`` / ``pixel_unshuffle`` (elements moved between blocks along
-each sharded one of the last two dims, one at a time) and ``F.linear`` on rows that are
-whole (heads on pooled features, token heads; DTensor refuses to mix a DTensor input with
-plain parameters). Per-pixel ops are exact per strip; weight and bias gradients are
-completed over every mesh dim that splits the rows (``sum_grad_over``,
-``sharding_mesh_dims``).
+"""Ops over channels (or other unsplit dims) on a sharded DTensor, run per strip:
+``F.layer_norm``, ``F.prelu``, ``chunk`` / ``split``, ``torch.cat`` and ``F.linear`` on whole
+rows (DTensor refuses a DTensor input with plain parameters), weight gradients summed over
+the mesh dims splitting the rows; ``pixel_shuffle`` / ``pixel_unshuffle`` move elements
+between blocks along each sharded one of the last two dims.
 """
 
 from __future__ import annotations

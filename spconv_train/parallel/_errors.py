@@ -46,13 +46,11 @@ from ._runtime import current_runtime
 
 log = logging.getLogger("spconv_train.parallel")
 #: Fragments of DTensor's own error messages (torch 2.14) that mean "no sharding rule".
+# fmt: off
 _DTENSOR_ERRORS = (
-    "DTensor",
-    "unevenly sharded",
-    "_StridedShard",
-    "sharding strateg",
-    "sharding propagation",
+    "DTensor", "unevenly sharded", "_StridedShard", "sharding strateg", "sharding propagation",
 )
+# fmt: on
 
 
 @dataclass
@@ -72,9 +70,8 @@ class _Guard:
 
 
 #: The active guard, per thread. A ``threading.local`` on purpose: Dynamo cannot trace it,
-#: so under ``torch.compile`` it graph-breaks where the parallelized forward enters the
-#: guard and runs that entry eagerly (``_parallelize._SpatialContext``); a traceable store
-#: (a context variable's list) would let Dynamo trace into the entry and break inside it.
+#: so it graph-breaks where the compiled forward enters the guard and runs that eagerly (a
+#: traceable store would let Dynamo trace into the entry and break inside it).
 _local = threading.local()
 #: Allowed gathers (``allow_gather=True``) in this process, oldest first.
 GATHER_EVENTS: list[GatherEvent] = []
@@ -163,32 +160,29 @@ def _observe(cls, src_spec, dst_spec, message):
     if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
         what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
-    if active_guard() is not None and _moves_activation(src_spec, dst_spec):
-        src, dst = str(src_spec.placements), str(dst_spec.placements)
-        why = (
-            f"has no spatial implementation, and DTensor would redistribute the width-sharded "
-            f"activation {src} -> {dst} to run it"
-        )
-        guard_gather(_op_of(message) or str(message), src, dst, why)
-    elif _guarded_outside(src_spec, dst_spec):
+    if active_guard() is not None:
+        if _moves_activation(src_spec, dst_spec):
+            src, dst = str(src_spec.placements), str(dst_spec.placements)
+            why = (
+                f"has no spatial implementation, and DTensor would redistribute the "
+                f"width-sharded activation {src} -> {dst} to run it"
+            )
+            guard_gather(_op_of(message) or str(message), src, dst, why)
+    # outside the forward on a parallelized model's mesh, and outside any backward (the
+    # model's own gradient moves, e.g. from_local's of a small replicated map, are weighed
+    # by the communication audit); the graph task id is -1 outside one (torch 2.14.1)
+    elif (
+        src_spec.mesh in _SPATIAL_MESHES
+        and torch._C._current_graph_task_id() == -1
+        and _moves_activation(src_spec, dst_spec)
+    ):
         _guard_outside(_op_of(message) or str(message), src_spec, dst_spec)
     return _original(cls, src_spec, dst_spec, message)
 
 
 #: The meshes of parallelized models and their ``allow_gather`` (the last ``parallelize``
-#: on a mesh sets it): DTensor's implicit moves of tensors sharded over the image on them
-#: are refused or counted outside the forward too (``_guarded_outside``).
+#: on a mesh sets it): implicit moves on them are guarded outside the forward too.
 _SPATIAL_MESHES: dict = {}
-
-
-def _guarded_outside(src_spec, dst_spec) -> bool:
-    """A move of a tensor sharded over the image on a parallelized model's mesh outside its
-    forward and outside any backward (the model's own gradient moves, e.g. ``from_local``'s
-    of a small replicated map, are weighed by the communication audit).
-    ``_current_graph_task_id`` is -1 outside a backward (torch internals, 2.14.1)."""
-    if active_guard() is not None or src_spec.mesh not in _SPATIAL_MESHES:
-        return False
-    return torch._C._current_graph_task_id() == -1 and _moves_activation(src_spec, dst_spec)
 
 
 def guard_mesh(mesh, allow: bool) -> None:
@@ -222,8 +216,7 @@ def install_guard() -> None:
 
 def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
     """Whether the nesting's chunks of an ``n``-long dim split with factor ``sf`` over
-    ``parts`` ranks (the factor up to the next mesh dim's ``nxt`` chunked, each entry a
-    run of ``n // nxt``: ``_token_layout._nest``) differ from DTensor's (``n // sf`` chunked)."""
+    ``parts`` ranks (``_token_layout._nest``) differ from DTensor's (``n // sf`` chunked)."""
     if nxt % sf or n % nxt:
         return False  # not nested: the one-dim meaning, DTensor's own
     ours = [(b - a) * (n // nxt) for a, b in all_shard_bounds(nxt // sf, parts)]
@@ -231,11 +224,9 @@ def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
 
 
 def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
-    """``{tensor dim: mesh dims}`` of the dims that hold pixel tokens split over several
-    spatial mesh dims (``_token_layout.split_layouts``: a ``_StridedShard`` nested with another
-    split of the dim) whose ranks' entries DTensor's own chunking of those placements
-    reads differently: two mesh dims of more than one rank, or one whose chunks differ
-    (uneven rows)."""
+    """``{tensor dim: mesh dims}`` of the dims holding pixel tokens nested over several
+    spatial mesh dims that DTensor's own chunking reads differently: two mesh dims of more
+    than one rank, or one whose chunks differ (uneven rows)."""
     if not any(isinstance(p, _StridedShard) for p in placements):
         return {}
     names = mesh.mesh_dim_names or ()

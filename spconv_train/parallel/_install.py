@@ -1,13 +1,9 @@
-"""``install()``: register the built-in spatial handlers and modules, once, explicitly.
+"""``install()``: the built-in handlers, module swaps, refusals and torch patches, once.
 
-Importing ``spconv_train.parallel`` registers and patches nothing. ``install()`` (idempotent,
-thread-safe; called first by ``parallelize``, ``SpatialMode`` and ``extend``'s registration
-functions, so a user's handler is never overwritten) imports every op module, applies the
-default refusal table below, and makes the parallel layer's changes to torch state:
-Dynamo's routed functions (``_compile.route_through_modes``), the no-silent-gather guard
-(``_errors.install_guard``), the tiles' token guard on ``full_tensor`` / ``redistribute``
-(``_errors.install_token_guard``) and DTensor's element-wise rule for three backward ops
-(``_errors.add_pointwise_strategies``).
+Importing ``spconv_train.parallel`` registers and patches nothing; ``install()`` (idempotent,
+thread-safe; first in ``parallelize``, ``SpatialMode`` and ``extend``, so a user's handler is
+never overwritten) imports every op module, applies the refusal table below and installs
+``_errors``' guards and DTensor's element-wise rule for three backward ops.
 """
 
 from __future__ import annotations
@@ -61,10 +57,8 @@ def installed() -> bool:
 
 
 def install() -> None:
-    """Register every built-in spatial handler and module swap, then the default refusals.
-
-    Idempotent: the first call does the work, later calls return at once. ``parallelize``
-    calls it; call it yourself only to inspect the default registry before parallelizing."""
+    """Register every built-in handler and module swap, then the default refusals (the
+    first call; later ones return at once). Call it to inspect the default registry."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -73,8 +67,7 @@ def install() -> None:
             return
         package = __name__.rpartition(".")[0]
         path = importlib.import_module(package).__path__
-        # Every private module of the package: the op modules register on import; the
-        # others are imported by them anyway. New op modules need no list kept here.
+        # every private module: the op modules register on import (no list kept here)
         for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
             if info.name.startswith("_") and not info.name.startswith("__"):
                 importlib.import_module(f"{package}.{info.name}")

@@ -39,10 +39,8 @@ _SPATIAL_MIXINS: dict[str, type] = {}
 
 def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], type]:
     """Class decorator: ``parallelize`` turns modules of exactly type ``base`` into the
-    decorated subclass (which must not add parameters or buffers). ``base`` may be a
-    class's qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``) instead,
-    for a library that need not be installed: the decorated class is then a mixin, put in
-    front of the class a model holds (``class Spatial(Mixin, Base)``)."""
+    decorated subclass (``extend.register_spatial_module``); for a qualified name the
+    decorated class is a mixin put in front of the class a model holds."""
     if isinstance(base, str):
 
         def named(mixin: type) -> type:
@@ -54,10 +52,8 @@ def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], typ
     def deco(cls: type) -> type:
         if not issubclass(cls, base):
             raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
-        # Under torch.compile a spatial layer runs eagerly, one graph break around it: its
-        # exchanges and collectives break the graph anyway, and traced, its Python (plans,
-        # labels, saved-tensor hooks) would make Dynamo guard on names, sizes and data
-        # pointers and recompile for every layer (see _compile.py).
+        # eager under torch.compile: its exchanges break the graph anyway, and its Python
+        # (plans, labels, hooks) would make Dynamo guard and recompile per layer
         cls.forward = not_traced(cls.forward)
         _SPATIAL_MODULES[base] = cls
         _REFUSED_MODULES.pop(base, None)
@@ -67,10 +63,9 @@ def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], typ
 
 
 def spatial_module(base: type[nn.Module], fn: Callable, *attrs: str, module: str) -> type:
-    """``Spatial<base>``: ``base`` running ``fn(x, *attributes, what=label)`` on a DTensor
-    input (its own forward on a plain tensor), registered for ``parallelize`` to swap in;
-    ``module``: the defining module's ``__name__``. One class per layer whose sharded form
-    is a function of its attributes (pools, resizes, group norm)."""
+    """``Spatial<base>``, registered: ``fn(x, *attributes, what=label)`` on a DTensor input
+    (``base``'s forward on a plain one), for layers whose sharded form is a function of
+    their attributes (pools, resizes, group norm); ``module``: the caller's ``__name__``."""
 
     def forward(self, x):
         if not isinstance(x, DTensor):
@@ -92,14 +87,11 @@ def refuse_module(base: type[nn.Module], reason: str) -> None:
 
 class _SpatialRoot:
     """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
-    the model's runtime."""
+    the model's runtime, eagerly as a whole under ``torch.compile`` unless traced
+    (``SpatialOptions``). The two contexts are one opaque object: Dynamo graph-breaks on it;
+    two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1" assertion
+    when a graph break falls inside them (torch 2.14)."""
 
-    # Under torch.compile (torch 2.14) the forward runs eagerly as a whole unless the option
-    # ``trace_under_compile``: then Dynamo traces the model's code, with graph breaks around
-    # every spatial layer, handler and DTensor op (see _compile.py). The two contexts are
-    # entered by one opaque object: Dynamo graph-breaks on it and runs the body as a new
-    # frame; two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1"
-    # assertion when a graph break falls inside them.
     def forward(self, *args, **kwargs):
         opts = self.spatial_runtime.options
         traced = opts.trace_under_compile or opts.trace_dtensor_ops

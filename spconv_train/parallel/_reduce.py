@@ -1,14 +1,10 @@
-"""Reductions and scans over any dimensions of a sharded DTensor (any layout): ``sum``,
-``mean``, ``amax``, ``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax`` and
-``cumsum``.
-
-Each rank reduces its own part; small all-reduces of the per-part results over the mesh
-dims that shard a reduced dim give the exact value, replicated there (variances in two
-passes). Sums go through ``sum_replicated``; ``amax`` / ``amin`` spread the gradient evenly
-over every element equal to the extreme, as torch does. Scans along a sharded dim need only
-small statistics of the other blocks (softmax: the row maximum, no gradient, and the sum of
-exponentials; cumsum: the totals of the blocks before), all-reduced through
-``torch.distributed.nn`` so the backward sums each rank's part of the gradient.
+"""Reductions and scans over any dims of a sharded DTensor: ``sum``, ``mean``, ``amax``,
+``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax``, ``cumsum``. Each rank
+reduces its part; small all-reduces over the mesh dims sharding a reduced dim give the exact
+value (variances in two passes; ``amax`` / ``amin`` spread the gradient over every element
+equal to the extreme, as torch does). Scans along a sharded dim need small statistics of
+the other blocks (softmax: row maximum and sum of exponentials; cumsum: the totals before),
+all-reduced through ``torch.distributed.nn`` so the backward sums the gradient's parts.
 """
 
 from __future__ import annotations
