@@ -30,21 +30,11 @@ from ._runtime import (
     runtime_of,
 )
 
+# fmt: off
 __all__ = [
-    "CommAudit",
-    "ParallelDims",
-    "SpatialOptions",
-    "SpatialRuntime",
-    "SpatialShardingError",
-    "SpatialStats",
-    "current_runtime",
-    "full_parameters",
-    "gloo_threads_idle",
-    "is_sharded",
-    "local_module",
-    "parallelize",
-    "replicate_gradients",
-    "restore_gloo_threads",
-    "runtime_of",
+    "CommAudit", "ParallelDims", "SpatialOptions", "SpatialRuntime", "SpatialShardingError",
+    "SpatialStats", "current_runtime", "full_parameters", "gloo_threads_idle", "is_sharded",
+    "local_module", "parallelize", "replicate_gradients", "restore_gloo_threads", "runtime_of",
     "shard_parameters",
 ]
+# fmt: on

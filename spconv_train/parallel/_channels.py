@@ -112,28 +112,14 @@ def _shuffle_plan(width: int, parts: int, r: int, up: bool):
     return plan, tuple(out)
 
 
-def _shuffle_layout(input, what: str):
-    """``input``'s layout when ``what`` (acting on the last two dims, the dims before them
-    a batch) can run on it: every sharded dim is one of the last two or the batch."""
-    n = input.ndim
-    if (
-        not handled(input)
-        or n not in (4, 5)
-        or any(d not in (0, n - 2, n - 1) for d in sharded_dims(input))
-    ):
-        return None
-    return spatial_layout(input, what, n, tiles=True)
-
-
 def _shuffle(input, r: int, up: bool):
     """``pixel_shuffle`` (``up``) or ``pixel_unshuffle`` by ``r``: along each sharded dim in
     turn every rank fetches the input positions of its output chunk (P2P), then the op runs
-    locally and each rank keeps its chunk."""
-    fn = F.pixel_shuffle if up else F.pixel_unshuffle
-    found = _shuffle_layout(input, f"F.{fn.__name__}")
-    if found is None:
+    locally and each rank keeps its chunk. Sharded dims: the last two, or the batch."""
+    fn, n = (F.pixel_shuffle if up else F.pixel_unshuffle), input.ndim
+    if not handled(input) or n not in (4, 5) or not set(sharded_dims(input)) <= {0, n - 2, n - 1}:
         return fn(input, r)
-    x, layout = found
+    x, layout = spatial_layout(input, f"F.{fn.__name__}", n, tiles=True)
     local, crops = enter(x), []
     for d, parts, rank, group in sharded_axes(layout):
         plan, out = _shuffle_plan(x.shape[d], parts, r, up)

@@ -41,13 +41,10 @@ def _thread_names() -> dict[int, str]:
     return names
 
 
-def _is_gloo(tid: int, name: str) -> bool:
-    return name.startswith(GLOO_THREAD_PREFIXES) and tid != os.getpid()
-
-
 def gloo_thread_ids() -> list[int]:
     """Thread ids of this process's gloo helper threads (empty off Linux)."""
-    return sorted(tid for tid, name in _thread_names().items() if _is_gloo(tid, name))
+    names = _thread_names().items()
+    return sorted(t for t, n in names if n.startswith(GLOO_THREAD_PREFIXES) and t != os.getpid())
 
 
 def _disabled() -> bool:

@@ -28,12 +28,9 @@ _METADATA = frozenset({
 
 
 def not_traced(fn: F) -> F:
-    """``fn`` runs eagerly under ``torch.compile`` (a graph break around each call).
-
-    Called from eager code it is ``fn`` itself behind one flag check: Dynamo's
-    ``disable`` wrapper switches the frame callback off and on around every call, which
-    the spatial layers' forwards would pay per call and step; ``eager_from_eager`` already
-    keeps Dynamo from compiling any frame below an eager call."""
+    """``fn`` runs eagerly under ``torch.compile`` (a graph break around each call); from
+    eager code it is ``fn`` behind one flag check (Dynamo's ``disable`` wrapper would
+    switch the frame callback off and on per call; ``eager_from_eager`` suffices there)."""
     disabled = torch._dynamo.disable(fn)
 
     @functools.wraps(fn)
@@ -46,11 +43,9 @@ def not_traced(fn: F) -> F:
 
 
 def eager_from_eager(fn: F) -> F:
-    """Dynamo compiles no frame of ``fn``, nor of what it calls, when eager code calls
-    ``fn``; where Dynamo traces a caller of ``fn`` it still inlines ``fn``. For the dispatch
-    code (``SpatialMode.__torch_function__``): called from eager code, after a graph break
-    at the op, it has nothing to compile, and compiled per op and shape it hit the
-    recompile limit."""
+    """Dynamo compiles no frame of ``fn`` or below when eager code calls it (a traced
+    caller still inlines it): the dispatch code, compiled per op and shape after a graph
+    break, hit the recompile limit with nothing to compile."""
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)

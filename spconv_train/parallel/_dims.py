@@ -40,11 +40,9 @@ def sharded_dims(x: DTensor) -> dict[int, int]:
 from_local = wrap_local
 
 
-#: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``. ``DeviceMesh.get_group``
-#: and ``get_local_rank`` cost tens of microseconds each (group registry lookups, a pybind
-#: comparison), read several times per spatial layer and call; what they return is fixed
-#: for a mesh's lifetime. Each entry holds its mesh, so its id cannot be reused while cached;
-#: a new mesh (e.g. after the process groups were rebuilt) is a new object, a new entry.
+#: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``: ``DeviceMesh.get_group`` and
+#: ``get_local_rank`` cost tens of microseconds each, asked several times per layer, fixed
+#: for a mesh's lifetime (each entry holds its mesh, so its id cannot be reused)
 _MESH_AXES: dict[tuple[int, int | str], tuple] = {}
 _MESH_AXES_MAX = 256
 
@@ -90,11 +88,9 @@ def is_dp(x: DTensor, mesh_dim: int) -> bool:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The mesh dims of a run, their names and what each one shards (as torchtitan's
-    ``ParallelDims``): ``dp`` ranks each take a part of the batch; the spatial ranks split
-    one image either along one dim over the ``sp`` mesh dim (strips), or along several over
-    one mesh dim each (``grid``: ``sp_d`` / ``sp_h`` / ``sp_w`` split D / H / W: H x W tiles,
-    volume blocks). Every other module asks this object for the names and their meaning."""
+    """The mesh dims of a run and what each shards (as torchtitan's ``ParallelDims``):
+    ``dp`` splits the batch; the spatial ranks split an image along one dim over ``sp``
+    (strips) or along several, one mesh dim each (``grid``: ``sp_d`` / ``sp_h`` / ``sp_w``)."""
 
     #: the names, for code that reads a mesh: ``ParallelDims.DP``, ``ParallelDims.SP``,
     #: ``ParallelDims.AXIS["H"]`` (the grid dim splitting H), ``ParallelDims.GRID``
@@ -122,11 +118,9 @@ class ParallelDims:
     def of(cls, dp: int, sp: int, grid: Mapping[str, int] | tuple[int, int] | None = None):
         """From ``build_mesh``'s arguments: a grid ``(p, q)`` is H x W tiles, a mapping
         names its mesh dims (``config.grid_mesh_dims``)."""
-        if grid is None:
-            return cls(dp, sp)
-        if not isinstance(grid, Mapping):
+        if grid is not None and not isinstance(grid, Mapping):
             grid = {AXIS_MESH_DIMS["H"]: grid[0], AXIS_MESH_DIMS["W"]: grid[1]}
-        return cls(dp, sp, tuple(grid.items()))
+        return cls(dp, sp, tuple(grid.items()) if grid is not None else ())
 
     @classmethod
     def from_mesh(cls, mesh) -> ParallelDims:

@@ -110,21 +110,16 @@ class GradReducer:
         self.deferred_world: int | None = None
 
     def defer_to(self, world: int) -> None:
-        """Leave the reduction to a wrapper that averages every gradient over ``world``
-        ranks (FSDP2's reduce-scatter): a marked parameter's partial gradient is then
-        scaled by the product of its groups' sizes instead of being summed over them, so
-        the wrapper's average is the single-device gradient and nothing is reduced twice.
-        Gradients that are already complete on every rank (batch norm's affine gradients,
-        which ride on its statistics all-reduce; unmarked parameters) average to
-        themselves."""
+        """Leave the reduction to a wrapper averaging every gradient over ``world`` ranks
+        (DDP, FSDP2): a marked partial gradient is scaled by its groups' sizes instead, so
+        the average is one device's gradient; complete ones average to themselves."""
         if world < 1:
             raise ValueError(f"defer_to: world must be >= 1, got {world}")
         self.deferred_world = world
 
     def partial_use(self, param: Tensor, groups: tuple) -> Tensor:
-        """``param`` for one use whose gradient is a partial sum over ``groups``: that
-        gradient is summed over them at the end of the next backward (the gradient of the
-        parameter's other uses is not)."""
+        """``param`` for one use whose gradient is a partial sum over ``groups``, summed at
+        the end of the next backward (the other uses' gradient is not)."""
         self.mark(param, groups)
         if id(param) not in self._pending:
             return param

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,16 +40,6 @@ REFUSAL_REASON = (
 )
 
 
-def _named(name: str) -> list[Callable]:
-    """The distinct ``F``/``torch``/``torch._C._nn`` functions called ``name``."""
-    found = {}
-    for ns in (F, torch, torch._C._nn):
-        fn = getattr(ns, name, None)
-        if fn is not None:
-            found[id(fn)] = fn
-    return list(found.values())
-
-
 def installed() -> bool:
     """Whether ``install()`` has run in this process."""
     return _INSTALLED
@@ -71,8 +60,10 @@ def install() -> None:
         for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
             if info.name.startswith("_") and not info.name.startswith("__"):
                 importlib.import_module(f"{package}.{info.name}")
-        for name in REFUSED_BY_DEFAULT:
-            DEFAULT_REGISTRY.refuse(*_named(name), reason=REFUSAL_REASON)
+        for name in REFUSED_BY_DEFAULT:  # the distinct F / torch / torch._C._nn functions
+            found = [getattr(ns, name, None) for ns in (F, torch, torch._C._nn)]
+            fns = {id(fn): fn for fn in found if fn is not None}
+            DEFAULT_REGISTRY.refuse(*fns.values(), reason=REFUSAL_REASON)
         from ._errors import add_pointwise_strategies, install_guard, install_token_guard
 
         install_guard()

@@ -45,16 +45,10 @@ _METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
 
 
 def _kind(cls: type) -> int:
-    kind = _KINDS.get(cls)
-    if kind is None:
-        kind = _KINDS[cls] = (
-            _DTENSOR
-            if issubclass(cls, DTensor)
-            else _SEQUENCE
-            if issubclass(cls, (list, tuple))
-            else _OTHER
-        )
-    return kind
+    if cls not in _KINDS:
+        seq = issubclass(cls, (list, tuple))
+        _KINDS[cls] = _DTENSOR if issubclass(cls, DTensor) else _SEQUENCE if seq else _OTHER
+    return _KINDS[cls]
 
 
 def _has_dtensor(args, kwargs) -> bool:
@@ -76,18 +70,16 @@ class SpatialMode(TorchFunctionMode):
     """Active while a parallelized model runs its forward (``parallelize`` installs it);
     makes ``runtime`` current and dispatches to its registry."""
 
-    #: Under ``torch.compile``: DTensor's own ops and the element-wise handlers are traced
-    #: into the graphs (``DTensorGraphMode``, the ``trace_dtensor_ops`` option). A class
-    #: attribute: Dynamo guards on the mode's type; reading the runtime's options from the
-    #: traced mode made Dynamo emit a guard it cannot evaluate (torch 2.14.1).
+    #: Trace DTensor ops and element-wise handlers into compiled graphs (``trace_dtensor_ops``,
+    #: ``DTensorGraphMode``). A class attribute: Dynamo guards on the mode's type; reading
+    #: the runtime's options made it emit a guard it cannot evaluate (torch 2.14.1).
     dtensor_graphs = False
 
     def __init__(self, runtime: SpatialRuntime | None = None) -> None:
         super().__init__()
         if runtime is None:
-            # the built-in handlers (explicit, idempotent: _install.py); a runtime passed in
-            # comes from ``parallelize``, which installed them (and a call here would make
-            # Dynamo compile one more frame where a compiled forward enters the mode)
+            # the built-in handlers; ``parallelize`` (a runtime passed in) installed them, and
+            # a call here would make Dynamo compile one more frame entering the mode
             install()
         self.runtime = runtime or current_runtime()
         self._active = None
@@ -116,8 +108,7 @@ class SpatialMode(TorchFunctionMode):
                 return func(*args)
         kwargs = kwargs or {}
         if not _has_dtensor(args, kwargs):
-            # most calls the mode sees are plain-tensor ops inside spatial layers and
-            # handlers: every branch below is for DTensor arguments only
+            # most calls: plain-tensor ops inside spatial layers and handlers
             return func(*args, **kwargs)
         compiling = torch.compiler.is_compiling()
         graphs = compiling and self.dtensor_graphs
@@ -128,9 +119,8 @@ class SpatialMode(TorchFunctionMode):
         if entry is not None:
             if entry.handler is not None:
                 if not compiling:
-                    # called from eager code, Dynamo compiles nothing below this frame
-                    # (eager_from_eager): ``entry.run``'s graph-break wrapper would only
-                    # cost its frame-callback switches
+                    # from eager code Dynamo compiles nothing below (eager_from_eager):
+                    # ``entry.run``'s graph-break wrapper would only cost its switches
                     return entry.handler(*args, **kwargs)
                 if graphs and in_dtensor_graphs(entry.handler):
                     return entry.handler(*args, **kwargs)
@@ -139,8 +129,7 @@ class SpatialMode(TorchFunctionMode):
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
         if compiling and (not graphs or func in VIEWS) and not traced_dtensor_op(func):
-            # DTensor's own op, outside compiled graphs: they hold plain tensors only
-            # (see _compile.py)
+            # DTensor's own op, outside compiled graphs (plain tensors only there)
             return run_eagerly(func, *args, **kwargs)
         return run_dtensor_op(func, args, kwargs)  # DTensor's rules; errors named (_errors.py)
 

@@ -132,15 +132,6 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _refusals(model: nn.Module) -> list[str]:
-    """One line per module ``parallelize`` cannot run width-sharded."""
-    return [
-        f"  {path or '<root>'} ({type(m).__name__}): {_REFUSED_MODULES[type(m)]}"
-        for path, m in model.named_modules()
-        if type(m) in _REFUSED_MODULES
-    ]
-
-
 def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     """Make ``model`` run sharded over the spatial dims of ``mesh`` (``sp``, or ``sp_h`` /
     ``sp_w`` ...): swaps supported layers in place and returns the same model, with a new
@@ -154,7 +145,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
     _check_mesh(mesh)
     guard_mesh(mesh, opts.allow_gather)
-    problems = _refusals(model)
+    problems = [
+        f"  {path or '<root>'} ({type(m).__name__}): {_REFUSED_MODULES[type(m)]}"
+        for path, m in model.named_modules()
+        if type(m) in _REFUSED_MODULES
+    ]
     if problems:
         raise SpatialShardingError(
             "parallelize: these modules cannot run on a width-sharded image:\n"

@@ -107,15 +107,6 @@ def _step_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def _batch_part(x: DTensor) -> int:
-    """Index of this rank's part of the batch (0 without data parallelism)."""
-    part = 0
-    for i, pl in enumerate(x.placements):
-        if sharded_dim(pl) == 0:
-            part = part * x.device_mesh.size(i) + mesh_rank(x.device_mesh, i)
-    return part
-
-
 def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
     """``F.dropout`` / ``F.dropout2d`` (``channels_only``) on the local strip, with a
     per-rank mask whose seed takes one draw of the global RNG (module docstring)."""
@@ -127,8 +118,12 @@ def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
     local = _local(input, f"F.{plain.__name__}")
     g = torch.Generator(device=local.device)
     if channels_only:
-        # Same seed on every strip of one image; the data-parallel rank picks the batch part.
-        g.manual_seed(_step_seed() + _batch_part(input))
+        # Same seed on every strip of one image; the index of this rank's batch part added
+        part, mesh = 0, input.device_mesh
+        for i, pl in enumerate(input.placements):
+            if sharded_dim(pl) == 0:
+                part = part * mesh.size(i) + mesh_rank(mesh, i)
+        g.manual_seed(_step_seed() + part)
         shape = (*local.shape[:2], 1, 1)
     else:
         g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())

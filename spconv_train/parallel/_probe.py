@@ -17,15 +17,11 @@ import torch
 Shape = tuple
 
 
-def _shape_of(out) -> Shape:
-    if isinstance(out, (tuple, list)):
-        return tuple(tuple(o.shape) for o in out)
-    return tuple(out.shape)
-
-
 def _run(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs: tuple) -> Shape:
     metas = [torch.empty(s, device="meta", dtype=dtype) for s in shapes]
-    return _shape_of(func(metas if many else metas[0], *args, **dict(kwargs)))
+    out = func(metas if many else metas[0], *args, **dict(kwargs))
+    many_out = isinstance(out, (tuple, list))
+    return tuple(tuple(o.shape) for o in out) if many_out else tuple(out.shape)
 
 
 def _types(x):

@@ -45,17 +45,6 @@ def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
     return m
 
 
-def _extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
-    """amax/amin with torch's gradient: spread evenly over every element equal to the
-    extreme value (on every rank)."""
-    hit = local.detach() == _global_extreme(local, dims, groups, kind)
-    count = hit.sum(dims, keepdim=True).to(local.dtype)
-    for g in groups:
-        dist.all_reduce(count, group=g)
-    part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
-    return sum_replicated(part / count, groups)
-
-
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
     """``kind`` in sum, mean, amax, amin, var, std, norm2 (the L2 norm) over ``dim`` of a
     sharded DTensor, exact and differentiable. ``opts``: ``dtype`` (sum, mean),
@@ -70,8 +59,13 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
         out = out / count if kind == "mean" else out
     elif kind == "norm2":  # DTensor's own rule all-gathers the activation in the backward
         out = sum_replicated(local.square().sum(dims, keepdim=True), groups).sqrt()
-    elif kind in ("amax", "amin"):
-        out = _extreme(local, dims, groups, kind[1:])
+    elif kind in ("amax", "amin"):  # the gradient spread over every extreme (as torch)
+        hit = local.detach() == _global_extreme(local, dims, groups, kind[1:])
+        hits = hit.sum(dims, keepdim=True).to(local.dtype)
+        for g in groups:
+            dist.all_reduce(hits, group=g)
+        part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
+        out = sum_replicated(part / hits, groups)
     else:
         # The mean's own gradient contribution is zero (deviations sum to zero), so it
         # is detached: each rank would only see its part of that zero sum.
@@ -152,13 +146,6 @@ def _group(x: DTensor, d: int):
     return None if i is None else (mesh_group(x.device_mesh, i), mesh_rank(x.device_mesh, i))
 
 
-def _softmax_local(local: Tensor, d: int, group, log: bool) -> Tensor:
-    m = _global_extreme(local, d, (group,), "max")
-    e = torch.exp(local - m)
-    s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=group)
-    return local - m - torch.log(s) if log else e / s
-
-
 def _softmax_like(plain, log: bool):
     """``plain`` (``softmax``, ``log_softmax``: ``log``) along any dim; along a sharded one
     via per-strip maxima and sums."""
@@ -169,8 +156,12 @@ def _softmax_like(plain, log: bool):
         d = norm_dim(dim, x.ndim)
         local = x.to_local() if dtype is None else x.to_local().to(dtype)
         where = _group(x, d)
-        out = plain(local, d) if where is None else _softmax_local(local, d, where[0], log)
-        return wrap(out, x, x.placements, x.shape)
+        if where is None:
+            return wrap(plain(local, d), x, x.placements, x.shape)
+        m = _global_extreme(local, d, (where[0],), "max")
+        e = torch.exp(local - m)
+        s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=where[0])
+        return wrap(local - m - torch.log(s) if log else e / s, x, x.placements, x.shape)
 
     return handler
 

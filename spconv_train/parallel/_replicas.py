@@ -23,21 +23,10 @@ from ._comm_threads import gloo_threads_idle
 from ._runtime import local_module, runtime_of
 
 
-def _broadcast_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Broadcast ``tensors`` (same dtype and device) from the group's first rank as one
-    flat buffer: one message instead of one per tensor."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    if flat.dtype == torch.bool:  # not every backend sends bool; copy_ casts it back
-        flat = flat.to(torch.uint8)
-    dist.broadcast(flat, group=group, group_src=0)
-    with torch.no_grad():
-        for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
-            t.copy_(part.view_as(t))
-
-
 def broadcast_model_state(model: nn.Module, mesh: DeviceMesh) -> None:
     """Copy mesh rank 0's parameters and buffers into ``model`` on every rank of ``mesh``:
-    a broadcast from the first rank along each mesh dim in turn (none on one rank)."""
+    a broadcast from the first rank along each mesh dim in turn (none on one rank), one
+    flat buffer per dtype and device."""
     if not dist.is_initialized() or mesh.size() == 1:
         return
     buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -47,9 +36,14 @@ def broadcast_model_state(model: nn.Module, mesh: DeviceMesh) -> None:
     for dim in range(mesh.ndim):
         if mesh.size(dim) == 1:
             continue
-        group = mesh.get_group(dim)
         for tensors in buckets.values():
-            _broadcast_flat(tensors, group)
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            if flat.dtype == torch.bool:  # not every backend sends bool; copy_ casts it back
+                flat = flat.to(torch.uint8)
+            dist.broadcast(flat, group=mesh.get_group(dim), group_src=0)
+            with torch.no_grad():
+                for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+                    t.copy_(part.view_as(t))
 
 
 def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:

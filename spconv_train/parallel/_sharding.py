@@ -76,10 +76,6 @@ def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
     return [(mesh.size(i), mesh_rank(mesh, i)) for i in range(mesh.ndim)]
 
 
-def _is_spatial_shard(p, ndim: int) -> bool:
-    return isinstance(p, Shard) and p.dim % ndim in SPATIAL_DIMS_BY_NDIM.get(ndim, ())
-
-
 @dataclass(frozen=True)
 class SpatialLayout:
     """A spatial op's input layout: mesh, placements, the spatial ("sp") mesh dim and
@@ -151,7 +147,10 @@ def spatial_layout(
         kind = {3: "an NCL signal", 5: "an NCDHW volume"}.get(ndim, "an NCHW tensor")
         raise SpatialShardingError(f"{what}: expected {kind}, got shape {tuple(x.shape)}")
     placements = tuple(x.placements)
-    sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
+    spatial = SPATIAL_DIMS_BY_NDIM.get(ndim, ())
+    sp_dims = [
+        i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim in spatial
+    ]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
         sp = ParallelDims.spatial_mesh_dim(x.device_mesh)

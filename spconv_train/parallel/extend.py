@@ -32,36 +32,16 @@ from ._sharding import (
 from ._tiles import HaloWindow, halo_window
 from ._window import WindowPlan, gather_window, plan_window
 
+# fmt: off
 __all__ = [
-    "ExchangePlan",
-    "HaloWindow",
-    "HandlerRegistry",
-    "SpatialLayout",
-    "SpatialMode",
-    "SpatialShardingError",
-    "WindowPlan",
-    "all_shard_bounds",
-    "block_slices",
-    "current_runtime",
-    "enter",
-    "gather_columns",
-    "gather_window",
-    "halo_window",
-    "install",
-    "leave",
-    "mesh_coords",
-    "plan_window",
-    "refuse_handler",
-    "refuse_module",
-    "register_handler",
-    "register_spatial_module",
-    "run_unsharded",
-    "shard_bounds",
-    "sharded_dim",
-    "sharding_mesh_dims",
-    "spatial_layout",
+    "ExchangePlan", "HaloWindow", "HandlerRegistry", "SpatialLayout", "SpatialMode",
+    "SpatialShardingError", "WindowPlan", "all_shard_bounds", "block_slices", "current_runtime",
+    "enter", "gather_columns", "gather_window", "halo_window", "install", "leave", "mesh_coords",
+    "plan_window", "refuse_handler", "refuse_module", "register_handler", "register_spatial_module",
+    "run_unsharded", "shard_bounds", "sharded_dim", "sharding_mesh_dims", "spatial_layout",
     "sum_grad_over",
 ]
+# fmt: on
 
 
 def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Callable], Callable]:
