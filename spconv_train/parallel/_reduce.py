@@ -80,21 +80,12 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     return wrap(out, x, reduced_placements(x, dims, keepdim), shape)
 
 
-def _sum_like(kind: str, func):
+def _sum_like(kind: str, func):  # sum, mean, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         if not handled(input) or out is not None:
             kw = {"dtype": dtype} if dtype is not None else {}
             return func(input, *(() if dim is None else (dim, keepdim)), **kw)  # DTensor's rules
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
-
-    return handler
-
-
-def _extreme_like(kind: str, func):
-    def handler(input, dim=(), keepdim=False, *, out=None):
-        if not handled(input) or out is not None:
-            return func(input, dim, keepdim)
-        return reduce_sharded(input, kind, dim, keepdim)
 
     return handler
 
@@ -112,14 +103,8 @@ def _var_like(kind: str, func):
     return handler
 
 
-for _kind, _make in (
-    ("sum", _sum_like),
-    ("mean", _sum_like),
-    ("amax", _extreme_like),
-    ("amin", _extreme_like),
-    ("var", _var_like),
-    ("std", _var_like),
-):
+for _kind in ("sum", "mean", "amax", "amin", "var", "std"):
+    _make = _var_like if _kind in ("var", "std") else _sum_like
     for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
         register_handler(_fn)(_make(_kind, _fn))
 
