@@ -76,24 +76,17 @@ class CommAudit(TorchDispatchMode):
             if name not in _SKIP:
                 ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
                 shape = tuple(max(ts, key=torch.Tensor.numel).shape) if ts else ()
-                kind = (
-                    "p2p"
-                    if name in _P2P
-                    else ("param" if len(shape) == 1 else "gather")
-                    if any(g in name for g in _GATHER_LIKE)
-                    else "reduce"
-                )
-                numel = math.prod(shape) if ts else 0
-                self.records.append(CommRecord(name, kind, numel, shape))
+                moves = "param" if len(shape) == 1 else "gather"
+                kind = moves if any(g in name for g in _GATHER_LIKE) else "reduce"
+                kind = "p2p" if name in _P2P else kind
+                self.records.append(CommRecord(name, kind, math.prod(shape) if ts else 0, shape))
         return func(*args, **kwargs)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """``{kind: {"count": n, "elements": total}}``."""
-        counts: Counter = Counter()
-        elements: Counter = Counter()
+        counts, elements = Counter(), Counter()
         for r in self.records:
-            counts[r.kind] += 1
-            elements[r.kind] += r.numel
+            counts[r.kind], elements[r.kind] = counts[r.kind] + 1, elements[r.kind] + r.numel
         return {k: {"count": counts[k], "elements": elements[k]} for k in counts}
 
     def activation_sized(
@@ -104,18 +97,11 @@ class CommAudit(TorchDispatchMode):
         whose shape is no parameter's. Statistics ([C], [2, 1, C], [N, C, 1, 1]) and
         parameter-gradient all-reduces are expected and not flagged."""
 
-        def spatial(shape: tuple[int, ...]) -> bool:
-            return len(shape) >= 3 and shape[-1] > 1 and shape[-2] > 1
+        def flagged(r: CommRecord) -> bool:
+            spatial = len(r.shape) >= 3 and min(r.shape[-2:]) > 1 and r.shape not in param_shapes
+            return r.kind == "gather" or (r.kind == "reduce" and spatial)
 
-        return [
-            r
-            for r in self.records
-            if r.numel >= min_elements
-            and (
-                r.kind == "gather"
-                or (r.kind == "reduce" and r.shape not in param_shapes and spatial(r.shape))
-            )
-        ]
+        return [r for r in self.records if r.numel >= min_elements and flagged(r)]
 
 
 def grows_with_image(flagged: list[CommRecord], wider: list[CommRecord]) -> list[CommRecord]:

@@ -1,26 +1,16 @@
-"""Module labels, clear refusals for ops DTensor has no spatial rule for, and the guards.
+"""Module labels, clear refusals for ops DTensor has no spatial rule for, and the guards
+(docs/design.md, ``_errors.py``'s row).
 
-``module_label``: a spatial layer's ``path (Type(extra_repr))``, cached on the module (its
-hyperparameters are fixed; a rename by ``parallelize`` rebuilds it). ``run_dtensor_op``:
-DTensor's failures on a sharded activation read like internal errors ("got mixed
-torch.Tensor and DTensor", "Cannot unflatten unevenly sharded tensor"), so they become a
-``SpatialShardingError`` naming the op, the module path and the placements (cause kept).
-
-No silent gather: an implicit redistribution DTensor decides on that moves a ``Shard`` of a
-non-batch dim (or the ``_StridedShard`` a flatten makes of it) would put the whole image on
-every rank. During a parallelized forward (``gather_guard``) and outside it on such a
-model's mesh (``guard_mesh``: a loss or metric on the output; not the backward) it raises,
-or with ``allow_gather`` is logged and counted (``GATHER_EVENTS``, ``stats.gathers``);
-``guard_gather`` applies the rule to handlers that see a gather coming (``_broadcast.py``).
-Explicit ``redistribute()`` / ``full_tensor()`` stay allowed, but for nested or prefixed
-pixel tokens (``_tokens.py``), which DTensor's own chunking reads wrongly: those are
-refused by name (``install_token_guard``, ``tests/test_tile_tokens_guard.py``).
-
-DTensor internals used (torch 2.14.1): ``ExplicitRedistributionContext.observe_redistribution``
-(wrapped by ``install_guard``, ``tests/test_no_gather.py``); ``_pointwise_ops.
-_register_single_dim_pointwise`` for three backward ops DTensor lacks a strategy for, whose
-in-place forward (``F.relu6(x, inplace=True)``) must run as DTensor's own op
-(``add_pointwise_strategies``, ``tests/test_inplace.py``).
+``run_dtensor_op``: DTensor's failures on a sharded activation ("got mixed torch.Tensor and
+DTensor", "Cannot unflatten unevenly sharded tensor") become a ``SpatialShardingError``
+naming the op, the module path and the placements. No silent gather: an implicit
+redistribution moving a split of a non-batch dim (the whole image on every rank) raises, or
+with ``allow_gather`` is logged and counted, during the forward (``gather_guard``) and
+outside it on a parallelized model's mesh (``guard_mesh``; not the backward). Explicit
+``redistribute()`` / ``full_tensor()`` stay allowed but for nested or prefixed pixel tokens,
+which DTensor's chunking reads wrongly (``install_token_guard``). DTensor internals (torch
+2.14.1): ``ExplicitRedistributionContext.observe_redistribution`` (``tests/test_no_gather.py``)
+and ``_register_single_dim_pointwise`` (``add_pointwise_strategies``, ``tests/test_inplace.py``).
 """
 
 from __future__ import annotations
@@ -102,8 +92,8 @@ def module_path() -> str:
 
 
 def module_label(module: nn.Module) -> str:
-    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module``, cached on it (the
-    class is the first ``torch.*`` one in its MRO: ``Conv2d`` for ``SpatialConv2d``)."""
+    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module`` (the first ``torch.*``
+    class of its MRO), cached on it: the hyperparameters are fixed, a rename rebuilds it."""
     name = getattr(module, "spatial_name", "") or "<module>"
     cached = module.__dict__.get("_spatial_label")
     if cached is None or cached[0] != name:
@@ -123,10 +113,9 @@ def _moves_activation(src, dst) -> bool:
 
 
 def guard_gather(op: str, src: str, dst: str, why: str) -> None:
-    """A move of a sharded activation by ``op`` (from ``src`` to ``dst`` placements) while a
-    parallelized model runs: raise ``SpatialShardingError`` saying ``why`` it moves and the
-    ways out, or with ``allow_gather`` log and count it (``GATHER_EVENTS``, the runtime's
-    ``stats``). Outside a parallelized forward nothing happens."""
+    """A move of a sharded activation by ``op`` (``src`` -> ``dst`` placements) in a
+    parallelized forward: raise saying ``why`` and the ways out, or with ``allow_gather``
+    log and count it (``GATHER_EVENTS``, ``stats``); for handlers that see one coming."""
     guard = active_guard()
     if guard is None:
         return
@@ -250,10 +239,9 @@ def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
 
 
 def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
-    """Raise ``SpatialShardingError`` naming ``what`` when moving a tensor of ``shape`` laid
-    out as ``placements`` on ``mesh`` to ``target`` (all ``Replicate`` when ``None``)
-    changes a mesh dim of nested pixel tokens, or of tokens behind prefix (class /
-    register) tokens, that DTensor would read wrongly."""
+    """Raise naming ``what`` when moving a tensor of ``shape`` laid out as ``placements`` to
+    ``target`` (``None``: all ``Replicate``) changes a mesh dim of nested pixel tokens or of
+    tokens behind prefix (class / register) tokens, which DTensor would read wrongly."""
     for m, p in enumerate(placements):
         # a PrefixShard (_prefix_shard.py) reads as its _StridedShard to DTensor, which
         # would gather or re-split the tokens without the first rank's prefix rows
@@ -302,10 +290,9 @@ def _full_tensor(self, **kwargs):
 
 
 def install_token_guard() -> None:
-    """Make ``DTensor.full_tensor`` and ``DTensor.redistribute`` of nested pixel tokens
-    raise ``SpatialShardingError`` instead of returning wrong values (idempotent; called
-    by ``_install.install``, never at import; checked against torch 2.14.1, where
-    ``full_tensor`` calls ``redistribute``)."""
+    """Make ``DTensor.full_tensor`` / ``redistribute`` of nested pixel tokens raise instead
+    of returning wrong values (``_install.install``; torch 2.14.1, where ``full_tensor``
+    calls ``redistribute``)."""
     DTensor.redistribute = _redistribute
     DTensor.full_tensor = _full_tensor
 
