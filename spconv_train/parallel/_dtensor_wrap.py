@@ -13,6 +13,8 @@ than exactly ``Shard`` / ``Replicate``, meshes on another device type, double ba
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -46,14 +48,6 @@ def _dtensor(local: Tensor, spec, requires_grad: bool) -> DTensor:
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):  # row-major
-        stride.insert(0, acc)
-        acc *= max(n, 1)
-    return tuple(stride)
-
-
 def _remember(cache: dict, key: tuple, value) -> None:
     if len(cache) >= _MAX_ENTRIES:
         cache.clear()
@@ -78,7 +72,8 @@ class _FromLocal(torch.autograd.Function):
 
 
 def _public_from_local(local: Tensor, mesh, placements, shape, stride) -> DTensor:
-    stride = _contiguous_stride(shape) if stride is None else tuple(stride)
+    row_major = (math.prod(max(n, 1) for n in shape[i + 1 :]) for i in range(len(shape)))
+    stride = tuple(row_major if stride is None else stride)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
@@ -117,15 +112,8 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         if grad is None or torch.is_grad_enabled() or type(grad) is not Tensor:
             return _ToTorchTensor.backward(ctx, grad)
-        spec = ctx.dtensor_spec
-        key = (
-            spec,
-            ctx.grad_placements,
-            grad.shape,
-            grad.stride(),
-            grad.dtype,
-            ctx.local_tensor_stride,
-        )
+        spec, stride = ctx.dtensor_spec, ctx.local_tensor_stride
+        key = (spec, ctx.grad_placements, grad.shape, grad.stride(), grad.dtype, stride)
         grad_spec = _GRAD_SPECS.get(key)
         if grad_spec is None or grad.device.type != spec.mesh.device_type:
             out, none = _ToTorchTensor.backward(ctx, grad)
