@@ -31,9 +31,8 @@ from ._token_layout import is_tokens, split_layouts
 
 @register_handler(F.layer_norm, torch.layer_norm)
 def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
-    """``F.layer_norm`` over trailing dims no rank splits (the channels of a channels-last
-    map or of tokens): local on each rank, the weight's and bias's gradients summed over
-    the ranks."""
+    """``F.layer_norm`` over trailing dims no rank splits (channels-last maps, tokens):
+    local on each rank, the weight's and bias's gradients summed over the ranks."""
     tokens = is_tokens(input)  # first: a token tensor's _StridedShard is not ``handled``
     if not (tokens or handled(input)):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)  # DTensor's rules
@@ -56,8 +55,7 @@ def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
 
 @register_handler(F.prelu, torch.prelu)
 def spatial_prelu(input, weight):
-    """``F.prelu`` (one slope per channel, dim 1, or one for all): local on each strip.
-    DTensor has no sharding rule for its backward (``_prelu_kernel_backward``)."""
+    """``F.prelu``, local (DTensor has no rule for ``_prelu_kernel_backward``)."""
     if not handled(input) or (input.ndim > 1 and 1 in sharded_dims(input)):
         return F.prelu(input, weight)
     out = F.prelu(local_of(input), sum_grad_over(weight, grad_groups(input)))

@@ -105,11 +105,9 @@ class CommAudit(TorchDispatchMode):
 
 
 def grows_with_image(flagged: list[CommRecord], wider: list[CommRecord]) -> list[CommRecord]:
-    """The records of ``flagged`` (activation-sized collectives of a step on one image)
-    whose op and shape the same step on a wider image (``wider``: every record of that run)
-    did not repeat at least as often: those grow with the image, a moved activation. The
-    others (a channel-attention map, a bias table's gradient) are the same whatever the
-    image's size."""
+    """The records of ``flagged`` (activation-sized, one image) whose op and shape the same
+    step on a wider image (``wider``: all its records) did not repeat as often: those grow
+    with the image (a channel-attention map, a bias table's gradient do not)."""
     seen = Counter((r.op, r.shape) for r in wider)
     need = Counter((r.op, r.shape) for r in flagged)
     return [r for r in flagged if need[(r.op, r.shape)] > seen[(r.op, r.shape)]]
@@ -117,8 +115,7 @@ def grows_with_image(flagged: list[CommRecord], wider: list[CommRecord]) -> list
 
 @contextlib.contextmanager
 def counted_as_reduce(tensor: torch.Tensor):
-    """The c10d ops issued inside (a sum done with point-to-point messages, say) count as
-    one ``reduce`` of ``tensor`` to every active ``CommAudit``."""
+    """The c10d ops issued inside count as one ``reduce`` of ``tensor`` to every audit."""
     for audit in CommAudit._active:
         audit.records.append(
             CommRecord("exchange_sum", "reduce", tensor.numel(), tuple(tensor.shape))

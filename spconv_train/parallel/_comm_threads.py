@@ -53,8 +53,7 @@ def _disabled() -> bool:
 
 
 def _set_policy(policy: int, only_from: int | None = None) -> int:
-    """Give ``policy`` to the gloo threads that have another one (only those with
-    ``only_from``, if given); returns how many threads it saw."""
+    """Give ``policy`` to the gloo threads (those with ``only_from``); how many it saw."""
     done = 0
     for tid in gloo_thread_ids():
         try:
@@ -68,9 +67,8 @@ def _set_policy(policy: int, only_from: int | None = None) -> int:
 
 
 def yield_gloo_threads() -> int:
-    """Give this process's gloo helper threads the ``SCHED_IDLE`` policy (see the module
-    docstring); returns how many threads now have it. Idempotent and cheap; does nothing
-    (returns 0) off Linux or with ``SPCONV_GLOO_THREADS=normal``."""
+    """Give this process's gloo threads ``SCHED_IDLE``; how many have it (0 off Linux or
+    with ``SPCONV_GLOO_THREADS=normal``)."""
     return 0 if _disabled() else _set_policy(os.SCHED_IDLE)
 
 

@@ -60,9 +60,8 @@ def run_eagerly(fn: Callable, *args, **kwargs):
 
 
 def graph_handler(handler: F) -> F:
-    """Mark ``handler`` as graph material under the ``trace_dtensor_ops`` option: its only
-    DTensor work is ``to_local`` / ``from_local`` around plain local ops (no exchange, no
-    collective, no cached plan), so Dynamo may inline it into a graph with DTensor inputs."""
+    """Mark ``handler`` as graph material under ``trace_dtensor_ops``: only ``to_local`` /
+    ``from_local`` around plain local ops (no exchange, collective or cached plan)."""
     # an attribute, not a set: Dynamo cannot guard a set lookup of an object it reached
     # through the mode stack (NameError in its guard code, torch 2.14.1)
     handler.in_dtensor_graphs = True

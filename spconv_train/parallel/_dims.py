@@ -48,8 +48,7 @@ _MESH_AXES_MAX = 256
 
 
 def mesh_axis(mesh, m: int | str) -> tuple[int, int, object]:
-    """``(size, local rank, process group)`` of mesh dim ``m`` of ``mesh`` (read once per
-    mesh and dim)."""
+    """``(size, local rank, process group)`` of mesh dim ``m`` (read once per mesh and dim)."""
     hit = _MESH_AXES.get((id(mesh), m))
     if hit is None or hit[0] is not mesh:
         if len(_MESH_AXES) >= _MESH_AXES_MAX:  # bounded: meshes built in a loop
@@ -158,8 +157,7 @@ class ParallelDims:
 
     @staticmethod
     def dims_from_end(name: str) -> int:
-        """How far from the tensor's last dim the dim a grid mesh dim splits is: ``sp_w``
-        1 (W), ``sp_h`` 2 (H), ``sp_d`` 3 (D)."""
+        """How far from the last the dim ``name`` splits is: ``sp_w`` 1, ``sp_h`` 2, ``sp_d`` 3."""
         return len(GRID_MESH_DIMS) - GRID_MESH_DIMS.index(name)
 
     def grid_placements(self, ndim: int) -> list[Shard]:

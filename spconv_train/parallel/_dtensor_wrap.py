@@ -55,8 +55,7 @@ def _remember(cache: dict, key: tuple, value) -> None:
 
 
 class _FromLocal(torch.autograd.Function):
-    """``DTensor.from_local`` with a prepared spec: the same DTensor (a ``view_as`` of the
-    local tensor), the same backward (torch's ``_FromTorchTensor.backward``)."""
+    """``DTensor.from_local`` with a prepared spec: the same DTensor, torch's backward."""
 
     @staticmethod
     def forward(ctx, local: Tensor, spec) -> DTensor:  # type: ignore[override]
@@ -78,8 +77,7 @@ def _public_from_local(local: Tensor, mesh, placements, shape, stride) -> DTenso
 
 
 def wrap_local(local: Tensor, mesh, placements, shape, stride=None) -> DTensor:
-    """``DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-    stride=stride)``; ``stride`` ``None``: the contiguous strides of ``shape``."""
+    """``DTensor.from_local(..., run_check=False, shape=shape, stride=stride or row-major)``."""
     placements, shape = tuple(placements), tuple(shape)
     if torch.compiler.is_compiling():  # Dynamo traces the public function
         return _public_from_local(local, mesh, placements, shape, stride)

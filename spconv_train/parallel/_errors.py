@@ -74,8 +74,7 @@ def active_guard() -> _Guard | None:
 
 @contextlib.contextmanager
 def gather_guard(allow: bool = False):
-    """While active, DTensor's implicit moves of a sharded activation raise (or, with
-    ``allow``, are logged and counted in ``GATHER_EVENTS``)."""
+    """While active, implicit moves of a sharded activation raise (``allow``: counted)."""
     prev = active_guard()
     _local.guard = _Guard(allow, list(prev.modules) if prev else [])
     try:
@@ -85,8 +84,7 @@ def gather_guard(allow: bool = False):
 
 
 def module_path() -> str:
-    """Path of the innermost module of the parallelized model running now (``<model>``
-    outside one)."""
+    """Path of the innermost module of the parallelized model running now, or ``<model>``."""
     guard = active_guard()
     return guard.modules[-1] if guard is not None and guard.modules else "<model>"
 
@@ -104,8 +102,7 @@ def module_label(module: nn.Module) -> str:
 
 
 def _moves_activation(src, dst) -> bool:
-    """Whether the move changes a split of a non-batch dim (a batch ``Shard(0)`` is a
-    data-parallel matter, not the image)."""
+    """Whether the move changes a split of a non-batch dim (``Shard(0)``: data parallel)."""
     return any(
         p != q and (p.is_shard() or type(p) is _StridedShard) and (type(p), p.dim) != (Shard, 0)
         for p, q in zip(src.placements, dst.placements, strict=False)
@@ -175,8 +172,7 @@ _SPATIAL_MESHES: dict = {}
 
 
 def guard_mesh(mesh, allow: bool) -> None:
-    """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the
-    parallelized forward too (``parallelize`` calls it)."""
+    """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the forward."""
     _SPATIAL_MESHES[mesh] = allow
 
 
@@ -196,8 +192,7 @@ def _guard_outside(op: str, src_spec, dst_spec) -> None:
 
 
 def install_guard() -> None:
-    """Route DTensor's reports of implicit redistributions through the guard (idempotent;
-    called by ``_install.install``, never at import)."""
+    """Route DTensor's reports of implicit redistributions through the guard (``install``)."""
     current = ExplicitRedistributionContext.observe_redistribution.__func__
     if current is not _observe:
         ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
@@ -302,8 +297,7 @@ _POINTWISE_BACKWARDS = ("hardtanh_backward", "hardswish_backward", "hardsigmoid_
 
 
 def add_pointwise_strategies() -> None:
-    """Give DTensor the element-wise sharding rule for ``_POINTWISE_BACKWARDS`` where it has
-    none (idempotent; called by ``_install.install``, never at import)."""
+    """Give DTensor the element-wise rule for ``_POINTWISE_BACKWARDS`` (``install``)."""
     from torch.distributed.tensor._ops import _pointwise_ops
 
     propagator = DTensor._op_dispatcher.sharding_propagator

@@ -71,8 +71,7 @@ def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Buc
 
 
 class _PartialUse(torch.autograd.Function):
-    """Identity forward of a marked parameter; backward hands the use's partial gradient
-    to the reducer (see the module docstring)."""
+    """Identity of a marked parameter; the backward hands the use's gradient to the reducer."""
 
     @staticmethod
     def forward(ctx, param: Tensor, reducer: GradReducer, key: int) -> Tensor:
@@ -89,8 +88,7 @@ def _reducing_groups(groups: tuple) -> tuple:
 
 
 class GradReducer:
-    """Sums the gradients of marked parameters over their groups at the end of each backward
-    (see the module docstring). Created by ``parallelize`` (one per ``SpatialRuntime``)."""
+    """Sums marked parameters' gradients over their groups per backward (one per runtime)."""
 
     def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
@@ -136,8 +134,7 @@ class GradReducer:
         return torch.zeros_like(grad)
 
     def mark(self, param: Tensor, groups: tuple) -> None:
-        """Have the partial gradient of ``param``'s uses that go through ``partial_use``
-        in the next backward summed over ``groups``."""
+        """Sum ``param``'s ``partial_use`` gradients of the next backward over ``groups``."""
         groups = _reducing_groups(groups)
         if not groups or self._buckets is not None:
             # One-rank groups need nothing; a mark inside a backward comes from activation

@@ -41,8 +41,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _storage(t, *also: type) -> torch.UntypedStorage | None:
-    """The storage of a plain tensor (a DTensor's local is seen too) or of one of the types
-    ``also``, else ``None``."""
+    """The storage of a plain tensor (or of one of the types ``also``), else ``None``."""
     if type(t) is not torch.Tensor and type(t) not in also:
         return None
     try:

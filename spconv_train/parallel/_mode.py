@@ -67,8 +67,7 @@ def _has_dtensor(args, kwargs) -> bool:
 
 
 class SpatialMode(TorchFunctionMode):
-    """Active while a parallelized model runs its forward (``parallelize`` installs it);
-    makes ``runtime`` current and dispatches to its registry."""
+    """Active during a parallelized forward: ``runtime`` current, calls to its registry."""
 
     #: Trace DTensor ops and element-wise handlers into compiled graphs (``trace_dtensor_ops``,
     #: ``DTensorGraphMode``). A class attribute: Dynamo guards on the mode's type; reading

@@ -121,8 +121,7 @@ class _SpatialContext:
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
-    """A mesh of several dims names its spatial ones: ``sp``, or two or three grid dims
-    (H x W tiles, ``_tiles.py``; volume blocks)."""
+    """A mesh of several dims names its spatial ones: ``sp``, or two or three grid dims."""
     names = mesh.mesh_dim_names or ()
     if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
         raise SpatialShardingError(

@@ -77,8 +77,7 @@ def _inplace_reader(fn):
 
 
 def _make_local_handler(fn):
-    """Handler running ``fn`` on the local strip; in-place requests (``F`` functions'
-    ``inplace`` flag) run as DTensor's own in-place op (module docstring)."""
+    """Handler running ``fn`` on the local strip (in place: DTensor's own in-place op)."""
     inplace = _inplace_reader(fn)
     what = function_name(fn)
 

@@ -59,8 +59,7 @@ def result_shape(
 
 
 def index_shape(shape: Sequence[int], items: tuple) -> Shape:
-    """The global shape of ``t[items]`` for a tensor ``t`` of ``shape``, ``items`` basic
-    indices (ints, slices, ``Ellipsis``, ``None``): slices keyed by their fields."""
+    """The global shape of ``t[items]`` (basic indices) for a tensor ``t`` of ``shape``."""
     key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else (i,) for i in items)
     return _probe(_index, (tuple(shape),), False, None, (key,), {})
 

@@ -132,8 +132,7 @@ def _group(x: DTensor, d: int):
 
 
 def _softmax_like(plain, log: bool):
-    """``plain`` (``softmax``, ``log_softmax``: ``log``) along any dim; along a sharded one
-    via per-strip maxima and sums."""
+    """``softmax`` / ``log_softmax`` (``log``) along any dim (sharded: strip maxima, sums)."""
 
     def handler(x, dim=None, _stacklevel=3, dtype=None):
         if not handled(x) or dim is None:
@@ -158,8 +157,7 @@ for _fn, _log in ((torch.softmax, False), (torch.log_softmax, True)):
 
 @register_handler(torch.cumsum, torch.Tensor.cumsum)
 def spatial_cumsum(input, dim, *, dtype=None, out=None):
-    """``cumsum`` along any dim; along a sharded one each strip adds the totals of the
-    strips before it."""
+    """``cumsum`` along any dim (sharded: each strip adds the totals of those before)."""
     if not handled(input) or out is not None:
         return torch.cumsum(input, dim, dtype=dtype, out=out)
     d = norm_dim(dim, input.ndim)

@@ -27,9 +27,8 @@ class Entry:
     name: str
     handler: Callable | None = None
     refused: str | None = None
-    #: what ``SpatialMode`` calls: the handler itself when it is ``traced`` (Dynamo inlines
-    #: it), otherwise the handler run eagerly under ``torch.compile`` (its exchanges,
-    #: collectives, plan lookups and DTensor ops are no graph material)
+    #: what ``SpatialMode`` calls under ``torch.compile``: the handler when ``traced``,
+    #: otherwise the handler run eagerly (exchanges, collectives: no graph material)
     run: Callable | None = field(default=None, compare=False, repr=False)
 
 
@@ -97,10 +96,8 @@ class HandlerRegistry:
         _GENERATION[0] += 1
 
     def lookup(self, fn: Callable) -> Entry | None:
-        """The entry for ``fn`` here or in a parent registry (``None`` if there is none).
-        Resolved once per function until a registry changes (``SpatialMode`` looks up every
-        call with a DTensor argument); not under ``torch.compile``, where Dynamo would guard
-        on the resolved entries and recompile when one is added."""
+        """The entry for ``fn`` here or in a parent (``None``: none), resolved once until a
+        registry changes; not under ``torch.compile`` (Dynamo would guard on the cache)."""
         if torch.compiler.is_compiling():
             return self._find(fn)
         if self._generation != _GENERATION[0]:

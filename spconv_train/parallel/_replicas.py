@@ -47,8 +47,7 @@ def broadcast_model_state(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """``mesh`` as one dimension over all its ranks (collective the first time: the
-    flattened group is created on every rank)."""
+    """``mesh`` as one dim over all its ranks (collective the first time)."""
     if mesh.ndim == 1:
         return mesh
     # the new group's gloo threads must not take cores (_comm_threads.py)

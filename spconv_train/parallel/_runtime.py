@@ -53,8 +53,7 @@ class SpatialOptions:
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:
-        """Options from keyword arguments; an unknown name raises ``TypeError`` naming the
-        valid ones (a typo must not silently fall back to a default)."""
+        """Options from keyword arguments; a typo raises ``TypeError`` (no silent default)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -64,8 +63,7 @@ class SpatialOptions:
 
 @dataclass
 class SpatialStats:
-    """What the runtime measured since the last ``reset``: halo exchanges (forward and
-    backward) and, with ``allow_gather``, the activation gathers it let through."""
+    """Since the last ``reset``: halo exchanges (both passes) and the gathers let through."""
 
     #: seconds blocked on the halo exchange (read ``halo_seconds``; CUDA event pairs still
     #: pending on the GPU are in ``_pending`` and settled when it is read)
@@ -148,8 +146,7 @@ _STACK: contextvars.ContextVar[list[SpatialRuntime] | None] = contextvars.Contex
 
 
 def current_runtime() -> SpatialRuntime:
-    """The runtime of the parallelized model whose forward is running in this thread (the
-    process-wide default runtime outside one)."""
+    """The runtime of the forward running in this thread (outside one: the default)."""
     stack = _STACK.get()
     return stack[-1] if stack else _DEFAULT_RUNTIME
 
@@ -187,9 +184,8 @@ def local_module(model: nn.Module) -> nn.Module:
 
 
 def note_share(x) -> None:
-    """Raise the active runtime's ``input_share`` to one rank's share of DTensor ``x``
-    (global elements over the mesh's ranks: the same on every rank); an NCHW ``x`` is its
-    ``last_image``."""
+    """Raise the runtime's ``input_share`` to one rank's share of ``x`` (the same on every
+    rank); an NCHW ``x`` is its ``last_image``."""
     rt = current_runtime()
     if x.ndim == 4:
         rt.last_image = (x.device_mesh, tuple(x.placements), tuple(x.shape))

@@ -71,8 +71,7 @@ def block_slices(shape: tuple[int, ...], placements, coords) -> tuple[slice, ...
 
 
 def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
-    """``(size, index)`` of this rank along every dimension of ``mesh`` (for
-    ``block_slices``)."""
+    """``(size, index)`` of this rank along every mesh dim (for ``block_slices``)."""
     return [(mesh.size(i), mesh_rank(mesh, i)) for i in range(mesh.ndim)]
 
 
@@ -128,8 +127,7 @@ class SpatialLayout:
 
     @property
     def grad_groups(self) -> tuple:
-        """Groups over which a parameter gradient computed on the local data is a partial sum:
-        every mesh dimension that shards the activation (width or batch)."""
+        """Groups over which a local parameter gradient is a partial sum (width, batch)."""
         return tuple(mesh_group(self.mesh, i) for i in sharding_mesh_dims(self.placements))
 
     #: groups to reduce statistics over: the same
@@ -176,8 +174,7 @@ def spatial_layout(
 
 
 def _tile_layout(x: DTensor, placements: tuple, sp_dims: list, what: str, tiles: bool):
-    """The layout of an NCHW image sharded along H (and W), or of an NCDHW volume sharded
-    along two or three of D, H, W, over one mesh dim each (``layout.axes``)."""
+    """The layout of an image (volume) sharded along H (and W, D), one mesh dim each."""
     dims = [placements[m].dim % x.ndim for m in sp_dims]
     if len(set(dims)) != len(dims):
         raise SpatialShardingError(

@@ -26,27 +26,19 @@ BUCKET_TAG = 0x5C0A
 STATS_TAG = 0x5C0B
 
 
-#: ``id(group) -> (group, size)``: ``dist.get_world_size`` costs a dozen Python calls, and
-#: the statistics ask it per layer and step; each entry holds its group, so its id cannot
-#: be reused while cached
+#: ``id(group) -> (group, size)``: ``dist.get_world_size`` costs a dozen Python calls, asked
+#: per layer and step (each entry holds its group, so its id cannot be reused)
 _SIZES: dict[int, tuple] = {}
 
 
 def group_size(group) -> int:
-    """``dist.get_world_size(group)``, looked up once per process group (``None``, the
-    default group, every call: a new default group may replace it)."""
+    """``dist.get_world_size(group)``, once per group (``None``, the default group: each call)."""
     if group is None:
         return dist.get_world_size()
     hit = _SIZES.get(id(group))
     if hit is None or hit[0] is not group:
         hit = _SIZES[id(group)] = (group, dist.get_world_size(group))
     return hit[1]
-
-
-def by_exchange(t: Tensor, group) -> bool:
-    """Whether summing ``t`` over ``group`` goes by exchange (small, on CPU)."""
-    others = group_size(group) - 1
-    return not t.is_cuda and t.numel() * t.element_size() * others <= EXCHANGE_SUM_BYTES
 
 
 class ExchangeSum:
@@ -78,8 +70,10 @@ class ExchangeSum:
 
 
 def sum_async(buffer: Tensor, group, tag: int = BUCKET_TAG):
-    """Start summing ``buffer`` in place over ``group``; the result has ``wait()``."""
-    if by_exchange(buffer, group):
+    """Start summing ``buffer`` in place over ``group`` (small, on CPU: by exchange); the
+    result has ``wait()``."""
+    sends = buffer.numel() * buffer.element_size() * (group_size(group) - 1)
+    if not buffer.is_cuda and sends <= EXCHANGE_SUM_BYTES:
         return ExchangeSum(buffer, group, tag)
     return dist.all_reduce(buffer, group=group, async_op=True)
 
@@ -94,9 +88,9 @@ def sum_now(t: Tensor, *groups) -> Tensor:
 
 
 class _SumReplicated(torch.autograd.Function):
-    """Sum per-rank partial results over a group into a replicated tensor. The gradient of
-    the replicated output reaches every rank whole (``from_local``'s backward redistributes
-    it), and each partial entered the sum once, so the backward is the identity."""
+    """Sum per-rank partial results over a group into a replicated tensor; the backward is
+    the identity (the replicated gradient reaches every rank whole, each partial entered
+    the sum once)."""
 
     @staticmethod
     def forward(ctx, t: Tensor, group) -> Tensor:
@@ -108,8 +102,7 @@ class _SumReplicated(torch.autograd.Function):
 
 
 def sum_replicated(t: Tensor, groups) -> Tensor:
-    """``t`` summed over each of ``groups`` in turn, differentiably (``_SumReplicated``):
-    the global value of a reduction whose parts the ranks of ``groups`` hold."""
+    """``t`` summed over each of ``groups`` in turn, differentiably (``_SumReplicated``)."""
     for group in groups:
         if group_size(group) > 1:
             t = _SumReplicated.apply(t, group)

@@ -64,11 +64,9 @@ def refuse_handler(*functions: Callable, reason: str) -> None:
 
 def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], type]:
     """Class decorator: ``parallelize`` turns every module of exactly type ``base`` into the
-    decorated subclass, in place (same parameters, buffers, hooks and ``state_dict`` keys;
-    the subclass must not add any). Replaces a built-in swap for the same class. ``base``
-    may be a class's qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``)
-    for a library you do not want to import: the decorated class is then a mixin that
-    ``parallelize`` puts in front of that class."""
+    decorated subclass in place (which must add no parameter or buffer), over a built-in
+    swap. ``base`` may be a qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``)
+    of a class not imported: the decorated class is then a mixin put in front of it."""
     install()
     return _parallelize.register_spatial_module(base)
 
