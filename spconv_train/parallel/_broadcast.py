@@ -43,9 +43,8 @@ PLAIN_GRADIENT_GATHERS = (
 
 
 def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
-    """Refuse (or with ``allow_gather`` count) ``plain`` cut to ``x``'s strip along one of
-    ``dims`` (``x``'s split dims) when the model computed it with a gradient: that
-    gradient would be all-reduced at full size (module docstring)."""
+    """Refuse (``allow_gather``: count) ``plain`` cut to ``x``'s strip along one of ``dims``
+    when the model computed it with a gradient (all-reduced at full size)."""
     if not (plain.requires_grad and plain.grad_fn is not None):  # not computed (most calls)
         return
     # only the spatial splits gather: a plain tensor cut along dp's batch split keeps a
@@ -68,9 +67,8 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
 
 
 def plain_part(plain: Tensor, x: DTensor, what: str) -> Tensor:
-    """The part of ``plain`` (a global value broadcast against ``x``) that meets this
-    rank's entries of ``x`` (``local_part``: any layout), after the computed-plain-tensor
-    guard (``guard_computed_plain``, over every dim that splits ``x``)."""
+    """The part of ``plain`` (broadcast against ``x``) meeting this rank's entries of ``x``
+    (``local_part``: any layout), after ``guard_computed_plain``."""
     split = (d % x.ndim for d in map(sharded_dim, x.placements) if d is not None)
     guard_computed_plain(plain, x, split, what)  # reads ``split`` only for a computed one
     return local_part(plain, x, what=what)

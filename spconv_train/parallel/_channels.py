@@ -92,10 +92,9 @@ def spatial_split(tensor, split_size_or_sections, dim=0):
 
 @functools.lru_cache(maxsize=256)
 def _shuffle_plan(width: int, parts: int, r: int, up: bool):
-    """The exchange of a pixel shuffle (``up``: output ``j`` of a dim is input ``j // r``)
-    or unshuffle (output ``j`` is inputs ``[j * r, j * r + r)``, a window of kernel = stride
-    = r: every rank needs an input and an output position, and only neighbours lend), and
-    every rank's output chunk."""
+    """The exchange of a pixel shuffle (``up``: output ``j`` is input ``j // r``) or unshuffle
+    (inputs ``[j * r, j * r + r)``: every rank needs an input and an output position, only
+    neighbours lend), and every rank's output chunk."""
     what = "F.pixel_shuffle" if up else "F.pixel_unshuffle"
     if up:
         owned, out = all_shard_bounds(width, parts), all_shard_bounds(width * r, parts)
@@ -111,9 +110,8 @@ def _shuffle_plan(width: int, parts: int, r: int, up: bool):
 
 
 def _shuffle(input, r: int, up: bool):
-    """``pixel_shuffle`` (``up``) or ``pixel_unshuffle`` by ``r``: along each sharded dim in
-    turn every rank fetches the input positions of its output chunk (P2P), then the op runs
-    locally and each rank keeps its chunk. Sharded dims: the last two, or the batch."""
+    """``pixel_shuffle`` (``up``) / ``pixel_unshuffle`` by ``r``: per sharded dim (the last two,
+    or the batch) each rank fetches its output chunk's inputs, runs the op, keeps its chunk."""
     fn, n = (F.pixel_shuffle if up else F.pixel_unshuffle), input.ndim
     if not handled(input) or n not in (4, 5) or not set(sharded_dims(input)) <= {0, n - 2, n - 1}:
         return fn(input, r)
@@ -151,9 +149,8 @@ for _base in (nn.PReLU, nn.PixelShuffle, nn.PixelUnshuffle):
 
 @register_handler(torch.cat, torch.concat, torch.concatenate)
 def spatial_cat(tensors, dim=0, **kwargs):
-    """``torch.cat`` along an unsharded dim (skips on channels): local, same placements.
-    Plain tensors among them (e.g. timm encoders' empty dummy features) are global values:
-    each rank takes the part that meets its strip."""
+    """``torch.cat`` along an unsharded dim (skips on channels): local, same placements;
+    plain tensors (timm encoders' empty dummy features) cut to each rank's part."""
     first = next((t for t in tensors if isinstance(t, DTensor)), None)
     d = norm_dim(kwargs.pop("axis", dim), first.ndim) if first is not None else dim
     ok = (
@@ -192,8 +189,6 @@ def _functional_linear(input, weight, bias=None):
             raise SpatialShardingError(
                 f"F.linear on a Partial DTensor {input.placements}: redistribute it first."
             )
-    placements = tuple(input.placements)
-    # every mesh dimension that splits rows of the input holds a partial weight gradient
-    groups = grad_groups(input)
+    groups = grad_groups(input)  # each mesh dim splitting rows holds a partial gradient
     out = F.linear(local_of(input), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
-    return wrap(out, input, placements, (*input.shape[:-1], out.shape[-1]))
+    return wrap(out, input, tuple(input.placements), (*input.shape[:-1], out.shape[-1]))

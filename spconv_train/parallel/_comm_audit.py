@@ -92,10 +92,8 @@ class CommAudit(TorchDispatchMode):
     def activation_sized(
         self, min_elements: int, param_shapes: set[tuple[int, ...]] = frozenset()
     ) -> list[CommRecord]:
-        """Records that look like a moved activation: a gather-like op of at least
-        ``min_elements``, or a reduction that large of a spatial map (the last two dims > 1)
-        whose shape is no parameter's. Statistics ([C], [2, 1, C], [N, C, 1, 1]) and
-        parameter-gradient all-reduces are expected and not flagged."""
+        """Records of at least ``min_elements`` that look like a moved activation: a gather,
+        or a reduction of a spatial map (last two dims > 1) of no parameter's shape."""
 
         def flagged(r: CommRecord) -> bool:
             spatial = len(r.shape) >= 3 and min(r.shape[-2:]) > 1 and r.shape not in param_shapes

@@ -73,9 +73,8 @@ def yield_gloo_threads() -> int:
 
 
 def restore_gloo_threads() -> None:
-    """Give gloo's threads the normal policy back before the process groups are torn down
-    (``distributed.shutdown``; at exit too): a gloo worker still releasing a collective
-    when Python finalizes aborts the process (``distributed.shutdown`` explains)."""
+    """Give gloo's threads the normal policy back before the groups are torn down: a worker
+    still releasing a collective at finalization aborts (``distributed.shutdown``)."""
     if hasattr(os, "SCHED_IDLE"):  # Linux only
         _set_policy(os.SCHED_OTHER, only_from=os.SCHED_IDLE)
 

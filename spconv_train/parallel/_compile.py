@@ -110,10 +110,8 @@ def traced_dtensor_op(func: Callable) -> bool:
 
 
 def route_through_modes(functions: Iterable[Callable]) -> None:
-    """Make Dynamo dispatch calls of ``functions`` to the active ``TorchFunctionMode`` (as
-    eager does) instead of putting them in the graph unseen: Dynamo consults the mode only
-    for its list of overridable functions, which lacks some that dispatch in eager
-    (``F.hardsigmoid``, ``F.hardswish``, the ``torch._C._nn`` functions)."""
+    """Make Dynamo dispatch ``functions`` to the active ``TorchFunctionMode`` as eager does:
+    its list of overridable functions lacks some (``F.hardswish``, ``torch._C._nn``'s)."""
     from torch._dynamo.variables.torch import get_overridable_functions
 
     get_overridable_functions().update(functions)  # the cached set Dynamo consults

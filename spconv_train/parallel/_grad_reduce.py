@@ -218,18 +218,16 @@ class GradReducer:
                 for group in b.groups[1:]:
                     sum_async(b.buffer, group).wait()
             for b in buckets:
-                # A parameter no rank got a gradient for (used, but not on the way to the
-                # loss) keeps ``.grad`` None, as on one device: zeros would still let an
-                # optimizer decay it and move its moments.
+                # A parameter no rank got a gradient for keeps ``.grad`` None, as on one
+                # device: zeros would still let an optimizer decay it and move its moments.
                 had = b.buffer[b.flags_at :].tolist()
-                for i, p in enumerate(b.params):
-                    if had[i] == 0:
-                        continue
-                    total = b.buffer.narrow(0, b.offsets[i], p.numel()).view_as(p)
-                    if p.grad is None:
-                        p.grad = total.clone()
-                    else:
-                        p.grad.add_(total)
+                for p, at, flag in zip(b.params, b.offsets, had, strict=True):
+                    if flag:
+                        total = b.buffer.narrow(0, at, p.numel()).view_as(p)
+                        if p.grad is None:
+                            p.grad = total.clone()
+                        else:
+                            p.grad.add_(total)
         finally:
             self._buckets, self._slot, self._partial = None, {}, {}
             self._pending.clear()

@@ -105,10 +105,8 @@ class _SpatialContext:
     """``SpatialMode(runtime)`` and the no-silent-gather guard, entered together."""
 
     def __init__(self, runtime: SpatialRuntime) -> None:
-        graphs = runtime.options.trace_dtensor_ops
-        mode = (DTensorGraphMode if graphs else SpatialMode)(runtime)
-        self.contexts = (mode, gather_guard(runtime.options.allow_gather))
-        self.runtime = runtime
+        mode = (DTensorGraphMode if runtime.options.trace_dtensor_ops else SpatialMode)(runtime)
+        self.contexts, self.runtime = (mode, gather_guard(runtime.options.allow_gather)), runtime
 
     def __enter__(self) -> None:
         self.runtime.last_image = None  # a layout from the last forward is no guide

@@ -55,10 +55,8 @@ def _local(x: DTensor, what: str) -> torch.Tensor:
 
 
 def _inplace_reader(fn):
-    """``(args, kwargs) -> bool``: the ``inplace`` flag of a call of ``fn`` (its arguments
-    after the input), read by position or name without binding the whole signature;
-    ``None`` for functions without the flag (``torch`` / ``torch._C._nn`` builtins,
-    ``F.gelu``...)."""
+    """``(args, kwargs) -> bool``: a call's ``inplace`` flag (arguments after the input), read
+    without binding the signature; ``None`` without the flag (builtins, ``F.gelu``)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except ValueError:  # a builtin (torch.relu, torch._C._nn.elu ...): no in-place flag

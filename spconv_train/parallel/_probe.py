@@ -52,9 +52,8 @@ def _probe(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs
 def result_shape(
     func: Callable, shape: Sequence[int], /, *args, meta_dtype=None, **kwargs
 ) -> Shape:
-    """The global shape of ``func(t, *args, **kwargs)`` for a tensor ``t`` of ``shape``
-    (and ``meta_dtype``, default torch's; ``kwargs`` may hold the op's own ``dtype``): a
-    tuple, or a tuple of them for a tuple result (a ``split``, a ``max`` over a dim)."""
+    """The global shape of ``func(t, *args, **kwargs)`` for ``t`` of ``shape`` and
+    ``meta_dtype`` (a tuple of shapes for a tuple result: ``split``, ``max`` over a dim)."""
     return _probe(func, (tuple(shape),), False, meta_dtype, args, kwargs)
 
 

@@ -33,8 +33,7 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
 
 
 def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
-    """The max or min of ``local`` over ``dims`` and the ranks of ``groups`` (detached,
-    keepdim); an empty part holds no candidate."""
+    """Max or min of ``local`` over ``dims`` and ``groups``' ranks (detached, keepdim)."""
     big = float("inf") if kind == "min" else float("-inf")
     if local.numel():
         m = (torch.amax if kind == "max" else torch.amin)(local.detach(), dims, keepdim=True)
@@ -46,9 +45,8 @@ def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
 
 
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
-    """``kind`` in sum, mean, amax, amin, var, std, norm2 (the L2 norm) over ``dim`` of a
-    sharded DTensor, exact and differentiable. ``opts``: ``dtype`` (sum, mean),
-    ``correction`` (var, std)."""
+    """``kind`` (sum, mean, amax, amin, var, std, norm2) over ``dim`` of a sharded DTensor,
+    exact and differentiable; ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
     where = sharded_dims(x)
     groups = [mesh_group(x.device_mesh, where[d]) for d in dims if d in where]

@@ -57,9 +57,7 @@ class HandlerRegistry:
         self._generation = -1
 
     def __deepcopy__(self, memo) -> HandlerRegistry:
-        # A deep-copied model gets its own entries but shares the parent (the default
-        # registry, where every op module registers).
-        new = HandlerRegistry(self.parent)
+        new = HandlerRegistry(self.parent)  # a deep-copied model's own entries, same parent
         new._entries = dict(self._entries)  # its own resolved entries, built on use
         return new
 

@@ -71,12 +71,10 @@ def shard_parameters(
     """FSDP2 ``fully_shard`` on each of ``blocks``, then on the root ``model`` (a
     ``parallelize``d model), over all ranks of its mesh; the same model, in place.
 
-    Parameters become ``Shard(0)`` DTensors (build the optimizer afterwards; names and
-    ``state_dict`` keys unchanged). A block is one all-gather / reduce-scatter unit, freed
-    after its forward; the root keeps its parameters gathered until the backward's end.
-    ``param_dtype`` / ``reduce_dtype``: FSDP2's ``MixedPrecisionPolicy``. Raises
-    ``ValueError`` for a model not parallelized, sharded already, or with a non-contiguous
-    (channels-last) parameter."""
+    Parameters become ``Shard(0)`` DTensors (build the optimizer afterwards). A block is one
+    all-gather / reduce-scatter unit freed after its forward; the root stays gathered until
+    the backward ends. ``param_dtype`` / ``reduce_dtype``: FSDP2's mixed precision.
+    ``ValueError``: not parallelized, sharded already, or a non-contiguous parameter."""
     runtime = runtime_of(model)
     if is_sharded(model):
         raise ValueError(f"shard_parameters: {type(model).__name__} is sharded already")
@@ -122,10 +120,8 @@ def full_parameters(model: nn.Module) -> Iterator[None]:
 def replicate_gradients(model: nn.Module) -> nn.Module:
     """``model`` (a ``parallelize``d model) in ``DistributedDataParallel`` over all ranks
     of its mesh, its ``GradReducer`` deferring to it (a one-rank mesh: ``model`` itself).
-    DDP runs with ``static_graph`` (unused parameters keep ``.grad`` None; the used set
-    must not change between steps, else ``parallel.grad_reduce: builtin``) and without
-    buffer broadcasts (docs/design.md); without either, a model with unused parameters
-    fails at its second step. ``local_module`` gives the wrapped model back."""
+    ``static_graph`` (unused parameters keep ``.grad`` None; the used set must not change,
+    else ``grad_reduce: builtin``), no buffer broadcasts (docs/design.md)."""
     runtime = runtime_of(model)
     if local_module(model) is not model:
         raise ValueError("replicate_gradients: the model is wrapped in DDP already")

@@ -78,8 +78,8 @@ class SpatialStats:
 
     @property
     def halo_seconds(self) -> float:
-        """Seconds the halo exchange kept this rank waiting: host wall time on CPU, GPU time
-        between CUDA events on CUDA (host timers would only measure NCCL's enqueue)."""
+        """Seconds the halo exchange kept this rank waiting (CUDA: between events, as host
+        timers would only measure NCCL's enqueue)."""
         if self._pending:
             self._pending[-1][1].synchronize()
             self._halo_seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1e3

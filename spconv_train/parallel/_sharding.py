@@ -46,9 +46,8 @@ def sharding_mesh_dims(placements) -> tuple[int, ...]:
 
 
 def grad_groups(x: DTensor, exclude=()) -> tuple:
-    """The process groups of the mesh dims splitting ``x`` (``Shard``, ``_StridedShard``,
-    prefix tokens: each holds a partial sum of a parameter's gradient), but the mesh dims
-    of ``exclude`` (layouts with a ``mesh_dim``, ``_token_layout.TokenLayout``)."""
+    """The process groups of the mesh dims splitting ``x`` (each holds a partial parameter
+    gradient), but those of ``exclude`` (layouts with a ``mesh_dim``)."""
     skip = {lay.mesh_dim for lay in exclude}
     dims = sharding_mesh_dims(x.placements)
     return tuple(mesh_group(x.device_mesh, i) for i in dims if i not in skip)
@@ -83,13 +82,11 @@ class SpatialLayout:
     mesh: DeviceMesh
     placements: tuple
     sp_dim: int
-    #: False when the width is replicated on the sp dimension (e.g. after global pooling):
-    #: every rank holds whole rows, so window ops run the plain local op (``run_unsharded``).
+    #: False when replicated on the sp dim (after global pooling): ``run_unsharded``
     width_sharded: bool = True
     #: tensor dimensions sharded as data over the sp mesh dimension
     dims: tuple[int, ...] = (3,)
-    #: H x W tiles (``_tiles.py``): ``(tensor dim, mesh dim)`` of every sharded spatial dim,
-    #: empty for a one-dim layout (then ``dims`` over ``sp_dim``).
+    #: tiles: ``(tensor dim, mesh dim)`` of every sharded spatial dim (one dim: empty)
     axes: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -222,9 +219,8 @@ def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
 
 
 def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
-    """The local strip of ``x`` (differentiable; channels-last keeps canonical strides).
-    ``grad_placements`` labels the gradient flowing back (e.g. ``Partial`` on sp when each
-    rank used only part of a replicated input)."""
+    """The local strip of ``x`` (differentiable, canonical strides); ``grad_placements``
+    labels the gradient flowing back (``Partial`` on sp: a replicated input used in part)."""
     if not torch.compiler.is_compiling():
         note_share(x)
     return in_layout(local_of(x, grad_placements))
