@@ -146,23 +146,33 @@ def _observe(cls, src_spec, dst_spec, message):
     if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
         what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
-    if active_guard() is not None:
-        if _moves_activation(src_spec, dst_spec):
-            src, dst = str(src_spec.placements), str(dst_spec.placements)
+    inside = active_guard() is not None
+    # outside the forward: on a parallelized model's mesh and outside any backward (the
+    # model's own gradient moves, e.g. from_local's of a small replicated map, are weighed
+    # by the communication audit); the graph task id is -1 outside one (torch 2.14.1)
+    outside = not inside and src_spec.mesh in _SPATIAL_MESHES
+    outside = outside and torch._C._current_graph_task_id() == -1
+    if (inside or outside) and _moves_activation(src_spec, dst_spec):
+        op = _op_of(message) or str(message)
+        src, dst = str(src_spec.placements), str(dst_spec.placements)
+        if inside:
             why = (
                 f"has no spatial implementation, and DTensor would redistribute the "
                 f"width-sharded activation {src} -> {dst} to run it"
             )
-            guard_gather(_op_of(message) or str(message), src, dst, why)
-    # outside the forward on a parallelized model's mesh, and outside any backward (the
-    # model's own gradient moves, e.g. from_local's of a small replicated map, are weighed
-    # by the communication audit); the graph task id is -1 outside one (torch 2.14.1)
-    elif (
-        src_spec.mesh in _SPATIAL_MESHES
-        and torch._C._current_graph_task_id() == -1
-        and _moves_activation(src_spec, dst_spec)
-    ):
-        _guard_outside(_op_of(message) or str(message), src_spec, dst_spec)
+            guard_gather(op, src, dst, why)
+        elif not _SPATIAL_MESHES[src_spec.mesh]:
+            raise SpatialShardingError(
+                f"{op} outside the parallelized model's forward (a loss or a metric on its "
+                f"output?) would make DTensor redistribute a tensor sharded over the image "
+                f"{src} -> {dst} (gathering the image on every rank). Compute it on the local "
+                f"parts (y.to_local(); the losses and metrics of spconv_train.train), gather "
+                f"explicitly if that is meant (y.full_tensor()), or accept the gather with "
+                f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
+            )
+        else:
+            GATHER_EVENTS.append(GatherEvent(op, "<outside the forward>", src, dst))
+            log.warning("allowed gather of a sharded tensor outside the forward: %s", op)
     return _original(cls, src_spec, dst_spec, message)
 
 
@@ -174,21 +184,6 @@ _SPATIAL_MESHES: dict = {}
 def guard_mesh(mesh, allow: bool) -> None:
     """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the forward."""
     _SPATIAL_MESHES[mesh] = allow
-
-
-def _guard_outside(op: str, src_spec, dst_spec) -> None:
-    src, dst = str(src_spec.placements), str(dst_spec.placements)
-    if not _SPATIAL_MESHES[src_spec.mesh]:
-        raise SpatialShardingError(
-            f"{op} outside the parallelized model's forward (a loss or a metric on its "
-            f"output?) would make DTensor redistribute a tensor sharded over the image "
-            f"{src} -> {dst} (gathering the image on every rank). Compute it on the local "
-            f"parts (y.to_local(); the losses and metrics of spconv_train.train), gather "
-            f"explicitly if that is meant (y.full_tensor()), or accept the gather with "
-            f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
-        )
-    GATHER_EVENTS.append(GatherEvent(op, "<outside the forward>", src, dst))
-    log.warning("allowed gather of a sharded tensor outside the forward: %s", op)
 
 
 def install_guard() -> None:
