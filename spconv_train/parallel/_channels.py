@@ -150,20 +150,13 @@ for _base in (nn.PReLU, nn.PixelShuffle, nn.PixelUnshuffle):
 @register_handler(torch.cat, torch.concat, torch.concatenate)
 def spatial_cat(tensors, dim=0, **kwargs):
     """``torch.cat`` along an unsharded dim (skips on channels): local, same placements;
-    plain tensors (timm encoders' empty dummy features) cut to each rank's part."""
-    first = next((t for t in tensors if isinstance(t, DTensor)), None)
+    plain tensors (timm encoders' empty dummy features) cut to each rank's part. Otherwise
+    DTensor's own rules, their errors named (``_errors.py``)."""
+    dts = [t for t in tensors if isinstance(t, DTensor)]
+    first = dts[0] if dts else None
     d = norm_dim(kwargs.pop("axis", dim), first.ndim) if first is not None else dim
-    ok = (
-        first is not None
-        and not kwargs
-        and handled(first)
-        and d not in sharded_dims(first)
-        and all(
-            not isinstance(t, DTensor) or (handled(t) and t.placements == first.placements)
-            for t in tensors
-        )
-    )
-    if not ok:  # DTensor's own rules; its errors named (_errors.py)
+    ok = first is not None and not kwargs and d not in sharded_dims(first)
+    if not ok or not all(handled(t) and t.placements == first.placements for t in dts):
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     # in_layout: channels-last parts give a channels-last result (_layout.py)
     parts = [
