@@ -9,10 +9,9 @@ Using it (torch's own ``init_device_mesh``, ``distribute_tensor``, ``Shard``)::
     y = model(x)                      # DTensor, Shard(3); y.full_tensor() == model(img)
     runtime_of(model).stats           # halo seconds / bytes / messages, gathers
 
-Every name in ``__all__`` is public and documented (README, "Make your own op spatial");
-op authors use ``spconv_train.parallel.extend`` (``docs/extending.md``). Importing this package
-registers and patches nothing (``parallelize`` installs the built-in handlers). On CPU,
-create the gloo process groups inside ``with gloo_threads_idle():``. Depends only on torch.
+Every name in ``__all__`` is public and documented; op authors use ``extend``
+(``docs/extending.md``). Importing registers and patches nothing (``parallelize`` installs).
+On CPU, create the gloo process groups inside ``with gloo_threads_idle():``. Torch only.
 """
 
 from ._comm_audit import CommAudit
@@ -30,21 +29,11 @@ from ._runtime import (
     runtime_of,
 )
 
+# fmt: off
 __all__ = [
-    "CommAudit",
-    "ParallelDims",
-    "SpatialOptions",
-    "SpatialRuntime",
-    "SpatialShardingError",
-    "SpatialStats",
-    "current_runtime",
-    "full_parameters",
-    "gloo_threads_idle",
-    "is_sharded",
-    "local_module",
-    "parallelize",
-    "replicate_gradients",
-    "restore_gloo_threads",
-    "runtime_of",
+    "CommAudit", "ParallelDims", "SpatialOptions", "SpatialRuntime", "SpatialShardingError",
+    "SpatialStats", "current_runtime", "full_parameters", "gloo_threads_idle", "is_sharded",
+    "local_module", "parallelize", "replicate_gradients", "restore_gloo_threads", "runtime_of",
     "shard_parameters",
 ]
+# fmt: on

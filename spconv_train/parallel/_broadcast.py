@@ -1,32 +1,16 @@
 """Element-wise arithmetic between a sharded DTensor and a plain tensor (a parameter, a mask).
 
-Model code multiplies activations by parameters it reshapes itself (timm ConvNeXt's layer
-scale ``x.mul(self.gamma.reshape(1, -1, 1, 1))``) or by masks it draws (EfficientNet's
-drop-connect ``x / keep * mask``); DTensor refuses a plain tensor next to a DTensor. The
-plain tensor is the global value (the same on every rank): each rank uses the part that
-meets its strip (all of it along size-1, broadcast dims; its chunk along a sharded dim), and
-its gradient, a partial sum over the local strip, is summed over the mesh dimensions that
-shard the activation (``sum_grad_over``), so it equals the single-device gradient.
-
-A ``Partial`` DTensor (a sum over the sharded dim not yet reduced: the channel x channel map
-of timm EdgeNeXt's cross-covariance attention, ``q @ k.T`` over the tokens, times its plain
-``temperature``) has no strip to cut the plain tensor to: the plain tensor joins it as a
-``Replicate`` DTensor and DTensor's own rule runs the op (a mul keeps the sum pending, an
-add reduces it first; the tensor is small, a reduction's result, so nothing activation-sized
-moves); its gradient comes back summed over the mesh.
-
-A plain tensor the model computed at the activation's size (timm EdgeNeXt's Fourier
-positional encoding, built for the whole image on every rank and projected by a conv) is a
-gather in the backward: its gradient, non-zero on each rank's strip only, would be
-all-reduced at full size (the whole image on every rank) for the parameters that made it.
-That runs only with ``allow_gather`` (counted as a gather); otherwise it is refused naming
-the module and the op (``_errors.guard_gather``). A parameter (a leaf, e.g. a ViT position
-table) has its gradient summed like every parameter's, and a tensor without a gradient (a
-mask) needs no sum.
-
-``addcmul`` / ``addcdiv`` with a plain tensor among their three (timm ConvNeXt-V2's global
-response norm: ``torch.addcmul(bias, weight, x * x_n)``) run as their element-wise steps
-``input + value * (tensor1 op tensor2)``, each through the handler registered for it.
+DTensor refuses a plain tensor next to a DTensor, but model code multiplies activations by
+parameters it reshapes (timm ConvNeXt's layer scale) or masks it draws (drop-connect). The
+plain tensor is the global value: each rank uses the part meeting its strip (all of it
+along broadcast dims), and its gradient is summed over the mesh dims sharding the
+activation (``sum_grad_over``). With a ``Partial`` DTensor (a pending sum: EdgeNeXt's
+channel x channel attention map times ``temperature``) it joins as a small ``Replicate``
+DTensor and DTensor's rule runs the op. A plain tensor the model *computed* at the
+activation's size (EdgeNeXt's Fourier positional encoding) would have its gradient
+all-reduced at full size: refused, or counted with ``allow_gather`` (``guard_gather``).
+``addcmul`` / ``addcdiv`` with a plain operand (ConvNeXt-V2's global response norm) run as
+``input + value * (tensor1 op tensor2)``, each step through its own handler.
 """
 
 from __future__ import annotations
@@ -59,9 +43,8 @@ PLAIN_GRADIENT_GATHERS = (
 
 
 def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
-    """Refuse (or with ``allow_gather`` count) ``plain`` cut to ``x``'s strip along one of
-    ``dims`` (``x``'s split dims) when the model computed it with a gradient: that
-    gradient would be all-reduced at full size (module docstring)."""
+    """Refuse (``allow_gather``: count) ``plain`` cut to ``x``'s strip along one of ``dims``
+    when the model computed it with a gradient (all-reduced at full size)."""
     if not (plain.requires_grad and plain.grad_fn is not None):  # not computed (most calls)
         return
     # only the spatial splits gather: a plain tensor cut along dp's batch split keeps a
@@ -84,9 +67,8 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
 
 
 def plain_part(plain: Tensor, x: DTensor, what: str) -> Tensor:
-    """The part of ``plain`` (a global value broadcast against ``x``) that meets this
-    rank's entries of ``x`` (``local_part``: any layout), after the computed-plain-tensor
-    guard (``guard_computed_plain``, over every dim that splits ``x``)."""
+    """The part of ``plain`` (broadcast against ``x``) meeting this rank's entries of ``x``
+    (``local_part``: any layout), after ``guard_computed_plain``."""
     split = (d % x.ndim for d in map(sharded_dim, x.placements) if d is not None)
     guard_computed_plain(plain, x, split, what)  # reads ``split`` only for a computed one
     return local_part(plain, x, what=what)

@@ -1,11 +1,8 @@
-"""Ops over channels (or other unsharded dims) on a sharded DTensor, run per strip:
-``F.layer_norm`` over trailing unsharded dims, ``F.prelu``, ``chunk`` / ``split`` along an
-unsharded dim, ``pixel_shuffle`` / ``pixel_unshuffle`` (elements moved between blocks along
-each sharded one of the last two dims, one at a time) and ``F.linear`` on rows that are
-whole (heads on pooled features, token heads; DTensor refuses to mix a DTensor input with
-plain parameters). Per-pixel ops are exact per strip; weight and bias gradients are
-completed over every mesh dim that splits the rows (``sum_grad_over``,
-``sharding_mesh_dims``).
+"""Ops over channels (or other unsplit dims) on a sharded DTensor, run per strip:
+``F.layer_norm``, ``F.prelu``, ``chunk`` / ``split``, ``torch.cat`` and ``F.linear`` on whole
+rows (DTensor refuses a DTensor input with plain parameters), weight gradients summed over
+the mesh dims splitting the rows; ``pixel_shuffle`` / ``pixel_unshuffle`` move elements
+between blocks along each sharded one of the last two dims.
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ from ._token_layout import is_tokens, split_layouts
 
 @register_handler(F.layer_norm, torch.layer_norm)
 def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
-    """``F.layer_norm`` over trailing dims no rank splits (the channels of a channels-last
-    map or of tokens): local on each rank, the weight's and bias's gradients summed over
-    the ranks."""
+    """``F.layer_norm`` over trailing dims no rank splits (channels-last maps, tokens):
+    local on each rank, the weight's and bias's gradients summed over the ranks."""
     tokens = is_tokens(input)  # first: a token tensor's _StridedShard is not ``handled``
     if not (tokens or handled(input)):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)  # DTensor's rules
@@ -59,17 +55,11 @@ def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5
 
 @register_handler(F.prelu, torch.prelu)
 def spatial_prelu(input, weight):
-    """``F.prelu`` (one slope per channel, dim 1, or one for all): local on each strip.
-    DTensor has no sharding rule for its backward (``_prelu_kernel_backward``)."""
+    """``F.prelu``, local (DTensor has no rule for ``_prelu_kernel_backward``)."""
     if not handled(input) or (input.ndim > 1 and 1 in sharded_dims(input)):
         return F.prelu(input, weight)
     out = F.prelu(local_of(input), sum_grad_over(weight, grad_groups(input)))
     return wrap(out, input, input.placements, input.shape)
-
-
-@register_spatial_module(nn.PReLU)
-class SpatialPReLU(nn.PReLU):
-    """``nn.PReLU`` (calls ``F.prelu``, handled above; the swap makes it visible)."""
 
 
 def local_pieces(func, x: DTensor, arg, d: int) -> tuple[DTensor, ...]:
@@ -102,10 +92,9 @@ def spatial_split(tensor, split_size_or_sections, dim=0):
 
 @functools.lru_cache(maxsize=256)
 def _shuffle_plan(width: int, parts: int, r: int, up: bool):
-    """The exchange of a pixel shuffle (``up``: output ``j`` of a dim is input ``j // r``)
-    or unshuffle (output ``j`` is inputs ``[j * r, j * r + r)``, a window of kernel = stride
-    = r: every rank needs an input and an output position, and only neighbours lend), and
-    every rank's output chunk."""
+    """The exchange of a pixel shuffle (``up``: output ``j`` is input ``j // r``) or unshuffle
+    (inputs ``[j * r, j * r + r)``: every rank needs an input and an output position, only
+    neighbours lend), and every rank's output chunk."""
     what = "F.pixel_shuffle" if up else "F.pixel_unshuffle"
     if up:
         owned, out = all_shard_bounds(width, parts), all_shard_bounds(width * r, parts)
@@ -120,28 +109,13 @@ def _shuffle_plan(width: int, parts: int, r: int, up: bool):
     return plan, tuple(out)
 
 
-def _shuffle_layout(input, what: str):
-    """``input``'s layout when ``what`` (acting on the last two dims, the dims before them
-    a batch) can run on it: every sharded dim is one of the last two or the batch."""
-    n = input.ndim
-    if (
-        not handled(input)
-        or n not in (4, 5)
-        or any(d not in (0, n - 2, n - 1) for d in sharded_dims(input))
-    ):
-        return None
-    return spatial_layout(input, what, n, tiles=True)
-
-
 def _shuffle(input, r: int, up: bool):
-    """``pixel_shuffle`` (``up``) or ``pixel_unshuffle`` by ``r``: along each sharded dim in
-    turn every rank fetches the input positions of its output chunk (P2P), then the op runs
-    locally and each rank keeps its chunk."""
-    fn = F.pixel_shuffle if up else F.pixel_unshuffle
-    found = _shuffle_layout(input, f"F.{fn.__name__}")
-    if found is None:
+    """``pixel_shuffle`` (``up``) / ``pixel_unshuffle`` by ``r``: per sharded dim (the last two,
+    or the batch) each rank fetches its output chunk's inputs, runs the op, keeps its chunk."""
+    fn, n = (F.pixel_shuffle if up else F.pixel_unshuffle), input.ndim
+    if not handled(input) or n not in (4, 5) or not set(sharded_dims(input)) <= {0, n - 2, n - 1}:
         return fn(input, r)
-    x, layout = found
+    x, layout = spatial_layout(input, f"F.{fn.__name__}", n, tiles=True)
     local, crops = enter(x), []
     for d, parts, rank, group in sharded_axes(layout):
         plan, out = _shuffle_plan(x.shape[d], parts, r, up)
@@ -166,34 +140,23 @@ def spatial_pixel_unshuffle(input, downscale_factor):
     return _shuffle(input, int(downscale_factor), False)
 
 
-@register_spatial_module(nn.PixelShuffle)
-class SpatialPixelShuffle(nn.PixelShuffle):
-    """``nn.PixelShuffle`` (calls ``F.pixel_shuffle``, handled above)."""
-
-
-@register_spatial_module(nn.PixelUnshuffle)
-class SpatialPixelUnshuffle(nn.PixelUnshuffle):
-    """``nn.PixelUnshuffle`` (calls ``F.pixel_unshuffle``, handled above)."""
+for _base in (nn.PReLU, nn.PixelShuffle, nn.PixelUnshuffle):
+    # their functional calls are handled here; the swap shows it in ``print(model)``
+    _doc = f"``nn.{_base.__name__}`` (its functional form is handled in ``_channels.py``)."
+    _attrs = {"__module__": __name__, "__doc__": _doc}
+    register_spatial_module(_base)(type(f"Spatial{_base.__name__}", (_base,), _attrs))
 
 
 @register_handler(torch.cat, torch.concat, torch.concatenate)
 def spatial_cat(tensors, dim=0, **kwargs):
-    """``torch.cat`` along an unsharded dim (skips on channels): local, same placements.
-    Plain tensors among them (e.g. timm encoders' empty dummy features) are global values:
-    each rank takes the part that meets its strip."""
-    first = next((t for t in tensors if isinstance(t, DTensor)), None)
+    """``torch.cat`` along an unsharded dim (skips on channels): local, same placements;
+    plain tensors (timm encoders' empty dummy features) cut to each rank's part. Otherwise
+    DTensor's own rules, their errors named (``_errors.py``)."""
+    dts = [t for t in tensors if isinstance(t, DTensor)]
+    first = dts[0] if dts else None
     d = norm_dim(kwargs.pop("axis", dim), first.ndim) if first is not None else dim
-    ok = (
-        first is not None
-        and not kwargs
-        and handled(first)
-        and d not in sharded_dims(first)
-        and all(
-            not isinstance(t, DTensor) or (handled(t) and t.placements == first.placements)
-            for t in tensors
-        )
-    )
-    if not ok:  # DTensor's own rules; its errors named (_errors.py)
+    ok = first is not None and not kwargs and d not in sharded_dims(first)
+    if not ok or not all(handled(t) and t.placements == first.placements for t in dts):
         return run_dtensor_op(torch.cat, (tensors, dim), kwargs)
     # in_layout: channels-last parts give a channels-last result (_layout.py)
     parts = [
@@ -219,8 +182,6 @@ def _functional_linear(input, weight, bias=None):
             raise SpatialShardingError(
                 f"F.linear on a Partial DTensor {input.placements}: redistribute it first."
             )
-    placements = tuple(input.placements)
-    # every mesh dimension that splits rows of the input holds a partial weight gradient
-    groups = grad_groups(input)
+    groups = grad_groups(input)  # each mesh dim splitting rows holds a partial gradient
     out = F.linear(local_of(input), sum_grad_over(weight, groups), sum_grad_over(bias, groups))
-    return wrap(out, input, placements, (*input.shape[:-1], out.shape[-1]))
+    return wrap(out, input, tuple(input.placements), (*input.shape[:-1], out.shape[-1]))

@@ -1,14 +1,10 @@
 """Count the communication a sharded step does, and catch hidden activation gathers.
 
-``CommAudit`` (a ``TorchDispatchMode``, like DTensor's ``CommDebugMode`` but also seeing the
-point-to-point halo traffic and plain ``dist.all_reduce``) records the classic ``c10d.*`` and
-the functional ``_c10d_functional.*`` ops by dispatcher name (torch 2.13 and 2.14,
-``tests/test_comm_audit.py``). ``activation_sized`` flags a gather-like op or a reduction of a
-spatial map above a size; ``grows_with_image`` keeps only the flagged collectives that a run
-on a wider image (its width's odd factor changed, so no width at any stride repeats) does
-not repeat with the same op and shape: a moved activation carries the width in its shape,
-a collective the image size does not enter (a channel-attention map, a bias table's
-gradient) repeats exactly. docs/models.md.
+``CommAudit`` (a ``TorchDispatchMode``; unlike DTensor's ``CommDebugMode`` it sees the
+point-to-point halo traffic and plain ``dist.all_reduce``) records ``c10d.*`` and
+``_c10d_functional.*`` ops by name (``tests/test_comm_audit.py``). ``activation_sized``
+flags big gathers and reductions of spatial maps; ``grows_with_image`` keeps those a run on
+a wider image does not repeat with the same shape (docs/models.md).
 """
 
 from __future__ import annotations
@@ -27,16 +23,12 @@ _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _P2P = ("send", "recv", "recv_", "recv_any_source_")
 _SKIP = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
 #: Ops that move (pieces of) a whole tensor between ranks rather than reducing it.
+# fmt: off
 _GATHER_LIKE = (
-    "all_gather",
-    "allgather",
-    "all_to_all",
-    "alltoall",
-    "reduce_scatter",
-    "scatter",
-    "broadcast",
-    "gather",
+    "all_gather", "allgather", "all_to_all", "alltoall", "reduce_scatter", "scatter",
+    "broadcast", "gather",
 )
+# fmt: on
 
 
 @dataclass
@@ -84,54 +76,36 @@ class CommAudit(TorchDispatchMode):
             if name not in _SKIP:
                 ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
                 shape = tuple(max(ts, key=torch.Tensor.numel).shape) if ts else ()
-                kind = (
-                    "p2p"
-                    if name in _P2P
-                    else ("param" if len(shape) == 1 else "gather")
-                    if any(g in name for g in _GATHER_LIKE)
-                    else "reduce"
-                )
-                numel = math.prod(shape) if ts else 0
-                self.records.append(CommRecord(name, kind, numel, shape))
+                moves = "param" if len(shape) == 1 else "gather"
+                kind = moves if any(g in name for g in _GATHER_LIKE) else "reduce"
+                kind = "p2p" if name in _P2P else kind
+                self.records.append(CommRecord(name, kind, math.prod(shape) if ts else 0, shape))
         return func(*args, **kwargs)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """``{kind: {"count": n, "elements": total}}``."""
-        counts: Counter = Counter()
-        elements: Counter = Counter()
+        counts, elements = Counter(), Counter()
         for r in self.records:
-            counts[r.kind] += 1
-            elements[r.kind] += r.numel
+            counts[r.kind], elements[r.kind] = counts[r.kind] + 1, elements[r.kind] + r.numel
         return {k: {"count": counts[k], "elements": elements[k]} for k in counts}
 
     def activation_sized(
         self, min_elements: int, param_shapes: set[tuple[int, ...]] = frozenset()
     ) -> list[CommRecord]:
-        """Records that look like a moved activation: a gather-like op of at least
-        ``min_elements``, or a reduction that large of a spatial map (the last two dims > 1)
-        whose shape is no parameter's. Statistics ([C], [2, 1, C], [N, C, 1, 1]) and
-        parameter-gradient all-reduces are expected and not flagged."""
+        """Records of at least ``min_elements`` that look like a moved activation: a gather,
+        or a reduction of a spatial map (last two dims > 1) of no parameter's shape."""
 
-        def spatial(shape: tuple[int, ...]) -> bool:
-            return len(shape) >= 3 and shape[-1] > 1 and shape[-2] > 1
+        def flagged(r: CommRecord) -> bool:
+            spatial = len(r.shape) >= 3 and min(r.shape[-2:]) > 1 and r.shape not in param_shapes
+            return r.kind == "gather" or (r.kind == "reduce" and spatial)
 
-        return [
-            r
-            for r in self.records
-            if r.numel >= min_elements
-            and (
-                r.kind == "gather"
-                or (r.kind == "reduce" and r.shape not in param_shapes and spatial(r.shape))
-            )
-        ]
+        return [r for r in self.records if r.numel >= min_elements and flagged(r)]
 
 
 def grows_with_image(flagged: list[CommRecord], wider: list[CommRecord]) -> list[CommRecord]:
-    """The records of ``flagged`` (activation-sized collectives of a step on one image)
-    whose op and shape the same step on a wider image (``wider``: every record of that run)
-    did not repeat at least as often: those grow with the image, a moved activation. The
-    others (a channel-attention map, a bias table's gradient) are the same whatever the
-    image's size."""
+    """The records of ``flagged`` (activation-sized, one image) whose op and shape the same
+    step on a wider image (``wider``: all its records) did not repeat as often: those grow
+    with the image (a channel-attention map, a bias table's gradient do not)."""
     seen = Counter((r.op, r.shape) for r in wider)
     need = Counter((r.op, r.shape) for r in flagged)
     return [r for r in flagged if need[(r.op, r.shape)] > seen[(r.op, r.shape)]]
@@ -139,8 +113,7 @@ def grows_with_image(flagged: list[CommRecord], wider: list[CommRecord]) -> list
 
 @contextlib.contextmanager
 def counted_as_reduce(tensor: torch.Tensor):
-    """The c10d ops issued inside (a sum done with point-to-point messages, say) count as
-    one ``reduce`` of ``tensor`` to every active ``CommAudit``."""
+    """The c10d ops issued inside count as one ``reduce`` of ``tensor`` to every audit."""
     for audit in CommAudit._active:
         audit.records.append(
             CommRecord("exchange_sum", "reduce", tensor.numel(), tuple(tensor.shape))

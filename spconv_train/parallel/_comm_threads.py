@@ -1,14 +1,11 @@
 """Keep gloo's helper threads from taking the CPU away from a rank's compute thread.
 
-gloo's socket loop thread (``gloo_tcp_loop``) spins while a rank's thread holds a
-connection's lock and, on busy cores, takes the lock holder's core until the next
-scheduler tick; ``yield_gloo_threads`` gives gloo's threads (``gloo_tcp_loop``,
-``pt_gloo_runloop``) ``SCHED_IDLE`` (no privilege needed), leaving the main thread, other
-Python threads and the store's thread alone. A gloo thread names itself only once it runs,
-so ``gloo_threads_idle()`` wraps process-group creation and waits for the new threads'
-names; ``SPCONV_GLOO_THREADS=normal`` turns it off. The thread names are a torch internal
-(torch 2.14.1; ``tests/test_comm_threads.py``). Why and measurements: docs/design.md, "CPU
-runs", and docs/benchmarks.md, "CPU thread placement".
+gloo's socket loop spins while a rank's thread holds a connection's lock and, on busy cores,
+takes its core until the next tick; ``yield_gloo_threads`` gives gloo's threads
+``SCHED_IDLE`` (no privilege needed), ``gloo_threads_idle()`` around process-group creation
+(``SPCONV_GLOO_THREADS=normal``: off). Thread names are a torch 2.14.1 internal
+(``tests/test_comm_threads.py``). Why: docs/design.md, "CPU runs"; docs/benchmarks.md, "CPU
+thread placement".
 """
 
 from __future__ import annotations
@@ -44,13 +41,10 @@ def _thread_names() -> dict[int, str]:
     return names
 
 
-def _is_gloo(tid: int, name: str) -> bool:
-    return name.startswith(GLOO_THREAD_PREFIXES) and tid != os.getpid()
-
-
 def gloo_thread_ids() -> list[int]:
     """Thread ids of this process's gloo helper threads (empty off Linux)."""
-    return sorted(tid for tid, name in _thread_names().items() if _is_gloo(tid, name))
+    names = _thread_names().items()
+    return sorted(t for t, n in names if n.startswith(GLOO_THREAD_PREFIXES) and t != os.getpid())
 
 
 def _disabled() -> bool:
@@ -59,8 +53,7 @@ def _disabled() -> bool:
 
 
 def _set_policy(policy: int, only_from: int | None = None) -> int:
-    """Give ``policy`` to the gloo threads that have another one (only those with
-    ``only_from``, if given); returns how many threads it saw."""
+    """Give ``policy`` to the gloo threads (those with ``only_from``); how many it saw."""
     done = 0
     for tid in gloo_thread_ids():
         try:
@@ -74,28 +67,22 @@ def _set_policy(policy: int, only_from: int | None = None) -> int:
 
 
 def yield_gloo_threads() -> int:
-    """Give this process's gloo helper threads the ``SCHED_IDLE`` policy (see the module
-    docstring); returns how many threads now have it. Idempotent and cheap; does nothing
-    (returns 0) off Linux or with ``SPCONV_GLOO_THREADS=normal``."""
+    """Give this process's gloo threads ``SCHED_IDLE``; how many have it (0 off Linux or
+    with ``SPCONV_GLOO_THREADS=normal``)."""
     return 0 if _disabled() else _set_policy(os.SCHED_IDLE)
 
 
 def restore_gloo_threads() -> None:
-    """Give gloo's threads the normal policy back before the process groups are torn down
-    (``distributed.shutdown`` does; ``gloo_threads_idle`` also registers it to run at
-    interpreter exit), so that they finish their last work promptly: a gloo worker still
-    releasing a finished collective when Python finalizes aborts the process
-    (``distributed.shutdown`` explains the race)."""
+    """Give gloo's threads the normal policy back before the groups are torn down: a worker
+    still releasing a collective at finalization aborts (``distributed.shutdown``)."""
     if hasattr(os, "SCHED_IDLE"):  # Linux only
         _set_policy(os.SCHED_OTHER, only_from=os.SCHED_IDLE)
 
 
 @contextlib.contextmanager
 def gloo_threads_idle() -> Iterator[None]:
-    """Run a block that creates process groups; afterwards every gloo thread, including
-    those the block started, has ``SCHED_IDLE`` (``yield_gloo_threads``). A new thread names
-    itself only once it runs, so the threads the block started are given up to
-    ``NAMING_WAIT_S`` to do so."""
+    """Run a block that creates process groups; afterwards every gloo thread has
+    ``SCHED_IDLE``, those it started given up to ``NAMING_WAIT_S`` to name themselves."""
     before = set(_thread_names())
     yield
     if _disabled():

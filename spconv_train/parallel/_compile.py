@@ -28,12 +28,9 @@ _METADATA = frozenset({
 
 
 def not_traced(fn: F) -> F:
-    """``fn`` runs eagerly under ``torch.compile`` (a graph break around each call).
-
-    Called from eager code it is ``fn`` itself behind one flag check: Dynamo's
-    ``disable`` wrapper switches the frame callback off and on around every call, which
-    the spatial layers' forwards would pay per call and step; ``eager_from_eager`` already
-    keeps Dynamo from compiling any frame below an eager call."""
+    """``fn`` runs eagerly under ``torch.compile`` (a graph break around each call); from
+    eager code it is ``fn`` behind one flag check (Dynamo's ``disable`` wrapper would
+    switch the frame callback off and on per call; ``eager_from_eager`` suffices there)."""
     disabled = torch._dynamo.disable(fn)
 
     @functools.wraps(fn)
@@ -46,11 +43,9 @@ def not_traced(fn: F) -> F:
 
 
 def eager_from_eager(fn: F) -> F:
-    """Dynamo compiles no frame of ``fn``, nor of what it calls, when eager code calls
-    ``fn``; where Dynamo traces a caller of ``fn`` it still inlines ``fn``. For the dispatch
-    code (``SpatialMode.__torch_function__``): called from eager code, after a graph break
-    at the op, it has nothing to compile, and compiled per op and shape it hit the
-    recompile limit."""
+    """Dynamo compiles no frame of ``fn`` or below when eager code calls it (a traced
+    caller still inlines it): the dispatch code, compiled per op and shape after a graph
+    break, hit the recompile limit with nothing to compile."""
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
     skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
@@ -65,9 +60,8 @@ def run_eagerly(fn: Callable, *args, **kwargs):
 
 
 def graph_handler(handler: F) -> F:
-    """Mark ``handler`` as graph material under the ``trace_dtensor_ops`` option: its only
-    DTensor work is ``to_local`` / ``from_local`` around plain local ops (no exchange, no
-    collective, no cached plan), so Dynamo may inline it into a graph with DTensor inputs."""
+    """Mark ``handler`` as graph material under ``trace_dtensor_ops``: only ``to_local`` /
+    ``from_local`` around plain local ops (no exchange, collective or cached plan)."""
     # an attribute, not a set: Dynamo cannot guard a set lookup of an object it reached
     # through the mode stack (NameError in its guard code, torch 2.14.1)
     handler.in_dtensor_graphs = True
@@ -85,7 +79,7 @@ def in_dtensor_graphs(handler: Callable) -> bool:
 # torchvision's and smp's ResNets). Dynamo hands ``a += b`` to the mode as ``Tensor.add_``.
 # Under ``trace_dtensor_ops`` such ops run eagerly, in place, between graphs.
 # fmt: off
-_IN_PLACE = frozenset({
+IN_PLACE = frozenset({
     Tensor.__iadd__, Tensor.__isub__, Tensor.__imul__, Tensor.__itruediv__, Tensor.add_,
     Tensor.sub_, Tensor.mul_, Tensor.div_,
 })
@@ -98,7 +92,7 @@ _IN_PLACE = frozenset({
 # ConvNeXt block's ``permute``). A view costs nothing eagerly, so under
 # ``trace_dtensor_ops`` DTensor views run eagerly, between graphs.
 # fmt: off
-_VIEWS = frozenset({
+VIEWS = frozenset({
     Tensor.permute, torch.permute, Tensor.transpose, torch.transpose, Tensor.view,
     Tensor.view_as, Tensor.reshape, torch.reshape, Tensor.reshape_as, Tensor.flatten,
     torch.flatten, Tensor.unflatten, Tensor.squeeze, torch.squeeze, Tensor.unsqueeze,
@@ -110,26 +104,14 @@ _VIEWS = frozenset({
 # fmt: on
 
 
-def returns_view(func: Callable) -> bool:
-    """Whether ``func`` may return a view of its input (run eagerly in DTensor graphs)."""
-    return func in _VIEWS
-
-
-def mutates_input(func: Callable) -> bool:
-    """Whether ``func`` is an in-place arithmetic op (run eagerly in DTensor graphs)."""
-    return func in _IN_PLACE
-
-
 def traced_dtensor_op(func: Callable) -> bool:
     """Whether Dynamo may trace ``func`` on a DTensor: only metadata reads."""
     return func in _METADATA or getattr(func, "__name__", "") == "__get__"
 
 
 def route_through_modes(functions: Iterable[Callable]) -> None:
-    """Make Dynamo dispatch calls of ``functions`` to the active ``TorchFunctionMode`` (as
-    eager does) instead of putting them in the graph unseen: Dynamo consults the mode only
-    for its list of overridable functions, which lacks some that dispatch in eager
-    (``F.hardsigmoid``, ``F.hardswish``, the ``torch._C._nn`` functions)."""
+    """Make Dynamo dispatch ``functions`` to the active ``TorchFunctionMode`` as eager does:
+    its list of overridable functions lacks some (``F.hardswish``, ``torch._C._nn``'s)."""
     from torch._dynamo.variables.torch import get_overridable_functions
 
     get_overridable_functions().update(functions)  # the cached set Dynamo consults

@@ -1,12 +1,8 @@
-"""Tensor dims and mesh dims. Helpers shared by the ops that work on any tensor dimension
-(reductions, slicing, re-chunking, permutes): which tensor dims a DTensor's placements
-shard, and how to wrap a local result back into a DTensor of a given global shape. And
-``ParallelDims``: the mesh dim names (``dp``, ``sp``, ``sp_d``, ``sp_h``, ``sp_w``) and
-what each one shards, asked by every module that builds or reads a mesh.
-
-Only plain ``Shard``/``Replicate`` placements are handled here; anything else (``Partial``,
-``_StridedShard``) makes these handlers hand the call back to DTensor (``handled`` False),
-whose own rules then apply (and, for a move of a sharded activation, the no-gather guard).
+"""Tensor dims and mesh dims: which tensor dims a DTensor's placements shard and wrapping
+a local result back (for the ops along any dim: reductions, slicing, re-chunking), cached
+mesh lookups, and ``ParallelDims``: the mesh dim names (``dp``, ``sp``, ``sp_d``, ``sp_h``,
+``sp_w``) and what each shards. Placements other than plain ``Shard`` / ``Replicate``
+(``handled`` False) are left to DTensor's own rules (and the no-gather guard).
 """
 
 from __future__ import annotations
@@ -39,24 +35,20 @@ def sharded_dims(x: DTensor) -> dict[int, int]:
     return {norm_dim(p.dim, x.ndim): i for i, p in enumerate(x.placements) if isinstance(p, Shard)}
 
 
-def from_local(local: Tensor, mesh, placements, shape) -> DTensor:
-    """``local`` as a DTensor on ``mesh`` with ``placements`` and the contiguous global
-    ``shape`` (given, not inferred: no collective to learn the other ranks' sizes)."""
-    return wrap_local(local, mesh, placements, shape)
+#: ``from_local(local, mesh, placements, shape)``: ``local`` as a DTensor of the contiguous
+#: global ``shape`` (given, not inferred: no collective to learn the other ranks' sizes)
+from_local = wrap_local
 
 
-#: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``. ``DeviceMesh.get_group``
-#: and ``get_local_rank`` cost tens of microseconds each (group registry lookups, a pybind
-#: comparison), read several times per spatial layer and call; what they return is fixed
-#: for a mesh's lifetime. Each entry holds its mesh, so its id cannot be reused while cached;
-#: a new mesh (e.g. after the process groups were rebuilt) is a new object, a new entry.
+#: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``: ``DeviceMesh.get_group`` and
+#: ``get_local_rank`` cost tens of microseconds each, asked several times per layer, fixed
+#: for a mesh's lifetime (each entry holds its mesh, so its id cannot be reused)
 _MESH_AXES: dict[tuple[int, int | str], tuple] = {}
 _MESH_AXES_MAX = 256
 
 
 def mesh_axis(mesh, m: int | str) -> tuple[int, int, object]:
-    """``(size, local rank, process group)`` of mesh dim ``m`` of ``mesh`` (read once per
-    mesh and dim)."""
+    """``(size, local rank, process group)`` of mesh dim ``m`` (read once per mesh and dim)."""
     hit = _MESH_AXES.get((id(mesh), m))
     if hit is None or hit[0] is not mesh:
         if len(_MESH_AXES) >= _MESH_AXES_MAX:  # bounded: meshes built in a loop
@@ -95,11 +87,9 @@ def is_dp(x: DTensor, mesh_dim: int) -> bool:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The mesh dims of a run, their names and what each one shards (as torchtitan's
-    ``ParallelDims``): ``dp`` ranks each take a part of the batch; the spatial ranks split
-    one image either along one dim over the ``sp`` mesh dim (strips), or along several over
-    one mesh dim each (``grid``: ``sp_d`` / ``sp_h`` / ``sp_w`` split D / H / W: H x W tiles,
-    volume blocks). Every other module asks this object for the names and their meaning."""
+    """The mesh dims of a run and what each shards (as torchtitan's ``ParallelDims``):
+    ``dp`` splits the batch; the spatial ranks split an image along one dim over ``sp``
+    (strips) or along several, one mesh dim each (``grid``: ``sp_d`` / ``sp_h`` / ``sp_w``)."""
 
     #: the names, for code that reads a mesh: ``ParallelDims.DP``, ``ParallelDims.SP``,
     #: ``ParallelDims.AXIS["H"]`` (the grid dim splitting H), ``ParallelDims.GRID``
@@ -127,11 +117,9 @@ class ParallelDims:
     def of(cls, dp: int, sp: int, grid: Mapping[str, int] | tuple[int, int] | None = None):
         """From ``build_mesh``'s arguments: a grid ``(p, q)`` is H x W tiles, a mapping
         names its mesh dims (``config.grid_mesh_dims``)."""
-        if grid is None:
-            return cls(dp, sp)
-        if not isinstance(grid, Mapping):
+        if grid is not None and not isinstance(grid, Mapping):
             grid = {AXIS_MESH_DIMS["H"]: grid[0], AXIS_MESH_DIMS["W"]: grid[1]}
-        return cls(dp, sp, tuple(grid.items()))
+        return cls(dp, sp, tuple(grid.items()) if grid is not None else ())
 
     @classmethod
     def from_mesh(cls, mesh) -> ParallelDims:
@@ -169,8 +157,7 @@ class ParallelDims:
 
     @staticmethod
     def dims_from_end(name: str) -> int:
-        """How far from the tensor's last dim the dim a grid mesh dim splits is: ``sp_w``
-        1 (W), ``sp_h`` 2 (H), ``sp_d`` 3 (D)."""
+        """How far from the last the dim ``name`` splits is: ``sp_w`` 1, ``sp_h`` 2, ``sp_d`` 3."""
         return len(GRID_MESH_DIMS) - GRID_MESH_DIMS.index(name)
 
     def grid_placements(self, ndim: int) -> list[Shard]:

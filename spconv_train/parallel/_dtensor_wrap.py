@@ -1,29 +1,19 @@
-"""The way in and out of DTensor at the spatial layers' boundaries, with its metadata cached.
+"""The way in and out of DTensor at the spatial layers' boundaries, its metadata cached.
 
-The one module that leans on DTensor's internals (``DTensor(local, spec)``, ``_spec``,
-``DTensorSpec``, the autograd functions behind ``from_local`` / ``to_local``); checked
-against torch 2.14.1 (``tests/test_dtensor_wrap.py`` compares it with the public API).
-
-``DTensor.from_local`` builds a ``DTensorSpec`` per call (normalising the placements,
-computing and verifying the default shard order), and the backward of ``to_local`` compares
-strides and builds another one through ``from_local``. A spatial layer crosses the boundary
-several times per call with the same few layouts, so here:
-
-- ``wrap_local``: the spec of each ``(mesh, placements, global shape, stride, dtype)`` is
-  the one the public ``DTensor.from_local`` built for its first call; later calls construct
-  the DTensor from it directly, through an autograd function whose backward is torch's own
-  (``_FromTorchTensor.backward``: the gradient redistributed to the forward placements).
-- ``local_of``: ``x.to_local(grad_placements=...)``; its backward looks the gradient's spec
-  up by everything torch's backward reads (the forward spec, ``grad_placements``, the
-  gradient's shape, strides and dtype, the forward local strides) and computes it with
-  torch's backward on a miss, so the gradient DTensor is the one torch would build.
-
-Placements other than exactly ``Shard`` / ``Replicate`` (``Partial``, ``_StridedShard`` and
-its subclasses), meshes on another device type, double backward and ``torch.compile``
-(Dynamo traces the public functions, not these) take the public path.
+``DTensor.from_local`` builds a ``DTensorSpec`` per call, and ``to_local``'s backward builds
+another; a spatial layer crosses several times per call with the same few layouts. So
+``wrap_local`` keeps the spec the public ``from_local`` built for each (mesh, placements,
+shape, stride, dtype) and constructs later DTensors from it (backward: torch's
+``_FromTorchTensor.backward``); ``local_of``'s backward looks the gradient's spec up by
+everything torch's backward reads, computing it with torch's on a miss. Placements other
+than exactly ``Shard`` / ``Replicate``, meshes on another device type, double backward and
+``torch.compile`` take the public path. DTensor internals (torch 2.14.1) are used here only
+(``tests/test_dtensor_wrap.py`` compares with the public API).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -58,14 +48,6 @@ def _dtensor(local: Tensor, spec, requires_grad: bool) -> DTensor:
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):  # row-major
-        stride.insert(0, acc)
-        acc *= max(n, 1)
-    return tuple(stride)
-
-
 def _remember(cache: dict, key: tuple, value) -> None:
     if len(cache) >= _MAX_ENTRIES:
         cache.clear()
@@ -73,8 +55,7 @@ def _remember(cache: dict, key: tuple, value) -> None:
 
 
 class _FromLocal(torch.autograd.Function):
-    """``DTensor.from_local`` with a prepared spec: the same DTensor (a ``view_as`` of the
-    local tensor), the same backward (torch's ``_FromTorchTensor.backward``)."""
+    """``DTensor.from_local`` with a prepared spec: the same DTensor, torch's backward."""
 
     @staticmethod
     def forward(ctx, local: Tensor, spec) -> DTensor:  # type: ignore[override]
@@ -90,13 +71,13 @@ class _FromLocal(torch.autograd.Function):
 
 
 def _public_from_local(local: Tensor, mesh, placements, shape, stride) -> DTensor:
-    stride = _contiguous_stride(shape) if stride is None else tuple(stride)
+    row_major = (math.prod(max(n, 1) for n in shape[i + 1 :]) for i in range(len(shape)))
+    stride = tuple(row_major if stride is None else stride)
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def wrap_local(local: Tensor, mesh, placements, shape, stride=None) -> DTensor:
-    """``DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-    stride=stride)``; ``stride`` ``None``: the contiguous strides of ``shape``."""
+    """``DTensor.from_local(..., run_check=False, shape=shape, stride=stride or row-major)``."""
     placements, shape = tuple(placements), tuple(shape)
     if torch.compiler.is_compiling():  # Dynamo traces the public function
         return _public_from_local(local, mesh, placements, shape, stride)
@@ -129,15 +110,8 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         if grad is None or torch.is_grad_enabled() or type(grad) is not Tensor:
             return _ToTorchTensor.backward(ctx, grad)
-        spec = ctx.dtensor_spec
-        key = (
-            spec,
-            ctx.grad_placements,
-            grad.shape,
-            grad.stride(),
-            grad.dtype,
-            ctx.local_tensor_stride,
-        )
+        spec, stride = ctx.dtensor_spec, ctx.local_tensor_stride
+        key = (spec, ctx.grad_placements, grad.shape, grad.stride(), grad.dtype, stride)
         grad_spec = _GRAD_SPECS.get(key)
         if grad_spec is None or grad.device.type != spec.mesh.device_type:
             out, none = _ToTorchTensor.backward(ctx, grad)

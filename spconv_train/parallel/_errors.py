@@ -1,56 +1,22 @@
-"""Name the module an op runs in, and turn what DTensor does with ops it has no spatial
-rule for into clear refusals.
+"""Module labels, clear refusals for ops DTensor has no spatial rule for, and the guards
+(docs/design.md, ``_errors.py``'s row).
 
-``module_label`` formats a spatial layer's ``path (Type(extra_repr))`` once per module and
-keeps it there: the hyperparameters are fixed once it is built, so formatting
-``extra_repr`` on every forward would be repeated work. ``parallelize`` renaming the module
-(its ``spatial_name``) rebuilds it.
-
-An op without a spatial handler falls through to DTensor, whose failures on a sharded
-activation read like internal errors ("aten.native_layer_norm.default got mixed
-torch.Tensor and DTensor", "Cannot unflatten unevenly sharded tensor"). ``SpatialMode``
-runs such ops through ``run_dtensor_op``: a DTensor error becomes a
-``SpatialShardingError`` naming the op, the module path and the placements, with the
-original message kept as the cause.
-
-No silent gather: where DTensor's own sharding rules would instead all-gather or
-all-to-all the sharded activation to run the op (the whole image on every rank: the memory
-saving gone, silently), ``gather_guard`` checks every implicit redistribution DTensor
-decides on while a parallelized model runs its forward. One that moves a ``Shard`` of a
-non-batch dimension (``Shard(3)``, or the ``_StridedShard`` a flatten makes of it) raises
-``SpatialShardingError`` naming the op, the module path and the way out; with
-``parallelize(..., allow_gather=True)`` (config ``parallel.allow_gather``) it is logged and
-counted (the runtime's ``stats.gathers``) instead; ``guard_gather`` applies the same rule to
-handlers that see a gather coming by other means (``_broadcast.py``: the gradient of a plain
-tensor the model computed at the activation's size). Outside the forward (a loss or a
-metric on the output; not the backward) the rule holds for tensors sharded over the image
-on the mesh of a parallelized model (``guard_mesh``). Explicit ``redistribute()`` /
-``full_tensor()`` calls in user code are not implicit and stay allowed (but for the pixel
-tokens of tiles, below).
-
-This module holds the project's uses of DTensor dispatch internals (checked against torch
-2.14.1):
-
-- DTensor's dispatcher reports every implicit redistribution to
-  ``ExplicitRedistributionContext.observe_redistribution`` (``torch.distributed.tensor._utils``,
-  guarded by ``tests/test_no_gather.py``), which ``install_guard`` wraps;
-- DTensor has no sharding strategy for the backward of three element-wise ops
-  (``hardtanh_backward``, ``hardswish_backward``, ``hardsigmoid_backward``: ReLU6,
-  MobileNetV3), so their in-place forms (``F.relu6(x, inplace=True)``), which must run as
-  DTensor's own in-place op to keep their meaning (``_pointwise.py``), could not be
-  differentiated; ``add_pointwise_strategies`` registers the pointwise rule for them
-  (``_pointwise_ops._register_single_dim_pointwise``, guarded by ``tests/test_inplace.py``);
-- pixel tokens of a map split over several mesh dims (H x W tiles, rows: ``_tokens.py``
-  nests ``Shard`` / ``_StridedShard`` of one dim over two mesh dims) mean something else to
-  DTensor's own chunking, so ``DTensor.full_tensor`` and ``DTensor.redistribute`` (and the
-  dispatcher's implicit redistributions, reported to ``_observe``) would return wrong
-  values; ``install_token_guard`` wraps both methods to refuse them by name
-  (``tests/test_tile_tokens_guard.py``).
+``run_dtensor_op``: DTensor's failures on a sharded activation ("got mixed torch.Tensor and
+DTensor", "Cannot unflatten unevenly sharded tensor") become a ``SpatialShardingError``
+naming the op, the module path and the placements. No silent gather: an implicit
+redistribution moving a split of a non-batch dim (the whole image on every rank) raises, or
+with ``allow_gather`` is logged and counted, during the forward (``gather_guard``) and
+outside it on a parallelized model's mesh (``guard_mesh``; not the backward). Explicit
+``redistribute()`` / ``full_tensor()`` stay allowed but for nested or prefixed pixel tokens,
+which DTensor's chunking reads wrongly (``install_token_guard``). DTensor internals (torch
+2.14.1): ``ExplicitRedistributionContext.observe_redistribution`` (``tests/test_no_gather.py``)
+and ``_register_single_dim_pointwise`` (``add_pointwise_strategies``, ``tests/test_inplace.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import threading
@@ -58,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import ExplicitRedistributionContext
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -70,13 +36,11 @@ from ._runtime import current_runtime
 
 log = logging.getLogger("spconv_train.parallel")
 #: Fragments of DTensor's own error messages (torch 2.14) that mean "no sharding rule".
+# fmt: off
 _DTENSOR_ERRORS = (
-    "DTensor",
-    "unevenly sharded",
-    "_StridedShard",
-    "sharding strateg",
-    "sharding propagation",
+    "DTensor", "unevenly sharded", "_StridedShard", "sharding strateg", "sharding propagation",
 )
+# fmt: on
 
 
 @dataclass
@@ -96,9 +60,8 @@ class _Guard:
 
 
 #: The active guard, per thread. A ``threading.local`` on purpose: Dynamo cannot trace it,
-#: so under ``torch.compile`` it graph-breaks where the parallelized forward enters the
-#: guard and runs that entry eagerly (``_parallelize._SpatialContext``); a traceable store
-#: (a context variable's list) would let Dynamo trace into the entry and break inside it.
+#: so it graph-breaks where the compiled forward enters the guard and runs that eagerly (a
+#: traceable store would let Dynamo trace into the entry and break inside it).
 _local = threading.local()
 #: Allowed gathers (``allow_gather=True``) in this process, oldest first.
 GATHER_EVENTS: list[GatherEvent] = []
@@ -111,8 +74,7 @@ def active_guard() -> _Guard | None:
 
 @contextlib.contextmanager
 def gather_guard(allow: bool = False):
-    """While active, DTensor's implicit moves of a sharded activation raise (or, with
-    ``allow``, are logged and counted in ``GATHER_EVENTS``)."""
+    """While active, implicit moves of a sharded activation raise (``allow``: counted)."""
     prev = active_guard()
     _local.guard = _Guard(allow, list(prev.modules) if prev else [])
     try:
@@ -122,15 +84,14 @@ def gather_guard(allow: bool = False):
 
 
 def module_path() -> str:
-    """Path of the innermost module of the parallelized model running now (``<model>``
-    outside one)."""
+    """Path of the innermost module of the parallelized model running now, or ``<model>``."""
     guard = active_guard()
     return guard.modules[-1] if guard is not None and guard.modules else "<model>"
 
 
 def module_label(module: nn.Module) -> str:
-    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module``, cached on it (the
-    class is the first ``torch.*`` one in its MRO: ``Conv2d`` for ``SpatialConv2d``)."""
+    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module`` (the first ``torch.*``
+    class of its MRO), cached on it: the hyperparameters are fixed, a rename rebuilds it."""
     name = getattr(module, "spatial_name", "") or "<module>"
     cached = module.__dict__.get("_spatial_label")
     if cached is None or cached[0] != name:
@@ -141,21 +102,17 @@ def module_label(module: nn.Module) -> str:
 
 
 def _moves_activation(src, dst) -> bool:
-    for p, q in zip(src.placements, dst.placements, strict=False):
-        if p == q or isinstance(p, Replicate):
-            continue
-        if isinstance(p, Shard) and p.dim == 0 and type(p) is Shard:
-            continue  # a batch shard: a data-parallel matter, not the image
-        if p.is_shard() or type(p).__name__ == "_StridedShard":
-            return True
-    return False
+    """Whether the move changes a split of a non-batch dim (``Shard(0)``: data parallel)."""
+    return any(
+        p != q and (p.is_shard() or type(p) is _StridedShard) and (type(p), p.dim) != (Shard, 0)
+        for p, q in zip(src.placements, dst.placements, strict=False)
+    )
 
 
 def guard_gather(op: str, src: str, dst: str, why: str) -> None:
-    """A move of a sharded activation by ``op`` (from ``src`` to ``dst`` placements) while a
-    parallelized model runs: raise ``SpatialShardingError`` saying ``why`` it moves and the
-    ways out, or with ``allow_gather`` log and count it (``GATHER_EVENTS``, the runtime's
-    ``stats``). Outside a parallelized forward nothing happens."""
+    """A move of a sharded activation by ``op`` (``src`` -> ``dst`` placements) in a
+    parallelized forward: raise saying ``why`` and the ways out, or with ``allow_gather``
+    log and count it (``GATHER_EVENTS``, ``stats``); for handlers that see one coming."""
     guard = active_guard()
     if guard is None:
         return
@@ -189,58 +146,48 @@ def _observe(cls, src_spec, dst_spec, message):
     if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
         what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
-    if active_guard() is not None and _moves_activation(src_spec, dst_spec):
+    inside = active_guard() is not None
+    # outside the forward: on a parallelized model's mesh and outside any backward (the
+    # model's own gradient moves, e.g. from_local's of a small replicated map, are weighed
+    # by the communication audit); the graph task id is -1 outside one (torch 2.14.1)
+    outside = not inside and src_spec.mesh in _SPATIAL_MESHES
+    outside = outside and torch._C._current_graph_task_id() == -1
+    if (inside or outside) and _moves_activation(src_spec, dst_spec):
+        op = _op_of(message) or str(message)
         src, dst = str(src_spec.placements), str(dst_spec.placements)
-        why = (
-            f"has no spatial implementation, and DTensor would redistribute the width-sharded "
-            f"activation {src} -> {dst} to run it"
-        )
-        guard_gather(_op_of(message) or str(message), src, dst, why)
-    elif _guarded_outside(src_spec, dst_spec):
-        _guard_outside(_op_of(message) or str(message), src_spec, dst_spec)
+        if inside:
+            why = (
+                f"has no spatial implementation, and DTensor would redistribute the "
+                f"width-sharded activation {src} -> {dst} to run it"
+            )
+            guard_gather(op, src, dst, why)
+        elif not _SPATIAL_MESHES[src_spec.mesh]:
+            raise SpatialShardingError(
+                f"{op} outside the parallelized model's forward (a loss or a metric on its "
+                f"output?) would make DTensor redistribute a tensor sharded over the image "
+                f"{src} -> {dst} (gathering the image on every rank). Compute it on the local "
+                f"parts (y.to_local(); the losses and metrics of spconv_train.train), gather "
+                f"explicitly if that is meant (y.full_tensor()), or accept the gather with "
+                f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
+            )
+        else:
+            GATHER_EVENTS.append(GatherEvent(op, "<outside the forward>", src, dst))
+            log.warning("allowed gather of a sharded tensor outside the forward: %s", op)
     return _original(cls, src_spec, dst_spec, message)
 
 
 #: The meshes of parallelized models and their ``allow_gather`` (the last ``parallelize``
-#: on a mesh sets it): DTensor's implicit moves of tensors sharded over the image on them
-#: are refused or counted outside the forward too (``_guarded_outside``).
+#: on a mesh sets it): implicit moves on them are guarded outside the forward too.
 _SPATIAL_MESHES: dict = {}
 
 
-def _guarded_outside(src_spec, dst_spec) -> bool:
-    """A move of a tensor sharded over the image on a parallelized model's mesh outside its
-    forward and outside any backward (the model's own gradient moves, e.g. ``from_local``'s
-    of a small replicated map, are weighed by the communication audit).
-    ``_current_graph_task_id`` is -1 outside a backward (torch internals, 2.14.1)."""
-    if active_guard() is not None or src_spec.mesh not in _SPATIAL_MESHES:
-        return False
-    return torch._C._current_graph_task_id() == -1 and _moves_activation(src_spec, dst_spec)
-
-
 def guard_mesh(mesh, allow: bool) -> None:
-    """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the
-    parallelized forward too (``parallelize`` calls it)."""
+    """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the forward."""
     _SPATIAL_MESHES[mesh] = allow
 
 
-def _guard_outside(op: str, src_spec, dst_spec) -> None:
-    src, dst = str(src_spec.placements), str(dst_spec.placements)
-    if not _SPATIAL_MESHES[src_spec.mesh]:
-        raise SpatialShardingError(
-            f"{op} outside the parallelized model's forward (a loss or a metric on its "
-            f"output?) would make DTensor redistribute a tensor sharded over the image "
-            f"{src} -> {dst} (gathering the image on every rank). Compute it on the local "
-            f"parts (y.to_local(); the losses and metrics of spconv_train.train), gather "
-            f"explicitly if that is meant (y.full_tensor()), or accept the gather with "
-            f"parallelize(..., allow_gather=True) (config: parallel.allow_gather: true)."
-        )
-    GATHER_EVENTS.append(GatherEvent(op, "<outside the forward>", src, dst))
-    log.warning("allowed gather of a sharded tensor outside the forward: %s", op)
-
-
 def install_guard() -> None:
-    """Route DTensor's reports of implicit redistributions through the guard (idempotent;
-    called by ``_install.install``, never at import)."""
+    """Route DTensor's reports of implicit redistributions through the guard (``install``)."""
     current = ExplicitRedistributionContext.observe_redistribution.__func__
     if current is not _observe:
         ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
@@ -248,8 +195,7 @@ def install_guard() -> None:
 
 def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
     """Whether the nesting's chunks of an ``n``-long dim split with factor ``sf`` over
-    ``parts`` ranks (the factor up to the next mesh dim's ``nxt`` chunked, each entry a
-    run of ``n // nxt``: ``_token_layout._nest``) differ from DTensor's (``n // sf`` chunked)."""
+    ``parts`` ranks (``_token_layout._nest``) differ from DTensor's (``n // sf`` chunked)."""
     if nxt % sf or n % nxt:
         return False  # not nested: the one-dim meaning, DTensor's own
     ours = [(b - a) * (n // nxt) for a, b in all_shard_bounds(nxt // sf, parts)]
@@ -257,11 +203,9 @@ def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
 
 
 def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
-    """``{tensor dim: mesh dims}`` of the dims that hold pixel tokens split over several
-    spatial mesh dims (``_token_layout.split_layouts``: a ``_StridedShard`` nested with another
-    split of the dim) whose ranks' entries DTensor's own chunking of those placements
-    reads differently: two mesh dims of more than one rank, or one whose chunks differ
-    (uneven rows)."""
+    """``{tensor dim: mesh dims}`` of the dims holding pixel tokens nested over several
+    spatial mesh dims that DTensor's own chunking reads differently: two mesh dims of more
+    than one rank, or one whose chunks differ (uneven rows)."""
     if not any(isinstance(p, _StridedShard) for p in placements):
         return {}
     names = mesh.mesh_dim_names or ()
@@ -285,10 +229,9 @@ def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
 
 
 def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
-    """Raise ``SpatialShardingError`` naming ``what`` when moving a tensor of ``shape`` laid
-    out as ``placements`` on ``mesh`` to ``target`` (all ``Replicate`` when ``None``)
-    changes a mesh dim of nested pixel tokens, or of tokens behind prefix (class /
-    register) tokens, that DTensor would read wrongly."""
+    """Raise naming ``what`` when moving a tensor of ``shape`` laid out as ``placements`` to
+    ``target`` (``None``: all ``Replicate``) changes a mesh dim of nested pixel tokens or of
+    tokens behind prefix (class / register) tokens, which DTensor would read wrongly."""
     for m, p in enumerate(placements):
         # a PrefixShard (_prefix_shard.py) reads as its _StridedShard to DTensor, which
         # would gather or re-split the tokens without the first rank's prefix rows
@@ -321,6 +264,7 @@ _original_redistribute = DTensor.redistribute
 _original_full_tensor = DTensor.full_tensor
 
 
+@functools.wraps(_original_redistribute)
 def _redistribute(self, device_mesh=None, placements=None, **kwargs):
     if placements is not None and (device_mesh is None or device_mesh == self.device_mesh):
         check_tokens_move(
@@ -329,20 +273,16 @@ def _redistribute(self, device_mesh=None, placements=None, **kwargs):
     return _original_redistribute(self, device_mesh, placements, **kwargs)
 
 
+@functools.wraps(_original_full_tensor)
 def _full_tensor(self, **kwargs):
     check_tokens_move("DTensor.full_tensor()", self.device_mesh, self.placements, self.shape)
     return _original_full_tensor(self, **kwargs)
 
 
 def install_token_guard() -> None:
-    """Make ``DTensor.full_tensor`` and ``DTensor.redistribute`` of nested pixel tokens
-    raise ``SpatialShardingError`` instead of returning wrong values (idempotent; called
-    by ``_install.install``, never at import; checked against torch 2.14.1, where
-    ``full_tensor`` calls ``redistribute``)."""
-    _redistribute.__doc__, _full_tensor.__doc__ = (
-        _original_redistribute.__doc__,
-        _original_full_tensor.__doc__,
-    )
+    """Make ``DTensor.full_tensor`` / ``redistribute`` of nested pixel tokens raise instead
+    of returning wrong values (``_install.install``; torch 2.14.1, where ``full_tensor``
+    calls ``redistribute``)."""
     DTensor.redistribute = _redistribute
     DTensor.full_tensor = _full_tensor
 
@@ -352,33 +292,15 @@ _POINTWISE_BACKWARDS = ("hardtanh_backward", "hardswish_backward", "hardsigmoid_
 
 
 def add_pointwise_strategies() -> None:
-    """Give DTensor the element-wise sharding rule for ``_POINTWISE_BACKWARDS`` where it has
-    none (idempotent; called by ``_install.install``, never at import)."""
+    """Give DTensor the element-wise rule for ``_POINTWISE_BACKWARDS`` (``install``)."""
     from torch.distributed.tensor._ops import _pointwise_ops
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name in _POINTWISE_BACKWARDS:
         op = getattr(torch.ops.aten, name).default
         known = (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs)
-        if any(op in funcs for funcs in known):
-            continue
-        if hasattr(_pointwise_ops, "_register_single_dim_pointwise"):  # torch 2.14
+        if not any(op in funcs for funcs in known):
             _pointwise_ops._register_single_dim_pointwise(op)
-        else:  # torch 2.11 registers element-wise ops with the full-mesh strategy
-            from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-            from torch.distributed.tensor._ops.utils import register_op_strategy
-
-            info = RuntimeSchemaInfo(static_kwargkey=["out"])
-            register_op_strategy(op, schema_info=info)(_pointwise_ops.pointwise_strategy)
-
-
-def _placements(args, kwargs) -> list[str]:
-    found = []
-    for a in (*args, *kwargs.values()):
-        for t in a if isinstance(a, (list, tuple)) else (a,):
-            if isinstance(t, DTensor):
-                found.append(f"{tuple(t.shape)} {tuple(t.placements)}")
-    return found
 
 
 def run_dtensor_op(func, args, kwargs):
@@ -391,9 +313,15 @@ def run_dtensor_op(func, args, kwargs):
         text = " ".join(str(exc).split())
         if not any(k.lower() in text.lower() for k in _DTENSOR_ERRORS):
             raise
+        found = [
+            f"{tuple(t.shape)} {tuple(t.placements)}"
+            for a in (*args, *kwargs.values())
+            for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, DTensor)
+        ]
         raise SpatialShardingError(
             f"{function_name(func)} in module '{module_path()}' is not supported on these "
-            f"sharded inputs ({'; '.join(_placements(args, kwargs))}): DTensor has no local "
+            f"sharded inputs ({'; '.join(found)}): DTensor has no local "
             f"rule for it ({text[:300]}). Use a supported op, make it "
             f"spatial (spconv_train.parallel.register_handler), or gather explicitly "
             f"(x.full_tensor())."

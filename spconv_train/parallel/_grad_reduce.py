@@ -1,35 +1,19 @@
-"""Bucketed, asynchronous reduction of parameter gradients over the sharding groups.
+"""Bucketed, asynchronous reduction of parameter gradients over the sharding groups
+(docs/design.md, "The built-in reducer is bucketed and asynchronous").
 
-A parameter that meets the local strip of a sharded activation gets a *partial* gradient on
-every rank (its strip's, and its local batch's on a data-parallel dimension); the sum over
-the groups sharding the activation is the single-device gradient (docs/design.md, "Exact
-semantics"). ``sum_grad_over`` marks such a parameter in the forward; this reducer, owned by
-the model's ``SpatialRuntime``, does the summing in the backward, DDP-style:
-
-- each marked use of the parameter goes through an identity node (``_PartialUse``) whose
-  backward adds the use's partial gradient to the parameter's partial sum and passes zeros
-  on; a tensor hook on the parameter, which runs once autograd has summed all its uses,
-  copies the partial sum into a flat bucket. The gradient of the parameter's other uses
-  (a whole weight in a plain computation, or a view of it already summed by its own node)
-  is complete on every rank and reaches ``.grad`` unsummed: summing it too would multiply
-  it by the group size. Gradients accumulated by earlier backwards are never summed again;
-- buckets (about ``bucket_bytes``, parameters in reverse forward order, which is roughly the
-  order their gradients arrive) are all-reduced asynchronously as soon as they are full, in
-  bucket order on every rank (collectives must match), while the backward goes on;
-- at the end of the backward (an autograd engine callback, so a plain ``loss.backward()``
-  works) the remaining buckets are sent (a parameter that got no gradient this time adds
-  zeros), every reduction is waited on and the sums are added to ``.grad``; a parameter
-  that no rank got a gradient for (a flag per parameter rides in the bucket) keeps
-  ``.grad`` None, as it would on one device.
-
-Under DDP and FSDP2 (``_replicas.py``) the reducer steps aside (``defer_to``): a marked
-use's partial gradient is only multiplied by the size of its groups, and the wrapper's
-average over the world is then the sum over the groups.
-
-One all-reduce per bucket and group instead of one per parameter and use. A small bucket
-on CPU (gloo) is summed by one exchange instead, on its own message tag
-(``_small_sum.ExchangeSum``): gloo's all-reduce of a 9 KB buffer took 4-5 ms per step on the
-2-core CI machine against ~0.2 ms for the exchange (docs/benchmarks.md, "Case 1").
+A parameter meeting the local strip of a sharded activation gets a *partial* gradient on
+every rank; ``sum_grad_over`` marks such a use in the forward. Each marked use goes through
+an identity node (``_PartialUse``) whose backward adds its gradient to the parameter's
+partial sum and passes zeros on; the parameter's tensor hook (once autograd summed all its
+uses) copies that sum into a flat bucket. The other uses' gradient (a whole weight in plain
+code, a view summed by its own node) is complete on every rank and reaches ``.grad``
+unsummed. Buckets (parameters in reverse forward order) are all-reduced asynchronously
+once full, in bucket order on every rank; an end-of-backward callback sends the rest, waits
+and adds the sums to ``.grad`` (a flag per parameter rides in the bucket: one no rank got a
+gradient for keeps ``.grad`` None). Under DDP / FSDP2 (``defer_to``) a marked use's gradient
+is only scaled by the size of its groups. A small CPU bucket is summed by one exchange on
+its own tag (``_small_sum.ExchangeSum``): gloo's all-reduce of 9 KB took 4-5 ms per step on
+the 2-core CI machine, the exchange ~0.2 ms (docs/benchmarks.md, "Case 1").
 """
 
 from __future__ import annotations
@@ -87,8 +71,7 @@ def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Buc
 
 
 class _PartialUse(torch.autograd.Function):
-    """Identity forward of a marked parameter; backward hands the use's partial gradient
-    to the reducer (see the module docstring)."""
+    """Identity of a marked parameter; the backward hands the use's gradient to the reducer."""
 
     @staticmethod
     def forward(ctx, param: Tensor, reducer: GradReducer, key: int) -> Tensor:
@@ -105,8 +88,7 @@ def _reducing_groups(groups: tuple) -> tuple:
 
 
 class GradReducer:
-    """Sums the gradients of marked parameters over their groups at the end of each backward
-    (see the module docstring). Created by ``parallelize`` (one per ``SpatialRuntime``)."""
+    """Sums marked parameters' gradients over their groups per backward (one per runtime)."""
 
     def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.bucket_bytes = bucket_bytes
@@ -126,21 +108,16 @@ class GradReducer:
         self.deferred_world: int | None = None
 
     def defer_to(self, world: int) -> None:
-        """Leave the reduction to a wrapper that averages every gradient over ``world``
-        ranks (FSDP2's reduce-scatter): a marked parameter's partial gradient is then
-        scaled by the product of its groups' sizes instead of being summed over them, so
-        the wrapper's average is the single-device gradient and nothing is reduced twice.
-        Gradients that are already complete on every rank (batch norm's affine gradients,
-        which ride on its statistics all-reduce; unmarked parameters) average to
-        themselves."""
+        """Leave the reduction to a wrapper averaging every gradient over ``world`` ranks
+        (DDP, FSDP2): a marked partial gradient is scaled by its groups' sizes instead, so
+        the average is one device's gradient; complete ones average to themselves."""
         if world < 1:
             raise ValueError(f"defer_to: world must be >= 1, got {world}")
         self.deferred_world = world
 
     def partial_use(self, param: Tensor, groups: tuple) -> Tensor:
-        """``param`` for one use whose gradient is a partial sum over ``groups``: that
-        gradient is summed over them at the end of the next backward (the gradient of the
-        parameter's other uses is not)."""
+        """``param`` for one use whose gradient is a partial sum over ``groups``, summed at
+        the end of the next backward (the other uses' gradient is not)."""
         self.mark(param, groups)
         if id(param) not in self._pending:
             return param
@@ -157,8 +134,7 @@ class GradReducer:
         return torch.zeros_like(grad)
 
     def mark(self, param: Tensor, groups: tuple) -> None:
-        """Have the partial gradient of ``param``'s uses that go through ``partial_use``
-        in the next backward summed over ``groups``."""
+        """Sum ``param``'s ``partial_use`` gradients of the next backward over ``groups``."""
         groups = _reducing_groups(groups)
         if not groups or self._buckets is not None:
             # One-rank groups need nothing; a mark inside a backward comes from activation
@@ -242,18 +218,16 @@ class GradReducer:
                 for group in b.groups[1:]:
                     sum_async(b.buffer, group).wait()
             for b in buckets:
-                # A parameter no rank got a gradient for (used, but not on the way to the
-                # loss) keeps ``.grad`` None, as on one device: zeros would still let an
-                # optimizer decay it and move its moments.
+                # A parameter no rank got a gradient for keeps ``.grad`` None, as on one
+                # device: zeros would still let an optimizer decay it and move its moments.
                 had = b.buffer[b.flags_at :].tolist()
-                for i, p in enumerate(b.params):
-                    if had[i] == 0:
-                        continue
-                    total = b.buffer.narrow(0, b.offsets[i], p.numel()).view_as(p)
-                    if p.grad is None:
-                        p.grad = total.clone()
-                    else:
-                        p.grad.add_(total)
+                for p, at, flag in zip(b.params, b.offsets, had, strict=True):
+                    if flag:
+                        total = b.buffer.narrow(0, at, p.numel()).view_as(p)
+                        if p.grad is None:
+                            p.grad = total.clone()
+                        else:
+                            p.grad.add_(total)
         finally:
             self._buckets, self._slot, self._partial = None, {}, {}
             self._pending.clear()

@@ -1,13 +1,9 @@
-"""``install()``: register the built-in spatial handlers and modules, once, explicitly.
+"""``install()``: the built-in handlers, module swaps, refusals and torch patches, once.
 
-Importing ``spconv_train.parallel`` registers and patches nothing. ``install()`` (idempotent,
-thread-safe; called first by ``parallelize``, ``SpatialMode`` and ``extend``'s registration
-functions, so a user's handler is never overwritten) imports every op module, applies the
-default refusal table below, and makes the parallel layer's changes to torch state:
-Dynamo's routed functions (``_compile.route_through_modes``), the no-silent-gather guard
-(``_errors.install_guard``), the tiles' token guard on ``full_tensor`` / ``redistribute``
-(``_errors.install_token_guard``) and DTensor's element-wise rule for three backward ops
-(``_errors.add_pointwise_strategies``).
+Importing ``spconv_train.parallel`` registers and patches nothing; ``install()`` (idempotent,
+thread-safe; first in ``parallelize``, ``SpatialMode`` and ``extend``, so a user's handler is
+never overwritten) imports every op module, applies the refusal table below and installs
+``_errors``' guards and DTensor's element-wise rule for three backward ops.
 """
 
 from __future__ import annotations
@@ -15,7 +11,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,26 +40,14 @@ REFUSAL_REASON = (
 )
 
 
-def _named(name: str) -> list[Callable]:
-    """The distinct ``F``/``torch``/``torch._C._nn`` functions called ``name``."""
-    found = {}
-    for ns in (F, torch, torch._C._nn):
-        fn = getattr(ns, name, None)
-        if fn is not None:
-            found[id(fn)] = fn
-    return list(found.values())
-
-
 def installed() -> bool:
     """Whether ``install()`` has run in this process."""
     return _INSTALLED
 
 
 def install() -> None:
-    """Register every built-in spatial handler and module swap, then the default refusals.
-
-    Idempotent: the first call does the work, later calls return at once. ``parallelize``
-    calls it; call it yourself only to inspect the default registry before parallelizing."""
+    """Register every built-in handler and module swap, then the default refusals (the
+    first call; later ones return at once). Call it to inspect the default registry."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -73,13 +56,14 @@ def install() -> None:
             return
         package = __name__.rpartition(".")[0]
         path = importlib.import_module(package).__path__
-        # Every private module of the package: the op modules register on import; the
-        # others are imported by them anyway. New op modules need no list kept here.
+        # every private module: the op modules register on import (no list kept here)
         for info in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
             if info.name.startswith("_") and not info.name.startswith("__"):
                 importlib.import_module(f"{package}.{info.name}")
-        for name in REFUSED_BY_DEFAULT:
-            DEFAULT_REGISTRY.refuse(*_named(name), reason=REFUSAL_REASON)
+        for name in REFUSED_BY_DEFAULT:  # the distinct F / torch / torch._C._nn functions
+            found = [getattr(ns, name, None) for ns in (F, torch, torch._C._nn)]
+            fns = {id(fn): fn for fn in found if fn is not None}
+            DEFAULT_REGISTRY.refuse(*fns.values(), reason=REFUSAL_REASON)
         from ._errors import add_pointwise_strategies, install_guard, install_token_guard
 
         install_guard()

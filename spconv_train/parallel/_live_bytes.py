@@ -1,9 +1,8 @@
 """``LiveBytes``: how much activation memory a forward leaves alive for its backward.
 
-Counted exactly, independent of the allocator: the distinct storages of the tensors created
-under the meter still referenced when ``live()`` is asked. It holds a C++-level weak
-reference to each *storage* (``StorageWeakRef``): a Python weakref to the tensor dies with
-its wrapper while autograd's saved copy lives on (an undercount). Activation checkpointing
+Exact, independent of the allocator: the distinct storages created under the meter and
+still referenced, held by C++ weak references (``StorageWeakRef``: a Python weakref to the
+tensor dies with its wrapper while autograd's saved copy lives on). Activation checkpointing
 shows here, where a saved-tensor hook outside the checkpointed blocks would not see it.
 """
 
@@ -41,8 +40,7 @@ class LiveBytes(TorchDispatchMode):
 
 
 def _storage(t, *also: type) -> torch.UntypedStorage | None:
-    """The storage of a plain tensor (a DTensor's local is seen too) or of one of the types
-    ``also``, else ``None``."""
+    """The storage of a plain tensor (or of one of the types ``also``), else ``None``."""
     if type(t) is not torch.Tensor and type(t) not in also:
         return None
     try:

@@ -1,32 +1,24 @@
 """Route torch calls on width-sharded DTensors to spatial handlers.
 
-Model code often calls ``F.interpolate``, ``F.adaptive_avg_pool2d``, ``F.conv2d`` or Tensor
-methods like ``x.mean((2, 3))`` directly (torchvision's and timm's blocks do). While a
-parallelized model runs, ``SpatialMode`` (a ``TorchFunctionMode``) sees every such call:
-when a DTensor is among the arguments it runs the handler the runtime's registry holds for
-that function object; functions registered as *refused* raise a clear error, because
-DTensor's own handling of them on ``Shard(3)`` either gathers the whole activation or is
-silently wrong (see ``docs/halo.md``). Everything else passes through unchanged.
-
-``register_handler(*functions)`` is THE registration API: each op module declares its own
-handlers, keyed by the function objects (``_registry.py``); ``install()`` (``_install.py``)
-imports the op modules and applies the default refusals; ``parallelize`` and ``SpatialMode()``
-call it.
+Model code calls ``F.interpolate``, ``F.conv2d`` or ``x.mean((2, 3))`` directly (torchvision's
+and timm's blocks do). While a parallelized model runs, ``SpatialMode`` (a
+``TorchFunctionMode``) sees every such call: with a DTensor among the arguments it runs the
+handler the runtime's registry holds for that function object, or raises for a *refused*
+one (DTensor would gather the activation or be silently wrong, ``docs/halo.md``); the rest
+passes through. Op modules register with ``register_handler`` (``_registry.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ._compile import (
+    IN_PLACE,
+    VIEWS,
     eager_from_eager,
     in_dtensor_graphs,
-    mutates_input,
-    returns_view,
     run_eagerly,
     traced_dtensor_op,
 )
@@ -36,25 +28,8 @@ from ._install import install
 from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
 
-
-def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Callable], Callable]:
-    """Decorator keyed by the function objects themselves (``torch.Tensor.mean``,
-    ``F.pad``, ``torch.Tensor.__getitem__``, ...): run ``handler(*args, **kwargs)`` instead
-    whenever a DTensor is among the arguments while a parallelized model runs. Tensor
-    methods reach ``SpatialMode`` as the unbound method objects of ``torch.Tensor``.
-
-    The handler receives the call's arguments unchanged (plain tensors and DTensors alike)
-    and must return what the function returns. Registers for every model; a runtime's own
-    ``runtime.registry.register(...)`` registers for one model only. Under ``torch.compile``
-    the handler runs eagerly (a graph break) unless ``traced=True`` (Dynamo inlines it: only
-    for handlers without DTensor ops, since compiled graphs hold plain tensors only)."""
-    return DEFAULT_REGISTRY.register(*functions, traced=traced)
-
-
-def refuse_handler(*functions: Callable, reason: str) -> None:
-    """Make ``functions`` raise ``SpatialShardingError`` with ``reason`` on width-sharded
-    DTensors (functions that have a handler keep it)."""
-    DEFAULT_REGISTRY.refuse(*functions, reason=reason)
+#: the op modules' decorator: a handler for every model (``HandlerRegistry.register``)
+register_handler = DEFAULT_REGISTRY.register
 
 
 #: argument class -> what it is to the scan below: a DTensor, a list or tuple (its items
@@ -70,16 +45,10 @@ _METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
 
 
 def _kind(cls: type) -> int:
-    kind = _KINDS.get(cls)
-    if kind is None:
-        kind = _KINDS[cls] = (
-            _DTENSOR
-            if issubclass(cls, DTensor)
-            else _SEQUENCE
-            if issubclass(cls, (list, tuple))
-            else _OTHER
-        )
-    return kind
+    if cls not in _KINDS:
+        seq = issubclass(cls, (list, tuple))
+        _KINDS[cls] = _DTENSOR if issubclass(cls, DTensor) else _SEQUENCE if seq else _OTHER
+    return _KINDS[cls]
 
 
 def _has_dtensor(args, kwargs) -> bool:
@@ -98,21 +67,18 @@ def _has_dtensor(args, kwargs) -> bool:
 
 
 class SpatialMode(TorchFunctionMode):
-    """Active while a parallelized model runs its forward (``parallelize`` installs it);
-    makes ``runtime`` current and dispatches to its registry."""
+    """Active during a parallelized forward: ``runtime`` current, calls to its registry."""
 
-    #: Under ``torch.compile``: DTensor's own ops and the element-wise handlers are traced
-    #: into the graphs (``DTensorGraphMode``, the ``trace_dtensor_ops`` option). A class
-    #: attribute: Dynamo guards on the mode's type; reading the runtime's options from the
-    #: traced mode made Dynamo emit a guard it cannot evaluate (torch 2.14.1).
+    #: Trace DTensor ops and element-wise handlers into compiled graphs (``trace_dtensor_ops``,
+    #: ``DTensorGraphMode``). A class attribute: Dynamo guards on the mode's type; reading
+    #: the runtime's options made it emit a guard it cannot evaluate (torch 2.14.1).
     dtensor_graphs = False
 
     def __init__(self, runtime: SpatialRuntime | None = None) -> None:
         super().__init__()
         if runtime is None:
-            # the built-in handlers (explicit, idempotent: _install.py); a runtime passed in
-            # comes from ``parallelize``, which installed them (and a call here would make
-            # Dynamo compile one more frame where a compiled forward enters the mode)
+            # the built-in handlers; ``parallelize`` (a runtime passed in) installed them, and
+            # a call here would make Dynamo compile one more frame entering the mode
             install()
         self.runtime = runtime or current_runtime()
         self._active = None
@@ -141,21 +107,19 @@ class SpatialMode(TorchFunctionMode):
                 return func(*args)
         kwargs = kwargs or {}
         if not _has_dtensor(args, kwargs):
-            # most calls the mode sees are plain-tensor ops inside spatial layers and
-            # handlers: every branch below is for DTensor arguments only
+            # most calls: plain-tensor ops inside spatial layers and handlers
             return func(*args, **kwargs)
         compiling = torch.compiler.is_compiling()
         graphs = compiling and self.dtensor_graphs
-        if graphs and mutates_input(func):
+        if graphs and func in IN_PLACE:
             # in place, eagerly between graphs (see _compile.py); not compiling there
             return run_eagerly(self.__torch_function__, func, types, args, kwargs)
         entry = self.runtime.registry.lookup(func)
         if entry is not None:
             if entry.handler is not None:
                 if not compiling:
-                    # called from eager code, Dynamo compiles nothing below this frame
-                    # (eager_from_eager): ``entry.run``'s graph-break wrapper would only
-                    # cost its frame-callback switches
+                    # from eager code Dynamo compiles nothing below (eager_from_eager):
+                    # ``entry.run``'s graph-break wrapper would only cost its switches
                     return entry.handler(*args, **kwargs)
                 if graphs and in_dtensor_graphs(entry.handler):
                     return entry.handler(*args, **kwargs)
@@ -163,9 +127,8 @@ class SpatialMode(TorchFunctionMode):
             raise SpatialShardingError(
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
-        if compiling and (not graphs or returns_view(func)) and not traced_dtensor_op(func):
-            # DTensor's own op, outside compiled graphs: they hold plain tensors only
-            # (see _compile.py)
+        if compiling and (not graphs or func in VIEWS) and not traced_dtensor_op(func):
+            # DTensor's own op, outside compiled graphs (plain tensors only there)
             return run_eagerly(func, *args, **kwargs)
         return run_dtensor_op(func, args, kwargs)  # DTensor's rules; errors named (_errors.py)
 

@@ -1,12 +1,9 @@
-"""``parallelize(model, mesh)``: the plan that makes a single-device model run sharded.
+"""``parallelize(model, mesh)``: a single-device model run sharded, its code unchanged.
 
-The model code stays single-device. ``parallelize`` turns every supported spatial module
-into its spatial subclass *in place* (parameters, buffers, hooks and ``state_dict`` keys are
-untouched, and ``print(model)`` shows what will run sharded), refuses modules it cannot run
-with one error listing every offending module path -- *before* it changes anything, so a
-refused model is left exactly as it was -- and makes the model's forward run under
-``SpatialMode`` with the model's ``SpatialRuntime`` so functional calls in model code are
-handled too.
+Every supported module becomes its spatial subclass *in place* (parameters, buffers, hooks
+and ``state_dict`` keys untouched; ``print(model)`` shows it), unsupported ones are refused
+with every path listed *before* anything changes, and the forward runs under ``SpatialMode``
+with the model's ``SpatialRuntime`` (functional calls in model code are handled too).
 """
 
 from __future__ import annotations
@@ -42,10 +39,8 @@ _SPATIAL_MIXINS: dict[str, type] = {}
 
 def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], type]:
     """Class decorator: ``parallelize`` turns modules of exactly type ``base`` into the
-    decorated subclass (which must not add parameters or buffers). ``base`` may be a
-    class's qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``) instead,
-    for a library that need not be installed: the decorated class is then a mixin, put in
-    front of the class a model holds (``class Spatial(Mixin, Base)``)."""
+    decorated subclass (``extend.register_spatial_module``); for a qualified name the
+    decorated class is a mixin put in front of the class a model holds."""
     if isinstance(base, str):
 
         def named(mixin: type) -> type:
@@ -57,10 +52,8 @@ def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], typ
     def deco(cls: type) -> type:
         if not issubclass(cls, base):
             raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
-        # Under torch.compile a spatial layer runs eagerly, one graph break around it: its
-        # exchanges and collectives break the graph anyway, and traced, its Python (plans,
-        # labels, saved-tensor hooks) would make Dynamo guard on names, sizes and data
-        # pointers and recompile for every layer (see _compile.py).
+        # eager under torch.compile: its exchanges break the graph anyway, and its Python
+        # (plans, labels, hooks) would make Dynamo guard and recompile per layer
         cls.forward = not_traced(cls.forward)
         _SPATIAL_MODULES[base] = cls
         _REFUSED_MODULES.pop(base, None)
@@ -70,10 +63,9 @@ def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], typ
 
 
 def spatial_module(base: type[nn.Module], fn: Callable, *attrs: str, module: str) -> type:
-    """``Spatial<base>``: ``base`` running ``fn(x, *attributes, what=label)`` on a DTensor
-    input (its own forward on a plain tensor), registered for ``parallelize`` to swap in;
-    ``module``: the defining module's ``__name__``. One class per layer whose sharded form
-    is a function of its attributes (pools, resizes, group norm)."""
+    """``Spatial<base>``, registered: ``fn(x, *attributes, what=label)`` on a DTensor input
+    (``base``'s forward on a plain one), for layers whose sharded form is a function of
+    their attributes (pools, resizes, group norm); ``module``: the caller's ``__name__``."""
 
     def forward(self, x):
         if not isinstance(x, DTensor):
@@ -95,14 +87,11 @@ def refuse_module(base: type[nn.Module], reason: str) -> None:
 
 class _SpatialRoot:
     """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
-    the model's runtime."""
+    the model's runtime, eagerly as a whole under ``torch.compile`` unless traced
+    (``SpatialOptions``). The two contexts are one opaque object: Dynamo graph-breaks on it;
+    two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1" assertion
+    when a graph break falls inside them (torch 2.14)."""
 
-    # Under torch.compile (torch 2.14) the forward runs eagerly as a whole unless the option
-    # ``trace_under_compile``: then Dynamo traces the model's code, with graph breaks around
-    # every spatial layer, handler and DTensor op (see _compile.py). The two contexts are
-    # entered by one opaque object: Dynamo graph-breaks on it and runs the body as a new
-    # frame; two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1"
-    # assertion when a graph break falls inside them.
     def forward(self, *args, **kwargs):
         opts = self.spatial_runtime.options
         traced = opts.trace_under_compile or opts.trace_dtensor_ops
@@ -116,10 +105,8 @@ class _SpatialContext:
     """``SpatialMode(runtime)`` and the no-silent-gather guard, entered together."""
 
     def __init__(self, runtime: SpatialRuntime) -> None:
-        graphs = runtime.options.trace_dtensor_ops
-        mode = (DTensorGraphMode if graphs else SpatialMode)(runtime)
-        self.contexts = (mode, gather_guard(runtime.options.allow_gather))
-        self.runtime = runtime
+        mode = (DTensorGraphMode if runtime.options.trace_dtensor_ops else SpatialMode)(runtime)
+        self.contexts, self.runtime = (mode, gather_guard(runtime.options.allow_gather)), runtime
 
     def __enter__(self) -> None:
         self.runtime.last_image = None  # a layout from the last forward is no guide
@@ -131,58 +118,35 @@ class _SpatialContext:
             c.__exit__(*exc)
 
 
-def _sp_mesh_dim(mesh: DeviceMesh) -> int:
-    names = mesh.mesh_dim_names
-    if mesh.ndim == 1:
-        return 0
-    tile_dims = [names.index(n) for n in GRID_MESH_DIMS if names and n in names]
-    if len(tile_dims) > 1:  # H x W tiles (_tiles.py), volumes over 2-3 of D, H, W
-        return tile_dims[-1]
-    if not names or SP not in names:
+def _check_mesh(mesh: DeviceMesh) -> None:
+    """A mesh of several dims names its spatial ones: ``sp``, or two or three grid dims."""
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
         raise SpatialShardingError(
             f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
             f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
-            f"'sp_h', 'sp_w' for volumes), got {names}"
+            f"'sp_h', 'sp_w' for volumes), got {mesh.mesh_dim_names}"
         )
-    return names.index(SP)
 
 
-def _refusals(model: nn.Module) -> list[str]:
-    """One line per module ``parallelize`` cannot run width-sharded."""
-    return [
+def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
+    """Make ``model`` run sharded over the spatial dims of ``mesh`` (``sp``, or ``sp_h`` /
+    ``sp_w`` ...): swaps supported layers in place and returns the same model, with a new
+    ``SpatialRuntime`` attached (``runtime_of(model)``). Fed a DTensor ``Shard(3)``
+    (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh), its output and, after ``backward``,
+    every rank's parameter gradients equal one device's. ``options``: ``SpatialOptions``
+    fields (``sync_state``, default True, first sets every rank's state to mesh rank 0's).
+    Raises ``SpatialShardingError`` naming every module that cannot run sharded, before
+    changing anything; ``TypeError`` for an unknown option."""
+    opts = SpatialOptions.from_kwargs("parallelize", **options)
+    install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
+    _check_mesh(mesh)
+    guard_mesh(mesh, opts.allow_gather)
+    problems = [
         f"  {path or '<root>'} ({type(m).__name__}): {_REFUSED_MODULES[type(m)]}"
         for path, m in model.named_modules()
         if type(m) in _REFUSED_MODULES
     ]
-
-
-def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
-    """Make ``model`` run width-sharded over the ``"sp"`` dimension of ``mesh``.
-
-    Swaps supported layers in place and returns the same model object, with a new
-    ``SpatialRuntime`` attached (``runtime_of(model)``: options and statistics). Feed it a
-    DTensor with placement ``Shard(3)`` (``[Shard(0), Shard(3)]`` on a ``(dp, sp)`` mesh);
-    its output equals the single-device output and, after ``backward``, every rank holds
-    the single-device parameter gradients. Every rank's parameters and buffers are first
-    set to mesh rank 0's (``sync_state``, default True), so a model built from a different
-    random state on some rank is not silently computed with two sets of weights.
-
-    ``options`` are ``SpatialOptions`` fields: ``save_windows_by_reference`` (default True:
-    conv windows cost ~1/N of one device's activation memory), ``allow_gather`` (default
-    False: an op that would make DTensor move a width-sharded activation between ranks
-    raises ``SpatialShardingError`` naming the op and module; True: logged and counted in
-    the runtime's ``stats.gathers``), ``trace_under_compile`` (default False: under
-    ``torch.compile`` the parallelized forward runs eagerly as a whole; True: Dynamo traces
-    its plain-tensor code, see ``SpatialOptions``), ``trace_dtensor_ops`` (default False;
-    True: DTensor ops and element-wise handlers are compiled too, ``_compile.py``). Raises
-    ``SpatialShardingError`` naming every module that cannot run width-sharded, before
-    changing anything; ``TypeError`` for an unknown option.
-    """
-    opts = SpatialOptions.from_kwargs("parallelize", **options)
-    install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
-    _sp_mesh_dim(mesh)
-    guard_mesh(mesh, opts.allow_gather)
-    problems = _refusals(model)
     if problems:
         raise SpatialShardingError(
             "parallelize: these modules cannot run on a width-sharded image:\n"

@@ -1,27 +1,22 @@
-"""Element-wise activations and dropout on width-sharded DTensors, run on the local strip.
+"""Element-wise activations and dropout on sharded DTensors, run on the local strip.
 
-An element-wise op needs no halo, so it is exact on each strip. Under ``torch.compile``
-these handlers run eagerly like every other (see ``_compile.py``). DTensor runs many of them
-itself but lacks backward strategies for some (``hardswish_backward``,
-``hardsigmoid_backward`` in torch 2.14, used by MobileNetV3), so the functional forms are
-all routed here: the plain op runs on the local tensor and autograd does the rest.
-In-place requests (``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``, in-place
-dropout) change ``x`` itself, as on one device: code may call them for the side effect and
-go on with ``x``. They run as DTensor's own in-place op on the DTensor (an in-place op on its
+An element-wise op needs no halo. DTensor lacks backward strategies for some
+(``hardswish_backward``, ``hardsigmoid_backward``: MobileNetV3), so the functional forms run
+here on the local tensor. In-place requests (``F.relu(x, inplace=True)``, in-place dropout)
+change ``x`` itself, as on one device, as DTensor's own in-place op (one on the
 ``to_local()`` view would bypass autograd's view tracking), eagerly under ``torch.compile``
-(a mutated graph input fails AOTAutograd's DTensor graphs, ``_compile.py``); DTensor lacks
-the backward rule of three of them, which ``_errors.add_pointwise_strategies`` adds.
+(a mutated graph input fails AOTAutograd's DTensor graphs); the backward rule of three of
+them is ``_errors.add_pointwise_strategies``'.
 
-Dropout: every rank draws its own mask for its own strip, so a sharded run is *not*
-bit-identical to a single-device run while dropout is active (compare with ``p=0`` or in
-eval mode; ``spconv-train verify`` does so). What is kept: each call consumes exactly one
-draw of the global RNG on every rank, so the RNG streams of all ranks stay in step, and
-``dropout2d``'s channel mask (one value per sample and channel) is the same on every strip
-of an image, as a whole-image channel dropout must be.
+Dropout: each rank draws the mask of its own strip, so a sharded run is *not* bit-identical
+to one device while dropout is active (``verify`` compares with it off). Each call takes
+exactly one draw of the global RNG on every rank (the streams stay in step), and
+``dropout2d``'s mask (one value per sample and channel) is the same on every strip.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -37,22 +32,12 @@ from ._mode import register_handler
 from ._registry import function_name
 from ._sharding import sharded_dim
 
+# fmt: off
 _ELEMENTWISE = (
-    "relu",
-    "relu6",
-    "hardswish",
-    "hardsigmoid",
-    "hardtanh",
-    "silu",
-    "gelu",
-    "leaky_relu",
-    "elu",
-    "selu",
-    "celu",
-    "mish",
-    "softplus",
-    "logsigmoid",
+    "relu", "relu6", "hardswish", "hardsigmoid", "hardtanh", "silu", "gelu", "leaky_relu",
+    "elu", "selu", "celu", "mish", "softplus", "logsigmoid",
 )
+# fmt: on
 
 
 def _wrap(x: DTensor, local_out: torch.Tensor) -> DTensor:
@@ -70,10 +55,8 @@ def _local(x: DTensor, what: str) -> torch.Tensor:
 
 
 def _inplace_reader(fn):
-    """``(args, kwargs) -> bool``: the ``inplace`` flag of a call of ``fn`` (its arguments
-    after the input), read by position or name without binding the whole signature;
-    ``None`` for functions without the flag (``torch`` / ``torch._C._nn`` builtins,
-    ``F.gelu``...)."""
+    """``(args, kwargs) -> bool``: a call's ``inplace`` flag (arguments after the input), read
+    without binding the signature; ``None`` without the flag (builtins, ``F.gelu``)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except ValueError:  # a builtin (torch.relu, torch._C._nn.elu ...): no in-place flag
@@ -92,8 +75,7 @@ def _inplace_reader(fn):
 
 
 def _make_local_handler(fn):
-    """Handler running ``fn`` on the local strip; in-place requests (``F`` functions'
-    ``inplace`` flag) run as DTensor's own in-place op (module docstring)."""
+    """Handler running ``fn`` on the local strip (in place: DTensor's own in-place op)."""
     inplace = _inplace_reader(fn)
     what = function_name(fn)
 
@@ -122,17 +104,9 @@ def _step_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def _batch_part(x: DTensor) -> int:
-    """Index of this rank's part of the batch (0 without data parallelism)."""
-    part = 0
-    for i, pl in enumerate(x.placements):
-        if sharded_dim(pl) == 0:
-            part = part * x.device_mesh.size(i) + mesh_rank(x.device_mesh, i)
-    return part
-
-
-def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
-    """Dropout on the local strip; the mask's seed takes one draw of the global RNG."""
+def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
+    """``F.dropout`` / ``F.dropout2d`` (``channels_only``) on the local strip, with a
+    per-rank mask whose seed takes one draw of the global RNG (module docstring)."""
     plain = F.dropout2d if channels_only else F.dropout
     if not isinstance(input, DTensor):
         return plain(input, p, training, inplace)
@@ -141,8 +115,12 @@ def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
     local = _local(input, f"F.{plain.__name__}")
     g = torch.Generator(device=local.device)
     if channels_only:
-        # Same seed on every strip of one image; the data-parallel rank picks the batch part.
-        g.manual_seed(_step_seed() + _batch_part(input))
+        # Same seed on every strip of one image; the index of this rank's batch part added
+        part, mesh = 0, input.device_mesh
+        for i, pl in enumerate(input.placements):
+            if sharded_dim(pl) == 0:
+                part = part * mesh.size(i) + mesh_rank(mesh, i)
+        g.manual_seed(_step_seed() + part)
         shape = (*local.shape[:2], 1, 1)
     else:
         g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())
@@ -154,13 +132,6 @@ def _drop(input, p: float, training: bool, inplace: bool, channels_only: bool):
     return _wrap(input, local * scale)
 
 
-@register_handler(F.dropout, torch.dropout)  # same leading arguments
-def _dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
-    """Element-wise dropout of the local strip with a per-rank mask (see module docstring)."""
-    return _drop(input, p, training, inplace, channels_only=False)
-
-
-@register_handler(F.dropout2d)
-def _dropout2d(input, p: float = 0.5, training: bool = True, inplace: bool = False):
-    """Channel dropout: one mask per (sample, channel), identical on every strip of an image."""
-    return _drop(input, p, training, inplace, channels_only=True)
+# torch.dropout has F.dropout's leading arguments
+register_handler(F.dropout, torch.dropout)(functools.partial(_drop, channels_only=False))
+register_handler(F.dropout2d)(functools.partial(_drop, channels_only=True))

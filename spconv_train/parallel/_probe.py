@@ -17,15 +17,11 @@ import torch
 Shape = tuple
 
 
-def _shape_of(out) -> Shape:
-    if isinstance(out, (tuple, list)):
-        return tuple(tuple(o.shape) for o in out)
-    return tuple(out.shape)
-
-
 def _run(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs: tuple) -> Shape:
     metas = [torch.empty(s, device="meta", dtype=dtype) for s in shapes]
-    return _shape_of(func(metas if many else metas[0], *args, **dict(kwargs)))
+    out = func(metas if many else metas[0], *args, **dict(kwargs))
+    many_out = isinstance(out, (tuple, list))
+    return tuple(tuple(o.shape) for o in out) if many_out else tuple(out.shape)
 
 
 def _types(x):
@@ -56,15 +52,13 @@ def _probe(func: Callable, shapes: tuple, many: bool, dtype, args: tuple, kwargs
 def result_shape(
     func: Callable, shape: Sequence[int], /, *args, meta_dtype=None, **kwargs
 ) -> Shape:
-    """The global shape of ``func(t, *args, **kwargs)`` for a tensor ``t`` of ``shape``
-    (and ``meta_dtype``, default torch's; ``kwargs`` may hold the op's own ``dtype``): a
-    tuple, or a tuple of them for a tuple result (a ``split``, a ``max`` over a dim)."""
+    """The global shape of ``func(t, *args, **kwargs)`` for ``t`` of ``shape`` and
+    ``meta_dtype`` (a tuple of shapes for a tuple result: ``split``, ``max`` over a dim)."""
     return _probe(func, (tuple(shape),), False, meta_dtype, args, kwargs)
 
 
 def index_shape(shape: Sequence[int], items: tuple) -> Shape:
-    """The global shape of ``t[items]`` for a tensor ``t`` of ``shape``, ``items`` basic
-    indices (ints, slices, ``Ellipsis``, ``None``): slices keyed by their fields."""
+    """The global shape of ``t[items]`` (basic indices) for a tensor ``t`` of ``shape``."""
     key = tuple((i.start, i.stop, i.step) if isinstance(i, slice) else (i,) for i in items)
     return _probe(_index, (tuple(shape),), False, None, (key,), {})
 

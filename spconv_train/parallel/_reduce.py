@@ -1,14 +1,10 @@
-"""Reductions and scans over any dimensions of a sharded DTensor (any layout): ``sum``,
-``mean``, ``amax``, ``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax`` and
-``cumsum``.
-
-Each rank reduces its own part; small all-reduces of the per-part results over the mesh
-dims that shard a reduced dim give the exact value, replicated there (variances in two
-passes). Sums go through ``sum_replicated``; ``amax`` / ``amin`` spread the gradient evenly
-over every element equal to the extreme, as torch does. Scans along a sharded dim need only
-small statistics of the other blocks (softmax: the row maximum, no gradient, and the sum of
-exponentials; cumsum: the totals of the blocks before), all-reduced through
-``torch.distributed.nn`` so the backward sums each rank's part of the gradient.
+"""Reductions and scans over any dims of a sharded DTensor: ``sum``, ``mean``, ``amax``,
+``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax``, ``cumsum``. Each rank
+reduces its part; small all-reduces over the mesh dims sharding a reduced dim give the exact
+value (variances in two passes; ``amax`` / ``amin`` spread the gradient over every element
+equal to the extreme, as torch does). Scans along a sharded dim need small statistics of
+the other blocks (softmax: row maximum and sum of exponentials; cumsum: the totals before),
+all-reduced through ``torch.distributed.nn`` so the backward sums the gradient's parts.
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
 
 
 def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
-    """The max or min of ``local`` over ``dims`` and the ranks of ``groups`` (detached,
-    keepdim); an empty part holds no candidate."""
+    """Max or min of ``local`` over ``dims`` and ``groups``' ranks (detached, keepdim)."""
     big = float("inf") if kind == "min" else float("-inf")
     if local.numel():
         m = (torch.amax if kind == "max" else torch.amin)(local.detach(), dims, keepdim=True)
@@ -49,21 +44,9 @@ def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
     return m
 
 
-def _extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
-    """amax/amin with torch's gradient: spread evenly over every element equal to the
-    extreme value (on every rank)."""
-    hit = local.detach() == _global_extreme(local, dims, groups, kind)
-    count = hit.sum(dims, keepdim=True).to(local.dtype)
-    for g in groups:
-        dist.all_reduce(count, group=g)
-    part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
-    return sum_replicated(part / count, groups)
-
-
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
-    """``kind`` in sum, mean, amax, amin, var, std, norm2 (the L2 norm) over ``dim`` of a
-    sharded DTensor, exact and differentiable. ``opts``: ``dtype`` (sum, mean),
-    ``correction`` (var, std)."""
+    """``kind`` (sum, mean, amax, amin, var, std, norm2) over ``dim`` of a sharded DTensor,
+    exact and differentiable; ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
     where = sharded_dims(x)
     groups = [mesh_group(x.device_mesh, where[d]) for d in dims if d in where]
@@ -74,8 +57,13 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
         out = out / count if kind == "mean" else out
     elif kind == "norm2":  # DTensor's own rule all-gathers the activation in the backward
         out = sum_replicated(local.square().sum(dims, keepdim=True), groups).sqrt()
-    elif kind in ("amax", "amin"):
-        out = _extreme(local, dims, groups, kind[1:])
+    elif kind in ("amax", "amin"):  # the gradient spread over every extreme (as torch)
+        hit = local.detach() == _global_extreme(local, dims, groups, kind[1:])
+        hits = hit.sum(dims, keepdim=True).to(local.dtype)
+        for g in groups:
+            dist.all_reduce(hits, group=g)
+        part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
+        out = sum_replicated(part / hits, groups)
     else:
         # The mean's own gradient contribution is zero (deviations sum to zero), so it
         # is detached: each rank would only see its part of that zero sum.
@@ -90,21 +78,12 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     return wrap(out, x, reduced_placements(x, dims, keepdim), shape)
 
 
-def _sum_like(kind: str, func):
+def _sum_like(kind: str, func):  # sum, mean, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         if not handled(input) or out is not None:
             kw = {"dtype": dtype} if dtype is not None else {}
             return func(input, *(() if dim is None else (dim, keepdim)), **kw)  # DTensor's rules
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
-
-    return handler
-
-
-def _extreme_like(kind: str, func):
-    def handler(input, dim=(), keepdim=False, *, out=None):
-        if not handled(input) or out is not None:
-            return func(input, dim, keepdim)
-        return reduce_sharded(input, kind, dim, keepdim)
 
     return handler
 
@@ -122,14 +101,8 @@ def _var_like(kind: str, func):
     return handler
 
 
-for _kind, _make in (
-    ("sum", _sum_like),
-    ("mean", _sum_like),
-    ("amax", _extreme_like),
-    ("amin", _extreme_like),
-    ("var", _var_like),
-    ("std", _var_like),
-):
+for _kind in ("sum", "mean", "amax", "amin", "var", "std"):
+    _make = _var_like if _kind in ("var", "std") else _sum_like
     for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
         register_handler(_fn)(_make(_kind, _fn))
 
@@ -156,45 +129,33 @@ def _group(x: DTensor, d: int):
     return None if i is None else (mesh_group(x.device_mesh, i), mesh_rank(x.device_mesh, i))
 
 
-def _softmax_local(local: Tensor, d: int, group, log: bool) -> Tensor:
-    m = _global_extreme(local, d, (group,), "max")
-    e = torch.exp(local - m)
-    s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=group)
-    return local - m - torch.log(s) if log else e / s
+def _softmax_like(plain, log: bool):
+    """``softmax`` / ``log_softmax`` (``log``) along any dim (sharded: strip maxima, sums)."""
+
+    def handler(x, dim=None, _stacklevel=3, dtype=None):
+        if not handled(x) or dim is None:
+            return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
+        d = norm_dim(dim, x.ndim)
+        local = x.to_local() if dtype is None else x.to_local().to(dtype)
+        where = _group(x, d)
+        if where is None:
+            return wrap(plain(local, d), x, x.placements, x.shape)
+        m = _global_extreme(local, d, (where[0],), "max")
+        e = torch.exp(local - m)
+        s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=where[0])
+        return wrap(local - m - torch.log(s) if log else e / s, x, x.placements, x.shape)
+
+    return handler
 
 
-def _softmax(x, dim, dtype, log: bool, plain):
-    if not handled(x) or dim is None:
-        return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
-    d = norm_dim(dim, x.ndim)
-    local = x.to_local() if dtype is None else x.to_local().to(dtype)
-    where = _group(x, d)
-    out = plain(local, d) if where is None else _softmax_local(local, d, where[0], log)
-    return wrap(out, x, x.placements, x.shape)
-
-
-def _softmax_args(input, dim=None, _stacklevel=3, dtype=None):
-    return input, dim, dtype
-
-
-@register_handler(F.softmax, torch.softmax, torch.Tensor.softmax)
-def spatial_softmax(*args, **kwargs):
-    """``softmax`` along any dim; along a sharded one via per-strip maxima and sums."""
-    x, dim, dtype = _softmax_args(*args, **kwargs)
-    return _softmax(x, dim, dtype, False, torch.softmax)
-
-
-@register_handler(F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax)
-def spatial_log_softmax(*args, **kwargs):
-    """``log_softmax`` along any dim; along a sharded one via per-strip maxima and sums."""
-    x, dim, dtype = _softmax_args(*args, **kwargs)
-    return _softmax(x, dim, dtype, True, torch.log_softmax)
+for _fn, _log in ((torch.softmax, False), (torch.log_softmax, True)):
+    _all = (getattr(F, _fn.__name__), _fn, getattr(torch.Tensor, _fn.__name__))
+    register_handler(*_all)(_softmax_like(_fn, _log))
 
 
 @register_handler(torch.cumsum, torch.Tensor.cumsum)
 def spatial_cumsum(input, dim, *, dtype=None, out=None):
-    """``cumsum`` along any dim; along a sharded one each strip adds the totals of the
-    strips before it."""
+    """``cumsum`` along any dim (sharded: each strip adds the totals of those before)."""
     if not handled(input) or out is not None:
         return torch.cumsum(input, dim, dtype=dtype, out=out)
     d = norm_dim(dim, input.ndim)

@@ -1,11 +1,7 @@
-"""Handler registry keyed by the function object itself.
-
-A key is the very object model code calls: ``torch.nn.functional.conv2d``,
-``torch.batch_norm`` (a different object from ``F.batch_norm`` with a different signature,
-so it gets its own handler), ``torch._C._nn.adaptive_max_pool2d`` (always returns a pair,
-unlike ``F.adaptive_max_pool2d``), or an unbound Tensor method such as
-``torch.Tensor.mean`` (that is what ``__torch_function__`` receives for ``x.mean()``).
-No names, no argument counting: each function object says what it is.
+"""Handler registry keyed by the function object model code calls: ``F.conv2d``,
+``torch.batch_norm`` (another object than ``F.batch_norm``, another signature),
+``torch._C._nn.adaptive_max_pool2d`` (always a pair), or an unbound Tensor method such as
+``torch.Tensor.mean`` (what ``__torch_function__`` receives for ``x.mean()``).
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ class Entry:
     name: str
     handler: Callable | None = None
     refused: str | None = None
-    #: what ``SpatialMode`` calls: the handler itself when it is ``traced`` (Dynamo inlines
-    #: it), otherwise the handler run eagerly under ``torch.compile`` (its exchanges,
-    #: collectives, plan lookups and DTensor ops are no graph material)
+    #: what ``SpatialMode`` calls under ``torch.compile``: the handler when ``traced``,
+    #: otherwise the handler run eagerly (exchanges, collectives: no graph material)
     run: Callable | None = field(default=None, compare=False, repr=False)
 
 
@@ -62,23 +57,16 @@ class HandlerRegistry:
         self._generation = -1
 
     def __deepcopy__(self, memo) -> HandlerRegistry:
-        # A deep-copied model gets its own entries but shares the parent (the default
-        # registry, where every op module registers).
-        new = HandlerRegistry(self.parent)
+        new = HandlerRegistry(self.parent)  # a deep-copied model's own entries, same parent
         new._entries = dict(self._entries)  # its own resolved entries, built on use
         return new
 
     def register(
         self, *functions: Callable, traced: bool = False
     ) -> Callable[[Callable], Callable]:
-        """Decorator: run ``handler(*args, **kwargs)`` instead of each of ``functions``
-        whenever a DTensor is among the arguments while a parallelized model runs.
-
-        Under ``torch.compile`` the handler runs eagerly (a graph break around it) unless
-        ``traced``: Dynamo then inlines it, so only a handler without DTensor ops may be
-        traced (compiled graphs hold plain tensors only, see ``_compile.py``); anything
-        with an exchange, a collective or a cached plan is not graph material either
-        (Dynamo would guard on its Python state and recompile)."""
+        """Decorator: the handler runs instead of ``functions`` on DTensors
+        (``extend.register_handler``). ``traced``: Dynamo inlines it (no DTensor op,
+        exchange, collective or cached plan: Dynamo would guard on its state)."""
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
 
@@ -95,23 +83,19 @@ class HandlerRegistry:
 
         return deco
 
-    def refuse(self, *functions: Callable, reason: str, keep_handlers: bool = True) -> None:
+    def refuse(self, *functions: Callable, reason: str) -> None:
         """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
-        DTensors. A function that already has a handler keeps it unless not
-        ``keep_handlers``."""
+        DTensors; a function that has a handler keeps it."""
         route_through_modes(functions)
         for fn in functions:
-            old = self.lookup(fn)
-            if keep_handlers and old is not None and old.handler is not None:
+            if self.handler(fn) is not None:
                 continue
             self._entries[id(fn)] = (fn, Entry(function_name(fn), refused=reason))
         _GENERATION[0] += 1
 
     def lookup(self, fn: Callable) -> Entry | None:
-        """The entry for ``fn`` here or in a parent registry (``None`` if there is none).
-        Resolved once per function until a registry changes (``SpatialMode`` looks up every
-        call with a DTensor argument); not under ``torch.compile``, where Dynamo would guard
-        on the resolved entries and recompile when one is added."""
+        """The entry for ``fn`` here or in a parent (``None``: none), resolved once until a
+        registry changes; not under ``torch.compile`` (Dynamo would guard on the cache)."""
         if torch.compiler.is_compiling():
             return self._find(fn)
         if self._generation != _GENERATION[0]:

@@ -1,15 +1,10 @@
-"""The spatial runtime: options, statistics and handler registry of one parallelized model.
+"""The options, statistics and handler registry of one parallelized model.
 
-``parallelize(model, mesh, **options)`` creates a ``SpatialRuntime`` and attaches it to the
-model (``runtime_of(model)``). While the model's forward runs, the runtime is *current*
-(``current_runtime()``): op code reads its options there (e.g. whether conv windows are
-saved by reference) and the halo exchange adds its time and bytes to its ``stats``. Ops
-called outside a parallelized model (a spatial function called directly, a test) see a
-process-wide default runtime with default options.
-
-Backward passes run after the forward has returned, so code that must account work to a
-runtime in the backward captures ``current_runtime()`` in the forward (``_halo.py`` keeps it
-on the autograd context).
+``parallelize`` attaches a ``SpatialRuntime`` to the model (``runtime_of``); during its
+forward it is *current* (``current_runtime()``): ops read its options and the halo exchange
+adds to its ``stats``. Outside one, a process-wide default runtime. The backward runs after
+the forward returned: code accounting work there captures the runtime in the forward
+(``_halo.py`` keeps it on the autograd context).
 """
 
 from __future__ import annotations
@@ -32,41 +27,33 @@ from ._registry import DEFAULT_REGISTRY, HandlerRegistry
 class SpatialOptions:
     """Behaviour switches of a runtime (``parallelize`` keyword arguments)."""
 
-    #: Save conv / max-pool windows as (strip reference + halo columns) and rebuild them in
-    #: the backward: activation memory per rank = single device / N, for one extra copy of
-    #: the window per layer in the backward (about 4 % of a conv step on CPU,
-    #: docs/benchmarks.md). False trades that memory for speed.
+    #: Save conv / max-pool windows as (strip reference + halo columns), rebuilt in the
+    #: backward: activation memory per rank = one device's / N, for one more window copy
+    #: per layer (~4 % of a conv step on CPU, docs/benchmarks.md).
     save_windows_by_reference: bool = True
-    #: Let an op that would move a whole width-sharded activation between ranks do so
-    #: (counted in ``SpatialStats.gathers``, logged) instead of raising.
+    #: Let an op move a whole sharded activation between ranks (counted in
+    #: ``SpatialStats.gathers``, logged) instead of raising.
     allow_gather: bool = False
-    #: Zero-padded convs: convolve the strip in place for the interior output columns and
-    #: thin halo windows for the edges, with the halo exchange overlapped with the interior
-    #: (``_halo_conv.py``). False: gather a padded window first (exchange not overlapped).
+    #: Zero-padded convs: the interior columns in place, thin halo windows for the edges,
+    #: the exchange overlapped with the interior (``_halo_conv.py``).
     split_halo_conv: bool = True
-    #: Broadcast mesh rank 0's parameters and buffers to every rank when parallelizing (as
-    #: DistributedDataParallel does): a rank that built its model from another random state
-    #: would otherwise compute its strip with other weights, silently. False: the caller
-    #: guarantees identical state (e.g. it loads a checkpoint on every rank afterwards).
+    #: Broadcast mesh rank 0's parameters and buffers when parallelizing (as DDP does): a
+    #: rank built from another random state would use other weights, silently. False: the
+    #: caller guarantees identical state (e.g. loads a checkpoint on every rank).
     sync_state: bool = True
-    #: Under ``torch.compile``, let Dynamo trace the parallelized model's own code: the
-    #: plain-tensor code between spatial layers is compiled, while every spatial layer,
-    #: handler and DTensor op still runs eagerly with a graph break around it
-    #: (``_compile.py``). False: the parallelized forward runs eagerly as a whole (one graph
-    #: break): the built-in, torchvision and smp models have no plain-tensor code there,
-    #: and each of their 7-64 graph breaks costs guard checks on DTensor inputs every step
-    #: (LR-ASPP at 32x128 on CPU: +10 % per step, docs/benchmarks.md).
+    #: Under ``torch.compile``, let Dynamo trace the model's plain-tensor code between
+    #: spatial layers (each layer, handler and DTensor op stays a graph break). False: the
+    #: forward runs eagerly as a whole; the built-in, torchvision and smp models have no
+    #: such code, and their 7-64 graph breaks cost guard checks every step (LR-ASPP 32x128
+    #: on CPU: +10 % per step, docs/benchmarks.md).
     trace_under_compile: bool = False
-    #: Under ``torch.compile`` (implies ``trace_under_compile``), let DTensor's own ops
-    #: (residual adds, products, views) and the element-wise handlers be traced into the
-    #: compiled graphs, with DTensor graph inputs and outputs; spatial layers and the other
-    #: handlers stay graph breaks (``_compile.py`` lists the models it is exact on).
+    #: Under ``torch.compile`` (implies ``trace_under_compile``), trace DTensor's own ops
+    #: and the element-wise handlers into the graphs too (``_compile.py``).
     trace_dtensor_ops: bool = False
 
     @classmethod
     def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:
-        """Options from keyword arguments; an unknown name raises ``TypeError`` naming the
-        valid ones (a typo must not silently fall back to a default)."""
+        """Options from keyword arguments; a typo raises ``TypeError`` (no silent default)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -76,8 +63,7 @@ class SpatialOptions:
 
 @dataclass
 class SpatialStats:
-    """What the runtime measured since the last ``reset``: halo exchanges (forward and
-    backward) and, with ``allow_gather``, the activation gathers it let through."""
+    """Since the last ``reset``: halo exchanges (both passes) and the gathers let through."""
 
     #: seconds blocked on the halo exchange (read ``halo_seconds``; CUDA event pairs still
     #: pending on the GPU are in ``_pending`` and settled when it is read)
@@ -92,8 +78,8 @@ class SpatialStats:
 
     @property
     def halo_seconds(self) -> float:
-        """Seconds the halo exchange kept this rank waiting: host wall time on CPU, GPU time
-        between CUDA events on CUDA (host timers would only measure NCCL's enqueue)."""
+        """Seconds the halo exchange kept this rank waiting (CUDA: between events, as host
+        timers would only measure NCCL's enqueue)."""
         if self._pending:
             self._pending[-1][1].synchronize()
             self._halo_seconds += sum(s.elapsed_time(e) for s, e in self._pending) / 1e3
@@ -106,8 +92,7 @@ class SpatialStats:
 
     def reset(self) -> None:
         """Zero every counter."""
-        self.halo_seconds, self.halo_bytes, self.halo_messages, self.gathers = 0.0, 0, 0, 0
-        self.gathered_ops = {}
+        self.restore(SpatialStats())
 
     def snapshot(self) -> SpatialStats:
         """A copy (to read counters, then ``restore`` them after excluded work)."""
@@ -122,11 +107,8 @@ class SpatialStats:
 
 
 class SpatialRuntime:
-    """Options, statistics and handler registry shared by the ops of one model.
-
-    ``registry`` starts as a child of the default registry (the handlers every op module
-    registers with ``register_handler``): handlers registered on it apply to this model only.
-    """
+    """Options, statistics and handler registry shared by the ops of one model
+    (``registry``: a child of the default one; its handlers apply to this model only)."""
 
     def __init__(self, mesh=None, options: SpatialOptions | None = None) -> None:
         self.mesh = mesh
@@ -154,19 +136,17 @@ class SpatialRuntime:
 
 
 _DEFAULT_RUNTIME = SpatialRuntime()
-#: The active runtimes (innermost last) in a context variable: each thread has its own
-#: stack, so a model running in one thread never makes another thread's ops count into its
-#: stats. The variable is set once per thread and the stack mutated in place: Dynamo traces
-#: list mutations but graph-breaks on ``ContextVar.set`` (torch 2.14), and ``SpatialMode``'s
-#: entry is traced where a compiled forward resumes after a graph break.
+#: The active runtimes (innermost last), one stack per thread (a context variable). Set
+#: once per thread and mutated in place: Dynamo traces list mutations but graph-breaks on
+#: ``ContextVar.set`` (torch 2.14), and ``SpatialMode``'s entry is traced where a compiled
+#: forward resumes after a graph break.
 _STACK: contextvars.ContextVar[list[SpatialRuntime] | None] = contextvars.ContextVar(
     "spconv_train_spatial_runtimes", default=None
 )
 
 
 def current_runtime() -> SpatialRuntime:
-    """The runtime of the parallelized model whose forward is running in this thread (the
-    process-wide default runtime outside one)."""
+    """The runtime of the forward running in this thread (outside one: the default)."""
     stack = _STACK.get()
     return stack[-1] if stack else _DEFAULT_RUNTIME
 
@@ -186,9 +166,8 @@ def activate(runtime: SpatialRuntime) -> Iterator[SpatialRuntime]:
 
 
 def runtime_of(model: nn.Module) -> SpatialRuntime:
-    """The runtime ``parallelize`` attached to ``model`` (or to the model inside its
-    ``DistributedDataParallel`` wrapper, ``parallel.grad_reduce: ddp``); raises
-    ``ValueError`` for a model that was not parallelized."""
+    """The runtime ``parallelize`` attached to ``model`` (or to the model in its DDP
+    wrapper); ``ValueError`` for a model not parallelized."""
     runtime = getattr(local_module(model), "spatial_runtime", None)
     if not isinstance(runtime, SpatialRuntime):
         raise ValueError(
@@ -199,16 +178,14 @@ def runtime_of(model: nn.Module) -> SpatialRuntime:
 
 
 def local_module(model: nn.Module) -> nn.Module:
-    """The parallelized model inside a ``replicate_gradients`` (DDP) wrapper; any other
-    model as it is. Validation and start-up probes call it: its forwards need no DDP
-    bookkeeping and no lock-step between data-parallel replicas."""
+    """The model inside a ``replicate_gradients`` (DDP) wrapper, any other as it is (for
+    forwards without DDP's bookkeeping and lock-step: validation, start-up probes)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def note_share(x) -> None:
-    """Raise the active runtime's ``input_share`` to one rank's share of DTensor ``x``
-    (global elements over the mesh's ranks: the same on every rank); an NCHW ``x`` is its
-    ``last_image``."""
+    """Raise the runtime's ``input_share`` to one rank's share of ``x`` (the same on every
+    rank); an NCHW ``x`` is its ``last_image``."""
     rt = current_runtime()
     if x.ndim == 4:
         rt.last_image = (x.device_mesh, tuple(x.placements), tuple(x.shape))

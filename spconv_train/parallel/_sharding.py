@@ -1,12 +1,9 @@
 """How a sharded DTensor is laid out on its mesh, and the way in and out of local code.
 
-A spatial op's input shards one spatial dim over one mesh dim (strips: ``Shard(3)`` of an
-image, one of D, H, W of a volume) or several, one mesh dim each (H x W tiles, volume
-blocks: ``SpatialLayout.axes``, read only for ops that pass ``tiles=True``); other mesh
-dims may shard the batch (``Shard(0)``, data parallel) or replicate. ``spatial_layout``
-reads the layout off the input, ``enter`` hands the local block to local code
-(differentiably), and ``leave`` wraps the local result back into a DTensor of the global
-shape.
+A spatial op's input shards one spatial dim over one mesh dim (strips) or several, one mesh
+dim each (tiles, volume blocks: ``SpatialLayout.axes``, for ops passing ``tiles=True``);
+other mesh dims shard the batch or replicate. ``spatial_layout`` reads the layout, ``enter``
+hands the local block to local code (differentiably), ``leave`` wraps the result back.
 """
 
 from __future__ import annotations
@@ -34,13 +31,10 @@ SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
 
 
 def sharded_dim(placement) -> int | None:
-    """The tensor dimension ``placement`` splits across the ranks of its mesh dimension, or
-    ``None`` (``Replicate``, ``Partial``).
-
-    THE test for "is this sharded?": a ``_StridedShard`` (what ``x.flatten(2)`` of a
-    ``Shard(3)`` tensor becomes) splits its data too, but in torch 2.14 it is not a ``Shard``
-    subclass and its ``is_shard()`` is False; treating it as replicated silently drops the
-    sum of parameter gradients over the ranks."""
+    """The tensor dim ``placement`` splits, or ``None`` (``Replicate``, ``Partial``). THE
+    test for "is this sharded?": a ``_StridedShard`` (``x.flatten(2)`` of a ``Shard(3)``
+    tensor) splits its data too, but in torch 2.14 its ``is_shard()`` is False; read as
+    replicated it would silently drop the sum of parameter gradients over the ranks."""
     if placement.is_shard() or isinstance(placement, _StridedShard):
         return placement.dim
     return None
@@ -52,19 +46,17 @@ def sharding_mesh_dims(placements) -> tuple[int, ...]:
 
 
 def grad_groups(x: DTensor, exclude=()) -> tuple:
-    """The process groups of the mesh dims splitting ``x`` (``Shard``, ``_StridedShard``,
-    prefix tokens: each holds a partial sum of a parameter's gradient), but the mesh dims
-    of ``exclude`` (layouts with a ``mesh_dim``, ``_token_layout.TokenLayout``)."""
+    """The process groups of the mesh dims splitting ``x`` (each holds a partial parameter
+    gradient), but those of ``exclude`` (layouts with a ``mesh_dim``)."""
     skip = {lay.mesh_dim for lay in exclude}
     dims = sharding_mesh_dims(x.placements)
     return tuple(mesh_group(x.device_mesh, i) for i in dims if i not in skip)
 
 
 def block_slices(shape: tuple[int, ...], placements, coords) -> tuple[slice, ...]:
-    """Slices of a global tensor of ``shape`` that the rank at mesh ``coords`` (one
-    ``(mesh dim size, index)`` per mesh dimension) holds under ``placements``: DTensor's
-    chunking (``shard_bounds``), mesh dimensions applied left to right. Raises
-    ``ValueError`` for placements without a simple block (``Partial``, ``_StridedShard``)."""
+    """Slices of a global tensor of ``shape`` that the rank at mesh ``coords`` (``(size,
+    index)`` per mesh dim) holds under ``placements`` (DTensor's chunking, mesh dims left
+    to right); ``ValueError`` for ``Partial``, ``_StridedShard``."""
     ranges = [[0, n] for n in shape]
     for p, (size, index) in zip(placements, coords, strict=True):
         if isinstance(p, Shard):
@@ -78,31 +70,23 @@ def block_slices(shape: tuple[int, ...], placements, coords) -> tuple[slice, ...
 
 
 def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
-    """``(size, index)`` of this rank along every dimension of ``mesh`` (for
-    ``block_slices``)."""
+    """``(size, index)`` of this rank along every mesh dim (for ``block_slices``)."""
     return [(mesh.size(i), mesh_rank(mesh, i)) for i in range(mesh.ndim)]
-
-
-def _is_spatial_shard(p, ndim: int) -> bool:
-    return isinstance(p, Shard) and p.dim % ndim in SPATIAL_DIMS_BY_NDIM.get(ndim, ())
 
 
 @dataclass(frozen=True)
 class SpatialLayout:
-    """How a spatial op's input is laid out: the mesh, its placements, the spatial ("sp")
-    mesh dimension, this rank's place in it, and which tensor dimensions hold data split
-    over the sp ranks (``dims``: one dim; every sharded spatial dim: ``axes``)."""
+    """A spatial op's input layout: mesh, placements, the spatial ("sp") mesh dim and
+    the tensor dims split over it (``dims``: one dim; every sharded spatial dim: ``axes``)."""
 
     mesh: DeviceMesh
     placements: tuple
     sp_dim: int
-    #: False when the width is replicated on the sp dimension (e.g. after global pooling):
-    #: every rank holds whole rows, so window ops run the plain local op (``run_unsharded``).
+    #: False when replicated on the sp dim (after global pooling): ``run_unsharded``
     width_sharded: bool = True
     #: tensor dimensions sharded as data over the sp mesh dimension
     dims: tuple[int, ...] = (3,)
-    #: H x W tiles (``_tiles.py``): ``(tensor dim, mesh dim)`` of every sharded spatial dim,
-    #: empty for a one-dim layout (then ``dims`` over ``sp_dim``).
+    #: tiles: ``(tensor dim, mesh dim)`` of every sharded spatial dim (one dim: empty)
     axes: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -140,33 +124,28 @@ class SpatialLayout:
 
     @property
     def grad_groups(self) -> tuple:
-        """Groups over which a parameter gradient computed on the local data is a partial sum:
-        every mesh dimension that shards the activation (width or batch)."""
+        """Groups over which a local parameter gradient is a partial sum (width, batch)."""
         return tuple(mesh_group(self.mesh, i) for i in sharding_mesh_dims(self.placements))
 
-    @property
-    def stat_groups(self) -> tuple:
-        """Groups to reduce statistics over (same as ``grad_groups``)."""
-        return self.grad_groups
+    #: groups to reduce statistics over: the same
+    stat_groups = grad_groups
 
 
 def spatial_layout(
     x: DTensor, what: str, ndim: int = 4, tiles: bool = False
 ) -> tuple[DTensor, SpatialLayout]:
-    """Check ``x`` is laid out for a spatial op and return it with its layout.
-
-    An input whose width is replicated on the sp dimension (e.g. after a global pooling)
-    gets a layout with ``width_sharded=False``: ops then run the plain local op
-    (``run_unsharded``). Anything else that is not width-sharded is refused clearly.
-    ``ndim=5``: an NCDHW volume with one of D, H, W sharded (``layout.dim`` says which).
-    An NCHW image sharded along H (``[Shard(2), Shard(3)]`` on a ``(sp_h, sp_w)`` mesh) is a
-    tile layout (``layout.axes``): only ops that handle tiles pass ``tiles=True``; every other
-    op refuses it here, naming itself."""
+    """``x`` and its layout, checked for a spatial op ``what`` on an ``ndim``-D input (5: a
+    volume, ``layout.dim`` one of D, H, W). Replicated on the sp dim (after a global pool):
+    ``width_sharded=False``, the plain local op runs (``run_unsharded``). Sharded along H
+    or several dims: a tile layout (``layout.axes``), refused unless ``tiles``."""
     if x.ndim != ndim:
         kind = {3: "an NCL signal", 5: "an NCDHW volume"}.get(ndim, "an NCHW tensor")
         raise SpatialShardingError(f"{what}: expected {kind}, got shape {tuple(x.shape)}")
     placements = tuple(x.placements)
-    sp_dims = [i for i, p in enumerate(placements) if _is_spatial_shard(p, x.ndim)]
+    spatial = SPATIAL_DIMS_BY_NDIM.get(ndim, ())
+    sp_dims = [
+        i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim in spatial
+    ]
     if not sp_dims:
         names = x.device_mesh.mesh_dim_names or ()
         sp = ParallelDims.spatial_mesh_dim(x.device_mesh)
@@ -192,8 +171,7 @@ def spatial_layout(
 
 
 def _tile_layout(x: DTensor, placements: tuple, sp_dims: list, what: str, tiles: bool):
-    """The layout of an NCHW image sharded along H (and W), or of an NCDHW volume sharded
-    along two or three of D, H, W, over one mesh dim each (``layout.axes``)."""
+    """The layout of an image (volume) sharded along H (and W, D), one mesh dim each."""
     dims = [placements[m].dim % x.ndim for m in sp_dims]
     if len(set(dims)) != len(dims):
         raise SpatialShardingError(
@@ -233,29 +211,22 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> 
 
 
 def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
-    """Run ``fn(local, *params)`` on a DTensor whose width is *not* sharded (e.g. the 1x1
-    output of a global pooling in DeepLabV3's ASPP): every rank holds whole rows, so the
-    plain op is exact. Parameter gradients are partial sums only over the batch-sharded
-    mesh dimensions; the output keeps the input's placements."""
+    """``fn(local, *params)`` on a DTensor whose width is *not* sharded (DeepLabV3's pooled
+    1x1 map): exact on whole rows; parameter gradients summed over the batch shards only."""
     groups = layout.grad_groups
     out = fn(enter(x), *(sum_grad_over(p, groups) for p in params))
     return leave(out, layout, (x.shape[0], *out.shape[1:]))
 
 
 def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
-    """The local strip of ``x`` (differentiable). ``grad_placements`` labels the gradient
-    that flows back (e.g. ``Partial`` on sp when each rank used only part of a replicated
-    input). A channels-last block keeps its canonical strides (``_layout.in_layout``)."""
+    """The local strip of ``x`` (differentiable, canonical strides); ``grad_placements``
+    labels the gradient flowing back (``Partial`` on sp: a replicated input used in part)."""
     if not torch.compiler.is_compiling():
         note_share(x)
     return in_layout(local_of(x, grad_placements))
 
 
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:
-    """Wrap a local strip into a DTensor of ``global_shape`` laid out like the input.
-
-    The backward of ``from_local`` redistributes an incoming gradient of any placement
-    (``Replicate``, ``Partial``, ...) to this layout before handing it to local code.
-    """
-    # grad_in_layout: the gradient handed back to local code is canonical channels-last
+    """A local strip as a DTensor of ``global_shape`` laid out like the input; the backward
+    redistributes a gradient of any placement to it (canonical channels-last)."""
     return from_local(grad_in_layout(local), like.mesh, like.placements, global_shape)

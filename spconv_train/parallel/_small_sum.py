@@ -1,20 +1,14 @@
 """Sums of small CPU tensors over a process group by one exchange of messages.
 
-Gloo's all-reduce of a few hundred bytes costs two rounds of messages and several thread
-hand-offs; measured on the 2-core CI machine, a normalisation layer's 2C statistics took a
-median 3.5 ms per all-reduce inside a U-Net backward, and a 9 KB gradient bucket 4-5 ms
-(docs/benchmarks.md). Here every rank sends its tensor to every other rank and adds the
-arrivals in rank order instead: one round of messages, and every rank holds the same bits
-(the same values added in the same order), which the norms' statistics rely on.
-
-Point-to-point messages are matched per (peer, tag) in posting order, so each user posts on
-its own tag: the halo exchanges on 0, gradient buckets (posted from gradient hooks, whose
-place among the other messages can differ between ranks) on ``BUCKET_TAG``, and the
-synchronous sums of norm statistics and global pools (posted in the same order on every
-rank, as a collective would have to be) on ``STATS_TAG``. CUDA tensors, and tensors that
-would send more than ``EXCHANGE_SUM_BYTES`` per rank, take ``all_reduce`` (NCCL's, or
-gloo's bandwidth-optimal ring). ``sum_replicated`` is the differentiable form, for the
-global value of a reduction (pooling, ``sum`` / ``mean`` / ``var`` over sharded dims).
+Gloo's all-reduce of a few hundred bytes costs two rounds of messages and thread hand-offs
+(2-core CI machine: a norm's 2C statistics a median 3.5 ms inside a U-Net backward, a 9 KB
+gradient bucket 4-5 ms, docs/benchmarks.md). Here every rank sends its tensor to every
+other and adds the arrivals in rank order: one round, and the same bits on every rank
+(the norms' statistics rely on it). Messages match per (peer, tag) in posting order, so
+each user has its tag: halo exchanges 0, gradient buckets (posted from hooks, in an order
+that can differ between ranks) ``BUCKET_TAG``, norm statistics and global pools (same order
+everywhere) ``STATS_TAG``. CUDA tensors and those sending over ``EXCHANGE_SUM_BYTES`` per
+rank take ``all_reduce``. ``sum_replicated`` is the differentiable form.
 """
 
 from __future__ import annotations
@@ -32,27 +26,19 @@ BUCKET_TAG = 0x5C0A
 STATS_TAG = 0x5C0B
 
 
-#: ``id(group) -> (group, size)``: ``dist.get_world_size`` costs a dozen Python calls, and
-#: the statistics ask it per layer and step; each entry holds its group, so its id cannot
-#: be reused while cached
+#: ``id(group) -> (group, size)``: ``dist.get_world_size`` costs a dozen Python calls, asked
+#: per layer and step (each entry holds its group, so its id cannot be reused)
 _SIZES: dict[int, tuple] = {}
 
 
 def group_size(group) -> int:
-    """``dist.get_world_size(group)``, looked up once per process group (``None``, the
-    default group, every call: a new default group may replace it)."""
+    """``dist.get_world_size(group)``, once per group (``None``, the default group: each call)."""
     if group is None:
         return dist.get_world_size()
     hit = _SIZES.get(id(group))
     if hit is None or hit[0] is not group:
         hit = _SIZES[id(group)] = (group, dist.get_world_size(group))
     return hit[1]
-
-
-def by_exchange(t: Tensor, group) -> bool:
-    """Whether summing ``t`` over ``group`` goes by exchange (small, on CPU)."""
-    others = group_size(group) - 1
-    return not t.is_cuda and t.numel() * t.element_size() * others <= EXCHANGE_SUM_BYTES
 
 
 class ExchangeSum:
@@ -66,14 +52,10 @@ class ExchangeSum:
         # sends dense buffers only
         mine = buffer.clone(memory_format=torch.contiguous_format)
         self.parts = [mine if q == me else buffer.new_empty(buffer.shape) for q in range(ranks)]
-        ops = [
-            dist.P2POp(dist.irecv, t, group=group, group_peer=q, tag=tag)
+        ops = [  # every receive, then every send
+            dist.P2POp(op, t if op is dist.irecv else mine, group=group, group_peer=q, tag=tag)
+            for op in (dist.irecv, dist.isend)
             for q, t in enumerate(self.parts)
-            if q != me
-        ]
-        ops += [
-            dist.P2POp(dist.isend, mine, group=group, group_peer=q, tag=tag)
-            for q in range(ranks)
             if q != me
         ]
         with counted_as_reduce(buffer):
@@ -88,8 +70,10 @@ class ExchangeSum:
 
 
 def sum_async(buffer: Tensor, group, tag: int = BUCKET_TAG):
-    """Start summing ``buffer`` in place over ``group``; the result has ``wait()``."""
-    if by_exchange(buffer, group):
+    """Start summing ``buffer`` in place over ``group`` (small, on CPU: by exchange); the
+    result has ``wait()``."""
+    sends = buffer.numel() * buffer.element_size() * (group_size(group) - 1)
+    if not buffer.is_cuda and sends <= EXCHANGE_SUM_BYTES:
         return ExchangeSum(buffer, group, tag)
     return dist.all_reduce(buffer, group=group, async_op=True)
 
@@ -104,9 +88,9 @@ def sum_now(t: Tensor, *groups) -> Tensor:
 
 
 class _SumReplicated(torch.autograd.Function):
-    """Sum per-rank partial results over a group into a replicated tensor. The gradient of
-    the replicated output reaches every rank whole (``from_local``'s backward redistributes
-    it), and each partial entered the sum once, so the backward is the identity."""
+    """Sum per-rank partial results over a group into a replicated tensor; the backward is
+    the identity (the replicated gradient reaches every rank whole, each partial entered
+    the sum once)."""
 
     @staticmethod
     def forward(ctx, t: Tensor, group) -> Tensor:
@@ -118,8 +102,7 @@ class _SumReplicated(torch.autograd.Function):
 
 
 def sum_replicated(t: Tensor, groups) -> Tensor:
-    """``t`` summed over each of ``groups`` in turn, differentiably (``_SumReplicated``):
-    the global value of a reduction whose parts the ranks of ``groups`` hold."""
+    """``t`` summed over each of ``groups`` in turn, differentiably (``_SumReplicated``)."""
     for group in groups:
         if group_size(group) > 1:
             t = _SumReplicated.apply(t, group)
