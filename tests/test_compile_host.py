@@ -2,7 +2,7 @@
 
 In the default mode the parallelized forward runs eagerly under ``torch.compile`` with one
 graph break around it (``parallel/_compile.py``), so a compiled step may cost only Dynamo's
-frame entry more than the eager one: counted here on the second steps of a small U-Net at
+frame entry more than the eager one: counted here after a first step of a small U-Net at
 2 ranks with uneven strips, compiled against eager with the same weights, the Python calls
 (``cProfile``) and aten ops of one step, and Dynamo's graph count; outputs and gradients
 equal bit for bit. (docs/benchmarks.md, ``torch.compile``: the counts of the four models.)
@@ -41,6 +41,7 @@ class _AtenCount(TorchDispatchMode):
 def _counts(world: int) -> dict:
     import torch._dynamo as dynamo
 
+    dynamo.reset()  # the worker's earlier compiles (other tests) stay out of the count
     torch.manual_seed(0)
     dmesh = mesh(world)
     eager = parallelize(create_model("unet", num_classes=3, depth=2, base_width=4), dmesh)
@@ -58,14 +59,17 @@ def _counts(world: int) -> dict:
             return y.to_local().detach()
 
         step()
-        profile = cProfile.Profile()
-        profile.enable()
-        y = step()
-        profile.disable()
+        calls = []
+        for _ in range(2):  # the fewer of two steps: a one-off cache fill is not host work
+            profile = cProfile.Profile()
+            profile.enable()
+            y = step()
+            profile.disable()
+            calls.append(pstats.Stats(profile).total_calls)
         with _AtenCount() as aten:
             step()
         grads = [p.grad.clone() for p in model.parameters()]
-        out[name] = (pstats.Stats(profile).total_calls, aten.ops, y, grads)
+        out[name] = (min(calls), aten.ops, y, grads)
     out["graphs"] = dynamo.utils.counters["stats"]["unique_graphs"]
     return out
 
