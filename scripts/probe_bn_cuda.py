@@ -21,22 +21,20 @@ Usage: ``python scripts/probe_bn_cuda.py [--shape 2 64 256 512]`` (CUDA only).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_conv import elapsed  # noqa: E402
+
 
 def _ms(fn, iters: int = 20) -> float:
+    """Median milliseconds of ``iters`` calls of ``fn`` after one (CUDA events)."""
     fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(elapsed(fn, "cuda") for _ in range(iters)) * 1e3
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_compile import build  # noqa: E402
-from bench_conv import init_worker  # noqa: E402
+from bench_conv import elapsed, init_worker  # noqa: E402
 
 WARMUP = 3
 
@@ -56,15 +56,8 @@ def _step_fn(model, opt, x, tgt, bf16: bool):
 
 
 def _timed(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median milliseconds of ``steps`` calls of ``fn`` (CUDA events)."""
+    return statistics.median(elapsed(fn, "cuda") for _ in range(steps)) * 1e3
 
 
 def run_variant(model, x, tgt, args) -> dict:
