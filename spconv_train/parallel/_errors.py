@@ -299,8 +299,16 @@ def add_pointwise_strategies() -> None:
     for name in _POINTWISE_BACKWARDS:
         op = getattr(torch.ops.aten, name).default
         known = (propagator.op_strategy_funcs, propagator.op_single_dim_strategy_funcs)
-        if not any(op in funcs for funcs in known):
+        if any(op in funcs for funcs in known):
+            continue
+        if hasattr(_pointwise_ops, "_register_single_dim_pointwise"):  # torch 2.14
             _pointwise_ops._register_single_dim_pointwise(op)
+        else:  # torch 2.11 (the lent GPU machines' only torch: docs/benchmarks.md "One GPU")
+            from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+            from torch.distributed.tensor._ops.utils import register_op_strategy
+
+            info = RuntimeSchemaInfo(static_kwargkey=["out"])
+            register_op_strategy(op, schema_info=info)(_pointwise_ops.pointwise_strategy)
 
 
 def run_dtensor_op(func, args, kwargs):
