@@ -10,7 +10,8 @@ them is ``_errors.add_pointwise_strategies``'.
 
 Dropout: each rank draws the mask of its own strip, so a sharded run is *not* bit-identical
 to one device while dropout is active (``verify`` compares with it off). Each call takes
-exactly one draw of the global RNG on every rank (the streams stay in step), and
+exactly one draw of the global RNG on every rank (the streams stay in step; none in eval
+mode or with p = 0 or 1, as torch), and
 ``dropout2d``'s mask (one value per sample and channel) is the same on every strip.
 """
 
