@@ -10,7 +10,8 @@ them is ``_errors.add_pointwise_strategies``'.
 
 Dropout: each rank draws the mask of its own strip, so a sharded run is *not* bit-identical
 to one device while dropout is active (``verify`` compares with it off). Each call takes
-exactly one draw of the global RNG on every rank (the streams stay in step), and
+exactly one draw of the global RNG on every rank (the streams stay in step; none in eval
+mode or with p = 0 or 1, as torch), and
 ``dropout2d``'s mask (one value per sample and channel) is the same on every strip.
 """
 
@@ -110,9 +111,16 @@ def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
     plain = F.dropout2d if channels_only else F.dropout
     if not isinstance(input, DTensor):
         return plain(input, p, training, inplace)
+    if not 0.0 <= p <= 1.0:  # torch's check (F.dropout's comes after this dispatch)
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return input
     local = _local(input, f"F.{plain.__name__}")
+    if p == 1.0:  # every element dropped, without a draw (as torch; 1 / (1 - p) is inf)
+        zeros = torch.zeros_like(local)
+        if inplace:
+            return run_eagerly(input.mul_, _wrap(input, zeros))
+        return _wrap(input, local * zeros)
     g = torch.Generator(device=local.device)
     if channels_only:
         # Same seed on every strip of one image; the index of this rank's batch part added

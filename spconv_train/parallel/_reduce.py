@@ -82,7 +82,12 @@ def _sum_like(kind: str, func):  # sum, mean, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         if not handled(input) or out is not None:
             kw = {"dtype": dtype} if dtype is not None else {}
-            return func(input, *(() if dim is None else (dim, keepdim)), **kw)  # DTensor's rules
+            if dim is not None and not (isinstance(dim, (tuple, list)) and not dim):
+                return func(input, dim, keepdim, **kw)  # DTensor's rules
+            # over every dim: DTensor's amin(None, True) of a _StridedShard keeps one rank's
+            # value (torch 2.14.1), so keepdim is the reshape of the full reduction
+            whole = func(input, **kw)
+            return whole.reshape((1,) * input.ndim) if keepdim else whole
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
 
     return handler
@@ -133,6 +138,8 @@ def _softmax_like(plain, log: bool):
     """``softmax`` / ``log_softmax`` (``log``) along any dim (sharded: strip maxima, sums)."""
 
     def handler(x, dim=None, _stacklevel=3, dtype=None):
+        if isinstance(_stacklevel, torch.dtype):  # torch.softmax(x, dim, dtype), x.softmax
+            dtype = _stacklevel
         if not handled(x) or dim is None:
             return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
         d = norm_dim(dim, x.ndim)
