@@ -17,39 +17,26 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ._dims import mesh_rank, norm_dim, wrap
-from ._mode import register_handler
 from ._prefix_shard import placement, prefix_of, reduced_placements
 from ._probe import index_shape
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
 from ._token_layout import dim_layouts
 from ._token_prefix import _keeps_prefix, _refuse, has_prefix
 from ._token_ring import token_ring
-from ._tokens import chain, is_nested, is_tokens, previous, split_layouts
+from ._tokens import chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
 
 
-def _local_index(x, items: tuple) -> DTensor | None:
-    """``x[items]`` on the local tensor when ``x`` is a token tensor and ``items`` (ints
-    and slices, one per dim) leaves every split dim whole; ``None`` otherwise."""
-    if not (is_tokens(x) or is_nested(x)) or items is None:
-        return None
-    if any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
+def _local_index(x, index) -> DTensor | None:
+    """``x[index]`` on the local tensor when ``x`` is a token tensor and ``index`` (ints and
+    slices) leaves every split dim whole; ``None`` otherwise."""
+    items = _expand_index(index, x.ndim) if is_tokens(x) or is_nested(x) else None
+    if items is None or any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
         return None
     removed = [d for d, i in enumerate(items) if isinstance(i, int)]
     placements = reduced_placements(x, removed)
     return wrap(x.to_local()[items], x, placements, index_shape(x.shape, items))
-
-
-def _local_or_previous(index_of):
-    """Handler: ``x[index_of(x, *args)]`` locally (``_local_index``), else ``prev``."""
-
-    def handler(prev, x, *args, **kwargs):
-        items = index_of(x, *args, **kwargs) if isinstance(x, DTensor) else None
-        out = _local_index(x, items)
-        return out if out is not None else prev(x, *args, **kwargs)
-
-    return handler
 
 
 def _select(x, dim, index) -> tuple | None:
@@ -58,10 +45,6 @@ def _select(x, dim, index) -> tuple | None:
         return None
     d = norm_dim(dim, x.ndim)
     return tuple(index if e == d else slice(None) for e in range(x.ndim))
-
-
-chain(torch.Tensor.__getitem__)(_local_or_previous(lambda x, i: _expand_index(i, x.ndim)))
-chain(torch.select, torch.Tensor.select)(_local_or_previous(_select))
 
 
 class _FromOwner(torch.autograd.Function):
@@ -146,21 +129,26 @@ def _prefix_index(x: DTensor, index, whole):
     )  # fmt: skip
 
 
-def _chain_index(fn, index_of) -> None:
-    """``fn`` (``x[index]``, ``x.select(dim, i)``) on tensors with prefix tokens by
-    ``_prefix_index``, ``index_of(x, *args)`` giving the index."""
-    prev = previous(fn)
-    kept = _keeps_prefix(fn, prev)
+def _indexing(index_of):
+    """``make`` (``_tokens.chain_each``) of the handler of ``x[index_of(x, *args)]``: behind a
+    prefix by ``_prefix_index``, else locally (``_local_index``), else the handler before."""
 
-    def handler(x, *args, **kwargs):
-        if not has_prefix(x) or kwargs:
-            return prev(x, *args, **kwargs)
-        return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
+    def make(fn, prev):
+        def local(x, *args, **kwargs):
+            out = _local_index(x, index_of(x, *args, **kwargs)) if isinstance(x, DTensor) else None
+            return prev(x, *args, **kwargs) if out is None else out
 
-    handler.__name__ = f"prefix_{fn.__name__}"
-    register_handler(fn)(handler)
+        kept = _keeps_prefix(fn, local)
+
+        def handler(x, *args, **kwargs):
+            if not has_prefix(x) or kwargs:
+                return local(x, *args, **kwargs)
+            return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
+
+        return handler
+
+    return make
 
 
-_chain_index(_T.__getitem__, lambda x, index: index)
-for _fn in (torch.select, _T.select):
-    _chain_index(_fn, _select)
+chain_each((_T.__getitem__,), _indexing(lambda x, index: index), "prefix")
+chain_each((torch.select, _T.select), _indexing(_select), "prefix")

@@ -21,17 +21,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
 from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain
-from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
 from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
-from ._mode import register_handler
 from ._prefix_shard import PrefixShard, placement, prefix_of
 from ._probe import cat_shape
 from ._registry import function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
-from ._tokens import is_dp, is_tokens, previous, split_layouts
+from ._tokens import chain_each, is_dp, is_tokens, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -90,18 +88,10 @@ def _prefixes(args) -> dict[int, tuple[int, int]]:
     return found
 
 
-def _as_graph_material(handler, prev):
-    """``handler`` marked for the ``trace_dtensor_ops`` graphs when the handler it wraps
-    is (``_compile.graph_handler``): wrapping must not turn an element-wise op into a graph
-    break."""
-    return graph_handler(handler) if in_dtensor_graphs(prev) else handler
-
-
-def _keeps_prefix(fn, prev=None):
+def _keeps_prefix(fn, prev):
     """Handler for ``fn``, an op that keeps every token where it is (a permute, an
-    activation): on a tensor with prefix tokens the previous handler (or DTensor's own
-    rules) runs on the plain placements and the prefix is put back."""
-    prev = prev or previous(fn)
+    activation): on a tensor with prefix tokens ``prev`` runs on the plain placements and
+    the prefix is put back."""
     what = function_name(fn)
 
     def handler(*args, **kwargs):
@@ -111,8 +101,7 @@ def _keeps_prefix(fn, prev=None):
         out = prev(*_strip(args), **{k: _strip(v) for k, v in kwargs.items()})
         return _attach(out, prefixes, what)
 
-    handler.__name__ = f"prefix_{getattr(fn, '__name__', 'op')}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
 _T = torch.Tensor
@@ -129,14 +118,12 @@ _KEEPING = [
     *(getattr(torch, n) for n in ("unsqueeze", "squeeze", "sigmoid", "tanh", "chunk", "split")),
     F.gelu, F.silu, F.relu, F.dropout, F.softmax, F.sigmoid, F.tanh,
 ]  # fmt: skip
-for _fn in _KEEPING:
-    register_handler(_fn)(_keeps_prefix(_fn))
+chain_each(_KEEPING, _keeps_prefix, "prefix", graph=True)
 
 
-def _arith_handler(fn):
+def _arith_handler(fn, prev):
     """Arithmetic: ``_tokens.py``'s handler already counts the prefix for two tensors laid
     out alike or a plain tensor (a position embedding); a scalar goes to DTensor."""
-    prev = previous(fn)
     kept = _keeps_prefix(fn, prev)
 
     def handler(a, b, *args, **kwargs):
@@ -148,12 +135,10 @@ def _arith_handler(fn):
             return prev(a, b, *args, **kwargs)
         return kept(a, b, *args, **kwargs)
 
-    handler.__name__ = f"prefix_{fn.__name__}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
-for _fn in ARITH:
-    register_handler(_fn)(_arith_handler(_fn))
+chain_each(ARITH, _arith_handler, "prefix", graph=True)
 
 
 def _expanded_leaf(t: Tensor) -> Tensor | None:
@@ -248,9 +233,7 @@ def _chunked(t) -> bool:
     return isinstance(t, DTensor) and t.ndim == 3 and Shard(1) in t.placements
 
 
-def _cat_handler(fn):
-    prev = previous(fn)
-
+def _cat_handler(fn, prev):
     def handler(tensors, dim=0, **kwargs):
         tensors = list(tensors)
         x = next((t for t in reversed(tensors) if is_tokens(t)), None)
@@ -270,17 +253,13 @@ def _cat_handler(fn):
                 return out
         return prev(tensors, dim, **kwargs)
 
-    handler.__name__ = f"prefix_{fn.__name__}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
-for _fn in (torch.cat, torch.concat, torch.concatenate):
-    register_handler(_fn)(_cat_handler(_fn))
+chain_each((torch.cat, torch.concat, torch.concatenate), _cat_handler, "prefix", graph=True)
 
 
-def _expand_handler(fn):
-    prev = previous(fn)
-
+def _expand_handler(fn, prev):
     def handler(t, other, *args, **kwargs):
         """``t.expand_as(tokens)`` of a tensor replicated over the ranks that split the
         tokens, of size 1 along them (a class token): local, laid out like ``tokens``."""
@@ -295,8 +274,7 @@ def _expand_handler(fn):
         local = t.to_local(grad_placements=grads).expand(other.to_local().shape)
         return wrap(local, other, other.placements, other.shape)
 
-    handler.__name__ = f"prefix_{fn.__name__}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
-register_handler(_T.expand_as)(_expand_handler(_T.expand_as))
+chain_each((_T.expand_as,), _expand_handler, "prefix", graph=True)

@@ -12,6 +12,7 @@ handler registered before (``_reduce.py``); behind a prefix it is refused by nam
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -22,14 +23,12 @@ from ._dims import wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._mode import register_handler
 from ._prefix_shard import prefix_of, reduced_placements
 from ._probe import result_shape
 from ._reduce import _dims  # (and its handlers, wrapped here)
 from ._registry import function_name
 from ._sharding import grad_groups, sharded_dim
-from ._token_prefix import _as_graph_material
-from ._tokens import chain, is_tokens, previous, split_layouts
+from ._tokens import chain, chain_each, is_tokens, split_layouts
 
 _T = torch.Tensor
 
@@ -46,13 +45,16 @@ class _Spec(NamedTuple):
     needs_dim: bool = False
 
 
+#: the ops by ``_Spec``: a name for both ``torch.name`` and ``Tensor.name``, or the function
 _OPS = {
     _Spec(1, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp")
     + ("argmax", "argmin"),
     _Spec(1, 3): ("var", "std"),
-    _Spec(2, 3): ("norm",),
+    _Spec(2, 3): ("norm", torch.linalg.vector_norm),
     _Spec(1, 2, needs_dim=True): ("max", "min", "median", "nanmedian"),
-    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax", "cumsum", "cumprod"),
+    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax", "cumsum", "cumprod")
+    + (F.softmax, F.log_softmax),
+    _Spec(2, None, default=1): (F.normalize,),
 }
 
 
@@ -62,9 +64,8 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
     return args[pos] if pos is not None and len(args) > pos else default
 
 
-def _token_wise(fn, spec: _Spec):
+def _token_wise(fn, prev, spec: _Spec):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
-    prev = previous(fn)
     what = function_name(fn)
 
     def handler(x, *args, **kwargs):
@@ -102,18 +103,12 @@ def _token_wise(fn, spec: _Spec):
             return type(out)(parts)
         return wrap(out, x, placements, shape)
 
-    handler.__name__ = f"token_{getattr(fn, '__name__', 'op')}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
-for _spec, _names in _OPS.items():
-    for _name in _names:
-        for _fn in (getattr(torch, _name), getattr(_T, _name)):
-            register_handler(_fn)(_token_wise(_fn, _spec))
-for _fn in (F.softmax, F.log_softmax):
-    register_handler(_fn)(_token_wise(_fn, _Spec(1, None, needs_dim=True)))
-register_handler(F.normalize)(_token_wise(F.normalize, _Spec(2, None, default=1)))
-register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, _Spec(2, 3)))
+for _spec, _ops in _OPS.items():
+    _both = [(getattr(torch, n), getattr(_T, n)) if isinstance(n, str) else (n,) for n in _ops]
+    chain_each([f for fns in _both for f in fns], partial(_token_wise, spec=_spec), graph=True)
 
 
 def _splits_normalized(x: DTensor, normalized_shape) -> bool:

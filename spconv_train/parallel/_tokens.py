@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _channels  # noqa: F401  (its handlers are wrapped below)
 from ._broadcast import ARITH, plain_part  # (and its handlers, wrapped below)
+from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import is_dp, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, shard_bounds
@@ -134,17 +135,23 @@ def chain(*functions, prefix: str = "token"):
     ``functions``, ``prev`` the one before it (``previous``), called for what it leaves."""
 
     def deco(handler):
-        for fn in functions:
-            prev = previous(fn)
-
-            def run(*args, _prev=prev, **kwargs):
-                return handler(_prev, *args, **kwargs)
-
-            run.__name__ = f"{prefix}_{getattr(fn, '__name__', 'op')}"
-            register_handler(fn)(run)
+        chain_each(functions, lambda fn, prev: lambda *a, **k: handler(prev, *a, **k), prefix)
         return handler
 
     return deco
+
+
+def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> None:
+    """Register ``make(fn, prev)`` for each of ``functions``, ``prev`` the handler before it
+    (``previous``); with ``graph``, marked graph material where ``prev`` is
+    (``_compile.graph_handler``: wrapping must not turn an element-wise op into a break)."""
+    for fn in functions:
+        prev = previous(fn)
+        handler = make(fn, prev)
+        handler.__name__ = f"{prefix}_{getattr(fn, '__name__', 'op')}"
+        register_handler(fn)(
+            graph_handler(handler) if graph and in_dtensor_graphs(prev) else handler
+        )
 
 
 #: the matrix products (handlers in ``_attention_explicit.py`` and ``_windows.py``)
@@ -163,23 +170,19 @@ def reshape_of(func, x: DTensor, args, kwargs) -> tuple[tuple[int, ...], Callabl
     return result_shape(func, x.shape, *args, **kwargs), fn
 
 
-def _reshaping(func):
-    """Handler for ``func`` (a reshape-like op): local on token tensors, else DTensor's."""
-    what = function_name(func)
+def _reshaping(fn, prev):
+    """Handler for ``fn`` (a reshape-like op): local on token tensors, else ``prev``."""
+    what = function_name(fn)
 
     def handler(x, *args, **kwargs):
         tokens = is_tokens(x) or is_nested(x)
-        shape, fn = reshape_of(func, x, args, kwargs) if tokens else (None, None)
-        if shape is None:
-            return run_dtensor_op(func, (x, *args), kwargs)  # DTensor's own
-        return local_reshape(x, shape, what, fn)
+        shape, f = reshape_of(fn, x, args, kwargs) if tokens else (None, None)
+        return prev(x, *args, **kwargs) if shape is None else local_reshape(x, shape, what, f)
 
-    handler.__name__ = f"token_{func.__name__}"
     return handler
 
 
-for _fn in RESHAPES:
-    register_handler(_fn)(_reshaping(_fn))
+chain_each(RESHAPES, _reshaping)
 
 
 def _same_split(a: DTensor, b: DTensor) -> bool:
@@ -213,15 +216,14 @@ def _arith(fn, a, b, *args, **kwargs):
     return wrap(fn(la, lb, *args, **kwargs), dt, dt.placements, shape)
 
 
-def _arith_or_previous(fn):
+def _arith_or_previous(fn, prev):
     """Handler: ``_arith`` when the first or second argument is a token tensor."""
 
-    def handler(prev, *args, **kwargs):
+    def handler(*args, **kwargs):
         tokens = any(is_tokens(a) for a in args[:2])
         return _arith(fn, *args, **kwargs) if tokens else prev(*args, **kwargs)
 
     return handler
 
 
-for _fn in ARITH:
-    chain(_fn)(_arith_or_previous(_fn))
+chain_each(ARITH, _arith_or_previous)

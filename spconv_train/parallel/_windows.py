@@ -25,7 +25,7 @@ from ._geometry import ExchangePlan, all_shard_bounds, shard_bounds
 from ._halo import gather_columns
 from ._prefix_shard import placement, prefix_of
 from ._ring_mask import sdpa_bias
-from ._tokens import MATMULS, TokenLayout, _target, chain, split_layouts
+from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, split_layouts
 from ._window_moves import SINGLE_WINDOWS, Move, remember_single, window_move
 
 
@@ -214,22 +214,22 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     return moves if moves or local else None
 
 
-def _reshaping(func) -> None:
-    """Window moves for the reshape-like ``func``, before the token / DTensor rules."""
+def _reshaping(fn, prev):
+    """Window moves for the reshape-like ``fn``, before the token / DTensor rules."""
 
-    @chain(func, prefix="window")
-    def handler(prev, x, *args, **kwargs):
+    def handler(x, *args, **kwargs):
         # tokens behind a prefix (class token) are never windows: _tokens.py keeps the prefix
         if isinstance(x, DTensor) and not any(map(prefix_of, x.placements)):
-            shape, fn = _tokens.reshape_of(func, x, args, kwargs)
+            shape, f = _tokens.reshape_of(fn, x, args, kwargs)
             moves = None if shape is None else _moves(x, shape)
             if moves is not None:
-                return window_reshape(x, shape, moves, fn)
+                return window_reshape(x, shape, moves, f)
         return prev(x, *args, **kwargs)
 
+    return handler
 
-for _fn in _tokens.RESHAPES:
-    _reshaping(_fn)
+
+chain_each(_tokens.RESHAPES, _reshaping, "window")
 
 
 def batch_split(t) -> bool:
