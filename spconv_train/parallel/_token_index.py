@@ -1,12 +1,8 @@
-"""Indexing token tensors along dims no rank splits (``kv[0]``, ``x.select(0, i)``,
-``x[:, :, 0]``), and behind prefix tokens (``_token_prefix.py``).
-
-The local tensor is indexed the same way: DTensor's ``select_backward`` would build the
-gradient from the global size chunked DTensor's way, which is not the token layout of a
-dim split over several mesh dims (tiles). ``x[:, p:]`` gives the pixel tokens in their
-layout again; an index inside the prefix (``x[:, 0]``, ``x[:, :p]``) is broadcast from the
-owner (the first rank of the token ring, ``_token_ring.py``) as a ``Replicate`` DTensor,
-its gradient summed back to the owner. docs/attention.md, "Prefix tokens".
+"""Indexing token tensors along dims no rank splits (``kv[0]``, ``x.select(0, i)``), on the
+local tensor: DTensor's ``select_backward`` would size the gradient by its own chunking, not
+the layout of tiles. Behind prefix tokens (``_token_prefix.py``) ``x[:, p:]`` gives the pixel
+tokens, an index inside the prefix (``x[:, 0]``) is broadcast from its owner as a
+``Replicate`` DTensor. docs/attention.md, "Prefix tokens".
 """
 
 from __future__ import annotations
@@ -66,29 +62,13 @@ class _FromOwner(torch.autograd.Function):
         return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None, None
 
 
-def prefix_owner(x: DTensor) -> tuple[int, tuple[int, ...], int, bool]:
-    """``(dim, mesh dims, prefix, owner)`` of ``x``'s prefix tokens: the token dim, the mesh
-    dims that split it (each a ``PrefixShard``), how many, and whether this rank holds them
-    (the first rank of every one of those mesh dims)."""
-    dims = tuple(m for m, p in enumerate(x.placements) if prefix_of(p))
-    p = prefix_of(x.placements[dims[0]])
-    owner = all(mesh_rank(x.device_mesh, m) == 0 for m in dims)
-    return norm_dim(x.placements[dims[0]].dim, x.ndim), dims, p, owner
-
-
-def _broadcast_prefix(x: DTensor, d: int, part: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``part`` (the owner's prefix rows; empty elsewhere) on every rank of the token ring."""
-    ring = token_ring(x.device_mesh, dim_layouts(split_layouts(x), d))
-    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
-    return _FromOwner.apply(part, ring.group, shape, d, src)
-
-
 def _prefix_index(x: DTensor, index, whole):
     """``x[index]`` on a tensor with prefix tokens: ``whole(x)`` when the token dim stays
-    whole (other dims indexed), the pixel tokens (``x[:, p:]``) or a part of the prefix
-    (``x[:, 0]``, ``x[:, :p]``)."""
+    whole, the pixel tokens (``x[:, p:]``) or a part of the prefix (``x[:, 0]``, ``x[:, :p]``)
+    from its owner, the first rank of every mesh dim splitting the tokens."""
     items = _expand_index(index, x.ndim)
-    d, dims, p, owner = prefix_owner(x)
+    dims = [m for m, q in enumerate(x.placements) if prefix_of(q)]
+    d, p = norm_dim(x.placements[dims[0]].dim, x.ndim), prefix_of(x.placements[dims[0]])
     if items is not None and items[d] == slice(None):
         return whole(x)
     what = "indexing (x[...])"
@@ -100,6 +80,7 @@ def _prefix_index(x: DTensor, index, whole):
             "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
         )
     i, n, local = items[d], x.shape[d], x.to_local()
+    owner = all(mesh_rank(x.device_mesh, m) == 0 for m in dims)
     if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(p, n):
         plain = list(x.placements)
         for m in dims:
@@ -116,7 +97,10 @@ def _prefix_index(x: DTensor, index, whole):
         )
     shape = list(local.shape)
     shape[d] = len(picked)
-    out = _broadcast_prefix(x, d, local.narrow(d, picked[0], len(picked) if owner else 0), shape)
+    ring = token_ring(x.device_mesh, dim_layouts(split_layouts(x), d))
+    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
+    part = local.narrow(d, picked[0], len(picked) if owner else 0)
+    out = _FromOwner.apply(part, ring.group, shape, d, src)
     if isinstance(i, int):
         out = out.select(d, 0)
     placements, grads = list(x.placements), list(x.placements)

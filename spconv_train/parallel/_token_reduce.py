@@ -1,13 +1,12 @@
-"""Token-wise reductions and scans (``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
-``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
-``F.rms_norm`` ...) over dims no rank splits (the channels) of pixel tokens, with or without
-prefix tokens; ``F.layer_norm``: ``_channels.py``.
-
-Each rank holds whole tokens, so the local reduction is exact and keeps the token layout.
-Run here rather than by DTensor, whose backward sizes the gradient by its own chunking,
-which is not the layout behind a prefix or of nested tiles ("The expanded size of the
-tensor (15) must match the existing size (17)"). A reduction over the tokens goes to the
-handler registered before (``_reduce.py``); behind a prefix it is refused by name.
+"""Token-wise ops over dims no rank splits (the channels) of pixel tokens, with or without
+prefix tokens: reductions and scans (``sum``, ``var``, ``amax``, ``max``, ``argmax``,
+``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``, ``F.rms_norm`` ...; ``F.layer_norm``:
+``_channels.py``), ``split`` and ``chunk``. Each rank holds whole tokens: the local op is
+exact and keeps the token layout. DTensor's backward would size the gradient by its own
+chunking, not the layout behind a prefix or of nested tiles ("The expanded size of the
+tensor (15) must match the existing size (17)"); its ``split_with_sizes`` replicates an
+uneven ``_StridedShard`` (a gather). A reduction over the tokens goes to the handler before
+(``_reduce.py``); behind a prefix it is refused by name.
 """
 
 from __future__ import annotations
@@ -17,9 +16,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from ._dims import wrap
+from . import _token_prefix  # noqa: F401  (its handlers are wrapped here)
+from ._channels import local_pieces
+from ._dims import norm_dim, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
@@ -28,16 +28,15 @@ from ._probe import result_shape
 from ._reduce import _dims  # (and its handlers, wrapped here)
 from ._registry import function_name
 from ._sharding import grad_groups, sharded_dim
-from ._tokens import chain, chain_each, is_tokens, split_layouts
+from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
 
 
 class _Spec(NamedTuple):
-    """Where an op takes its arguments: ``dim`` and ``keepdim`` by position (the tensor
-    first; ``keep_pos`` ``None``: the shape is kept), the dims reduced without ``dim``
-    (``None``: all), and whether the op without ``dim`` is another one (``x.max()`` over
-    all, ``torch.max(a, b)`` element-wise) or needs it (``softmax``)."""
+    """Where an op takes ``dim`` and ``keepdim`` by position (``keep_pos`` ``None``: the
+    shape is kept), its dims without ``dim`` (``None``: all), and whether without ``dim``
+    it is another op (``x.max()``, ``torch.max(a, b)``) or needs it (``softmax``)."""
 
     dim_pos: int
     keep_pos: int | None
@@ -93,8 +92,7 @@ def _token_wise(fn, prev, spec: _Spec):
                     f"channels (dim=-1)."
                 )
             return prev(x, *args, **kwargs)
-        keep = spec.keep_pos
-        keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
+        keepdim = spec.keep_pos is None or bool(_arg(full, kwargs, spec.keep_pos, "keepdim", 0))
         placements = reduced_placements(x, dims, keepdim)
         out = fn(x.to_local(), *args, **kwargs)
         shape = result_shape(fn, x.shape, *args, meta_dtype=x.dtype, **kwargs)
@@ -111,21 +109,43 @@ for _spec, _ops in _OPS.items():
     chain_each([f for fns in _both for f in fns], partial(_token_wise, spec=_spec), graph=True)
 
 
-def _splits_normalized(x: DTensor, normalized_shape) -> bool:
-    """True when a rank splits one of the trailing dims that a norm over
-    ``normalized_shape`` reduces."""
-    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-    return any(lay.dim >= x.ndim - k for lay in split_layouts(x))
-
-
 @chain(F.rms_norm)
 def _rms_norm(prev, input, normalized_shape, weight=None, eps=None):
     """``F.rms_norm`` over trailing dims no rank splits (the channels): local, as
     ``F.layer_norm`` (``_channels.spatial_layer_norm``)."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
     # is_tokens first: the layouts are read only for token tensors
-    if not is_tokens(input) or _splits_normalized(input, normalized_shape):
+    if not is_tokens(input) or any(lay.dim >= input.ndim - k for lay in split_layouts(input)):
         return prev(input, normalized_shape, weight, eps)
     out = F.rms_norm(
         input.to_local(), normalized_shape, sum_grad_over(weight, grad_groups(input)), eps
     )
     return wrap(out, input, input.placements, input.shape)
+
+
+#: the size argument's keyword in ``torch.split``, ``Tensor.split`` and ``chunk``
+_SIZES = ("split_size_or_sections", "split_size", "chunks")
+
+
+def _local_pieces(fn, prev):
+    """Handler: ``fn(x, arg, dim)`` (``split`` / ``chunk``) on the local tensor when ``x`` is
+    a token tensor and no layout of it splits ``dim``; otherwise ``prev``."""
+    run = getattr(torch, fn.__name__)
+
+    def handler(x, *args, **kwargs):
+        arg = args[0] if args else next((kwargs[n] for n in _SIZES if n in kwargs), None)
+        d = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if (
+            arg is None
+            or set(kwargs) - {"dim", *_SIZES}
+            or not (is_tokens(x) or is_nested(x))
+            or any(p.is_partial() or prefix_of(p) for p in x.placements)
+            or any(lay.dim == norm_dim(d, x.ndim) for lay in split_layouts(x))
+        ):
+            return prev(x, *args, **kwargs)
+        return local_pieces(run, x, arg, norm_dim(d, x.ndim))
+
+    return handler
+
+
+chain_each((torch.split, _T.split, torch.chunk, _T.chunk), _local_pieces, "token_pieces")

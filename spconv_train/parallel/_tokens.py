@@ -1,12 +1,8 @@
-"""Token layouts: an NCHW map flattened to a sequence of pixel tokens, kept sharded.
-
-``x.flatten(2).transpose(1, 2)`` of a W strip holds, per row, the tokens of the rank's
-columns: DTensor's ``_StridedShard(dim, split_factor=H)``, read by ``TokenLayout``. Reshapes
-that keep the sharded factor whole run locally (also for uneven splits, where DTensor
-refuses "Cannot unflatten unevenly sharded tensor"); arithmetic with a plain tensor slices
-it to the rank's tokens, its gradient summed; a reshape mixing ranks' tokens is refused by
-name. docs/attention.md, "Token layout".
-"""
+"""Token layouts: a map flattened to pixel tokens, kept sharded (read by ``TokenLayout``).
+Reshapes that keep each sharded factor whole run locally (DTensor refuses uneven ones:
+"Cannot unflatten unevenly sharded tensor"), arithmetic with a plain tensor takes the rank's
+tokens of it; a reshape mixing ranks' tokens is refused by name. docs/attention.md, "Token
+layout"."""
 
 from __future__ import annotations
 
@@ -31,8 +27,8 @@ from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts
 
 
 def is_nested(x) -> bool:
-    """True for a DTensor split over several spatial mesh dims (H x W tiles, rows on a
-    ``(sp_h, sp_w)`` mesh, their tokens): a reshape of it runs on the local tensor here."""
+    """True for a DTensor split over several spatial mesh dims (tiles, rows, their tokens):
+    its reshapes run on the local tensor here."""
     if not isinstance(x, DTensor):
         return False
     lays = [m for m in split_layouts(x) if not is_dp(x, m.mesh_dim)]
@@ -43,9 +39,8 @@ def _target(
     shape: tuple[int, ...], lay: TokenLayout, out_shape: tuple[int, ...], last: bool = False
 ):
     """``(output dim, split factor, unit)`` of ``lay``'s sharded factor after a reshape to
-    ``out_shape``; ``None`` if the reshape mixes that factor with others. A sharded factor
-    of size 1 fits several output dims: the first, or with ``last`` the innermost
-    (``_windows.py``: a single window's index). Behind a prefix the dim stays whole."""
+    ``out_shape``, ``None`` if it mixes with others. A factor of size 1 fits several output
+    dims: the first, or with ``last`` the innermost (a single window's index)."""
     if lay.prefix:
         head = math.prod(shape[: lay.dim])
         for e, n in enumerate(out_shape):
@@ -79,20 +74,22 @@ def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> 
     )
 
 
-def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
-    """``(placements, local shape)`` of ``x`` reshaped to ``out_shape`` with every sharded
-    factor kept whole; refuses (``SpatialShardingError`` naming ``what`` and the module) a
-    reshape that mixes the tokens of several ranks or nests them in a way the placements
-    cannot say (e.g. the token dim merged with the channels: runs of ``C`` entries)."""
-    placements = list(x.placements)
-    lays = split_layouts(x)
-    placed = {}
+def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) -> DTensor:
+    """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
+    by default), every sharded factor kept whole; refuses by name (``what``) a reshape that
+    mixes ranks' tokens or nests them in a way the placements cannot say (the token dim
+    merged with the channels)."""
+    placements, lays = list(x.placements), split_layouts(x)
+    placed, shares = {}, {}
     for lay in lays:
         found = _target(tuple(x.shape), lay, out_shape)
         if found is None:
             raise _mixes(x, out_shape, what, lay, "")
-        placed[lay.mesh_dim] = found
-        placements[lay.mesh_dim] = placement(found[0], found[1], lay.prefix)
+        placed[lay.mesh_dim], e = found, found[0]
+        placements[lay.mesh_dim] = placement(e, found[1], lay.prefix)
+        a, b = shard_bounds(lay.inner, lay.parts, lay.rank)
+        own, total = shares.get(e, (1, 1))
+        shares[e] = (own * (b - a), total * max(lay.inner, 1))
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
         chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))
@@ -100,27 +97,12 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
         want = _nest(n, chain).get(lay.mesh_dim, (n // sf, 1))
         if want[1] != unit:
             raise _mixes(x, out_shape, what, lay, f" (runs of {unit} entries of dim {e})")
-    shares = {}
-    for lay in lays:
-        e = placed[lay.mesh_dim][0]
-        a, b = shard_bounds(lay.inner, lay.parts, lay.rank)
-        own, total = shares.get(e, (1, 1))
-        shares[e] = (own * (b - a), total * max(lay.inner, 1))
-    local_shape = [
+        if lay.prefix:  # a dim behind a prefix is the same dim, as long as before
+            shares[e] = (x.to_local().shape[lay.dim], out_shape[e])
+    local_shape = tuple(
         n * shares[e][0] // shares[e][1] if e in shares else n for e, n in enumerate(out_shape)
-    ]
-    for lay in lays:  # a dim behind a prefix is the same dim, as long as before
-        if lay.prefix:
-            local_shape[placed[lay.mesh_dim][0]] = x.to_local().shape[lay.dim]
-    return placements, tuple(local_shape)
-
-
-def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) -> DTensor:
-    """``x`` reshaped to the global ``out_shape`` on the local tensor, each sharded factor
-    kept whole (``fn(local, local_shape)``: the op, ``reshape`` by default)."""
-    placements, local_shape = reshaped_layout(x, out_shape, what)
-    local = x.to_local()
-    out = fn(local, local_shape) if fn else local.reshape(local_shape)
+    )
+    out = fn(x.to_local(), local_shape) if fn else x.to_local().reshape(local_shape)
     return wrap(out, x, placements, out_shape)
 
 
@@ -130,12 +112,14 @@ def previous(fn) -> Callable:
     return prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
 
 
-def chain(*functions, prefix: str = "token"):
+def chain(*functions, prefix: str = "token", graph: bool = False):
     """Decorator: ``handler(prev, *args, **kwargs)`` becomes the handler of each of
-    ``functions``, ``prev`` the one before it (``previous``), called for what it leaves."""
+    ``functions`` (``chain_each``), ``prev`` the one before it, called for what it leaves."""
 
     def deco(handler):
-        chain_each(functions, lambda fn, prev: lambda *a, **k: handler(prev, *a, **k), prefix)
+        chain_each(
+            functions, lambda fn, prev: lambda *a, **k: handler(prev, *a, **k), prefix, graph
+        )
         return handler
 
     return deco
@@ -185,45 +169,37 @@ def _reshaping(fn, prev):
 chain_each(RESHAPES, _reshaping)
 
 
-def _same_split(a: DTensor, b: DTensor) -> bool:
-    """Both laid out alike: the same placements, and every split dim of the same size."""
-    return (
-        a.ndim == b.ndim
-        and a.placements == b.placements
-        and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a))
-    )
-
-
-def _arith(fn, a, b, *args, **kwargs):
-    dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
-    if isinstance(plain, DTensor) and _same_split(dt, plain):
-        # DTensor redistributes some of these when the strides differ (a transposed view
-        # next to a contiguous tensor); laid out alike, the op is local
-        shape = torch.broadcast_shapes(a.shape, b.shape)
-        return wrap(fn(a.to_local(), b.to_local(), *args, **kwargs), dt, dt.placements, shape)
-    if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
-        return fn(a, b, *args, **kwargs)  # DTensor's own rules
-    shape = torch.broadcast_shapes(dt.shape, plain.shape)
-    if shape != dt.shape:
-        raise SpatialShardingError(
-            f"{function_name(fn)} of a token tensor {tuple(dt.shape)} and a plain tensor "
-            f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
-        )
-    # the guard here, not in local_part: the attention masks and biases it cuts
-    # (_ring_mask.py) have a window's size, not the image's
-    part = plain_part(plain, dt, function_name(fn))
-    la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
-    return wrap(fn(la, lb, *args, **kwargs), dt, dt.placements, shape)
-
-
-def _arith_or_previous(fn, prev):
-    """Handler: ``_arith`` when the first or second argument is a token tensor."""
+def _arith(fn, prev):
+    """Handler for ``fn`` with a token tensor first or second: local next to a token tensor
+    laid out alike or a plain tensor (the rank's part of it); else ``prev``."""
+    what = function_name(fn)
 
     def handler(*args, **kwargs):
-        tokens = any(is_tokens(a) for a in args[:2])
-        return _arith(fn, *args, **kwargs) if tokens else prev(*args, **kwargs)
+        if len(args) < 2 or not (is_tokens(args[0]) or is_tokens(args[1])):
+            return prev(*args, **kwargs)
+        a, b, *rest = args
+        dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
+        alike = isinstance(plain, DTensor) and a.ndim == b.ndim and a.placements == b.placements
+        if alike and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a)):
+            # DTensor redistributes some of these when the strides differ (a transposed view
+            # next to a contiguous tensor); laid out alike, the op is local
+            shape = torch.broadcast_shapes(a.shape, b.shape)
+            return wrap(fn(a.to_local(), b.to_local(), *rest, **kwargs), dt, dt.placements, shape)
+        if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
+            return fn(*args, **kwargs)  # DTensor's own rules
+        shape = torch.broadcast_shapes(dt.shape, plain.shape)
+        if shape != dt.shape:
+            raise SpatialShardingError(
+                f"{what} of a token tensor {tuple(dt.shape)} and a plain tensor "
+                f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
+            )
+        # the guard here, not in local_part: the attention masks and biases it cuts
+        # (_ring_mask.py) have a window's size, not the image's
+        part = plain_part(plain, dt, what)
+        la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
+        return wrap(fn(la, lb, *rest, **kwargs), dt, dt.placements, shape)
 
     return handler
 
 
-chain_each(ARITH, _arith_or_previous)
+chain_each(ARITH, _arith)
