@@ -7,6 +7,8 @@ tokens, an index inside the prefix (``x[:, 0]``) is broadcast from its owner as 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -30,8 +32,7 @@ def _local_index(x, index) -> DTensor | None:
     items = _expand_index(index, x.ndim) if is_tokens(x) or is_nested(x) else None
     if items is None or any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
         return None
-    removed = [d for d, i in enumerate(items) if isinstance(i, int)]
-    placements = reduced_placements(x, removed)
+    placements = reduced_placements(x, [d for d, i in enumerate(items) if isinstance(i, int)])
     return wrap(x.to_local()[items], x, placements, index_shape(x.shape, items))
 
 
@@ -113,26 +114,23 @@ def _prefix_index(x: DTensor, index, whole):
     )  # fmt: skip
 
 
-def _indexing(index_of):
-    """``make`` (``_tokens.chain_each``) of the handler of ``x[index_of(x, *args)]``: behind a
-    prefix by ``_prefix_index``, else locally (``_local_index``), else the handler before."""
+def _indexing(index_of, fn, prev):
+    """Handler (``_tokens.chain_each``) of ``x[index_of(x, *args)]``: behind a prefix by
+    ``_prefix_index``, else locally (``_local_index``), else ``prev``."""
 
-    def make(fn, prev):
-        def local(x, *args, **kwargs):
-            out = _local_index(x, index_of(x, *args, **kwargs)) if isinstance(x, DTensor) else None
-            return prev(x, *args, **kwargs) if out is None else out
+    def local(x, *args, **kwargs):
+        out = _local_index(x, index_of(x, *args, **kwargs)) if isinstance(x, DTensor) else None
+        return prev(x, *args, **kwargs) if out is None else out
 
-        kept = _keeps_prefix(fn, local)
+    kept = _keeps_prefix(fn, local)
 
-        def handler(x, *args, **kwargs):
-            if not has_prefix(x) or kwargs:
-                return local(x, *args, **kwargs)
-            return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
+    def handler(x, *args, **kwargs):
+        if not has_prefix(x) or kwargs:
+            return local(x, *args, **kwargs)
+        return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
 
-        return handler
-
-    return make
+    return handler
 
 
-chain_each((_T.__getitem__,), _indexing(lambda x, index: index), "prefix")
-chain_each((torch.select, _T.select), _indexing(_select), "prefix")
+chain_each((_T.__getitem__,), partial(_indexing, lambda x, index: index), "prefix")
+chain_each((torch.select, _T.select), partial(_indexing, _select), "prefix")

@@ -60,10 +60,8 @@ def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
     out = {}
     for j, (sf, m) in enumerate(chain):
         nxt = chain[j + 1][0] if j + 1 < len(chain) else n
-        if nxt >= sf and nxt % sf == 0 and n % max(nxt, 1) == 0:
-            out[m] = (nxt // sf, n // nxt)
-        else:
-            out[m] = (n // sf, 1)
+        nests = nxt >= sf and nxt % sf == 0 and n % max(nxt, 1) == 0
+        out[m] = (nxt // sf, n // nxt) if nests else (n // sf, 1)
     return out
 
 
@@ -130,12 +128,10 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
     for d in cut:
         k, on_d = d - lead, dim_layouts(lays, d)
         lay = on_d[0]
-        if len(on_d) == 1 and lay.split_factor == lay.unit == 1 and not lay.prefix:
-            a, b = shard_bounds(lay.inner, lay.parts, lay.rank)  # one block: a view
-            held, idx = b - a, None
-        else:
-            idx = held_indices(on_d)
-            held = idx.numel()
+        one = len(on_d) == 1 and lay.split_factor == lay.unit == 1 and not lay.prefix
+        a, b = shard_bounds(lay.inner, lay.parts, lay.rank)  # of one block: a view
+        idx = None if one else held_indices(on_d)
+        held = b - a if one else idx.numel()
         # a mismatch would fail in the op as a bare size error, or broadcast a local
         # dim of size 1 against the picked entries
         if held != x.to_local().shape[d]:

@@ -1,10 +1,8 @@
 """Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens:
 ``torch.cat([cls.expand(N, -1, -1), x], 1)`` gives a ``PrefixShard`` token dim, the prefix
-held once (by the first rank of every mesh dim splitting the tokens), so everything computed
-on it, and its gradient, counts once. Ops that keep the tokens in place run on the plain
+held (and its gradient counted) once; ops that keep the tokens in place run on the plain
 placements and get the prefix back. Refused by name: a plain tensor with a gradient joined
-to the tokens (a gather in the backward) in ``torch.cat`` along the channels or as prefix
-tokens as long as a rank's share of the pixel tokens. docs/attention.md, "Prefix tokens".
+to the tokens (a gather in the backward). docs/attention.md, "Prefix tokens".
 """
 
 from __future__ import annotations
@@ -189,11 +187,10 @@ def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
 def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | None:
     """``torch.cat`` (``what``) along a dim no rank splits of token tensors laid out like
     ``x`` and plain tensors (each rank takes its tokens' part); ``None`` for other mixes."""
-    if any(isinstance(t, DTensor) and t.placements != x.placements for t in tensors):
-        return None
     dims = [lay.dim for lay in split_layouts(x)]
-    if any(isinstance(t, DTensor) and any(t.shape[e] != x.shape[e] for e in dims) for t in tensors):
-        return None
+    for t in (t for t in tensors if isinstance(t, DTensor)):
+        if t.placements != x.placements or any(t.shape[e] != x.shape[e] for e in dims):
+            return None
     for t in tensors:
         if not isinstance(t, DTensor):  # an expanded parameter is summed as the parameter
             leaf = _expanded_leaf(t)

@@ -1,12 +1,8 @@
 """Token-wise ops over dims no rank splits (the channels) of pixel tokens, with or without
-prefix tokens: reductions and scans (``sum``, ``var``, ``amax``, ``max``, ``argmax``,
-``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``, ``F.rms_norm`` ...; ``F.layer_norm``:
-``_channels.py``), ``split`` and ``chunk``. Each rank holds whole tokens: the local op is
-exact and keeps the token layout. DTensor's backward would size the gradient by its own
-chunking, not the layout behind a prefix or of nested tiles ("The expanded size of the
-tensor (15) must match the existing size (17)"); its ``split_with_sizes`` replicates an
-uneven ``_StridedShard`` (a gather). A reduction over the tokens goes to the handler before
-(``_reduce.py``); behind a prefix it is refused by name.
+prefix tokens, on the local tokens: reductions and scans (``F.layer_norm``: ``_channels.py``),
+``split`` and ``chunk`` (DTensor sizes gradients by its own chunking and replicates an uneven
+``_StridedShard`` to split it: docs/attention.md, "Token layout"). A reduction over the
+tokens goes to the handler before (``_reduce.py``); behind a prefix it is refused by name.
 """
 
 from __future__ import annotations
@@ -72,11 +68,8 @@ def _token_wise(fn, prev, spec: _Spec):
             return prev(x, *args, **kwargs)
         full = (x, *args)
         dim = _arg(full, kwargs, spec.dim_pos, "dim", spec.default)
-        if isinstance(dim, bool):  # x.var(unbiased): over every dim
-            dim = None
-        ints = isinstance(dim, int) or (
-            isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim)
-        )
+        dim = None if isinstance(dim, bool) else dim  # x.var(unbiased): over every dim
+        ints = all(isinstance(d, int) for d in (dim if isinstance(dim, (tuple, list)) else [dim]))
         if not ints and (dim is not None or spec.needs_dim):
             # x.max(): over all; torch.max(a, b): element-wise; softmax without dim
             return prev(x, *args, **kwargs)

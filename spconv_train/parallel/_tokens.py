@@ -35,22 +35,17 @@ def is_nested(x) -> bool:
     return len(lays) > 1 and any(m.dim for m in lays)
 
 
-def _target(
-    shape: tuple[int, ...], lay: TokenLayout, out_shape: tuple[int, ...], last: bool = False
-):
+def _target(shape: tuple, lay: TokenLayout, out_shape: tuple, last: bool = False):
     """``(output dim, split factor, unit)`` of ``lay``'s sharded factor after a reshape to
     ``out_shape``, ``None`` if it mixes with others. A factor of size 1 fits several output
     dims: the first, or with ``last`` the innermost (a single window's index)."""
-    if lay.prefix:
-        head = math.prod(shape[: lay.dim])
-        for e, n in enumerate(out_shape):
-            if n == shape[lay.dim] and math.prod(out_shape[:e]) == head:
-                return e, lay.split_factor, lay.unit
-        return None
+    if lay.prefix:  # the dim stays whole
+        head, n = math.prod(shape[: lay.dim]), shape[lay.dim]
+        fits = [e for e, m in enumerate(out_shape) if m == n and math.prod(out_shape[:e]) == head]
+        return (fits[0], lay.split_factor, lay.unit) if fits else None
     before = math.prod(shape[: lay.dim]) * lay.split_factor
     after = math.prod(shape[lay.dim + 1 :]) * lay.unit
-    dims = list(enumerate(out_shape))
-    found = []
+    found, dims = [], list(enumerate(out_shape))
     for e, n in reversed(dims) if last else dims:
         head, tail = math.prod(out_shape[:e]), math.prod(out_shape[e + 1 :])
         if not head or not tail or before % head or after % tail:
@@ -79,8 +74,7 @@ def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) ->
     by default), every sharded factor kept whole; refuses by name (``what``) a reshape that
     mixes ranks' tokens or nests them in a way the placements cannot say (the token dim
     merged with the channels)."""
-    placements, lays = list(x.placements), split_layouts(x)
-    placed, shares = {}, {}
+    placements, lays, placed, shares = list(x.placements), split_layouts(x), {}, {}
     for lay in lays:
         found = _target(tuple(x.shape), lay, out_shape)
         if found is None:
@@ -106,12 +100,6 @@ def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) ->
     return wrap(out, x, placements, out_shape)
 
 
-def previous(fn) -> Callable:
-    """The handler registered for ``fn`` so far, else DTensor's own rules (errors named)."""
-    prev = DEFAULT_REGISTRY.handler(fn)
-    return prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
-
-
 def chain(*functions, prefix: str = "token", graph: bool = False):
     """Decorator: ``handler(prev, *args, **kwargs)`` becomes the handler of each of
     ``functions`` (``chain_each``), ``prev`` the one before it, called for what it leaves."""
@@ -127,15 +115,15 @@ def chain(*functions, prefix: str = "token", graph: bool = False):
 
 def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> None:
     """Register ``make(fn, prev)`` for each of ``functions``, ``prev`` the handler before it
-    (``previous``); with ``graph``, marked graph material where ``prev`` is
-    (``_compile.graph_handler``: wrapping must not turn an element-wise op into a break)."""
+    (else DTensor's own rules, errors named); with ``graph``, marked graph material where
+    ``prev`` is (``_compile.graph_handler``: wrapping must not turn an element-wise op into a
+    graph break)."""
     for fn in functions:
-        prev = previous(fn)
+        prev = DEFAULT_REGISTRY.handler(fn) or (lambda *a, _fn=fn, **k: run_dtensor_op(_fn, a, k))
         handler = make(fn, prev)
         handler.__name__ = f"{prefix}_{getattr(fn, '__name__', 'op')}"
-        register_handler(fn)(
-            graph_handler(handler) if graph and in_dtensor_graphs(prev) else handler
-        )
+        marked = graph and in_dtensor_graphs(prev)
+        register_handler(fn)(graph_handler(handler) if marked else handler)
 
 
 #: the matrix products (handlers in ``_attention_explicit.py`` and ``_windows.py``)

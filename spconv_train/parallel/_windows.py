@@ -1,10 +1,8 @@
-"""Window partition and reverse of a sharded map (Swin), and the ops that run per window.
-Which reshapes are window cuts is shape arithmetic (``_moves``): a split dim factorised
-into ``(windows, ws)`` with the window factor split, such a factorisation merged back, or
-the split window index merged into the batch of windows (a token layout). A cut re-chunks
-the map to window-aligned owners point to point where the chunks do not fall on window
-boundaries (the reverse merge back). Per-window matmuls and SDPA with a mask sliced to the
-rank's windows run locally. docs/attention.md, "Window attention (Swin)".
+"""Window partition and reverse of a sharded map (Swin), and the ops that run per window: a
+reshape that cuts a split dim at window boundaries (``_moves``) re-chunks the map to
+window-aligned owners point to point where needed (the reverse merge back), the batch of
+windows a token layout; per-window matmuls and SDPA run locally. docs/attention.md, "Window
+attention (Swin)".
 """
 
 from __future__ import annotations
@@ -93,12 +91,9 @@ def _split(lay: TokenLayout, shape: tuple, out: tuple) -> Move | None:
         return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]), lay.split_factor)
     if lay.split_factor != 1:
         return None
-    # (1, W) of a map dim (not the batch): one window along it when the reshape cuts two
-    # dims into windows (a partition of H and W); otherwise a size-1 dim added next to it
-    # (the dim stays split). A split dim that becomes three or more dims is no window cut
-    # either and stays split: a token dim unflattened to a grid with leading size-1 dims
-    # ((N, L, C) -> (N, 1, 1, W, C): a 3-D ViT's patches of a thin volume), a map one
-    # window high and one row deep ((B, 1, W, C) -> (B, 1, 1, 1, W, C)).
+    # (1, W) of a map dim: one window along it when the reshape cuts two dims into windows
+    # (H and W); a size-1 dim added next to it, or three or more dims (docs/attention.md: a
+    # thin volume's patches, a Swin stage one row deep) keep the dim split
     one = big == [e1 - 1] and e1 - e0 == 2 and lay.dim > 0
     if one and len(out) >= len(shape) + 2:
         remember_single(("cut", tuple(out), e1 - 2), 1)
@@ -180,11 +175,10 @@ def _single_window_dims(x: DTensor, lays: list, out_shape: tuple) -> dict[int, i
     them) of a batch of windows a reshape puts back: on tiles the size-1 output dims that
     fit them, in mesh dim order (``sp_h``'s window row first); on one mesh dim the window
     index it came from (``SINGLE_WINDOWS``). ``_target`` would pick another dim."""
-    shape, groups = tuple(x.shape), {}
+    shape, groups, out = tuple(x.shape), {}, {}
     for lay in lays:
         if not is_dp(x, lay.mesh_dim):
             groups.setdefault(lay.dim, []).append(lay)
-    out = {}
     for d, group in groups.items():
         ones = [lay for lay in group if lay.inner <= 1]
         if not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
@@ -208,15 +202,12 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
     by default): the dims of ``moves`` cut / merged at window boundaries (re-chunked where
     the chunks are not aligned), every other split dim kept whole."""
-    shape = tuple(x.shape)
-    placements = list(x.placements)
-    local = x.to_local()
+    shape, placements, local = tuple(x.shape), list(x.placements), x.to_local()
     lays = split_layouts(x)  # read once: every step below reads the input's layouts
     for m in moves:
         if m.split:
             local = _rechunk(local, x, lays, m, out_shape)
-    # each split dim's share of the output dim it lands on (several can land on one: the
-    # batch over dp and the windows over sp both split the batch of windows)
+    # each split dim's share of the output dim it lands on (dp and sp: the batch of windows)
     share = {e: (1, 1) for e in range(len(out_shape))}
     by_mesh = {m.lay.mesh_dim: m for m in moves}
     single = _single_window_dims(x, lays, out_shape)
@@ -241,9 +232,7 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
                 remember_single(("batch", shape, lay.mesh_dim), lay.dim)
             placements[lay.mesh_dim] = placement(e, sf)
         share[e] = (share[e][0] * own, share[e][1] * total)
-    local_shape = [
-        n * own // total for n, (own, total) in zip(out_shape, share.values(), strict=True)
-    ]
+    local_shape = [n * o // t for n, (o, t) in zip(out_shape, share.values(), strict=True)]
     out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
     for m in moves:
         if not m.split:
@@ -266,8 +255,7 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
         if lay.unit == 1 and not (spatial.count(lay.dim) > 1 and lay.split_factor != 1):
             m = _split(lay, shape, out_shape)
         if m is None and lay.unit == 1 and lay.split_factor == 1:
-            # the other dims split by spatial mesh dims, for a spatial one (H and W of a
-            # tile: their merge is the tiles' token layout, not a window move)
+            # a spatial one's merge with the other spatially split dims: tiles' tokens
             others = frozenset() if is_dp(x, lay.mesh_dim) else frozenset(spatial) - {lay.dim}
             m = _merge(lay, shape, out_shape, others)
         if m is not None:
@@ -335,9 +323,8 @@ def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
     if not _batches_alike(query, key, value):
         return prev(query, key, value, attn_mask, *args, **kwargs)
     mask = sdpa_bias(attn_mask, query, "F.scaled_dot_product_attention")  # the rank's windows
-    out = F.scaled_dot_product_attention(
-        query.to_local(), key.to_local(), value.to_local(), mask, *args, **kwargs
-    )
+    q, k, v = (t.to_local() for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, mask, *args, **kwargs)
     if out.numel() == 0 and isinstance(mask, torch.Tensor) and mask.requires_grad:
         # a rank holding no windows: torch answers an empty batch without reading the mask,
         # whose gradient would skip its sum over the ranks (the others would wait in it)
