@@ -100,8 +100,7 @@ def dim_layouts(lays: list[TokenLayout], dim: int) -> tuple[TokenLayout, ...]:
 
 
 def held_indices(lays: tuple[TokenLayout, ...]) -> Tensor:
-    """Global indices along one dim that this rank holds, in its local order (``lays``:
-    every layout splitting the dim)."""
+    """Global indices along one dim this rank holds, in its local order (``lays``: the dim's)."""
     idx = lays[0].indices()
     for lay in lays[1:]:
         idx = idx[torch.isin(idx, lay.indices())]

@@ -98,9 +98,8 @@ def _keeps_prefix(fn, prev):
 
 
 _T = torch.Tensor
-#: ops that keep every token where it is, on ``Tensor`` and ``torch``, on ``Tensor`` alone
-#: and in ``F``; the element-wise math from ``exp`` on: DTensor runs it with placements of its
-#: own making (no prefix)
+#: ops that keep every token where it is (on ``Tensor`` and ``torch``, ``Tensor`` alone, ``F``);
+#: the math from ``exp`` on: DTensor runs it with placements of its own making (no prefix)
 # fmt: off
 _BOTH = ("permute", "transpose", "unbind", "movedim", "softmax", "unsqueeze", "squeeze",
          "sigmoid", "tanh", "chunk", "split", "exp", "log", "pow", "abs", "sqrt", "rsqrt",

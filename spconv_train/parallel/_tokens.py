@@ -115,9 +115,8 @@ def chain(*functions, prefix: str = "token", graph: bool = False):
 
 def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> None:
     """Register ``make(fn, prev)`` for each of ``functions``, ``prev`` the handler before it
-    (else DTensor's own rules, errors named); with ``graph``, marked graph material where
-    ``prev`` is (``_compile.graph_handler``: wrapping must not turn an element-wise op into a
-    graph break)."""
+    (else DTensor's own rules, errors named); with ``graph``, graph material where ``prev`` is
+    (``_compile.graph_handler``: a wrapper must not make an element-wise op a graph break)."""
     for fn in functions:
         prev = DEFAULT_REGISTRY.handler(fn) or (lambda *a, _fn=fn, **k: run_dtensor_op(_fn, a, k))
         handler = make(fn, prev)
