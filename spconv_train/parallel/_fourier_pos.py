@@ -1,12 +1,8 @@
-"""timm EdgeNeXt's Fourier positional encoding, built per strip or tile.
-
-timm builds the whole image's encoding as a plain tensor from the global size, whose
-gradient, added to sharded tokens, would be summed at the activation's size (refused by
-``_broadcast.py``'s guard). The encoding depends on global coordinates alone, so each rank
-builds only its block of the last map a spatial layer took (``SpatialRuntime.last_image``),
-with timm's float32 steps (bitwise one device's), and projects it with the module's own
-conv, made spatial by ``parallelize``. timm is matched by the class's qualified name.
-docs/models.md.
+"""timm EdgeNeXt's Fourier positional encoding, built per strip or tile: timm builds the
+whole image's encoding as a plain tensor, whose gradient, added to sharded tokens, would be
+summed at the activation's size (refused by ``_broadcast.py``'s guard). It depends on
+global coordinates alone: each rank builds its block of the last map a spatial layer took,
+in timm's float32 steps (bitwise one device's). docs/models.md.
 """
 
 from __future__ import annotations
@@ -25,8 +21,8 @@ _EPS = 1e-6  # timm's
 
 
 def _axis(hidden: int, temperature: float, scale: float, n: int, part: slice, device) -> Tensor:
-    """``(len(part), hidden)``: the interleaved sin / cos encoding of positions ``part`` of
-    ``n`` along one axis, in float32 as timm computes it."""
+    """``(len(part), hidden)``: timm's interleaved sin / cos encoding of positions ``part``
+    of ``n`` along one axis."""
     pos = torch.arange(part.start + 1, part.stop + 1, dtype=torch.float32, device=device)
     pos = pos / (torch.tensor(float(n), device=device) + _EPS) * scale
     dim_t = torch.arange(hidden, dtype=torch.int64, device=device).to(torch.float32)
@@ -40,8 +36,7 @@ def fourier_block(
     cols: slice, device=None,
 ) -> Tensor:  # fmt: skip
     """``(2 * hidden, len(rows), len(cols))``: rows ``rows`` and columns ``cols`` of timm's
-    ``PositionalEncodingFourier`` encoding of an ``H x W = size`` map (before its
-    projection), the y half first."""
+    encoding of an ``H x W = size`` map before its projection, the y half first."""
     y = _axis(hidden, temperature, scale, size[0], rows, device)
     x = _axis(hidden, temperature, scale, size[1], cols, device)
     h, w = y.shape[0], x.shape[0]
@@ -69,14 +64,7 @@ class SpatialFourierEncoding:
         weight = self.token_projection.weight
         full = (batch, 2 * self.hidden_dim, height, width)
         b, _, rows, cols = block_slices(full, placements, mesh_coords(mesh))
-        local = fourier_block(
-            self.hidden_dim,
-            self.temperature,
-            self.scale,
-            (height, width),
-            rows,
-            cols,
-            weight.device,
-        )
-        local = local.to(weight.dtype).expand(b.stop - b.start, -1, -1, -1)
+        args = (self.hidden_dim, self.temperature, self.scale, (height, width), rows, cols)
+        local = fourier_block(*args, weight.device).to(weight.dtype)
+        local = local.expand(b.stop - b.start, -1, -1, -1)
         return self.token_projection(from_local(local.contiguous(), mesh, placements, full))

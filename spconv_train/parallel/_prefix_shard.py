@@ -1,6 +1,5 @@
-"""The placements of token dims: ``PrefixShard`` (a token dim with prefix tokens in front:
-a ViT's class and register tokens, ``_token_prefix.py``), ``placement`` and
-``reduced_placements``."""
+"""The placements of token dims: ``PrefixShard`` (prefix tokens in front, ``_token_prefix.py``),
+``placement`` and ``reduced_placements``."""
 
 from __future__ import annotations
 
@@ -9,19 +8,14 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 
 class PrefixShard(_StridedShard):
-    """``_StridedShard(dim, split_factor)`` of the pixel tokens behind ``prefix`` tokens that
-    the first rank of the mesh dim holds in front of its own: the dim is the ``prefix``
-    tokens, then the pixel tokens (nested as without prefix where several mesh dims split
-    them: ``_token_layout.split_layouts``). ``prefix`` is keyword-only, so that code copying a
-    ``_StridedShard`` by its two fields fails instead of dropping it.
-
-    It compares equal to that ``_StridedShard``: the local tensors are laid out alike, so
-    DTensor's own rules (the sum of two gradients of a tensor used twice, the check of a
-    gradient's placements against its forward's) take it as is, without moving data;
-    what the prefix changes is read from ``TokenLayout`` (``_token_layout.py``) and put back
-    after DTensor's ops (``_token_prefix.py``). Its hash counts the prefix, so that
-    DTensor's cache of sharding decisions keeps the two apart (an output spec that copies
-    its input's placements must not hand a prefix to pixel tokens of the same shape)."""
+    """``_StridedShard(dim, split_factor)`` of the pixel tokens behind ``prefix`` tokens held
+    by the first rank of the mesh dim. ``prefix`` is keyword-only: code copying a
+    ``_StridedShard`` by its two fields fails instead of dropping it. It compares equal to
+    that ``_StridedShard`` (the local tensors are laid out alike), so DTensor's own rules
+    (the sum of two gradients, the check of a gradient's placements) take it without moving
+    data; its hash counts the prefix, so that DTensor's cache of sharding decisions keeps the
+    two apart (an output spec copying its input's placements must not hand a prefix to
+    pixel tokens of the same shape)."""
 
     def __init__(self, dim: int, split_factor: int = 1, *, prefix: int) -> None:
         super().__init__(dim, split_factor=split_factor)
@@ -51,8 +45,7 @@ def placement(dim: int, sf: int = 1, prefix: int = 0):
 
 def reduced_placements(x: DTensor, dims, keepdim: bool = False) -> list:
     """``x``'s placements once ``dims`` are reduced (or indexed away, ``keepdim`` False):
-    the shard of one of ``dims`` becomes ``Replicate``, every other shard moves to its
-    new dim, split factor and prefix kept."""
+    a shard of one of them ``Replicate``, every other moved to its new dim."""
     out = []
     for p in x.placements:
         if p.is_shard() or isinstance(p, _StridedShard):

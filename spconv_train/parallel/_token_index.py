@@ -1,15 +1,13 @@
-"""Indexing token tensors along dims no rank splits (``kv[0]``, ``x.select(0, i)``,
-``x[:, :, 0]``), and behind prefix tokens (``_token_prefix.py``).
-
-The local tensor is indexed the same way: DTensor's ``select_backward`` would build the
-gradient from the global size chunked DTensor's way, which is not the token layout of a
-dim split over several mesh dims (tiles). ``x[:, p:]`` gives the pixel tokens in their
-layout again; an index inside the prefix (``x[:, 0]``, ``x[:, :p]``) is broadcast from the
-owner (the first rank of the token ring, ``_token_ring.py``) as a ``Replicate`` DTensor,
-its gradient summed back to the owner. docs/attention.md, "Prefix tokens".
+"""Indexing token tensors along dims no rank splits (``kv[0]``, ``x.select(0, i)``), on the
+local tensor: DTensor's ``select_backward`` would size the gradient by its own chunking, not
+the layout of tiles. Behind prefix tokens (``_token_prefix.py``) ``x[:, p:]`` gives the pixel
+tokens, an index inside the prefix (``x[:, 0]``) is broadcast from its owner as a
+``Replicate`` DTensor. docs/attention.md, "Prefix tokens".
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -17,39 +15,25 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ._dims import mesh_rank, norm_dim, wrap
-from ._mode import register_handler
 from ._prefix_shard import placement, prefix_of, reduced_placements
 from ._probe import index_shape
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
 from ._token_layout import dim_layouts
 from ._token_prefix import _keeps_prefix, _refuse, has_prefix
 from ._token_ring import token_ring
-from ._tokens import chain, is_nested, is_tokens, previous, split_layouts
+from ._tokens import chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
 
 
-def _local_index(x, items: tuple) -> DTensor | None:
-    """``x[items]`` on the local tensor when ``x`` is a token tensor and ``items`` (ints
-    and slices, one per dim) leaves every split dim whole; ``None`` otherwise."""
-    if not (is_tokens(x) or is_nested(x)) or items is None:
+def _local_index(x, index) -> DTensor | None:
+    """``x[index]`` on the local tensor when ``x`` is a token tensor and ``index`` (ints and
+    slices) leaves every split dim whole; ``None`` otherwise."""
+    items = _expand_index(index, x.ndim) if is_tokens(x) or is_nested(x) else None
+    if items is None or any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
         return None
-    if any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
-        return None
-    removed = [d for d, i in enumerate(items) if isinstance(i, int)]
-    placements = reduced_placements(x, removed)
+    placements = reduced_placements(x, [d for d, i in enumerate(items) if isinstance(i, int)])
     return wrap(x.to_local()[items], x, placements, index_shape(x.shape, items))
-
-
-def _local_or_previous(index_of):
-    """Handler: ``x[index_of(x, *args)]`` locally (``_local_index``), else ``prev``."""
-
-    def handler(prev, x, *args, **kwargs):
-        items = index_of(x, *args, **kwargs) if isinstance(x, DTensor) else None
-        out = _local_index(x, items)
-        return out if out is not None else prev(x, *args, **kwargs)
-
-    return handler
 
 
 def _select(x, dim, index) -> tuple | None:
@@ -58,10 +42,6 @@ def _select(x, dim, index) -> tuple | None:
         return None
     d = norm_dim(dim, x.ndim)
     return tuple(index if e == d else slice(None) for e in range(x.ndim))
-
-
-chain(torch.Tensor.__getitem__)(_local_or_previous(lambda x, i: _expand_index(i, x.ndim)))
-chain(torch.select, torch.Tensor.select)(_local_or_previous(_select))
 
 
 class _FromOwner(torch.autograd.Function):
@@ -83,29 +63,13 @@ class _FromOwner(torch.autograd.Function):
         return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None, None
 
 
-def prefix_owner(x: DTensor) -> tuple[int, tuple[int, ...], int, bool]:
-    """``(dim, mesh dims, prefix, owner)`` of ``x``'s prefix tokens: the token dim, the mesh
-    dims that split it (each a ``PrefixShard``), how many, and whether this rank holds them
-    (the first rank of every one of those mesh dims)."""
-    dims = tuple(m for m, p in enumerate(x.placements) if prefix_of(p))
-    p = prefix_of(x.placements[dims[0]])
-    owner = all(mesh_rank(x.device_mesh, m) == 0 for m in dims)
-    return norm_dim(x.placements[dims[0]].dim, x.ndim), dims, p, owner
-
-
-def _broadcast_prefix(x: DTensor, d: int, part: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``part`` (the owner's prefix rows; empty elsewhere) on every rank of the token ring."""
-    ring = token_ring(x.device_mesh, dim_layouts(split_layouts(x), d))
-    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
-    return _FromOwner.apply(part, ring.group, shape, d, src)
-
-
 def _prefix_index(x: DTensor, index, whole):
     """``x[index]`` on a tensor with prefix tokens: ``whole(x)`` when the token dim stays
-    whole (other dims indexed), the pixel tokens (``x[:, p:]``) or a part of the prefix
-    (``x[:, 0]``, ``x[:, :p]``)."""
+    whole, the pixel tokens (``x[:, p:]``) or a part of the prefix (``x[:, 0]``, ``x[:, :p]``)
+    from its owner, the first rank of every mesh dim splitting the tokens."""
     items = _expand_index(index, x.ndim)
-    d, dims, p, owner = prefix_owner(x)
+    dims = [m for m, q in enumerate(x.placements) if prefix_of(q)]
+    d, p = norm_dim(x.placements[dims[0]].dim, x.ndim), prefix_of(x.placements[dims[0]])
     if items is not None and items[d] == slice(None):
         return whole(x)
     what = "indexing (x[...])"
@@ -117,6 +81,7 @@ def _prefix_index(x: DTensor, index, whole):
             "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
         )
     i, n, local = items[d], x.shape[d], x.to_local()
+    owner = all(mesh_rank(x.device_mesh, m) == 0 for m in dims)
     if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(p, n):
         plain = list(x.placements)
         for m in dims:
@@ -133,7 +98,10 @@ def _prefix_index(x: DTensor, index, whole):
         )
     shape = list(local.shape)
     shape[d] = len(picked)
-    out = _broadcast_prefix(x, d, local.narrow(d, picked[0], len(picked) if owner else 0), shape)
+    ring = token_ring(x.device_mesh, dim_layouts(split_layouts(x), d))
+    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
+    part = local.narrow(d, picked[0], len(picked) if owner else 0)
+    out = _FromOwner.apply(part, ring.group, shape, d, src)
     if isinstance(i, int):
         out = out.select(d, 0)
     placements, grads = list(x.placements), list(x.placements)
@@ -146,21 +114,23 @@ def _prefix_index(x: DTensor, index, whole):
     )  # fmt: skip
 
 
-def _chain_index(fn, index_of) -> None:
-    """``fn`` (``x[index]``, ``x.select(dim, i)``) on tensors with prefix tokens by
-    ``_prefix_index``, ``index_of(x, *args)`` giving the index."""
-    prev = previous(fn)
-    kept = _keeps_prefix(fn, prev)
+def _indexing(index_of, fn, prev):
+    """Handler (``_tokens.chain_each``) of ``x[index_of(x, *args)]``: behind a prefix by
+    ``_prefix_index``, else locally (``_local_index``), else ``prev``."""
+
+    def local(x, *args, **kwargs):
+        out = _local_index(x, index_of(x, *args, **kwargs)) if isinstance(x, DTensor) else None
+        return prev(x, *args, **kwargs) if out is None else out
+
+    kept = _keeps_prefix(fn, local)
 
     def handler(x, *args, **kwargs):
         if not has_prefix(x) or kwargs:
-            return prev(x, *args, **kwargs)
+            return local(x, *args, **kwargs)
         return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
 
-    handler.__name__ = f"prefix_{fn.__name__}"
-    register_handler(fn)(handler)
+    return handler
 
 
-_chain_index(_T.__getitem__, lambda x, index: index)
-for _fn in (torch.select, _T.select):
-    _chain_index(_fn, _select)
+chain_each((_T.__getitem__,), partial(_indexing, lambda x, index: index), "prefix")
+chain_each((torch.select, _T.select), partial(_indexing, _select), "prefix")

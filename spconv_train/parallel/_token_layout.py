@@ -1,10 +1,7 @@
-"""Which entries of a sharded DTensor each rank holds, for any placement: ``TokenLayout``
-per mesh dim (``Shard``, DTensor's ``_StridedShard`` of flattened pixels, prefix tokens,
-several mesh dims nested on one dim), and ``local_part``: the part of a plain (global)
-tensor that meets a rank's entries, used wherever a plain tensor joins a sharded one
-(arithmetic with a parameter or a mask, ``torch.cat`` of a plain piece, position
-embeddings, attention masks). The token ops themselves: ``_tokens.py``.
-"""
+"""Which entries of each dim of a sharded DTensor every rank holds, for any placement
+(``TokenLayout``, ``split_layouts``), and ``local_part``: the part of a plain tensor that
+meets a rank's entries, wherever a plain tensor joins a sharded one. docs/attention.md,
+"Token layout"."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._dims import is_dp, mesh_rank
 from ._errors import module_path
-from ._geometry import SpatialShardingError, all_shard_bounds, shard_bounds
+from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 from ._prefix_shard import prefix_of
 from ._sharding import grad_groups, sharded_dim
@@ -25,14 +22,10 @@ from ._sharding import grad_groups, sharded_dim
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """How one mesh dimension splits a tensor dimension: the dim viewed as
-    ``(split_factor, inner, unit)``, ``inner`` chunked like DTensor's ``Shard``, every
-    entry of it a whole run of ``unit`` (``split_factor`` and ``unit`` 1: a plain ``Shard``;
-    ``unit`` 1: DTensor's ``_StridedShard``). Several mesh dims splitting one dim nest
-    (``split_layouts``): on H x W tiles the tokens ``L = H * W`` are ``(1, H, W)`` chunked
-    over ``sp_h`` and ``(H, W, 1)`` over ``sp_w``; a rank holds the tokens every one of them
-    gives it (``held_indices``). ``prefix`` entries in front of all that (``PrefixShard``)
-    belong to rank 0 alone."""
+    """How mesh dim ``mesh_dim`` splits ``dim``: ``prefix`` entries (``PrefixShard``: rank
+    0's), then the dim viewed as ``(split_factor, inner, unit)``, ``inner`` chunked like
+    ``Shard`` over ``parts`` ranks (a ``Shard``: factor and unit 1; a ``_StridedShard``:
+    unit 1; tiles nest, ``split_layouts``). docs/attention.md, "Tiles and rows"."""
 
     dim: int
     mesh_dim: int
@@ -43,12 +36,10 @@ class TokenLayout:
     unit: int = 1
     prefix: int = 0
 
-    def sizes(self) -> tuple[int, ...]:
-        """How many entries of ``dim`` every rank holds (this mesh dim's split alone)."""
-        return tuple(
-            self.split_factor * (b - a) * self.unit + (self.prefix if r == 0 else 0)
-            for r, (a, b) in enumerate(all_shard_bounds(self.inner, self.parts))
-        )
+    def held(self) -> int:
+        """How many entries of ``dim`` this rank holds (this mesh dim's split alone)."""
+        a, b = shard_bounds(self.inner, self.parts, self.rank)
+        return self.split_factor * (b - a) * self.unit + (self.prefix if self.rank == 0 else 0)
 
     def indices(self) -> Tensor:
         """Global indices along ``dim`` that this rank holds (this mesh dim's split alone),
@@ -61,26 +52,22 @@ class TokenLayout:
 
 
 def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
-    """``{mesh dim: (inner, unit)}`` of the mesh dims splitting one ``n``-long dim,
-    ``chain`` their ``(split_factor, mesh dim)`` sorted: each chunks the factor between its
-    split factor and the next one's (the last: the rest). A split factor equal to the next
-    one's chunks a factor of 1 (a map one row, or one window row, high split over ``sp_h``:
-    its first rank holds it all). Split factors that do not nest keep the one-dim meaning:
-    the rest of the dim chunked, ``unit`` 1."""
+    """``{mesh dim: (inner, unit)}`` of the mesh dims splitting one ``n``-long dim, ``chain``
+    their ``(split_factor, mesh dim)`` sorted: each chunks the factor up to the next one's
+    split factor (the last: the rest); an equal one chunks a factor of 1 (a map one row high
+    over ``sp_h``: its first rank holds it all); one that does not nest keeps the one-dim
+    meaning (the rest chunked, ``unit`` 1)."""
     out = {}
     for j, (sf, m) in enumerate(chain):
         nxt = chain[j + 1][0] if j + 1 < len(chain) else n
-        if nxt >= sf and nxt % sf == 0 and n % max(nxt, 1) == 0:
-            out[m] = (nxt // sf, n // nxt)
-        else:
-            out[m] = (n // sf, 1)
+        nests = nxt >= sf and nxt % sf == 0 and n % max(nxt, 1) == 0
+        out[m] = (nxt // sf, n // nxt) if nests else (n // sf, 1)
     return out
 
 
 def split_layouts(x: DTensor) -> list[TokenLayout]:
-    """One ``TokenLayout`` per mesh dimension that shards a dimension of ``x``, in mesh
-    dim order. Several mesh dims on one tensor dim nest by their split factors
-    (``_nest``), except a ``dp`` mesh dim: it splits whole images (its one-dim meaning)."""
+    """One ``TokenLayout`` per mesh dim that shards a dim of ``x``, in mesh dim order; mesh
+    dims on one dim nest (``_nest``), a ``dp`` one aside (it splits whole images)."""
     mesh = x.device_mesh
     chains: dict[int, list[tuple[int, int]]] = {}
     found: dict[int, tuple[int, int, int, int]] = {}  # mesh dim: dim, split factor, inner, unit
@@ -113,8 +100,7 @@ def dim_layouts(lays: list[TokenLayout], dim: int) -> tuple[TokenLayout, ...]:
 
 
 def held_indices(lays: tuple[TokenLayout, ...]) -> Tensor:
-    """Global indices along one dim that the rank of ``lays`` (every layout splitting the
-    dim, each with that rank's place on its mesh dim) holds, in its local order."""
+    """Global indices along one dim this rank holds, in its local order (``lays``: the dim's)."""
     idx = lays[0].indices()
     for lay in lays[1:]:
         idx = idx[torch.isin(idx, lay.indices())]
@@ -126,23 +112,11 @@ def is_tokens(x) -> bool:
     return isinstance(x, DTensor) and any(isinstance(p, _StridedShard) for p in x.placements)
 
 
-def _unheld(x: DTensor, plain: Tensor, d: int, held: int, what: str) -> Exception:
-    return SpatialShardingError(
-        f"{what} of a token tensor {tuple(x.shape)} {x.placements} and a plain tensor "
-        f"{tuple(plain.shape)} in module '{module_path()}': this rank holds "
-        f"{x.to_local().shape[d]} entries of dim {d}, but those placements give it {held} "
-        f"(its local tensor is not the token layout of _tokens.py, e.g. built by "
-        f"DTensor.from_local with other shard sizes). Make the tokens by flattening the "
-        f"sharded map (x.flatten(2).transpose(1, 2)), or gather explicitly (x.full_tensor())."
-    )
-
-
 def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "an op") -> Tensor:
-    """The part of ``plain`` (broadcast against ``x``'s global shape, e.g. a position
-    embedding ``(1, L, C)`` or a layer scale ``(1, C, 1, 1)``) that meets this rank's entries
-    of ``x`` (all of dim ``skip`` of ``x``), with its gradient summed over the ranks that
-    split ``x``. Refuses (``SpatialShardingError`` naming ``what`` and the module) a local
-    tensor of ``x`` that does not hold the entries its placements give the rank."""
+    """The part of ``plain`` (broadcast against ``x``'s global shape: a position embedding
+    ``(1, L, C)``, a layer scale ``(1, C, 1, 1)``) that meets this rank's entries of ``x``
+    (all of dim ``skip``), its gradient summed over the ranks that split ``x``. Refuses by
+    name (``what``) a local tensor of ``x`` not holding the entries its placements give."""
     part = sum_grad_over(plain, grad_groups(x))
     lead = x.ndim - part.ndim
     split = {d % x.ndim for d in map(sharded_dim, x.placements) if d is not None} - {skip}
@@ -153,15 +127,21 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
     for d in cut:
         k, on_d = d - lead, dim_layouts(lays, d)
         lay = on_d[0]
-        if len(on_d) == 1 and lay.split_factor == lay.unit == 1 and not lay.prefix:
-            a, b = shard_bounds(lay.inner, lay.parts, lay.rank)  # one block: a view
-            held, idx = b - a, None
-        else:
-            idx = held_indices(on_d)
-            held = idx.numel()
+        one = len(on_d) == 1 and lay.split_factor == lay.unit == 1 and not lay.prefix
+        a, b = shard_bounds(lay.inner, lay.parts, lay.rank)  # of one block: a view
+        idx = None if one else held_indices(on_d)
+        held = b - a if one else idx.numel()
         # a mismatch would fail in the op as a bare size error, or broadcast a local
         # dim of size 1 against the picked entries
         if held != x.to_local().shape[d]:
-            raise _unheld(x, plain, d, held, what)
+            raise SpatialShardingError(
+                f"{what} of a token tensor {tuple(x.shape)} {x.placements} and a plain tensor "
+                f"{tuple(plain.shape)} in module '{module_path()}': this rank holds "
+                f"{x.to_local().shape[d]} entries of dim {d}, but those placements give it "
+                f"{held} (its local tensor is not the token layout of _tokens.py, e.g. built by"
+                f" DTensor.from_local with other shard sizes). Make the tokens by flattening "
+                f"the sharded map (x.flatten(2).transpose(1, 2)), or gather explicitly "
+                f"(x.full_tensor())."
+            )
         part = part.narrow(k, a, held) if idx is None else part.index_select(k, idx.to(part.device))
     return part

@@ -1,13 +1,8 @@
-"""Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens.
-
-``torch.cat([cls.expand(N, -1, -1), x], 1)`` gives a token dim that is a ``PrefixShard``
-(``_prefix_shard.py``): the prefix held once, by the first rank of every mesh dim splitting
-the tokens, so everything computed on it, and its gradient, counts once; token-wise ops
-read the prefix from ``TokenLayout``; slicing it off again is ``_token_index.py``.
-Refused by name: slices mixing prefix and pixel tokens, reductions over the tokens behind a
-prefix, and a plain tensor with a gradient joined to the tokens (a gather in the backward)
-in arithmetic (``_tokens.py``), in ``torch.cat`` along the channels, and as prefix tokens as
-long as a rank's share of the pixel tokens. docs/attention.md, "Prefix tokens".
+"""Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens:
+``torch.cat([cls.expand(N, -1, -1), x], 1)`` gives a ``PrefixShard`` token dim, the prefix
+held (and its gradient counted) once; ops that keep the tokens in place run on the plain
+placements and get the prefix back. Refused by name: a plain tensor with a gradient joined
+to the tokens (a gather in the backward). docs/attention.md, "Prefix tokens".
 """
 
 from __future__ import annotations
@@ -21,17 +16,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
 from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain
-from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import norm_dim, wrap
 from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
-from ._mode import register_handler
 from ._prefix_shard import PrefixShard, placement, prefix_of
 from ._probe import cat_shape
 from ._registry import function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
-from ._tokens import is_dp, is_tokens, previous, split_layouts
+from ._tokens import chain, chain_each, is_dp, is_tokens, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -44,8 +37,8 @@ def _refuse(what: str, why: str, fix: str) -> SpatialShardingError:
 
 
 def _strip(x):
-    """``x`` with every ``PrefixShard`` read as the plain ``_StridedShard`` (DTensor's own
-    ops see only its placements); anything else unchanged."""
+    """``x`` (or a list / tuple of tensors) with every ``PrefixShard`` read as its plain
+    ``_StridedShard``, for DTensor's own ops."""
     if isinstance(x, (list, tuple)):
         return type(x)(_strip(t) for t in x)
     if not has_prefix(x):
@@ -55,9 +48,8 @@ def _strip(x):
 
 
 def _attach(out, prefixes: dict[int, tuple[int, int]], what: str):
-    """``out`` (a DTensor, or a tuple / list of them) with the prefix of ``prefixes``
-    (``{mesh dim: (prefix, tokens)}``) put back on the placement of each of those mesh
-    dims, whose split dim still holds all the tokens."""
+    """``out`` (or a list / tuple of tensors) with the prefixes ``{mesh dim: (prefix,
+    tokens)}`` put back; refused where a split dim no longer holds all the tokens."""
     if isinstance(out, (list, tuple)):
         return type(out)(_attach(t, prefixes, what) for t in out)
     if not isinstance(out, DTensor):
@@ -90,18 +82,9 @@ def _prefixes(args) -> dict[int, tuple[int, int]]:
     return found
 
 
-def _as_graph_material(handler, prev):
-    """``handler`` marked for the ``trace_dtensor_ops`` graphs when the handler it wraps
-    is (``_compile.graph_handler``): wrapping must not turn an element-wise op into a graph
-    break."""
-    return graph_handler(handler) if in_dtensor_graphs(prev) else handler
-
-
-def _keeps_prefix(fn, prev=None):
+def _keeps_prefix(fn, prev):
     """Handler for ``fn``, an op that keeps every token where it is (a permute, an
-    activation): on a tensor with prefix tokens the previous handler (or DTensor's own
-    rules) runs on the plain placements and the prefix is put back."""
-    prev = prev or previous(fn)
+    activation): ``prev`` on the plain placements, the prefix put back."""
     what = function_name(fn)
 
     def handler(*args, **kwargs):
@@ -111,32 +94,27 @@ def _keeps_prefix(fn, prev=None):
         out = prev(*_strip(args), **{k: _strip(v) for k, v in kwargs.items()})
         return _attach(out, prefixes, what)
 
-    handler.__name__ = f"prefix_{getattr(fn, '__name__', 'op')}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
 _T = torch.Tensor
-_MATH = ("exp", "log", "pow", "abs", "sqrt", "rsqrt", "square", "erf", "clamp", "reciprocal")
-_MATH += ("sin", "cos", "log1p", "expm1", "sign")
-_KEEPING = [
-    *(getattr(_T, n) for n in ("permute", "transpose", "unbind", "movedim", "contiguous")),
-    *(getattr(_T, n) for n in ("clone", "softmax", "to", "type_as", "float", "double")),
-    *(getattr(_T, n) for n in ("unsqueeze", "squeeze", "sigmoid", "tanh", "neg", "__neg__")),
-    *(getattr(_T, n) for n in ("chunk", "split")),
-    # element-wise math that DTensor runs with placements of its own making (no prefix)
-    *(getattr(_T, n) for n in _MATH), *(getattr(torch, n) for n in _MATH),
-    *(getattr(torch, n) for n in ("permute", "transpose", "unbind", "movedim", "softmax")),
-    *(getattr(torch, n) for n in ("unsqueeze", "squeeze", "sigmoid", "tanh", "chunk", "split")),
-    F.gelu, F.silu, F.relu, F.dropout, F.softmax, F.sigmoid, F.tanh,
-]  # fmt: skip
-for _fn in _KEEPING:
-    register_handler(_fn)(_keeps_prefix(_fn))
+#: ops that keep every token where it is (on ``Tensor`` and ``torch``, ``Tensor`` alone, ``F``);
+#: the math from ``exp`` on: DTensor runs it with placements of its own making (no prefix)
+# fmt: off
+_BOTH = ("permute", "transpose", "unbind", "movedim", "softmax", "unsqueeze", "squeeze",
+         "sigmoid", "tanh", "chunk", "split", "exp", "log", "pow", "abs", "sqrt", "rsqrt",
+         "square", "erf", "clamp", "reciprocal", "sin", "cos", "log1p", "expm1", "sign")
+_KEEPING = [getattr(ns, n) for n in _BOTH for ns in (_T, torch)]
+_KEEPING += [getattr(_T, n) for n in ("contiguous", "clone", "to", "type_as", "float", "double",
+                                      "neg", "__neg__")]
+_KEEPING += [F.gelu, F.silu, F.relu, F.dropout, F.softmax, F.sigmoid, F.tanh]
+# fmt: on
+chain_each(_KEEPING, _keeps_prefix, "prefix", graph=True)
 
 
-def _arith_handler(fn):
-    """Arithmetic: ``_tokens.py``'s handler already counts the prefix for two tensors laid
-    out alike or a plain tensor (a position embedding); a scalar goes to DTensor."""
-    prev = previous(fn)
+def _arith_handler(fn, prev):
+    """Arithmetic: ``prev`` (``_tokens.py``) counts the prefix for two tensors laid out
+    alike and for a plain tensor (a position embedding); a scalar goes through DTensor."""
     kept = _keeps_prefix(fn, prev)
 
     def handler(a, b, *args, **kwargs):
@@ -148,12 +126,10 @@ def _arith_handler(fn):
             return prev(a, b, *args, **kwargs)
         return kept(a, b, *args, **kwargs)
 
-    handler.__name__ = f"prefix_{fn.__name__}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
-for _fn in ARITH:
-    register_handler(_fn)(_arith_handler(_fn))
+chain_each(ARITH, _arith_handler, "prefix", graph=True)
 
 
 def _expanded_leaf(t: Tensor) -> Tensor | None:
@@ -170,49 +146,32 @@ def _expanded_leaf(t: Tensor) -> Tensor | None:
     return base if layout else None
 
 
-def _guard_computed_prefix(t: Tensor, x: DTensor, d: int, share: int, what: str) -> None:
-    """Refuse (or with ``allow_gather`` count) plain prefix tokens ``t`` the model computed
-    with a gradient, as long along ``d`` as a rank's ``share`` of the pixel tokens or
-    longer: one rank holds them whole and their gradient is all-reduced at that size (a
-    position table resized to the token grid put in front of the tokens). A class token
-    computed from its parameter (``cls_token + pos_embed[:, :1]``) is far shorter: its sum
-    is not a gather. ``share`` is the same on every rank, so all of them refuse or none."""
-    k = d - (x.ndim - t.ndim)
-    if not (t.requires_grad and t.grad_fn is not None) or _expanded_leaf(t) is not None:
-        return
-    if k >= 0 and t.shape[k] >= max(1, share):
-        why = (
-            f"puts a plain tensor {tuple(t.shape)} computed with a gradient in front of the "
-            f"width-sharded tokens {x.placements} as {t.shape[k]} prefix tokens, held by one "
-            f"rank: {PLAIN_GRADIENT_GATHERS}"
-        )
-        guard_gather(what, "plain", str(x.placements), why)
-
-
-def _prefix_part(t: Tensor, x: DTensor, d: int) -> Tensor:
-    """The part of plain prefix tokens ``t`` in front of ``x``'s along ``d`` on this rank
-    (all its tokens; its part of a split batch). An expanded view of a parameter is
-    expanded here from the parameter, so that its gradient sum over the ranks is the
-    bucketed parameter one, not an all-reduce of ``(N, p, C)``."""
-    base = _expanded_leaf(t)
-    if base is not None:
-        shape = list(x.to_local().shape)
-        shape[d] = t.shape[d]
-        return local_part(base, x, skip=d).expand(shape)
-    return local_part(t, x, skip=d)
-
-
 def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
-    """``torch.cat(tensors, d)`` (``what``): plain tensors (the class / register tokens,
-    expanded over the batch) in front of the token tensor (the last) along its token dim
-    ``d``, held by the first rank of every mesh dim splitting ``d`` (one on strips, ``sp_h``
-    and ``sp_w`` on tiles and rows: the rank ``_token_index.py`` broadcasts them from)."""
-    x, front = tensors[-1], tensors[:-1]
+    """``torch.cat(tensors, d)`` (``what``) of plain tensors (class / register tokens) in
+    front of the token tensor (the last) along its token dim ``d``, held by the first rank
+    of every mesh dim splitting ``d``. An expanded parameter is expanded here, so that its
+    gradient sum is the bucketed parameter one, not an all-reduce of ``(N, p, C)``. Other
+    plain tokens with a gradient at least as long as a rank's share of the pixel tokens (the
+    same on every rank) are refused (``guard_gather``): their gradient is all-reduced at that
+    size (a position table resized to the token grid; a class token is far shorter)."""
+    x, front, parts = tensors[-1], tensors[:-1], []
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
-    ranks = math.prod(x.device_mesh.size(lay.mesh_dim) for lay in lays)
+    share = (x.shape[d] - lays[0].prefix) // math.prod(lay.parts for lay in lays)
     for t in front:
-        _guard_computed_prefix(t, x, d, (x.shape[d] - lays[0].prefix) // ranks, what)
-    parts = [_prefix_part(t, x, d) for t in front]
+        k, base = d - (x.ndim - t.ndim), _expanded_leaf(t)
+        if base is not None:
+            shape = list(x.to_local().shape)
+            shape[d] = t.shape[d]
+            parts.append(local_part(base, x, skip=d).expand(shape))
+            continue
+        if t.requires_grad and t.grad_fn is not None and k >= 0 and t.shape[k] >= max(1, share):
+            why = (
+                f"puts a plain tensor {tuple(t.shape)} computed with a gradient in front of the "
+                f"width-sharded tokens {x.placements} as {t.shape[k]} prefix tokens, held by "
+                f"one rank: {PLAIN_GRADIENT_GATHERS}"
+            )
+            guard_gather(what, "plain", str(x.placements), why)
+        parts.append(local_part(t, x, skip=d))
     if any(lay.rank != 0 for lay in lays):
         # the owner holds the prefix; the others take part in the gradient sums with none
         parts = [t.narrow(d - (x.ndim - t.ndim), 0, 0) for t in parts]
@@ -225,14 +184,12 @@ def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
 
 
 def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | None:
-    """``torch.cat`` (``what``) along a dim no rank splits (the channels) of token tensors
-    laid out like ``x`` and plain tensors (global values: each rank takes its tokens' part);
-    ``None`` for any other mix."""
-    if any(isinstance(t, DTensor) and t.placements != x.placements for t in tensors):
-        return None
+    """``torch.cat`` (``what``) along a dim no rank splits of token tensors laid out like
+    ``x`` and plain tensors (each rank takes its tokens' part); ``None`` for other mixes."""
     dims = [lay.dim for lay in split_layouts(x)]
-    if any(isinstance(t, DTensor) and any(t.shape[e] != x.shape[e] for e in dims) for t in tensors):
-        return None
+    for t in (t for t in tensors if isinstance(t, DTensor)):
+        if t.placements != x.placements or any(t.shape[e] != x.shape[e] for e in dims):
+            return None
     for t in tensors:
         if not isinstance(t, DTensor):  # an expanded parameter is summed as the parameter
             leaf = _expanded_leaf(t)
@@ -242,20 +199,14 @@ def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | No
     return wrap(torch.cat(parts, d), x, x.placements, shape)
 
 
-def _chunked(t) -> bool:
-    """Tokens ``(N, L, C)`` in even chunks of ``L`` (a plain ``Shard(1)``): the flatten of a
-    map split along H over one mesh dim (``_windows.py``)."""
-    return isinstance(t, DTensor) and t.ndim == 3 and Shard(1) in t.placements
-
-
-def _cat_handler(fn):
-    prev = previous(fn)
-
+def _cat_handler(fn, prev):
     def handler(tensors, dim=0, **kwargs):
         tensors = list(tensors)
         x = next((t for t in reversed(tensors) if is_tokens(t)), None)
-        if x is None and _chunked(tensors[-1]) and kwargs.get("axis", dim) in (1, -2):
-            x = tensors[-1]  # prefix tokens in front of tokens in even chunks
+        last = tensors[-1]  # tokens (N, L, C) in even chunks of L: Shard(1) (_windows.py)
+        even = isinstance(last, DTensor) and last.ndim == 3 and Shard(1) in last.placements
+        if x is None and even and kwargs.get("axis", dim) in (1, -2):
+            x = last
         if x is None or any(k != "axis" for k in kwargs):
             return prev(tensors, dim, **kwargs)
         d = norm_dim(kwargs.get("axis", dim), x.ndim)
@@ -270,33 +221,23 @@ def _cat_handler(fn):
                 return out
         return prev(tensors, dim, **kwargs)
 
-    handler.__name__ = f"prefix_{fn.__name__}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
-for _fn in (torch.cat, torch.concat, torch.concatenate):
-    register_handler(_fn)(_cat_handler(_fn))
+chain_each((torch.cat, torch.concat, torch.concatenate), _cat_handler, "prefix", graph=True)
 
 
-def _expand_handler(fn):
-    prev = previous(fn)
-
-    def handler(t, other, *args, **kwargs):
-        """``t.expand_as(tokens)`` of a tensor replicated over the ranks that split the
-        tokens, of size 1 along them (a class token): local, laid out like ``tokens``."""
-        if not (isinstance(t, DTensor) and is_tokens(other) and t.ndim == other.ndim):
+@chain(_T.expand_as, prefix="prefix", graph=True)
+def _expand_as(prev, t, other, *args, **kwargs):
+    """``t.expand_as(tokens)`` of a tensor replicated over the ranks that split the tokens,
+    of size 1 along them (a class token): local, laid out like ``tokens``."""
+    if not (isinstance(t, DTensor) and is_tokens(other) and t.ndim == other.ndim):
+        return prev(t, other, *args, **kwargs)
+    grads = list(t.placements)
+    for m, (pt, po) in enumerate(zip(t.placements, other.placements, strict=True)):
+        d = sharded_dim(po)
+        if pt != po and not (isinstance(pt, Replicate) and d is not None and t.shape[d] == 1):
             return prev(t, other, *args, **kwargs)
-        grads = list(t.placements)
-        for m, (pt, po) in enumerate(zip(t.placements, other.placements, strict=True)):
-            d = sharded_dim(po)
-            if pt != po and not (isinstance(pt, Replicate) and d is not None and t.shape[d] == 1):
-                return prev(t, other, *args, **kwargs)
-            grads[m] = pt if pt == po else Partial()
-        local = t.to_local(grad_placements=grads).expand(other.to_local().shape)
-        return wrap(local, other, other.placements, other.shape)
-
-    handler.__name__ = f"prefix_{fn.__name__}"
-    return _as_graph_material(handler, prev)
-
-
-register_handler(_T.expand_as)(_expand_handler(_T.expand_as))
+        grads[m] = pt if pt == po else Partial()
+    local = t.to_local(grad_placements=grads).expand(other.to_local().shape)
+    return wrap(local, other, other.placements, other.shape)

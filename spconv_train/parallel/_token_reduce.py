@@ -1,44 +1,38 @@
-"""Token-wise reductions and scans (``sum``, ``mean``, ``var``, ``norm``, ``amax``, ``max``,
-``median``, ``argmax``, ``logsumexp``, ``F.normalize``, ``softmax``, ``cumsum``,
-``F.rms_norm`` ...) over dims no rank splits (the channels) of pixel tokens, with or without
-prefix tokens; ``F.layer_norm``: ``_channels.py``.
-
-Each rank holds whole tokens, so the local reduction is exact and keeps the token layout.
-Run here rather than by DTensor, whose backward sizes the gradient by its own chunking,
-which is not the layout behind a prefix or of nested tiles ("The expanded size of the
-tensor (15) must match the existing size (17)"). A reduction over the tokens goes to the
-handler registered before (``_reduce.py``); behind a prefix it is refused by name.
+"""Token-wise ops over dims no rank splits (the channels) of pixel tokens, with or without
+prefix tokens, on the local tokens: reductions and scans (``F.layer_norm``: ``_channels.py``),
+``split`` and ``chunk`` (DTensor sizes gradients by its own chunking and replicates an uneven
+``_StridedShard`` to split it: docs/attention.md, "Token layout"). A reduction over the
+tokens goes to the handler before (``_reduce.py``); behind a prefix it is refused by name.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
-from ._dims import wrap
+from . import _token_prefix  # noqa: F401  (its handlers are wrapped here)
+from ._channels import local_pieces
+from ._dims import norm_dim, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
-from ._mode import register_handler
 from ._prefix_shard import prefix_of, reduced_placements
 from ._probe import result_shape
 from ._reduce import _dims  # (and its handlers, wrapped here)
 from ._registry import function_name
 from ._sharding import grad_groups, sharded_dim
-from ._token_prefix import _as_graph_material
-from ._tokens import chain, is_tokens, previous, split_layouts
+from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
 
 
 class _Spec(NamedTuple):
-    """Where an op takes its arguments: ``dim`` and ``keepdim`` by position (the tensor
-    first; ``keep_pos`` ``None``: the shape is kept), the dims reduced without ``dim``
-    (``None``: all), and whether the op without ``dim`` is another one (``x.max()`` over
-    all, ``torch.max(a, b)`` element-wise) or needs it (``softmax``)."""
+    """Where an op takes ``dim`` and ``keepdim`` by position (``keep_pos`` ``None``: the
+    shape is kept), its dims without ``dim`` (``None``: all), and whether without ``dim``
+    it is another op (``x.max()``, ``torch.max(a, b)``) or needs it (``softmax``)."""
 
     dim_pos: int
     keep_pos: int | None
@@ -46,13 +40,16 @@ class _Spec(NamedTuple):
     needs_dim: bool = False
 
 
+#: the ops by ``_Spec``: a name for both ``torch.name`` and ``Tensor.name``, or the function
 _OPS = {
     _Spec(1, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp")
     + ("argmax", "argmin"),
     _Spec(1, 3): ("var", "std"),
-    _Spec(2, 3): ("norm",),
+    _Spec(2, 3): ("norm", torch.linalg.vector_norm),
     _Spec(1, 2, needs_dim=True): ("max", "min", "median", "nanmedian"),
-    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax", "cumsum", "cumprod"),
+    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax", "cumsum", "cumprod")
+    + (F.softmax, F.log_softmax),
+    _Spec(2, None, default=1): (F.normalize,),
 }
 
 
@@ -62,9 +59,8 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
     return args[pos] if pos is not None and len(args) > pos else default
 
 
-def _token_wise(fn, spec: _Spec):
+def _token_wise(fn, prev, spec: _Spec):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
-    prev = previous(fn)
     what = function_name(fn)
 
     def handler(x, *args, **kwargs):
@@ -72,11 +68,8 @@ def _token_wise(fn, spec: _Spec):
             return prev(x, *args, **kwargs)
         full = (x, *args)
         dim = _arg(full, kwargs, spec.dim_pos, "dim", spec.default)
-        if isinstance(dim, bool):  # x.var(unbiased): over every dim
-            dim = None
-        ints = isinstance(dim, int) or (
-            isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim)
-        )
+        dim = None if isinstance(dim, bool) else dim  # x.var(unbiased): over every dim
+        ints = all(isinstance(d, int) for d in (dim if isinstance(dim, (tuple, list)) else [dim]))
         if not ints and (dim is not None or spec.needs_dim):
             # x.max(): over all; torch.max(a, b): element-wise; softmax without dim
             return prev(x, *args, **kwargs)
@@ -92,8 +85,7 @@ def _token_wise(fn, spec: _Spec):
                     f"channels (dim=-1)."
                 )
             return prev(x, *args, **kwargs)
-        keep = spec.keep_pos
-        keepdim = keep is None or bool(_arg(full, kwargs, keep, "keepdim", False))
+        keepdim = spec.keep_pos is None or bool(_arg(full, kwargs, spec.keep_pos, "keepdim", 0))
         placements = reduced_placements(x, dims, keepdim)
         out = fn(x.to_local(), *args, **kwargs)
         shape = result_shape(fn, x.shape, *args, meta_dtype=x.dtype, **kwargs)
@@ -102,35 +94,51 @@ def _token_wise(fn, spec: _Spec):
             return type(out)(parts)
         return wrap(out, x, placements, shape)
 
-    handler.__name__ = f"token_{getattr(fn, '__name__', 'op')}"
-    return _as_graph_material(handler, prev)
+    return handler
 
 
-for _spec, _names in _OPS.items():
-    for _name in _names:
-        for _fn in (getattr(torch, _name), getattr(_T, _name)):
-            register_handler(_fn)(_token_wise(_fn, _spec))
-for _fn in (F.softmax, F.log_softmax):
-    register_handler(_fn)(_token_wise(_fn, _Spec(1, None, needs_dim=True)))
-register_handler(F.normalize)(_token_wise(F.normalize, _Spec(2, None, default=1)))
-register_handler(torch.linalg.vector_norm)(_token_wise(torch.linalg.vector_norm, _Spec(2, 3)))
-
-
-def _splits_normalized(x: DTensor, normalized_shape) -> bool:
-    """True when a rank splits one of the trailing dims that a norm over
-    ``normalized_shape`` reduces."""
-    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
-    return any(lay.dim >= x.ndim - k for lay in split_layouts(x))
+for _spec, _ops in _OPS.items():
+    _both = [(getattr(torch, n), getattr(_T, n)) if isinstance(n, str) else (n,) for n in _ops]
+    chain_each([f for fns in _both for f in fns], partial(_token_wise, spec=_spec), graph=True)
 
 
 @chain(F.rms_norm)
 def _rms_norm(prev, input, normalized_shape, weight=None, eps=None):
     """``F.rms_norm`` over trailing dims no rank splits (the channels): local, as
     ``F.layer_norm`` (``_channels.spatial_layer_norm``)."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
     # is_tokens first: the layouts are read only for token tensors
-    if not is_tokens(input) or _splits_normalized(input, normalized_shape):
+    if not is_tokens(input) or any(lay.dim >= input.ndim - k for lay in split_layouts(input)):
         return prev(input, normalized_shape, weight, eps)
     out = F.rms_norm(
         input.to_local(), normalized_shape, sum_grad_over(weight, grad_groups(input)), eps
     )
     return wrap(out, input, input.placements, input.shape)
+
+
+#: the size argument's keyword in ``torch.split``, ``Tensor.split`` and ``chunk``
+_SIZES = ("split_size_or_sections", "split_size", "chunks")
+
+
+def _local_pieces(fn, prev):
+    """Handler: ``fn(x, arg, dim)`` (``split`` / ``chunk``) on the local tensor when ``x`` is
+    a token tensor and no layout of it splits ``dim``; otherwise ``prev``."""
+    run = getattr(torch, fn.__name__)
+
+    def handler(x, *args, **kwargs):
+        arg = args[0] if args else next((kwargs[n] for n in _SIZES if n in kwargs), None)
+        d = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if (
+            arg is None
+            or set(kwargs) - {"dim", *_SIZES}
+            or not (is_tokens(x) or is_nested(x))
+            or any(p.is_partial() or prefix_of(p) for p in x.placements)
+            or any(lay.dim == norm_dim(d, x.ndim) for lay in split_layouts(x))
+        ):
+            return prev(x, *args, **kwargs)
+        return local_pieces(run, x, arg, norm_dim(d, x.ndim))
+
+    return handler
+
+
+chain_each((torch.split, _T.split, torch.chunk, _T.chunk), _local_pieces, "token_pieces")

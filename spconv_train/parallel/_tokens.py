@@ -1,12 +1,8 @@
-"""Token layouts: an NCHW map flattened to a sequence of pixel tokens, kept sharded.
-
-``x.flatten(2).transpose(1, 2)`` of a W strip holds, per row, the tokens of the rank's
-columns: DTensor's ``_StridedShard(dim, split_factor=H)``, read by ``TokenLayout``. Reshapes
-that keep the sharded factor whole run locally (also for uneven splits, where DTensor
-refuses "Cannot unflatten unevenly sharded tensor"); arithmetic with a plain tensor slices
-it to the rank's tokens, its gradient summed; a reshape mixing ranks' tokens is refused by
-name. docs/attention.md, "Token layout".
-"""
+"""Token layouts: a map flattened to pixel tokens, kept sharded (read by ``TokenLayout``).
+Reshapes that keep each sharded factor whole run locally (DTensor refuses uneven ones:
+"Cannot unflatten unevenly sharded tensor"), arithmetic with a plain tensor takes the rank's
+tokens of it; a reshape mixing ranks' tokens is refused by name. docs/attention.md, "Token
+layout"."""
 
 from __future__ import annotations
 
@@ -19,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _channels  # noqa: F401  (its handlers are wrapped below)
 from ._broadcast import ARITH, plain_part  # (and its handlers, wrapped below)
+from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import is_dp, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, shard_bounds
@@ -30,31 +27,25 @@ from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts
 
 
 def is_nested(x) -> bool:
-    """True for a DTensor split over several spatial mesh dims (H x W tiles, rows on a
-    ``(sp_h, sp_w)`` mesh, their tokens): a reshape of it runs on the local tensor here."""
+    """True for a DTensor split over several spatial mesh dims (tiles, rows, their tokens):
+    its reshapes run on the local tensor here."""
     if not isinstance(x, DTensor):
         return False
     lays = [m for m in split_layouts(x) if not is_dp(x, m.mesh_dim)]
     return len(lays) > 1 and any(m.dim for m in lays)
 
 
-def _target(
-    shape: tuple[int, ...], lay: TokenLayout, out_shape: tuple[int, ...], last: bool = False
-):
+def _target(shape: tuple, lay: TokenLayout, out_shape: tuple, last: bool = False):
     """``(output dim, split factor, unit)`` of ``lay``'s sharded factor after a reshape to
-    ``out_shape``; ``None`` if the reshape mixes that factor with others. A sharded factor
-    of size 1 fits several output dims: the first, or with ``last`` the innermost
-    (``_windows.py``: a single window's index). Behind a prefix the dim stays whole."""
-    if lay.prefix:
-        head = math.prod(shape[: lay.dim])
-        for e, n in enumerate(out_shape):
-            if n == shape[lay.dim] and math.prod(out_shape[:e]) == head:
-                return e, lay.split_factor, lay.unit
-        return None
+    ``out_shape``, ``None`` if it mixes with others. A factor of size 1 fits several output
+    dims: the first, or with ``last`` the innermost (a single window's index)."""
+    if lay.prefix:  # the dim stays whole
+        head, n = math.prod(shape[: lay.dim]), shape[lay.dim]
+        fits = [e for e, m in enumerate(out_shape) if m == n and math.prod(out_shape[:e]) == head]
+        return (fits[0], lay.split_factor, lay.unit) if fits else None
     before = math.prod(shape[: lay.dim]) * lay.split_factor
     after = math.prod(shape[lay.dim + 1 :]) * lay.unit
-    dims = list(enumerate(out_shape))
-    found = []
+    found, dims = [], list(enumerate(out_shape))
     for e, n in reversed(dims) if last else dims:
         head, tail = math.prod(out_shape[:e]), math.prod(out_shape[e + 1 :])
         if not head or not tail or before % head or after % tail:
@@ -78,20 +69,21 @@ def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> 
     )
 
 
-def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
-    """``(placements, local shape)`` of ``x`` reshaped to ``out_shape`` with every sharded
-    factor kept whole; refuses (``SpatialShardingError`` naming ``what`` and the module) a
-    reshape that mixes the tokens of several ranks or nests them in a way the placements
-    cannot say (e.g. the token dim merged with the channels: runs of ``C`` entries)."""
-    placements = list(x.placements)
-    lays = split_layouts(x)
-    placed = {}
+def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) -> DTensor:
+    """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
+    by default), every sharded factor kept whole; refuses by name (``what``) a reshape that
+    mixes ranks' tokens or nests them in a way the placements cannot say (the token dim
+    merged with the channels)."""
+    placements, lays, placed, shares = list(x.placements), split_layouts(x), {}, {}
     for lay in lays:
         found = _target(tuple(x.shape), lay, out_shape)
         if found is None:
             raise _mixes(x, out_shape, what, lay, "")
-        placed[lay.mesh_dim] = found
-        placements[lay.mesh_dim] = placement(found[0], found[1], lay.prefix)
+        placed[lay.mesh_dim], e = found, found[0]
+        placements[lay.mesh_dim] = placement(e, found[1], lay.prefix)
+        a, b = shard_bounds(lay.inner, lay.parts, lay.rank)
+        own, total = shares.get(e, (1, 1))
+        shares[e] = (own * (b - a), total * max(lay.inner, 1))
     for lay in lays:
         e, sf, unit = placed[lay.mesh_dim]
         chain = sorted((f, m) for m, (d, f, _) in placed.items() if d == e and not is_dp(x, m))
@@ -99,52 +91,38 @@ def reshaped_layout(x: DTensor, out_shape: tuple[int, ...], what: str):
         want = _nest(n, chain).get(lay.mesh_dim, (n // sf, 1))
         if want[1] != unit:
             raise _mixes(x, out_shape, what, lay, f" (runs of {unit} entries of dim {e})")
-    shares = {}
-    for lay in lays:
-        e = placed[lay.mesh_dim][0]
-        a, b = shard_bounds(lay.inner, lay.parts, lay.rank)
-        own, total = shares.get(e, (1, 1))
-        shares[e] = (own * (b - a), total * max(lay.inner, 1))
-    local_shape = [
+        if lay.prefix:  # a dim behind a prefix is the same dim, as long as before
+            shares[e] = (x.to_local().shape[lay.dim], out_shape[e])
+    local_shape = tuple(
         n * shares[e][0] // shares[e][1] if e in shares else n for e, n in enumerate(out_shape)
-    ]
-    for lay in lays:  # a dim behind a prefix is the same dim, as long as before
-        if lay.prefix:
-            local_shape[placed[lay.mesh_dim][0]] = x.to_local().shape[lay.dim]
-    return placements, tuple(local_shape)
-
-
-def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) -> DTensor:
-    """``x`` reshaped to the global ``out_shape`` on the local tensor, each sharded factor
-    kept whole (``fn(local, local_shape)``: the op, ``reshape`` by default)."""
-    placements, local_shape = reshaped_layout(x, out_shape, what)
-    local = x.to_local()
-    out = fn(local, local_shape) if fn else local.reshape(local_shape)
+    )
+    out = fn(x.to_local(), local_shape) if fn else x.to_local().reshape(local_shape)
     return wrap(out, x, placements, out_shape)
 
 
-def previous(fn) -> Callable:
-    """The handler registered for ``fn`` so far, else DTensor's own rules (errors named)."""
-    prev = DEFAULT_REGISTRY.handler(fn)
-    return prev or (lambda *args, **kwargs: run_dtensor_op(fn, args, kwargs))
-
-
-def chain(*functions, prefix: str = "token"):
+def chain(*functions, prefix: str = "token", graph: bool = False):
     """Decorator: ``handler(prev, *args, **kwargs)`` becomes the handler of each of
-    ``functions``, ``prev`` the one before it (``previous``), called for what it leaves."""
+    ``functions`` (``chain_each``), ``prev`` the one before it, called for what it leaves."""
 
     def deco(handler):
-        for fn in functions:
-            prev = previous(fn)
-
-            def run(*args, _prev=prev, **kwargs):
-                return handler(_prev, *args, **kwargs)
-
-            run.__name__ = f"{prefix}_{getattr(fn, '__name__', 'op')}"
-            register_handler(fn)(run)
+        chain_each(
+            functions, lambda fn, prev: lambda *a, **k: handler(prev, *a, **k), prefix, graph
+        )
         return handler
 
     return deco
+
+
+def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> None:
+    """Register ``make(fn, prev)`` for each of ``functions``, ``prev`` the handler before it
+    (else DTensor's own rules, errors named); with ``graph``, graph material where ``prev`` is
+    (``_compile.graph_handler``: a wrapper must not make an element-wise op a graph break)."""
+    for fn in functions:
+        prev = DEFAULT_REGISTRY.handler(fn) or (lambda *a, _fn=fn, **k: run_dtensor_op(_fn, a, k))
+        handler = make(fn, prev)
+        handler.__name__ = f"{prefix}_{getattr(fn, '__name__', 'op')}"
+        marked = graph and in_dtensor_graphs(prev)
+        register_handler(fn)(graph_handler(handler) if marked else handler)
 
 
 #: the matrix products (handlers in ``_attention_explicit.py`` and ``_windows.py``)
@@ -163,65 +141,52 @@ def reshape_of(func, x: DTensor, args, kwargs) -> tuple[tuple[int, ...], Callabl
     return result_shape(func, x.shape, *args, **kwargs), fn
 
 
-def _reshaping(func):
-    """Handler for ``func`` (a reshape-like op): local on token tensors, else DTensor's."""
-    what = function_name(func)
+def _reshaping(fn, prev):
+    """Handler for ``fn`` (a reshape-like op): local on token tensors, else ``prev``."""
+    what = function_name(fn)
 
     def handler(x, *args, **kwargs):
         tokens = is_tokens(x) or is_nested(x)
-        shape, fn = reshape_of(func, x, args, kwargs) if tokens else (None, None)
-        if shape is None:
-            return run_dtensor_op(func, (x, *args), kwargs)  # DTensor's own
-        return local_reshape(x, shape, what, fn)
-
-    handler.__name__ = f"token_{func.__name__}"
-    return handler
-
-
-for _fn in RESHAPES:
-    register_handler(_fn)(_reshaping(_fn))
-
-
-def _same_split(a: DTensor, b: DTensor) -> bool:
-    """Both laid out alike: the same placements, and every split dim of the same size."""
-    return (
-        a.ndim == b.ndim
-        and a.placements == b.placements
-        and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a))
-    )
-
-
-def _arith(fn, a, b, *args, **kwargs):
-    dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
-    if isinstance(plain, DTensor) and _same_split(dt, plain):
-        # DTensor redistributes some of these when the strides differ (a transposed view
-        # next to a contiguous tensor); laid out alike, the op is local
-        shape = torch.broadcast_shapes(a.shape, b.shape)
-        return wrap(fn(a.to_local(), b.to_local(), *args, **kwargs), dt, dt.placements, shape)
-    if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
-        return fn(a, b, *args, **kwargs)  # DTensor's own rules
-    shape = torch.broadcast_shapes(dt.shape, plain.shape)
-    if shape != dt.shape:
-        raise SpatialShardingError(
-            f"{function_name(fn)} of a token tensor {tuple(dt.shape)} and a plain tensor "
-            f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
-        )
-    # the guard here, not in local_part: the attention masks and biases it cuts
-    # (_ring_mask.py) have a window's size, not the image's
-    part = plain_part(plain, dt, function_name(fn))
-    la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
-    return wrap(fn(la, lb, *args, **kwargs), dt, dt.placements, shape)
-
-
-def _arith_or_previous(fn):
-    """Handler: ``_arith`` when the first or second argument is a token tensor."""
-
-    def handler(prev, *args, **kwargs):
-        tokens = any(is_tokens(a) for a in args[:2])
-        return _arith(fn, *args, **kwargs) if tokens else prev(*args, **kwargs)
+        shape, f = reshape_of(fn, x, args, kwargs) if tokens else (None, None)
+        return prev(x, *args, **kwargs) if shape is None else local_reshape(x, shape, what, f)
 
     return handler
 
 
-for _fn in ARITH:
-    chain(_fn)(_arith_or_previous(_fn))
+chain_each(RESHAPES, _reshaping)
+
+
+def _arith(fn, prev):
+    """Handler for ``fn`` with a token tensor first or second: local next to a token tensor
+    laid out alike or a plain tensor (the rank's part of it); else ``prev``."""
+    what = function_name(fn)
+
+    def handler(*args, **kwargs):
+        if len(args) < 2 or not (is_tokens(args[0]) or is_tokens(args[1])):
+            return prev(*args, **kwargs)
+        a, b, *rest = args
+        dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
+        alike = isinstance(plain, DTensor) and a.ndim == b.ndim and a.placements == b.placements
+        if alike and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a)):
+            # DTensor redistributes some of these when the strides differ (a transposed view
+            # next to a contiguous tensor); laid out alike, the op is local
+            shape = torch.broadcast_shapes(a.shape, b.shape)
+            return wrap(fn(a.to_local(), b.to_local(), *rest, **kwargs), dt, dt.placements, shape)
+        if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
+            return fn(*args, **kwargs)  # DTensor's own rules
+        shape = torch.broadcast_shapes(dt.shape, plain.shape)
+        if shape != dt.shape:
+            raise SpatialShardingError(
+                f"{what} of a token tensor {tuple(dt.shape)} and a plain tensor "
+                f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
+            )
+        # the guard here, not in local_part: the attention masks and biases it cuts
+        # (_ring_mask.py) have a window's size, not the image's
+        part = plain_part(plain, dt, what)
+        la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
+        return wrap(fn(la, lb, *rest, **kwargs), dt, dt.placements, shape)
+
+    return handler
+
+
+chain_each(ARITH, _arith)

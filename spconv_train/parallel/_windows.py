@@ -1,18 +1,17 @@
-"""Window partition and reverse of a sharded map (Swin), and the ops that run per window.
-
-A reshape that factorises a split dim into ``(n // ws, ws)`` (window partition, patch
-merging) re-chunks the map to window-aligned owners point to point when the chunks do not
-fall on window boundaries, and the reverse merge re-chunks back; the window batch is a
-token layout (``_StridedShard(0, B * H // ws)``, nested on tiles), a split dim before the
-innermost window index merges by a re-chunk (``_window_moves.py``), and a ``dp`` dim counts
-only this rank's images (``_local_outer``). Per-window matmuls and SDPA with a mask sliced
-to the rank's windows run locally. docs/attention.md, "Window attention (Swin)".
+"""Window partition and reverse of a sharded map (Swin), and the ops that run per window: a
+reshape that cuts a split dim at window boundaries (``_moves``) re-chunks the map to
+window-aligned owners point to point where needed (the reverse merge back), the batch of
+windows a token layout; per-window matmuls and SDPA run locally. docs/attention.md, "Window
+attention (Swin)".
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
 
 import torch
 import torch.nn.functional as F
@@ -25,21 +24,114 @@ from ._geometry import ExchangePlan, all_shard_bounds, shard_bounds
 from ._halo import gather_columns
 from ._prefix_shard import placement, prefix_of
 from ._ring_mask import sdpa_bias
-from ._tokens import MATMULS, TokenLayout, _target, chain, split_layouts
-from ._window_moves import SINGLE_WINDOWS, Move, remember_single, window_move
+from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, split_layouts
+
+
+def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
+    """The smallest run of input dims ``[d0, d1)`` holding ``d`` that a reshape to ``out``
+    turns into whole output dims ``[e0, e1)``; ``past_units``: past size-1 dims after ``d``.
+    ``None`` for empty tensors."""
+    pin, pout = (list(accumulate(s, mul, initial=1)) for s in (shape, out))
+    if 0 in shape or pin[-1] != pout[-1]:
+        return None
+    d0 = max(i for i in range(d + 1) if pin[i] in pout)
+    later = [i for i in range(d + 1, len(shape) + 1) if pin[i] in pout]
+    if past_units:
+        later = [i for i in later if pin[i] > pin[d]] or later
+    d1 = min(later)
+    e0 = min(j for j, p in enumerate(pout) if p == pin[d0])
+    # size-1 output dims at the start of the run go first to the size-1 input dims right
+    # before ``d0`` (a batch of one: (1, L, C) -> (1, L, 2, heads, e) keeps its 1 in front)
+    units_in = sum(1 for i in range(d0) if pin[i] == pin[d0])
+    units_out = sum(1 for j in range(e0 + 1, len(pout)) if pout[j] == pin[d0])
+    e0 += min(units_in, units_out)
+    e1 = min(j for j, p in enumerate(pout) if p == pin[d1])
+    return d0, d1, e0, e1
+
+
+@dataclass(frozen=True)
+class Move:
+    """How a reshape moves the split of input dim ``lay.dim``: factorised (``split``) into
+    output dims from ``dim`` on, ``k`` elements per window, or merged with the ``k`` entries
+    of the dims after it into output dim ``dim``. ``outer``: whole entries in front of the
+    chunked part (a ``_StridedShard``'s split factor), on the input (split) or output dim."""
+
+    lay: TokenLayout
+    split: bool
+    dim: int
+    k: int
+    outer: int = 1
+
+
+#: Single windows (a split dim of size 1: Swin's last stage, the first rank holds it) that
+#: shapes alone cannot place. ``("cut", shape, dim) -> 1``: a merge of that dim is the window
+#: reverse, not a merge into the batch of windows. ``("batch", shape, mesh dim) -> dim``:
+#: the split dim merged into the batch of windows, where the reverse view puts it back.
+SINGLE_WINDOWS: dict[tuple, int] = {}
+
+
+def remember_single(key: tuple, value: int) -> None:
+    """Record ``key`` in ``SINGLE_WINDOWS`` (cleared past 1024 entries)."""
+    if len(SINGLE_WINDOWS) > 1024:
+        SINGLE_WINDOWS.clear()
+    SINGLE_WINDOWS[key] = value
+
+
+def _split(lay: TokenLayout, shape: tuple, out: tuple) -> Move | None:
+    """A split dim cut into output dims ``[e0, e1)``: a ``_StridedShard``'s split factor into
+    whole dims in front (the batch of windows back to ``(B, nD, nH, nW, ...)``), the chunked
+    run into ``(windows, ...)``, the windows split."""
+    runs = _runs(shape, out, lay.dim, False)
+    if runs is None or runs[1] - runs[0] != 1:
+        return None
+    _, _, e0, e1 = runs
+    cuts = [e for e in range(e0, e1 + 1) if math.prod(out[e0:e]) == lay.split_factor]
+    big = [j for j in range(cuts[-1], e1) if out[j] > 1] if cuts else []
+    if len(big) >= 2:  # (windows, ws): the split goes to the windows factor
+        return Move(lay, True, big[0], math.prod(out[big[0] + 1 : e1]), lay.split_factor)
+    if lay.split_factor != 1:
+        return None
+    # (1, W) of a map dim: one window along it when the reshape cuts two dims into windows
+    # (H and W); a size-1 dim added next to it, or three or more dims (docs/attention.md: a
+    # thin volume's patches, a Swin stage one row deep) keep the dim split
+    one = big == [e1 - 1] and e1 - e0 == 2 and lay.dim > 0
+    if one and len(out) >= len(shape) + 2:
+        remember_single(("cut", tuple(out), e1 - 2), 1)
+        return Move(lay, True, e1 - 2, out[e1 - 1])
+    return None
+
+
+def _merge(lay: TokenLayout, shape: tuple, out: tuple, split_dims) -> Move | None:
+    single = shape[lay.dim] == 1
+    if single and ("cut", tuple(shape), lay.dim) not in SINGLE_WINDOWS:
+        return None
+    runs = _runs(shape, out, lay.dim, single)
+    if runs is None:
+        return None
+    d0, d1, e0, e1 = runs
+    big = [j for j in range(e0, e1) if out[j] > 1] or [e1 - 1]
+    if d1 - lay.dim < 2 or len(big) != 1 or big[0] != e1 - 1:
+        return None
+    if d0 != lay.dim and (single or lay.split_factor != 1):
+        return None
+    if split_dims.intersection(range(d0, d1)):  # H and W of a tile: tokens (_tokens.py)
+        return None
+    # dims before the split one (the batch, the D windows before split H windows) stay
+    # whole in front of the re-chunked run: the output's split factor
+    outer = math.prod(shape[: lay.dim]) // math.prod(out[: e1 - 1])
+    return Move(lay, False, e1 - 1, math.prod(shape[lay.dim + 1 : d1]), outer)
 
 
 def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
-    """The batch split over a ``dp`` mesh dim of one rank: kept on dim 0 (with size-1
-    dims around, the shape alone could place it on any of them)."""
+    """The batch split over a ``dp`` mesh dim of one rank: kept on dim 0 (with size-1 dims
+    around, the shape alone could place it on any)."""
     return lay.parts == 1 and lay.dim == 0 and is_dp(x, lay.mesh_dim)
 
 
 @functools.lru_cache(maxsize=256)
 def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan | None:
-    """The exchange between the map's own chunks of a ``size``-long dim and the chunks
-    aligned on ``k``-long windows (``to_windows``: map -> windows), ``None`` when they
-    are the same."""
+    """The exchange from the map's own chunks of a ``size``-long dim to the chunks aligned on
+    ``k``-long windows (or back), ``None`` when they are the same."""
     own = tuple(all_shard_bounds(size, parts))
     aligned = tuple((a * k, b * k) for a, b in all_shard_bounds(size // k, parts))
     if own == aligned:
@@ -48,40 +140,24 @@ def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan
     return ExchangePlan(size, owned, tuple((n,) for n in needed))
 
 
-def _local_outer(
-    x: DTensor, lays: list[TokenLayout], move: Move, out_shape: tuple[int, ...]
-) -> int:
-    """``move.outer`` on this rank: a ``dp`` mesh dim leaves it part of the images, where
-    the batch is among the whole entries in front of the chunked run (the factorised dim
-    itself, the batch of windows, when ``move`` splits; an input dim merged in front of
-    the split one into the output dim when it merges). A batch on a dim of its own (a map
-    split along W, H or D) leaves the run's entries whole. ``lays``: ``split_layouts(x)``."""
-    outer = move.outer
-    lead = math.prod(out_shape[: move.dim])  # entries of the output dims before the merge
+def _local_outer(x: DTensor, lays: list, move: Move, out_shape: tuple) -> int:
+    """``move.outer`` on this rank: a ``dp`` mesh dim leaves it part of the images where the
+    batch is among the whole entries in front of the chunked run (the batch of windows when
+    ``move`` splits; a dim merged in front of the split one when it merges)."""
+    outer, lead = move.outer, math.prod(out_shape[: move.dim])  # entries before the merge
     for lay in lays:
-        if not is_dp(x, lay.mesh_dim):
-            continue
-        if move.split:
-            front = lay.dim == move.lay.dim
-        else:
-            front = lay.dim < move.lay.dim and math.prod(x.shape[: lay.dim + 1]) > lead
-        if front:
-            outer = outer * lay.sizes()[lay.rank] // x.shape[lay.dim]
+        merged = lay.dim < move.lay.dim and math.prod(x.shape[: lay.dim + 1]) > lead
+        if is_dp(x, lay.mesh_dim) and (lay.dim == move.lay.dim if move.split else merged):
+            outer = outer * lay.held() // x.shape[lay.dim]
     return outer
 
 
-def _rechunk(
-    local: Tensor,
-    x: DTensor,
-    lays: list[TokenLayout],
-    move: Move,
-    d: int,
-    out_shape: tuple[int, ...],
-) -> Tensor:
-    """``local``'s dim ``d`` (of ``x`` when ``move`` splits, of the reshape's
-    ``out_shape`` when it merges: ``move.outer`` whole entries, each a chunked run) moved
-    between the map's own chunks and the window-aligned ones, point to point."""
-    size = x.shape[d] if move.split else out_shape[d]
+def _rechunk(local: Tensor, x: DTensor, lays: list, move: Move, out_shape: tuple) -> Tensor:
+    """``local``'s dim ``d`` that ``move`` cuts (of ``x``) or merges into (of ``out_shape``):
+    ``move.outer`` entries, each a chunked run, moved between the map's own chunks and the
+    window-aligned ones, point to point. ``lays``: ``split_layouts(x)``."""
+    d = move.lay.dim if move.split else move.dim
+    size = (x.shape if move.split else out_shape)[d]
     plan = window_plan(size // move.outer, move.lay.parts, move.k, move.split)
     if plan is None:
         return local
@@ -94,21 +170,15 @@ def _rechunk(
     return out.contiguous()
 
 
-def _single_window_dims(
-    x: DTensor, lays: list[TokenLayout], out_shape: tuple[int, ...]
-) -> dict[int, int]:
-    """``{mesh dim: output dim}`` of the size-1 factors (single windows: nothing chunked,
-    the first rank holds it all) of the batch of windows that a reshape puts back: on
-    tiles (a dim split over several mesh dims, ``_token_layout._nest``) the size-1 output dims
-    that fit them, outer to inner in mesh dim order (``sp_h``'s window row before
-    ``sp_w``'s window column); on one mesh dim the window index it came from
-    (``SINGLE_WINDOWS``). ``_target`` would pick the dim of the factor after them (same
-    runs), or the innermost one. ``lays``: ``split_layouts(x)``."""
-    shape, groups = tuple(x.shape), {}
+def _single_window_dims(x: DTensor, lays: list, out_shape: tuple) -> dict[int, int]:
+    """``{mesh dim: output dim}`` of the size-1 factors (single windows, the first rank holds
+    them) of a batch of windows a reshape puts back: on tiles the size-1 output dims that
+    fit them, in mesh dim order (``sp_h``'s window row first); on one mesh dim the window
+    index it came from (``SINGLE_WINDOWS``). ``_target`` would pick another dim."""
+    shape, groups, out = tuple(x.shape), {}, {}
     for lay in lays:
         if not is_dp(x, lay.mesh_dim):
             groups.setdefault(lay.dim, []).append(lay)
-    out = {}
     for d, group in groups.items():
         ones = [lay for lay in group if lay.inner <= 1]
         if not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
@@ -129,24 +199,20 @@ def _single_window_dims(
 
 
 def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn=None) -> DTensor:
-    """``x`` reshaped to the global ``out_shape`` on the local tensor (``fn(local, shape)``,
-    ``reshape`` by default): the dims in ``moves`` factorised / merged around window
-    boundaries (re-chunked where the chunks do not fall on them), every other split dim
-    kept whole (``_tokens.local_reshape``)."""
-    shape = tuple(x.shape)
-    placements = list(x.placements)
-    local = x.to_local()
+    """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
+    by default): the dims of ``moves`` cut / merged at window boundaries (re-chunked where
+    the chunks are not aligned), every other split dim kept whole."""
+    shape, placements, local = tuple(x.shape), list(x.placements), x.to_local()
     lays = split_layouts(x)  # read once: every step below reads the input's layouts
     for m in moves:
         if m.split:
-            local = _rechunk(local, x, lays, m, m.lay.dim, out_shape)
-    # each split dim's share of the output dim it lands on (several can land on one: the
-    # batch over dp and the windows over sp both split the batch of windows)
+            local = _rechunk(local, x, lays, m, out_shape)
+    # each split dim's share of the output dim it lands on (dp and sp: the batch of windows)
     share = {e: (1, 1) for e in range(len(out_shape))}
     by_mesh = {m.lay.mesh_dim: m for m in moves}
     single = _single_window_dims(x, lays, out_shape)
     for lay in lays:
-        m = by_mesh.get(lay.mesh_dim)
+        m, own, total = by_mesh.get(lay.mesh_dim), lay.held(), shape[lay.dim]
         if m is not None:
             total = shape[lay.dim] // m.outer // m.k if m.split else shape[lay.dim]
             a, b = shard_bounds(total, lay.parts, lay.rank)  # windows (split) or rows (merge)
@@ -158,7 +224,6 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
         elif lay.mesh_dim in single:
             e = single[lay.mesh_dim]
             placements[lay.mesh_dim] = Shard(e)
-            own, total = lay.sizes()[lay.rank], shape[lay.dim]
         else:
             # a size-1 split factor fits several output dims: the window index, innermost
             e, sf, _ = _target(shape, lay, out_shape, last=True)  # _moves checked it fits
@@ -166,40 +231,33 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
                 # the reverse view puts it back (``_target`` would pick the innermost dim)
                 remember_single(("batch", shape, lay.mesh_dim), lay.dim)
             placements[lay.mesh_dim] = placement(e, sf)
-            own, total = lay.sizes()[lay.rank], shape[lay.dim]
         share[e] = (share[e][0] * own, share[e][1] * total)
-    local_shape = [
-        n * own // total for n, (own, total) in zip(out_shape, share.values(), strict=True)
-    ]
+    local_shape = [n * o // t for n, (o, t) in zip(out_shape, share.values(), strict=True)]
     out = fn(local, tuple(local_shape)) if fn else local.reshape(local_shape)
     for m in moves:
         if not m.split:
-            out = _rechunk(out, x, lays, m, m.dim, out_shape)
+            out = _rechunk(out, x, lays, m, out_shape)
     return wrap(out, x, placements, out_shape)
 
 
-def _spatial_dims(x: DTensor, lays: list[TokenLayout], lay: TokenLayout) -> frozenset[int]:
-    """The other dims split by a spatial mesh dim when ``lay`` is spatial too (H and W of a
-    tile: their merge is the tiles' token layout, ``_tokens.py``, not a window move)."""
-    if is_dp(x, lay.mesh_dim):
-        return frozenset()
-    return frozenset(o.dim for o in lays if not is_dp(x, o.mesh_dim)) - {lay.dim}
-
-
 def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
-    """The window moves of a reshape of ``x`` to ``out_shape`` (an empty list: none, but
-    the reshape runs locally here), ``None`` when this module has nothing to do or a split
-    dim cannot stay whole (the reshape handlers before this one decide then)."""
-    shape = tuple(x.shape)
-    lays = split_layouts(x)
+    """The window moves of a reshape of ``x`` to ``out_shape`` (empty: none, but local
+    here), ``None`` when the reshape handlers before this one decide."""
+    shape, lays = tuple(x.shape), split_layouts(x)
+    spatial = [o.dim for o in lays if not is_dp(x, o.mesh_dim)]
     # two layouts on one dim (dp and sp on the batch of windows): their shares compose here
     moves, local = [], len({lay.dim for lay in lays}) < len(lays)
     for lay in lays:
         if _batch_of_one_rank(lay, x):  # kept on dim 0 here: DTensor / _tokens would not
             local = local or len(lays) > 1
             continue
-        nested = sum(o.dim == lay.dim and not is_dp(x, o.mesh_dim) for o in lays) > 1
-        m = window_move(lay, shape, out_shape, _spatial_dims(x, lays, lay), nested)
+        m = None  # no window cut of a token layout (nested over several spatial mesh dims)
+        if lay.unit == 1 and not (spatial.count(lay.dim) > 1 and lay.split_factor != 1):
+            m = _split(lay, shape, out_shape)
+        if m is None and lay.unit == 1 and lay.split_factor == 1:
+            # a spatial one's merge with the other spatially split dims: tiles' tokens
+            others = frozenset() if is_dp(x, lay.mesh_dim) else frozenset(spatial) - {lay.dim}
+            m = _merge(lay, shape, out_shape, others)
         if m is not None:
             moves.append(m)
             continue
@@ -214,47 +272,45 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     return moves if moves or local else None
 
 
-def _reshaping(func) -> None:
-    """Window moves for the reshape-like ``func``, before the token / DTensor rules."""
+def _reshaping(fn, prev):
+    """Window moves for the reshape-like ``fn``, before the token / DTensor rules."""
 
-    @chain(func, prefix="window")
-    def handler(prev, x, *args, **kwargs):
+    def handler(x, *args, **kwargs):
         # tokens behind a prefix (class token) are never windows: _tokens.py keeps the prefix
         if isinstance(x, DTensor) and not any(map(prefix_of, x.placements)):
-            shape, fn = _tokens.reshape_of(func, x, args, kwargs)
+            shape, f = _tokens.reshape_of(fn, x, args, kwargs)
             moves = None if shape is None else _moves(x, shape)
             if moves is not None:
-                return window_reshape(x, shape, moves, fn)
+                return window_reshape(x, shape, moves, f)
         return prev(x, *args, **kwargs)
 
-
-for _fn in _tokens.RESHAPES:
-    _reshaping(_fn)
+    return handler
 
 
-def batch_split(t) -> bool:
-    """True for a DTensor split (by any layout) only along dims before its last two: a
-    batch of windows (or of images), every matrix whole on one rank."""
-    if not isinstance(t, DTensor) or any(p.is_partial() for p in t.placements):
+chain_each(_tokens.RESHAPES, _reshaping, "window")
+
+
+def _batches_alike(a, *others) -> bool:
+    """True for ``a`` split only along dims before its last two (a batch of windows: every
+    matrix whole on one rank) and ``others`` split alike."""
+    if not isinstance(a, DTensor) or any(p.is_partial() for p in a.placements):
         return False
-    lays = split_layouts(t)
-    return bool(lays) and all(lay.dim < t.ndim - 2 for lay in lays)
-
-
-def _alike(a: DTensor, b) -> bool:
+    lays = split_layouts(a)
     return (
-        isinstance(b, DTensor)
-        and a.ndim == b.ndim
-        and a.placements == b.placements
-        and a.shape[:-2] == b.shape[:-2]
+        bool(lays)
+        and all(lay.dim < a.ndim - 2 for lay in lays)
+        and all(
+            isinstance(b, DTensor) and b.placements == a.placements and b.shape[:-2] == a.shape[:-2]
+            for b in others
+        )
     )
 
 
 @chain(*MATMULS, prefix="window")
 def window_matmul(prev, a, b, *args, **kwargs):
-    """``a @ b`` of two batches split alike along their batch dims (attention scores per
-    window, ``q @ k.transpose(-2, -1)``, and ``attn @ v``): every matrix product local."""
-    if args or kwargs or not (batch_split(a) and _alike(a, b)):
+    """``a @ b`` of two batches split alike along their batch dims (``q @ k.transpose(-2,
+    -1)``, ``attn @ v`` per window): local."""
+    if args or kwargs or not _batches_alike(a, b):
         return prev(a, b, *args, **kwargs)
     out = torch.matmul(a.to_local(), b.to_local())
     return wrap(out, a, a.placements, (*a.shape[:-1], b.shape[-1]))
@@ -263,18 +319,14 @@ def window_matmul(prev, a, b, *args, **kwargs):
 @chain(F.scaled_dot_product_attention, prefix="window")
 def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
     """``F.scaled_dot_product_attention`` on queries, keys and values split alike along
-    their batch dims only (windows): local attention per window, the mask (a relative
-    position bias, the shifted-window mask) sliced to the rank's windows."""
-    if not (batch_split(query) and _alike(query, key) and _alike(query, value)):
+    their batch dims only (windows): local, the mask sliced to the rank's windows."""
+    if not _batches_alike(query, key, value):
         return prev(query, key, value, attn_mask, *args, **kwargs)
     mask = sdpa_bias(attn_mask, query, "F.scaled_dot_product_attention")  # the rank's windows
-    out = F.scaled_dot_product_attention(
-        query.to_local(), key.to_local(), value.to_local(), mask, *args, **kwargs
-    )
+    q, k, v = (t.to_local() for t in (query, key, value))
+    out = F.scaled_dot_product_attention(q, k, v, mask, *args, **kwargs)
     if out.numel() == 0 and isinstance(mask, torch.Tensor) and mask.requires_grad:
-        # A rank holding no windows (fewer windows than ranks): torch answers an empty
-        # batch without reading the mask, so the mask's gradient would skip its sum over
-        # the ranks (``sdpa_bias``) and the other ranks would wait in it. A zero term keeps
-        # this rank in that sum (its share: zeros).
+        # a rank holding no windows: torch answers an empty batch without reading the mask,
+        # whose gradient would skip its sum over the ranks (the others would wait in it)
         out = out + mask.sum() * 0
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
