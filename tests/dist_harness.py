@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 
 from spconv_train.distributed import free_port, shutdown
 from spconv_train.parallel import gloo_threads_idle
+from spconv_train.parallel._errors import _SPATIAL_MESHES
 
 # Per call: the fp64 ResNet-50 grids at 3 ranks take ~100 s on 2 idle cores.
 TIMEOUT_S = float(os.environ.get("SPCONV_TEST_TIMEOUT", "400"))
@@ -68,6 +69,10 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
         if task is None:
             break
         fn, args, kwargs = task
+        # each task starts with no model parallelized on the cached meshes: the guard of
+        # DTensor's gathers outside a forward (``_errors.guard_mesh``) is process-wide, and
+        # an earlier test's model would otherwise switch it on for this one's own calls
+        _SPATIAL_MESHES.clear()
         try:
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure must reach the test

@@ -13,7 +13,6 @@ import torch
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError
-from spconv_train.parallel._errors import _SPATIAL_MESHES
 from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import device, mesh
 from tests.reference import seeded
@@ -21,11 +20,7 @@ from tests.reference import seeded
 
 def outcomes(mshape: tuple[int, int]) -> dict[str, str]:
     """``{case: "equal" | "refused" | failure text}`` for every map size and call."""
-    dmesh = mesh(mshape, ("sp_h", "sp_w"))
-    # DTensor's own calls on a mesh no model runs on: an earlier test of this worker may
-    # have parallelized one on this cached mesh (its gathers outside the forward refused:
-    # tests/test_no_gather_outside.py)
-    _SPATIAL_MESHES.pop(dmesh, None)
+    dmesh = mesh(mshape, ("sp_h", "sp_w"))  # no model parallelized on it (dist_harness)
     found = {}
     for h, w in ((4, 6), (5, 7)):
         x = seeded(1, 2, 3, h, w, dtype=torch.float64).to(device())
