@@ -58,6 +58,11 @@ class TokenOps(nn.Module):
         return out
 
 
+def _no_failures(results: list) -> None:
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
 def _meshes(world: int) -> list:
     """``(label, mesh, placements)``: W strips and tiles (``sp_h`` x ``sp_w``)."""
     tiles = mesh(TILES[world], ("sp_h", "sp_w"))
@@ -82,8 +87,7 @@ def token_failures() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_token_ops_match_single_device(dist_pool, world):
-    for rank, failures in enumerate(dist_pool.run(world, token_failures)):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+    _no_failures(dist_pool.run(world, token_failures))
 
 
 def _heads(r: torch.Tensor) -> torch.Tensor:
@@ -145,8 +149,7 @@ def reduction_failures() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_channel_reductions_of_tokens_match_single_device(dist_pool, world):
-    for rank, failures in enumerate(dist_pool.run(world, reduction_failures)):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+    _no_failures(dist_pool.run(world, reduction_failures))
 
 
 def _tokens_of(m: torch.Tensor) -> torch.Tensor:
@@ -191,5 +194,4 @@ def token_norm_failures() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_norm_over_tokens_refused_or_exact(dist_pool, world):
-    for rank, failures in enumerate(dist_pool.run(world, token_norm_failures)):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+    _no_failures(dist_pool.run(world, token_norm_failures))
