@@ -59,6 +59,16 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
     return args[pos] if pos is not None and len(args) > pos else default
 
 
+#: the p-norms (``p`` / ``ord`` the first argument after the tensor)
+_NORMS = (torch.norm, _T.norm, torch.linalg.vector_norm)
+
+
+def _order(fn, full: tuple, kwargs: dict):
+    """The ``p`` (``ord``) of a norm call, 2 by default (``"fro"``: 2 over one dim)."""
+    p = _arg(full, kwargs, 1, "ord" if fn is torch.linalg.vector_norm else "p", 2)
+    return 2 if p in (None, "fro") else p
+
+
 def _token_wise(fn, prev, spec: _Spec):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
     what = function_name(fn)
@@ -83,6 +93,14 @@ def _token_wise(fn, prev, spec: _Spec):
                     f"prefix (class / register) tokens, which one rank holds alone, is not "
                     f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
                     f"channels (dim=-1)."
+                )
+            if fn in _NORMS and len(dims) < x.ndim and _order(fn, full, kwargs) != 1:
+                raise SpatialShardingError(
+                    f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
+                    f"module '{module_path()}': DTensor's own p-norm over the split token dim "
+                    f"of a token tensor gives a wrong input gradient (torch 2.14.1), so it is "
+                    f"not supported. Write it as x.square().sum(dim).sqrt(), or reduce over "
+                    f"the channels (dim=-1)."
                 )
             return prev(x, *args, **kwargs)
         keepdim = spec.keep_pos is None or bool(_arg(full, kwargs, spec.keep_pos, "keepdim", 0))
