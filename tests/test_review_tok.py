@@ -136,11 +136,24 @@ def _through_tokens(op, prefix: int):
     return fn
 
 
-def reduction_failures() -> list[str]:
+#: arithmetic with ``other`` by keyword (as torch allows), on tokens and on the map itself
+KEYWORD_ARITH = [
+    ("add / mul other=", lambda r: r.add(other=r.square()).mul(other=0.5)),
+    (
+        "torch.add other= alpha",
+        lambda r: torch.add(r, other=1.5, alpha=2) - torch.sub(r, r, alpha=3),
+    ),
+]
+
+
+def reduction_failures(ops: str = "REDUCTIONS") -> list[str]:
     world, failures = dist.get_world_size(), []
     x = seeded(33, 2, 4, 6, 2 * world + 1, dtype=torch.float64)  # uneven
     for label, dmesh, placements in _meshes(world):
-        for name, op in REDUCTIONS:
+        if ops == "KEYWORD_ARITH":  # on the map too
+            for name, op in KEYWORD_ARITH:
+                check_fn(op, x, dmesh, placements, f"{name} map {label}", failures)
+        for name, op in globals()[ops]:
             for prefix in (0, 2):
                 what = f"{name} {label} prefix {prefix}"
                 check_fn(_through_tokens(op, prefix), x, dmesh, placements, what, failures)
@@ -150,6 +163,11 @@ def reduction_failures() -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_channel_reductions_of_tokens_match_single_device(dist_pool, world):
     _no_failures(dist_pool.run(world, reduction_failures))
+
+
+def test_arithmetic_with_keyword_other(dist_pool):
+    """``x.add(other=y)`` once failed in the prefix handler's signature (TypeError)."""
+    _no_failures(dist_pool.run(2, reduction_failures, "KEYWORD_ARITH"))
 
 
 def _tokens_of(m: torch.Tensor) -> torch.Tensor:

@@ -117,7 +117,12 @@ def _arith_handler(fn, prev):
     alike and for a plain tensor (a position embedding); a scalar goes through DTensor."""
     kept = _keeps_prefix(fn, prev)
 
-    def handler(a, b, *args, **kwargs):
+    def handler(a, *args, **kwargs):
+        if not args and "other" in kwargs:  # x.add(other=y): every handler below by position
+            args = (kwargs.pop("other"),)
+        if not args:
+            return prev(a, **kwargs)  # torch's own error
+        b, *args = args
         dt, other = (a, b) if has_prefix(a) else (b, a)
         if not has_prefix(dt) or (
             isinstance(other, Tensor)
