@@ -22,6 +22,7 @@ from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._prefix_shard import reduced_placements
+from ._sharding import sharded_dim
 from ._small_sum import sum_replicated
 
 
@@ -48,8 +49,12 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     """``kind`` (sum, mean, amax, amin, var, std, norm2) over ``dim`` of a sharded DTensor,
     exact and differentiable; ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
-    where = sharded_dims(x)
-    groups = [mesh_group(x.device_mesh, where[d]) for d in dims if d in where]
+    # every mesh dim splitting a reduced dim: two of them on one dim for tokens on tiles
+    groups = [
+        mesh_group(x.device_mesh, i)
+        for i, p in enumerate(x.placements)
+        if (d := sharded_dim(p)) is not None and d % x.ndim in dims
+    ]
     local = x.to_local()
     count = math.prod(x.shape[d] for d in dims)
     if kind in ("sum", "mean"):

@@ -8,7 +8,6 @@ is local sums added over the splitting groups; behind a prefix it is refused by 
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import NamedTuple
 
@@ -17,16 +16,15 @@ import torch.nn.functional as F
 
 from . import _token_prefix  # noqa: F401  (its handlers are wrapped here)
 from ._channels import local_pieces
-from ._dims import mesh_group, norm_dim, wrap
+from ._dims import norm_dim, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._prefix_shard import prefix_of, reduced_placements
 from ._probe import result_shape
-from ._reduce import _dims  # (and its handlers, wrapped here)
+from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
 from ._registry import function_name
 from ._sharding import grad_groups, sharded_dim
-from ._small_sum import sum_replicated
 from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
@@ -66,8 +64,9 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
 _NORMS = (torch.norm, _T.norm, torch.linalg.vector_norm)
 
 
-#: the sums over the tokens computed here (local sums added over the groups): sum, then mean
-_SUMS = (torch.sum, _T.sum, torch.mean, _T.mean)
+#: the reductions over the split token dim done by ``_reduce.reduce_sharded`` (local sums
+#: added over every mesh dim splitting the tokens), not by DTensor's own rule
+_SUMS = {torch.sum: "sum", _T.sum: "sum", torch.mean: "mean", _T.mean: "mean"}
 
 
 def _order(fn, full: tuple, kwargs: dict):
@@ -92,6 +91,7 @@ def _token_wise(fn, prev, spec: _Spec):
             return prev(x, *args, **kwargs)
         dims = _dims(dim, x.ndim)
         split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
+        keepdim = spec.keep_pos is None or bool(_arg(full, kwargs, spec.keep_pos, "keepdim", 0))
         if split & set(dims):
             if any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements):
                 raise SpatialShardingError(
@@ -109,23 +109,11 @@ def _token_wise(fn, prev, spec: _Spec):
                     f"not supported. Write it as x.square().sum(dim).sqrt(), or reduce over "
                     f"the channels (dim=-1)."
                 )
-            if fn not in _SUMS:
-                return prev(x, *args, **kwargs)
-        keepdim = spec.keep_pos is None or bool(_arg(full, kwargs, spec.keep_pos, "keepdim", 0))
+            if fn in _SUMS:  # a sum or mean over the tokens (token pooling)
+                return reduce_sharded(x, _SUMS[fn], dims, keepdim, dtype=kwargs.get("dtype"))
+            return prev(x, *args, **kwargs)
         placements = reduced_placements(x, dims, keepdim)
         shape = result_shape(fn, x.shape, *args, meta_dtype=x.dtype, **kwargs)
-        if split & set(dims):  # a sum or mean over the tokens (token pooling): local sums
-            # added over every mesh dim that splits a reduced dim (nested ones too)
-            groups = [
-                mesh_group(x.device_mesh, i)
-                for i, p in enumerate(x.placements)
-                if sharded_dim(p) is not None and sharded_dim(p) % x.ndim in dims
-            ]
-            dtype = kwargs.get("dtype")
-            out = sum_replicated(x.to_local().sum(dims, keepdim=True, dtype=dtype), groups)
-            if fn in _SUMS[2:]:  # mean
-                out = out / math.prod(x.shape[d] for d in dims)
-            return wrap(out if keepdim else out.squeeze(dims), x, placements, shape)
         out = fn(x.to_local(), *args, **kwargs)
         if isinstance(out, tuple):  # max / min: (values, indices)
             parts = [wrap(o, x, placements, s) for o, s in zip(out, shape, strict=True)]
