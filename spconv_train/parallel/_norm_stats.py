@@ -268,8 +268,7 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     cells: _Cells = ctx.cells
     want_dx, want_dw, want_db = wants
     stats = (mean, var)  # flat, as ``invstd`` (``_Cells``)
-    low = x.dtype != mean.dtype
-    if low and x.device.type != "cpu":
+    if x.dtype != mean.dtype and x.device.type != "cpu":
         dy = dy.contiguous(memory_format=_cl_format(x))  # the exact kernels (``_fused``)
     gw, gb = _affine_sums(dy, x, w, stats, invstd, ctx.eps)
     if want_dx or ctx.reduce_affine:
@@ -297,22 +296,20 @@ def _dx(dy, x, w, stats, invstd, sums, count: int, eps) -> Tensor:
     ``sums = (gw, gb)`` global, rounded once to ``x``'s dtype: where ``dy`` is close to its
     projection the terms cancel, and a bf16 sum of two rounded terms lost up to 40x the
     precision of one rounding (``scripts/probe_bn_cuda.py``, ``dy = 30 * xhat + noise``)."""
-    a = invstd * w
-    if x.dtype != a.dtype and x.device.type != "cpu":
+    if x.dtype != stats[0].dtype and x.device.type != "cpu":
         # SyncBatchNorm's kernel: fp32 inside, one rounding; the sums as means (its count
         # tensor is int32, too small for the pixels of a whole slide)
         one = torch.ones(1, dtype=torch.int32, device=x.device)
         return torch.batch_norm_backward_elemt(
             dy, x, stats[0], invstd, w, sums[1] / count, sums[0] / (invstd * count), one
         )
-    shift = (a * sums[0] / -count, a * sums[1] / -count)
-    if x.dtype == a.dtype:
-        dx = torch.batch_norm(x, *shift, *stats, False, 0.0, eps, False)
-        return dx.addcmul_(dy, a.view(1, -1, 1, 1))
-    # CPU, bf16 / fp16: in the statistics' dtype, then rounded (a low-precision
+    # in the statistics' dtype, rounded once (bf16 / fp16 on CPU: a low-precision
     # ``addcmul_`` with an fp32 scale takes CPU's unvectorised mixed-dtype loop, torch 2.14)
+    a = invstd * w
+    shift = (a * sums[0] / -count, a * sums[1] / -count)
     dx = torch.batch_norm(x.to(a.dtype), *shift, *stats, False, 0.0, eps, False)
-    return dx.addcmul_(dy.to(a.dtype), a.view((1, -1) + (1,) * (x.dim() - 2))).to(x.dtype)
+    dx = dx.addcmul_(dy.to(a.dtype), a.view((1, -1) + (1,) * (x.dim() - 2)))
+    return dx.to(x.dtype)
 
 
 def _affine_sums(dy, x, w, stats, invstd, eps) -> tuple[Tensor, Tensor]:
