@@ -41,7 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _step_fn(model, opt, x, tgt, bf16: bool):
+def _trainer(model, x, tgt, bf16: bool):
+    """A step of ``model`` with its own SGD (momentum), its gradients cleared first."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, foreach=True)
+
     def step():
         # autocast's weight cache must be off under a graph capture (torch.cuda.graphs docs)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
@@ -52,7 +55,11 @@ def _step_fn(model, opt, x, tgt, bf16: bool):
         F.cross_entropy(logits.float(), tgt).backward()
         opt.step()
 
-    return step
+    def clear_and_step():
+        opt.zero_grad(set_to_none=True)  # a capture starts from no gradients (docs)
+        step()
+
+    return clear_and_step, step, opt
 
 
 def _timed(fn, steps: int) -> float:
@@ -61,35 +68,23 @@ def _timed(fn, steps: int) -> float:
 
 
 def run_variant(model, x, tgt, args) -> dict:
-    """Eager and graphed copies of ``model`` trained ``WARMUP + steps`` steps each."""
-    eager, graphed = model, copy.deepcopy(model)
-    opt_e = torch.optim.SGD(eager.parameters(), lr=1e-3, momentum=0.9, foreach=True)
-    opt_g = torch.optim.SGD(graphed.parameters(), lr=1e-3, momentum=0.9, foreach=True)
-    step_e = _step_fn(eager, opt_e, x, tgt, args.bf16)
-
-    def eager_step():
-        opt_e.zero_grad(set_to_none=True)
-        step_e()
-
+    """Eager and graphed copies of ``model`` trained ``WARMUP + steps`` steps each, and a
+    second eager copy as the control."""
+    graphed, control = copy.deepcopy(model), copy.deepcopy(model)
+    eager_step = _trainer(model, x, tgt, args.bf16)[0]
     for _ in range(WARMUP):
         eager_step()
-    ms_eager = _timed(eager_step, args.steps)
-    result = {"eager": ms_eager}
-    # control: a second eager copy, the same steps (what the kernels' own nondeterminism gives)
-    control = copy.deepcopy(graphed)
-    opt_c = torch.optim.SGD(control.parameters(), lr=1e-3, momentum=0.9, foreach=True)
-    step_c = _step_fn(control, opt_c, x, tgt, args.bf16)
+    result = {"eager": _timed(eager_step, args.steps)}
+    control_step = _trainer(control, x, tgt, args.bf16)[0]
     for _ in range(WARMUP + args.steps):
-        opt_c.zero_grad(set_to_none=True)
-        step_c()
-    result["control"] = _max_rel(eager, control)
-    step_g = _step_fn(graphed, opt_g, x, tgt, args.bf16)
+        control_step()
+    result["control"] = _max_rel(model, control)
+    warm_step, step_g, opt_g = _trainer(graphed, x, tgt, args.bf16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as the docs ask
         for _ in range(WARMUP):
-            opt_g.zero_grad(set_to_none=True)
-            step_g()
+            warm_step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     opt_g.zero_grad(set_to_none=True)
@@ -100,7 +95,7 @@ def run_variant(model, x, tgt, args) -> dict:
         result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return result
     result["graphed"] = _timed(graph.replay, args.steps)
-    result["diff"] = _max_rel(eager, graphed)
+    result["diff"] = _max_rel(model, graphed)
     return result
 
 
