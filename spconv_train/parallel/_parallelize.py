@@ -19,8 +19,7 @@ from ._compile import not_traced, run_eagerly
 from ._dims import GRID_MESH_DIMS, SP
 from ._errors import active_guard, gather_guard, guard_mesh, module_label
 from ._geometry import SpatialShardingError
-from ._install import install
-from ._mode import DTensorGraphMode, SpatialMode
+from ._mode import DTensorGraphMode, SpatialMode, install
 from ._replicas import broadcast_model_state
 from ._runtime import SpatialOptions, SpatialRuntime
 
@@ -139,7 +138,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     Raises ``SpatialShardingError`` naming every module that cannot run sharded, before
     changing anything; ``TypeError`` for an unknown option."""
     opts = SpatialOptions.from_kwargs("parallelize", **options)
-    install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
+    install()  # the built-in handlers and module swaps (explicit, idempotent: _mode.py)
     _check_mesh(mesh)
     guard_mesh(mesh, opts.allow_gather)
     problems = [

@@ -14,8 +14,7 @@ from torch import nn
 from . import _parallelize
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
-from ._install import install
-from ._mode import SpatialMode
+from ._mode import SpatialMode, install
 from ._registry import DEFAULT_REGISTRY, HandlerRegistry
 from ._runtime import current_runtime
 from ._sharding import (
