@@ -8,6 +8,8 @@ with the model's ``SpatialRuntime`` (functional calls in model code are handled 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -40,15 +42,11 @@ def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], typ
     """Class decorator: ``parallelize`` turns modules of exactly type ``base`` into the
     decorated subclass (``extend.register_spatial_module``); for a qualified name the
     decorated class is a mixin put in front of the class a model holds."""
-    if isinstance(base, str):
-
-        def named(mixin: type) -> type:
-            _SPATIAL_MIXINS[base] = mixin
-            return mixin
-
-        return named
 
     def deco(cls: type) -> type:
+        if isinstance(base, str):
+            _SPATIAL_MIXINS[base] = cls
+            return cls
         if not issubclass(cls, base):
             raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
         # eager under torch.compile: its exchanges break the graph anyway, and its Python
@@ -137,7 +135,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     fields (``sync_state``, default True, first sets every rank's state to mesh rank 0's).
     Raises ``SpatialShardingError`` naming every module that cannot run sharded, before
     changing anything; ``TypeError`` for an unknown option."""
-    opts = SpatialOptions.from_kwargs("parallelize", **options)
+    known = {f.name for f in dataclasses.fields(SpatialOptions)}
+    if unknown := sorted(set(options) - known):  # a typo raises: no silent default
+        raise TypeError(f"parallelize: unknown option(s) {unknown}; valid: {sorted(known)}")
+    opts = SpatialOptions(**options)
     install()  # the built-in handlers and module swaps (explicit, idempotent: _mode.py)
     _check_mesh(mesh)
     guard_mesh(mesh, opts.allow_gather)
@@ -174,23 +175,20 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
 
 def track_module_paths(model: nn.Module) -> None:
     """Forward pre-/post-hooks that let the guard name the module an op runs in."""
-
-    def enter(path):
-        def hook(module, args):
-            guard = active_guard()
-            if guard is not None:
-                guard.modules.append(path)
-
-        return hook
-
-    def leave(module, args, output):
-        guard = active_guard()
-        if guard is not None and guard.modules:
-            guard.modules.pop()
-
     for path, module in model.named_modules():
-        if getattr(module, "_spatial_tracked", False):
-            continue
-        module.register_forward_pre_hook(enter(path or type(model).__name__))
-        module.register_forward_hook(leave)
-        module._spatial_tracked = True
+        if not getattr(module, "_spatial_tracked", False):
+            name = path or type(model).__name__
+            module.register_forward_pre_hook(functools.partial(_enter, name))
+            module.register_forward_hook(_leave)
+            module._spatial_tracked = True
+
+
+def _enter(path: str, module, args) -> None:
+    if (guard := active_guard()) is not None:
+        guard.modules.append(path)
+
+
+def _leave(module, args, output) -> None:
+    guard = active_guard()
+    if guard is not None and guard.modules:
+        guard.modules.pop()

@@ -51,15 +51,6 @@ class SpatialOptions:
     #: and the element-wise handlers into the graphs too (``_compile.py``).
     trace_dtensor_ops: bool = False
 
-    @classmethod
-    def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:
-        """Options from keyword arguments; a typo raises ``TypeError`` (no silent default)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"{where}: unknown option(s) {unknown}; valid: {sorted(known)}")
-        return cls(**kwargs)
-
 
 @dataclass
 class SpatialStats:

@@ -147,14 +147,11 @@ def spatial_layout(
         i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim in spatial
     ]
     if not sp_dims:
-        names = x.device_mesh.mesh_dim_names or ()
-        sp = ParallelDims.spatial_mesh_dim(x.device_mesh)
+        names, sp = x.device_mesh.mesh_dim_names or (), ParallelDims.spatial_mesh_dim(x.device_mesh)
         # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
-        tiles_replicated = all(
-            isinstance(placements[names.index(n)], Replicate) for n in GRID_MESH_DIMS if n in names
-        )
-        if sp is not None and isinstance(placements[sp], Replicate) and tiles_replicated:
-            _check_other_dims(placements, sp, what)
+        grid = [names.index(n) for n in GRID_MESH_DIMS if n in names]
+        if sp is not None and all(isinstance(placements[m], Replicate) for m in (sp, *grid)):
+            _check_other_dims(placements, what, (sp,))
             return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
         raise SpatialShardingError(
             f"{what} in module '{module_path()}': input placements {placements} have no "
@@ -163,39 +160,34 @@ def spatial_layout(
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
-    if len(sp_dims) > 1 or (ndim == 4 and placements[sp_dims[0]].dim % ndim == 2):
-        return _tile_layout(x, placements, sp_dims, what, tiles)
-    _check_other_dims(placements, sp_dims[0], what)
-    dim = placements[sp_dims[0]].dim % x.ndim
-    return x, SpatialLayout(x.device_mesh, placements, sp_dims[0], dims=(dim,))
-
-
-def _tile_layout(x: DTensor, placements: tuple, sp_dims: list, what: str, tiles: bool):
-    """The layout of an image (volume) sharded along H (and W, D), one mesh dim each."""
-    dims = [placements[m].dim % x.ndim for m in sp_dims]
-    if len(set(dims)) != len(dims):
+    dims = [placements[m].dim % ndim for m in sp_dims]
+    # tiles: an image (volume) sharded along H (and W, D), one mesh dim each
+    tiled = len(sp_dims) > 1 or (ndim == 4 and dims[0] == 2)
+    if tiled and len(set(dims)) != len(dims):
         raise SpatialShardingError(
             f"{what}: placements {placements} shard one image dimension over several mesh "
             f"dimensions; shard H and W over one mesh dimension each ([Shard(2), Shard(3)])."
         )
-    if not tiles:
-        if x.ndim == 5:
-            raise SpatialShardingError(
-                f"{what}: is not supported on a volume sharded over several dims (placements "
-                f"{placements}) yet. Shard one of D, H, W only (mesh ('sp',) or ('dp', 'sp'), "
-                f"[Shard(2)], [Shard(3)] or [Shard(4)]), see docs/volumes.md."
-            )
+    if tiled and not tiles and ndim == 5:
+        raise SpatialShardingError(
+            f"{what}: is not supported on a volume sharded over several dims (placements "
+            f"{placements}) yet. Shard one of D, H, W only (mesh ('sp',) or ('dp', 'sp'), "
+            f"[Shard(2)], [Shard(3)] or [Shard(4)]), see docs/volumes.md."
+        )
+    if tiled and not tiles:
         raise SpatialShardingError(
             f"{what}: is not supported on H x W tiles (placements {placements}) yet. Shard "
             f"the width only (mesh ('sp',) or ('dp', 'sp'), [Shard(3)]), see docs/tiles.md."
         )
-    for i in sp_dims:
-        _check_other_dims(placements, i, what, allowed=sp_dims)
+    _check_other_dims(placements, what, sp_dims)
     axes = tuple(sorted(zip(dims, sp_dims, strict=True)))
-    return x, SpatialLayout(x.device_mesh, placements, axes[-1][1], dims=(axes[-1][0],), axes=axes)
+    dim, sp = axes[-1]
+    return x, SpatialLayout(x.device_mesh, placements, sp, dims=(dim,), axes=axes if tiled else ())
 
 
-def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> None:
+def _check_other_dims(placements: tuple, what: str, spatial) -> None:
+    """Refuse a ``Partial`` or a split of a dim other than the batch on a mesh dim not in
+    ``spatial``."""
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
             raise SpatialShardingError(
@@ -203,7 +195,7 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> 
                 f"dimension {i}; reducing it would move a whole activation. Redistribute to "
                 f"Shard/Replicate explicitly before this layer."
             )
-        if sharded_dim(p) not in (None, 0) and i != sp_dim and i not in allowed:
+        if sharded_dim(p) not in (None, 0) and i not in spatial:
             raise SpatialShardingError(
                 f"{what}: mesh dimension {i} shards tensor dim {p.dim}; only the batch (dim 0) "
                 f"may be sharded besides the width."
