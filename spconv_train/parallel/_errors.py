@@ -144,11 +144,8 @@ def _observe(cls, src_spec, dst_spec, message):
         op = _op_of(message) or str(message)
         src, dst = str(src_spec.placements), str(dst_spec.placements)
         if inside:
-            why = (
-                f"has no spatial implementation, and DTensor would redistribute the "
-                f"width-sharded activation {src} -> {dst} to run it"
-            )
-            guard_gather(op, src, dst, why)
+            why = "has no spatial implementation, and DTensor would redistribute the width-"
+            guard_gather(op, src, dst, f"{why}sharded activation {src} -> {dst} to run it")
         elif not _SPATIAL_MESHES[src_spec.mesh]:
             raise SpatialShardingError(
                 f"{op} outside the parallelized model's forward (a loss or a metric on its "
@@ -167,18 +164,6 @@ def _observe(cls, src_spec, dst_spec, message):
 #: The meshes of parallelized models and their ``allow_gather`` (the last ``parallelize``
 #: on a mesh sets it): implicit moves on them are guarded outside the forward too.
 _SPATIAL_MESHES: dict = {}
-
-
-def guard_mesh(mesh, allow: bool) -> None:
-    """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the forward."""
-    _SPATIAL_MESHES[mesh] = allow
-
-
-def install_guard() -> None:
-    """Route DTensor's reports of implicit redistributions through the guard (``install``)."""
-    current = ExplicitRedistributionContext.observe_redistribution.__func__
-    if current is not _observe:
-        ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
 
 
 def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
@@ -267,10 +252,12 @@ def _full_tensor(self, **kwargs):
     return _original_full_tensor(self, **kwargs)
 
 
-def install_token_guard() -> None:
-    """Make ``DTensor.full_tensor`` / ``redistribute`` of nested pixel tokens raise instead
-    of returning wrong values (``_mode.install``; torch 2.14.1, where ``full_tensor``
-    calls ``redistribute``)."""
+def install_guards() -> None:
+    """Route DTensor's reports of implicit redistributions through the guard, and make
+    ``DTensor.full_tensor`` / ``redistribute`` of nested pixel tokens raise instead of
+    returning wrong values (``_mode.install``; torch 2.14.1: ``full_tensor`` calls
+    ``redistribute``)."""
+    ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
     DTensor.redistribute = _redistribute
     DTensor.full_tensor = _full_tensor
 

@@ -29,7 +29,7 @@ from ._compile import (
     run_eagerly,
     traced_dtensor_op,
 )
-from ._errors import add_pointwise_strategies, install_guard, install_token_guard, run_dtensor_op
+from ._errors import add_pointwise_strategies, install_guards, run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
@@ -80,8 +80,7 @@ def install() -> None:
             found = [getattr(ns, name, None) for ns in (F, torch, torch._C._nn)]
             fns = {id(fn): fn for fn in found if fn is not None}
             DEFAULT_REGISTRY.refuse(*fns.values(), reason=_REASON)
-        install_guard()
-        install_token_guard()
+        install_guards()
         add_pointwise_strategies()
         _INSTALLED = True
 

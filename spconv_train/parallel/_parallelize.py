@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced, run_eagerly
 from ._dims import GRID_MESH_DIMS, SP
-from ._errors import active_guard, gather_guard, guard_mesh, module_label
+from ._errors import _SPATIAL_MESHES, active_guard, gather_guard, module_label
 from ._geometry import SpatialShardingError
 from ._mode import DTensorGraphMode, SpatialMode, install
 from ._replicas import broadcast_model_state
@@ -39,9 +39,10 @@ _SPATIAL_MIXINS: dict[str, type] = {}
 
 
 def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], type]:
-    """Class decorator: ``parallelize`` turns modules of exactly type ``base`` into the
-    decorated subclass (``extend.register_spatial_module``); for a qualified name the
-    decorated class is a mixin put in front of the class a model holds."""
+    """Class decorator: ``parallelize`` turns every module of exactly type ``base`` into the
+    decorated subclass in place (which must add no parameter or buffer), over a built-in
+    swap. ``base`` may be a qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``)
+    of a class not imported: the decorated class is then a mixin put in front of it."""
 
     def deco(cls: type) -> type:
         if isinstance(base, str):
@@ -77,7 +78,8 @@ def spatial_module(base: type[nn.Module], fn: Callable, *attrs: str, module: str
 
 
 def refuse_module(base: type[nn.Module], reason: str) -> None:
-    """Make ``parallelize`` refuse modules of exactly type ``base``."""
+    """Make ``parallelize`` refuse models holding a module of exactly type ``base``, naming
+    its path and ``reason`` (before changing anything)."""
     if base not in _SPATIAL_MODULES:
         _REFUSED_MODULES[base] = reason
 
@@ -141,7 +143,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     opts = SpatialOptions(**options)
     install()  # the built-in handlers and module swaps (explicit, idempotent: _mode.py)
     _check_mesh(mesh)
-    guard_mesh(mesh, opts.allow_gather)
+    _SPATIAL_MESHES[mesh] = opts.allow_gather  # implicit moves on it guarded outside the forward
     problems = [
         f"  {path or '<root>'} ({type(m).__name__}): {_REFUSED_MODULES[type(m)]}"
         for path, m in model.named_modules()

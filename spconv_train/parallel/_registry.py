@@ -64,9 +64,13 @@ class HandlerRegistry:
     def register(
         self, *functions: Callable, traced: bool = False
     ) -> Callable[[Callable], Callable]:
-        """Decorator: the handler runs instead of ``functions`` on DTensors
-        (``extend.register_handler``). ``traced``: Dynamo inlines it (no DTensor op,
-        exchange, collective or cached plan: Dynamo would guard on its state)."""
+        """Decorator: while a parallelized model runs, a call of any of ``functions`` (the
+        function objects: ``F.pad``, ``torch.batch_norm``, ``torch.Tensor.mean``) with a
+        DTensor among its arguments runs the handler instead, with the same arguments; it
+        returns what the function returns. ``extend.register_handler``: for every model, over
+        a built-in handler; ``runtime.registry.register``: one model. Under ``torch.compile``
+        it runs eagerly (a graph break) unless ``traced=True`` (Dynamo inlines it: no DTensor
+        op, exchange, collective or cached plan, Dynamo would guard on its state)."""
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
 
