@@ -117,17 +117,6 @@ class _SpatialContext:
             c.__exit__(*exc)
 
 
-def _check_mesh(mesh: DeviceMesh) -> None:
-    """A mesh of several dims names its spatial ones: ``sp``, or two or three grid dims."""
-    names = mesh.mesh_dim_names or ()
-    if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
-        raise SpatialShardingError(
-            f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
-            f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
-            f"'sp_h', 'sp_w' for volumes), got {mesh.mesh_dim_names}"
-        )
-
-
 def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     """Make ``model`` run sharded over the spatial dims of ``mesh`` (``sp``, or ``sp_h`` /
     ``sp_w`` ...): swaps supported layers in place and returns the same model, with a new
@@ -142,7 +131,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
         raise TypeError(f"parallelize: unknown option(s) {unknown}; valid: {sorted(known)}")
     opts = SpatialOptions(**options)
     install()  # the built-in handlers and module swaps (explicit, idempotent: _mode.py)
-    _check_mesh(mesh)
+    names = mesh.mesh_dim_names or ()  # several dims: ``sp``, or two or three grid dims
+    if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
+        raise SpatialShardingError(
+            f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
+            f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
+            f"'sp_h', 'sp_w' for volumes), got {mesh.mesh_dim_names}"
+        )
     _SPATIAL_MESHES[mesh] = opts.allow_gather  # implicit moves on it guarded outside the forward
     problems = [
         f"  {path or '<root>'} ({type(m).__name__}): {_REFUSED_MODULES[type(m)]}"
@@ -161,8 +156,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
         kind = type(module)
         mixin = _SPATIAL_MIXINS.get(f"{kind.__module__}.{kind.__qualname__}")
         if mixin is not None and kind not in _SPATIAL_MODULES:
-            name = f"Spatial{kind.__name__}"
-            register_spatial_module(kind)(type(name, (mixin, kind), {"__module__": __name__}))
+            cls = type(f"Spatial{kind.__name__}", (mixin, kind), {"__module__": __name__})
+            register_spatial_module(kind)(cls)
         if kind in _SPATIAL_MODULES:
             module.__class__ = _SPATIAL_MODULES[kind]
             module.spatial_name = path or type(model).__name__
@@ -171,18 +166,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
         model.__class__ = type(f"Spatial{root.__name__}", (_SpatialRoot, root), {})
     model.spatial_mesh = mesh
     model.spatial_runtime = SpatialRuntime(mesh, opts)
-    track_module_paths(model)
-    return model
-
-
-def track_module_paths(model: nn.Module) -> None:
-    """Forward pre-/post-hooks that let the guard name the module an op runs in."""
-    for path, module in model.named_modules():
+    for path, module in model.named_modules():  # hooks: the guard names an op's module
         if not getattr(module, "_spatial_tracked", False):
             name = path or type(model).__name__
             module.register_forward_pre_hook(functools.partial(_enter, name))
             module.register_forward_hook(_leave)
             module._spatial_tracked = True
+    return model
 
 
 def _enter(path: str, module, args) -> None:
