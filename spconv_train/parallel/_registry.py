@@ -77,12 +77,7 @@ class HandlerRegistry:
         route_through_modes(functions)
 
         def deco(handler: Callable) -> Callable:
-            run = handler if traced else not_traced(handler)
-            for fn in functions:
-                # The function object is kept alive with its id, so the id cannot be reused.
-                entry = Entry(function_name(fn), handler=handler, run=run)
-                self._entries[id(fn)] = (fn, entry)
-            _GENERATION[0] += 1
+            self._put(functions, handler=handler, run=handler if traced else not_traced(handler))
             return handler
 
         return deco
@@ -91,10 +86,11 @@ class HandlerRegistry:
         """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
         DTensors; a function that has a handler keeps it."""
         route_through_modes(functions)
-        for fn in functions:
-            if self.handler(fn) is not None:
-                continue
-            self._entries[id(fn)] = (fn, Entry(function_name(fn), refused=reason))
+        self._put([fn for fn in functions if self.handler(fn) is None], refused=reason)
+
+    def _put(self, functions, **fields) -> None:
+        for fn in functions:  # the function object kept alive with its id: never reused
+            self._entries[id(fn)] = (fn, Entry(function_name(fn), **fields))
         _GENERATION[0] += 1
 
     def lookup(self, fn: Callable) -> Entry | None:

@@ -160,10 +160,11 @@ def spatial_layout(
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
-    dims = [placements[m].dim % ndim for m in sp_dims]
     # tiles: an image (volume) sharded along H (and W, D), one mesh dim each
-    tiled = len(sp_dims) > 1 or (ndim == 4 and dims[0] == 2)
-    if tiled and len(set(dims)) != len(dims):
+    m = sp_dims[-1]
+    tiled = len(sp_dims) > 1 or (ndim == 4 and placements[m].dim % ndim == 2)
+    axes = tuple(sorted((placements[i].dim % ndim, i) for i in sp_dims)) if tiled else ()
+    if tiled and len({d for d, _ in axes}) != len(axes):
         raise SpatialShardingError(
             f"{what}: placements {placements} shard one image dimension over several mesh "
             f"dimensions; shard H and W over one mesh dimension each ([Shard(2), Shard(3)])."
@@ -180,9 +181,8 @@ def spatial_layout(
             f"the width only (mesh ('sp',) or ('dp', 'sp'), [Shard(3)]), see docs/tiles.md."
         )
     _check_other_dims(placements, what, sp_dims)
-    axes = tuple(sorted(zip(dims, sp_dims, strict=True)))
-    dim, sp = axes[-1]
-    return x, SpatialLayout(x.device_mesh, placements, sp, dims=(dim,), axes=axes if tiled else ())
+    dim, m = axes[-1] if tiled else (placements[m].dim % ndim, m)
+    return x, SpatialLayout(x.device_mesh, placements, m, dims=(dim,), axes=axes)
 
 
 def _check_other_dims(placements: tuple, what: str, spatial) -> None:
