@@ -1,12 +1,9 @@
-"""Route torch calls on width-sharded DTensors to spatial handlers.
+"""Route torch calls on width-sharded DTensors to spatial handlers, and ``install()`` them.
 
 Model code calls ``F.interpolate``, ``F.conv2d`` or ``x.mean((2, 3))`` directly (torchvision's
-and timm's blocks do). While a parallelized model runs, ``SpatialMode`` (a
-``TorchFunctionMode``) sees every such call: with a DTensor among the arguments it runs the
-handler the runtime's registry holds for that function object, or raises for a *refused*
-one (DTensor would gather the activation or be silently wrong, ``docs/halo.md``); the rest
-passes through. Op modules register with ``register_handler`` (``_registry.py``) on import:
-importing ``spconv_train.parallel`` registers and patches nothing, ``install()`` does.
+and timm's blocks do): ``SpatialMode`` (a ``TorchFunctionMode``, active while a parallelized
+model runs) runs the handler its runtime's registry holds for a call with a DTensor argument,
+or raises for a *refused* one (DTensor would gather or be silently wrong, ``docs/halo.md``).
 """
 
 from __future__ import annotations

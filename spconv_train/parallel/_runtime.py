@@ -1,10 +1,7 @@
-"""The options, statistics and handler registry of one parallelized model.
-
-``parallelize`` attaches a ``SpatialRuntime`` to the model (``runtime_of``); during its
-forward it is *current* (``current_runtime()``): ops read its options and the halo exchange
-adds to its ``stats``. Outside one, a process-wide default runtime. The backward runs after
-the forward returned: code accounting work there captures the runtime in the forward
-(``_halo.py`` keeps it on the autograd context).
+"""The options, statistics and handler registry of one parallelized model: ``parallelize``
+attaches a ``SpatialRuntime`` (``runtime_of``), *current* during its forward (outside one, a
+process-wide default). The backward runs after the forward returned: code accounting work
+there captures the runtime in the forward (``_halo.py`` keeps it on the autograd context).
 """
 
 from __future__ import annotations

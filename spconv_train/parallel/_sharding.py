@@ -1,9 +1,6 @@
-"""How a sharded DTensor is laid out on its mesh, and the way in and out of local code.
-
-A spatial op's input shards one spatial dim over one mesh dim (strips) or several, one mesh
-dim each (tiles, volume blocks: ``SpatialLayout.axes``, for ops passing ``tiles=True``);
-other mesh dims shard the batch or replicate. ``spatial_layout`` reads the layout, ``enter``
-hands the local block to local code (differentiably), ``leave`` wraps the result back.
+"""How a sharded DTensor is laid out on its mesh (``spatial_layout``: one spatial dim over
+one mesh dim, strips, or several, one mesh dim each, tiles and volume blocks; other mesh dims
+shard the batch or replicate), and the way in and out of local code (``enter`` / ``leave``).
 """
 
 from __future__ import annotations
@@ -76,24 +73,18 @@ def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class SpatialLayout:
-    """A spatial op's input layout: mesh, placements, the spatial ("sp") mesh dim and
-    the tensor dims split over it (``dims``: one dim; every sharded spatial dim: ``axes``)."""
+    """A spatial op's input layout: mesh, placements, the spatial ("sp") mesh dim and the
+    tensor dim split over it (``dim``; every sharded spatial dim: ``axes``)."""
 
     mesh: DeviceMesh
     placements: tuple
     sp_dim: int
     #: False when replicated on the sp dim (after global pooling): ``run_unsharded``
     width_sharded: bool = True
-    #: tensor dimensions sharded as data over the sp mesh dimension
-    dims: tuple[int, ...] = (3,)
+    #: the tensor dimension split over the sp ranks (the width, 3, for NCHW)
+    dim: int = 3
     #: tiles: ``(tensor dim, mesh dim)`` of every sharded spatial dim (one dim: empty)
     axes: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def dim(self) -> int:
-        """The tensor dimension split over the sp ranks (the width, 3, for NCHW)."""
-        (d,) = self.dims
-        return d
 
     @property
     def spatial_mesh_dims(self) -> tuple[int, ...]:
@@ -119,7 +110,7 @@ class SpatialLayout:
 
     @property
     def batch_dims(self) -> tuple[int, ...]:
-        """Mesh dimensions that shard the batch (data parallel)."""
+        """Mesh dimensions that split a tensor dim (the batch's and the image's)."""
         return sharding_mesh_dims(self.placements)
 
     @property
@@ -182,7 +173,7 @@ def spatial_layout(
         )
     _check_other_dims(placements, what, sp_dims)
     dim, m = axes[-1] if tiled else (placements[m].dim % ndim, m)
-    return x, SpatialLayout(x.device_mesh, placements, m, dims=(dim,), axes=axes)
+    return x, SpatialLayout(x.device_mesh, placements, m, dim=dim, axes=axes)
 
 
 def _check_other_dims(placements: tuple, what: str, spatial) -> None:
