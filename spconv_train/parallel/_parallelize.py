@@ -70,11 +70,10 @@ def spatial_module(base: type[nn.Module], fn: Callable, *attrs: str, module: str
             return base.forward(self, x)
         return fn(x, *(getattr(self, a) for a in attrs), what=module_label(self))
 
-    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
     name = f"Spatial{base.__name__}"
-    cls = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": module})
-    cls.__qualname__ = name
-    return register_spatial_module(base)(cls)
+    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
+    ns = {"forward": forward, "__doc__": doc, "__module__": module, "__qualname__": name}
+    return register_spatial_module(base)(type(name, (base,), ns))
 
 
 def refuse_module(base: type[nn.Module], reason: str) -> None:

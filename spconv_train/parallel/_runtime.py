@@ -89,9 +89,8 @@ class SpatialStats:
 
     def restore(self, saved: SpatialStats) -> None:
         """Set every counter back to ``saved``'s values."""
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(saved, f.name))
-        self.gathered_ops, self._pending = dict(saved.gathered_ops), list(saved._pending)
+        fresh = {"gathered_ops": dict(saved.gathered_ops), "_pending": list(saved._pending)}
+        self.__dict__.update(saved.__dict__, **fresh)
 
 
 class SpatialRuntime:
