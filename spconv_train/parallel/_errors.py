@@ -253,10 +253,9 @@ def _full_tensor(self, **kwargs):
 
 
 def install_guards() -> None:
-    """Route DTensor's reports of implicit redistributions through the guard, and make
-    ``DTensor.full_tensor`` / ``redistribute`` of nested pixel tokens raise instead of
-    returning wrong values (``_mode.install``; torch 2.14.1: ``full_tensor`` calls
-    ``redistribute``)."""
+    """Route DTensor's reports of implicit redistributions through the guard; make
+    ``DTensor.redistribute`` and ``full_tensor`` (which calls it, torch 2.14.1) of nested
+    pixel tokens raise instead of returning wrong values (``_mode.install``)."""
     ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
     DTensor.redistribute = _redistribute
     DTensor.full_tensor = _full_tensor

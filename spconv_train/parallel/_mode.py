@@ -59,10 +59,9 @@ _REASON = (
 
 
 def install() -> None:
-    """Register every built-in handler and module swap, then the default refusals, and
-    install ``_errors``' guards and DTensor's element-wise rule for three backward ops (the
-    first call; later ones return at once; thread-safe). ``parallelize``, ``SpatialMode``
-    and ``extend`` call it first, so a user's handler is never overwritten."""
+    """Register every built-in handler, module swap and default refusal, and install
+    ``_errors``' patches of DTensor (once, thread-safe). ``parallelize``, ``SpatialMode`` and
+    ``extend`` call it first, so a user's handler is never overwritten."""
     global _INSTALLED
     if _INSTALLED:
         return

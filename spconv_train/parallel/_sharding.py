@@ -177,8 +177,7 @@ def spatial_layout(
 
 
 def _check_other_dims(placements: tuple, what: str, spatial) -> None:
-    """Refuse a ``Partial`` or a split of a dim other than the batch on a mesh dim not in
-    ``spatial``."""
+    """Refuse a ``Partial``, or a non-batch dim split on a mesh dim not in ``spatial``."""
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
             raise SpatialShardingError(
