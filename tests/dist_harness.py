@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             break
         fn, args, kwargs = task
         # each task starts with no model parallelized on the cached meshes: the guard of
-        # DTensor's gathers outside a forward (``_errors.guard_mesh``) is process-wide, and
+        # DTensor's gathers outside a forward (``_errors._SPATIAL_MESHES``) is process-wide, and
         # an earlier test's model would otherwise switch it on for this one's own calls
         _SPATIAL_MESHES.clear()
         try:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from torch.distributed.tensor import Shard
 
 from spconv_train.config._mesh import MESH_DIMS
 from spconv_train.parallel import ParallelDims
 
 
 class _Mesh:
-    """What ``from_mesh`` reads of a DeviceMesh: names and sizes."""
+    """What ``ParallelDims`` reads of a DeviceMesh: names and sizes."""
 
     def __init__(self, names: tuple[str, ...], shape: tuple[int, ...]) -> None:
         self.mesh_dim_names, self._shape, self.ndim = names, shape, len(shape)
@@ -21,18 +20,13 @@ class _Mesh:
 
 def test_strips_tiles_and_blocks():
     strips = ParallelDims.of(2, 3)
-    assert (strips.names, strips.shape, strips.tiled) == (("dp", "sp"), (2, 3), False)
+    assert (strips.names, strips.shape) == (("dp", "sp"), (2, 3))
     tiles = ParallelDims.of(1, 6, (2, 3))
-    assert (tiles.names, tiles.shape, tiles.tiled) == (("dp", "sp_h", "sp_w"), (1, 2, 3), True)
-    assert tiles.grid_placements(4) == [Shard(2), Shard(3)]
+    assert (tiles.names, tiles.shape) == (("dp", "sp_h", "sp_w"), (1, 2, 3))
     blocks = ParallelDims.of(1, 4, {"sp_d": 2, "sp_w": 2})
-    assert blocks.spatial_names == ("sp_d", "sp_w")
-    assert blocks.grid_placements(5) == [Shard(2), Shard(4)]
+    assert blocks.names == ("dp", "sp_d", "sp_w")
     for dims in (strips, tiles, blocks):
-        mesh = _Mesh(dims.names, dims.shape)
-        assert ParallelDims.from_mesh(mesh) == dims
-        assert ParallelDims.spatial_names_of(mesh) == dims.spatial_names
-    assert ParallelDims.from_mesh(_Mesh(("sp",), (3,))) == ParallelDims(1, 3)
+        assert ParallelDims.spatial_names_of(_Mesh(dims.names, dims.shape)) == dims.names[1:]
     assert ParallelDims.spatial_mesh_dim(_Mesh(("dp", "sp_h", "sp_w"), (1, 2, 2))) == 2
     assert ParallelDims.spatial_mesh_dim(_Mesh(("a", "b"), (2, 2))) is None
 
@@ -40,8 +34,9 @@ def test_strips_tiles_and_blocks():
 def test_bad_grids_are_refused():
     with pytest.raises(ValueError, match="does not hold sp=5"):
         ParallelDims.of(1, 5, (2, 3))
-    with pytest.raises(ValueError, match="names must be among"):
-        ParallelDims(1, 4, (("sp_w", 2), ("sp_h", 2)))
+    for grid in ((("sp_w", 2), ("sp_h", 2)), (("sp_h", 2), ("sp_h", 2)), (("x", 4),)):
+        with pytest.raises(ValueError, match="names must be among"):
+            ParallelDims(1, 4, grid)
 
 
 def test_config_spells_the_same_names():

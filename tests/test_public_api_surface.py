@@ -51,12 +51,12 @@ _FRESH = textwrap.dedent(
     from torch.distributed.tensor._utils import ExplicitRedistributionContext as E
 
     import spconv_train.parallel
-    from spconv_train.parallel import _install
+    from spconv_train.parallel import _mode
     from spconv_train.parallel._registry import DEFAULT_REGISTRY
 
     observe = E.observe_redistribution.__func__
     assert DEFAULT_REGISTRY.functions() == [], "registered on import"
-    assert not _install.installed()
+    assert not _mode._INSTALLED
     from spconv_train.parallel import extend  # the op-author API registers nothing either
 
     assert DEFAULT_REGISTRY.functions() == [] and E.observe_redistribution.__func__ is observe
@@ -65,7 +65,7 @@ _FRESH = textwrap.dedent(
         return "mine"
 
     extend.register_handler(F.pad)(mine)  # installs the built-ins first
-    assert _install.installed()
+    assert _mode._INSTALLED
     n = len(DEFAULT_REGISTRY.functions())
     assert n > 100, n
     assert E.observe_redistribution.__func__ is not observe, "gather guard not installed"

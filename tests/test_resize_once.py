@@ -85,8 +85,8 @@ def test_labels_built_once_per_module(dist_pool):
 
 
 def test_layout_axes_cover_strips_tiles_and_replicated():
-    strip = SpatialLayout(None, (), 1, dims=(4,))
+    strip = SpatialLayout(None, (), 1, dim=4)
     assert layout_axes(strip) == ((4, 1),)
     assert layout_axes(SpatialLayout(None, (), 0, width_sharded=False)) == ()
-    tiles = SpatialLayout(None, (), 2, dims=(3,), axes=((2, 1), (3, 2)))
+    tiles = SpatialLayout(None, (), 2, dim=3, axes=((2, 1), (3, 2)))
     assert layout_axes(tiles) == ((2, 1), (3, 2))

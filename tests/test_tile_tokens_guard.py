@@ -2,7 +2,7 @@
 dims (H x W tiles, rows: one token dim nested over ``sp_h`` and ``sp_w``, ``_tokens.py``).
 DTensor reads those placements as its own chunking, which differs from the nesting; the
 calls either equal the one-device tokens or raise ``SpatialShardingError`` naming the call
-and the way out (``_errors.install_token_guard``), never return wrong values. Even and
+and the way out (``_errors.install_guards``), never return wrong values. Even and
 uneven maps on 2 x 2 tiles and on rows, and an implicit redistribution (DTensor's own
 ``cumsum`` along the token dim); the advised reshape back to the map gathers exactly."""
 

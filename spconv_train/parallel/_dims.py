@@ -1,8 +1,6 @@
-"""Tensor dims and mesh dims: which tensor dims a DTensor's placements shard and wrapping
-a local result back (for the ops along any dim: reductions, slicing, re-chunking), cached
-mesh lookups, and ``ParallelDims``: the mesh dim names (``dp``, ``sp``, ``sp_d``, ``sp_h``,
-``sp_w``) and what each shards. Placements other than plain ``Shard`` / ``Replicate``
-(``handled`` False) are left to DTensor's own rules (and the no-gather guard).
+"""Tensor dims and mesh dims: which tensor dims a DTensor's placements shard, wrapping a
+local result back, cached mesh lookups, and ``ParallelDims`` (the mesh dim names). Placements
+other than plain ``Shard`` / ``Replicate`` (``handled`` False) are left to DTensor's rules.
 """
 
 from __future__ import annotations
@@ -105,9 +103,7 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         names = [n for n, _ in self.grid]
-        if any(n not in GRID_MESH_DIMS for n in names) or names != sorted(
-            names, key=GRID_MESH_DIMS.index
-        ):
+        if [n for n in GRID_MESH_DIMS if n in names] != names:
             raise ValueError(f"grid {self.grid}: names must be among {GRID_MESH_DIMS}, in order")
         if self.grid and math.prod(n for _, n in self.grid) != self.sp:
             shown = "x".join(str(n) for _, n in self.grid)
@@ -121,29 +117,10 @@ class ParallelDims:
             grid = {AXIS_MESH_DIMS["H"]: grid[0], AXIS_MESH_DIMS["W"]: grid[1]}
         return cls(dp, sp, tuple(grid.items()) if grid is not None else ())
 
-    @classmethod
-    def from_mesh(cls, mesh) -> ParallelDims:
-        """Read the dims off a mesh built from them (a leading ``dp`` dim is optional)."""
-        names = tuple(mesh.mesh_dim_names or ())
-        sizes = {n: mesh.size(i) for i, n in enumerate(names)}
-        grid = tuple((n, sizes[n]) for n in GRID_MESH_DIMS if n in sizes)
-        sp = math.prod(n for _, n in grid) if grid else sizes.get(SP, 1)
-        return cls(sizes.get(DP, 1), sp, grid)
-
-    @property
-    def tiled(self) -> bool:
-        """Whether the image is split along several dims over a grid (tiles, blocks)."""
-        return bool(self.grid)
-
-    @property
-    def spatial_names(self) -> tuple[str, ...]:
-        """The spatial mesh dim names, in mesh order."""
-        return tuple(n for n, _ in self.grid) if self.grid else (SP,)
-
     @property
     def names(self) -> tuple[str, ...]:
         """Every mesh dim name, ``dp`` first."""
-        return (DP, *self.spatial_names)
+        return (DP, *(n for n, _ in self.grid)) if self.grid else (DP, SP)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -159,10 +136,6 @@ class ParallelDims:
     def dims_from_end(name: str) -> int:
         """How far from the last the dim ``name`` splits is: ``sp_w`` 1, ``sp_h`` 2, ``sp_d`` 3."""
         return len(GRID_MESH_DIMS) - GRID_MESH_DIMS.index(name)
-
-    def grid_placements(self, ndim: int) -> list[Shard]:
-        """``Shard`` per spatial mesh dim of a grid, for an ``ndim``-D tensor."""
-        return [Shard(ndim - self.dims_from_end(n)) for n in self.spatial_names]
 
     @staticmethod
     def spatial_mesh_dim(mesh) -> int | None:

@@ -1,14 +1,7 @@
-"""The way in and out of DTensor at the spatial layers' boundaries, its metadata cached.
-
-``DTensor.from_local`` builds a ``DTensorSpec`` per call, and ``to_local``'s backward builds
-another; a spatial layer crosses several times per call with the same few layouts. So
-``wrap_local`` keeps the spec the public ``from_local`` built for each (mesh, placements,
-shape, stride, dtype) and constructs later DTensors from it (backward: torch's
-``_FromTorchTensor.backward``); ``local_of``'s backward looks the gradient's spec up by
-everything torch's backward reads, computing it with torch's on a miss. Placements other
-than exactly ``Shard`` / ``Replicate``, meshes on another device type, double backward and
-``torch.compile`` take the public path. DTensor internals (torch 2.14.1) are used here only
-(``tests/test_dtensor_wrap.py`` compares with the public API).
+"""The way in and out of DTensor at the spatial layers' boundaries, its metadata cached
+(docs/design.md, ``_dtensor_wrap.py``'s row): ``DTensor.from_local`` builds a spec per call
+and ``to_local``'s backward another, for the same few layouts. Its DTensor internals (torch
+2.14.1) are checked against the public API by ``tests/test_dtensor_wrap.py``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Module labels, clear refusals for ops DTensor has no spatial rule for, and the guards
-(docs/design.md, ``_errors.py``'s row).
-
-``run_dtensor_op``: DTensor's failures on a sharded activation ("got mixed torch.Tensor and
-DTensor", "Cannot unflatten unevenly sharded tensor") become a ``SpatialShardingError``
-naming the op, the module path and the placements. No silent gather: an implicit
-redistribution moving a split of a non-batch dim (the whole image on every rank) raises, or
-with ``allow_gather`` is logged and counted, during the forward (``gather_guard``) and
-outside it on a parallelized model's mesh (``guard_mesh``; not the backward). Explicit
-``redistribute()`` / ``full_tensor()`` stay allowed but for nested or prefixed pixel tokens,
-which DTensor's chunking reads wrongly (``install_token_guard``). DTensor internals (torch
+"""Module labels, refusals for ops DTensor has no spatial rule for (``run_dtensor_op``) and
+the no-silent-gather guards (docs/design.md, ``_errors.py``'s row). DTensor internals (torch
 2.14.1): ``ExplicitRedistributionContext.observe_redistribution`` (``tests/test_no_gather.py``)
 and ``_register_single_dim_pointwise`` (``add_pointwise_strategies``, ``tests/test_inplace.py``).
 """
@@ -35,12 +26,10 @@ from ._registry import function_name
 from ._runtime import current_runtime
 
 log = logging.getLogger("spconv_train.parallel")
-#: Fragments of DTensor's own error messages (torch 2.14) that mean "no sharding rule".
-# fmt: off
-_DTENSOR_ERRORS = (
-    "DTensor", "unevenly sharded", "_StridedShard", "sharding strateg", "sharding propagation",
+#: Fragments of DTensor's own error messages (torch 2.14, lower case): "no sharding rule".
+_DTENSOR_ERRORS = re.compile(
+    "dtensor|unevenly sharded|_stridedshard|sharding (strateg|propagation)"
 )
-# fmt: on
 
 
 @dataclass
@@ -150,17 +139,13 @@ def _observe(cls, src_spec, dst_spec, message):
     # outside the forward: on a parallelized model's mesh and outside any backward (the
     # model's own gradient moves, e.g. from_local's of a small replicated map, are weighed
     # by the communication audit); the graph task id is -1 outside one (torch 2.14.1)
-    outside = not inside and src_spec.mesh in _SPATIAL_MESHES
-    outside = outside and torch._C._current_graph_task_id() == -1
+    outside = src_spec.mesh in _SPATIAL_MESHES and torch._C._current_graph_task_id() == -1
     if (inside or outside) and _moves_activation(src_spec, dst_spec):
         op = _op_of(message) or str(message)
         src, dst = str(src_spec.placements), str(dst_spec.placements)
         if inside:
-            why = (
-                f"has no spatial implementation, and DTensor would redistribute the "
-                f"width-sharded activation {src} -> {dst} to run it"
-            )
-            guard_gather(op, src, dst, why)
+            why = "has no spatial implementation, and DTensor would redistribute the width-"
+            guard_gather(op, src, dst, f"{why}sharded activation {src} -> {dst} to run it")
         elif not _SPATIAL_MESHES[src_spec.mesh]:
             raise SpatialShardingError(
                 f"{op} outside the parallelized model's forward (a loss or a metric on its "
@@ -179,18 +164,6 @@ def _observe(cls, src_spec, dst_spec, message):
 #: The meshes of parallelized models and their ``allow_gather`` (the last ``parallelize``
 #: on a mesh sets it): implicit moves on them are guarded outside the forward too.
 _SPATIAL_MESHES: dict = {}
-
-
-def guard_mesh(mesh, allow: bool) -> None:
-    """Guard implicit moves of tensors sharded over the image on ``mesh`` outside the forward."""
-    _SPATIAL_MESHES[mesh] = allow
-
-
-def install_guard() -> None:
-    """Route DTensor's reports of implicit redistributions through the guard (``install``)."""
-    current = ExplicitRedistributionContext.observe_redistribution.__func__
-    if current is not _observe:
-        ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
 
 
 def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
@@ -279,10 +252,11 @@ def _full_tensor(self, **kwargs):
     return _original_full_tensor(self, **kwargs)
 
 
-def install_token_guard() -> None:
-    """Make ``DTensor.full_tensor`` / ``redistribute`` of nested pixel tokens raise instead
-    of returning wrong values (``_install.install``; torch 2.14.1, where ``full_tensor``
-    calls ``redistribute``)."""
+def install_guards() -> None:
+    """Route DTensor's reports of implicit redistributions through the guard; make
+    ``DTensor.redistribute`` and ``full_tensor`` (which calls it, torch 2.14.1) of nested
+    pixel tokens raise instead of returning wrong values (``_mode.install``)."""
+    ExplicitRedistributionContext.observe_redistribution = classmethod(_observe)
     DTensor.redistribute = _redistribute
     DTensor.full_tensor = _full_tensor
 
@@ -319,7 +293,7 @@ def run_dtensor_op(func, args, kwargs):
         raise
     except (RuntimeError, NotImplementedError, AssertionError, ValueError) as exc:
         text = " ".join(str(exc).split())
-        if not any(k.lower() in text.lower() for k in _DTENSOR_ERRORS):
+        if not _DTENSOR_ERRORS.search(text.lower()):
             raise
         found = [
             f"{tuple(t.shape)} {tuple(t.placements)}"

@@ -1,16 +1,20 @@
-"""Route torch calls on width-sharded DTensors to spatial handlers.
+"""Route torch calls on width-sharded DTensors to spatial handlers, and ``install()`` them.
 
 Model code calls ``F.interpolate``, ``F.conv2d`` or ``x.mean((2, 3))`` directly (torchvision's
-and timm's blocks do). While a parallelized model runs, ``SpatialMode`` (a
-``TorchFunctionMode``) sees every such call: with a DTensor among the arguments it runs the
-handler the runtime's registry holds for that function object, or raises for a *refused*
-one (DTensor would gather the activation or be silently wrong, ``docs/halo.md``); the rest
-passes through. Op modules register with ``register_handler`` (``_registry.py``).
+and timm's blocks do): ``SpatialMode`` (a ``TorchFunctionMode``, active while a parallelized
+model runs) runs the handler its runtime's registry holds for a call with a DTensor argument,
+or raises for a *refused* one (DTensor would gather or be silently wrong, ``docs/halo.md``).
 """
 
 from __future__ import annotations
 
+import importlib
+import os
+import pkgutil
+import threading
+
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
@@ -22,14 +26,59 @@ from ._compile import (
     run_eagerly,
     traced_dtensor_op,
 )
-from ._errors import run_dtensor_op
+from ._errors import add_pointwise_strategies, install_guards, run_dtensor_op
 from ._geometry import SpatialShardingError
-from ._install import install
 from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
 
 #: the op modules' decorator: a handler for every model (``HandlerRegistry.register``)
 register_handler = DEFAULT_REGISTRY.register
+
+
+_LOCK = threading.Lock()
+_INSTALLED = False
+
+#: Ops that DTensor would run by gathering the width or that would be wrong on strips; the
+#: op modules register handlers for those they implement, which take precedence.
+# fmt: off
+_REFUSED = (
+    "conv1d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+    "max_pool1d", "max_pool2d", "max_pool2d_with_indices", "avg_pool2d", "lp_pool2d",
+    "adaptive_avg_pool2d", "adaptive_max_pool2d", "adaptive_max_pool2d_with_indices",
+    "fractional_max_pool2d", "interpolate", "grid_sample", "affine_grid", "batch_norm",
+    "group_norm", "instance_norm", "layer_norm", "local_response_norm", "pad",
+    "fold", "pixel_shuffle", "pixel_unshuffle", "cross_entropy", "nll_loss", "embedding",
+)
+# fmt: on
+_REASON = (
+    "no spatial implementation (it would gather the whole image or mix strips wrongly). Use "
+    "a supported layer, register a handler (spconv_train.parallel.extend, "
+    "docs/extending.md), or run this part of the model on a gathered tensor explicitly "
+    "(x.full_tensor())."
+)
+
+
+def install() -> None:
+    """Register every built-in handler, module swap and default refusal, and install
+    ``_errors``' patches of DTensor (once, thread-safe). ``parallelize``, ``SpatialMode`` and
+    ``extend`` call it first, so a user's handler is never overwritten."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    with _LOCK:
+        if _INSTALLED:
+            return
+        # every private module: the op modules register on import (no list kept here)
+        for info in sorted(pkgutil.iter_modules([os.path.dirname(__file__)]), key=lambda m: m.name):
+            if info.name.startswith("_") and not info.name.startswith("__"):
+                importlib.import_module(f"{__package__}.{info.name}")
+        for name in _REFUSED:  # the distinct F / torch / torch._C._nn functions
+            found = [getattr(ns, name, None) for ns in (F, torch, torch._C._nn)]
+            fns = {id(fn): fn for fn in found if fn is not None}
+            DEFAULT_REGISTRY.refuse(*fns.values(), reason=_REASON)
+        install_guards()
+        add_pointwise_strategies()
+        _INSTALLED = True
 
 
 #: argument class -> what it is to the scan below: a DTensor, a list or tuple (its items

@@ -8,6 +8,8 @@ with the model's ``SpatialRuntime`` (functional calls in model code are handled 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -17,10 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced, run_eagerly
 from ._dims import GRID_MESH_DIMS, SP
-from ._errors import active_guard, gather_guard, guard_mesh, module_label
+from ._errors import _SPATIAL_MESHES, active_guard, gather_guard, module_label
 from ._geometry import SpatialShardingError
-from ._install import install
-from ._mode import DTensorGraphMode, SpatialMode
+from ._mode import DTensorGraphMode, SpatialMode, install
 from ._replicas import broadcast_model_state
 from ._runtime import SpatialOptions, SpatialRuntime
 
@@ -38,18 +39,15 @@ _SPATIAL_MIXINS: dict[str, type] = {}
 
 
 def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], type]:
-    """Class decorator: ``parallelize`` turns modules of exactly type ``base`` into the
-    decorated subclass (``extend.register_spatial_module``); for a qualified name the
-    decorated class is a mixin put in front of the class a model holds."""
-    if isinstance(base, str):
-
-        def named(mixin: type) -> type:
-            _SPATIAL_MIXINS[base] = mixin
-            return mixin
-
-        return named
+    """Class decorator: ``parallelize`` turns every module of exactly type ``base`` into the
+    decorated subclass in place (which must add no parameter or buffer), over a built-in
+    swap. ``base`` may be a qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``)
+    of a class not imported: the decorated class is then a mixin put in front of it."""
 
     def deco(cls: type) -> type:
+        if isinstance(base, str):
+            _SPATIAL_MIXINS[base] = cls
+            return cls
         if not issubclass(cls, base):
             raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
         # eager under torch.compile: its exchanges break the graph anyway, and its Python
@@ -72,15 +70,15 @@ def spatial_module(base: type[nn.Module], fn: Callable, *attrs: str, module: str
             return base.forward(self, x)
         return fn(x, *(getattr(self, a) for a in attrs), what=module_label(self))
 
-    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
     name = f"Spatial{base.__name__}"
-    cls = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": module})
-    cls.__qualname__ = name
-    return register_spatial_module(base)(cls)
+    doc = f"``nn.{base.__name__}`` that runs sharded on a DTensor input (any layout)."
+    ns = {"forward": forward, "__doc__": doc, "__module__": module, "__qualname__": name}
+    return register_spatial_module(base)(type(name, (base,), ns))
 
 
 def refuse_module(base: type[nn.Module], reason: str) -> None:
-    """Make ``parallelize`` refuse modules of exactly type ``base``."""
+    """Make ``parallelize`` refuse models holding a module of exactly type ``base``, naming
+    its path and ``reason`` (before changing anything)."""
     if base not in _SPATIAL_MODULES:
         _REFUSED_MODULES[base] = reason
 
@@ -118,17 +116,6 @@ class _SpatialContext:
             c.__exit__(*exc)
 
 
-def _check_mesh(mesh: DeviceMesh) -> None:
-    """A mesh of several dims names its spatial ones: ``sp``, or two or three grid dims."""
-    names = mesh.mesh_dim_names or ()
-    if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
-        raise SpatialShardingError(
-            f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
-            f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
-            f"'sp_h', 'sp_w' for volumes), got {mesh.mesh_dim_names}"
-        )
-
-
 def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     """Make ``model`` run sharded over the spatial dims of ``mesh`` (``sp``, or ``sp_h`` /
     ``sp_w`` ...): swaps supported layers in place and returns the same model, with a new
@@ -138,10 +125,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     fields (``sync_state``, default True, first sets every rank's state to mesh rank 0's).
     Raises ``SpatialShardingError`` naming every module that cannot run sharded, before
     changing anything; ``TypeError`` for an unknown option."""
-    opts = SpatialOptions.from_kwargs("parallelize", **options)
-    install()  # the built-in handlers and module swaps (explicit, idempotent: _install.py)
-    _check_mesh(mesh)
-    guard_mesh(mesh, opts.allow_gather)
+    known = {f.name for f in dataclasses.fields(SpatialOptions)}
+    if unknown := sorted(set(options) - known):  # a typo raises: no silent default
+        raise TypeError(f"parallelize: unknown option(s) {unknown}; valid: {sorted(known)}")
+    opts = SpatialOptions(**options)
+    install()  # the built-in handlers and module swaps (explicit, idempotent: _mode.py)
+    names = mesh.mesh_dim_names or ()  # several dims: ``sp``, or two or three grid dims
+    if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
+        raise SpatialShardingError(
+            f"parallelize: a {mesh.ndim}-D mesh needs mesh_dim_names with an 'sp' dimension "
+            f"(e.g. ('dp', 'sp')), or 'sp_h' and 'sp_w' for H x W tiles (two or three of 'sp_d', "
+            f"'sp_h', 'sp_w' for volumes), got {mesh.mesh_dim_names}"
+        )
+    _SPATIAL_MESHES[mesh] = opts.allow_gather  # implicit moves on it guarded outside the forward
     problems = [
         f"  {path or '<root>'} ({type(m).__name__}): {_REFUSED_MODULES[type(m)]}"
         for path, m in model.named_modules()
@@ -159,8 +155,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
         kind = type(module)
         mixin = _SPATIAL_MIXINS.get(f"{kind.__module__}.{kind.__qualname__}")
         if mixin is not None and kind not in _SPATIAL_MODULES:
-            name = f"Spatial{kind.__name__}"
-            register_spatial_module(kind)(type(name, (mixin, kind), {"__module__": __name__}))
+            cls = type(f"Spatial{kind.__name__}", (mixin, kind), {"__module__": __name__})
+            register_spatial_module(kind)(cls)
         if kind in _SPATIAL_MODULES:
             module.__class__ = _SPATIAL_MODULES[kind]
             module.spatial_name = path or type(model).__name__
@@ -169,29 +165,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
         model.__class__ = type(f"Spatial{root.__name__}", (_SpatialRoot, root), {})
     model.spatial_mesh = mesh
     model.spatial_runtime = SpatialRuntime(mesh, opts)
-    track_module_paths(model)
+    for path, module in model.named_modules():  # hooks: the guard names an op's module
+        if not getattr(module, "_spatial_tracked", False):
+            name = path or type(model).__name__
+            module.register_forward_pre_hook(functools.partial(_enter, name))
+            module.register_forward_hook(_leave)
+            module._spatial_tracked = True
     return model
 
 
-def track_module_paths(model: nn.Module) -> None:
-    """Forward pre-/post-hooks that let the guard name the module an op runs in."""
+def _enter(path: str, module, args) -> None:
+    if (guard := active_guard()) is not None:
+        guard.modules.append(path)
 
-    def enter(path):
-        def hook(module, args):
-            guard = active_guard()
-            if guard is not None:
-                guard.modules.append(path)
 
-        return hook
-
-    def leave(module, args, output):
-        guard = active_guard()
-        if guard is not None and guard.modules:
-            guard.modules.pop()
-
-    for path, module in model.named_modules():
-        if getattr(module, "_spatial_tracked", False):
-            continue
-        module.register_forward_pre_hook(enter(path or type(model).__name__))
-        module.register_forward_hook(leave)
-        module._spatial_tracked = True
+def _leave(module, args, output) -> None:
+    guard = active_guard()
+    if guard is not None and guard.modules:
+        guard.modules.pop()

@@ -1,10 +1,7 @@
-"""Global result shapes of torch ops, probed on meta tensors once per geometry.
-
-The meta run applies torch's own rules and checks (``torch.cat`` skipping legacy empty 1-D
-tensors, ``split``'s sections, a reshape's ``-1``) but costs tens of microseconds, so each
-probe is cached per (op, shapes, arguments) in a bounded cache; arguments that cannot be a
-key probe every call, and a failed probe is not cached (the call raises torch's error).
-"""
+"""Global result shapes of torch ops, probed on meta tensors (torch's own rules and checks:
+``torch.cat`` skipping legacy empty 1-D tensors, ``split``'s sections, a reshape's ``-1``) for
+tens of microseconds, so cached per (op, shapes, arguments) in a bounded cache; arguments
+that cannot be a key probe every call, and a failed probe is not cached (torch's error)."""
 
 from __future__ import annotations
 

@@ -64,21 +64,20 @@ class HandlerRegistry:
     def register(
         self, *functions: Callable, traced: bool = False
     ) -> Callable[[Callable], Callable]:
-        """Decorator: the handler runs instead of ``functions`` on DTensors
-        (``extend.register_handler``). ``traced``: Dynamo inlines it (no DTensor op,
-        exchange, collective or cached plan: Dynamo would guard on its state)."""
+        """Decorator: while a parallelized model runs, a call of any of ``functions`` (the
+        function objects: ``F.pad``, ``torch.batch_norm``, ``torch.Tensor.mean``) with a
+        DTensor among its arguments runs the handler instead, with the same arguments; it
+        returns what the function returns. ``extend.register_handler``: for every model, over
+        a built-in handler; ``runtime.registry.register``: one model. Under ``torch.compile``
+        it runs eagerly (a graph break) unless ``traced=True`` (Dynamo inlines it: no DTensor
+        op, exchange, collective or cached plan, Dynamo would guard on its state)."""
         if not functions or not all(callable(f) for f in functions):
             raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
 
         route_through_modes(functions)
 
         def deco(handler: Callable) -> Callable:
-            run = handler if traced else not_traced(handler)
-            for fn in functions:
-                # The function object is kept alive with its id, so the id cannot be reused.
-                entry = Entry(function_name(fn), handler=handler, run=run)
-                self._entries[id(fn)] = (fn, entry)
-            _GENERATION[0] += 1
+            self._put(functions, handler=handler, run=handler if traced else not_traced(handler))
             return handler
 
         return deco
@@ -87,10 +86,11 @@ class HandlerRegistry:
         """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
         DTensors; a function that has a handler keeps it."""
         route_through_modes(functions)
-        for fn in functions:
-            if self.handler(fn) is not None:
-                continue
-            self._entries[id(fn)] = (fn, Entry(function_name(fn), refused=reason))
+        self._put([fn for fn in functions if self.handler(fn) is None], refused=reason)
+
+    def _put(self, functions, **fields) -> None:
+        for fn in functions:  # the function object kept alive with its id: never reused
+            self._entries[id(fn)] = (fn, Entry(function_name(fn), **fields))
         _GENERATION[0] += 1
 
     def lookup(self, fn: Callable) -> Entry | None:

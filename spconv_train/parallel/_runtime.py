@@ -1,10 +1,7 @@
-"""The options, statistics and handler registry of one parallelized model.
-
-``parallelize`` attaches a ``SpatialRuntime`` to the model (``runtime_of``); during its
-forward it is *current* (``current_runtime()``): ops read its options and the halo exchange
-adds to its ``stats``. Outside one, a process-wide default runtime. The backward runs after
-the forward returned: code accounting work there captures the runtime in the forward
-(``_halo.py`` keeps it on the autograd context).
+"""The options, statistics and handler registry of one parallelized model: ``parallelize``
+attaches a ``SpatialRuntime`` (``runtime_of``), *current* during its forward (outside one, a
+process-wide default). The backward runs after the forward returned: code accounting work
+there captures the runtime in the forward (``_halo.py`` keeps it on the autograd context).
 """
 
 from __future__ import annotations
@@ -51,15 +48,6 @@ class SpatialOptions:
     #: and the element-wise handlers into the graphs too (``_compile.py``).
     trace_dtensor_ops: bool = False
 
-    @classmethod
-    def from_kwargs(cls, where: str, **kwargs) -> SpatialOptions:
-        """Options from keyword arguments; a typo raises ``TypeError`` (no silent default)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"{where}: unknown option(s) {unknown}; valid: {sorted(known)}")
-        return cls(**kwargs)
-
 
 @dataclass
 class SpatialStats:
@@ -101,9 +89,8 @@ class SpatialStats:
 
     def restore(self, saved: SpatialStats) -> None:
         """Set every counter back to ``saved``'s values."""
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(saved, f.name))
-        self.gathered_ops, self._pending = dict(saved.gathered_ops), list(saved._pending)
+        fresh = {"gathered_ops": dict(saved.gathered_ops), "_pending": list(saved._pending)}
+        self.__dict__.update(saved.__dict__, **fresh)
 
 
 class SpatialRuntime:

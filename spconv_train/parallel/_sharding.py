@@ -1,9 +1,6 @@
-"""How a sharded DTensor is laid out on its mesh, and the way in and out of local code.
-
-A spatial op's input shards one spatial dim over one mesh dim (strips) or several, one mesh
-dim each (tiles, volume blocks: ``SpatialLayout.axes``, for ops passing ``tiles=True``);
-other mesh dims shard the batch or replicate. ``spatial_layout`` reads the layout, ``enter``
-hands the local block to local code (differentiably), ``leave`` wraps the result back.
+"""How a sharded DTensor is laid out on its mesh (``spatial_layout``: one spatial dim over
+one mesh dim, strips, or several, one mesh dim each, tiles and volume blocks; other mesh dims
+shard the batch or replicate), and the way in and out of local code (``enter`` / ``leave``).
 """
 
 from __future__ import annotations
@@ -76,24 +73,18 @@ def mesh_coords(mesh: DeviceMesh) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class SpatialLayout:
-    """A spatial op's input layout: mesh, placements, the spatial ("sp") mesh dim and
-    the tensor dims split over it (``dims``: one dim; every sharded spatial dim: ``axes``)."""
+    """A spatial op's input layout: mesh, placements, the spatial ("sp") mesh dim and the
+    tensor dim split over it (``dim``; every sharded spatial dim: ``axes``)."""
 
     mesh: DeviceMesh
     placements: tuple
     sp_dim: int
     #: False when replicated on the sp dim (after global pooling): ``run_unsharded``
     width_sharded: bool = True
-    #: tensor dimensions sharded as data over the sp mesh dimension
-    dims: tuple[int, ...] = (3,)
+    #: the tensor dimension split over the sp ranks (the width, 3, for NCHW)
+    dim: int = 3
     #: tiles: ``(tensor dim, mesh dim)`` of every sharded spatial dim (one dim: empty)
     axes: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def dim(self) -> int:
-        """The tensor dimension split over the sp ranks (the width, 3, for NCHW)."""
-        (d,) = self.dims
-        return d
 
     @property
     def spatial_mesh_dims(self) -> tuple[int, ...]:
@@ -119,7 +110,7 @@ class SpatialLayout:
 
     @property
     def batch_dims(self) -> tuple[int, ...]:
-        """Mesh dimensions that shard the batch (data parallel)."""
+        """Mesh dimensions that split a tensor dim (the batch's and the image's)."""
         return sharding_mesh_dims(self.placements)
 
     @property
@@ -147,14 +138,11 @@ def spatial_layout(
         i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim in spatial
     ]
     if not sp_dims:
-        names = x.device_mesh.mesh_dim_names or ()
-        sp = ParallelDims.spatial_mesh_dim(x.device_mesh)
+        names, sp = x.device_mesh.mesh_dim_names or (), ParallelDims.spatial_mesh_dim(x.device_mesh)
         # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
-        tiles_replicated = all(
-            isinstance(placements[names.index(n)], Replicate) for n in GRID_MESH_DIMS if n in names
-        )
-        if sp is not None and isinstance(placements[sp], Replicate) and tiles_replicated:
-            _check_other_dims(placements, sp, what)
+        grid = [names.index(n) for n in GRID_MESH_DIMS if n in names]
+        if sp is not None and all(isinstance(placements[m], Replicate) for m in (sp, *grid)):
+            _check_other_dims(placements, what, (sp,))
             return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
         raise SpatialShardingError(
             f"{what} in module '{module_path()}': input placements {placements} have no "
@@ -163,39 +151,33 @@ def spatial_layout(
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
-    if len(sp_dims) > 1 or (ndim == 4 and placements[sp_dims[0]].dim % ndim == 2):
-        return _tile_layout(x, placements, sp_dims, what, tiles)
-    _check_other_dims(placements, sp_dims[0], what)
-    dim = placements[sp_dims[0]].dim % x.ndim
-    return x, SpatialLayout(x.device_mesh, placements, sp_dims[0], dims=(dim,))
-
-
-def _tile_layout(x: DTensor, placements: tuple, sp_dims: list, what: str, tiles: bool):
-    """The layout of an image (volume) sharded along H (and W, D), one mesh dim each."""
-    dims = [placements[m].dim % x.ndim for m in sp_dims]
-    if len(set(dims)) != len(dims):
+    # tiles: an image (volume) sharded along H (and W, D), one mesh dim each
+    m = sp_dims[-1]
+    tiled = len(sp_dims) > 1 or (ndim == 4 and placements[m].dim % ndim == 2)
+    axes = tuple(sorted((placements[i].dim % ndim, i) for i in sp_dims)) if tiled else ()
+    if tiled and len({d for d, _ in axes}) != len(axes):
         raise SpatialShardingError(
             f"{what}: placements {placements} shard one image dimension over several mesh "
             f"dimensions; shard H and W over one mesh dimension each ([Shard(2), Shard(3)])."
         )
-    if not tiles:
-        if x.ndim == 5:
-            raise SpatialShardingError(
-                f"{what}: is not supported on a volume sharded over several dims (placements "
-                f"{placements}) yet. Shard one of D, H, W only (mesh ('sp',) or ('dp', 'sp'), "
-                f"[Shard(2)], [Shard(3)] or [Shard(4)]), see docs/volumes.md."
-            )
+    if tiled and not tiles and ndim == 5:
+        raise SpatialShardingError(
+            f"{what}: is not supported on a volume sharded over several dims (placements "
+            f"{placements}) yet. Shard one of D, H, W only (mesh ('sp',) or ('dp', 'sp'), "
+            f"[Shard(2)], [Shard(3)] or [Shard(4)]), see docs/volumes.md."
+        )
+    if tiled and not tiles:
         raise SpatialShardingError(
             f"{what}: is not supported on H x W tiles (placements {placements}) yet. Shard "
             f"the width only (mesh ('sp',) or ('dp', 'sp'), [Shard(3)]), see docs/tiles.md."
         )
-    for i in sp_dims:
-        _check_other_dims(placements, i, what, allowed=sp_dims)
-    axes = tuple(sorted(zip(dims, sp_dims, strict=True)))
-    return x, SpatialLayout(x.device_mesh, placements, axes[-1][1], dims=(axes[-1][0],), axes=axes)
+    _check_other_dims(placements, what, sp_dims)
+    dim, m = axes[-1] if tiled else (placements[m].dim % ndim, m)
+    return x, SpatialLayout(x.device_mesh, placements, m, dim=dim, axes=axes)
 
 
-def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> None:
+def _check_other_dims(placements: tuple, what: str, spatial) -> None:
+    """Refuse a ``Partial``, or a non-batch dim split on a mesh dim not in ``spatial``."""
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
             raise SpatialShardingError(
@@ -203,7 +185,7 @@ def _check_other_dims(placements: tuple, sp_dim: int, what: str, allowed=()) -> 
                 f"dimension {i}; reducing it would move a whole activation. Redistribute to "
                 f"Shard/Replicate explicitly before this layer."
             )
-        if sharded_dim(p) not in (None, 0) and i != sp_dim and i not in allowed:
+        if sharded_dim(p) not in (None, 0) and i not in spatial:
             raise SpatialShardingError(
                 f"{what}: mesh dimension {i} shards tensor dim {p.dim}; only the batch (dim 0) "
                 f"may be sharded besides the width."

@@ -7,15 +7,13 @@ precedence over a built-in one for the same function.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-
-from torch import nn
 
 from . import _parallelize
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
-from ._install import install
-from ._mode import SpatialMode
+from ._mode import SpatialMode, install
 from ._registry import DEFAULT_REGISTRY, HandlerRegistry
 from ._runtime import current_runtime
 from ._sharding import (
@@ -44,35 +42,16 @@ __all__ = [
 # fmt: on
 
 
-def register_handler(*functions: Callable, traced: bool = False) -> Callable[[Callable], Callable]:
-    """Decorator: while a parallelized model runs, a call of any of ``functions`` (the
-    function objects: ``F.pad``, ``torch.batch_norm``, ``torch.Tensor.mean``) with a DTensor
-    among its arguments runs the handler instead, with the same arguments; it returns what
-    the function returns. For every model (``runtime.registry.register``: one model), over
-    a built-in handler. Under ``torch.compile`` it runs eagerly (a graph break) unless
-    ``traced=True`` (Dynamo inlines it: handlers without DTensor ops only)."""
-    install()
-    return DEFAULT_REGISTRY.register(*functions, traced=traced)
+def _installing(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        install()  # the built-ins first: a registration here takes precedence
+        return fn(*args, **kwargs)
+
+    return call
 
 
-def refuse_handler(*functions: Callable, reason: str) -> None:
-    """Make ``functions`` raise ``SpatialShardingError`` with ``reason`` when called on a
-    sharded DTensor (a function that has a handler keeps it)."""
-    install()
-    DEFAULT_REGISTRY.refuse(*functions, reason=reason)
-
-
-def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], type]:
-    """Class decorator: ``parallelize`` turns every module of exactly type ``base`` into the
-    decorated subclass in place (which must add no parameter or buffer), over a built-in
-    swap. ``base`` may be a qualified name (``"timm.models.edgenext.PositionalEncodingFourier"``)
-    of a class not imported: the decorated class is then a mixin put in front of it."""
-    install()
-    return _parallelize.register_spatial_module(base)
-
-
-def refuse_module(base: type[nn.Module], reason: str) -> None:
-    """Make ``parallelize`` refuse models holding a module of exactly type ``base``, naming
-    its path and ``reason`` (before changing anything)."""
-    install()
-    _parallelize.refuse_module(base, reason)
+register_handler = _installing(DEFAULT_REGISTRY.register)
+refuse_handler = _installing(DEFAULT_REGISTRY.refuse)
+register_spatial_module = _installing(_parallelize.register_spatial_module)
+refuse_module = _installing(_parallelize.refuse_module)
