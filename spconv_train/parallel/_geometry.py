@@ -42,15 +42,6 @@ def window_out_size(
     return span // stride + 1
 
 
-def window_input_range(
-    out_start: int, out_stop: int, kernel: int, stride: int, dilation: int, pad_lo: int
-) -> Interval:
-    """Global input ``[lo, hi)`` (into the padding too) of outputs ``[out_start, out_stop)``."""
-    lo = out_start * stride - pad_lo
-    hi = (out_stop - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
-    return lo, hi
-
-
 @dataclass(frozen=True)
 class ExchangePlan:
     """Which global columns every rank of a spatial group owns and which it needs: rank ``r``

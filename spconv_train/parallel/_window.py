@@ -18,7 +18,6 @@ from ._geometry import (
     Interval,
     SpatialShardingError,
     check_strips,
-    window_input_range,
     window_out_size,
 )
 from ._halo import gather_columns
@@ -30,12 +29,14 @@ PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
 
 @dataclass(frozen=True)
 class WindowPlan:
-    """A window op along a sharded dim; ``edges``: per rank (pad_lo, pad_hi, crop_lo, crop_hi)."""
+    """A window op along a sharded dim; per rank: ``edges`` (pad_lo, pad_hi, crop_lo, crop_hi),
+    ``starts`` the global input index of its window's first element (may be negative)."""
 
     exchange: ExchangePlan
     out_width: int
     out_bounds: tuple[Interval, ...]
     edges: tuple[tuple[int, int, int, int], ...]
+    starts: tuple[int, ...]
 
 
 def _sources(lo: int, hi: int, width: int, mode: str) -> list[Interval]:
@@ -77,7 +78,7 @@ def plan_window(
     out_bounds = check_strips(what, out_width, parts, "output")
     needed, edges = [], []
     for o0, o1 in out_bounds:
-        lo, hi = window_input_range(o0, o1, kernel, stride, dilation, pad_lo)
+        lo, hi = o0 * stride - pad_lo, (o1 - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
         srcs = _sources(lo, hi, width, mode)
         needed.append(tuple(srcs))
         if mode == "circular":
@@ -89,7 +90,8 @@ def plan_window(
         edges.append((pl, pr, lo - min(lo, src_lo), max(hi, src_hi) - hi))
     plan = ExchangePlan(width, tuple(owned), tuple(needed), wrap=mode == "circular")
     plan.check_neighbours(what)
-    return WindowPlan(plan, out_width, tuple(out_bounds), tuple(edges))
+    starts = tuple(o0 * stride - pad_lo for o0, _ in out_bounds)
+    return WindowPlan(plan, out_width, tuple(out_bounds), tuple(edges), starts)
 
 
 def gather_window(
