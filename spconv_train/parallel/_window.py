@@ -130,22 +130,25 @@ class _WindowRecipe:
     def __init__(self, window: Tensor, local: Tensor, steps, value, outer):
         self.shape, self.stride, self.value = window.shape, window.stride(), value
         self.outer, self.version = outer, local._version
-        self.local = outer[0](local) if outer else local
-        #: per step: (dim, parts); a part is ("pad", n), ("own", (start, n)) or ("halo", t)
-        self.levels: list[tuple[int, list[tuple[str, object]]]] = []
+        self.local = self._put(local)
+        #: per step: (dim, parts); a part (offset, n, source): pad (None), the previous
+        #: step's result from ``start`` (an int) or a received halo, thin copied planes
+        self.levels: list[tuple[int, list[tuple[int, int, object]]]] = []
         for st in steps:
             a, offset = st.exchange.owned[st.rank][0], st.pad_lo
-            parts: list[tuple[str, object]] = [("pad", st.pad_lo)] if st.pad_lo else []
+            parts: list[tuple[int, int, object]] = [(0, st.pad_lo, None)] if st.pad_lo else []
             for owner, s, e in st.exchange.pieces(st.rank):
-                if owner == st.rank:
-                    parts.append(("own", (s - a, e - s)))
-                else:  # a received halo: a few planes, copied (edges and corners included)
-                    halo = st.result.narrow(st.dim, offset, e - s).clone()
-                    parts.append(("halo", outer[0](halo) if outer else halo))
+                src = s - a  # a received halo: a few planes, copied (corners included)
+                if owner != st.rank:
+                    src = self._put(st.result.narrow(st.dim, offset, e - s).clone())
+                parts.append((offset, e - s, src))
                 offset += e - s
             if st.pad_hi:
-                parts.append(("pad", st.pad_hi))
+                parts.append((offset, st.pad_hi, None))
             self.levels.append((st.dim, parts))
+
+    def _put(self, t: Tensor):
+        return self.outer[0](t) if self.outer else t
 
     def _get(self, packed) -> Tensor:
         return self.outer[1](packed) if self.outer else packed
@@ -168,19 +171,14 @@ class _WindowRecipe:
             out.copy_(_cut(local, cuts))
             return
         dim, parts = self.levels[level]
-        offset = 0
-        for kind, item in parts:
-            if kind == "pad":
-                out.narrow(dim, offset, item).fill_(self.value)
-                offset += item
-            elif kind == "own":
-                start, n = item
-                self._fill(out.narrow(dim, offset, n), level - 1, local, {**cuts, dim: item})
-                offset += n
+        for offset, n, src in parts:
+            dst = out.narrow(dim, offset, n)
+            if src is None:
+                dst.fill_(self.value)
+            elif isinstance(src, int):
+                self._fill(dst, level - 1, local, {**cuts, dim: (src, n)})
             else:
-                halo = _cut(self._get(item), cuts)
-                out.narrow(dim, offset, halo.shape[dim]).copy_(halo)
-                offset += halo.shape[dim]
+                dst.copy_(_cut(self._get(src), cuts))
 
 
 def _cut(t: Tensor, cuts: dict) -> Tensor:
