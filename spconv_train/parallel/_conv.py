@@ -81,7 +81,15 @@ def spatial_conv(
     whole = [d for d in range(2, x.ndim) if d not in axes]  # padded inside the conv
     inside = padding_mode == "zeros" and all(padding[d - 2][0] == padding[d - 2][1] for d in whole)
     if all(parts == 1 for parts, _, _ in axes.values()):  # whole extents: the plain op
-        plain = _plain(stride, padding, dilation, groups, padding_mode)
+        symmetric = padding_mode == "zeros" and all(a == b for a, b in padding)
+        flat = [] if symmetric else [a for pair in padding[::-1] for a in pair]  # last dim first
+        inner = tuple(a for a, _ in padding) if symmetric else 0
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+
+        def plain(t: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            t = F.pad(t, flat, mode=mode) if any(flat) else t
+            return _CONV[n](t, w, b, stride, inner, dilation, groups)
+
         return run_unsharded(x, layout, plain, weight, bias)
     geoms = {
         d: (weight.shape[d], stride[d - 2], dilation[d - 2], *padding[d - 2])
@@ -89,42 +97,23 @@ def spatial_conv(
     }
     local = enter(x)
     w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
-    last = x.ndim - 1
+    last, split = x.ndim - 1, None
     if inside and axes.get(last, (1,))[0] > 1 and current_runtime().options.split_halo_conv:
         parts, rank, group = axes[last]
-        k, s, dil, lo, hi = geoms[last]
-        wp = plan_window(what, shape[last], parts, k, s, dil, lo, hi, padding_mode)
-        split = plan_split(wp, rank, k, s, dil, lo)
-        if split is not None:
-            others = {d: geoms[d] for d in axes if d != last}
-            tw = tile_window(local, shape, layout, what, others, pad_local=False)
-            pad_other = tuple(0 if d in axes else padding[d - 2][0] for d in range(2, last))
-            with tw.saving():  # the other dims' window: the part by reference + halo slabs
-                args = (wp, split, rank, group, stride, pad_other, dilation, groups)
-                out = halo_conv(tw.window, w, b, *args)
-            return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
+        wp = plan_window(what, shape[last], parts, *geoms[last], padding_mode)
+        split = plan_split(wp, rank, *geoms[last][:4])
+    if split is not None:  # the other sharded dims' window, the last dim in halo_conv
+        geoms = {d: geoms[d] for d in axes if d != last}
     tw = tile_window(local, shape, layout, what, geoms, padding_mode, pad_local=not inside)
-    conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in geoms)
+    conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in range(2, x.ndim))
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).
     with tw.saving():
-        out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
-    return leave(out, layout, tile_shape(shape, out, tw))
-
-
-def _plain(stride, padding: Pads, dilation, groups: int, padding_mode: str):
-    """The single-device convolution as a function of ``(input, weight, bias)``."""
-    flat = [a for pair in padding[::-1] for a in pair]  # F.pad lists the last dim first
-    mode = "constant" if padding_mode == "zeros" else padding_mode
-    symmetric = padding_mode == "zeros" and all(a == b for a, b in padding)
-    conv = _CONV[len(padding)]
-
-    def run(t: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        if symmetric:
-            return conv(t, w, b, stride, tuple(a for a, _ in padding), dilation, groups)
-        t = F.pad(t, flat, mode=mode) if any(flat) else t
-        return conv(t, w, b, stride, 0, dilation, groups)
-
-    return run
+        if split is None:
+            out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
+            return leave(out, layout, tile_shape(shape, out, tw))
+        args = (wp, split, rank, group, stride, conv_pad[:-1], dilation, groups)
+        out = halo_conv(tw.window, w, b, *args)
+    return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
 
 
 class _SpatialConv:

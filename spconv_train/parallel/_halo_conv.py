@@ -110,15 +110,6 @@ def _cols(t: Tensor, c0: int, c1: int) -> Tensor:
     return t if c0 == 0 and c1 == t.shape[-1] else t.narrow(-1, c0, c1 - c0)
 
 
-def _dense_like(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
-    """``g`` dense in the memory format the convolution of ``x`` by ``w`` computes in
-    (channels-last when either is): ``g.contiguous()`` would copy a channels-last gradient
-    to NCHW and ``convolution_backward`` back again."""
-    if any(t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1 for t in (x, w)):
-        return g.contiguous(memory_format=CHANNELS_LAST[g.dim()])
-    return g.contiguous()
-
-
 def _columns_to_batch(x: Tensor) -> Tensor:
     """``(N, C, *S, L)`` -> ``(N*L, C, *S)``: one convolution of one rank less with a tap's
     weight then gives that tap's share of the whole run (a thin full-rank convolution runs
@@ -181,9 +172,12 @@ class _HaloConv(torch.autograd.Function):
             k = w.ndim - 2  # a halo run's tap convolves the other dims only
             args = (list(stride[:k]), list(pad), list(dilation[:k]), False, [0] * k, groups)
             sizes = [weight.shape[0]] if mask[2] else None
-            return torch.ops.aten.convolution_backward(
-                _dense_like(g, x, w), x, w, sizes, *args, mask
-            )
+            # dense in the format the convolution computes in (channels-last when x or w is):
+            # g.contiguous() would copy a channels-last gradient to NCHW, the kernel back again
+            cl = any(t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1 for t in (x, w))
+            fmt = CHANNELS_LAST[g.dim()] if cl else torch.contiguous_format
+            g = g.contiguous(memory_format=fmt)
+            return torch.ops.aten.convolution_backward(g, x, w, sizes, *args, mask)
 
         def add(x, y):
             return y if x is None else (x if y is None else x + y)
