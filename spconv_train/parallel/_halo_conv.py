@@ -45,13 +45,21 @@ def plan_split(
     """The split for ``rank``, or ``None`` when some rank has no interior output column:
     every rank then takes the window path (the same choice on every rank: the two paths
     order their backward messages differently, a mix would deadlock)."""
-    splits = [
-        _split_one(wp, r, kernel, stride, dilation, pad_lo) for r in range(len(wp.out_bounds))
-    ]
-    if any(sp is None for sp in splits):
-        return None
-    same = stride == 1 and 2 * pad_lo == dilation * (kernel - 1)
-    if not same or wp.out_bounds != wp.exchange.owned:
+    splits, reach = [], dilation * (kernel - 1)
+    for (a, b), (o0, o1) in zip(wp.exchange.owned, wp.out_bounds, strict=True):
+        # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
+        i0 = max(o0, -(-(a + pad_lo) // stride))
+        i1 = min(o1, (b + pad_lo - reach - 1) // stride + 1)
+        if i1 <= i0:
+            return None
+        edges = tuple(
+            (p - o0, q - p, p * stride - pad_lo, (q - 1) * stride - pad_lo + reach + 1)
+            for p, q in ((o0, i0), (i1, o1))
+            if q > p
+        )
+        c0, c1 = i0 * stride - pad_lo - a, (i1 - 1) * stride - pad_lo + reach + 1 - a
+        splits.append(SplitPlan((i0 - o0, i1 - o0), (c0, c1), edges))
+    if stride != 1 or 2 * pad_lo != reach or wp.out_bounds != wp.exchange.owned:  # not "same"
         return splits[rank]
     (a, b), runs = wp.exchange.owned[rank], []
     halos = [(s, e) for q, s, e in wp.exchange.pieces(rank) if q != rank]
@@ -63,25 +71,6 @@ def plan_split(
                 if j1 > j0:
                     runs.append((i, t, first + j0, base + j0 - hs, j1 - j0))
     return SplitPlan((0, b - a), (0, b - a), (), pad_lo, tuple(runs), True)
-
-
-def _split_one(
-    wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
-) -> SplitPlan | None:
-    (a, b), (o0, o1) = wp.exchange.owned[rank], wp.out_bounds[rank]
-    reach = dilation * (kernel - 1)
-    # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
-    i0 = max(o0, -(-(a + pad_lo) // stride))
-    i1 = min(o1, (b + pad_lo - reach - 1) // stride + 1)
-    if i1 <= i0:
-        return None
-    edges = []
-    for p, q in ((o0, i0), (i1, o1)):
-        if q > p:
-            lo = p * stride - pad_lo
-            edges.append((p - o0, q - p, lo, (q - 1) * stride - pad_lo + reach + 1))
-    c0, c1 = i0 * stride - pad_lo - a, (i1 - 1) * stride - pad_lo + reach + 1 - a
-    return SplitPlan((i0 - o0, i1 - o0), (c0, c1), tuple(edges))
 
 
 def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tensor) -> Tensor:

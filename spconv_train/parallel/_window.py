@@ -39,23 +39,6 @@ class WindowPlan:
     starts: tuple[int, ...]
 
 
-def _sources(lo: int, hi: int, width: int, mode: str) -> list[Interval]:
-    """Global columns inside ``[0, width)`` needed to build window ``[lo, hi)`` in ``mode``."""
-    if mode == "circular":
-        if lo < -width or hi > 2 * width:
-            raise SpatialShardingError("circular padding wider than the image")
-        parts = [(width + lo, width), (max(lo, 0), min(hi, width)), (0, hi - width)]
-        return [(a, b) for a, b in parts if a < b]  # wrapped left, inside, wrapped right
-    src_lo, src_hi = min(max(lo, 0), width), max(min(hi, width), min(max(lo, 0), width))
-    if mode in ("reflect", "replicate"):  # reflect: column -i mirrors i, W-1+i mirrors W-1-i
-        reflect = mode == "reflect"
-        if lo < 0:
-            src_lo, src_hi = 0, max(src_hi, 1 - lo if reflect else 1)
-        if hi > width:
-            src_lo, src_hi = min(src_lo, 2 * width - 1 - hi if reflect else width - 1), width
-    return [(src_lo, src_hi)] if src_lo < src_hi else []
-
-
 @functools.lru_cache(maxsize=4096)
 def plan_window(
     what: str,
@@ -79,13 +62,22 @@ def plan_window(
     needed, edges = [], []
     for o0, o1 in out_bounds:
         lo, hi = o0 * stride - pad_lo, (o1 - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
-        srcs = _sources(lo, hi, width, mode)
-        needed.append(tuple(srcs))
-        if mode == "circular":
+        if mode == "circular":  # wrapped left, inside, wrapped right: never padded
+            if lo < -width or hi > 2 * width:
+                raise SpatialShardingError("circular padding wider than the image")
+            spans = [(width + lo, width), (max(lo, 0), min(hi, width)), (0, hi - width)]
+            needed.append(tuple((a, b) for a, b in spans if a < b))
             edges.append((0, 0, 0, 0))
             continue
-        src_lo = srcs[0][0] if srcs else min(max(lo, 0), width)
-        src_hi = srcs[-1][1] if srcs else src_lo
+        src_lo = min(max(lo, 0), width)  # the columns inside [0, width) the window is built of
+        src_hi = max(min(hi, width), src_lo)
+        if mode in ("reflect", "replicate"):  # reflect: column -i mirrors i, W-1+i mirrors W-1-i
+            reflect = mode == "reflect"
+            if lo < 0:
+                src_lo, src_hi = 0, max(src_hi, 1 - lo if reflect else 1)
+            if hi > width:
+                src_lo, src_hi = min(src_lo, 2 * width - 1 - hi if reflect else width - 1), width
+        needed.append(((src_lo, src_hi),) if src_lo < src_hi else ())
         pl, pr = max(0, src_lo - lo), max(0, hi - src_hi)
         edges.append((pl, pr, lo - min(lo, src_lo), max(hi, src_hi) - hi))
     plan = ExchangePlan(width, tuple(owned), tuple(needed), wrap=mode == "circular")
