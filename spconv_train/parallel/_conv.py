@@ -200,19 +200,21 @@ def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
     return F.pad(y, (lo, hi)) if lo or hi else y
 
 
+@register_handler(F.conv_transpose2d, F.conv_transpose3d)  # torch.conv_transpose*d: the same
 def spatial_conv_transpose(
     x: DTensor,
     weight: Tensor,
-    bias: Tensor | None,
-    stride,
-    padding,
-    output_padding,
-    groups: int,
-    dilation,
-    what: str = "conv_transpose",
+    bias: Tensor | None = None,
+    stride=1,
+    padding=0,
+    output_padding=0,
+    groups: int = 1,
+    dilation=1,
+    what: str | None = None,
 ) -> DTensor:
     """``F.conv_transpose{n}d`` of a DTensor on any layout (module docstring)."""
     n = weight.ndim - 2
+    what = what or f"F.conv_transpose{n}d"
     s, p, op, dil = (ntuple(v, n) for v in (stride, padding, output_padding, dilation))
     x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
     conv = _CONV_T[n]
@@ -250,23 +252,13 @@ class _SpatialConvTranspose:
         n = len(self.kernel_size)
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for ConvTranspose{n}d")
-        output_padding = self._output_padding(
+        op = self._output_padding(
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation
         )
-        args = (self.stride, self.padding, tuple(output_padding), self.groups, self.dilation)
-        what = module_label(self)
-        return spatial_conv_transpose(input, self.weight, self.bias, *args, what=what)
+        args = (self.stride, self.padding, tuple(op), self.groups, self.dilation)
+        return spatial_conv_transpose(input, self.weight, self.bias, *args, what=module_label(self))
 
 
 SpatialConvTranspose2d, SpatialConvTranspose3d = spatial_subclasses(
     _SpatialConvTranspose, nn.ConvTranspose2d, nn.ConvTranspose3d, module=__name__
 )
-
-
-@register_handler(F.conv_transpose2d, F.conv_transpose3d)  # torch.conv_transpose*d: the same
-def _functional_conv_transpose(
-    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
-):
-    args = (stride, padding, output_padding, groups, dilation)
-    what = f"F.conv_transpose{weight.ndim - 2}d"
-    return spatial_conv_transpose(input, weight, bias, *args, what=what)

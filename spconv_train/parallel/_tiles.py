@@ -33,10 +33,8 @@ IntOrSeq = int | Sequence[int]
 
 def layout_axes(layout: SpatialLayout | None) -> tuple[tuple[int, int], ...]:
     """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout, in order."""
-    if layout is None:
-        return ()
-    if layout.axes:
-        return layout.axes
+    if layout is None or layout.axes:
+        return () if layout is None else layout.axes
     return ((layout.dim, layout.sp_dim),) if layout.width_sharded else ()
 
 
