@@ -200,14 +200,12 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
     def pack(t: Tensor):
         if held and (t.data_ptr(), t.shape, t.stride()) == key:
             return _WindowRecipe(*held[:2], held[2], value, outer)
-        return ("outer", outer_pack(t)) if outer_pack else t
+        return outer_pack(t) if outer_pack else t
 
-    def unpack(saved):
+    def unpack(saved):  # (a recipe the outer hooks made, nested windows, rebuilds the same)
         if isinstance(saved, _WindowRecipe):
             return saved.rebuild()
-        if isinstance(saved, tuple) and len(saved) == 2 and saved[0] == "outer":
-            return outer_unpack(saved[1])
-        return saved
+        return outer_unpack(saved) if outer_unpack else saved
 
     del window, local, steps
     try:
