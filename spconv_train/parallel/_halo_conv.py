@@ -28,11 +28,13 @@ class SplitPlan:
     ``pad``; per edge ``(first output, count, global input lo, hi)``. A "same" convolution
     (stride 1, every output strip its input strip) convolves the whole strip with its
     padding instead and adds the halo's share per run ``corrections``: ``(halo index, tap,
-    first output, first halo column, length)`` (``whole_strip``)."""
+    first output, first halo column, length)`` (``whole_strip``). ``halos``: the ``(owner,
+    start, stop)`` pieces it receives."""
 
     interior: tuple[int, int]
     strip_cols: tuple[int, int]
     edges: tuple[tuple[int, int, int, int], ...]
+    halos: tuple[tuple[int, int, int], ...]
     pad: int = 0
     corrections: tuple[tuple[int, int, int, int, int], ...] = ()
     whole_strip: bool = False
@@ -46,7 +48,7 @@ def plan_split(
     every rank then takes the window path (the same choice on every rank: the two paths
     order their backward messages differently, a mix would deadlock)."""
     splits, reach = [], dilation * (kernel - 1)
-    for (a, b), (o0, o1) in zip(wp.exchange.owned, wp.out_bounds, strict=True):
+    for r, ((a, b), (o0, o1)) in enumerate(zip(wp.exchange.owned, wp.out_bounds, strict=True)):
         # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
         i0 = max(o0, -(-(a + pad_lo) // stride))
         i1 = min(o1, (b + pad_lo - reach - 1) // stride + 1)
@@ -58,19 +60,19 @@ def plan_split(
             if q > p
         )
         c0, c1 = i0 * stride - pad_lo - a, (i1 - 1) * stride - pad_lo + reach + 1 - a
-        splits.append(SplitPlan((i0 - o0, i1 - o0), (c0, c1), edges))
+        halos = tuple((q, s, e) for q, s, e in wp.exchange.pieces(r) if q != r)
+        splits.append(SplitPlan((i0 - o0, i1 - o0), (c0, c1), edges, halos))
     if stride != 1 or 2 * pad_lo != reach or wp.out_bounds != wp.exchange.owned:  # not "same"
         return splits[rank]
-    (a, b), runs = wp.exchange.owned[rank], []
-    halos = [(s, e) for q, s, e in wp.exchange.pieces(rank) if q != rank]
+    (a, b), runs, halos = wp.exchange.owned[rank], [], splits[rank].halos
     for first, count, _, _ in splits[rank].edges:  # the outputs whose tap t reads a halo
-        for i, (hs, he) in enumerate(halos):
+        for i, (_, hs, he) in enumerate(halos):
             for t in range(kernel):
                 base = a + first - pad_lo + t * dilation  # global column output ``first`` reads
                 j0, j1 = max(0, hs - base), min(count, he - base)
                 if j1 > j0:
                     runs.append((i, t, first + j0, base + j0 - hs, j1 - j0))
-    return SplitPlan((0, b - a), (0, b - a), (), pad_lo, tuple(runs), True)
+    return SplitPlan((0, b - a), (0, b - a), (), halos, pad_lo, tuple(runs), True)
 
 
 def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tensor) -> Tensor:
@@ -125,7 +127,7 @@ class _HaloConv(torch.autograd.Function):
         stride, pad_other, dilation, groups = geo
         conv, conv_less = _CONV[local.ndim - 2], _CONV[local.ndim - 3]
         stats, ex, a = current_runtime().stats, wp.exchange, wp.exchange.owned[rank][0]
-        halos = _buffers(local, [(q, s, e) for q, s, e in ex.pieces(rank) if q != rank])
+        halos = _buffers(local, split.halos)
         sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in ex.sends(rank)]
         pending = post_p2p(group, sends, [(q, buf) for q, _, buf in halos], stats)
         geom = (stride, (*pad_other, split.pad), dilation, groups)
@@ -143,18 +145,17 @@ class _HaloConv(torch.autograd.Function):
         # (the interior result copied once more: the output, not the input window)
         out = torch.cat([*left, out, *right], dim=-1) if left or right else out
         ctx.save_for_backward(local, weight, *(h for _, _, h in halos))
-        peers = [(q, s) for q, s, _ in halos]
-        ctx.meta = (wp, split, rank, group, geo, stats, peers, bias is not None)
+        ctx.meta = (wp, split, rank, group, geo, stats, bias is not None)
         return out
 
     @staticmethod
     @once_differentiable  # the halo sends are not differentiable: refuse double backward
     def backward(ctx, grad_out):
         local, weight, *bufs = ctx.saved_tensors
-        wp, split, rank, group, geo, stats, peers, has_bias = ctx.meta
+        wp, split, rank, group, geo, stats, has_bias = ctx.meta
         stride, pad_other, dilation, groups = geo
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
-        halos = [(q, s, h) for (q, s), h in zip(peers, bufs, strict=True)]
+        halos = [(q, s, h) for (q, s, _), h in zip(split.halos, bufs, strict=True)]
         need_in, need_w, need_b = *ctx.needs_input_grad[:2], has_bias and ctx.needs_input_grad[2]
 
         def conv_bwd(g, x, w=weight, pad=(*pad_other, 0), mask=(need_in, need_w, need_b)):
