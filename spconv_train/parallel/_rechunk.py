@@ -134,12 +134,9 @@ def spatial_getitem(x, index):
     remapped = None if items is None else _split(x, touched)
     if remapped is None or any(not isinstance(items[d], slice) for d in remapped):
         return torch.Tensor.__getitem__(x, index)
-    maps = {}
-    for d in remapped:
-        start, stop, step = items[d].indices(x.shape[d])
-        n = len(range(start, stop, step))
-        maps[d] = [Segment(start, n, step)] if n else []
-        items = (*items[:d], slice(None), *items[d + 1 :])
+    spans = {d: range(*items[d].indices(x.shape[d])) for d in remapped}
+    maps = {d: [Segment(r.start, len(r), r.step)] if len(r) else [] for d, r in spans.items()}
+    items = tuple(slice(None) if d in maps else i for d, i in enumerate(items))
     x = remap_dims(x, maps) if maps else x
     if all(i == slice(None) for i in items):
         return x
