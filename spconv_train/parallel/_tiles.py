@@ -33,8 +33,10 @@ IntOrSeq = int | Sequence[int]
 
 def layout_axes(layout: SpatialLayout | None) -> tuple[tuple[int, int], ...]:
     """``(tensor dim, mesh dim)`` of every sharded spatial dim of any layout, in order."""
-    if layout is None or layout.axes:
-        return () if layout is None else layout.axes
+    if layout is None:
+        return ()
+    if layout.axes:
+        return layout.axes
     return ((layout.dim, layout.sp_dim),) if layout.width_sharded else ()
 
 
@@ -61,8 +63,8 @@ class HaloWindow:
     """This rank's input window for a window op (local part + halos + edge padding: run the
     op on it with padding 0), and the way back to the output DTensor. Per spatial tensor
     dim: the global output size, the output positions this rank computes, the global input
-    index of the window's first element (may be negative). ``steps``: the exchanges that
-    built the window from ``source`` (``reshaped``: padded or cropped afterwards too)."""
+    index of the window's first element (may be negative). ``recipe``: ``(source, steps,
+    value)`` when the exchanges ``steps`` alone built it from ``source`` (edges of ``value``)."""
 
     window: Tensor
     layout: SpatialLayout | None  # None: a plain tensor
@@ -71,10 +73,7 @@ class HaloWindow:
     out_ranges: dict[int, tuple[int, int]]
     starts: dict[int, int]
     what: str = "halo_window"
-    steps: tuple[WindowStep, ...] = ()
-    reshaped: bool = True
-    source: Tensor | None = None
-    value: float = 0.0
+    recipe: tuple[Tensor, tuple[WindowStep, ...], float] | None = None
 
     @property
     def local(self) -> Tensor:
@@ -102,9 +101,9 @@ class HaloWindow:
 
     def saving(self):
         """Context: the window saved by reference (``saving_steps_by_reference``) if it can be."""
-        if self.reshaped or not self.steps or not torch.is_grad_enabled():
+        if self.recipe is None or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return saving_steps_by_reference(self.window, self.source, self.steps, self.value)
+        return saving_steps_by_reference(self.window, *self.recipe)
 
 
 def tile_window(
@@ -146,10 +145,9 @@ def tile_window(
     constant = mode in ("zeros", "constant")
     if any(pads):
         t = F.pad(t, pads, mode="constant", value=value) if constant else F.pad(t, pads, mode=mode)
-    reshaped = cropped or any(pads) or not constant
-    return HaloWindow(
-        t, layout, shape, sizes, ranges, starts, what, tuple(steps), reshaped, local, value
-    )
+    reshaped = cropped or any(pads) or not constant  # (padded or cropped after the exchanges)
+    recipe = None if reshaped or not steps else (local, tuple(steps), value)
+    return HaloWindow(t, layout, shape, sizes, ranges, starts, what, recipe)
 
 
 def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[int, ...]:
