@@ -130,8 +130,8 @@ class _WindowRecipe:
             a, offset = st.exchange.owned[st.rank][0], st.pad_lo
             parts: list[tuple[int, int, object]] = [(0, st.pad_lo, None)] if st.pad_lo else []
             for owner, s, e in st.exchange.pieces(st.rank):
-                src = s - a  # a received halo: a few planes, copied (corners included)
-                if owner != st.rank:
+                src = s - a  # own columns: read from the previous step's result
+                if owner != st.rank:  # a received halo: a few planes, copied (corners too)
                     src = self._put(st.result.narrow(st.dim, offset, e - s).clone())
                 parts.append((offset, e - s, src))
                 offset += e - s
