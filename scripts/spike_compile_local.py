@@ -71,7 +71,7 @@ def halo_conv_op(x: Tensor, w: Tensor, key: int) -> list[Tensor]:
     wp, split, rank, group, geo, _ = _PLANS[key]
     ctx = SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved", t))
     out = _HaloConv.forward(ctx, x, w, None, wp, split, rank, group, geo)
-    _PLANS[key][5] = (ctx.meta, ctx.corrections)
+    _PLANS[key][5] = ctx.meta
     return [out, *ctx.saved[2:]]
 
 
@@ -87,8 +87,7 @@ def halo_conv_bwd_op(
     g: Tensor, x: Tensor, w: Tensor, halos: list[Tensor], key: int
 ) -> list[Tensor]:
     """(input gradient, weight gradient) by ``_HaloConv.backward`` on the saved halos."""
-    meta, corrections = _PLANS[key][5]
-    ctx = SimpleNamespace(saved_tensors=(x, w, *halos), meta=meta, corrections=corrections)
+    ctx = SimpleNamespace(saved_tensors=(x, w, *halos), meta=_PLANS[key][5])
     ctx.needs_input_grad = (True, True, False)
     gx, gw = _HaloConv.backward(ctx, g.contiguous())[:2]
     return [gx, gw]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
-from spconv_train.parallel._rechunk import cols, plan_remap
+from spconv_train.parallel._rechunk import Segment, plan_remap
 from tests.dist_harness import mesh
 from tests.op_check import check_fn
 from tests.reference import seeded
@@ -39,9 +39,9 @@ def test_rechunk_edge_cases_exact_without_gather(dist_pool):
 
 def test_flip_plan_talks_to_mirrored_owner_only():
     # width 12 over 4 ranks: rank r's flipped columns all live on rank 3 - r (one message)
-    plan = plan_remap(12, 4, (cols(11, 12, -1),))
+    plan = plan_remap(12, 4, (Segment(11, 12, -1),))
     for r in range(4):
         assert [owner for owner, _, _ in plan.exchange.pieces(r)] == [3 - r]
     # x[..., ::2]: each rank receives one hull per owner, never the whole width
-    plan = plan_remap(12, 4, (cols(0, 6, 2),))
+    plan = plan_remap(12, 4, (Segment(0, 6, 2),))
     assert all(sum(e - s for s, e in plan.exchange.needed[r]) <= 4 for r in range(4))

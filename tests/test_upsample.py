@@ -16,6 +16,8 @@ from spconv_train.parallel import SpatialShardingError, current_runtime, paralle
 from spconv_train.parallel._conv import plan_conv_transpose
 from spconv_train.parallel._interpolate import _apply, _local_table, resize_sizes
 from tests.dist_harness import mesh
+from tests.meshes import each_mesh
+from tests.op_check import check_module
 from tests.reference import compare_module, seeded
 
 GRAD_KINDS = {1: "shard", 2: "replicate", 3: "shard", 4: "partial"}
@@ -117,7 +119,7 @@ def test_conv_transpose_edges_hit_empty_windows():
         k, s, d = cfg["kernel_size"], cfg["stride"], cfg.get("dilation", 1)
         tp = plan_conv_transpose("t", width, world, k, s, d, cfg.get("padding", 0),
                                  cfg["output_padding"])  # fmt: skip
-        empty += sum(hi <= lo for lo, hi in tp.windows)
+        empty += sum(not needed for needed in tp.exchange.needed)
     assert empty >= 3
 
 
@@ -125,6 +127,30 @@ def test_conv_transpose_edges_hit_empty_windows():
 def test_conv_transpose_edges(dist_pool, world):
     failures = dist_pool.run(world, convt_edges, world)[0]
     assert not failures, "\n".join(failures)
+
+
+def convt_empty_tiles() -> list[str]:
+    """2 x 2 tiles (input width or height 1): some ranks' window along one dim is empty while
+    the other dim exchanges halos (the zero row is added after every exchange)."""
+    failures: list[str] = []
+    for dmesh, pl, label in each_mesh([((2, 2), ("sp_h", "sp_w"))]):
+        cases = [  # (kernel, stride, padding, output_padding), input (H, W)
+            (((3, 1), (1, 3), (1, 0), (0, 2)), (7, 1)),
+            (((1, 3), (3, 1), (0, 1), (2, 0)), (1, 7)),
+            ((1, 3, 0, 2), (1, 1)),
+        ]
+        for i, ((k, s, p, op), hw) in enumerate(cases):
+            cfg = dict(kernel_size=k, stride=s, padding=p, output_padding=op)
+            torch.manual_seed(i)
+            x = seeded(60 + i, 1, 3, *hw, dtype=torch.float64)
+            layer = nn.ConvTranspose2d(3, 2, **cfg).double()
+            check_module(layer, x, dmesh, pl, f"{label} {cfg} {hw}", failures)
+    return failures
+
+
+def test_conv_transpose_empty_windows_on_tiles(dist_pool):
+    for failures in dist_pool.run(4, convt_empty_tiles):
+        assert not failures, "\n".join(failures)
 
 
 class _Functional(nn.Module):

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._errors import module_label
-from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds, ntuple
-from ._halo import gather_columns, sum_grad_over
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, ntuple
+from ._halo import sum_grad_over
 from ._halo_conv import _CONV, halo_conv, plan_split
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
@@ -31,7 +29,7 @@ from ._tiles import (
     tile_shape,
     tile_window,
 )
-from ._window import WindowStep, plan_window, saving_steps_by_reference
+from ._window import WindowPlan, plan_window
 
 #: ``(before, after)`` padding per spatial dim
 Pads = tuple[tuple[int, int], ...]
@@ -83,7 +81,15 @@ def spatial_conv(
     whole = [d for d in range(2, x.ndim) if d not in axes]  # padded inside the conv
     inside = padding_mode == "zeros" and all(padding[d - 2][0] == padding[d - 2][1] for d in whole)
     if all(parts == 1 for parts, _, _ in axes.values()):  # whole extents: the plain op
-        plain = _plain(stride, padding, dilation, groups, padding_mode)
+        symmetric = padding_mode == "zeros" and all(a == b for a, b in padding)
+        flat = [] if symmetric else [a for pair in padding[::-1] for a in pair]  # last dim first
+        inner = tuple(a for a, _ in padding) if symmetric else 0
+        mode = "constant" if padding_mode == "zeros" else padding_mode
+
+        def plain(t: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+            t = F.pad(t, flat, mode=mode) if any(flat) else t
+            return _CONV[n](t, w, b, stride, inner, dilation, groups)
+
         return run_unsharded(x, layout, plain, weight, bias)
     geoms = {
         d: (weight.shape[d], stride[d - 2], dilation[d - 2], *padding[d - 2])
@@ -91,42 +97,23 @@ def spatial_conv(
     }
     local = enter(x)
     w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
-    last = x.ndim - 1
+    last, split = x.ndim - 1, None
     if inside and axes.get(last, (1,))[0] > 1 and current_runtime().options.split_halo_conv:
         parts, rank, group = axes[last]
-        k, s, dil, lo, hi = geoms[last]
-        wp = plan_window(what, shape[last], parts, k, s, dil, lo, hi, padding_mode)
-        split = plan_split(wp, rank, k, s, dil, lo)
-        if split is not None:
-            others = {d: geoms[d] for d in axes if d != last}
-            tw = tile_window(local, shape, layout, what, others, pad_local=False)
-            pad_other = tuple(0 if d in axes else padding[d - 2][0] for d in range(2, last))
-            with tw.saving():  # the other dims' window: the part by reference + halo slabs
-                args = (wp, split, rank, group, stride, pad_other, dilation, groups)
-                out = halo_conv(tw.window, w, b, *args)
-            return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
+        wp = plan_window(what, shape[last], parts, *geoms[last], padding_mode)
+        split = plan_split(wp, rank, *geoms[last][:4])
+    if split is not None:  # the other sharded dims' window, the last dim in halo_conv
+        geoms = {d: geoms[d] for d in axes if d != last}
     tw = tile_window(local, shape, layout, what, geoms, padding_mode, pad_local=not inside)
-    conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in geoms)
+    conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in range(2, x.ndim))
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).
     with tw.saving():
-        out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
-    return leave(out, layout, tile_shape(shape, out, tw))
-
-
-def _plain(stride, padding: Pads, dilation, groups: int, padding_mode: str):
-    """The single-device convolution as a function of ``(input, weight, bias)``."""
-    flat = [a for pair in padding[::-1] for a in pair]  # F.pad lists the last dim first
-    mode = "constant" if padding_mode == "zeros" else padding_mode
-    symmetric = padding_mode == "zeros" and all(a == b for a, b in padding)
-    conv = _CONV[len(padding)]
-
-    def run(t: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-        if symmetric:
-            return conv(t, w, b, stride, tuple(a for a, _ in padding), dilation, groups)
-        t = F.pad(t, flat, mode=mode) if any(flat) else t
-        return conv(t, w, b, stride, 0, dilation, groups)
-
-    return run
+        if split is None:
+            out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
+            return leave(out, layout, tile_shape(shape, out, tw))
+        args = (wp, split, rank, group, stride, conv_pad[:-1], dilation, groups)
+        out = halo_conv(tw.window, w, b, *args)
+    return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
 
 
 class _SpatialConv:
@@ -167,16 +154,6 @@ def _functional_conv(input, weight, bias=None, stride=1, padding=0, dilation=1, 
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-@dataclass(frozen=True)
-class TransposePlan:
-    """A transposed convolution along a sharded dim; ``windows``: per rank its input columns."""
-
-    exchange: ExchangePlan
-    out_width: int
-    out_bounds: tuple[Interval, ...]
-    windows: tuple[Interval, ...]
-
-
 @functools.lru_cache(maxsize=1024)
 def plan_conv_transpose(
     what: str,
@@ -187,8 +164,9 @@ def plan_conv_transpose(
     dilation: int,
     padding: int,
     output_padding: int,
-) -> TransposePlan:
-    """Plan a transposed convolution of the given width geometry over ``parts`` ranks."""
+) -> WindowPlan:
+    """Plan a transposed convolution of the given width geometry over ``parts`` ranks: each
+    rank's window is the input columns that reach its outputs, never padded."""
     if not (output_padding < stride or output_padding < dilation):
         raise SpatialShardingError(
             f"{what}: width output_padding {output_padding} must be smaller than the stride "
@@ -200,17 +178,15 @@ def plan_conv_transpose(
             f"{what}: input width {width} gives output width {out_width}; torch rejects it too."
         )
     out_bounds = tuple(all_shard_bounds(out_width, parts))
-    windows, needed = [], []
+    starts, needed = [], []
     for o0, o1 in out_bounds:  # input i adds into outputs i*s - p + t*d, t < k
         lo = max(0, -(-(o0 + padding - dilation * (kernel - 1)) // stride))
         hi = min(width, (o1 - 1 + padding) // stride + 1)
-        if o1 <= o0 or hi <= lo:
-            lo, hi = min(lo, width), min(lo, width)
-        windows.append((lo, hi))
-        needed.append(((lo, hi),) if lo < hi else ())
+        starts.append(min(lo, width))
+        needed.append(((lo, hi),) if o0 < o1 and lo < hi else ())
     plan = ExchangePlan(width, tuple(all_shard_bounds(width, parts)), tuple(needed))
     plan.check_neighbours(what)
-    return TransposePlan(plan, out_width, out_bounds, tuple(windows))
+    return WindowPlan(plan, out_width, out_bounds, ((0, 0, 0, 0),) * parts, tuple(starts))
 
 
 def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
@@ -224,55 +200,45 @@ def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
     return F.pad(y, (lo, hi)) if lo or hi else y
 
 
+@register_handler(F.conv_transpose2d, F.conv_transpose3d)  # torch.conv_transpose*d: the same
 def spatial_conv_transpose(
     x: DTensor,
     weight: Tensor,
-    bias: Tensor | None,
-    stride,
-    padding,
-    output_padding,
-    groups: int,
-    dilation,
-    what: str = "conv_transpose",
+    bias: Tensor | None = None,
+    stride=1,
+    padding=0,
+    output_padding=0,
+    groups: int = 1,
+    dilation=1,
+    what: str | None = None,
 ) -> DTensor:
     """``F.conv_transpose{n}d`` of a DTensor on any layout (module docstring)."""
     n = weight.ndim - 2
+    what = what or f"F.conv_transpose{n}d"
     s, p, op, dil = (ntuple(v, n) for v in (stride, padding, output_padding, dilation))
     x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
     conv = _CONV_T[n]
-    if not layout_axes(layout):  # spatially replicated (e.g. a pooled map): the plain op
+    axes = layout_axes(layout)
+    if not axes:  # spatially replicated (e.g. a pooled map): the plain op
         return run_unsharded(
             x, layout, lambda t, w, b: conv(t, w, b, s, p, op, groups, dil), weight, bias
         )
-    t = local = enter(x)
-    pads, out_pads, placed, steps, fetched = list(p), list(op), [], [], True
-    for d, parts, rank, group in reversed(sharded_axes(layout)):  # W first, then H, D
-        j = d - 2
-        tp = plan_conv_transpose(
-            what, x.shape[d], parts, weight.shape[d], s[j], dil[j], p[j], op[j]
-        )
-        lo, hi = tp.windows[rank]
-        if parts == 1 and not tp.exchange.needed[0]:
-            t, fetched = t.narrow(d, 0, 0), False
-        else:  # every rank takes part: others may need its rows even if it needs none
-            t = along(t, d, lambda m, e=tp.exchange, r=rank, g=group: gather_columns(m, e, r, g))
-            steps.append(WindowStep(d, tp.exchange, rank, 0, 0, t))
-        if hi <= lo:
-            # No input reaches this rank's outputs: one zero row keeps the weight and the
-            # exchange in its graph (every rank must run their backward collectives).
-            t, fetched = along(t, d, lambda m: F.pad(m, (0, 1))), False
-        pads[j] = out_pads[j] = 0
-        placed.append((d, lo * s[j] - p[j], *tp.out_bounds[rank], tp.out_width))
+    geoms = {d: (weight.shape[d], s[d - 2], dil[d - 2], p[d - 2], op[d - 2]) for d, _ in axes}
+    tw = tile_window(enter(x), tuple(x.shape), layout, what, geoms, plan=plan_conv_transpose)
+    # No input reaches this rank's outputs along a dim: one zero row keeps the weight and the
+    # exchange in its graph (every rank must run their backward collectives).
+    grow = [a for d in range(x.ndim - 1, 1, -1) for a in (0, int(tw.window.shape[d] == 0))]
+    t = F.pad(tw.window, grow) if any(grow) else tw.window
+    pads, out_pads = (tuple(0 if j + 2 in geoms else v[j] for j in range(n)) for v in (p, op))
     w = sum_grad_over(weight, layout.grad_groups)
-    save = fetched and steps and torch.is_grad_enabled()  # the part by reference + halo slabs
-    with saving_steps_by_reference(t, local, tuple(steps)) if save else contextlib.nullcontext():
-        y = conv(t, w, None, s, tuple(pads), tuple(out_pads), groups, dil)
-    shape = [x.shape[0], *y.shape[1:]]
-    for d, start, o0, o1, width in placed:  # along the sharded dims: the global width
-        y, shape[d] = along(y, d, lambda m, a=start, o0=o0, o1=o1: _place(m, a, o0, o1)), width
+    with tw.saving() if t is tw.window else contextlib.nullcontext():  # by reference + halos
+        y = conv(t, w, None, s, pads, out_pads, groups, dil)
+    for d, (o0, o1) in tw.out_ranges.items():  # along the sharded dims: the global width
+        a = tw.starts[d] * s[d - 2] - p[d - 2]
+        y = along(y, d, lambda m, a=a, o0=o0, o1=o1: _place(m, a, o0, o1))
     if bias is not None:
         y = y + sum_grad_over(bias, layout.grad_groups).view(1, -1, *([1] * n))
-    return leave(y, layout, tuple(shape))
+    return leave(y, layout, tile_shape(tuple(x.shape), y, tw))
 
 
 class _SpatialConvTranspose:
@@ -286,23 +252,13 @@ class _SpatialConvTranspose:
         n = len(self.kernel_size)
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for ConvTranspose{n}d")
-        output_padding = self._output_padding(
+        op = self._output_padding(
             input, output_size, self.stride, self.padding, self.kernel_size, n, self.dilation
         )
-        args = (self.stride, self.padding, tuple(output_padding), self.groups, self.dilation)
-        what = module_label(self)
-        return spatial_conv_transpose(input, self.weight, self.bias, *args, what=what)
+        args = (self.stride, self.padding, tuple(op), self.groups, self.dilation)
+        return spatial_conv_transpose(input, self.weight, self.bias, *args, what=module_label(self))
 
 
 SpatialConvTranspose2d, SpatialConvTranspose3d = spatial_subclasses(
     _SpatialConvTranspose, nn.ConvTranspose2d, nn.ConvTranspose3d, module=__name__
 )
-
-
-@register_handler(F.conv_transpose2d, F.conv_transpose3d)  # torch.conv_transpose*d: the same
-def _functional_conv_transpose(
-    input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1
-):
-    args = (stride, padding, output_padding, groups, dilation)
-    what = f"F.conv_transpose{weight.ndim - 2}d"
-    return spatial_conv_transpose(input, weight, bias, *args, what=what)

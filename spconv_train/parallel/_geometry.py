@@ -42,15 +42,6 @@ def window_out_size(
     return span // stride + 1
 
 
-def window_input_range(
-    out_start: int, out_stop: int, kernel: int, stride: int, dilation: int, pad_lo: int
-) -> Interval:
-    """Global input ``[lo, hi)`` (into the padding too) of outputs ``[out_start, out_stop)``."""
-    lo = out_start * stride - pad_lo
-    hi = (out_stop - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
-    return lo, hi
-
-
 @dataclass(frozen=True)
 class ExchangePlan:
     """Which global columns every rank of a spatial group owns and which it needs: rank ``r``
@@ -62,39 +53,27 @@ class ExchangePlan:
     needed: tuple[tuple[Interval, ...], ...]
     wrap: bool = False
 
-    # (computed once per plan: plans are cached and reused by every step)
     @functools.cached_property
-    def _pieces(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-        return tuple(
-            tuple(
-                (owner, max(lo, a), min(hi, b))
-                for lo, hi in self.needed[rank]
-                for owner, (a, b) in enumerate(self.owned)
-                if max(lo, a) < min(hi, b)
-            )
-            for rank in range(len(self.owned))
-        )
-
-    @functools.cached_property
-    def _sends(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-        return tuple(
-            tuple(
-                (q, s, e)
-                for q in range(len(self.owned))
-                if q != rank
-                for owner, s, e in self._pieces[q]
-                if owner == rank
-            )
-            for rank in range(len(self.owned))
-        )
+    def _routes(self) -> tuple[list, list]:
+        """Every rank's pieces and sends, computed once (plans are cached, reused every step)."""
+        ranks = range(len(self.owned))
+        pieces = [
+            [(q, max(lo, a), min(hi, b)) for lo, hi in self.needed[r]
+             for q, (a, b) in enumerate(self.owned) if max(lo, a) < min(hi, b)]
+            for r in ranks
+        ]  # fmt: skip
+        sends = [
+            [(q, s, e) for q in ranks if q != r for o, s, e in pieces[q] if o == r] for r in ranks
+        ]
+        return pieces, sends
 
     def pieces(self, rank: int) -> list[tuple[int, int, int]]:
         """``(owner, start, stop)`` pieces that make up ``rank``'s needed columns, in order."""
-        return list(self._pieces[rank])
+        return list(self._routes[0][rank])
 
     def sends(self, rank: int) -> list[tuple[int, int, int]]:
         """``(receiver, start, stop)`` pieces ``rank`` gives, in the receivers' (P2P) order."""
-        return list(self._sends[rank])
+        return list(self._routes[1][rank])
 
     def check_neighbours(self, what: str) -> None:
         """Raise unless every piece comes from the rank itself or a neighbouring rank."""

@@ -5,7 +5,6 @@ adjoint, docs/halo.md), and ``sum_grad_over``.
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
@@ -21,20 +20,19 @@ from ._runtime import SpatialStats, current_runtime
 class PendingExchange:
     """Messages posted by ``post_p2p``, not waited on yet."""
 
-    def __init__(self, works: list, stats: SpatialStats, probe: Tensor | None, posted_s: float):
-        self.works, self.stats, self.probe = works, stats, probe
+    def __init__(self, works: list, stats: SpatialStats, cuda: bool, posted_s: float):
+        self.works, self.stats, self.cuda = works, stats, cuda
         stats.halo_seconds += posted_s
 
     def wait(self) -> None:
         """Block until every message is done; the time blocked goes to the stats (docs/halo.md)."""
         if not self.works:
             return
-        cuda = self.probe is not None and self.probe.is_cuda
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(2 if cuda else 0)]
-        t0 = events[0].record() if cuda else time.perf_counter()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2 if self.cuda else 0)]
+        t0 = events[0].record() if self.cuda else time.perf_counter()
         for work in self.works:
             work.wait()
-        if cuda:
+        if self.cuda:
             events[1].record()
             self.stats._pending.append(tuple(events))
         else:
@@ -55,14 +53,12 @@ def post_p2p(
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p, tag=tag) for p, t in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p, tag=tag) for p, t in sends]
     if not ops:
-        return PendingExchange([], stats, None, 0.0)
-    start = time.perf_counter()
+        return PendingExchange([], stats, False, 0.0)
+    start, cuda = time.perf_counter(), (recvs or sends)[0][1].is_cuda
     works = dist.batch_isend_irecv(ops)
-    probe = (recvs or sends)[0][1]
-    posted = 0.0 if probe.is_cuda else time.perf_counter() - start
     stats.halo_bytes += sum(t.numel() * t.element_size() for _, t in sends)
     stats.halo_messages += len(sends)
-    return PendingExchange(works, stats, probe, posted)
+    return PendingExchange(works, stats, cuda, 0.0 if cuda else time.perf_counter() - start)
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -70,9 +66,8 @@ class _GatherColumns(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, plan, rank, group, pad_lo=0, pad_hi=0, value=0.0):
-        ctx.plan, ctx.rank, ctx.group, ctx.pad_lo = plan, rank, group, pad_lo
         # The backward runs after the model's forward returned: keep the runtime's stats.
-        ctx.stats = stats = current_runtime().stats
+        ctx.plan, ctx.rank, ctx.group, ctx.stats = plan, rank, group, current_runtime().stats
         ctx.local_shape, a, pieces = local.shape, plan.owned[rank][0], plan.pieces(rank)
         total = sum(e - s for _, s, e in pieces)
         out = empty_as(local, (*local.shape[:-1], pad_lo + total + pad_hi))
@@ -81,8 +76,10 @@ class _GatherColumns(torch.autograd.Function):
         if pad_hi:
             out.narrow(-1, pad_lo + total, pad_hi).fill_(value)
         recvs, arrivals, offset = [], [], pad_lo  # arrivals: (window slice, receive buffer)
+        ctx.placed = []  # (offset in the window, owner, start, stop) per piece
         for owner, s, e in pieces:
             dst = out.narrow(-1, offset, e - s)
+            ctx.placed.append((offset, owner, s, e))
             offset += e - s
             if owner == rank:
                 dst.copy_(local.narrow(-1, s - a, e - s))
@@ -91,17 +88,15 @@ class _GatherColumns(torch.autograd.Function):
                 recvs.append((owner, buf))
                 arrivals.append((dst, buf))
         sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in plan.sends(rank)]
-        post_p2p(group, sends, recvs, stats).wait()
+        post_p2p(group, sends, recvs, ctx.stats).wait()
         for dst, buf in arrivals:
             dst.copy_(buf)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        plan, rank, group = ctx.plan, ctx.rank, ctx.group
-        (a, b), pieces, given = plan.owned[rank], plan.pieces(rank), plan.sends(rank)
-        *offsets, _ = itertools.accumulate((e - s for _, s, e in pieces), initial=ctx.pad_lo)
-        own = [(off, s, e) for off, (q, s, e) in zip(offsets, pieces, strict=True) if q == rank]
+        rank, (a, b), given = ctx.rank, ctx.plan.owned[ctx.rank], ctx.plan.sends(ctx.rank)
+        own = [(off, s, e) for off, q, s, e in ctx.placed if q == rank]
         if len(own) == 1 and own[0][1:] == (a, b):
             # The usual case: the window holds the whole strip once; no zero-fill needed.
             grad_local = grad.narrow(-1, own[0][0], b - a)
@@ -113,12 +108,12 @@ class _GatherColumns(torch.autograd.Function):
         # Gradients of the columns this rank received go back to their owners ...
         sends = [
             (q, grad.narrow(-1, off, e - s).contiguous())
-            for off, (q, s, e) in zip(offsets, pieces, strict=True)
+            for off, q, s, e in ctx.placed
             if q != rank
         ]
         # ... and the gradients of the columns it gave arrive here, to be added to its own.
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
-        post_p2p(group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()
+        post_p2p(ctx.group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()
         for _, buf, s, e in recvs:
             grad_local.narrow(-1, s - a, e - s).add_(buf)
         return grad_local, None, None, None, None, None, None
@@ -142,9 +137,7 @@ def gather_columns(
         parts = [
             local if (s, e) == (0, local.shape[-1]) else local.narrow(-1, s, e - s)
             for s, e in plan.needed[0]
-        ]
-        if not parts:
-            return local.narrow(-1, 0, 0)
+        ] or [local.narrow(-1, 0, 0)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return _GatherColumns.apply(local, plan, rank, group, pad_lo, pad_hi, value)
 

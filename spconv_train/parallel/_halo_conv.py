@@ -6,7 +6,6 @@ strip by reference, the thin halos, the weight.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -25,13 +24,19 @@ from ._window import WindowPlan
 @dataclass(frozen=True)
 class SplitPlan:
     """Interior/edge split of one rank's output columns (indices local to the rank):
-    interior outputs ``[i0, i1)`` read strip columns ``strip_cols``; per edge ``(first
-    output, count, global input lo, hi)``; ``whole_strip``: every output strip is its input
-    strip (stride 1, "same" zero padding), convolved whole, the halo columns corrected."""
+    interior outputs ``[i0, i1)`` convolve strip columns ``strip_cols`` with width padding
+    ``pad``; per edge ``(first output, count, global input lo, hi)``. A "same" convolution
+    (stride 1, every output strip its input strip) convolves the whole strip with its
+    padding instead and adds the halo's share per run ``corrections``: ``(halo index, tap,
+    first output, first halo column, length)`` (``whole_strip``). ``halos``: the ``(owner,
+    start, stop)`` pieces it receives."""
 
     interior: tuple[int, int]
     strip_cols: tuple[int, int]
     edges: tuple[tuple[int, int, int, int], ...]
+    halos: tuple[tuple[int, int, int], ...]
+    pad: int = 0
+    corrections: tuple[tuple[int, int, int, int, int], ...] = ()
     whole_strip: bool = False
 
 
@@ -42,34 +47,32 @@ def plan_split(
     """The split for ``rank``, or ``None`` when some rank has no interior output column:
     every rank then takes the window path (the same choice on every rank: the two paths
     order their backward messages differently, a mix would deadlock)."""
-    splits = [
-        _split_one(wp, r, kernel, stride, dilation, pad_lo) for r in range(len(wp.out_bounds))
-    ]
-    if any(sp is None for sp in splits):
-        return None
-    same = stride == 1 and 2 * pad_lo == dilation * (kernel - 1)
-    if same and wp.out_bounds == wp.exchange.owned:
-        return dataclasses.replace(splits[rank], whole_strip=True)
-    return splits[rank]
-
-
-def _split_one(
-    wp: WindowPlan, rank: int, kernel: int, stride: int, dilation: int, pad_lo: int
-) -> SplitPlan | None:
-    (a, b), (o0, o1) = wp.exchange.owned[rank], wp.out_bounds[rank]
-    reach = dilation * (kernel - 1)
-    # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
-    i0 = max(o0, -(-(a + pad_lo) // stride))
-    i1 = min(o1, (b + pad_lo - reach - 1) // stride + 1)
-    if i1 <= i0:
-        return None
-    edges = []
-    for p, q in ((o0, i0), (i1, o1)):
-        if q > p:
-            lo = p * stride - pad_lo
-            edges.append((p - o0, q - p, lo, (q - 1) * stride - pad_lo + reach + 1))
-    c0, c1 = i0 * stride - pad_lo - a, (i1 - 1) * stride - pad_lo + reach + 1 - a
-    return SplitPlan((i0 - o0, i1 - o0), (c0, c1), tuple(edges))
+    splits, reach = [], dilation * (kernel - 1)
+    for r, ((a, b), (o0, o1)) in enumerate(zip(wp.exchange.owned, wp.out_bounds, strict=True)):
+        # Output j reads input columns [j*s - pad_lo, j*s - pad_lo + reach].
+        i0 = max(o0, -(-(a + pad_lo) // stride))
+        i1 = min(o1, (b + pad_lo - reach - 1) // stride + 1)
+        if i1 <= i0:
+            return None
+        edges = tuple(
+            (p - o0, q - p, p * stride - pad_lo, (q - 1) * stride - pad_lo + reach + 1)
+            for p, q in ((o0, i0), (i1, o1))
+            if q > p
+        )
+        c0, c1 = i0 * stride - pad_lo - a, (i1 - 1) * stride - pad_lo + reach + 1 - a
+        halos = tuple((q, s, e) for q, s, e in wp.exchange.pieces(r) if q != r)
+        splits.append(SplitPlan((i0 - o0, i1 - o0), (c0, c1), edges, halos))
+    if stride != 1 or 2 * pad_lo != reach or wp.out_bounds != wp.exchange.owned:  # not "same"
+        return splits[rank]
+    (a, b), runs, halos = wp.exchange.owned[rank], [], splits[rank].halos
+    for first, count, _, _ in splits[rank].edges:  # the outputs whose tap t reads a halo
+        for i, (_, hs, he) in enumerate(halos):
+            for t in range(kernel):
+                base = a + first - pad_lo + t * dilation  # global column output ``first`` reads
+                j0, j1 = max(0, hs - base), min(count, he - base)
+                if j1 > j0:
+                    runs.append((i, t, first + j0, base + j0 - hs, j1 - j0))
+    return SplitPlan((0, b - a), (0, b - a), (), halos, pad_lo, tuple(runs), True)
 
 
 def _thin_window(lo: int, hi: int, sources: list[tuple[int, Tensor]], like: Tensor) -> Tensor:
@@ -93,43 +96,9 @@ def _add_thin_grad(lo: int, grad: Tensor, start: int, target: Tensor) -> None:
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-def _same_pad(weight: Tensor, dilation) -> int:
-    """The width padding of a "same" convolution (``SplitPlan.whole_strip``)."""
-    return dilation[-1] * (weight.shape[-1] - 1) // 2
-
-
-def _dense_like(g: Tensor, x: Tensor, w: Tensor) -> Tensor:
-    """``g`` dense in the memory format the convolution of ``x`` by ``w`` computes in
-    (channels-last when either is): ``g.contiguous()`` would copy a channels-last gradient
-    to NCHW and ``convolution_backward`` back again."""
-    if any(t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1 for t in (x, w)):
-        return g.contiguous(memory_format=CHANNELS_LAST[g.dim()])
-    return g.contiguous()
-
-
-@functools.lru_cache(maxsize=4096)
-def _halo_runs(
-    first: int, count: int, strip_start: int, pad_w: int, kw: int, dw: int, hs: int, he: int
-) -> tuple[tuple[int, int, int, int], ...]:
-    """Runs ``(tap, first output, first halo column, length)`` of outputs reading ``[hs, he)``."""
-    runs = []
-    for t in range(kw):
-        base = strip_start + first - pad_w + t * dw  # global column output ``first`` reads
-        j0, j1 = max(0, hs - base), min(count, he - base)
-        if j1 > j0:
-            runs.append((t, first + j0, base + j0 - hs, j1 - j0))
-    return tuple(runs)
-
-
-def _halo_corrections(split: SplitPlan, halos, strip_start: int, weight: Tensor, dilation):
-    """``(halo index, *run)`` of every ``_halo_runs`` run: the halos' missing share."""
-    geo = (strip_start, _same_pad(weight, dilation), weight.shape[-1], dilation[-1])
-    return [
-        (i, *run)
-        for first, count, _, _ in split.edges
-        for i, (hs, h) in enumerate(halos)
-        for run in _halo_runs(first, count, *geo, hs, hs + h.shape[-1])
-    ]
+def _cols(t: Tensor, c0: int, c1: int) -> Tensor:
+    """Columns ``[c0, c1)`` of ``t`` (``t`` itself when they are all of them)."""
+    return t if c0 == 0 and c1 == t.shape[-1] else t.narrow(-1, c0, c1 - c0)
 
 
 def _columns_to_batch(x: Tensor) -> Tensor:
@@ -145,6 +114,11 @@ def _batch_to_columns(y: Tensor, n: int) -> Tensor:
     return y.view(n, -1, *y.shape[1:]).movedim(1, -1)
 
 
+def _buffers(like: Tensor, pieces) -> list[tuple[int, int, Tensor]]:
+    """``(peer, first column, receive buffer)`` per ``(peer, start, stop)`` piece."""
+    return [(q, s, like.new_empty((*like.shape[:-1], e - s))) for q, s, e in pieces]
+
+
 class _HaloConv(torch.autograd.Function):
     """The convolution of ``halo_conv``; ``geo`` = (stride, pad_other, dilation, groups)."""
 
@@ -153,111 +127,88 @@ class _HaloConv(torch.autograd.Function):
         stride, pad_other, dilation, groups = geo
         conv, conv_less = _CONV[local.ndim - 2], _CONV[local.ndim - 3]
         stats, ex, a = current_runtime().stats, wp.exchange, wp.exchange.owned[rank][0]
-        pieces = [(q, s, e) for q, s, e in ex.pieces(rank) if q != rank]
-        recvs = [(q, local.new_empty((*local.shape[:-1], e - s))) for q, s, e in pieces]
-        halos = [(s, buf) for (_, s, _), (_, buf) in zip(pieces, recvs, strict=True)]
+        halos = _buffers(local, split.halos)
         sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in ex.sends(rank)]
-        pending = post_p2p(group, sends, recvs, stats)
-        corrections = []  # the halo runs, reused by the backward
-        if split.whole_strip:  # the edge columns read zeros, not the halo: add its share
-            pad_w = _same_pad(weight, dilation)
-            out = conv(local, weight, bias, stride, (*pad_other, pad_w), dilation, groups)
-            pending.wait()
-            corrections = _halo_corrections(split, halos, a, weight, dilation)
-            for i, t, o, h, length in corrections:
-                cols = _columns_to_batch(halos[i][1].narrow(-1, h, length))
-                tap = (weight[..., t], None, stride[:-1], pad_other, dilation[:-1], groups)
-                y = conv_less(cols, *tap)
-                out.narrow(-1, o, length).add_(_batch_to_columns(y, out.shape[0]))
-        else:
-            geom = (stride, (*pad_other, 0), dilation, groups)
-            sources = [(a, local), *halos]
-            c0, c1 = split.strip_cols
-            inner = conv(local.narrow(-1, c0, c1 - c0), weight, bias, *geom)
-            pending.wait()
-            left, right = [], []
-            for first, _, lo, hi in split.edges:
-                edge = conv(_thin_window(lo, hi, sources, local), weight, bias, *geom)
-                (left if first < split.interior[0] else right).append(edge)
-            # (the interior result copied once more: the output, not the input window)
-            out = torch.cat([*left, inner, *right], dim=-1) if left or right else inner
-        ctx.save_for_backward(local, weight, *(h for _, h in halos))
-        ctx.meta = (wp, split, rank, group, geo, stats, [s for s, _ in halos], bias is not None)
-        ctx.corrections = corrections
+        pending = post_p2p(group, sends, [(q, buf) for q, _, buf in halos], stats)
+        geom = (stride, (*pad_other, split.pad), dilation, groups)
+        out = conv(_cols(local, *split.strip_cols), weight, bias, *geom)
+        pending.wait()
+        for i, t, o, h, length in split.corrections:  # "same": the edges read zeros, not halos
+            cols = _columns_to_batch(halos[i][2].narrow(-1, h, length))
+            tap = (weight[..., t], None, stride[:-1], pad_other, dilation[:-1], groups)
+            y = conv_less(cols, *tap)
+            out.narrow(-1, o, length).add_(_batch_to_columns(y, out.shape[0]))
+        sources, left, right = [(a, local), *((s, h) for _, s, h in halos)], [], []
+        for first, _, lo, hi in split.edges:
+            edge = conv(_thin_window(lo, hi, sources, local), weight, bias, *geom)
+            (left if first < split.interior[0] else right).append(edge)
+        # (the interior result copied once more: the output, not the input window)
+        out = torch.cat([*left, out, *right], dim=-1) if left or right else out
+        ctx.save_for_backward(local, weight, *(h for _, _, h in halos))
+        ctx.meta = (wp, split, rank, group, geo, stats, bias is not None)
         return out
 
     @staticmethod
     @once_differentiable  # the halo sends are not differentiable: refuse double backward
     def backward(ctx, grad_out):
-        local, weight, *halo_bufs = ctx.saved_tensors
-        wp, split, rank, group, geo, stats, halo_starts, has_bias = ctx.meta
+        local, weight, *bufs = ctx.saved_tensors
+        wp, split, rank, group, geo, stats, has_bias = ctx.meta
         stride, pad_other, dilation, groups = geo
         ex, a = wp.exchange, wp.exchange.owned[rank][0]
-        halos = list(zip(halo_starts, halo_bufs, strict=True))
+        halos = [(q, s, h) for (q, s, _), h in zip(split.halos, bufs, strict=True)]
         need_in, need_w, need_b = *ctx.needs_input_grad[:2], has_bias and ctx.needs_input_grad[2]
-        bias_sizes = [weight.shape[0]] if has_bias else None
 
         def conv_bwd(g, x, w=weight, pad=(*pad_other, 0), mask=(need_in, need_w, need_b)):
             k = w.ndim - 2  # a halo run's tap convolves the other dims only
             args = (list(stride[:k]), list(pad), list(dilation[:k]), False, [0] * k, groups)
-            bias = bias_sizes if mask[2] else None
-            g = _dense_like(g, x, w)
-            return torch.ops.aten.convolution_backward(g, x, w, bias, *args, mask)
+            sizes = [weight.shape[0]] if mask[2] else None
+            # dense in the format the convolution computes in (channels-last when x or w is):
+            # g.contiguous() would copy a channels-last gradient to NCHW, the kernel back again
+            cl = any(t.dim() in (4, 5) and t.shape[1] > 1 and t.stride(1) == 1 for t in (x, w))
+            fmt = CHANNELS_LAST[g.dim()] if cl else torch.contiguous_format
+            g = g.contiguous(memory_format=fmt)
+            return torch.ops.aten.convolution_backward(g, x, w, sizes, *args, mask)
 
         def add(x, y):
             return y if x is None else (x if y is None else x + y)
 
-        gw, gb, edge_grads = None, None, []
+        gw, gb, runs, edge_grads = None, None, [], []
         # Edges first: their input gradients hold the halo gradients to send back.
-        if split.whole_strip:  # the halo runs: the halos' input and weight gradient shares
-            for i, t, o, h, length in ctx.corrections:
-                hs, halo = halos[i]
-                batch = halo.shape[0]
-                g = _columns_to_batch(grad_out.narrow(-1, o, length))
-                cols = _columns_to_batch(halo.narrow(-1, h, length))
-                gx, gwt, _ = conv_bwd(g, cols, weight[..., t], pad_other, [need_in, need_w, False])
-                if need_in:
-                    edge_grads.append((hs + h, _batch_to_columns(gx, batch)))
-                if need_w:
-                    if gw is None:
-                        gw = weight.new_zeros(weight.shape)
-                    gw[..., t] += gwt
-        else:
-            for first, count, lo, hi in split.edges:
-                window = _thin_window(lo, hi, [(a, local), *halos], local)
-                gi, gwe, gbe = conv_bwd(grad_out.narrow(-1, first, count), window)
-                edge_grads.append((lo, gi))
-                gw, gb = add(gw, gwe), add(gb, gbe)
-        pending, recvs = None, []
+        for i, t, o, h, length in split.corrections:  # the halos' share of the gradients
+            _, hs, halo = halos[i]
+            g = _columns_to_batch(grad_out.narrow(-1, o, length))
+            cols = _columns_to_batch(halo.narrow(-1, h, length))
+            gx, gwt, _ = conv_bwd(g, cols, weight[..., t], pad_other, [need_in, need_w, False])
+            if need_in:
+                runs.append((hs + h, _batch_to_columns(gx, halo.shape[0])))
+            if need_w:
+                gw = weight.new_zeros(weight.shape) if gw is None else gw
+                gw[..., t] += gwt
+        for first, count, lo, hi in split.edges:
+            window = _thin_window(lo, hi, [(a, local), *((s, h) for _, s, h in halos)], local)
+            gi, gwe, gbe = conv_bwd(grad_out.narrow(-1, first, count), window)
+            edge_grads.append((lo, gi))
+            gw, gb = add(gw, gwe), add(gb, gbe)
         if need_in:  # the halos' gradients back to their owners, ours from theirs
             sends = []
-            peers = [q for q, _, _ in ex.pieces(rank) if q != rank]
-            for q, (start, buf) in zip(peers, halos, strict=True):
+            for q, start, buf in halos:
                 g = buf.new_zeros(buf.shape)
-                for lo, gi in edge_grads:
+                for lo, gi in (*runs, *edge_grads):
                     _add_thin_grad(lo, gi, start, g)
                 sends.append((q, g))
-            shape = local.shape[:-1]
-            recvs = [(q, s, local.new_empty((*shape, e - s))) for q, s, e in ex.sends(rank)]
+            recvs = _buffers(local, ex.sends(rank))
             pending = post_p2p(group, sends, [(q, buf) for q, _, buf in recvs], stats)
         # The interior (the big one) while the halo gradients travel.
-        if split.whole_strip:
-            pad = (*pad_other, _same_pad(weight, dilation))
-            grad_local, gwi, gbi = conv_bwd(grad_out, local, pad=pad)
-        else:
-            (i0, i1), (c0, c1) = split.interior, split.strip_cols
-            gi, gwi, gbi = conv_bwd(grad_out.narrow(-1, i0, i1 - i0), local.narrow(-1, c0, c1 - c0))
-            grad_local = None
-            if need_in:
-                if c0 == 0 and c1 == local.shape[-1]:
-                    grad_local = gi
-                else:
-                    grad_local = torch.zeros_like(local)  # in local's layout
-                    grad_local.narrow(-1, c0, c1 - c0).copy_(gi)
-                for lo, g in edge_grads:
-                    _add_thin_grad(lo, g, a, grad_local)
-        gw, gb = add(gw, gwi), add(gb, gbi)
+        (i0, i1), (c0, c1) = split.interior, split.strip_cols
+        pad = (*pad_other, split.pad)
+        gi, gwi, gbi = conv_bwd(_cols(grad_out, i0, i1), _cols(local, c0, c1), pad=pad)
+        gw, gb, grad_local = add(gw, gwi), add(gb, gbi), gi
         if need_in:
+            if c0 != 0 or c1 != local.shape[-1]:
+                grad_local = torch.zeros_like(local)  # in local's layout
+                grad_local.narrow(-1, c0, c1 - c0).copy_(gi)
+            for lo, g in edge_grads:
+                _add_thin_grad(lo, g, a, grad_local)
             pending.wait()
             for _, s, buf in recvs:
                 _add_thin_grad(s, buf, a, grad_local)

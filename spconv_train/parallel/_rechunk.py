@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._dims import handled, is_dp, mesh_axis, norm_dim, sharded_dims, wrap
@@ -28,36 +27,20 @@ class Segment:
     """``length`` output columns reading input columns ``start + i * step`` (step 0 repeats,
     -1 mirrors), or the fill value when ``start`` is None."""
 
+    start: int | None
     length: int
-    start: int | None = None
     step: int = 1
-
-
-def cols(start: int, length: int, step: int = 1) -> Segment:
-    """``length`` input columns from ``start`` by ``step``."""
-    return Segment(length, start, step)
-
-
-def _sources(segments: tuple[Segment, ...], lo: int, hi: int) -> list[int]:
-    """Input column (-1: fill) of every output column in ``[lo, hi)``."""
-    out, pos = [], 0
-    for seg in segments:
-        a, b = max(lo, pos), min(hi, pos + seg.length)
-        for j in range(a, b):
-            out.append(-1 if seg.start is None else seg.start + (j - pos) * seg.step)
-        pos += seg.length
-    return out
 
 
 @dataclass(frozen=True)
 class RemapPlan:
-    """The exchange and per rank each output column's place in the received buffer."""
+    """The exchange and per rank each output column's place in the received buffer (None:
+    the buffer as it is), and whether a fill column follows the buffer."""
 
     exchange: ExchangePlan
     out_width: int
-    index: tuple[tuple[int, ...], ...]
+    index: tuple[tuple[int, ...] | None, ...]
     fills: tuple[bool, ...]
-    identity: tuple[bool, ...]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -65,9 +48,13 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
     """Plan the re-chunk of a ``width``-column input over ``parts`` ranks into ``segments``."""
     out_width = sum(s.length for s in segments)
     owned = all_shard_bounds(width, parts)
-    needed, index, fills, identity = [], [], [], []
+    needed, index, fills = [], [], []
     for o0, o1 in all_shard_bounds(out_width, parts):
-        src = _sources(segments, o0, o1)
+        src, pos = [], 0  # the input column (-1: fill) of every output column in [o0, o1)
+        for seg in segments:
+            for j in range(max(o0, pos), min(o1, pos + seg.length)):
+                src.append(-1 if seg.start is None else seg.start + (j - pos) * seg.step)
+            pos += seg.length
         for c in src:
             if not -1 <= c < width:
                 raise ValueError(f"re-chunk map reads column {c} of a {width}-column input")
@@ -81,23 +68,10 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
             total if c < 0 else next(o + c - a for o, a, b in hulls if a <= c < b) for c in src
         ]
         needed.append(tuple((a, b) for _, a, b in hulls))
-        index.append(tuple(where))
+        index.append(None if where == list(range(total)) else tuple(where))  # (no fill then)
         fills.append(any(c < 0 for c in src))
-        identity.append(where == list(range(total)))
     plan = ExchangePlan(width, tuple(owned), tuple(needed))
-    return RemapPlan(plan, out_width, tuple(index), tuple(fills), tuple(identity))
-
-
-def remap_axis(local: Tensor, d: int, size: int, segments, axis, value: float = 0.0) -> Tensor:
-    """Re-chunk dim ``d`` of a local block over ``axis`` (``(parts, rank, group)`` or None)."""
-    parts, rank, group = axis or (1, 0, None)
-    plan = plan_remap(size, parts, tuple(segments))
-    g = gather_columns(
-        local.movedim(d, -1), plan.exchange, rank, group, 0, int(plan.fills[rank]), value
-    )
-    if not plan.identity[rank] or plan.fills[rank]:
-        g = g.index_select(-1, torch.tensor(plan.index[rank], dtype=torch.long, device=g.device))
-    return g.movedim(-1, d)
+    return RemapPlan(plan, out_width, tuple(index), tuple(fills))
 
 
 def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
@@ -111,19 +85,19 @@ def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None
     axes = rechunk_axes(x)
     local = x.to_local()
     for d, segments in maps.items():
-        local = remap_axis(local, d, x.shape[d], segments, axes.get(d), value)
+        parts, rank, group = axes.get(d, (1, 0, None))
+        plan = plan_remap(x.shape[d], parts, tuple(segments))
+        fill, index = int(plan.fills[rank]), plan.index[rank]
+        g = gather_columns(local.movedim(d, -1), plan.exchange, rank, group, 0, fill, value)
+        if index is not None:
+            g = g.index_select(-1, torch.tensor(index, dtype=torch.long, device=g.device))
+        local = g.movedim(-1, d)
     if shape is None:
         shape = [sum(s.length for s in maps[d]) if d in maps else n for d, n in enumerate(x.shape)]
     out = then(local) if then else local
     # contiguous: a view of the result (Swin's window partition after its pad) reads the
     # local tensor as DTensor takes it to be, row-major
     return wrap(out.contiguous(), x, x.placements, tuple(shape))
-
-
-def _index_local(x: DTensor, items: tuple, removed: tuple[int, ...] = ()) -> DTensor:
-    """``x[items]`` on every block; ``removed``: the dims integer indices drop."""
-    shape = index_shape(x.shape, items)
-    return wrap(local_of(x)[items], x, reduced_placements(x, removed), shape)
 
 
 def _expand_index(index, ndim: int):
@@ -160,17 +134,14 @@ def spatial_getitem(x, index):
     remapped = None if items is None else _split(x, touched)
     if remapped is None or any(not isinstance(items[d], slice) for d in remapped):
         return torch.Tensor.__getitem__(x, index)
-    maps = {}
-    for d in remapped:
-        start, stop, step = items[d].indices(x.shape[d])
-        n = len(range(start, stop, step))
-        maps[d] = [cols(start, n, step)] if n else []
-        items = (*items[:d], slice(None), *items[d + 1 :])
+    spans = {d: range(*items[d].indices(x.shape[d])) for d in remapped}
+    maps = {d: [Segment(r.start, len(r), r.step)] if len(r) else [] for d, r in spans.items()}
+    items = tuple(slice(None) if d in maps else i for d, i in enumerate(items))
     x = remap_dims(x, maps) if maps else x
     if all(i == slice(None) for i in items):
         return x
-    removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))
-    return _index_local(x, items, removed)
+    removed = tuple(d for d, i in enumerate(items) if isinstance(i, int))  # dims ints drop
+    return wrap(local_of(x)[items], x, reduced_placements(x, removed), index_shape(x.shape, items))
 
 
 @register_handler(torch.flip, torch.Tensor.flip)
@@ -182,7 +153,7 @@ def spatial_flip(x, *dims, **kwargs):
     if remapped is None:
         return torch.flip(x, given)
     n, rest = x.shape, [d for d in wanted if d not in remapped]
-    maps = {d: [cols(n[d] - 1, n[d], -1)] for d in remapped}
+    maps = {d: [Segment(n[d] - 1, n[d], -1)] for d in remapped}
     return remap_dims(x, maps, then=(lambda t: torch.flip(t, rest)) if rest else None)
 
 
@@ -199,7 +170,7 @@ def spatial_roll(x, shifts, dims=None):
     maps: dict[int, list[Segment]] = {}
     for d in remapped:  # rolls along one dim add up
         n, k = x.shape[d], sum(s for s, e in pairs if e == d) % x.shape[d]
-        maps[d] = [g for g in (cols(n - k, k), cols(0, n - k)) if g.length]
+        maps[d] = [g for g in (Segment(n - k, k), Segment(0, n - k)) if g.length]
     rest = [(s, d) for s, d in pairs if d not in remapped]
     then = (lambda t: torch.roll(t, *map(list, zip(*rest, strict=True)))) if rest else None
     return remap_dims(x, maps, then=then)
@@ -211,15 +182,15 @@ def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
     if b <= a:
         raise SpatialShardingError(f"F.pad: cropping ({left}, {right}) leaves no column of {width}")
     pl, pr = max(left, 0), max(right, 0)
-    mid = cols(a, b - a)
+    mid = Segment(a, b - a)
     if mode == "constant":
-        sides = Segment(pl), Segment(pr)  # fills
+        sides = Segment(None, pl), Segment(None, pr)  # fills
     elif mode == "reflect":
-        sides = cols(pl, pl, -1), cols(width - 2, pr, -1)
+        sides = Segment(pl, pl, -1), Segment(width - 2, pr, -1)
     elif mode == "replicate":
-        sides = cols(0, pl, 0), cols(width - 1, pr, 0)
+        sides = Segment(0, pl, 0), Segment(width - 1, pr, 0)
     else:  # circular wraps within the cropped part, as torch does
-        sides = cols(b - pl, pl), cols(a, pr)
+        sides = Segment(b - pl, pl), Segment(a, pr)
     return [s for s in (sides[0], mid, sides[1]) if s.length]
 
 

@@ -17,7 +17,14 @@ from torch.distributed.tensor import DTensor
 from ._dims import mesh_axis
 from ._geometry import SpatialShardingError, window_out_size
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
-from ._window import PAD_MODES, WindowStep, gather_window, plan_window, saving_steps_by_reference
+from ._window import (
+    PAD_MODES,
+    WindowPlan,
+    WindowStep,
+    gather_window,
+    plan_window,
+    saving_steps_by_reference,
+)
 
 #: one spatial dim's window geometry: kernel, stride, dilation, padding before, padding after
 Geom = tuple[int, int, int, int, int]
@@ -33,17 +40,9 @@ def layout_axes(layout: SpatialLayout | None) -> tuple[tuple[int, int], ...]:
     return ((layout.dim, layout.sp_dim),) if layout.width_sharded else ()
 
 
-def axis_of(layout: SpatialLayout | None, d: int) -> tuple[int, int, object] | None:
-    """``(parts, rank, group)`` of the mesh dim sharding tensor dim ``d``, or ``None``."""
-    for td, m in layout_axes(layout):
-        if td == d:
-            return mesh_axis(layout.mesh, m)
-    return None
-
-
-def sharded_axes(layout: SpatialLayout) -> list[tuple[int, int, int, object]]:
+def sharded_axes(layout: SpatialLayout | None) -> list[tuple[int, int, int, object]]:
     """``(tensor dim, parts, rank, group)`` of every sharded spatial dim, in order."""
-    return [(d, *axis_of(layout, d)) for d, _ in layout_axes(layout)]
+    return [(d, *mesh_axis(layout.mesh, m)) for d, m in layout_axes(layout)]
 
 
 def along(t: Tensor, d: int, fn: Callable[[Tensor], Tensor]) -> Tensor:
@@ -64,8 +63,8 @@ class HaloWindow:
     """This rank's input window for a window op (local part + halos + edge padding: run the
     op on it with padding 0), and the way back to the output DTensor. Per spatial tensor
     dim: the global output size, the output positions this rank computes, the global input
-    index of the window's first element (may be negative). ``steps``: the exchanges that
-    built the window from ``source`` (``reshaped``: padded or cropped afterwards too)."""
+    index of the window's first element (may be negative). ``recipe``: ``(source, steps,
+    value)`` when the exchanges ``steps`` alone built it from ``source`` (edges of ``value``)."""
 
     window: Tensor
     layout: SpatialLayout | None  # None: a plain tensor
@@ -74,10 +73,7 @@ class HaloWindow:
     out_ranges: dict[int, tuple[int, int]]
     starts: dict[int, int]
     what: str = "halo_window"
-    steps: tuple[WindowStep, ...] = ()
-    reshaped: bool = True
-    source: Tensor | None = None
-    value: float = 0.0
+    recipe: tuple[Tensor, tuple[WindowStep, ...], float] | None = None
 
     @property
     def local(self) -> Tensor:
@@ -105,9 +101,9 @@ class HaloWindow:
 
     def saving(self):
         """Context: the window saved by reference (``saving_steps_by_reference``) if it can be."""
-        if self.reshaped or not self.steps or not torch.is_grad_enabled():
+        if self.recipe is None or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return saving_steps_by_reference(self.window, self.source, self.steps, self.value)
+        return saving_steps_by_reference(self.window, *self.recipe)
 
 
 def tile_window(
@@ -119,36 +115,39 @@ def tile_window(
     mode: str = "zeros",
     value: float = 0.0,
     pad_local: bool = True,
+    plan: Callable[..., WindowPlan] | None = None,
 ) -> HaloWindow:
     """This rank's window (halos, corners, edges padded in ``mode``) for an op of ``geoms``, to
-    run with padding 0 and ``ceil_mode`` off (``pad_local=False``: unsharded dims as is)."""
+    run with padding 0 and ``ceil_mode`` off (``pad_local=False``: unsharded dims as is);
+    ``plan(what, size, parts, *geom)`` for a sharded dim instead of ``plan_window``."""
     t, sizes, ranges, starts, steps, cropped = local, {}, {}, {}, [], False
+    axes = {d: (parts, rank, group) for d, parts, rank, group in sharded_axes(layout)}
     for d in sorted(geoms, reverse=True):  # W first, then H including the W halo: corners
-        k, s, dil, lo, hi = geoms[d]
-        ax = axis_of(layout, d)
-        if ax is None:
+        if d not in axes:
+            k, s, dil, lo, hi = geoms[d]
             out = window_out_size(shape[d], k, s, dil, lo, hi)
             sizes[d], ranges[d], starts[d] = out, (0, out), -lo
             continue
-        parts, rank, group = ax
-        wp = plan_window(what, shape[d], parts, k, s, dil, lo, hi, mode)
+        parts, rank, _ = ax = axes[d]
+        if plan is None:
+            wp = plan_window(what, shape[d], parts, *geoms[d], mode)
+        else:
+            wp = plan(what, shape[d], parts, *geoms[d])
         t = along(t, d, lambda m, wp=wp, ax=ax: gather_window(m, wp, *ax[1:], mode, value))
         pl, pr, cl, cr = wp.edges[rank]
         steps.append(WindowStep(d, wp.exchange, rank, pl, pr, t))
         cropped = cropped or bool(cl or cr)
-        o0, o1 = wp.out_bounds[rank]
-        sizes[d], ranges[d], starts[d] = wp.out_width, (o0, o1), o0 * s - lo
+        sizes[d], ranges[d], starts[d] = wp.out_width, wp.out_bounds[rank], wp.starts[rank]
     pads: list[int] = []
     for d in range(t.ndim - 1, 1, -1):  # F.pad lists the last dim first
-        local_pad = pad_local and d in geoms and axis_of(layout, d) is None
+        local_pad = pad_local and d in geoms and d not in axes
         pads += list(geoms[d][3:5]) if local_pad else [0, 0]
     constant = mode in ("zeros", "constant")
     if any(pads):
         t = F.pad(t, pads, mode="constant", value=value) if constant else F.pad(t, pads, mode=mode)
-    reshaped = cropped or any(pads) or not constant
-    return HaloWindow(
-        t, layout, shape, sizes, ranges, starts, what, tuple(steps), reshaped, local, value
-    )
+    reshaped = cropped or any(pads) or not constant  # (padded or cropped after the exchanges)
+    recipe = None if reshaped or not steps else (local, tuple(steps), value)
+    return HaloWindow(t, layout, shape, sizes, ranges, starts, what, recipe)
 
 
 def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[int, ...]:

@@ -18,7 +18,6 @@ from ._geometry import (
     Interval,
     SpatialShardingError,
     check_strips,
-    window_input_range,
     window_out_size,
 )
 from ._halo import gather_columns
@@ -30,29 +29,14 @@ PAD_MODES = ("zeros", "constant", "reflect", "replicate", "circular")
 
 @dataclass(frozen=True)
 class WindowPlan:
-    """A window op along a sharded dim; ``edges``: per rank (pad_lo, pad_hi, crop_lo, crop_hi)."""
+    """A window op along a sharded dim; per rank: ``edges`` (pad_lo, pad_hi, crop_lo, crop_hi),
+    ``starts`` the global input index of its window's first element (may be negative)."""
 
     exchange: ExchangePlan
     out_width: int
     out_bounds: tuple[Interval, ...]
     edges: tuple[tuple[int, int, int, int], ...]
-
-
-def _sources(lo: int, hi: int, width: int, mode: str) -> list[Interval]:
-    """Global columns inside ``[0, width)`` needed to build window ``[lo, hi)`` in ``mode``."""
-    if mode == "circular":
-        if lo < -width or hi > 2 * width:
-            raise SpatialShardingError("circular padding wider than the image")
-        parts = [(width + lo, width), (max(lo, 0), min(hi, width)), (0, hi - width)]
-        return [(a, b) for a, b in parts if a < b]  # wrapped left, inside, wrapped right
-    src_lo, src_hi = min(max(lo, 0), width), max(min(hi, width), min(max(lo, 0), width))
-    if mode in ("reflect", "replicate"):  # reflect: column -i mirrors i, W-1+i mirrors W-1-i
-        reflect = mode == "reflect"
-        if lo < 0:
-            src_lo, src_hi = 0, max(src_hi, 1 - lo if reflect else 1)
-        if hi > width:
-            src_lo, src_hi = min(src_lo, 2 * width - 1 - hi if reflect else width - 1), width
-    return [(src_lo, src_hi)] if src_lo < src_hi else []
+    starts: tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -77,19 +61,29 @@ def plan_window(
     out_bounds = check_strips(what, out_width, parts, "output")
     needed, edges = [], []
     for o0, o1 in out_bounds:
-        lo, hi = window_input_range(o0, o1, kernel, stride, dilation, pad_lo)
-        srcs = _sources(lo, hi, width, mode)
-        needed.append(tuple(srcs))
-        if mode == "circular":
+        lo, hi = o0 * stride - pad_lo, (o1 - 1) * stride - pad_lo + dilation * (kernel - 1) + 1
+        if mode == "circular":  # wrapped left, inside, wrapped right: never padded
+            if lo < -width or hi > 2 * width:
+                raise SpatialShardingError("circular padding wider than the image")
+            spans = [(width + lo, width), (max(lo, 0), min(hi, width)), (0, hi - width)]
+            needed.append(tuple((a, b) for a, b in spans if a < b))
             edges.append((0, 0, 0, 0))
             continue
-        src_lo = srcs[0][0] if srcs else min(max(lo, 0), width)
-        src_hi = srcs[-1][1] if srcs else src_lo
+        src_lo = min(max(lo, 0), width)  # the columns inside [0, width) the window is built of
+        src_hi = max(min(hi, width), src_lo)
+        if mode in ("reflect", "replicate"):  # reflect: column -i mirrors i, W-1+i mirrors W-1-i
+            reflect = mode == "reflect"
+            if lo < 0:
+                src_lo, src_hi = 0, max(src_hi, 1 - lo if reflect else 1)
+            if hi > width:
+                src_lo, src_hi = min(src_lo, 2 * width - 1 - hi if reflect else width - 1), width
+        needed.append(((src_lo, src_hi),) if src_lo < src_hi else ())
         pl, pr = max(0, src_lo - lo), max(0, hi - src_hi)
         edges.append((pl, pr, lo - min(lo, src_lo), max(hi, src_hi) - hi))
     plan = ExchangePlan(width, tuple(owned), tuple(needed), wrap=mode == "circular")
     plan.check_neighbours(what)
-    return WindowPlan(plan, out_width, tuple(out_bounds), tuple(edges))
+    starts = tuple(o0 * stride - pad_lo for o0, _ in out_bounds)
+    return WindowPlan(plan, out_width, tuple(out_bounds), tuple(edges), starts)
 
 
 def gather_window(
@@ -128,22 +122,25 @@ class _WindowRecipe:
     def __init__(self, window: Tensor, local: Tensor, steps, value, outer):
         self.shape, self.stride, self.value = window.shape, window.stride(), value
         self.outer, self.version = outer, local._version
-        self.local = outer[0](local) if outer else local
-        #: per step: (dim, parts); a part is ("pad", n), ("own", (start, n)) or ("halo", t)
-        self.levels: list[tuple[int, list[tuple[str, object]]]] = []
+        self.local = self._put(local)
+        #: per step: (dim, parts); a part (offset, n, source): pad (None), the previous
+        #: step's result from ``start`` (an int) or a received halo, thin copied planes
+        self.levels: list[tuple[int, list[tuple[int, int, object]]]] = []
         for st in steps:
             a, offset = st.exchange.owned[st.rank][0], st.pad_lo
-            parts: list[tuple[str, object]] = [("pad", st.pad_lo)] if st.pad_lo else []
+            parts: list[tuple[int, int, object]] = [(0, st.pad_lo, None)] if st.pad_lo else []
             for owner, s, e in st.exchange.pieces(st.rank):
-                if owner == st.rank:
-                    parts.append(("own", (s - a, e - s)))
-                else:  # a received halo: a few planes, copied (edges and corners included)
-                    halo = st.result.narrow(st.dim, offset, e - s).clone()
-                    parts.append(("halo", outer[0](halo) if outer else halo))
+                src = s - a  # own columns: read from the previous step's result
+                if owner != st.rank:  # a received halo: a few planes, copied (corners too)
+                    src = self._put(st.result.narrow(st.dim, offset, e - s).clone())
+                parts.append((offset, e - s, src))
                 offset += e - s
             if st.pad_hi:
-                parts.append(("pad", st.pad_hi))
+                parts.append((offset, st.pad_hi, None))
             self.levels.append((st.dim, parts))
+
+    def _put(self, t: Tensor):
+        return self.outer[0](t) if self.outer else t
 
     def _get(self, packed) -> Tensor:
         return self.outer[1](packed) if self.outer else packed
@@ -166,19 +163,14 @@ class _WindowRecipe:
             out.copy_(_cut(local, cuts))
             return
         dim, parts = self.levels[level]
-        offset = 0
-        for kind, item in parts:
-            if kind == "pad":
-                out.narrow(dim, offset, item).fill_(self.value)
-                offset += item
-            elif kind == "own":
-                start, n = item
-                self._fill(out.narrow(dim, offset, n), level - 1, local, {**cuts, dim: item})
-                offset += n
+        for offset, n, src in parts:
+            dst = out.narrow(dim, offset, n)
+            if src is None:
+                dst.fill_(self.value)
+            elif isinstance(src, int):
+                self._fill(dst, level - 1, local, {**cuts, dim: (src, n)})
             else:
-                halo = _cut(self._get(item), cuts)
-                out.narrow(dim, offset, halo.shape[dim]).copy_(halo)
-                offset += halo.shape[dim]
+                dst.copy_(_cut(self._get(src), cuts))
 
 
 def _cut(t: Tensor, cuts: dict) -> Tensor:
@@ -208,14 +200,12 @@ def saving_steps_by_reference(window: Tensor, local: Tensor, steps, value=0.0):
     def pack(t: Tensor):
         if held and (t.data_ptr(), t.shape, t.stride()) == key:
             return _WindowRecipe(*held[:2], held[2], value, outer)
-        return ("outer", outer_pack(t)) if outer_pack else t
+        return outer_pack(t) if outer_pack else t
 
-    def unpack(saved):
+    def unpack(saved):  # (a recipe the outer hooks made, nested windows, rebuilds the same)
         if isinstance(saved, _WindowRecipe):
             return saved.rebuild()
-        if isinstance(saved, tuple) and len(saved) == 2 and saved[0] == "outer":
-            return outer_unpack(saved[1])
-        return saved
+        return outer_unpack(saved) if outer_unpack else saved
 
     del window, local, steps
     try:
