@@ -4,9 +4,13 @@ a (dp, sp) mesh: exact in fp64, no activation gather."""
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.tensor import Shard
+import itertools
 
+import torch
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+
+from spconv_train.parallel import SpatialShardingError
+from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import mesh
 from tests.op_check import check_fn
 from tests.reference import seeded
@@ -45,3 +49,37 @@ def test_reduction_call_forms_exact_without_gather(dist_pool):
     for world, shape, width in ((3, (3,), 10), (4, (2, 2), 11)):
         for failures in dist_pool.run(world, reduce_checks, shape, width):
             assert not failures, failures
+
+
+def out_refusals() -> list[str]:
+    """Every reduction with ``out=`` on a sharded (handled) and a Partial (DTensor's rules)
+    input: refused by name, never a silently unwritten ``out``."""
+    dmesh, failures = mesh((2,)), []
+    x = seeded(2, 2, 3, 4, 6, dtype=torch.float64)
+    inputs = {
+        "Shard(3)": distribute_tensor(x, dmesh, [Shard(3)]),
+        "Partial": DTensor.from_local(x, dmesh, [Partial()], run_check=False),
+    }
+    calls = {
+        "sum w": lambda t, o: torch.sum(t, 3, out=o),
+        "mean c keep": lambda t, o: torch.mean(t, 1, True, out=o),
+        "amax all keep": lambda t, o: torch.amax(t, (), True, out=o),
+        "amin h": lambda t, o: torch.amin(t, 2, out=o),
+        "var w": lambda t, o: torch.var(t, 3, out=o),
+        "std all": lambda t, o: torch.std(t, None, out=o),
+    }
+    for (where, t), (label, call) in itertools.product(inputs.items(), calls.items()):
+        out = torch.zeros(())
+        try:
+            with SpatialMode():
+                call(t, out)
+            failures.append(f"{label} on {where}: not refused (out {out})")
+        except SpatialShardingError as exc:
+            if "out=" not in str(exc):
+                failures.append(f"{label} on {where}: {exc}")
+    return failures
+
+
+def test_reduction_out_refused(dist_pool):
+    for failures in dist_pool.run(2, out_refusals):
+        assert not failures, failures

@@ -20,8 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
+from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._prefix_shard import reduced_placements
+from ._registry import function_name
 from ._sharding import sharded_dim
 from ._small_sum import sum_replicated
 
@@ -83,9 +85,19 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     return wrap(out, x, reduced_placements(x, dims, keepdim), shape)
 
 
+def _refuse_out(func, out) -> None:
+    """DTensor's rules drop ``out=`` for these reductions (``out`` stays unwritten) or fail."""
+    if out is not None:
+        raise SpatialShardingError(
+            f"{function_name(func)}(..., out=) on a DTensor is not supported: the result "
+            "would not be written to out. Assign the result instead (y = x.sum(dim))"
+        )
+
+
 def _sum_like(kind: str, func):  # sum, mean, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
-        if not handled(input) or out is not None:
+        _refuse_out(func, out)
+        if not handled(input):
             kw = {"dtype": dtype} if dtype is not None else {}
             if dim is not None and not (isinstance(dim, (tuple, list)) and not dim):
                 return func(input, dim, keepdim, **kw)  # DTensor's rules
@@ -104,7 +116,8 @@ def _var_like(kind: str, func):
             dim, unbiased = None, dim
         if correction is None:
             correction = 0 if unbiased is False else 1
-        if not handled(input) or out is not None:
+        _refuse_out(func, out)
+        if not handled(input):
             return func(input, dim, correction=correction, keepdim=keepdim)
         return reduce_sharded(input, kind, dim, keepdim, correction=correction)
 
