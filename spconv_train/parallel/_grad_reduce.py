@@ -177,8 +177,7 @@ class GradReducer:
         partial = self._partial.pop(key, None)
         bucket, i = self._slot[key]
         if partial is not None:
-            param = bucket.params[i]
-            bucket.buffer.narrow(0, bucket.offsets[i], param.numel()).copy_(partial.reshape(-1))
+            bucket.buffer.narrow(0, bucket.offsets[i], partial.numel()).copy_(partial.reshape(-1))
             bucket.got.add(i)
         bucket.ready += 1
         self._launch(full_only=True)
@@ -212,10 +211,7 @@ class GradReducer:
                 for p, at, flag in zip(b.params, b.offsets, had, strict=True):
                     if flag:
                         total = b.buffer.narrow(0, at, p.numel()).view_as(p)
-                        if p.grad is None:
-                            p.grad = total.clone()
-                        else:
-                            p.grad.add_(total)
+                        p.grad = total.clone() if p.grad is None else p.grad.add_(total)
         finally:
             self._buckets, self._slot, self._partial = None, {}, {}
             self._pending.clear()

@@ -51,35 +51,25 @@ def _elementwise(x: DTensor, what: str) -> DTensor:
     return x
 
 
-def _inplace_reader(fn):
-    """``(args, kwargs) -> bool``: a call's ``inplace`` flag (arguments after the input), read
-    without binding the signature; ``None`` without the flag (builtins, ``F.gelu``)."""
+def _inplace_at(fn) -> int | None:
+    """The position of ``fn``'s ``inplace`` flag among the arguments after the input (read
+    per call without binding the signature; F's activations default it to False), or
+    ``None`` without the flag (builtins, ``F.gelu``)."""
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        names = list(inspect.signature(fn).parameters)
     except ValueError:  # a builtin (torch.relu, torch._C._nn.elu ...): no in-place flag
         return None
-    names = [p.name for p in params]
-    if "inplace" not in names:
-        return None
-    index, default = names.index("inplace") - 1, params[names.index("inplace")].default
-
-    def inplace(args: tuple, kwargs: dict) -> bool:
-        if "inplace" in kwargs:
-            return bool(kwargs["inplace"])
-        return bool(args[index]) if len(args) > index else default
-
-    return inplace
+    return names.index("inplace") - 1 if "inplace" in names else None
 
 
 def _make_local_handler(fn):
     """Handler running ``fn`` on the local strip (in place: DTensor's own in-place op)."""
-    inplace = _inplace_reader(fn)
-    what = function_name(fn)
+    at, what = _inplace_at(fn), function_name(fn)
 
     def handler(input, *args, **kwargs):
         if not isinstance(input, DTensor):
             return fn(input, *args, **kwargs)
-        if inplace is not None and inplace(args, kwargs):  # eagerly (module docstring)
+        if at is not None and kwargs.get("inplace", len(args) > at and args[at]):  # eagerly
             return run_eagerly(run_dtensor_op, fn, (_elementwise(input, what), *args), kwargs)
         return _wrap(input, fn(local_of(_elementwise(input, what)), *args, **kwargs))
 
