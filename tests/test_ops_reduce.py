@@ -83,3 +83,37 @@ def out_refusals() -> list[str]:
 def test_reduction_out_refused(dist_pool):
     for failures in dist_pool.run(2, out_refusals):
         assert not failures, failures
+
+
+#: reductions over the tokens of a map flattened to ``(N, L, C)`` (a ``_StridedShard``; on
+#: tiles the token dim split by two mesh dims) that reach these handlers, not the token ones
+TOKENS = {
+    "var tokens": lambda t: t.var(1),
+    "std tokens keep": lambda t: torch.std(t, 1, keepdim=True, correction=0),
+    "amin all keep": lambda t: torch.amin(t, (), True),
+    "amax all": lambda t: t.amax(),
+    "var all": lambda t: t.var(),
+    "sum none keep": lambda t: torch.sum(t, None, True),
+}
+
+
+def token_checks(world: int) -> list[str]:
+    failures: list[str] = []
+    x = seeded(4, 2, 3, 5, 7, dtype=torch.float64)
+    x[0, 1, 2, 3] = x.min() - 1.0  # a unique minimum
+    tiles = mesh((2, world // 2), ("sp_h", "sp_w"))
+    layouts = {"strips": (mesh((world,)), [Shard(3)]), "tiles": (tiles, [Shard(2), Shard(3)])}
+    for (where, (dmesh, placements)), (label, fn) in itertools.product(
+        layouts.items(), TOKENS.items()
+    ):
+        for grad in ("shard", "replicate"):
+            tokens = lambda t, fn=fn: fn(t.flatten(2).transpose(1, 2))  # noqa: E731
+            check_fn(tokens, x, dmesh, placements, f"{label} {where} {grad}", failures, grad=grad)
+    return failures
+
+
+def test_token_reductions_exact_without_gather(dist_pool):
+    """Before: ``var(1)`` / ``std(1)`` all-gathered the tokens (DTensor's rule on the
+    ``_StridedShard``), ``amin((), keepdim=True)`` gave a NaN input gradient."""
+    for failures in dist_pool.run(4, token_checks, 4):
+        assert not failures, failures

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
@@ -26,6 +27,8 @@ from ._prefix_shard import reduced_placements
 from ._registry import function_name
 from ._sharding import sharded_dim
 from ._small_sum import sum_replicated
+
+_REDUCIBLE = (Shard, _StridedShard, Replicate)
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
@@ -94,17 +97,23 @@ def _refuse_out(func, out) -> None:
         )
 
 
+def _reducible(x) -> bool:
+    """Whether ``reduce_sharded`` takes ``x``: every element held once per sharding group
+    (``Shard``, token ``_StridedShard``, ``Replicate``; not a pending sum or a prefix).
+    DTensor's rules over a ``_StridedShard`` all-gather the tokens (``var(1)``) or give a
+    NaN gradient (``amin((), keepdim=True)``, torch 2.14.1)."""
+    return isinstance(x, DTensor) and all(type(p) in _REDUCIBLE for p in x.placements)
+
+
 def _sum_like(kind: str, func):  # sum, mean, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         _refuse_out(func, out)
-        if not handled(input):
+        if not _reducible(input):  # a pending sum (Partial) or a prefix: DTensor's rules
             kw = {"dtype": dtype} if dtype is not None else {}
-            if dim is not None and not (isinstance(dim, (tuple, list)) and not dim):
-                return func(input, dim, keepdim, **kw)  # DTensor's rules
-            # over every dim: DTensor's amin(None, True) of a _StridedShard keeps one rank's
-            # value (torch 2.14.1), so keepdim is the reshape of the full reduction
-            whole = func(input, **kw)
-            return whole.reshape((1,) * input.ndim) if keepdim else whole
+            if dim is None:  # (amax / amin take no None)
+                whole = func(input, **kw)
+                return whole.reshape((1,) * input.ndim) if keepdim else whole
+            return func(input, dim, keepdim, **kw)
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
 
     return handler
@@ -117,7 +126,7 @@ def _var_like(kind: str, func):
         if correction is None:
             correction = 0 if unbiased is False else 1
         _refuse_out(func, out)
-        if not handled(input):
+        if not _reducible(input):
             return func(input, dim, correction=correction, keepdim=keepdim)
         return reduce_sharded(input, kind, dim, keepdim, correction=correction)
 
