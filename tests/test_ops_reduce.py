@@ -94,7 +94,14 @@ TOKENS = {
     "amax all": lambda t: t.amax(),
     "var all": lambda t: t.var(),
     "sum none keep": lambda t: torch.sum(t, None, True),
+    "softmax tokens": lambda t: t.softmax(1),
+    "log_softmax tokens": lambda t: torch.log_softmax(t, -2, torch.float64),
 }
+
+
+def _as_map(y: torch.Tensor) -> torch.Tensor:
+    """Tokens ``(2, 35, C)`` back as the ``5 x 7`` map (the harness shards a map's gradient)."""
+    return y.transpose(1, 2).unflatten(2, (5, 7)) if y.shape[1:2] == (35,) else y
 
 
 def token_checks(world: int) -> list[str]:
@@ -107,13 +114,13 @@ def token_checks(world: int) -> list[str]:
         layouts.items(), TOKENS.items()
     ):
         for grad in ("shard", "replicate"):
-            tokens = lambda t, fn=fn: fn(t.flatten(2).transpose(1, 2))  # noqa: E731
+            tokens = lambda t, fn=fn: _as_map(fn(t.flatten(2).transpose(1, 2)))  # noqa: E731
             check_fn(tokens, x, dmesh, placements, f"{label} {where} {grad}", failures, grad=grad)
     return failures
 
 
 def test_token_reductions_exact_without_gather(dist_pool):
-    """Before: ``var(1)`` / ``std(1)`` all-gathered the tokens (DTensor's rule on the
-    ``_StridedShard``), ``amin((), keepdim=True)`` gave a NaN input gradient."""
+    """Before: ``var(1)`` / ``std(1)`` / ``softmax(1)`` all-gathered the tokens (DTensor's
+    rule on the ``_StridedShard``), ``amin((), keepdim=True)`` gave a NaN input gradient."""
     for failures in dist_pool.run(4, token_checks, 4):
         assert not failures, failures

@@ -50,17 +50,17 @@ def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
     return m
 
 
+def _split_groups(x: DTensor, dims) -> list:
+    """The groups of the mesh dims splitting one of ``dims`` (two on one dim: tokens on tiles)."""
+    split = ((i, sharded_dim(p)) for i, p in enumerate(x.placements))
+    return [mesh_group(x.device_mesh, i) for i, d in split if d is not None and d % x.ndim in dims]
+
+
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
     """``kind`` (sum, mean, amax, amin, var, std, norm2) over ``dim`` of a sharded DTensor,
     exact and differentiable; ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
-    # every mesh dim splitting a reduced dim: two of them on one dim for tokens on tiles
-    groups = [
-        mesh_group(x.device_mesh, i)
-        for i, p in enumerate(x.placements)
-        if (d := sharded_dim(p)) is not None and d % x.ndim in dims
-    ]
-    local = x.to_local()
+    groups, local = _split_groups(x, dims), x.to_local()
     count = math.prod(x.shape[d] for d in dims)
     if kind in ("sum", "mean"):
         out = sum_replicated(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
@@ -162,21 +162,24 @@ def _group(x: DTensor, d: int):
 
 
 def _softmax_like(plain, log: bool):
-    """``softmax`` / ``log_softmax`` (``log``) along any dim (sharded: strip maxima, sums)."""
+    """``softmax`` / ``log_softmax`` (``log``) along any dim (split: global maxima, sums; in
+    any order, so also over the tokens)."""
 
     def handler(x, dim=None, _stacklevel=3, dtype=None):
         if isinstance(_stacklevel, torch.dtype):  # torch.softmax(x, dim, dtype), x.softmax
             dtype = _stacklevel
-        if not handled(x) or dim is None:
+        if not _reducible(x) or dim is None:
             return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
         d = norm_dim(dim, x.ndim)
         local = x.to_local() if dtype is None else x.to_local().to(dtype)
-        where = _group(x, d)
-        if where is None:
+        groups = _split_groups(x, (d,))
+        if not groups:
             return wrap(plain(local, d), x, x.placements, x.shape)
-        m = _global_extreme(local, d, (where[0],), "max")
+        m = _global_extreme(local, d, groups, "max")
         e = torch.exp(local - m)
-        s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=where[0])
+        s = e.sum(d, keepdim=True)
+        for g in groups:
+            s = dist_fn.all_reduce(s, group=g)
         return wrap(local - m - torch.log(s) if log else e / s, x, x.placements, x.shape)
 
     return handler
