@@ -156,11 +156,6 @@ for _fn in (torch.norm, torch.Tensor.norm, torch.linalg.vector_norm):
     register_handler(_fn)(_norm_like(_fn))
 
 
-def _group(x: DTensor, d: int):
-    i = sharded_dims(x).get(d)
-    return None if i is None else (mesh_group(x.device_mesh, i), mesh_rank(x.device_mesh, i))
-
-
 def _softmax_like(plain, log: bool):
     """``softmax`` / ``log_softmax`` (``log``) along any dim (split: global maxima, sums; in
     any order, so also over the tokens)."""
@@ -192,15 +187,16 @@ for _fn, _log in ((torch.softmax, False), (torch.log_softmax, True)):
 
 @register_handler(torch.cumsum, torch.Tensor.cumsum)
 def spatial_cumsum(input, dim, *, dtype=None, out=None):
-    """``cumsum`` along any dim (sharded: each strip adds the totals of those before)."""
+    """``cumsum`` along any dim (sharded: each strip adds the totals of those before; tokens'
+    strided order: DTensor's rules)."""
     if not handled(input) or out is not None:
         return torch.cumsum(input, dim, dtype=dtype, out=out)
     d = norm_dim(dim, input.ndim)
     local = input.to_local() if dtype is None else input.to_local().to(dtype)
     result = local.cumsum(d)
-    where = _group(input, d)
-    if where is not None:
-        group, rank = where
+    i = sharded_dims(input).get(d)
+    if i is not None:
+        group, rank = mesh_group(input.device_mesh, i), mesh_rank(input.device_mesh, i)
         n = dist.get_world_size(group)
         total = local.sum(d, keepdim=True)
         table = torch.zeros((n, *total.shape), dtype=total.dtype, device=total.device)
