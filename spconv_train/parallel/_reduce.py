@@ -26,7 +26,7 @@ from ._mode import register_handler
 from ._prefix_shard import reduced_placements
 from ._registry import function_name
 from ._sharding import sharded_dim
-from ._small_sum import sum_replicated
+from ._small_sum import sum_now, sum_replicated
 
 _REDUCIBLE = (Shard, _StridedShard, Replicate)
 
@@ -69,9 +69,7 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
         out = sum_replicated(local.square().sum(dims, keepdim=True), groups).sqrt()
     elif kind in ("amax", "amin"):  # the gradient spread over every extreme (as torch)
         hit = local.detach() == _global_extreme(local, dims, groups, kind[1:])
-        hits = hit.sum(dims, keepdim=True).to(local.dtype)
-        for g in groups:
-            dist.all_reduce(hits, group=g)
+        hits = sum_now(hit.sum(dims, keepdim=True).to(local.dtype), *groups)
         part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
         out = sum_replicated(part / hits, groups)
     else:
