@@ -108,10 +108,12 @@ def _sum_like(kind: str, func):  # sum, mean, amax, amin
         _refuse_out(func, out)
         if not _reducible(input):  # a pending sum (Partial) or a prefix: DTensor's rules
             kw = {"dtype": dtype} if dtype is not None else {}
-            if dim is None:  # (amax / amin take no None)
-                whole = func(input, **kw)
-                return whole.reshape((1,) * input.ndim) if keepdim else whole
-            return func(input, dim, keepdim, **kw)
+            if dim is not None and not (isinstance(dim, (tuple, list)) and not dim):
+                return func(input, dim, keepdim, **kw)
+            # over every dim: DTensor's amin(None, True) of a (prefix) _StridedShard keeps one
+            # rank's value (torch 2.14.1), so keepdim is the reshape of the full reduction
+            whole = func(input, **kw)
+            return whole.reshape((1,) * input.ndim) if keepdim else whole
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
 
     return handler
