@@ -27,6 +27,8 @@ IN_PLACE = {
     "hardsigmoid": lambda t: F.hardsigmoid(t, inplace=True),
     "silu": lambda t: F.silu(t, inplace=True),
     "leaky_relu": lambda t: F.leaky_relu(t, 0.2, inplace=True),
+    "leaky_relu positional": lambda t: F.leaky_relu(t, 0.2, True),
+    "hardtanh positional": lambda t: F.hardtanh(t, -0.7, 0.4, True),
     "elu": lambda t: F.elu(t, inplace=True),
     "selu": lambda t: F.selu(t, inplace=True),
     "celu": lambda t: F.celu(t, inplace=True),

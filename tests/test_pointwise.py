@@ -88,15 +88,9 @@ def test_dropout_keeps_ranks_in_step(dist_pool):
     assert 0.3 < r0["z_zero"] < 0.9  # both dropouts really dropped something
 
 
-def test_inplace_flag_read_by_position_and_name():
-    """The element-wise handlers read ``inplace`` without binding the signature."""
-    from spconv_train.parallel._pointwise import _inplace_reader
+def test_inplace_flag_position():
+    """The element-wise handlers find ``inplace`` by position without binding the signature."""
+    from spconv_train.parallel._pointwise import _inplace_at
 
-    relu, leaky = _inplace_reader(F.relu), _inplace_reader(F.leaky_relu)
-    assert (relu((), {}), relu((True,), {}), relu((), {"inplace": True})) == (False, True, True)
-    assert (leaky((0.1,), {}), leaky((0.1, True), {}), leaky((), {"inplace": 1})) == (
-        False,
-        True,
-        True,
-    )
-    assert _inplace_reader(torch.relu) is None and _inplace_reader(F.gelu) is None
+    assert (_inplace_at(F.relu), _inplace_at(F.leaky_relu), _inplace_at(F.hardtanh)) == (0, 1, 2)
+    assert _inplace_at(torch.relu) is None and _inplace_at(F.gelu) is None

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from ._dims import ParallelDims, handled, wrap
+from ._dims import handled, is_dp, wrap
 from ._errors import guard_gather, run_dtensor_op
 from ._mode import register_handler
 from ._runtime import current_runtime
@@ -49,10 +49,8 @@ def guard_computed_plain(plain: Tensor, x: DTensor, dims, what: str) -> None:
         return
     # only the spatial splits gather: a plain tensor cut along dp's batch split keeps a
     # batch-sized gradient (e.g. the learned queries of a decoder on the (dp, sp) mesh)
-    names = x.device_mesh.mesh_dim_names or ()
-    spatial = ParallelDims.spatial_names_of(x.device_mesh)
-    split = [sharded_dim(p) for i, p in enumerate(x.placements) if not names or names[i] in spatial]
-    dims = set(dims) & {d % x.ndim for d in split if d is not None}
+    split = {sharded_dim(p) for i, p in enumerate(x.placements) if not is_dp(x, i)} - {None}
+    dims = set(dims) & {d % x.ndim for d in split}
     lead = x.ndim - plain.ndim
     if not any(d >= lead and plain.shape[d - lead] != 1 for d in dims):
         return
@@ -79,11 +77,11 @@ def _make(func):
         dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
         if not isinstance(plain, Tensor) or isinstance(plain, DTensor) or plain.ndim > dt.ndim:
             return func(a, b, *args, **kwargs)
-        if any(isinstance(p, Partial) for p in dt.placements):  # a Replicate plain (docstring)
-            mesh = dt.device_mesh
-            rep = DTensor.from_local(plain, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            return func(*((dt, rep) if a is dt else (rep, dt)), *args, **kwargs)
         if not handled(dt):
+            if any(isinstance(p, Partial) for p in dt.placements):  # a Replicate plain (docstring)
+                mesh = dt.device_mesh
+                plain = DTensor.from_local(plain, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                a, b = (dt, plain) if a is dt else (plain, dt)
             return func(a, b, *args, **kwargs)
         try:
             shape = torch.broadcast_shapes(dt.shape, plain.shape)
@@ -91,8 +89,7 @@ def _make(func):
             return func(a, b, *args, **kwargs)
         part = plain_part(plain, dt, func.__name__)
         la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
-        out = func(la, lb, *args, **kwargs)
-        return wrap(out, dt, dt.placements, shape)
+        return wrap(func(la, lb, *args, **kwargs), dt, dt.placements, shape)
 
     handler.__name__ = f"spatial_{func.__name__}"
     return handler
@@ -120,5 +117,4 @@ def _addc(func, combine):
 
 
 for _fn, _combine in ((torch.addcmul, torch.mul), (torch.addcdiv, torch.div)):
-    register_handler(_fn)(_addc(_fn, _combine))
-    register_handler(getattr(Tensor, _fn.__name__))(_addc(_fn, _combine))
+    register_handler(_fn, getattr(Tensor, _fn.__name__))(_addc(_fn, _combine))

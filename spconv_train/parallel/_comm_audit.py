@@ -71,15 +71,14 @@ class CommAudit(TorchDispatchMode):
             # A DTensor op: let DTensor run it, so the collectives it issues inside (its
             # redistributions) come back here as plain-tensor ops and are counted too.
             return NotImplemented
-        if func.namespace in _NAMESPACES:
-            name = func.__name__.split(".")[0]
-            if name not in _SKIP:
-                ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-                shape = tuple(max(ts, key=torch.Tensor.numel).shape) if ts else ()
-                moves = "param" if len(shape) == 1 else "gather"
-                kind = moves if any(g in name for g in _GATHER_LIKE) else "reduce"
-                kind = "p2p" if name in _P2P else kind
-                self.records.append(CommRecord(name, kind, math.prod(shape) if ts else 0, shape))
+        name = func.__name__.split(".")[0]
+        if func.namespace in _NAMESPACES and name not in _SKIP:
+            ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            shape = tuple(max(ts, key=torch.Tensor.numel).shape) if ts else ()
+            moves = "param" if len(shape) == 1 else "gather"
+            kind = moves if any(g in name for g in _GATHER_LIKE) else "reduce"
+            kind = "p2p" if name in _P2P else kind
+            self.records.append(CommRecord(name, kind, math.prod(shape) if ts else 0, shape))
         return func(*args, **kwargs)
 
     def summary(self) -> dict[str, dict[str, int]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -24,20 +25,14 @@ GLOO_THREAD_PREFIXES = ("gloo", "pt_gloo")
 #: thread that never does, e.g. an OpenMP worker, costs this once).
 NAMING_WAIT_S = 1.0
 _TASKS = "/proc/self/task"
-_restore_registered = False  # restore_gloo_threads registered with atexit (once per process)
 
 
 def _thread_names() -> dict[int, str]:
     """``{thread id: name}`` of this process's threads (empty off Linux)."""
-    if not os.path.isdir(_TASKS):
-        return {}
     names = {}
-    for tid in os.listdir(_TASKS):
-        try:
-            with open(f"{_TASKS}/{tid}/comm") as f:
-                names[int(tid)] = f.read().strip()
-        except OSError:  # the thread ended meanwhile
-            continue
+    for tid in os.listdir(_TASKS) if os.path.isdir(_TASKS) else ():
+        with contextlib.suppress(OSError), open(f"{_TASKS}/{tid}/comm") as f:  # OSError: ended
+            names[int(tid)] = f.read().strip()
     return names
 
 
@@ -56,13 +51,11 @@ def _set_policy(policy: int, only_from: int | None = None) -> int:
     """Give ``policy`` to the gloo threads (those with ``only_from``); how many it saw."""
     done = 0
     for tid in gloo_thread_ids():
-        try:
+        with contextlib.suppress(OSError):  # ended meanwhile, or a sandbox that forbids it
             now = os.sched_getscheduler(tid)
             if now != policy and only_from in (None, now):
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
             done += 1
-        except OSError:  # ended meanwhile, or a sandbox that forbids it: leave it
-            continue
     return done
 
 
@@ -87,15 +80,17 @@ def gloo_threads_idle() -> Iterator[None]:
     yield
     if _disabled():
         return
-    deadline = time.monotonic() + NAMING_WAIT_S
-    own = _thread_names().get(os.getpid())
-    while True:
+    deadline, me = time.monotonic() + NAMING_WAIT_S, os.getpid()
+    own = _thread_names().get(me)
+    while time.monotonic() < deadline:  # until no new thread still bears the process's name
         names = _thread_names()
-        unnamed = [t for t in set(names) - before if names[t] == own and t != os.getpid()]
-        if not unnamed or time.monotonic() > deadline:
+        if not any(names[t] == own for t in set(names) - before - {me}):
             break
         time.sleep(0.001)
-    global _restore_registered
-    if yield_gloo_threads() and not _restore_registered:
-        atexit.register(restore_gloo_threads)
-        _restore_registered = True
+    if yield_gloo_threads():
+        _restore_at_exit()
+
+
+@functools.cache  # once per process
+def _restore_at_exit() -> None:
+    atexit.register(restore_gloo_threads)

@@ -1,19 +1,14 @@
 """Bucketed, asynchronous reduction of parameter gradients over the sharding groups
 (docs/design.md, "The built-in reducer is bucketed and asynchronous").
 
-A parameter meeting the local strip of a sharded activation gets a *partial* gradient on
-every rank; ``sum_grad_over`` marks such a use in the forward. Each marked use goes through
-an identity node (``_PartialUse``) whose backward adds its gradient to the parameter's
-partial sum and passes zeros on; the parameter's tensor hook (once autograd summed all its
-uses) copies that sum into a flat bucket. The other uses' gradient (a whole weight in plain
-code, a view summed by its own node) is complete on every rank and reaches ``.grad``
-unsummed. Buckets (parameters in reverse forward order) are all-reduced asynchronously
-once full, in bucket order on every rank; an end-of-backward callback sends the rest, waits
-and adds the sums to ``.grad`` (a flag per parameter rides in the bucket: one no rank got a
-gradient for keeps ``.grad`` None). Under DDP / FSDP2 (``defer_to``) a marked use's gradient
-is only scaled by the size of its groups. A small CPU bucket is summed by one exchange on
-its own tag (``_small_sum.ExchangeSum``): gloo's all-reduce of 9 KB took 4-5 ms per step on
-the 2-core CI machine, the exchange ~0.2 ms (docs/benchmarks.md, "Case 1").
+Each use ``sum_grad_over`` marks goes through an identity node (``_PartialUse``) whose backward
+adds the use's (partial) gradient to the parameter's partial sum and passes zeros on; the
+parameter's hook (all uses summed by autograd) copies that sum into its bucket. The other
+uses' gradient (a whole weight in plain code, a view summed by its own node) is complete on
+every rank and reaches ``.grad`` unsummed. A flag per parameter rides in the bucket: one no
+rank got a gradient for keeps ``.grad`` None. A small CPU bucket is summed by one exchange
+(``_small_sum``): gloo's all-reduce of 9 KB took 4-5 ms per step on the 2-core CI machine,
+the exchange ~0.2 ms (docs/benchmarks.md, "Case 1").
 """
 
 from __future__ import annotations
@@ -83,10 +78,6 @@ class _PartialUse(torch.autograd.Function):
         return ctx.reducer._partial_grad(ctx.key, grad), None, None
 
 
-def _reducing_groups(groups: tuple) -> tuple:
-    return tuple(g for g in groups if group_size(g) > 1)
-
-
 class GradReducer:
     """Sums marked parameters' gradients over their groups per backward (one per runtime)."""
 
@@ -135,7 +126,7 @@ class GradReducer:
 
     def mark(self, param: Tensor, groups: tuple) -> None:
         """Sum ``param``'s ``partial_use`` gradients of the next backward over ``groups``."""
-        groups = _reducing_groups(groups)
+        groups = tuple(g for g in groups if group_size(g) > 1)
         if not groups or self._buckets is not None:
             # One-rank groups need nothing; a mark inside a backward comes from activation
             # checkpointing recomputing the forward, whose parameters are already marked.
@@ -186,8 +177,7 @@ class GradReducer:
         partial = self._partial.pop(key, None)
         bucket, i = self._slot[key]
         if partial is not None:
-            param = bucket.params[i]
-            bucket.buffer.narrow(0, bucket.offsets[i], param.numel()).copy_(partial.reshape(-1))
+            bucket.buffer.narrow(0, bucket.offsets[i], partial.numel()).copy_(partial.reshape(-1))
             bucket.got.add(i)
         bucket.ready += 1
         self._launch(full_only=True)
@@ -213,21 +203,15 @@ class GradReducer:
             self._launch(full_only=False)
             for b in buckets:
                 b.work.wait()
-            # Further groups (a (dp, sp) mesh): the same buffers, one group after another.
-            for b in buckets:
-                for group in b.groups[1:]:
+                for group in b.groups[1:]:  # further groups (a (dp, sp) mesh), in turn
                     sum_async(b.buffer, group).wait()
-            for b in buckets:
                 # A parameter no rank got a gradient for keeps ``.grad`` None, as on one
                 # device: zeros would still let an optimizer decay it and move its moments.
                 had = b.buffer[b.flags_at :].tolist()
                 for p, at, flag in zip(b.params, b.offsets, had, strict=True):
                     if flag:
                         total = b.buffer.narrow(0, at, p.numel()).view_as(p)
-                        if p.grad is None:
-                            p.grad = total.clone()
-                        else:
-                            p.grad.add_(total)
+                        p.grad = total.clone() if p.grad is None else p.grad.add_(total)
         finally:
             self._buckets, self._slot, self._partial = None, {}, {}
             self._pending.clear()

@@ -1,18 +1,17 @@
 """Element-wise activations and dropout on sharded DTensors, run on the local strip.
 
-An element-wise op needs no halo. DTensor lacks backward strategies for some
-(``hardswish_backward``, ``hardsigmoid_backward``: MobileNetV3), so the functional forms run
-here on the local tensor. In-place requests (``F.relu(x, inplace=True)``, in-place dropout)
-change ``x`` itself, as on one device, as DTensor's own in-place op (one on the
-``to_local()`` view would bypass autograd's view tracking), eagerly under ``torch.compile``
-(a mutated graph input fails AOTAutograd's DTensor graphs); the backward rule of three of
-them is ``_errors.add_pointwise_strategies``'.
+An element-wise op needs no halo; DTensor lacks backward strategies for some
+(``hardswish_backward``, ``hardsigmoid_backward``: MobileNetV3). In-place requests
+(``F.relu(x, inplace=True)``, in-place dropout) change ``x`` itself, as on one device, as
+DTensor's own in-place op (one on the ``to_local()`` view would bypass autograd's view
+tracking), eagerly under ``torch.compile`` (a mutated graph input fails AOTAutograd's
+DTensor graphs); the backward rule of three of them is ``_errors.add_pointwise_strategies``'.
 
 Dropout: each rank draws the mask of its own strip, so a sharded run is *not* bit-identical
 to one device while dropout is active (``verify`` compares with it off). Each call takes
 exactly one draw of the global RNG on every rank (the streams stay in step; none in eval
-mode or with p = 0 or 1, as torch), and
-``dropout2d``'s mask (one value per sample and channel) is the same on every strip.
+mode or with p = 0 or 1, as torch); ``dropout2d``'s mask (one value per sample and channel)
+is the same on every strip.
 """
 
 from __future__ import annotations
@@ -45,48 +44,34 @@ def _wrap(x: DTensor, local_out: torch.Tensor) -> DTensor:
     return wrap_local(local_out, x.device_mesh, x.placements, x.shape, x.stride())
 
 
-def _check_not_partial(x: DTensor, what: str) -> None:
+def _elementwise(x: DTensor, what: str) -> DTensor:
+    """``x``, refused if ``Partial`` (a pending sum: an element-wise op of it is not)."""
     if any(p.is_partial() for p in x.placements):
         raise SpatialShardingError(f"{what} on a Partial DTensor {x.placements}: not element-wise")
+    return x
 
 
-def _local(x: DTensor, what: str) -> torch.Tensor:
-    _check_not_partial(x, what)
-    return local_of(x)
-
-
-def _inplace_reader(fn):
-    """``(args, kwargs) -> bool``: a call's ``inplace`` flag (arguments after the input), read
-    without binding the signature; ``None`` without the flag (builtins, ``F.gelu``)."""
+def _inplace_at(fn) -> int | None:
+    """The position of ``fn``'s ``inplace`` flag among the arguments after the input (read
+    per call without binding the signature; F's activations default it to False), or
+    ``None`` without the flag (builtins, ``F.gelu``)."""
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        names = list(inspect.signature(fn).parameters)
     except ValueError:  # a builtin (torch.relu, torch._C._nn.elu ...): no in-place flag
         return None
-    names = [p.name for p in params]
-    if "inplace" not in names:
-        return None
-    index, default = names.index("inplace") - 1, params[names.index("inplace")].default
-
-    def inplace(args: tuple, kwargs: dict) -> bool:
-        if "inplace" in kwargs:
-            return bool(kwargs["inplace"])
-        return bool(args[index]) if len(args) > index else default
-
-    return inplace
+    return names.index("inplace") - 1 if "inplace" in names else None
 
 
 def _make_local_handler(fn):
     """Handler running ``fn`` on the local strip (in place: DTensor's own in-place op)."""
-    inplace = _inplace_reader(fn)
-    what = function_name(fn)
+    at, what = _inplace_at(fn), function_name(fn)
 
     def handler(input, *args, **kwargs):
         if not isinstance(input, DTensor):
             return fn(input, *args, **kwargs)
-        if inplace is not None and inplace(args, kwargs):  # eagerly (module docstring)
-            _check_not_partial(input, what)
-            return run_eagerly(run_dtensor_op, fn, (input, *args), kwargs)
-        return _wrap(input, fn(_local(input, what), *args, **kwargs))
+        if at is not None and kwargs.get("inplace", len(args) > at and args[at]):  # eagerly
+            return run_eagerly(run_dtensor_op, fn, (_elementwise(input, what), *args), kwargs)
+        return _wrap(input, fn(local_of(_elementwise(input, what)), *args, **kwargs))
 
     handler.__name__ = f"spatial_{fn.__name__}"
     return graph_handler(handler)
@@ -100,11 +85,6 @@ for _name in _ELEMENTWISE:
             register_handler(_fn)(_make_local_handler(_fn))
 
 
-def _step_seed() -> int:
-    """One draw of the global RNG (the same on every rank with the same seed history)."""
-    return int(torch.randint(0, 2**62, (1,)).item())
-
-
 def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
     """``F.dropout`` / ``F.dropout2d`` (``channels_only``) on the local strip, with a
     per-rank mask whose seed takes one draw of the global RNG (module docstring)."""
@@ -115,26 +95,21 @@ def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return input
-    local = _local(input, f"F.{plain.__name__}")
+    local, mesh = local_of(_elementwise(input, f"F.{plain.__name__}")), input.device_mesh
     if p == 1.0:  # every element dropped, without a draw (as torch; 1 / (1 - p) is inf)
-        zeros = torch.zeros_like(local)
-        if inplace:
-            return run_eagerly(input.mul_, _wrap(input, zeros))
-        return _wrap(input, local * zeros)
-    g = torch.Generator(device=local.device)
-    if channels_only:
-        # Same seed on every strip of one image; the index of this rank's batch part added
-        part, mesh = 0, input.device_mesh
-        for i, pl in enumerate(input.placements):
-            if sharded_dim(pl) == 0:
-                part = part * mesh.size(i) + mesh_rank(mesh, i)
-        g.manual_seed(_step_seed() + part)
-        shape = (*local.shape[:2], 1, 1)
+        scale = local.new_zeros(())
     else:
-        g.manual_seed(_step_seed() + 1 + input.device_mesh.get_rank())
-        shape = local.shape
-    keep = torch.rand(shape, generator=g, device=local.device) >= p
-    scale = keep.to(local.dtype) / (1.0 - p)
+        if channels_only:  # the same seed on every strip of one image (+ its batch part)
+            part, shape = 0, (*local.shape[:2], 1, 1)
+            for i, pl in enumerate(input.placements):
+                if sharded_dim(pl) == 0:
+                    part = part * mesh.size(i) + mesh_rank(mesh, i)
+        else:
+            part, shape = 1 + mesh.get_rank(), local.shape
+        g = torch.Generator(device=local.device)
+        g.manual_seed(int(torch.randint(0, 2**62, (1,)).item()) + part)  # the one global draw
+        keep = torch.rand(shape, generator=g, device=local.device) >= p
+        scale = keep.to(local.dtype) / (1.0 - p)
     if inplace:  # on the DTensor itself (module docstring)
         return run_eagerly(input.mul_, _wrap(input, scale.expand_as(local).contiguous()))
     return _wrap(input, local * scale)

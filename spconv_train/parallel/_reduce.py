@@ -16,14 +16,19 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
+from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._prefix_shard import reduced_placements
+from ._registry import function_name
 from ._sharding import sharded_dim
-from ._small_sum import sum_replicated
+from ._small_sum import sum_now, sum_replicated
+
+_REDUCIBLE = (Shard, _StridedShard, Replicate)
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
@@ -45,17 +50,17 @@ def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
     return m
 
 
+def _split_groups(x: DTensor, dims) -> list:
+    """The groups of the mesh dims splitting one of ``dims`` (two on one dim: tokens on tiles)."""
+    split = ((i, sharded_dim(p)) for i, p in enumerate(x.placements))
+    return [mesh_group(x.device_mesh, i) for i, d in split if d is not None and d % x.ndim in dims]
+
+
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
     """``kind`` (sum, mean, amax, amin, var, std, norm2) over ``dim`` of a sharded DTensor,
     exact and differentiable; ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
-    # every mesh dim splitting a reduced dim: two of them on one dim for tokens on tiles
-    groups = [
-        mesh_group(x.device_mesh, i)
-        for i, p in enumerate(x.placements)
-        if (d := sharded_dim(p)) is not None and d % x.ndim in dims
-    ]
-    local = x.to_local()
+    groups, local = _split_groups(x, dims), x.to_local()
     count = math.prod(x.shape[d] for d in dims)
     if kind in ("sum", "mean"):
         out = sum_replicated(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
@@ -64,9 +69,7 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
         out = sum_replicated(local.square().sum(dims, keepdim=True), groups).sqrt()
     elif kind in ("amax", "amin"):  # the gradient spread over every extreme (as torch)
         hit = local.detach() == _global_extreme(local, dims, groups, kind[1:])
-        hits = hit.sum(dims, keepdim=True).to(local.dtype)
-        for g in groups:
-            dist.all_reduce(hits, group=g)
+        hits = sum_now(hit.sum(dims, keepdim=True).to(local.dtype), *groups)
         part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
         out = sum_replicated(part / hits, groups)
     else:
@@ -83,14 +86,32 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     return wrap(out, x, reduced_placements(x, dims, keepdim), shape)
 
 
+def _refuse_out(func, out) -> None:
+    """DTensor's rules drop ``out=`` for these reductions (``out`` stays unwritten) or fail."""
+    if out is not None:
+        raise SpatialShardingError(
+            f"{function_name(func)}(..., out=) on a DTensor is not supported: the result "
+            "would not be written to out. Assign the result instead (y = x.sum(dim))"
+        )
+
+
+def _reducible(x) -> bool:
+    """Whether ``reduce_sharded`` takes ``x``: every element held once per sharding group
+    (``Shard``, token ``_StridedShard``, ``Replicate``; not a pending sum or a prefix).
+    DTensor's rules over a ``_StridedShard`` all-gather the tokens (``var(1)``) or give a
+    NaN gradient (``amin((), keepdim=True)``, torch 2.14.1)."""
+    return isinstance(x, DTensor) and all(type(p) in _REDUCIBLE for p in x.placements)
+
+
 def _sum_like(kind: str, func):  # sum, mean, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
-        if not handled(input) or out is not None:
+        _refuse_out(func, out)
+        if not _reducible(input):  # a pending sum (Partial) or a prefix: DTensor's rules
             kw = {"dtype": dtype} if dtype is not None else {}
             if dim is not None and not (isinstance(dim, (tuple, list)) and not dim):
-                return func(input, dim, keepdim, **kw)  # DTensor's rules
-            # over every dim: DTensor's amin(None, True) of a _StridedShard keeps one rank's
-            # value (torch 2.14.1), so keepdim is the reshape of the full reduction
+                return func(input, dim, keepdim, **kw)
+            # over every dim: DTensor's amin(None, True) of a (prefix) _StridedShard keeps one
+            # rank's value (torch 2.14.1), so keepdim is the reshape of the full reduction
             whole = func(input, **kw)
             return whole.reshape((1,) * input.ndim) if keepdim else whole
         return reduce_sharded(input, kind, dim, keepdim, dtype=dtype)
@@ -104,7 +125,8 @@ def _var_like(kind: str, func):
             dim, unbiased = None, dim
         if correction is None:
             correction = 0 if unbiased is False else 1
-        if not handled(input) or out is not None:
+        _refuse_out(func, out)
+        if not _reducible(input):
             return func(input, dim, correction=correction, keepdim=keepdim)
         return reduce_sharded(input, kind, dim, keepdim, correction=correction)
 
@@ -134,27 +156,25 @@ for _fn in (torch.norm, torch.Tensor.norm, torch.linalg.vector_norm):
     register_handler(_fn)(_norm_like(_fn))
 
 
-def _group(x: DTensor, d: int):
-    i = sharded_dims(x).get(d)
-    return None if i is None else (mesh_group(x.device_mesh, i), mesh_rank(x.device_mesh, i))
-
-
 def _softmax_like(plain, log: bool):
-    """``softmax`` / ``log_softmax`` (``log``) along any dim (sharded: strip maxima, sums)."""
+    """``softmax`` / ``log_softmax`` (``log``) along any dim (split: global maxima, sums; in
+    any order, so also over the tokens)."""
 
     def handler(x, dim=None, _stacklevel=3, dtype=None):
         if isinstance(_stacklevel, torch.dtype):  # torch.softmax(x, dim, dtype), x.softmax
             dtype = _stacklevel
-        if not handled(x) or dim is None:
+        if not _reducible(x) or dim is None:
             return plain(x, dim, dtype=dtype) if dim is not None else plain(x, dim)
         d = norm_dim(dim, x.ndim)
         local = x.to_local() if dtype is None else x.to_local().to(dtype)
-        where = _group(x, d)
-        if where is None:
+        groups = _split_groups(x, (d,))
+        if not groups:
             return wrap(plain(local, d), x, x.placements, x.shape)
-        m = _global_extreme(local, d, (where[0],), "max")
+        m = _global_extreme(local, d, groups, "max")
         e = torch.exp(local - m)
-        s = dist_fn.all_reduce(e.sum(d, keepdim=True), group=where[0])
+        s = e.sum(d, keepdim=True)
+        for g in groups:
+            s = dist_fn.all_reduce(s, group=g)
         return wrap(local - m - torch.log(s) if log else e / s, x, x.placements, x.shape)
 
     return handler
@@ -167,15 +187,16 @@ for _fn, _log in ((torch.softmax, False), (torch.log_softmax, True)):
 
 @register_handler(torch.cumsum, torch.Tensor.cumsum)
 def spatial_cumsum(input, dim, *, dtype=None, out=None):
-    """``cumsum`` along any dim (sharded: each strip adds the totals of those before)."""
+    """``cumsum`` along any dim (sharded: each strip adds the totals of those before; tokens'
+    strided order: DTensor's rules)."""
     if not handled(input) or out is not None:
         return torch.cumsum(input, dim, dtype=dtype, out=out)
     d = norm_dim(dim, input.ndim)
     local = input.to_local() if dtype is None else input.to_local().to(dtype)
     result = local.cumsum(d)
-    where = _group(input, d)
-    if where is not None:
-        group, rank = where
+    i = sharded_dims(input).get(d)
+    if i is not None:
+        group, rank = mesh_group(input.device_mesh, i), mesh_rank(input.device_mesh, i)
         n = dist.get_world_size(group)
         total = local.sum(d, keepdim=True)
         table = torch.zeros((n, *total.shape), dtype=total.dtype, device=total.device)

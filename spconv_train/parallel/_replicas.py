@@ -33,9 +33,7 @@ def broadcast_model_state(model: nn.Module, mesh: DeviceMesh) -> None:
     # parameters and buffers holding real data (meta tensors have nothing to send), once each
     for t in {id(t): t for t in [*model.parameters(), *model.buffers()] if not t.is_meta}.values():
         buckets[(t.dtype, t.device)].append(t)
-    for dim in range(mesh.ndim):
-        if mesh.size(dim) == 1:
-            continue
+    for dim in (d for d in range(mesh.ndim) if mesh.size(d) > 1):
         for tensors in buckets.values():
             flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             if flat.dtype == torch.bool:  # not every backend sends bool; copy_ casts it back
@@ -51,8 +49,7 @@ def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.ndim == 1:
         return mesh
     # the new group's gloo threads must not take cores (_comm_threads.py)
-    quiet = gloo_threads_idle() if dist.get_backend() == "gloo" else contextlib.nullcontext()
-    with quiet:
+    with gloo_threads_idle() if dist.get_backend() == "gloo" else contextlib.nullcontext():
         return mesh._flatten("_".join(mesh.mesh_dim_names or ()))
 
 

@@ -1,14 +1,11 @@
-"""Sums of small CPU tensors over a process group by one exchange of messages.
-
-Gloo's all-reduce of a few hundred bytes costs two rounds of messages and thread hand-offs
-(2-core CI machine: a norm's 2C statistics a median 3.5 ms inside a U-Net backward, a 9 KB
-gradient bucket 4-5 ms, docs/benchmarks.md). Here every rank sends its tensor to every
-other and adds the arrivals in rank order: one round, and the same bits on every rank
-(the norms' statistics rely on it). Messages match per (peer, tag) in posting order, so
-each user has its tag: halo exchanges 0, gradient buckets (posted from hooks, in an order
-that can differ between ranks) ``BUCKET_TAG``, norm statistics and global pools (same order
-everywhere) ``STATS_TAG``. CUDA tensors and those sending over ``EXCHANGE_SUM_BYTES`` per
-rank take ``all_reduce``. ``sum_replicated`` is the differentiable form.
+"""Sums of small CPU tensors over a process group by one exchange of messages (docs/design.md,
+"Small sums by exchange on CPU"): every rank sends its tensor to every other and adds the
+arrivals in rank order, one round instead of gloo's two (2-core CI machine: a norm's 2C
+statistics a median 3.5 ms inside a U-Net backward, a 9 KB gradient bucket 4-5 ms,
+docs/benchmarks.md), and the same bits on every rank (the norms' statistics rely on it).
+Tags: halo exchanges 0, gradient buckets (posted from hooks, in an order that can differ
+between ranks) ``BUCKET_TAG``, norm statistics and global pools ``STATS_TAG``. CUDA tensors
+and those sending over ``EXCHANGE_SUM_BYTES`` per rank take ``all_reduce``.
 """
 
 from __future__ import annotations
