@@ -18,27 +18,17 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._dims import wrap
 from ._errors import module_path
-from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._reduce import _global_extreme
 from ._ring import ring_attention
 from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, sdpa_bias, select_rows
+from ._ring_mask import refuse as _refuse
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
-from ._token_layout import held_indices
+from ._token_layout import dim_layouts, held_indices
 from ._token_ring import Seq, partial_local, token_ring
 from ._tokens import is_dp, split_layouts
-
-
-def _refuse(
-    what: str, why: str, where: str = "with whole queries and keys split over the spatial ranks"
-) -> SpatialShardingError:
-    """The error of an attention op ``what`` that does not take ``why`` ``where``."""
-    return SpatialShardingError(
-        f"{what} in module '{module_path()}' {where}: {why} is not supported. Drop it, or "
-        f"gather explicitly (x.full_tensor())."
-    )
 
 
 def split_keys(q, k, seq_dim: int) -> Seq | None:
@@ -124,44 +114,6 @@ def attend(
     return num / den
 
 
-def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """``F.scaled_dot_product_attention`` of whole queries ``(..., Q, E)`` to keys / values
-    whose dim -2 is split (``kseq``): whole output on every rank."""
-    what = "F.scaled_dot_product_attention"
-    for bad, why in (
-        (is_causal, "is_causal=True"),
-        (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
-        (enable_gqa, "enable_gqa=True"),
-        (not isinstance(value, DTensor) or value.placements != key.placements, "values split"),
-        (query.shape[:-2] != key.shape[:-2], f"queries {tuple(query.shape)} for keys"),
-    ):
-        if bad:
-            raise _refuse(what, f"{why} {tuple(key.shape)} {key.placements}")
-    ql = local_query(query, key, kseq, 0, what)
-    rows = 1 if attn_mask is not None and attn_mask.ndim == key.ndim else None
-    mask = local_mask(attn_mask, key, kseq, rows, what)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    group = token_ring(key.device_mesh, kseq).group
-    out = attend(ql, key.to_local(), value.to_local(), mask, scale, group, False)
-    return wrap(out, key, out_placements(key, kseq), (*query.shape[:-1], value.shape[-1]))
-
-
-def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
-    """What the spatial routes of ``F.multi_head_attention_forward`` do not take, or None;
-    ``causal_with_mask``: ``is_causal`` is taken next to an ``attn_mask`` (the ring's route:
-    the mask alone gives the result), else refused (the cross route)."""
-    dropout = f"attention dropout (dropout={kw['dropout_p']}) in training"
-    checks = (
-        (kw["bias_k"] is not None, "bias_k / bias_v (add_bias_kv=True)"),
-        (kw["add_zero_attn"], "add_zero_attn=True"),
-        (kw["static_k"] is not None, "static_k / static_v"),
-        (kw["is_causal"] and not causal_with_mask, "is_causal=True"),
-        (kw["is_causal"] and kw["attn_mask"] is None, "is_causal=True without an attn_mask"),
-        (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
-    )
-    return next((why for bad, why in checks if bad), None)
-
-
 def _whole_mha(kw: dict, what: str):
     """``F.multi_head_attention_forward`` with no sequence split (self-attention among
     whole queries): torch's own on the local tensors, every parameter's gradient summed
@@ -205,33 +157,9 @@ def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend
     return F.linear(out.permute(2, 0, 1, 3).flatten(2), w, b)  # (L, N, E)
 
 
-def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
-    """``F.multi_head_attention_forward`` of whole queries ``(Q, N, E)`` and keys / values
-    ``(L, N, E)`` with ``L`` split (``kseq``; whole: ``_whole_mha``): the output whole on
-    every spatial rank; the attention weights (``Q x L``) are not formed (``None``)."""
-    why = unsupported_mha(kw, causal_with_mask=False)
-    if why:
-        raise _refuse(what, why)
-    if not kseq:
-        return _whole_mha(kw, what)
-    q, k, v = kw["query"], kw["key"], kw["value"]
-    if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
-        raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
-    xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
-    group = token_ring(k.device_mesh, kseq).group
-
-    def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
-        mask = mha_mask(kw, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what))
-        return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
-
-    # the input side: every rank's share of the keys; the output side: the batch alone
-    out = project_attend(kw, xs, grad_groups(k), grad_groups(k, kseq), attend_heads)
-    return wrap(out, k, out_placements(k, kseq), q.shape), None
-
-
 log = logging.getLogger("spconv_train.parallel")
 
-_ring_refuse = functools.partial(_refuse, where="on a sharded token sequence")
+_ring_refuse = functools.partial(_refuse, where=" on a sharded token sequence")
 
 #: the local keys and values of one attention call and their ring (``TokenRing.spec``)
 Keys = tuple[Tensor, Tensor, object, tuple[int, ...], tuple[Tensor, ...]]
@@ -240,13 +168,11 @@ Keys = tuple[Tensor, Tensor, object, tuple[int, ...], tuple[Tensor, ...]]
 def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
     """The layouts that split ``q``'s sequence dim (empty: not split); refuses any other
     split but a plain one of the batch dim."""
-    found = []
-    for lay in split_layouts(q):
-        if lay.dim == seq_dim:
-            found.append(lay)
-        elif lay.dim != batch_dim or lay.split_factor != 1:
+    lays = split_layouts(q)
+    for lay in lays:
+        if lay.dim != seq_dim and (lay.dim != batch_dim or lay.split_factor != 1):
             raise _ring_refuse(what, f"a split of dim {lay.dim} ({q.placements})")
-    return tuple(found)
+    return dim_layouts(lays, seq_dim)
 
 
 def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
@@ -287,21 +213,32 @@ def spatial_sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
-    ranks: the ring, or local attention to whole keys / values."""
+    ranks: the ring, or local attention to whole keys / values; whole queries ``(..., Q, E)``
+    to keys split along dim -2 (``kseq``): whole output on every rank."""
     what = "F.scaled_dot_product_attention"
     kseq = split_keys(query, key, -2)
-    if kseq:  # whole queries, keys split: the cross route
-        args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        return cross_sdpa(kseq, *args)
-    if not isinstance(query, DTensor):
+    if not kseq and not isinstance(query, DTensor):
         raise _ring_refuse(what, "plain-tensor queries next to sharded keys / values")
+    tail = f" {tuple(key.shape)} {key.placements}" if kseq else ""  # (whole queries)
+    vsplit = not isinstance(value, DTensor) or value.placements != key.placements
     for bad, why in (
-        (attn_mask is not None and is_causal, "an attention mask with is_causal=True"),
+        (is_causal and kseq, "is_causal=True"),
+        (attn_mask is not None and is_causal and not kseq, "an attention mask with is_causal=True"),
         (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
         (enable_gqa, "enable_gqa=True"),
+        (kseq and vsplit, "values split"),
+        (kseq and query.shape[:-2] != key.shape[:-2], f"queries {tuple(query.shape)} for keys"),
     ):
         if bad:
-            raise _ring_refuse(what, why)
+            raise (_refuse if kseq else _ring_refuse)(what, why + tail)
+    if kseq:
+        ql = local_query(query, key, kseq, 0, what)
+        rows = 1 if attn_mask is not None and attn_mask.ndim == key.ndim else None
+        mask = local_mask(attn_mask, key, kseq, rows, what)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        group = token_ring(key.device_mesh, kseq).group
+        out = attend(ql, key.to_local(), value.to_local(), mask, scale, group, False)
+        return wrap(out, key, out_placements(key, kseq), (*query.shape[:-1], value.shape[-1]))
     seq = _sequence_layout(query, query.ndim - 2, 0, what)
     if not seq:
         if attn_mask is not None or is_causal:
@@ -322,31 +259,54 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 def spatial_multi_head_attention(*args, **kwargs):
     """``nn.MultiheadAttention``'s functional form, sequence-first ``(L, N, E)`` with ``L``
     split: projections local, attention by the ring (or local to whole keys / values).
-    The averaged attention weights (``need_weights``, an ``L x L`` map) are not formed:
-    the second output is ``None``."""
+    Whole queries ``(Q, N, E)`` to keys with ``L`` split (``kseq``; whole: ``_whole_mha``):
+    the output whole on every spatial rank. The attention weights (``need_weights``) are
+    not formed: the second output is ``None``."""
     what = "nn.MultiheadAttention"
     bound = _MHA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     kw = bound.arguments
     q, k, v = kw["query"], kw["key"], kw["value"]
     kseq = split_keys(q, k, 0)
-    if kseq is not None:  # whole queries (keys split, or whole too)
-        return cross_mha(kw, kseq)
-    if not isinstance(q, DTensor):
+    cross = kseq is not None  # whole queries (keys split, or whole too)
+    if not cross and not isinstance(q, DTensor):
         raise _ring_refuse(what, "plain-tensor queries next to sharded keys / values")
-    why = unsupported_mha(kw, causal_with_mask=True)
-    if why:
-        raise _ring_refuse(what, why)
+    dropout = f"attention dropout (dropout={kw['dropout_p']}) in training"
+    for bad, why in (
+        (kw["bias_k"] is not None, "bias_k / bias_v (add_bias_kv=True)"),
+        (kw["add_zero_attn"], "add_zero_attn=True"),
+        (kw["static_k"] is not None, "static_k / static_v"),
+        # the ring takes is_causal, a hint that attn_mask is causal: the mask alone gives it
+        (kw["is_causal"] and cross, "is_causal=True"),
+        (kw["is_causal"] and kw["attn_mask"] is None, "is_causal=True without an attn_mask"),
+        (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
+    ):
+        if bad:
+            raise (_refuse if cross else _ring_refuse)(what, why)
+    if cross and not kseq:
+        return _whole_mha(kw, what)
+    if cross:
+        if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
+            raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
+        xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
+        group = token_ring(k.device_mesh, kseq).group
+
+        def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
+            mask = mha_mask(kw, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what))
+            return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
+
+        # the input side: every rank's share of the keys; the output side: the batch alone
+        out = project_attend(kw, xs, grad_groups(k), grad_groups(k, kseq), attend_heads)
+        return wrap(out, k, out_placements(k, kseq), q.shape), None
     seq = _sequence_layout(q, 0, 1, what)
     if not seq or q.ndim != 3:
         queries = f"queries {tuple(q.shape)} {q.placements}"
         raise _ring_refuse(what, f"{queries} without a split sequence (dim 0 of (L, N, E))")
     keys = _keys(q, k, v, seq, what)
-    # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
     bias, kbias = mha_bias(kw, q, k, seq, what)
     groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
-    attend = functools.partial(_attend, keys=keys, bias=bias, kbias=kbias)
-    out = project_attend(kw, (q.to_local(), *keys[:2]), groups, groups, attend)
+    attend_ring = functools.partial(_attend, keys=keys, bias=bias, kbias=kbias)
+    out = project_attend(kw, (q.to_local(), *keys[:2]), groups, groups, attend_ring)
     if kw["need_weights"]:
         log.debug("nn.MultiheadAttention in '%s': attention weights not formed", module_path())
     return wrap(out, q, q.placements, q.shape), None

@@ -73,25 +73,16 @@ class Ring:
         """Uninitialised tensors of a piece, one per operand."""
         return tuple(self.like.new_empty(*lead, span[2] - span[1], e) for lead, e in self.specs)
 
-    def _post(self, sends: Blocks | None, recv: Blocks | None, tag: int) -> PendingExchange:
-        # empty pieces are not sent: both sides know every piece's size
+    def _post(
+        self, sends: Blocks | None, span: Span | None, tag: int
+    ) -> tuple[PendingExchange, Blocks | None]:
+        """Post the send of ``sends`` to the next rank and the receive of a piece ``span``
+        from the previous one: ``(pending, receive buffers)``. Empty pieces are not sent:
+        both sides know every piece's size."""
+        recv = self.empty(span) if span else None
         sends = [(self.next, t) for t in sends] if sends and sends[0].shape[-2] else []
         recvs = [(self.prev, t) for t in recv] if recv and recv[0].shape[-2] else []
-        return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag)
-
-    def pass_on(self, step: int, piece: Blocks) -> tuple[PendingExchange, Blocks | None]:
-        """Post the send of the piece of ``step`` and the receive of the piece of ``step +
-        1``, unless its round ends here (the next piece is an own one): ``(pending, next)``."""
-        if (step + 1) % self.parts == 0:
-            return self._post(None, None, KV), None
-        nxt = self.empty(self.span(step + 1))
-        return self._post(piece, nxt, KV), nxt
-
-    def recv_grads(self, step: int) -> tuple[PendingExchange, Blocks]:
-        """Post the receive of the accumulator the previous rank sent at ``step - 1``: this
-        step's piece's or, at an own piece's step (and after the last), an own one, home."""
-        buf = self.empty(self.span(step - 1, self.prev))
-        return self._post(None, buf, GRAD), buf
+        return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag), recv
 
     def run(self, blocks: Blocks, fn: Callable[[Span, Blocks], Blocks | None], grads=False):
         """``fn(span, piece)`` on every piece of every rank's ``blocks``, in ring order, the
@@ -114,8 +105,12 @@ class Ring:
             own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
             if own:
                 cur = self.own(blocks, step // self.parts)
-            acc = self.recv_grads(step) if grads and step else None
-            pending, nxt = self.pass_on(step, cur)
+            # the accumulator the previous rank sent at step - 1: this step's piece's or, at
+            # an own piece's step (and after the last), an own one, home
+            acc = self._post(None, self.span(step - 1, self.prev), GRAD) if grads and step else None
+            # the next piece, unless the round ends here (the next one is an own one)
+            end = (step + 1) % self.parts == 0
+            pending, nxt = self._post(*((None, None) if end else (cur, self.span(step + 1))), KV)
             if sent is not None:
                 # the next rank posted its receive at the start of this step too: the wait
                 # is short, and frees the accumulator before this compute
@@ -131,13 +126,13 @@ class Ring:
                     part = tuple(s.add_(g) for s, g in zip(acc[1], part, strict=True))
             acc = None
             if grads:
-                sent = self._post(tuple(t.contiguous() for t in part), None, GRAD)
+                sent = self._post(tuple(t.contiguous() for t in part), None, GRAD)[0]
             del part
             pending.wait()
             cur = nxt
         if not grads:
             return None
-        last, part = self.recv_grads(self.steps)  # this rank's last piece, home
+        last, part = self._post(None, self.span(self.steps - 1, self.prev), GRAD)  # the last
         last.wait()
         store(self.pieces - 1, part)
         sent.wait()

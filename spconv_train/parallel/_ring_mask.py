@@ -22,6 +22,18 @@ from ._token_layout import held_indices, local_part
 from ._tokens import TokenLayout, split_layouts
 
 
+def refuse(
+    what: str,
+    why: str,
+    where: str = " with whole queries and keys split over the spatial ranks",
+    fix: str = ". Drop it, or gather explicitly (x.full_tensor()).",
+) -> SpatialShardingError:
+    """The error of an attention op ``what`` that does not take ``why`` ``where``."""
+    return SpatialShardingError(
+        f"{what} in module '{module_path()}'{where}: {why} is not supported{fix}"
+    )
+
+
 def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
     """``mask`` as an additive bias of ``dtype``: a boolean one ``-inf`` where it equals
     ``masked`` (SDPA masks ``False``, ``nn.MultiheadAttention`` ``True``), else 0."""
@@ -111,12 +123,9 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
     if isinstance(mask, DTensor):
         alike = mask.ndim == q.ndim and mask.placements == q.placements
         if not alike or any(mask.shape[x.dim] != q.shape[x.dim] for x in split_layouts(q)):
-            raise SpatialShardingError(
-                f"{what} in module '{module_path()}': an attention mask {tuple(mask.shape)} "
-                f"split as {mask.placements} next to queries {tuple(q.shape)} split as "
-                f"{q.placements} is not supported; pass the mask whole (a plain tensor) or "
-                "split like the queries."
-            )
+            why = f"an attention mask {tuple(mask.shape)} split as {mask.placements} next to"
+            fix = "; pass the mask whole (a plain tensor) or split like the queries."
+            raise refuse(what, f"{why} queries {tuple(q.shape)} split as {q.placements}", "", fix)
         rows = mask.to_local()
     else:
         # the mask broadcasts against the scores (..., L, S) like q against (..., L, E)
@@ -130,11 +139,9 @@ def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
     swap = {0: 1, 1: 0}  # (N, S) against (S, N, E)
     lays = {dataclasses.replace(x, dim=swap[x.dim]) for x in split_layouts(mask)}
     if mask.ndim != 2 or lays != set(split_layouts(k)):
-        raise SpatialShardingError(
-            f"{what} in module '{module_path()}': a key_padding_mask {tuple(mask.shape)} "
-            f"split as {mask.placements} unlike the keys {tuple(k.shape)} {k.placements} is "
-            "not supported; pass it whole (a plain tensor) or split like the keys."
-        )
+        why = f"a key_padding_mask {tuple(mask.shape)} split as {mask.placements} unlike the keys"
+        fix = "; pass it whole (a plain tensor) or split like the keys."
+        raise refuse(what, f"{why} {tuple(k.shape)} {k.placements}", "", fix)
     local = additive(mask.to_local(), k.dtype, True)
     return local.view(local.shape[0], 1, local.shape[1], 1)
 
@@ -176,10 +183,8 @@ def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
 
     def cut(mask: Tensor, name: str, per: int | None) -> Tensor:
         if isinstance(mask, DTensor):
-            raise SpatialShardingError(
-                f"{what} in module '{module_path()}': an {name} that is a DTensor "
-                f"({mask.placements}) is not supported; pass it whole (a plain tensor)."
-            )
+            why = f"an {name} that is a DTensor ({mask.placements})"
+            raise refuse(what, why, "", "; pass it whole (a plain tensor).")
         part = select_rows(mask, {-2: seq} if name == "attn_mask" else {}, groups)
         return part if per is None else batch_rows(part, q, seq, 0, per)
 
