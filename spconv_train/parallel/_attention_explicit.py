@@ -30,6 +30,15 @@ from ._window import gather_window, plan_window
 SCORES, APPLY, LOCAL = "scores", "apply", "local"
 
 
+def _product(kind: str, x: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None:
+    """Into ``out``: the key columns ``cols`` of ``x @ t^T`` (``SCORES``; each column is
+    written by one block), or ``x``'s columns ``cols`` times ``t`` added (``APPLY``)."""
+    if kind == SCORES:
+        out.index_copy_(-1, cols, x @ t.transpose(-2, -1))
+    else:
+        out.add_(x.index_select(-1, cols) @ t)
+
+
 class RingMatmul(torch.autograd.Function):
     """``SCORES``: ``a @ t_all^T`` (``a``: ``(*lead, L_r, d)``, result ``(*lead, L_r,
     n_cols)``); ``APPLY``: ``a @ t_all`` (``a``: ``(*lead, L_r, n_cols)``, result
@@ -45,14 +54,7 @@ class RingMatmul(torch.autograd.Function):
             out = a.new_empty(*a.shape[:-1], n_cols)
         else:
             out = a.new_zeros(*a.shape[:-1], t.shape[-1])
-
-        def work(span: Span, tb: Blocks) -> None:
-            if kind == SCORES:  # this block's key columns of the scores
-                out.index_copy_(-1, cols[span[0]], a @ tb[0].transpose(-2, -1))
-            else:  # the weights of this block's keys times its values
-                out.add_(a.index_select(-1, cols[span[0]]) @ tb[0])
-
-        ring.run((t,), work)
+        ring.run((t,), lambda span, tb: _product(kind, a, tb[0], cols[span[0]], out))
         ctx.save_for_backward(a, t)
         ctx.kind, ctx.ring, ctx.cols = kind, ring, cols
         return out
@@ -63,15 +65,13 @@ class RingMatmul(torch.autograd.Function):
         kind, cols = ctx.kind, ctx.cols
         dout = dout.contiguous()
         da = torch.zeros_like(a)
+        x, y = (dout, a) if kind == SCORES else (a, dout)  # the block's gradient: x_j^T @ y
 
         def grads_of(span: Span, tb: Blocks) -> Blocks:
-            """Adds the block's part of ``da``; this rank's part of the block's gradient."""
-            if kind == SCORES:
-                ds = dout.index_select(-1, cols[span[0]])
-                da.add_(ds @ tb[0])
-                return (ds.transpose(-2, -1) @ a,)
-            da.index_add_(-1, cols[span[0]], dout @ tb[0].transpose(-2, -1))
-            return (a.index_select(-1, cols[span[0]]).transpose(-2, -1) @ dout,)
+            """Adds the block's part of ``da`` (the other product of ``dout``); this rank's
+            part of the block's gradient."""
+            _product(APPLY if kind == SCORES else SCORES, dout, tb[0], cols[span[0]], da)
+            return (x.index_select(-1, cols[span[0]]).transpose(-2, -1) @ y,)
 
         (dt,) = ctx.ring.run((t,), grads_of, grads=True)
         return da, dt, None, None, None, None, None
@@ -138,18 +138,8 @@ def _matmul(prev, a, b, *args, **kwargs):
     return out if out is not None else prev(a, b, *args, **kwargs)
 
 
-def einsum_terms(equation: str) -> tuple[str, str, str] | None:
-    """``(a, b, out)``: the index strings of a two-operand ``torch.einsum`` equation with an
-    explicit output, no ellipsis and no index twice in a term; ``None`` for any other."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq or eq.count(",") != 1:
-        return None
-    (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
-    return None if any(len(set(s)) != len(s) for s in (sa, sb, out)) else (sa, sb, out)
-
-
 def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
-    """``torch.einsum`` (``einsum_terms``) of two DTensors where one is whole on every mesh
+    """``torch.einsum`` (terms ``(a, b, out)``) of two DTensors where one is whole on every mesh
     dim that splits the other along an output index it lacks (Mask2Former's mask
     prediction ``"bqc,bchw->bqhw"``), locally: the whole one's gradient a partial sum per
     rank (both split alike, e.g. a ``dp`` batch, is local too). ``None`` for any other."""
@@ -187,45 +177,36 @@ def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
     return wrap(torch.einsum(f"{sa},{sb}->{out}", *ops), a, placements, shape)
 
 
-def _as_matmul(sa: str, sb: str, out: str) -> tuple[str, str, str] | None:
-    """A two-operand einsum (``einsum_terms``) that is a batched matmul: ``(a_order,
-    b_order, mm_order)``, the operands permuted to ``a_order`` (batch, rows, contracted)
-    and ``b_order`` (batch, contracted, columns), their product laid out as ``mm_order``."""
-    batch = [c for c in out if c in sa and c in sb]
-    contr = [c for c in sa if c in sb and c not in out]
-    rows = [c for c in sa if c not in sb]
-    cols = [c for c in sb if c not in sa]
-    if (len(contr), len(rows), len(cols)) != (1, 1, 1) or len(sa) != len(batch) + 2:
-        return None
-    if len(sb) != len(batch) + 2 or set(out) != {*batch, *rows, *cols}:
-        return None
-    b_ = "".join(batch)
-    return b_ + rows[0] + contr[0], b_ + contr[0] + cols[0], b_ + rows[0] + cols[0]
-
-
 def _permuted(x, src: str, dst: str):
     return x.permute([src.index(c) for c in dst]) if src != dst else x
 
 
 @register_handler(torch.einsum)
 def token_einsum(equation, *operands):
-    """``torch.einsum`` of two operands that is a batched matmul of the attention forms on
-    token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); a whole operand times a
-    split one, locally (``whole_operand_einsum``); DTensor's own otherwise."""
+    """``torch.einsum`` of two operands (explicit output, no ellipsis, no index twice in a
+    term) that is a batched matmul of the attention forms on token tensors
+    (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``), by ``token_matmul``; a whole operand
+    times a split one, locally (``whole_operand_einsum``); DTensor's own otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
-    terms = einsum_terms(equation) if len(ops) == 2 else None
-    if terms is not None and all(isinstance(t, DTensor) for t in ops):
-        sa, sb, out = terms
-        form = _as_matmul(sa, sb, out)
-        # tokens of a one-row map are a plain Shard (no _StridedShard): the plan decides
-        if form is not None:
-            a_order, b_order, mm_order = form
-            res = token_matmul(_permuted(ops[0], sa, a_order), _permuted(ops[1], sb, b_order))
+    eq = equation.replace(" ", "")
+    if len(ops) == 2 and "->" in eq and "." not in eq and eq.count(",") == 1:
+        (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
+        plain = all(len(set(x)) == len(x) for x in (sa, sb, out))
+        if plain and all(isinstance(t, DTensor) for t in ops):
+            batch = "".join(c for c in out if c in sa and c in sb)
+            rows, cols, contr = set(sa) - set(sb), set(sb) - set(sa), set(sa) & set(sb) - set(out)
+            # (batch, rows, contracted) @ (batch, contracted, columns); tokens of a one-row
+            # map are a plain Shard (no _StridedShard): the plan decides
+            sizes = (len(rows), len(cols), len(contr), len(sa) - len(batch), len(sb) - len(batch))
+            if sizes == (1, 1, 1, 2, 2) and set(out) == {*batch, *rows, *cols}:
+                (r,), (c,), (k,) = rows, cols, contr
+                a, b = _permuted(ops[0], sa, batch + r + k), _permuted(ops[1], sb, batch + k + c)
+                res = token_matmul(a, b)
+                if res is not None:
+                    return _permuted(res, batch + r + c, out)
+            res = whole_operand_einsum((sa, sb, out), *ops)  # whole queries times a map
             if res is not None:
-                return _permuted(res, mm_order, out)
-        res = whole_operand_einsum(terms, *ops)  # whole queries times a map
-        if res is not None:
-            return res
+                return res
     return run_dtensor_op(torch.einsum, (equation, *ops), {})
 
 

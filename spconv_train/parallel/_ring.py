@@ -17,15 +17,11 @@ from ._halo import PendingExchange, post_p2p
 from ._ring_mask import RingMask, Span, finite, key_grads
 from ._runtime import current_runtime
 
-#: Pieces per block (``m``) when not given: the pieces a rank holds besides its own tensors
-#: at the peak (the one worked on, the one in flight, the received gradient accumulator and
-#: the piece's gradients: four key / value pairs) then add up to one block, as large as the
-#: unavoidable query-gradient block of the kernel. More pieces save less and cost a kernel
-#: call and a message each.
+#: Pieces per block (``m``) when not given: the four key / value pairs a rank holds at the
+#: peak besides its own (worked on, in flight, accumulator, gradients) add up to one block,
+#: as large as the kernel's query gradient; more save less and cost a call and a message each.
 PIECES = 8
-#: Smallest piece (tokens) the automatic choice makes: below it the per-piece kernel call
-#: and message overheads show in the time.
-MIN_PIECE_TOKENS = 64
+MIN_PIECE_TOKENS = 64  # smallest automatic piece: below it per-piece overheads show
 
 KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -63,8 +59,7 @@ class Ring:
         return (owner, *self.bounds[owner][step // self.parts])
 
     def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
-        """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors; a
-        view when the leading dims are 1) or, ``dense=False``, as views to write into."""
+        """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors) or views."""
         lo, hi = self.bounds[self.rank][piece]
         views = tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
         return tuple(t.contiguous() for t in views) if dense else views
@@ -76,9 +71,8 @@ class Ring:
     def _post(
         self, sends: Blocks | None, span: Span | None, tag: int
     ) -> tuple[PendingExchange, Blocks | None]:
-        """Post the send of ``sends`` to the next rank and the receive of a piece ``span``
-        from the previous one: ``(pending, receive buffers)``. Empty pieces are not sent:
-        both sides know every piece's size."""
+        """Send ``sends`` to the next rank, receive a piece ``span`` from the previous one:
+        ``(pending, receive buffers)``; empty pieces are not sent (both know every size)."""
         recv = self.empty(span) if span else None
         sends = [(self.next, t) for t in sends] if sends and sends[0].shape[-2] else []
         recvs = [(self.prev, t) for t in recv] if recv and recv[0].shape[-2] else []
