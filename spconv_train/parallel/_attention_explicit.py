@@ -23,7 +23,7 @@ from ._ring_mask import Span
 from ._runtime import current_runtime
 from ._tiles import along, halo_window
 from ._token_layout import local_part
-from ._token_ring import Seq, partial_local, token_ring
+from ._token_ring import partial_local, token_ring
 from ._tokens import MATMULS, chain, is_tokens, split_layouts
 from ._window import gather_window, plan_window
 
@@ -86,15 +86,15 @@ def ring_matmul(
     return RingMatmul.apply(a, t, kind, group, tuple(sizes), tuple(cols), n_cols)
 
 
-def _plan(a, b) -> tuple[str, Seq, Seq] | None:
-    """``(kind, rows layouts of a, layouts of b on the same mesh dims)`` for ``a @ b`` with
-    the rows of ``a`` split (over one mesh dim, or nested over several: tiles); ``None``
-    when the product is not one of the attention forms."""
+def token_matmul(a, b) -> DTensor | None:
+    """``a @ b`` when it is one of the attention products on split rows of ``a`` (over one
+    mesh dim, or nested over several: tiles), batch splits alike on both, else ``None``:
+    ``b`` split on those mesh dims along its last dim (``SCORES``) or rows (``APPLY``) by
+    the ring, whole there locally (``LOCAL``)."""
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         return None
-    if any(p.is_partial() for p in (*a.placements, *b.placements)):
-        return None  # a pending sum is no operand of a local product
-    if a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
+    pending = any(p.is_partial() for p in (*a.placements, *b.placements))  # no local operand
+    if pending or a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
         return None
     la = {m.mesh_dim: m for m in split_layouts(a)}
     lb = {m.mesh_dim: m for m in split_layouts(b)}
@@ -109,22 +109,11 @@ def _plan(a, b) -> tuple[str, Seq, Seq] | None:
         if x.dim >= a.ndim - 2:  # not a batch dim
             return None
     kb = tuple(lb[m] for m in sorted(seq) if m in lb)
-    if not kb:
-        return LOCAL, rows, rows
-    if len(kb) != len(rows) or len({m.dim for m in kb}) != 1:
+    kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim) if kb else LOCAL
+    if kind is None or (kb and (len(kb) != len(rows) or len({m.dim for m in kb}) != 1)):
         return None
-    kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim)
-    return None if kind is None else (kind, rows, kb)
-
-
-def token_matmul(a, b) -> DTensor | None:
-    """``a @ b`` when it is one of the attention products on split rows, else ``None``."""
-    plan = _plan(a, b)
-    if plan is None:
-        return None
-    kind, seq, kb = plan
     if kind == LOCAL:
-        out = a.to_local() @ partial_local(b, seq)
+        out = a.to_local() @ partial_local(b, rows)
     else:
         t = b.to_local().transpose(-2, -1) if kind == SCORES else b.to_local()
         spec = token_ring(a.device_mesh, kb).spec(t.device)  # group, sizes, columns
