@@ -1,8 +1,6 @@
-"""``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` over sharded tokens:
-queries split along the sequence by the ring (``_ring.py``, masks by ``_ring_mask.py``);
-whole queries (DETR, Mask2Former, SAM) to sharded keys where they lie, a row maximum and
-one query-sized sum combining the ranks' parts (``attend``). docs/attention.md.
-"""
+"""SDPA and ``nn.MultiheadAttention`` over sharded tokens: split queries by the ring
+(``_ring.py``); whole queries (DETR, Mask2Former, SAM) to sharded keys where they lie, the
+ranks' parts combined by one row maximum and one query-sized sum (``attend``)."""
 
 from __future__ import annotations
 
@@ -46,8 +44,7 @@ def split_keys(q, k, seq_dim: int) -> Seq | None:
 
 
 def out_placements(k: DTensor, kseq: Seq) -> tuple:
-    """The output's placements: whole over the spatial mesh dims, split like ``k`` (its
-    batch) elsewhere."""
+    """The output's placements: whole over ``kseq``'s mesh dims, like ``k`` elsewhere."""
     dims = {lay.mesh_dim for lay in kseq}
     return tuple(Replicate() if i in dims else p for i, p in enumerate(k.placements))
 
@@ -115,9 +112,8 @@ def attend(
 
 
 def _whole_mha(kw: dict, what: str):
-    """``F.multi_head_attention_forward`` with no sequence split (self-attention among
-    whole queries): torch's own on the local tensors, every parameter's gradient summed
-    over the batch split alone (the same on every spatial rank)."""
+    """MHA with no sequence split (among whole queries): torch's own on the local tensors,
+    each parameter's gradient summed over the batch split alone."""
     q, k, v = kw["query"], kw["key"], kw["value"]
     groups, args = grad_groups(q), dict(kw)
     same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
@@ -176,10 +172,9 @@ def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq
 
 
 def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
-    """``k``, ``v`` split over the same mesh dims as ``q``'s sequence (their own token
-    counts: e.g. keys from a strided conv of the map, spatial-reduction attention) go
-    around those ranks; whole there and split like ``q`` elsewhere (the batch) they are a
-    ring of one rank, their gradient a partial sum."""
+    """``k``, ``v`` split over the mesh dims of ``q``'s sequence (with their own counts:
+    spatial-reduction attention) go around those ranks; whole there (split like ``q``
+    elsewhere), a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
     dims = {m.mesh_dim for m in seq}
@@ -200,9 +195,8 @@ def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
 
 
 def _attend(ql, kl, vl, scale, keys: Keys, bias=None, rows=None, kbias=None) -> Tensor:
-    """Attention of local queries ``(..., L_r, E)`` to the keys of ``keys``; ``bias``: the
-    rank's rows of an additive mask; ``rows``: the queries' global indices when causal;
-    ``kbias``: an additive mask of the rank's keys (ring only), which travels with them."""
+    """Local queries ``(..., L_r, E)`` attending to ``keys``; ``bias``: the rank's rows of
+    an additive mask, ``rows``: the queries' indices if causal, ``kbias``: travelling."""
     masked = bias is not None or rows is not None or kbias is not None
     mask = RingMask(keys[4], rows, ql.dtype) if masked else None
     return ring_attention(ql, kl, vl, *keys[2:4], scale, bias=bias, mask=mask, kbias=kbias)
@@ -257,11 +251,9 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 @register_handler(F.multi_head_attention_forward)
 def spatial_multi_head_attention(*args, **kwargs):
-    """``nn.MultiheadAttention``'s functional form, sequence-first ``(L, N, E)`` with ``L``
-    split: projections local, attention by the ring (or local to whole keys / values).
-    Whole queries ``(Q, N, E)`` to keys with ``L`` split (``kseq``; whole: ``_whole_mha``):
-    the output whole on every spatial rank. The attention weights (``need_weights``) are
-    not formed: the second output is ``None``."""
+    """MHA's functional form, ``(L, N, E)`` with ``L`` split: local projections, the ring
+    (or whole keys / values); whole queries to split keys (``kseq``): whole output. The
+    attention weights (``need_weights``) are not formed: the second output is ``None``."""
     what = "nn.MultiheadAttention"
     bound = _MHA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()

@@ -1,9 +1,7 @@
-"""Attention written out over sharded pixel tokens. Dense: ``q @ k^T`` -> softmax -> ``@ v``
-(``@``, matmul, bmm, two-operand einsum) as ring matmuls (``_ring.Ring``, whole blocks), or
-local to whole keys / values (docs/attention.md, "Attention written out"). Neighbourhood:
-``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks picking among the windows
-(``masked_fill``, ``torch.where``; "Neighbourhood attention").
-"""
+"""Attention written out over sharded tokens: ``q @ k^T`` -> softmax -> ``@ v`` (matmuls,
+two-operand einsum) as ring matmuls, or local to whole keys / values; neighbourhood
+attention: ``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks (``masked_fill``,
+``torch.where``). docs/attention.md, "Attention written out", "Neighbourhood attention"."""
 
 from __future__ import annotations
 
@@ -40,11 +38,9 @@ def _product(kind: str, x: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None
 
 
 class RingMatmul(torch.autograd.Function):
-    """``SCORES``: ``a @ t_all^T`` (``a``: ``(*lead, L_r, d)``, result ``(*lead, L_r,
-    n_cols)``); ``APPLY``: ``a @ t_all`` (``a``: ``(*lead, L_r, n_cols)``, result
-    ``(*lead, L_r, e)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; ``t_all``
-    the blocks of every rank in global order: block ``j`` holds the global indices
-    ``cols[j]`` of the ``n_cols`` keys. One rank: the plain product."""
+    """``SCORES``: ``a @ t_all^T`` ``(*lead, L_r, n_cols)``; ``APPLY``: ``a @ t_all`` (``a``:
+    ``(*lead, L_r, n_cols)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; in
+    ``t_all`` block ``j`` holds the global indices ``cols[j]`` of the ``n_cols`` keys."""
 
     @staticmethod
     def forward(ctx, a, t, kind: str, group, sizes: tuple[int, ...], cols: tuple, n_cols: int):
@@ -68,8 +64,7 @@ class RingMatmul(torch.autograd.Function):
         x, y = (dout, a) if kind == SCORES else (a, dout)  # the block's gradient: x_j^T @ y
 
         def grads_of(span: Span, tb: Blocks) -> Blocks:
-            """Adds the block's part of ``da`` (the other product of ``dout``); this rank's
-            part of the block's gradient."""
+            """Adds the block's part of ``da``; this rank's part of the block's gradient."""
             _product(APPLY if kind == SCORES else SCORES, dout, tb[0], cols[span[0]], da)
             return (x.index_select(-1, cols[span[0]]).transpose(-2, -1) @ y,)
 
@@ -230,9 +225,8 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
 
 @register_handler(F.unfold)
 def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
-    """``F.unfold`` (im2col) of a sharded NCHW map: the window with its halos, unfolded with
-    padding 0, the rank's output grid flattened into the token layout of ``(N, C * k * k,
-    L)``."""
+    """``F.unfold`` (im2col) of a sharded NCHW map: the window with its halos unfolded, the
+    rank's output grid flattened into the token layout of ``(N, C * k * k, L)``."""
     args = (kernel_size, dilation, padding, stride)
     if not handled(input) or input.ndim != 4:
         return run_dtensor_op(F.unfold, (input, *args), {})

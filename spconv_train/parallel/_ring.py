@@ -1,8 +1,5 @@
-"""The ring: blocks that travel around a process group point to point (``Ring``), and
-ring attention on it (``ring_attention``): schedule, overlap, memory and the per-piece
-kernels in docs/attention.md, "Exact global attention: the ring"; masks meet each piece as
-columns (``_ring_mask.py``).
-"""
+"""The ring (``Ring``: blocks travelling point to point) and ring attention on it; masks in
+``_ring_mask.py``. docs/attention.md, "Exact global attention: the ring"."""
 
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ def auto_pieces(sizes: tuple[int, ...]) -> int:
 
 
 class Ring:
-    """The schedule of one ring call: who sends which piece to whom, when. ``sizes``:
-    tokens (dim -2) of every rank's blocks; ``pieces``: ``m``; ``blocks``: this rank's
-    (their leading dims, last dim, dtype and device are every rank's)."""
+    """One ring call's schedule. ``sizes``: tokens (dim -2) of every rank's blocks;
+    ``pieces``: ``m``; ``blocks``: this rank's (all but dim -2 alike on every rank)."""
 
     def __init__(self, group, sizes: tuple[int, ...], pieces: int, blocks: Blocks):
         self.group, self.pieces, self.parts = group, pieces, len(sizes)
@@ -149,9 +145,8 @@ def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
 
 
 class RingAttention(torch.autograd.Function):
-    """The autograd function of ``ring_attention``. Per piece the CPU flash kernel where it
-    applies (its backward given the *global* output and log-sum-exp), plain matmuls
-    elsewhere; the online-softmax updates run in place."""
+    """``ring_attention``'s autograd function: per piece the CPU flash kernel where it
+    applies (its backward given the *global* output and log-sum-exp), else matmuls."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):

@@ -1,7 +1,5 @@
-"""Attention masks and biases on the ring (``_ring.py``): a whole mask cut once to this
-rank's query rows, each piece's key columns made an additive bias, a ``key_padding_mask``
-travelling with the keys, ``is_causal`` formed per piece, a learned bias's gradient summed
-into its columns (docs/attention.md, "Masks and biases on the ring").
+"""Attention masks and biases on the ring (``_ring.py``) and the cross route, cut to this
+rank's rows or keys, additive per piece (docs/attention.md, "Masks and biases on the ring").
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 
 def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
-    """The entries of the whole ``mask`` this rank meets: along each dim of ``picks`` (from
-    the end: -2 query rows, -1 key columns) the indices the layouts give this rank, unless
-    broadcast; its gradient summed over ``groups``."""
+    """This rank's entries of the whole ``mask`` along each dim of ``picks`` (-2 query rows,
+    -1 key columns) unless broadcast; its gradient summed over ``groups``."""
     part = sum_grad_over(mask, groups)
     for d, lays in picks.items():
         if lays and -d <= part.ndim and part.shape[d] != 1:
@@ -65,10 +62,9 @@ Span = tuple[int, int, int]  # (owner, lo, hi): tokens lo:hi of the owner's bloc
 
 @dataclass(frozen=True)
 class RingMask:
-    """Where the mask meets the ring's pieces: ``cols``, the global key indices of every
-    ring member in its local order; ``rows``, the global indices of this rank's queries
-    when causal; ``dtype``: the queries'. The bias (this rank's rows, its last dim all
-    ``S`` keys or 1) is passed apart, as an autograd input."""
+    """Where the mask meets the ring's pieces: ``cols``, every member's global key indices;
+    ``rows``, this rank's queries' when causal; ``dtype``: the queries'. The bias (this
+    rank's rows of ``S`` keys or 1) is passed apart, as an autograd input."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
@@ -115,9 +111,8 @@ def _plus(a: Tensor | None, b: Tensor) -> Tensor:
 
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or a DTensor
-    split like the queries ``q``): boolean as given (a byte per entry), a float one in the
-    queries' dtype."""
+    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or split like
+    the queries ``q``): boolean as given (a byte per entry), else in the queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -158,10 +153,9 @@ def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor
 
 
 def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
-    """``nn.MultiheadAttention``'s (arguments ``kw``) ``attn_mask`` (``(Q, S)`` or ``(N *
-    heads, Q, S)``) and ``key_padding_mask`` (``(N, S)``), True masked out, each cut to this
-    rank by ``cut(mask, name, per_sample)`` (entries of dim 0 per sample; None: no batch
-    dim), as one additive mask broadcasting against the scores ``(N_r, heads, Q_r, S_r)``."""
+    """MHA's ``attn_mask`` (``(Q, S)``, ``(N * heads, Q, S)``) and ``key_padding_mask``
+    (``(N, S)``) cut by ``cut(mask, name, per_sample or None)``, as one additive mask
+    against the scores ``(N_r, heads, Q_r, S_r)``."""
     heads, am, kpm, out = kw["num_heads"], kw["attn_mask"], kw["key_padding_mask"], None
     if am is not None:
         am = additive(cut(am, "attn_mask", heads if am.ndim == 3 else None), dtype, True)
@@ -173,10 +167,9 @@ def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
 
 
 def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
-    """``nn.MultiheadAttention``'s masks on the ring: ``(bias, key bias)``. ``bias``: this
-    rank's rows and batch of the whole masks (``mha_mask``); ``key bias``: a
-    ``key_padding_mask`` split like the keys (``_key_mask``). ``q``, ``k``: the
-    sequence-first queries ``(L, N, E)`` and keys; ``seq``: the layouts of ``L``."""
+    """MHA's masks on the ring: ``(bias, key bias)``: this rank's rows and batch of the whole
+    masks; a ``key_padding_mask`` split like the keys ``k`` (it travels). ``seq``: ``L``'s
+    layouts in the queries ``q`` ``(L, N, E)``."""
     kpm = kw["key_padding_mask"]
     kbias = _key_mask(kpm, k, what) if isinstance(kpm, DTensor) else None
     groups = grad_groups(q)
