@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._halo import PendingExchange, post_p2p
-from ._ring_mask import RingMask, Span, finite, key_grads
+from ._ring_mask import RingMask, Span, finite
 from ._runtime import current_runtime
 
 #: Pieces per block (``m``) when not given: the four key / value pairs a rank holds at the
@@ -211,7 +211,10 @@ class RingAttention(torch.autograd.Function):
             if dbias is not None:
                 mask.add_grad(dbias, span, ds)
             # the travelling key mask's gradient (zeros when it needs none) follows it home
-            return dk_b, dv_b, *key_grads(kv[2:], ds)
+            kb = kv[2:]
+            if kb and ds is not None:
+                kb = (ds.sum_to_size(*kb[0].shape[:-2], 1, ds.shape[-1]).transpose(-2, -1),)
+            return dk_b, dv_b, *(torch.zeros_like(t) if ds is None else t for t in kb)
 
         dk, dv, *dkb = ring.run(tuple(blocks), grads_of, grads=True)
         dkb = dkb[0] if dkb and ctx.needs_input_grad[4] else None

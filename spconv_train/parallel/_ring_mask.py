@@ -70,21 +70,17 @@ class RingMask:
     rows: Tensor | None
     dtype: torch.dtype
 
-    def _keys(self, span: Span) -> Tensor:
-        owner, lo, hi = span
-        return self.cols[owner][lo:hi]
-
     def block(self, bias: Tensor | None, span: Span, travelling: tuple) -> Tensor | None:
         """The additive mask of the keys ``span`` for this rank's queries; ``travelling``:
         the piece's own key mask ``(..., tokens, 1)``, if one travels. None: nothing masks."""
-        keys = self._keys(span)
-        out = travelling[0].transpose(-2, -1) if travelling else None
+        keys = self.cols[span[0]][span[1] : span[2]]
+        out = [travelling[0].transpose(-2, -1)] if travelling else []
         if bias is not None:
             cols = bias if bias.shape[-1] == 1 else bias.index_select(-1, keys)
-            out = _plus(out, additive(cols, self.dtype, masked=False))
+            out.append(additive(cols, self.dtype, masked=False))
         if self.rows is not None:  # a key after the query is masked
-            out = _plus(out, additive(self.rows.unsqueeze(-1) < keys, self.dtype, masked=True))
-        return out
+            out.append(additive(self.rows.unsqueeze(-1) < keys, self.dtype, masked=True))
+        return sum(out[1:], out[0]) if out else None
 
     def add_grad(self, dbias: Tensor, span: Span, ds: Tensor) -> None:
         """Add the score gradient ``ds`` of the keys ``span`` into ``dbias``'s columns of
@@ -92,22 +88,8 @@ class RingMask:
         if dbias.shape[-1] == 1:
             dbias.add_(ds.sum_to_size(dbias.shape))
         else:
-            dbias.index_add_(-1, self._keys(span), ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1]))
-
-
-def key_grads(travelling: tuple, ds: Tensor | None) -> tuple[Tensor, ...]:
-    """The gradient of a piece's travelling key mask (``()`` without one; zeros when ``ds``
-    was not formed: the mask needs none)."""
-    if not travelling:
-        return ()
-    kb = travelling[0]
-    if ds is None:
-        return (torch.zeros_like(kb),)
-    return (ds.sum_to_size(*kb.shape[:-2], 1, ds.shape[-1]).transpose(-2, -1),)
-
-
-def _plus(a: Tensor | None, b: Tensor) -> Tensor:
-    return b if a is None else a + b
+            keys = self.cols[span[0]][span[1] : span[2]]
+            dbias.index_add_(-1, keys, ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1]))
 
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
@@ -126,19 +108,6 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
         # the mask broadcasts against the scores (..., L, S) like q against (..., L, E)
         rows = local_part(mask, q, what=what)
     return rows if rows.dtype == torch.bool else rows.to(q.dtype)
-
-
-def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
-    """This rank's keys' entries ``(N_r, 1, S_r, 1)`` of a ``key_padding_mask`` ``(N, S)``
-    split like the sequence-first keys ``k`` ``(S, N, E)``: it travels with them."""
-    swap = {0: 1, 1: 0}  # (N, S) against (S, N, E)
-    lays = {dataclasses.replace(x, dim=swap[x.dim]) for x in split_layouts(mask)}
-    if mask.ndim != 2 or lays != set(split_layouts(k)):
-        why = f"a key_padding_mask {tuple(mask.shape)} split as {mask.placements} unlike the keys"
-        fix = "; pass it whole (a plain tensor) or split like the keys."
-        raise refuse(what, f"{why} {tuple(k.shape)} {k.placements}", "", fix)
-    local = additive(mask.to_local(), k.dtype, True)
-    return local.view(local.shape[0], 1, local.shape[1], 1)
 
 
 def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor:
@@ -162,7 +131,8 @@ def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
         out = am.view(-1, heads, *am.shape[1:]) if am.ndim == 3 else am
     if kpm is not None:
         kpm = additive(cut(kpm, "key_padding_mask", 1), dtype, True)
-        out = _plus(out, kpm.view(-1, 1, 1, kpm.shape[-1]))
+        kpm = kpm.view(-1, 1, 1, kpm.shape[-1])
+        out = kpm if out is None else out + kpm
     return out
 
 
@@ -170,8 +140,15 @@ def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
     """MHA's masks on the ring: ``(bias, key bias)``: this rank's rows and batch of the whole
     masks; a ``key_padding_mask`` split like the keys ``k`` (it travels). ``seq``: ``L``'s
     layouts in the queries ``q`` ``(L, N, E)``."""
-    kpm = kw["key_padding_mask"]
-    kbias = _key_mask(kpm, k, what) if isinstance(kpm, DTensor) else None
+    kpm, kbias = kw["key_padding_mask"], None
+    if isinstance(kpm, DTensor):  # (N, S) split like the keys (S, N, E): it travels with them
+        lays = {dataclasses.replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
+        if kpm.ndim != 2 or lays != set(split_layouts(k)):
+            why = f"a key_padding_mask {tuple(kpm.shape)} split as {kpm.placements} unlike the keys"
+            fix = "; pass it whole (a plain tensor) or split like the keys."
+            raise refuse(what, f"{why} {tuple(k.shape)} {k.placements}", "", fix)
+        kbias = additive(kpm.to_local(), k.dtype, True)
+        kbias = kbias.view(kbias.shape[0], 1, kbias.shape[1], 1)  # (N_r, 1, S_r, 1)
     groups = grad_groups(q)
 
     def cut(mask: Tensor, name: str, per: int | None) -> Tensor:
