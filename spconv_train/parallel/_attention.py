@@ -70,23 +70,19 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if not isinstance(mask, DTensor):
         part = select_rows(mask, {-1: kseq}, grad_groups(k))  # the columns of this rank's keys
         return part if rows is None else batch_rows(part, k, kseq, 0, rows)
-    last = mask.ndim - 1
-    lays = split_layouts(mask)
-    on_last = tuple(lay for lay in lays if lay.dim == last)
-    dims = sorted(lay.mesh_dim for lay in kseq)
+    lays, dims, last = split_layouts(mask), sorted(lay.mesh_dim for lay in kseq), mask.ndim - 1
+    on_last = dim_layouts(lays, last)  # split like the keys, or whole
     bad = any(p.is_partial() for p in mask.placements) or any(
         lay.dim != 0 or rows is None or lay.mesh_dim in dims for lay in lays if lay.dim != last
     )
-    if on_last:
-        bad = bad or sorted(lay.mesh_dim for lay in on_last) != dims
-        bad = bad or not torch.equal(held_indices(on_last), held_indices(kseq))
+    if on_last and not bad:
+        alike = sorted(lay.mesh_dim for lay in on_last) == dims
+        bad = not (alike and torch.equal(held_indices(on_last), held_indices(kseq)))
     if bad:
         fix = "split its last dim like the keys, or pass it whole"
         split = f"a mask {tuple(mask.shape)} split as {mask.placements}"
         raise _refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
-    if on_last:
-        return mask.to_local()
-    return select_rows(partial_local(mask, kseq), {-1: kseq}, ())
+    return mask.to_local() if on_last else select_rows(partial_local(mask, kseq), {-1: kseq}, ())
 
 
 def attend(
