@@ -149,15 +149,10 @@ def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
         placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
         if x is None or y is None:
             partial[1 - side].append(lay)  # the whole operand meets this rank's part
-    ops = [
-        partial_local(t, tuple(p)) if p else t.to_local()
-        for t, p in zip((a, b), partial, strict=True)
-    ]
-    sizes: dict[str, int] = {}
-    for names, t in ((sa, a), (sb, b)):
-        for ch, n in zip(names, t.shape, strict=True):
-            sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
-    shape = tuple(sizes[ch] for ch in out)
+    pairs = zip((a, b), partial, strict=True)
+    ops = [partial_local(t, tuple(p)) if p else t.to_local() for t, p in pairs]
+    dims = (dict(zip(sa, a.shape, strict=True)), dict(zip(sb, b.shape, strict=True)))
+    shape = tuple(max(d.get(ch, 1) for d in dims) for ch in out)  # a size-1 dim broadcasts
     return wrap(torch.einsum(f"{sa},{sb}->{out}", *ops), a, placements, shape)
 
 
@@ -241,41 +236,31 @@ def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
     return reshape(grid, shape)
 
 
-def _local_operands(args: tuple):
-    """The DTensor whose layout the result takes and ``args`` as local operands (plain
-    tensors indexed with its positions), or ``None`` where DTensor's own rules apply
-    (DTensors laid out differently, a plain tensor that would broadcast the sharded one)."""
-    like = next(a for a in args if isinstance(a, DTensor))
-    if not (handled(like) or is_tokens(like)):
-        return None
-    out = []
-    for a in args:
-        if isinstance(a, DTensor):
-            if a.placements != like.placements or a.shape != like.shape:
-                return None
-            a = a.to_local()
-        elif isinstance(a, Tensor) and a.ndim:
-            try:
-                if torch.broadcast_shapes(a.shape, like.shape) != like.shape:
-                    return None
-            except RuntimeError:  # torch's own message, from DTensor's rules
-                return None
-            a = local_part(a, like)
-        out.append(a)
-    return like, out
-
-
 def _with_plain_masks(func):
     """Handler of an element-wise selection ``func``: a plain mask or operand next to a
-    sharded DTensor indexed with the rank's positions."""
+    sharded DTensor indexed with the rank's positions; DTensor's own rules for DTensors
+    laid out differently or a plain tensor that would broadcast the sharded one."""
+
+    def local(a, like: DTensor):
+        if isinstance(a, DTensor):
+            same = (a.placements, a.shape) == (like.placements, like.shape)
+            return a.to_local() if same else None
+        if not (isinstance(a, Tensor) and a.ndim):
+            return a
+        try:
+            fits = torch.broadcast_shapes(a.shape, like.shape) == like.shape
+        except RuntimeError:  # torch's own message, from DTensor's rules
+            return None
+        return local_part(a, like) if fits else None
 
     def handler(*args, **kwargs):
+        like = next((a for a in args if isinstance(a, DTensor)), None)
         plain = any(isinstance(a, Tensor) and not isinstance(a, DTensor) and a.ndim for a in args)
-        found = _local_operands(args) if plain and not kwargs else None
-        if found is None:
+        ok = plain and not kwargs and like is not None and (handled(like) or is_tokens(like))
+        ops = [local(a, like) for a in args] if ok else [None]
+        if any(o is None for o in ops):
             return run_dtensor_op(func, args, kwargs)
-        like, local = found
-        return wrap(func(*local), like, like.placements, like.shape)
+        return wrap(func(*ops), like, like.placements, like.shape)
 
     handler.__name__ = f"masked_{func.__name__}"
     return handler
