@@ -133,22 +133,18 @@ def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
         return None
     la, lb = ({m.mesh_dim: m for m in split_layouts(t)} for t in (a, b))
     placements, partial = list(a.placements), [[], []]
-    for i in range(a.device_mesh.ndim):
+    for i in sorted(la.keys() | lb.keys()):
         x, y = la.get(i), lb.get(i)
         lay, side, names = (x, 0, sa) if x is not None else (y, 1, sb)
-        if lay is None:
-            continue
         ch = names[lay.dim]
         if x is not None and y is not None:  # split alike on both (a batch index)
-            if sb.find(ch) != y.dim or (x.split_factor, x.inner) != (y.split_factor, y.inner):
-                return None
-        elif ch in (sb if side == 0 else sa):
-            return None  # contracted or shared with the whole operand: not local
-        if ch not in out:
+            local = sb.find(ch) == y.dim and (x.split_factor, x.inner) == (y.split_factor, y.inner)
+        else:  # not contracted or shared with the whole operand; it meets this rank's part
+            local = ch not in (sb if side == 0 else sa)
+            partial[1 - side].append(lay)
+        if not local or ch not in out:
             return None
         placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
-        if x is None or y is None:
-            partial[1 - side].append(lay)  # the whole operand meets this rank's part
     pairs = zip((a, b), partial, strict=True)
     ops = [partial_local(t, tuple(p)) if p else t.to_local() for t, p in pairs]
     dims = (dict(zip(sa, a.shape, strict=True)), dict(zip(sb, b.shape, strict=True)))
