@@ -8,6 +8,7 @@ import functools
 import inspect
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +55,8 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
     split like ``k`` elsewhere, or a plain tensor), with a partial gradient per rank."""
     if isinstance(q, DTensor):
         if tuple(q.placements) != out_placements(k, kseq):
-            raise _refuse(
-                what, f"queries split as {q.placements} next to keys split as {k.placements}"
-            )
+            why = f"queries split as {q.placements} next to keys split as {k.placements}"
+            raise _refuse(what, why)
         return partial_local(q, kseq)
     return batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
 
@@ -153,9 +153,6 @@ log = logging.getLogger("spconv_train.parallel")
 
 _ring_refuse = functools.partial(_refuse, where=" on a sharded token sequence")
 
-#: the local keys and values of one attention call and their ring (``TokenRing.spec``)
-Keys = tuple[Tensor, Tensor, object, tuple[int, ...], tuple[Tensor, ...]]
-
 
 def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
     """The layouts that split ``q``'s sequence dim (empty: not split); refuses any other
@@ -167,35 +164,39 @@ def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq
     return dim_layouts(lays, seq_dim)
 
 
-def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
-    """``k``, ``v`` split over the mesh dims of ``q``'s sequence (with their own counts:
-    spatial-reduction attention) go around those ranks; whole there (split like ``q``
-    elsewhere), a ring of one rank, their gradient a partial sum."""
+def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callable]:
+    """``(k, v, attend)``, local: ``k``, ``v`` split over the mesh dims of ``q``'s sequence
+    (with their own counts: spatial-reduction attention) go around those ranks; whole there
+    (split like ``q`` elsewhere), a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
     dims = {m.mesh_dim for m in seq}
     others = [(m.mesh_dim, m.dim) for m in split_layouts(q) if m.mesh_dim not in dims]
+    kl = None
     if k.placements == v.placements:
         lays = split_layouts(k)
         rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]
         kseq = tuple(m for m in lays if m.mesh_dim in dims)
         on_seq = all(m.dim == seq[0].dim for m in kseq)
         if rest == others and {m.mesh_dim for m in kseq} == dims and on_seq:
-            return k.to_local(), v.to_local(), *token_ring(q.device_mesh, kseq).spec(q.device)
-        if rest == others and not kseq:  # every key here, in global order
+            kl, vl = k.to_local(), v.to_local()
+            group, sizes, cols = token_ring(q.device_mesh, kseq).spec(q.device)
+        elif rest == others and not kseq:  # every key here, in global order
             n = k.shape[seq[0].dim - q.ndim]  # (k's own batch dims may broadcast)
+            kl, vl, group, sizes = partial_local(k, seq), partial_local(v, seq), None, (n,)
             cols = (torch.arange(n, device=q.device),)
-            return partial_local(k, seq), partial_local(v, seq), None, (n,), cols
-    split = f"{k.placements}, {v.placements}"
-    raise _ring_refuse(what, f"keys / values split as {split} unlike the queries {q.placements}")
+    if kl is None:
+        split = f"{k.placements}, {v.placements} unlike the queries {q.placements}"
+        raise _ring_refuse(what, f"keys / values split as {split}")
 
+    def attend(ql, kl, vl, scale, bias=None, rows=None, kbias=None) -> Tensor:
+        """Local queries ``(..., L_r, E)`` attending; ``bias``: the rank's rows of an
+        additive mask, ``rows``: the queries' indices if causal, ``kbias``: travelling."""
+        masked = bias is not None or rows is not None or kbias is not None
+        mask = RingMask(cols, rows, ql.dtype) if masked else None
+        return ring_attention(ql, kl, vl, group, sizes, scale, bias=bias, mask=mask, kbias=kbias)
 
-def _attend(ql, kl, vl, scale, keys: Keys, bias=None, rows=None, kbias=None) -> Tensor:
-    """Local queries ``(..., L_r, E)`` attending to ``keys``; ``bias``: the rank's rows of
-    an additive mask, ``rows``: the queries' indices if causal, ``kbias``: travelling."""
-    masked = bias is not None or rows is not None or kbias is not None
-    mask = RingMask(keys[4], rows, ql.dtype) if masked else None
-    return ring_attention(ql, kl, vl, *keys[2:4], scale, bias=bias, mask=mask, kbias=kbias)
+    return kl, vl, attend
 
 
 @register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
@@ -234,10 +235,10 @@ def spatial_sdpa(
         if attn_mask is not None or is_causal:
             raise _ring_refuse(what, "an attention mask on queries whose sequence is whole")
         return F.scaled_dot_product_attention(query, key, value, scale=scale)  # DTensor's
-    keys = _keys(query, key, value, seq, what)
+    kl, vl, attend_ring = _keys(query, key, value, seq, what)
     bias = sdpa_bias(attn_mask, query, what)
     rows = held_indices(seq).to(query.device) if is_causal else None
-    out = _attend(query.to_local(), *keys[:2], scale, keys, bias, rows)
+    out = attend_ring(query.to_local(), kl, vl, scale, bias, rows)
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
 
@@ -290,11 +291,11 @@ def spatial_multi_head_attention(*args, **kwargs):
     if not seq or q.ndim != 3:
         queries = f"queries {tuple(q.shape)} {q.placements}"
         raise _ring_refuse(what, f"{queries} without a split sequence (dim 0 of (L, N, E))")
-    keys = _keys(q, k, v, seq, what)
+    kl, vl, attend_ring = _keys(q, k, v, seq, what)
     bias, kbias = mha_bias(kw, q, k, seq, what)
     groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
-    attend_ring = functools.partial(_attend, keys=keys, bias=bias, kbias=kbias)
-    out = project_attend(kw, (q.to_local(), *keys[:2]), groups, groups, attend_ring)
+    attend_ring = functools.partial(attend_ring, bias=bias, kbias=kbias)
+    out = project_attend(kw, (q.to_local(), kl, vl), groups, groups, attend_ring)
     if kw["need_weights"]:
         log.debug("nn.MultiheadAttention in '%s': attention weights not formed", module_path())
     return wrap(out, q, q.placements, q.shape), None

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._halo import PendingExchange, post_p2p
@@ -28,8 +29,7 @@ Blocks = tuple[Tensor, ...]  # one piece (or block) of every operand that travel
 
 
 def auto_pieces(sizes: tuple[int, ...]) -> int:
-    """``m`` for blocks of ``sizes`` tokens: ``PIECES``, fewer where pieces would fall
-    under ``MIN_PIECE_TOKENS`` tokens. The same on every rank."""
+    """``m`` for blocks of ``sizes`` tokens: ``PIECES``, fewer below ``MIN_PIECE_TOKENS``."""
     return max(1, min(PIECES, max(sizes) // MIN_PIECE_TOKENS))
 
 
@@ -40,8 +40,7 @@ class Ring:
     def __init__(self, group, sizes: tuple[int, ...], pieces: int, blocks: Blocks):
         self.group, self.pieces, self.parts = group, pieces, len(sizes)
         self.specs = tuple((t.shape[:-2], t.shape[-1]) for t in blocks)
-        self.like = blocks[0]
-        self.steps = self.parts * pieces
+        self.like, self.steps = blocks[0], self.parts * pieces
         self.rank = dist.get_rank(group)
         self.next, self.prev = (self.rank + 1) % self.parts, (self.rank - 1) % self.parts
         # pieces of every owner's block, as token ranges, within one token of each other
@@ -233,18 +232,15 @@ def ring_attention(
     mask: RingMask | None = None,
     kbias: Tensor | None = None,
 ) -> Tensor:
-    """Exact ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` over the tokens of
-    every rank of ``group`` (``sizes``: how many each holds), differentiable: this rank's
-    queries' output. ``pieces``: ``m`` (by default ``auto_pieces(sizes)``). ``mask``: where
-    a mask meets the keys (``RingMask``), with ``bias`` this rank's rows of an additive mask
-    and ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
+    """Exact, differentiable SDPA of this rank's queries over the keys of every rank of
+    ``group`` (``sizes``: how many each holds); ``pieces``: ``m`` (``auto_pieces``).
+    ``mask``: where a mask meets the keys, ``bias`` this rank's rows of an additive mask,
+    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:  # every key here (``group`` may be None)
         kb = () if kbias is None else (kbias,)
         block = mask.block(bias, (0, 0, sizes[0]), kb) if mask else None
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=block, scale=scale
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=block, scale=scale)
     pieces = auto_pieces(tuple(sizes)) if pieces is None else int(pieces)
     if pieces < 1:
         raise ValueError(f"ring_attention: pieces={pieces}; give a count >= 1 or None (automatic)")

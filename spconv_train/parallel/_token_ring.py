@@ -1,7 +1,5 @@
-"""The ring over every rank that holds part of a token sequence: one mesh dim's group on
-strips, on tiles and rows both dims flattened to one (``_replicas.flat_mesh``), each
-member's token count and global indices from its place on the mesh (docs/attention.md).
-"""
+"""The ring over the ranks holding a token sequence: one mesh dim's group, or two flattened
+(tiles, rows); each member's token indices from its place on the mesh (docs/attention.md)."""
 
 from __future__ import annotations
 
