@@ -85,22 +85,20 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     return mask.to_local() if on_last else select_rows(partial_local(mask, kseq), {-1: kseq}, ())
 
 
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, kseq_group, empty_nan
-) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, group, empty_nan: bool) -> Tensor:
     """``softmax(q k^T * scale + mask) v`` of whole queries over the keys of every rank of
-    ``kseq_group`` (each holds its own ``k``, ``v``, ``mask`` columns; a bool ``mask`` True
-    where a query may attend), by autograd. A query that sees no key gives NaN with
-    ``empty_nan`` (``nn.MultiheadAttention`` with ``need_weights``), else zeros (SDPA)."""
+    ``group`` (each holds its own ``k``, ``v``, ``mask`` columns; a bool ``mask`` True where
+    a query may attend), by autograd. A query that sees no key gives NaN with ``empty_nan``
+    (``nn.MultiheadAttention`` with ``need_weights``), else zeros (SDPA)."""
     s = (q @ k.transpose(-2, -1)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
     # the row maximum over every rank's keys (-inf where a query sees no key; 0 then:
     # every term is 0): the shift cancels in num / den, so it needs no gradient
-    m = _global_extreme(s, (-1,), (kseq_group,), "max")
+    m = _global_extreme(s, (-1,), (group,), "max")
     p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
     part = torch.cat([p @ v, p.sum(-1, keepdim=True)], -1)
-    total = sum_replicated(part, (kseq_group,))
+    total = sum_replicated(part, (group,))
     num, den = total[..., :-1], total[..., -1:]
     if not empty_nan:  # zeros where no key is seen, as torch's SDPA gives
         den = torch.where(den > 0, den, 1.0)
@@ -242,7 +240,6 @@ def spatial_sdpa(
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
 
-#: ``F.multi_head_attention_forward``'s parameters and their defaults
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 

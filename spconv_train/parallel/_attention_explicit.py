@@ -82,10 +82,9 @@ def ring_matmul(
 
 
 def token_matmul(a, b) -> DTensor | None:
-    """``a @ b`` when it is one of the attention products on split rows of ``a`` (over one
-    mesh dim, or nested over several: tiles), batch splits alike on both, else ``None``:
-    ``b`` split on those mesh dims along its last dim (``SCORES``) or rows (``APPLY``) by
-    the ring, whole there locally (``LOCAL``)."""
+    """``a @ b`` with the rows of ``a`` split (one mesh dim or nested: tiles), batch splits
+    alike: ``b`` split there along its last dim (``SCORES``) or rows (``APPLY``) by the
+    ring, whole there locally (``LOCAL``); ``None`` for any other product."""
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         return None
     pending = any(p.is_partial() for p in (*a.placements, *b.placements))  # no local operand
@@ -123,10 +122,9 @@ def _matmul(prev, a, b, *args, **kwargs):
 
 
 def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
-    """``torch.einsum`` (terms ``(a, b, out)``) of two DTensors where one is whole on every mesh
-    dim that splits the other along an output index it lacks (Mask2Former's mask
-    prediction ``"bqc,bchw->bqhw"``), locally: the whole one's gradient a partial sum per
-    rank (both split alike, e.g. a ``dp`` batch, is local too). ``None`` for any other."""
+    """``torch.einsum`` (terms ``(a, b, out)``) of DTensors, one whole on every mesh dim
+    splitting the other along an output index it lacks (Mask2Former's ``"bqc,bchw->bqhw"``),
+    locally: the whole one's gradient a partial sum (a ``dp`` batch split alike too)."""
     sa, sb, out = terms
     pending = any(p.is_partial() for p in (*a.placements, *b.placements))
     if (len(sa), len(sb)) != (a.ndim, b.ndim) or a.device_mesh != b.device_mesh or pending:
@@ -158,10 +156,9 @@ def _permuted(x, src: str, dst: str):
 
 @register_handler(torch.einsum)
 def token_einsum(equation, *operands):
-    """``torch.einsum`` of two operands (explicit output, no ellipsis, no index twice in a
-    term) that is a batched matmul of the attention forms on token tensors
-    (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``), by ``token_matmul``; a whole operand
-    times a split one, locally (``whole_operand_einsum``); DTensor's own otherwise."""
+    """Two-operand ``torch.einsum`` (explicit output, no ellipsis or repeated index): a
+    batched matmul (``"bhxd,bhyd->bhxy"``) by ``token_matmul``, a whole operand times a
+    split one by ``whole_operand_einsum``; DTensor's own otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
     eq = equation.replace(" ", "")
     if len(ops) == 2 and "->" in eq and "." not in eq and eq.count(",") == 1:

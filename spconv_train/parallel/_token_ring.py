@@ -33,8 +33,7 @@ class TokenRing:
     _specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def spec(self, device) -> tuple[object, tuple[int, ...], tuple[Tensor, ...]]:
-        """``(group, every member's token count, the global token indices every member
-        holds in its local order, on device)``."""
+        """``(group, every member's token count, its global token indices on device)``."""
         key = str(torch.device(device))
         if key not in self._specs:
             cols = tuple(held_indices(m).to(device) for m in self.members)
