@@ -46,10 +46,8 @@ class RingMatmul(torch.autograd.Function):
     def forward(ctx, a, t, kind: str, group, sizes: tuple[int, ...], cols: tuple, n_cols: int):
         a, t = a.contiguous(), t.contiguous()  # gloo sends dense tensors
         ring = Ring(group, sizes, 1, (t,))
-        if kind == SCORES:
-            out = a.new_empty(*a.shape[:-1], n_cols)
-        else:
-            out = a.new_zeros(*a.shape[:-1], t.shape[-1])
+        alloc = a.new_empty if kind == SCORES else a.new_zeros  # (each score column written once)
+        out = alloc(*a.shape[:-1], n_cols if kind == SCORES else t.shape[-1])
         ring.run((t,), lambda span, tb: _product(kind, a, tb[0], cols[span[0]], out))
         ctx.save_for_backward(a, t)
         ctx.kind, ctx.ring, ctx.cols = kind, ring, cols

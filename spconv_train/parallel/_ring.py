@@ -94,8 +94,7 @@ class Ring:
             own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
             if own:
                 cur = self.own(blocks, step // self.parts)
-            # the accumulator the previous rank sent at step - 1: this step's piece's or, at
-            # an own piece's step (and after the last), an own one, home
+            # the accumulator sent at step - 1: this piece's, or an own one's (home)
             acc = self._post(None, self.span(step - 1, self.prev), GRAD) if grads and step else None
             # the next piece, unless the round ends here (the next one is an own one)
             end = (step + 1) % self.parts == 0
