@@ -68,7 +68,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
-        part = select_rows(mask, {-1: kseq}, grad_groups(k))  # the columns of this rank's keys
+        part = select_rows(mask, -1, kseq, grad_groups(k))  # the columns of this rank's keys
         return part if rows is None else batch_rows(part, k, kseq, 0, rows)
     lays, dims, last = split_layouts(mask), sorted(lay.mesh_dim for lay in kseq), mask.ndim - 1
     on_last = dim_layouts(lays, last)  # split like the keys, or whole
@@ -82,7 +82,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
         fix = "split its last dim like the keys, or pass it whole"
         split = f"a mask {tuple(mask.shape)} split as {mask.placements}"
         raise _refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
-    return mask.to_local() if on_last else select_rows(partial_local(mask, kseq), {-1: kseq}, ())
+    return mask.to_local() if on_last else select_rows(partial_local(mask, kseq), -1, kseq, ())
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, group, empty_nan: bool) -> Tensor:

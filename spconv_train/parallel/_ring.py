@@ -137,11 +137,6 @@ def _kernel_mask(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
-    s = (q @ k.transpose(-2, -1)) * scale
-    return s if mask is None else s + mask
-
-
 class RingAttention(torch.autograd.Function):
     """``ring_attention``'s autograd function: per piece the CPU flash kernel where it
     applies (its backward given the *global* output and log-sum-exp), else matmuls."""
@@ -167,7 +162,8 @@ class RingAttention(torch.autograd.Function):
                 if block is not None:  # the kernel gives lse 0 to rows it masks whole
                     lse_b = lse_b.masked_fill((block == -math.inf).all(-1), -math.inf)
             else:
-                s = _scores(q, kv[0], scale, block)
+                s = (q @ kv[0].transpose(-2, -1)) * scale
+                s = s if block is None else s + block
                 lse_b = torch.logsumexp(s, dim=-1)
                 o_b = torch.exp(s - finite(lse_b).unsqueeze(-1)) @ kv[1]
             new = torch.logaddexp(lse, lse_b)
@@ -201,7 +197,8 @@ class RingAttention(torch.autograd.Function):
                     dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(block), scale=scale
                 )
             else:
-                p = torch.exp(_scores(q, k, scale, block) - lse.unsqueeze(-1))
+                s = (q @ k.transpose(-2, -1)) * scale
+                p = torch.exp((s if block is None else s + block) - lse.unsqueeze(-1))
                 dv_b = p.transpose(-2, -1) @ dout
                 ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
                 dq_b, dk_b = (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale

@@ -41,13 +41,12 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
     return out.masked_fill_(mask if masked else ~mask, -math.inf)
 
 
-def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
-    """This rank's entries of the whole ``mask`` along each dim of ``picks`` (-2 query rows,
-    -1 key columns) unless broadcast; its gradient summed over ``groups``."""
+def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tuple) -> Tensor:
+    """This rank's entries of the whole ``mask`` along dim ``d`` (-2 query rows, -1 key
+    columns; none: ``lays`` empty) unless broadcast; its gradient summed over ``groups``."""
     part = sum_grad_over(mask, groups)
-    for d, lays in picks.items():
-        if lays and -d <= part.ndim and part.shape[d] != 1:
-            part = part.index_select(d, held_indices(lays).to(part.device))
+    if lays and -d <= part.ndim and part.shape[d] != 1:
+        part = part.index_select(d, held_indices(lays).to(part.device))
     return part
 
 
@@ -155,7 +154,7 @@ def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
         if isinstance(mask, DTensor):
             why = f"an {name} that is a DTensor ({mask.placements})"
             raise refuse(what, why, "", "; pass it whole (a plain tensor).")
-        part = select_rows(mask, {-2: seq} if name == "attn_mask" else {}, groups)
+        part = select_rows(mask, -2, seq if name == "attn_mask" else (), groups)
         return part if per is None else batch_rows(part, q, seq, 0, per)
 
     kw = kw if kbias is None else {**kw, "key_padding_mask": None}  # it travels
