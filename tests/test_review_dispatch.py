@@ -9,12 +9,8 @@ on a model parallelized twice, exact in fp64 against one device on uneven sizes;
 from __future__ import annotations
 
 import inspect
-import os
 import pickle
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,8 +23,8 @@ from spconv_train.parallel._sharding import spatial_layout
 from tests.dist_harness import mesh
 from tests.op_check import check_fn
 from tests.reference import check_close, seeded
+from tests.test_public_api_surface import run_fresh
 
-ROOT = Path(__file__).resolve().parents[1]
 S, R = Shard, Replicate
 #: (mesh shape, mesh dim names, placements, ndim, tiles) -> (sp_dim, dim, axes,
 #: width_sharded), or a fragment of the refusal
@@ -250,12 +246,4 @@ _THREADS = textwrap.dedent(
 def test_install_once_under_threads_keeps_the_users_handlers():
     """Registrations racing the first ``install()`` in six threads of a fresh process: one
     install, every user's handler and refusal kept over the built-ins, every guard on."""
-    out = subprocess.run(
-        [sys.executable, "-c", _THREADS],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    run_fresh(_THREADS)
