@@ -81,22 +81,19 @@ def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(what: str, sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, ...]:
+def _plan(sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, ...]:
     """``DimPlan`` per spatial dim; ``axes``: ``(j, parts, rank)``; ``halo``: the output chunk's."""
     plans = []
     for j, (n, o) in enumerate(zip(sizes, out, strict=True)):
         ax = next(((p, r) for i, p, r in axes if i == j), None)
-        win, offset = adaptive_bounds(n, o), 0
-        segs = win
-        if ax and halo:
-            needed = _adaptive_exchange(what, n, o, ax[0]).needed[ax[1]]
-            offset = needed[0][0] if needed else 0
-            win = adaptive_bounds(n, o, *all_shard_bounds(o, ax[0])[ax[1]])
-            segs = tuple((s - offset, e - offset) for s, e in win)
-        elif ax:
-            offset, b = all_shard_bounds(n, ax[0])[ax[1]]
-            segs = tuple((min(max(s, offset), b) - offset, max(min(e, b), offset) - offset)
-                         for s, e in win)  # fmt: skip
+        # halo: the windows of this rank's outputs, from the first one's start (the exchange's
+        # first column); reduce: every window, cut to this rank's columns [offset, end)
+        win = adaptive_bounds(n, o, *(all_shard_bounds(o, ax[0])[ax[1]] if ax and halo else ()))
+        offset, end = (
+            (win[0][0] if win else 0, n) if halo or not ax else all_shard_bounds(n, ax[0])[ax[1]]
+        )
+        segs = tuple((min(max(s, offset), end) - offset, max(min(e, end), offset) - offset)
+                     for s, e in win)  # fmt: skip
         plans.append((segs, offset, tuple(e - s for s, e in win)))
     return tuple(plans)
 
@@ -195,7 +192,7 @@ def adaptive_pool(
     if len(axes) > 1:
         _check_small_output(x, axes, out, "average" if kind == "avg" else "max", what)
     key = tuple((d - 2, parts, rank) for d, parts, rank, _ in axes)
-    plans = _plan(what, sizes, out, key, halo)
+    plans = _plan(sizes, out, key, halo)
     t, sharded = enter(x), {d - 2 for d, *_ in axes}
     if kind == "avg":  # order-free: pool the unsharded dims first (the halo moves less)
         t = _pool_free_dims(t, out, sharded)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from ._dims import GRID_MESH_DIMS, mesh_axis
-from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._layout import memory_format
 from ._mode import register_handler
@@ -82,18 +82,16 @@ def _ratio(size_in: int, size_out: int, scale: float | None, dtype: torch.dtype)
     return torch.tensor(size_in, dtype=dtype) / torch.tensor(size_out, dtype=dtype)
 
 
+#: one resized dim, the tables' key: (mode, input size, output size, align_corners, scale)
+ResizeDim = tuple[str, int, int, bool, float | None]
+
+
 @functools.lru_cache(maxsize=256)
-def resize_table(
-    mode: str,
-    size_in: int,
-    size_out: int,
-    align_corners: bool,
-    scale: float | None,
-    double: bool = False,
-) -> tuple[Tensor, ...]:
+def resize_table(rd: ResizeDim, double: bool = False) -> tuple[Tensor, ...]:
     """Global source table of one resized dim, as ATen's CPU kernel builds it: ``(index,)``
     (nearest modes) or ``(i0, i1, w0, w1)`` (``y[j] = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``),
     indices non-decreasing; ``double``: a float64 input (float64 scales and weights)."""
+    mode, size_in, size_out, align_corners, scale = rd
     j = torch.arange(size_out, dtype=torch.int64)
     last = size_in - 1
     opm = torch.float64 if double else torch.float32
@@ -128,38 +126,25 @@ def resize_table(
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_resize(
-    what: str, width: int, out: int, parts: int, mode: str, align: bool, scale, double, sharded
-) -> tuple[ExchangePlan, tuple[Interval, ...]]:
+def plan_resize(what: str, rd: ResizeDim, parts: int, double: bool, sharded: bool):
     """The exchange of the input each rank's output chunk reads, and the chunks."""
-    table = resize_table(mode, width, out, align, scale, double)
+    table = resize_table(rd, double)
     first, last = table[0], table[1] if len(table) > 1 else table[0]
-    out_bounds = tuple(all_shard_bounds(out, parts))
+    out_bounds = tuple(all_shard_bounds(rd[2], parts))
     needed = tuple(
         ((int(first[o0]), int(last[o1 - 1]) + 1),) if o0 < o1 else () for o0, o1 in out_bounds
     )
-    plan = ExchangePlan(width, tuple(all_shard_bounds(width, parts)), needed)
+    plan = ExchangePlan(rd[1], tuple(all_shard_bounds(rd[1], parts)), needed)
     if sharded:
         plan.check_neighbours(what)
     return plan, out_bounds
 
 
 @functools.lru_cache(maxsize=1024)
-def _local_table(
-    mode: str,
-    size_in: int,
-    size_out: int,
-    align_corners: bool,
-    scale: float | None,
-    o0: int,
-    o1: int,
-    start: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[Tensor, ...] | None:
+def _local_table(rd: ResizeDim, o0: int, o1: int, start: int, dtype, device) -> tuple | None:
     """Rows ``[o0, o1)`` of a resize table, indices from ``start``; ``None``: the identity."""
-    table = resize_table(mode, size_in, size_out, align_corners, scale, dtype == torch.float64)
-    if torch.equal(table[0], torch.arange(size_in)) and (len(table) == 1 or not table[3].any()):
+    table = resize_table(rd, dtype == torch.float64)
+    if torch.equal(table[0], torch.arange(rd[1])) and (len(table) == 1 or not table[3].any()):
         return None  # the identity
     idx = [t[o0:o1] - start for t in table[:2]]
     weights = [t[o0:o1].to(dtype) for t in table[2:]]
@@ -209,12 +194,11 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
     y = enter(x, tuple(Partial() if m in by_mesh else p for m, p in pls) if replicated else None)
     double = x.dtype == torch.float64
     for d in range(x.ndim - 1, 1, -1):
-        n_out, scale = out_sizes[d - 2], scales[d - 2]
-        o0, o1, start = 0, n_out, 0
+        rd = (mode, x.shape[d], out_sizes[d - 2], align, scales[d - 2])
+        o0, o1, start = 0, rd[2], 0
         if d in by_dim:
             parts, rank, group = mesh_axis(mesh, by_dim[d])
-            geom = (x.shape[d], n_out, parts, mode, align, scale, double, not replicated)
-            ex, out_bounds = plan_resize(what, *geom)
+            ex, out_bounds = plan_resize(what, rd, parts, double, not replicated)
             needed = ex.needed[rank]
             start = needed[0][0] if needed else 0
             if replicated:  # this rank's columns, read locally
@@ -223,9 +207,7 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
                 # (every rank takes part, also one without outputs: others read its columns)
                 y = along(y, d, lambda t, e=ex, r=rank, g=group: gather_columns(t, e, r, g))
             o0, o1 = out_bounds[rank]
-        table = _local_table(
-            mode, x.shape[d], n_out, align, scale, o0, o1, start, x.dtype, y.device
-        )
+        table = _local_table(rd, o0, o1, start, x.dtype, y.device)
         if table is not None:
             y = _apply(y, d, table)
     pl = tuple(Shard(by_mesh[m]) if m in by_mesh else p for m, p in pls)

@@ -129,32 +129,16 @@ def pool_args(ndim: int, kernel_size, stride, padding, dilation=1):
     return k, s, ntuple(padding, ndim), ntuple(dilation, ndim)
 
 
-# The public names per spatial rank: functions, modules and torch-function routes.
-_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
-_AVG_ARGS = (*_MAX_ARGS[:3], "ceil_mode", "count_include_pad", "divisor_override")
-_AMAX_ARGS = ("output_size", "return_indices")
-spatial_max_pool2d, spatial_max_pool3d = (functools.partial(max_pool, rank=n) for n in (2, 3))
-spatial_avg_pool2d, spatial_avg_pool3d = (functools.partial(avg_pool, rank=n) for n in (2, 3))
-spatial_adaptive_avg_pool2d = functools.partial(adaptive_pool, rank=2, kind="avg")
-spatial_adaptive_avg_pool3d = functools.partial(adaptive_pool, rank=3, kind="avg")
-spatial_adaptive_max_pool2d = functools.partial(adaptive_pool, rank=2, kind="max")
-spatial_adaptive_max_pool3d = functools.partial(adaptive_pool, rank=3, kind="max")
-_module = functools.partial(spatial_module, module=__name__)
-SpatialMaxPool2d = _module(nn.MaxPool2d, spatial_max_pool2d, *_MAX_ARGS)
-SpatialMaxPool3d = _module(nn.MaxPool3d, spatial_max_pool3d, *_MAX_ARGS)
-SpatialAvgPool2d = _module(nn.AvgPool2d, spatial_avg_pool2d, *_AVG_ARGS)
-SpatialAvgPool3d = _module(nn.AvgPool3d, spatial_avg_pool3d, *_AVG_ARGS)
-SpatialAdaptiveAvgPool2d = _module(nn.AdaptiveAvgPool2d, spatial_adaptive_avg_pool2d, "output_size")
-SpatialAdaptiveAvgPool3d = _module(nn.AdaptiveAvgPool3d, spatial_adaptive_avg_pool3d, "output_size")
-SpatialAdaptiveMaxPool2d = _module(nn.AdaptiveMaxPool2d, spatial_adaptive_max_pool2d, *_AMAX_ARGS)
-SpatialAdaptiveMaxPool3d = _module(nn.AdaptiveMaxPool3d, spatial_adaptive_max_pool3d, *_AMAX_ARGS)
+_NAMESPACES = {"F": F, "torch": torch, "torch._C._nn": torch._C._nn}
 
 
-def _register(fn, *functions, pair_after: int = 0) -> None:
-    """Route ``functions`` to ``fn``. ``pair_after`` marks functions that always return
-    ``(values, indices)``: only their first ``pair_after`` positionals are geometry (the
-    ``*_with_indices`` forms carry a ``return_indices`` after them that they ignore)."""
-    what = "F." + functions[0].__name__.removesuffix("_with_indices")
+def _register(fn, names: str, pair_after: int = 0) -> None:
+    """Route the torch functions ``names`` ("F.max_pool2d torch.max_pool2d") to ``fn``.
+    ``pair_after`` marks functions that always return ``(values, indices)``: only their
+    first ``pair_after`` positionals are geometry (the ``*_with_indices`` forms carry a
+    ``return_indices`` after them that they ignore)."""
+    functions = [getattr(_NAMESPACES[m], a) for m, a in (n.rsplit(".", 1) for n in names.split())]
+    what = names.split()[0].removesuffix("_with_indices")
 
     def handler(*args, **kwargs):
         if pair_after:
@@ -166,21 +150,26 @@ def _register(fn, *functions, pair_after: int = 0) -> None:
     register_handler(*functions)(handler)
 
 
+_MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+_AVG_ARGS = (*_MAX_ARGS[:3], "ceil_mode", "count_include_pad", "divisor_override")
+# The ``Spatial<Pool>{2,3}d`` modules (module attributes: pickled by name) and the routes.
 # SpatialMode sees F.max_pool*d / F.adaptive_max_pool*d (tensor or pair) or a function always
 # returning a pair (F.*_with_indices, torch._C._nn.adaptive_max_pool*d; 3-D: to refuse them
 # clearly). F.avg_pool*d is torch._C._nn.avg_pool*d; torch.max_pool*d are separate objects.
-_nn = torch._C._nn
-_register(spatial_max_pool2d, F.max_pool2d, torch.max_pool2d)
-_register(spatial_max_pool2d, F.max_pool2d_with_indices, _nn.max_pool2d_with_indices, pair_after=6)
-_register(spatial_max_pool3d, F.max_pool3d, torch.max_pool3d)
-_register(spatial_max_pool3d, F.max_pool3d_with_indices, _nn.max_pool3d_with_indices, pair_after=6)
-_register(spatial_avg_pool2d, F.avg_pool2d)
-_register(spatial_avg_pool3d, F.avg_pool3d)
-_register(spatial_adaptive_avg_pool2d, F.adaptive_avg_pool2d, _nn.adaptive_avg_pool2d)
-_register(spatial_adaptive_avg_pool3d, F.adaptive_avg_pool3d, _nn.adaptive_avg_pool3d)
-_register(spatial_adaptive_max_pool2d, F.adaptive_max_pool2d)
-_register(spatial_adaptive_max_pool3d, F.adaptive_max_pool3d)
-_pairs = (F.adaptive_max_pool2d_with_indices, _nn.adaptive_max_pool2d)
-_register(spatial_adaptive_max_pool2d, *_pairs, pair_after=2)
-_pairs = (F.adaptive_max_pool3d_with_indices, _nn.adaptive_max_pool3d)
-_register(spatial_adaptive_max_pool3d, *_pairs, pair_after=2)
+for n in (2, 3):
+    _max, _avg = (functools.partial(f, rank=n) for f in (max_pool, avg_pool))
+    _amax, _aavg = (functools.partial(adaptive_pool, rank=n, kind=k) for k in ("max", "avg"))
+    for _base, _fn, _args in (
+        ("MaxPool", _max, _MAX_ARGS),
+        ("AvgPool", _avg, _AVG_ARGS),
+        ("AdaptiveMaxPool", _amax, ("output_size", "return_indices")),
+        ("AdaptiveAvgPool", _aavg, ("output_size",)),
+    ):
+        _cls = spatial_module(getattr(nn, f"{_base}{n}d"), _fn, *_args, module=__name__)
+        globals()[_cls.__name__] = _cls
+    _register(_max, f"F.max_pool{n}d torch.max_pool{n}d")
+    _register(_max, f"F.max_pool{n}d_with_indices torch._C._nn.max_pool{n}d_with_indices", 6)
+    _register(_avg, f"F.avg_pool{n}d")
+    _register(_aavg, f"F.adaptive_avg_pool{n}d torch._C._nn.adaptive_avg_pool{n}d")
+    _register(_amax, f"F.adaptive_max_pool{n}d")
+    _register(_amax, f"F.adaptive_max_pool{n}d_with_indices torch._C._nn.adaptive_max_pool{n}d", 2)
