@@ -136,14 +136,6 @@ def _reduce_avg(t: Tensor, plans: tuple[DimPlan, ...], sharded: set) -> Tensor:
     return t
 
 
-def _replicated(layout: SpatialLayout) -> SpatialLayout:
-    """``layout`` with every spatial mesh dim ``Replicate`` (a dp ``Shard(0)`` kept)."""
-    pl = list(layout.placements)
-    for _, m in layout_axes(layout):
-        pl[m] = Replicate()
-    return SpatialLayout(layout.mesh, tuple(pl), layout.sp_dim)
-
-
 def _check_small_output(x: DTensor, axes, out: tuple, kind: str, what: str) -> None:
     """Refuse a reduce over several sharded dims to more than a quarter of the smallest tile."""
     parts = {d: p for d, p, _, _ in axes}
@@ -203,7 +195,11 @@ def adaptive_pool(
         elif t.shape[d] == 0:  # empty block: one neutral element keeps the local ops defined
             neutral = 0.0 if kind == "avg" else float("-inf")
             t = along(t, d, lambda m, v=neutral: F.pad(m, (0, 1), value=v))
-    shape, out_layout = (x.shape[0], x.shape[1], *out), layout if halo else _replicated(layout)
+    shape, out_layout = (x.shape[0], x.shape[1], *out), layout
+    if not halo:  # every spatial mesh dim Replicate (a dp Shard(0) kept)
+        spatial = {m for _, m in layout_axes(layout)}
+        pl = tuple(Replicate() if m in spatial else p for m, p in enumerate(layout.placements))
+        out_layout = SpatialLayout(layout.mesh, pl, layout.sp_dim)
     if kind == "avg":
         v = _reduce_avg(t, plans, sharded)
         v = v if halo else sum_replicated(v, [group for *_, group in axes])

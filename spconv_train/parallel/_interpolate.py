@@ -26,8 +26,6 @@ from ._tiles import along, layout_axes
 
 #: the linear mode of each tensor rank (its 1-D table is the "bilinear" one, per dim)
 LINEAR = {3: "linear", 4: "bilinear", 5: "trilinear"}
-#: torch's adaptive average pool of each tensor rank ("area" mode is exactly that)
-_AREA = {4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
 
 
 def _per_dim(v, n: int, name: str, what: str) -> tuple:
@@ -166,10 +164,6 @@ def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
     return t.index_select(dim, i0) * w0.view(shape) + t.index_select(dim, i1) * w1.view(shape)
 
 
-def _hashable(v):
-    return tuple(v) if isinstance(v, (list, tuple)) else v
-
-
 def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...]:
     """Where a replicated input's resize goes: tiles, an image's strips, or nowhere."""
     names = layout.mesh.mesh_dim_names or ()
@@ -226,18 +220,26 @@ def spatial_interpolate(
 ):
     """``F.interpolate`` of a sharded image or volume on any layout."""
     x, linear = input, LINEAR.get(input.ndim)
-    key = (tuple(x.shape[2:]), _hashable(size), _hashable(scale_factor))
+    sized = (tuple(v) if isinstance(v, (list, tuple)) else v for v in (size, scale_factor))
+    key = (tuple(x.shape[2:]), *sized)  # hashable: the geometry is cached
+    area = F.adaptive_avg_pool3d if x.ndim == 5 else F.adaptive_avg_pool2d  # mode "area"
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
         out, _ = _geometry(*key, mode, align_corners, recompute, what)
-        return _area(x, out, what)
+        handler = current_runtime().registry.handler(area)  # its spatial handler, if any
+        if handler is None:
+            raise SpatialShardingError(
+                f"{what}: interpolate mode='area' is {area.__name__}, which has no spatial "
+                f"implementation registered. Use 'bilinear'/'nearest', or gather explicitly."
+            )
+        return handler(x, out)
     if mode not in ("nearest", "nearest-exact", linear) or antialias:
         kind = "volume" if x.ndim == 5 else "image"
-        area = _AREA.get(x.ndim, F.adaptive_avg_pool2d).__name__
         raise SpatialShardingError(
             f"{what}: interpolate mode={mode!r}{' with antialias' if antialias else ''} is not "
             f"supported on a sharded {kind} (supported: nearest, nearest-exact, {linear}, and "
-            f"'area' via {area}). Use one of those, or gather explicitly (x.full_tensor())."
+            f"'area' via {area.__name__}). Use one of those, or gather explicitly "
+            f"(x.full_tensor())."
         )
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
     out, scales = _geometry(*key, mode, align_corners, recompute_scale_factor, what)
@@ -247,18 +249,6 @@ def spatial_interpolate(
         args = (size, scale_factor, mode, align_corners, recompute_scale_factor)
         return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
     return y
-
-
-def _area(x, out_sizes: tuple[int, ...], what: str):
-    """``mode='area'`` is torch's adaptive average pool: use its spatial handler if any."""
-    fn = _AREA.get(x.ndim, F.adaptive_avg_pool2d)
-    handler = current_runtime().registry.handler(fn)
-    if handler is None:
-        raise SpatialShardingError(
-            f"{what}: interpolate mode='area' is {fn.__name__}, which has no spatial "
-            f"implementation registered. Use 'bilinear'/'nearest', or gather explicitly."
-        )
-    return handler(x, out_sizes)
 
 
 _UPSAMPLE_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")

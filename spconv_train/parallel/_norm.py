@@ -220,14 +220,9 @@ SpatialInstanceNorm2d, SpatialInstanceNorm3d = spatial_subclasses(
 )
 
 
-# The functional handlers (``torch.batch_norm`` / ``torch.instance_norm`` put weight and bias
-# first and end with a required ``cudnn_enabled``).
-register_handler(F.batch_norm)(functools.partial(spatial_batch_norm, what="F.batch_norm"))
-register_handler(F.instance_norm)(functools.partial(spatial_instance_norm, what="F.instance_norm"))
-
-
 def _weight_first(fn, what: str):
-    """A handler of ``torch.batch_norm`` / ``torch.instance_norm`` calling ``fn``."""
+    """A handler of ``torch.batch_norm`` / ``torch.instance_norm`` (weight and bias first, a
+    required ``cudnn_enabled`` last) calling ``fn``."""
 
     def handler(input, weight, bias, running_mean, running_var, *args, **kwargs):
         kwargs.pop("cudnn_enabled", None)
@@ -236,8 +231,9 @@ def _weight_first(fn, what: str):
     return handler
 
 
-register_handler(torch.batch_norm)(_weight_first(spatial_batch_norm, "torch.batch_norm"))
-register_handler(torch.instance_norm)(_weight_first(spatial_instance_norm, "torch.instance_norm"))
+for _fn, _name in ((spatial_batch_norm, "batch_norm"), (spatial_instance_norm, "instance_norm")):
+    register_handler(getattr(F, _name))(functools.partial(_fn, what=f"F.{_name}"))
+    register_handler(getattr(torch, _name))(_weight_first(_fn, f"torch.{_name}"))
 
 
 @register_handler(F.group_norm, torch.group_norm)  # same leading arguments

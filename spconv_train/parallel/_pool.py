@@ -38,17 +38,21 @@ def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: 
     return tuple(e - a if include_pad else min(e, size) - max(a, 0) for a, e in windows)
 
 
-def _window(x: DTensor, what: str, k, s, p, d, ceil_mode: bool, value: float):
-    """``(layout, local, window, op padding, geometries, sharded dims)`` of a pooling op."""
-    x, layout = spatial_layout(x, what, len(k) + 2, tiles=True)
+def _window(kind: str, x: DTensor, rank: int, what: str, kernel_size, stride, padding, dilation,
+            ceil_mode: bool, *rest) -> tuple:  # fmt: skip
+    """``(layout, window, (k, s, p, d), op padding, geometries, sharded dims)`` of a pooling op
+    (the default stride: the kernel), after torch's own checks (``rest``: its other arguments)."""
+    k, s, p, d = (ntuple(v, rank) for v in (kernel_size, stride or kernel_size, padding, dilation))
+    _torch_checks(kind, tuple(x.shape), k, s, p, *((d,) if kind == "max" else ()), ceil_mode, *rest)
+    x, layout = spatial_layout(x, what, rank + 2, tiles=True)
     shape = tuple(x.shape)
     geoms = {i: ceil_geom(shape[i], k[i - 2], s[i - 2], d[i - 2], p[i - 2], ceil_mode)
              for i in range(2, x.ndim)}  # fmt: skip
-    local = enter(x)
-    tw = tile_window(local, shape, layout, what, geoms, "zeros", value, pad_local=False)
+    value = float("-inf") if kind == "max" else 0.0
+    tw = tile_window(enter(x), shape, layout, what, geoms, "zeros", value, pad_local=False)
     sharded = {td for td, _ in layout_axes(layout)}
     op_pad = tuple(0 if i + 2 in sharded else p[i] for i in range(x.ndim - 2))
-    return layout, local, tw, op_pad, geoms, sharded
+    return layout, tw, (k, s, p, d), op_pad, geoms, sharded
 
 
 def max_pool(
@@ -66,9 +70,8 @@ def max_pool(
     """``F.max_pool{rank}d`` of a DTensor on any layout (indices global, as torch's)."""
     what = what or f"max_pool{rank}d"
     no_volume_indices(rank, return_indices, what)
-    k, s, p, d = pool_args(rank, kernel_size, stride, padding, dilation)
-    _torch_checks("max", tuple(x.shape), k, s, p, d, ceil_mode, return_indices)
-    layout, local, tw, op_pad, _, sharded = _window(x, what, k, s, p, d, ceil_mode, float("-inf"))
+    geometry = (kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+    layout, tw, (k, s, _, d), op_pad, _, sharded = _window("max", x, rank, what, *geometry)
     with tw.saving():
         out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
     shape = tile_shape(tuple(x.shape), out, tw)
@@ -98,11 +101,9 @@ def avg_pool(
 ) -> DTensor:
     """``F.avg_pool{rank}d`` of a DTensor on any layout."""
     what = what or f"avg_pool{rank}d"
-    k, s, p, _ = pool_args(rank, kernel_size, stride, padding)
     include_pad, divisor = count_include_pad, divisor_override
-    _torch_checks("avg", tuple(x.shape), k, s, p, ceil_mode, include_pad, divisor)
-    ones = (1,) * (x.ndim - 2)
-    layout, _, tw, op_pad, geoms, sharded = _window(x, what, k, s, p, ones, ceil_mode, 0.0)
+    geometry = (kernel_size, stride, padding, 1, ceil_mode, include_pad, divisor)
+    layout, tw, (k, s, p, _), op_pad, geoms, sharded = _window("avg", x, rank, what, *geometry)
     pool = _AVG[x.ndim]
     # In the window the edge padding of a sharded dim is ordinary zeros, so the local op's
     # divisor is right unless padding must not be counted or a ceil window overhangs.
@@ -120,13 +121,6 @@ def avg_pool(
             div = div * f.view(-1, *(1,) * (x.ndim - 1 - i))
         out = sums / div
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
-
-
-def pool_args(ndim: int, kernel_size, stride, padding, dilation=1):
-    """``(k, s, p, d)``, one int per spatial dim (the default stride: the kernel)."""
-    k = ntuple(kernel_size, ndim)
-    s = ntuple(stride, ndim) if stride else k
-    return k, s, ntuple(padding, ndim), ntuple(dilation, ndim)
 
 
 _NAMESPACES = {"F": F, "torch": torch, "torch._C._nn": torch._C._nn}
