@@ -28,14 +28,6 @@ from ._tiles import along, layout_axes
 LINEAR = {3: "linear", 4: "bilinear", 5: "trilinear"}
 
 
-def _per_dim(v, n: int, name: str, what: str) -> tuple:
-    """``v`` (a number or a sequence) as one value per spatial dim."""
-    out = tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
-    if len(out) != n:
-        raise ValueError(f"{what}: {name} {v} must give {n} values, one per spatial dim")
-    return out
-
-
 def resize_sizes(
     in_sizes: tuple[int, ...],
     size,
@@ -55,12 +47,16 @@ def resize_sizes(
         )
     if (size is None) == (scale_factor is None):
         raise ValueError("exactly one of size or scale_factor should be defined")
+    if size is not None and recompute_scale_factor:
+        raise ValueError("recompute_scale_factor is not meaningful with an explicit size.")
+    v, name = (size, "size") if size is not None else (scale_factor, "scale_factor")
+    per_dim = tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
+    if len(per_dim) != n:
+        raise ValueError(f"{what}: {name} {v} must give {n} values, one per spatial dim")
     if size is not None:
-        if recompute_scale_factor:
-            raise ValueError("recompute_scale_factor is not meaningful with an explicit size.")
-        out, scales = tuple(int(o) for o in _per_dim(size, n, "size", what)), (None,) * n
+        out, scales = tuple(int(o) for o in per_dim), (None,) * n
     else:
-        sf = tuple(float(f) for f in _per_dim(scale_factor, n, "scale_factor", what))
+        sf = tuple(float(f) for f in per_dim)
         out = tuple(math.floor(i * f) for i, f in zip(in_sizes, sf, strict=True))
         scales = (None,) * n if recompute_scale_factor else sf
     if min(out) < 1:
