@@ -28,9 +28,8 @@ DimPlan = tuple[Segments, int, tuple[int, ...]]
 _AVG = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
 
 
-def adaptive_bounds(size: int, out: int, lo: int = 0, hi: int | None = None) -> Segments:
+def adaptive_bounds(size: int, out: int, lo: int, hi: int) -> Segments:
     """Input ``[start, end)`` of adaptive-pooling outputs ``[lo, hi)`` (PyTorch's rule)."""
-    hi = out if hi is None else hi
     return tuple(((j * size) // out, -(-((j + 1) * size) // out)) for j in range(lo, hi))
 
 
@@ -38,11 +37,10 @@ def adaptive_bounds(size: int, out: int, lo: int = 0, hi: int | None = None) -> 
 def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
     """Input planes each rank gathers for its chunk of ``out`` adaptive outputs."""
     owned = check_strips(what, width, parts, "input")
-    needed = tuple(
-        (((o0 * width) // out, -(-(o1 * width) // out)),) if o0 < o1 else ()
-        for o0, o1 in all_shard_bounds(out, parts)
+    windows = (adaptive_bounds(width, out, *chunk) for chunk in all_shard_bounds(out, parts))
+    plan = ExchangePlan(
+        width, tuple(owned), tuple(((w[0][0], w[-1][1]),) if w else () for w in windows)
     )
-    plan = ExchangePlan(width, tuple(owned), needed)
     plan.check_neighbours(what)
     return plan
 
@@ -88,7 +86,7 @@ def _plan(sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, .
         ax = next(((p, r) for i, p, r in axes if i == j), None)
         # halo: the windows of this rank's outputs, from the first one's start (the exchange's
         # first column); reduce: every window, cut to this rank's columns [offset, end)
-        win = adaptive_bounds(n, o, *(all_shard_bounds(o, ax[0])[ax[1]] if ax and halo else ()))
+        win = adaptive_bounds(n, o, *(all_shard_bounds(o, ax[0])[ax[1]] if ax and halo else (0, o)))
         offset, end = (
             (win[0][0] if win else 0, n) if halo or not ax else all_shard_bounds(n, ax[0])[ax[1]]
         )
