@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced
 from ._conv import spatial_subclasses
+from ._dims import mesh_group
 from ._errors import module_label
 from ._halo import sum_grad_over
 from ._layout import reshape_kept
@@ -33,16 +34,12 @@ def _check_channels(what: str, c: int, **params: Tensor | None) -> None:
 
 
 def _layout(x: DTensor, what: str, **params: Tensor | None) -> tuple:
-    """``(x, layout, _as_nchw sizes)``; the per-channel ``params`` checked."""
+    """``(x, layout, (N, C, H, W))``, a volume's D and H as one (statistics only count
+    elements: they run on that 4-D view); the per-channel ``params`` checked."""
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
-    nchw = _as_nchw(x.shape)
+    nchw = (x.shape[0], x.shape[1], math.prod(x.shape[2:-1]), x.shape[-1])
     _check_channels(what, nchw[1], **params)
     return x, layout, nchw
-
-
-def _as_nchw(shape) -> tuple[int, int, int, int]:
-    """The 4-D view the statistics run on (statistics only count elements)."""
-    return (shape[0], shape[1], math.prod(shape[2:-1]), shape[-1])
 
 
 @not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
@@ -50,8 +47,8 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     """``(output, mean, biased variance)`` of ``x`` normalised with global ``cells``."""
     local = enter(x)
     shape = local.shape
-    if local.ndim != 4:  # the same statistics on a 4-D view of the local part
-        local = local.reshape(_as_nchw(shape))
+    if local.ndim != 4:  # the same statistics on the 4-D view of the local part (``_layout``)
+        local = local.flatten(2, -2)
     groups = layout.grad_groups
     reduce_affine = cells.groups == groups  # batch norm: affine gradients ride on the stats'
     if not reduce_affine:
@@ -160,9 +157,8 @@ def spatial_instance_norm(
     y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
     if running_mean is not None or running_var is not None:
         # (the same per-sample statistics on the spatial group: summed over the batch dims)
-        dp = tuple(
-            layout.mesh.get_group(i) for i in layout.batch_dims if i not in layout.spatial_mesh_dims
-        )
+        spatial = layout.spatial_mesh_dims
+        dp = [mesh_group(layout.mesh, i) for i in layout.batch_dims if i not in spatial]
         avg = torch.stack([mean.sum(0), (var * (count / (count - 1))).sum(0)])
         avg = sum_now(avg.contiguous(), *dp) / n
         _update(((running_mean, avg[0]), (running_var, avg[1])), momentum)
@@ -188,9 +184,8 @@ class _SpatialBatchNorm:
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats  # running stats to use or update
         rm, rv = (self.running_mean, self.running_var) if keep else (None, None)
-        w, b = self.weight, self.bias
-        what = module_label(self)
-        return spatial_batch_norm(x, rm, rv, w, b, batch_stats, factor, self.eps, what)
+        args = (rm, rv, self.weight, self.bias, batch_stats, factor, self.eps)
+        return spatial_batch_norm(x, *args, what=module_label(self))
 
 
 SpatialBatchNorm2d, SpatialBatchNorm3d, SpatialSyncBatchNorm = spatial_subclasses(
@@ -210,9 +205,8 @@ class _SpatialInstanceNorm:
             return super()._apply_instance_norm(x)
         batch_stats = self.training or not self.track_running_stats
         momentum = self.momentum if self.momentum is not None else 0.0
-        rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
-        what = module_label(self)
-        return spatial_instance_norm(x, rm, rv, w, b, batch_stats, momentum, self.eps, what)
+        args = (self.running_mean, self.running_var, self.weight, self.bias, batch_stats, momentum)
+        return spatial_instance_norm(x, *args, self.eps, what=module_label(self))
 
 
 SpatialInstanceNorm2d, SpatialInstanceNorm3d = spatial_subclasses(
