@@ -1,6 +1,9 @@
-"""Max and average pooling on every layout (the local op on ``tile_window``'s window: ties
-as on one device, global indices, torch's divisor from *global* positions), and the public
-functions, modules and torch-function routes of every pooling (adaptive: ``_adaptive.py``).
+"""Max, average and adaptive pooling of any spatial rank on every layout, their modules and
+torch-function routes. Max / average: the local op on ``tile_window``'s window (ties as on one
+device, global indices, torch's divisor from *global* positions). Adaptive, separable per dim:
+*halo* (one sharded dim pooled to more than one cell: the input's ``Shard``) or *reduce*
+(global and small pools: parts all-reduced, ``Replicate``; max by value, then the smallest
+global index, whose rank alone passes the gradient). docs/tiles.md, docs/volumes.md.
 """
 
 from __future__ import annotations
@@ -8,16 +11,18 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 
-from ._adaptive import adaptive_pool, no_volume_indices
-from ._geometry import ntuple
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips, ntuple
+from ._halo import gather_columns
 from ._mode import register_handler
 from ._parallelize import spatial_module
-from ._sharding import enter, leave, spatial_layout
-from ._tiles import ceil_geom, layout_axes, tile_shape, tile_window
+from ._sharding import SpatialLayout, enter, leave, spatial_layout
+from ._small_sum import sum_replicated
+from ._tiles import along, ceil_geom, layout_axes, sharded_axes, tile_shape, tile_window
 
 #: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
 _MAX = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
@@ -121,6 +126,204 @@ def avg_pool(
             div = div * f.view(-1, *(1,) * (x.ndim - 1 - i))
         out = sums / div
     return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
+
+
+Segments = tuple[tuple[int, int], ...]
+#: per spatial dim: window segments in local indices, global index of local index 0, and
+#: the global window lengths (the divisors of an average)
+DimPlan = tuple[Segments, int, tuple[int, ...]]
+#: torch's adaptive average per tensor rank (it reduces the dims no mesh dim shards)
+_ADAPTIVE_AVG = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
+
+
+def adaptive_bounds(size: int, out: int, lo: int, hi: int) -> Segments:
+    """Input ``[start, end)`` of adaptive-pooling outputs ``[lo, hi)`` (PyTorch's rule)."""
+    return tuple(((j * size) // out, -(-((j + 1) * size) // out)) for j in range(lo, hi))
+
+
+@functools.lru_cache(maxsize=1024)
+def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
+    """Input planes each rank gathers for its chunk of ``out`` adaptive outputs."""
+    owned = check_strips(what, width, parts, "input")
+    windows = (adaptive_bounds(width, out, *chunk) for chunk in all_shard_bounds(out, parts))
+    plan = ExchangePlan(
+        width, tuple(owned), tuple(((w[0][0], w[-1][1]),) if w else () for w in windows)
+    )
+    plan.check_neighbours(what)
+    return plan
+
+
+def _segment_sums(g: Tensor, segs: Segments) -> Tensor:
+    """Sums of ``g`` over segments of its last dim (local indices), last dim = segment."""
+    if segs == ((0, g.shape[-1]),):
+        return g.sum(-1, keepdim=True)
+    if not segs:
+        return g.narrow(-1, 0, 0)
+    # float64 prefix sums: the differences of neighbouring prefixes stay exact to fp32
+    c = F.pad(g.double().cumsum(-1), (1, 0))
+    starts = torch.tensor([s for s, _ in segs], device=g.device)
+    ends = torch.tensor([e for _, e in segs], device=g.device)
+    return (c.index_select(-1, ends) - c.index_select(-1, starts)).to(g.dtype)
+
+
+def _segment_max(g: Tensor, segs: Segments) -> tuple[Tensor, Tensor]:
+    """Max over segments of the last dim and its first index (empty: ``-inf`` at the end)."""
+    w = g.shape[-1]
+    if w and segs == ((0, w),):
+        return g.max(-1, keepdim=True)  # the first maximum, as documented
+    if not segs:
+        return g.narrow(-1, 0, 0), torch.zeros_like(g.narrow(-1, 0, 0), dtype=torch.long)
+    length = max(1, *(e - s for s, e in segs))
+    # every segment padded to the same length by repeating its last element (a repeat never
+    # wins: max() returns the first maximum), empty segments read the -inf element w
+    idx = torch.tensor(
+        [[s + min(t, e - s - 1) if e > s else w for t in range(length)] for s, e in segs],
+        device=g.device,
+    )
+    gp = F.pad(g, (0, 1), value=float("-inf"))
+    vals = gp.index_select(-1, idx.flatten()).unflatten(-1, idx.shape)
+    v, arg = vals.max(-1)
+    return v, idx.expand(*arg.shape, length).gather(-1, arg.unsqueeze(-1)).squeeze(-1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, ...]:
+    """``DimPlan`` per spatial dim; ``axes``: ``(j, parts, rank)``; ``halo``: the output chunk's."""
+    plans = []
+    for j, (n, o) in enumerate(zip(sizes, out, strict=True)):
+        ax = next(((p, r) for i, p, r in axes if i == j), None)
+        # halo: the windows of this rank's outputs, from the first one's start (the exchange's
+        # first column); reduce: every window, cut to this rank's columns [offset, end)
+        win = adaptive_bounds(n, o, *(all_shard_bounds(o, ax[0])[ax[1]] if ax and halo else (0, o)))
+        offset, end = (
+            (win[0][0] if win else 0, n) if halo or not ax else all_shard_bounds(n, ax[0])[ax[1]]
+        )
+        segs = tuple((min(max(s, offset), end) - offset, max(min(e, end), offset) - offset)
+                     for s, e in win)  # fmt: skip
+        plans.append((segs, offset, tuple(e - s for s, e in win)))
+    return tuple(plans)
+
+
+def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
+    """``(values, global flat index, valid)`` of the max over every window, innermost first."""
+    idx, stride = None, 1
+    valid = torch.ones((), dtype=torch.bool, device=t.device)
+    for j in range(len(plans) - 1, -1, -1):
+        (segs, offset, _), d = plans[j], j + 2
+        m = t.movedim(d, -1)
+        v, arg = _segment_max(m, segs)  # arg: m.shape[-1] for an empty segment
+        at = arg.clamp(max=m.shape[-1] - 1)
+        inner = 0 if idx is None else idx.movedim(d, -1).gather(-1, at)
+        t, idx = v.movedim(-1, d), (inner + (at + offset) * stride).movedim(-1, d)
+        stride *= sizes[j]
+        hit = torch.tensor([e > s for s, e in segs], dtype=torch.bool, device=t.device)
+        valid = valid & hit.view(-1, *(1,) * (len(plans) - 1 - j))
+    return t, idx, valid
+
+
+def _pool_free_dims(t: Tensor, out: tuple, sharded: set) -> Tensor:
+    """torch's adaptive average over the unsharded dims (first: the halo moves less)."""
+    if len(sharded) == len(out):
+        return t
+    keep = [t.shape[j + 2] if j in sharded else o for j, o in enumerate(out)]
+    if t.numel():
+        return _ADAPTIVE_AVG[t.ndim](t, keep)
+    # an empty block: stay in the graph (the exchange's backward runs on every rank)
+    free = [j + 2 for j in range(len(out)) if j not in sharded]
+    return t.sum(free, keepdim=True).expand(*t.shape[:2], *keep)
+
+
+def _reduce_avg(t: Tensor, plans: tuple[DimPlan, ...], sharded: set) -> Tensor:
+    """The average over every window of the sharded dims (the others already pooled)."""
+    for j in sorted(sharded, reverse=True):
+        segs, _, lens = plans[j]
+        div = torch.tensor(lens, dtype=t.dtype, device=t.device)
+        t = along(t, j + 2, lambda m, segs=segs, div=div: _segment_sums(m, segs) / div)
+    return t
+
+
+def _check_small_output(x: DTensor, axes, out: tuple, kind: str, what: str) -> None:
+    """Refuse a reduce over several sharded dims to more than a quarter of the smallest tile."""
+    parts = {d: p for d, p, _, _ in axes}
+    smallest = cells = 1
+    for d in range(2, x.ndim):
+        smallest *= min(b - a for a, b in all_shard_bounds(x.shape[d], parts.get(d, 1)))
+        cells *= out[d - 2]
+    if 4 * cells > smallest:
+        raise SpatialShardingError(
+            f"{what}: pooling to {'x'.join(map(str, out))} on tiles would all-reduce and "
+            f"replicate an output larger than a quarter of a tile; tiles support global and "
+            f"small adaptive {kind} pooling only. Shard one spatial dim for this layer's "
+            f"model, or use a smaller output."
+        )
+
+
+def no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
+    """Refuse ``return_indices`` on volumes (no sharded ``MaxUnpool3d`` uses them)."""
+    if return_indices and rank == 3:
+        raise SpatialShardingError(
+            f"{what}: return_indices is not supported on a sharded volume (no MaxUnpool3d "
+            f"either); use the values only"
+        )
+
+
+def adaptive_pool(
+    x: DTensor, output_size, return_indices: bool = False, *, rank: int, kind: str, what=""
+):
+    """``F.adaptive_{kind}_pool{rank}d`` (``kind``: "avg" / "max") of ``x`` on any layout."""
+    what = what or f"adaptive_{kind}_pool{rank}d"
+    size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
+    if len(size) != rank:
+        raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
+    shape = x.shape[2 : 2 + rank]
+    out = tuple(int(o) if o is not None else m for o, m in zip(size, shape, strict=True))
+    if min(out) < 1:
+        raise ValueError(f"{what}: output size must be positive, got {output_size}")
+    no_volume_indices(rank, return_indices, what)
+    x, layout = spatial_layout(x, what, len(out) + 2, tiles=True)
+    axes, sizes = sharded_axes(layout), tuple(x.shape[2:])
+    # Images keep Replicate when some rank would get no output cell (flatten + Linear heads
+    # then see one layout at every world size); volumes keep their Shard.
+    halo = len(axes) == 1 and out[axes[0][0] - 2] > 1
+    if halo and x.ndim < 5:
+        halo = all(a < b for a, b in all_shard_bounds(out[axes[0][0] - 2], axes[0][1]))
+    if len(axes) > 1:
+        _check_small_output(x, axes, out, "average" if kind == "avg" else "max", what)
+    key = tuple((d - 2, parts, rank) for d, parts, rank, _ in axes)
+    plans = _plan(sizes, out, key, halo)
+    t, sharded = enter(x), {d - 2 for d, *_ in axes}
+    if kind == "avg":  # order-free: pool the unsharded dims first (the halo moves less)
+        t = _pool_free_dims(t, out, sharded)
+    for d, parts, rank, group in axes:
+        if halo:
+            plan = _adaptive_exchange(what, x.shape[d], out[d - 2], parts)
+            t = along(t, d, lambda m, p=plan, r=rank, g=group: gather_columns(m, p, r, g))
+        elif t.shape[d] == 0:  # empty block: one neutral element keeps the local ops defined
+            neutral = 0.0 if kind == "avg" else float("-inf")
+            t = along(t, d, lambda m, v=neutral: F.pad(m, (0, 1), value=v))
+    shape, out_layout = (x.shape[0], x.shape[1], *out), layout
+    if not halo:  # every spatial mesh dim Replicate (a dp Shard(0) kept)
+        spatial = {m for _, m in layout_axes(layout)}
+        pl = tuple(Replicate() if m in spatial else p for m, p in enumerate(layout.placements))
+        out_layout = SpatialLayout(layout.mesh, pl, layout.sp_dim)
+    if kind == "avg":
+        v = _reduce_avg(t, plans, sharded)
+        v = v if halo else sum_replicated(v, [group for *_, group in axes])
+        return leave(v, out_layout, shape)
+    v, idx, valid = _reduce_max(t, plans, sizes)
+    if not halo:
+        best = v.detach().clone()
+        groups = [group for _, parts, _, group in axes if parts > 1]
+        for group in groups:
+            dist.all_reduce(best, dist.ReduceOp.MAX, group=group)
+        # ties between ranks: the smallest global (row-major) index wins, as on one device
+        cand = torch.where(valid & (v.detach() == best), idx, torch.iinfo(idx.dtype).max)
+        for group in groups:
+            dist.all_reduce(cand, dist.ReduceOp.MIN, group=group)
+        v, idx = torch.where(valid & (idx == cand), v, best), cand  # only the owner: gradient
+    if not return_indices:
+        return leave(v, out_layout, shape)
+    return leave(v, out_layout, shape), leave(idx, out_layout, shape)
 
 
 _NAMESPACES = {"F": F, "torch": torch, "torch._C._nn": torch._C._nn}
