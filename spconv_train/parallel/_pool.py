@@ -70,10 +70,9 @@ def max_pool(
     return_indices: bool = False,
     *,
     rank: int,
-    what: str = "",
+    what: str,
 ):
     """``F.max_pool{rank}d`` of a DTensor on any layout (indices global, as torch's)."""
-    what = what or f"max_pool{rank}d"
     no_volume_indices(rank, return_indices, what)
     geometry = (kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     layout, tw, (k, s, _, d), op_pad, _, sharded = _window("max", x, rank, what, *geometry)
@@ -102,10 +101,9 @@ def avg_pool(
     divisor_override: int | None = None,
     *,
     rank: int,
-    what: str = "",
+    what: str,
 ) -> DTensor:
     """``F.avg_pool{rank}d`` of a DTensor on any layout."""
-    what = what or f"avg_pool{rank}d"
     include_pad, divisor = count_include_pad, divisor_override
     geometry = (kernel_size, stride, padding, 1, ceil_mode, include_pad, divisor)
     layout, tw, (k, s, p, _), op_pad, geoms, sharded = _window("avg", x, rank, what, *geometry)
@@ -268,10 +266,9 @@ def no_volume_indices(rank: int, return_indices: bool, what: str) -> None:
 
 
 def adaptive_pool(
-    x: DTensor, output_size, return_indices: bool = False, *, rank: int, kind: str, what=""
+    x: DTensor, output_size, return_indices: bool = False, *, rank: int, kind: str, what: str
 ):
     """``F.adaptive_{kind}_pool{rank}d`` (``kind``: "avg" / "max") of ``x`` on any layout."""
-    what = what or f"adaptive_{kind}_pool{rank}d"
     size = (output_size,) * rank if isinstance(output_size, int) else tuple(output_size)
     if len(size) != rank:
         raise ValueError(f"{what}: output_size {output_size} must give {rank} sizes")
