@@ -24,9 +24,6 @@ from ._runtime import current_runtime
 from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
 from ._tiles import along, layout_axes
 
-#: the linear mode of each tensor rank (its 1-D table is the "bilinear" one, per dim)
-LINEAR = {3: "linear", 4: "bilinear", 5: "trilinear"}
-
 
 def resize_sizes(
     in_sizes: tuple[int, ...],
@@ -215,7 +212,7 @@ def spatial_interpolate(
     what: str = "interpolate",
 ):
     """``F.interpolate`` of a sharded image or volume on any layout."""
-    x, linear = input, LINEAR.get(input.ndim)
+    x, linear = input, {3: "linear", 4: "bilinear", 5: "trilinear"}.get(input.ndim)
     sized = (tuple(v) if isinstance(v, (list, tuple)) else v for v in (size, scale_factor))
     key = (tuple(x.shape[2:]), *sized)  # hashable: the geometry is cached
     area = F.adaptive_avg_pool3d if x.ndim == 5 else F.adaptive_avg_pool2d  # mode "area"
