@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from ._dims import GRID_MESH_DIMS, mesh_axis
+from ._dims import GRID_MESH_DIMS, ParallelDims, mesh_axis
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._layout import memory_format
@@ -159,12 +159,9 @@ def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
 
 def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...]:
     """Where a replicated input's resize goes: tiles, an image's strips, or nowhere."""
-    names = layout.mesh.mesh_dim_names or ()
-    axes = tuple(
-        (i + ndim - 3, names.index(n))
-        for i, n in enumerate(GRID_MESH_DIMS)
-        if n in names and i + ndim - 3 >= 2
-    )
+    names = enumerate(layout.mesh.mesh_dim_names or ())
+    grid = ((ndim - ParallelDims.dims_from_end(n), m) for m, n in names if n in GRID_MESH_DIMS)
+    axes = tuple((d, m) for d, m in grid if d >= 2)
     if len(axes) > 1:
         return axes
     return ((3, layout.sp_dim),) if ndim == 4 else ()

@@ -170,8 +170,6 @@ class _SpatialBatchNorm:
     statistics over the global batch and image (SyncBatchNorm: over the input's mesh, its
     ``process_group`` unused)."""
 
-    spatial_name: str = ""
-
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, DTensor):
             return super().forward(x)
@@ -197,8 +195,6 @@ SpatialGroupNorm = spatial_module(nn.GroupNorm, spatial_group_norm, *_NORM_ARGS,
 
 class _SpatialInstanceNorm:
     """``_InstanceNorm`` running ``spatial_instance_norm`` on a DTensor input."""
-
-    spatial_name: str = ""
 
     def _apply_instance_norm(self, x: Tensor) -> Tensor:
         if not isinstance(x, DTensor):
