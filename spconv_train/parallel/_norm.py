@@ -27,18 +27,20 @@ from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_now
 
 
-def _check_channels(what: str, c: int, **params: Tensor | None) -> None:
-    for name, t in params.items():
-        if t is not None and t.numel() != c:
-            raise ValueError(f"{what}: {name} has {t.numel()} elements for {c} channels")
-
-
-def _layout(x: DTensor, what: str, **params: Tensor | None) -> tuple:
+def _layout(x: DTensor, what: str, num_groups: int = 1, **params: Tensor | None) -> tuple:
     """``(x, layout, (N, C, H, W))``, a volume's D and H as one (statistics only count
-    elements: they run on that 4-D view); the per-channel ``params`` checked."""
+    elements: they run on that 4-D view); checked in torch's order: the channels divisible
+    by ``num_groups``, then the per-channel ``params``."""
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
     nchw = (x.shape[0], x.shape[1], math.prod(x.shape[2:-1]), x.shape[-1])
-    _check_channels(what, nchw[1], **params)
+    if nchw[1] % num_groups:
+        raise RuntimeError(
+            f"{what}: Expected number of channels in input to be divisible by num_groups, "
+            f"but got input of shape {list(x.shape)} and num_groups={num_groups}"
+        )
+    for name, t in params.items():
+        if t is not None and t.numel() != nchw[1]:
+            raise ValueError(f"{what}: {name} has {t.numel()} elements for {nchw[1]} channels")
     return x, layout, nchw
 
 
@@ -120,13 +122,7 @@ def spatial_group_norm(
     what: str = "group_norm",
 ) -> DTensor:
     """``F.group_norm`` of a sharded DTensor."""
-    x, layout, (n, c, h, w) = _layout(input, what)
-    if c % num_groups:  # checked first, as torch does
-        raise RuntimeError(
-            f"{what}: Expected number of channels in input to be divisible by num_groups, "
-            f"but got input of shape {list(x.shape)} and num_groups={num_groups}"
-        )
-    _check_channels(what, c, weight=weight, bias=bias)
+    x, layout, (n, c, h, w) = _layout(input, what, num_groups, weight=weight, bias=bias)
     count = c // num_groups * h * w
     if n * count == 1:
         raise ValueError(f"{what}: Expected more than 1 value per channel, got {list(x.shape)}")
