@@ -209,10 +209,11 @@ def spatial_interpolate(
     what: str = "interpolate",
 ):
     """``F.interpolate`` of a sharded image or volume on any layout."""
-    x, linear = input, {3: "linear", 4: "bilinear", 5: "trilinear"}.get(input.ndim)
-    sized = (tuple(v) if isinstance(v, (list, tuple)) else v for v in (size, scale_factor))
+    x, ndim = input, input.ndim
+    linear = {3: "linear", 4: "bilinear", 5: "trilinear"}.get(ndim)
+    sized = [tuple(v) if isinstance(v, (list, tuple)) else v for v in (size, scale_factor)]
     key = (tuple(x.shape[2:]), *sized)  # hashable: the geometry is cached
-    area = F.adaptive_avg_pool3d if x.ndim == 5 else F.adaptive_avg_pool2d  # mode "area"
+    area = F.adaptive_avg_pool3d if ndim == 5 else F.adaptive_avg_pool2d  # mode "area"
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
         out, _ = _geometry(*key, mode, align_corners, recompute, what)
@@ -224,14 +225,14 @@ def spatial_interpolate(
             )
         return handler(x, out)
     if mode not in ("nearest", "nearest-exact", linear) or antialias:
-        kind = "volume" if x.ndim == 5 else "image"
+        kind = "volume" if ndim == 5 else "image"
         raise SpatialShardingError(
             f"{what}: interpolate mode={mode!r}{' with antialias' if antialias else ''} is not "
             f"supported on a sharded {kind} (supported: nearest, nearest-exact, {linear}, and "
             f"'area' via {area.__name__}). Use one of those, or gather explicitly "
             f"(x.full_tensor())."
         )
-    x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
+    x, layout = spatial_layout(x, what, ndim=5 if ndim == 5 else 4, tiles=True)
     out, scales = _geometry(*key, mode, align_corners, recompute_scale_factor, what)
     table_mode = "bilinear" if mode == linear else mode  # the same 1-D linear table
     y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)  # None: False

@@ -32,7 +32,8 @@ def _layout(x: DTensor, what: str, num_groups: int = 1, **params: Tensor | None)
     elements: they run on that 4-D view); checked in torch's order: the channels divisible
     by ``num_groups``, then the per-channel ``params``."""
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
-    nchw = (x.shape[0], x.shape[1], math.prod(x.shape[2:-1]), x.shape[-1])
+    s = x.shape  # (one read: a DTensor's shape goes through the spatial mode)
+    nchw = (s[0], s[1], math.prod(s[2:-1]), s[-1])
     if nchw[1] % num_groups:
         raise RuntimeError(
             f"{what}: Expected number of channels in input to be divisible by num_groups, "
