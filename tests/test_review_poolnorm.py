@@ -207,6 +207,11 @@ def refusals(world: int) -> None:
             "F.adaptive_max_pool3d: return_indices",
             lambda: _nn.adaptive_max_pool3d(vs, 2),
         ),
+        # stride 0 is no default stride: torch refuses it (as the modules' stride=0)
+        (RuntimeError, "stride should not be zero", lambda: F.max_pool2d(xs, 2, 0)),
+        (RuntimeError, "stride should not be zero", lambda: F.avg_pool2d(xs, 2, 0)),
+        (RuntimeError, "stride should not be zero", lambda: F.max_pool3d(vs, 2, 0)),
+        (RuntimeError, "stride should not be zero", lambda: nn.AvgPool3d(2, 0)(vs)),
     ]
     for error, message, call in cases:
         with pytest.raises(error, match=message.replace(".", r"\.")), SpatialMode():
