@@ -47,7 +47,9 @@ def _window(kind: str, x: DTensor, rank: int, what: str, kernel_size, stride, pa
             ceil_mode: bool, *rest) -> tuple:  # fmt: skip
     """``(layout, window, (k, s, p, d), op padding, geometries, sharded dims)`` of a pooling op
     (the default stride: the kernel), after torch's own checks (``rest``: its other arguments)."""
-    k, s, p, d = [ntuple(v, rank) for v in (kernel_size, stride or kernel_size, padding, dilation)]
+    default = stride is None or stride == [] or stride == ()  # torch's; 0 is refused, as by torch
+    stride = kernel_size if default else stride
+    k, s, p, d = [ntuple(v, rank) for v in (kernel_size, stride, padding, dilation)]
     _torch_checks(kind, tuple(x.shape), k, s, p, *((d,) if kind == "max" else ()), ceil_mode, *rest)
     x, layout = spatial_layout(x, what, rank + 2, tiles=True)
     shape = tuple(x.shape)
