@@ -26,10 +26,23 @@ from ._tokens import chain_each, is_nested, is_tokens, split_layouts
 _T = torch.Tensor
 
 
+def _items(x, index) -> tuple | None:
+    """``index`` as one item per dim of ``x`` (``None``: not ints and slices), a slice that
+    keeps a whole dim (``x[:, 0:]``, as torch: every entry) read as ``slice(None)``."""
+    items = _expand_index(index, x.ndim)
+    if items is None:
+        return None
+    whole = (
+        isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(n)
+        for i, n in zip(items, x.shape)
+    )
+    return tuple(slice(None) if w else i for w, i in zip(whole, items))
+
+
 def _local_index(x, index) -> DTensor | None:
     """``x[index]`` on the local tensor when ``x`` is a token tensor and ``index`` (ints and
     slices) leaves every split dim whole; ``None`` otherwise."""
-    items = _expand_index(index, x.ndim) if is_tokens(x) or is_nested(x) else None
+    items = _items(x, index) if is_tokens(x) or is_nested(x) else None
     if items is None or any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
         return None
     placements = reduced_placements(x, [d for d, i in enumerate(items) if isinstance(i, int)])
@@ -67,7 +80,7 @@ def _prefix_index(x: DTensor, index, whole):
     """``x[index]`` on a tensor with prefix tokens: ``whole(x)`` when the token dim stays
     whole, the pixel tokens (``x[:, p:]``) or a part of the prefix (``x[:, 0]``, ``x[:, :p]``)
     from its owner, the first rank of every mesh dim splitting the tokens."""
-    items = _expand_index(index, x.ndim)
+    items = _items(x, index)
     dims = [m for m, q in enumerate(x.placements) if prefix_of(q)]
     d, p = norm_dim(x.placements[dims[0]].dim, x.ndim), prefix_of(x.placements[dims[0]])
     if items is not None and items[d] == slice(None):
