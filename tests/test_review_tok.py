@@ -219,6 +219,8 @@ def test_norm_over_tokens_refused_or_exact(dist_pool, world):
 #: index inside the prefix by keyword arguments (as by position)
 PREFIX_INDEXING = [
     ("whole slices", lambda r: r[:, 0:] + r[:, :] * 2 + r[:, 0 : r.shape[1]] - r[:, -r.shape[1] :]),
+    ("select by keyword", lambda r: r * r.select(dim=1, index=1).unsqueeze(1)),
+    ("torch.select by keyword", lambda r: r + torch.select(r, dim=-2, index=0)[:, None]),
 ]
 
 

@@ -138,9 +138,10 @@ def _indexing(index_of, fn, prev):
     kept = _keeps_prefix(fn, local)
 
     def handler(x, *args, **kwargs):
-        if not has_prefix(x) or kwargs:
+        if not has_prefix(x):
             return local(x, *args, **kwargs)
-        return _prefix_index(x, index_of(x, *args), lambda t: kept(t, *args))
+        whole = lambda t: kept(t, *args, **kwargs)  # noqa: E731
+        return _prefix_index(x, index_of(x, *args, **kwargs), whole)
 
     return handler
 
