@@ -34,9 +34,9 @@ def _items(x, index) -> tuple | None:
         return None
     whole = (
         isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(n)
-        for i, n in zip(items, x.shape)
+        for i, n in zip(items, x.shape, strict=True)
     )
-    return tuple(slice(None) if w else i for w, i in zip(whole, items))
+    return tuple(slice(None) if w else i for w, i in zip(whole, items, strict=True))
 
 
 def _local_index(x, index) -> DTensor | None:

@@ -7,7 +7,6 @@ layout"."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -21,7 +20,6 @@ from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, shard_bounds
 from ._mode import register_handler
 from ._prefix_shard import placement
-from ._probe import result_shape
 from ._registry import DEFAULT_REGISTRY, function_name
 from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts
 
@@ -127,33 +125,6 @@ def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> N
 
 #: the matrix products (handlers in ``_attention_explicit.py`` and ``_windows.py``)
 MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
-#: the reshape-like ops, each a handler here and in ``_windows.py``
-RESHAPES = (torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten)
-RESHAPES += (torch.unflatten, torch.Tensor.unflatten, torch.Tensor.view)
-
-
-def reshape_of(func, x: DTensor, args, kwargs) -> tuple[tuple[int, ...], Callable | None]:
-    """``(global shape, fn)`` of ``func(x, *args, **kwargs)`` (one of ``RESHAPES``), ``fn``
-    for ``local_reshape`` (a view for ``Tensor.view``); the shape ``None`` for a dtype view."""
-    fn = (lambda t, s: t.view(s)) if func is torch.Tensor.view else None
-    if (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
-        return None, fn
-    return result_shape(func, x.shape, *args, **kwargs), fn
-
-
-def _reshaping(fn, prev):
-    """Handler for ``fn`` (a reshape-like op): local on token tensors, else ``prev``."""
-    what = function_name(fn)
-
-    def handler(x, *args, **kwargs):
-        tokens = is_tokens(x) or is_nested(x)
-        shape, f = reshape_of(fn, x, args, kwargs) if tokens else (None, None)
-        return prev(x, *args, **kwargs) if shape is None else local_reshape(x, shape, what, f)
-
-    return handler
-
-
-chain_each(RESHAPES, _reshaping)
 
 
 def _arith(fn, prev):

@@ -23,8 +23,10 @@ from ._dims import is_dp, mesh_group, wrap
 from ._geometry import ExchangePlan, all_shard_bounds, shard_bounds
 from ._halo import gather_columns
 from ._prefix_shard import placement, prefix_of
+from ._probe import result_shape
+from ._registry import function_name
 from ._ring_mask import sdpa_bias
-from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, split_layouts
+from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, local_reshape, split_layouts
 
 
 def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
@@ -272,22 +274,32 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     return moves if moves or local else None
 
 
+#: the reshape-like ops
+RESHAPES = (torch.reshape, Tensor.reshape, torch.flatten, Tensor.flatten, torch.unflatten)
+RESHAPES += (Tensor.unflatten, Tensor.view)
+
+
 def _reshaping(fn, prev):
-    """Window moves for the reshape-like ``fn``, before the token / DTensor rules."""
+    """Handler for the reshape-like ``fn``: window moves (``_moves``), else a token tensor's
+    reshape kept local (``_tokens.local_reshape``), else ``prev`` (a dtype view too)."""
+    what, view = function_name(fn), (lambda t, s: t.view(s)) if fn is Tensor.view else None
 
     def handler(x, *args, **kwargs):
-        # tokens behind a prefix (class token) are never windows: _tokens.py keeps the prefix
-        if isinstance(x, DTensor) and not any(map(prefix_of, x.placements)):
-            shape, f = _tokens.reshape_of(fn, x, args, kwargs)
-            moves = None if shape is None else _moves(x, shape)
-            if moves is not None:
-                return window_reshape(x, shape, moves, f)
+        if not isinstance(x, DTensor) or "dtype" in kwargs or torch.dtype in map(type, args):
+            return prev(x, *args, **kwargs)
+        shape = result_shape(fn, x.shape, *args, **kwargs)
+        # tokens behind a prefix (class token) are never windows: local_reshape keeps it
+        moves = None if any(map(prefix_of, x.placements)) else _moves(x, shape)
+        if moves is not None:
+            return window_reshape(x, shape, moves, view)
+        if _tokens.is_tokens(x) or _tokens.is_nested(x):
+            return local_reshape(x, shape, what, view)
         return prev(x, *args, **kwargs)
 
     return handler
 
 
-chain_each(_tokens.RESHAPES, _reshaping, "window")
+chain_each(RESHAPES, _reshaping, "window")
 
 
 def _batches_alike(a, *others) -> bool:
