@@ -1,4 +1,4 @@
-"""Cases the shorter token layer (``_tokens``, ``_token_index``, ``_token_prefix``,
+"""Cases the shorter token layer (``_tokens``, ``_token_prefix``,
 ``_token_reduce``) must keep exact that the model tests reach only in part: keyword
 arguments to token arithmetic (``torch.add(t, pos, alpha=2)``), heads unflattened from the
 channels and picked by ``select`` / ``x[:, :, 1]`` with negative dims, uneven ``split`` and

@@ -1,15 +1,20 @@
 """Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens:
 ``torch.cat([cls.expand(N, -1, -1), x], 1)`` gives a ``PrefixShard`` token dim, the prefix
 held (and its gradient counted) once; ops that keep the tokens in place run on the plain
-placements and get the prefix back. Refused by name: a plain tensor with a gradient joined
-to the tokens (a gather in the backward). docs/attention.md, "Prefix tokens".
+placements and get the prefix back; ``x[:, p:]`` gives the pixel tokens, ``x[:, 0]`` is
+broadcast from its owner. Refused by name: a plain tensor with a gradient joined to the
+tokens (a gather in the backward). Indexing along dims no rank splits (``kv[0]``) runs
+locally: DTensor's ``select_backward`` would size the gradient by its own chunking, not the
+tiles' layout. docs/attention.md, "Prefix tokens".
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -19,12 +24,14 @@ from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain
 from ._dims import norm_dim, wrap
 from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
-from ._prefix_shard import PrefixShard, placement, prefix_of
-from ._probe import cat_shape
+from ._prefix_shard import PrefixShard, placement, prefix_of, reduced_placements
+from ._probe import cat_shape, index_shape
+from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
 from ._registry import function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
-from ._tokens import chain, chain_each, is_dp, is_tokens, split_layouts
+from ._token_ring import token_ring
+from ._tokens import chain, chain_each, is_dp, is_nested, is_tokens, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -41,10 +48,12 @@ def _strip(x):
     ``_StridedShard``, for DTensor's own ops."""
     if isinstance(x, (list, tuple)):
         return type(x)(_strip(t) for t in x)
-    if not has_prefix(x):
-        return x
-    plain = [placement(p.dim, p.split_factor) if prefix_of(p) else p for p in x.placements]
-    return wrap(x.to_local(), x, plain, x.shape)
+    return wrap(x.to_local(), x, _plain(x.placements), x.shape) if has_prefix(x) else x
+
+
+def _plain(placements) -> list:
+    """``placements`` with every ``PrefixShard`` read as its plain ``_StridedShard``."""
+    return [placement(p.dim, p.split_factor) if prefix_of(p) else p for p in placements]
 
 
 def _attach(out, prefixes: dict[int, tuple[int, int]], what: str):
@@ -246,3 +255,120 @@ def _expand_as(prev, t, other, *args, **kwargs):
         grads[m] = pt if pt == po else Partial()
     local = t.to_local(grad_placements=grads).expand(other.to_local().shape)
     return wrap(local, other, other.placements, other.shape)
+
+
+def _items(x, index) -> tuple | None:
+    """``index`` as one item per dim of ``x`` (``None``: not ints and slices), a slice that
+    keeps a whole dim (``x[:, 0:]``, as torch: every entry) read as ``slice(None)``."""
+    items = _expand_index(index, x.ndim)
+    if items is None:
+        return None
+    whole = (
+        isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(n)
+        for i, n in zip(items, x.shape, strict=True)
+    )
+    return tuple(slice(None) if w else i for w, i in zip(whole, items, strict=True))
+
+
+def _local_index(x, index) -> DTensor | None:
+    """``x[index]`` on the local tensor when ``x`` is a token tensor and ``index`` (ints and
+    slices) leaves every split dim whole; ``None`` otherwise."""
+    items = _items(x, index) if is_tokens(x) or is_nested(x) else None
+    if items is None or any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
+        return None
+    placements = reduced_placements(x, [d for d, i in enumerate(items) if isinstance(i, int)])
+    return wrap(x.to_local()[items], x, placements, index_shape(x.shape, items))
+
+
+def _select(x, dim, index) -> tuple | None:
+    """``x.select(dim, index)`` as one index per dim (``None``: not an int index)."""
+    if not isinstance(dim, int) or not isinstance(index, int):
+        return None
+    d = norm_dim(dim, x.ndim)
+    return tuple(index if e == d else slice(None) for e in range(x.ndim))
+
+
+class _FromOwner(torch.autograd.Function):
+    """The group rank ``src``'s ``part`` on every rank of ``group`` (a broadcast); the
+    gradient, a partial sum on every rank, summed back to ``src``."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, group, shape: tuple[int, ...], dim: int, src: int) -> Tensor:
+        ctx.group, ctx.src, ctx.dim = group, src, dim
+        ctx.owner = dist.get_rank(group) == src
+        out = part.contiguous() if ctx.owner else part.new_empty(shape)
+        dist.broadcast(out, group_src=src, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.reduce(grad, group_dst=ctx.src, op=dist.ReduceOp.SUM, group=ctx.group)
+        return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None, None
+
+
+def _prefix_index(x: DTensor, index) -> DTensor | None:
+    """``x[index]`` on a tensor with prefix tokens (``None``: the token dim stays whole): the
+    pixel tokens (``x[:, p:]``) or a part of the prefix (``x[:, 0]``, ``x[:, :p]``) from its
+    owner, the first rank of every mesh dim splitting the tokens."""
+    items, lays = _items(x, index), [lay for lay in split_layouts(x) if lay.prefix]
+    d, p, n = lays[0].dim, lays[0].prefix, x.shape[lays[0].dim]
+    if items is not None and items[d] == slice(None):
+        return None
+    what = "indexing (x[...])"
+    if items is None or any(i != slice(None) for e, i in enumerate(items) if e != d):
+        raise _refuse(
+            what,
+            f"index {index!r} of tokens {tuple(x.shape)} behind {p} prefix tokens indexes "
+            f"more than the token dim (dim {d})",
+            "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
+        )
+    i, local, owner = items[d], x.to_local(), all(lay.rank == 0 for lay in lays)
+    picked = range(n)[i] if isinstance(i, slice) else range(n)[i : i + 1 or None]
+    if isinstance(i, slice) and i.step in (None, 1) and picked == range(p, n):
+        out = local.narrow(d, p, local.shape[d] - p) if owner else local
+        return wrap(out, x, _plain(x.placements), index_shape(x.shape, items))
+    if not picked or max(picked) >= p or not (isinstance(i, int) or i.step in (None, 1)):
+        raise _refuse(
+            what,
+            f"index {i!r} of the token dim {d} of {tuple(x.shape)} mixes its {p} prefix "
+            f"tokens (on the first rank) with the pixel tokens (split over the ranks)",
+            "Take the prefix (x[:, :p], x[:, 0]) and the pixel tokens (x[:, p:]) apart",
+        )
+    shape = list(local.shape)
+    shape[d] = len(picked)
+    ring = token_ring(x.device_mesh, tuple(lays))
+    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
+    part = local.narrow(d, picked[0], len(picked) if owner else 0)
+    out = _FromOwner.apply(part, ring.group, shape, d, src)
+    out = out.select(d, 0) if isinstance(i, int) else out
+    placements = [Replicate() if prefix_of(q) else q for q in x.placements]
+    grads = [Partial() if prefix_of(q) else q for q in x.placements]
+    global_shape = index_shape(x.shape, items)
+    return DTensor.from_local(
+        out, x.device_mesh, placements, run_check=False, shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(), grad_placements=grads,
+    )  # fmt: skip
+
+
+def _indexing(index_of, fn, prev):
+    """Handler (``chain_each``) of ``x[index_of(x, *args)]``: behind a prefix by
+    ``_prefix_index``, locally (``_local_index``), else ``prev``."""
+
+    def local(x, *args, **kwargs):
+        out = _local_index(x, index_of(x, *args, **kwargs))
+        return prev(x, *args, **kwargs) if out is None else out
+
+    kept = _keeps_prefix(fn, local)
+
+    def handler(x, *args, **kwargs):
+        if not has_prefix(x):
+            return local(x, *args, **kwargs)
+        out = _prefix_index(x, index_of(x, *args, **kwargs))
+        return kept(x, *args, **kwargs) if out is None else out
+
+    return handler
+
+
+chain_each((_T.__getitem__,), partial(_indexing, lambda x, index: index), "prefix")
+chain_each((torch.select, _T.select), partial(_indexing, _select), "prefix")
