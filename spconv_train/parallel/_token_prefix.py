@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
-from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain
+from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain, plain_part
 from ._dims import norm_dim, wrap
 from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
@@ -122,28 +122,54 @@ chain_each(_KEEPING, _keeps_prefix, "prefix", graph=True)
 
 
 def _arith_handler(fn, prev):
-    """Arithmetic: ``prev`` (``_tokens.py``) counts the prefix for two tensors laid out
-    alike and for a plain tensor (a position embedding); a scalar goes through DTensor."""
-    kept = _keeps_prefix(fn, prev)
+    """Arithmetic with a token tensor first or second: local next to a token tensor laid out
+    alike or a plain tensor (the rank's part of it, the prefix counted: a position
+    embedding); other operands of a tensor with prefix tokens (a scalar) on the plain
+    placements, the prefix put back; else ``prev``."""
+    what = function_name(fn)
+
+    def tokens(a, b, *rest, **kwargs):
+        dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
+        alike = isinstance(plain, DTensor) and a.ndim == b.ndim and a.placements == b.placements
+        if alike and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a)):
+            # DTensor redistributes some of these when the strides differ (a transposed view
+            # next to a contiguous tensor); laid out alike, the op is local
+            shape = torch.broadcast_shapes(a.shape, b.shape)
+            return wrap(fn(a.to_local(), b.to_local(), *rest, **kwargs), dt, dt.placements, shape)
+        if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
+            return fn(a, b, *rest, **kwargs)  # DTensor's own rules
+        shape = torch.broadcast_shapes(dt.shape, plain.shape)
+        if shape != dt.shape:
+            raise SpatialShardingError(
+                f"{what} of a token tensor {tuple(dt.shape)} and a plain tensor "
+                f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
+            )
+        # the guard here, not in local_part: the attention masks and biases it cuts
+        # (_ring_mask.py) have a window's size, not the image's
+        part = plain_part(plain, dt, what)
+        la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
+        return wrap(fn(la, lb, *rest, **kwargs), dt, dt.placements, shape)
+
+    kept = _keeps_prefix(fn, tokens)
 
     def handler(a, *args, **kwargs):
-        if not args and "other" in kwargs:  # x.add(other=y): every handler below by position
+        if not args and "other" in kwargs:  # x.add(other=y): the handlers below by position
             args = (kwargs.pop("other"),)
-        if not args:
-            return prev(a, **kwargs)  # torch's own error
+        if not args or not (is_tokens(a) or is_tokens(args[0])):
+            return prev(a, *args, **kwargs)
         b, *args = args
         dt, other = (a, b) if has_prefix(a) else (b, a)
-        if not has_prefix(dt) or (
+        if has_prefix(dt) and not (
             isinstance(other, Tensor)
             and (not isinstance(other, DTensor) or _prefixes([other]) == _prefixes([dt]))
         ):
-            return prev(a, b, *args, **kwargs)
-        return kept(a, b, *args, **kwargs)
+            return kept(a, b, *args, **kwargs)
+        return tokens(a, b, *args, **kwargs)
 
     return handler
 
 
-chain_each(ARITH, _arith_handler, "prefix", graph=True)
+chain_each(ARITH, _arith_handler, "prefix")
 
 
 def _expanded_leaf(t: Tensor) -> Tensor | None:
