@@ -5,8 +5,7 @@ placements and get the prefix back; ``x[:, p:]`` gives the pixel tokens, ``x[:, 
 broadcast from its owner. Refused by name: a plain tensor with a gradient joined to the
 tokens (a gather in the backward). Indexing along dims no rank splits (``kv[0]``) runs
 locally: DTensor's ``select_backward`` would size the gradient by its own chunking, not the
-tiles' layout. docs/attention.md, "Prefix tokens".
-"""
+tiles' layout. docs/attention.md, "Prefix tokens"."""
 
 from __future__ import annotations
 
@@ -240,26 +239,22 @@ def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | No
 
 
 def _cat_handler(fn, prev):
+    what = function_name(fn)
+
     def handler(tensors, dim=0, **kwargs):
-        tensors = list(tensors)
-        x = next((t for t in reversed(tensors) if is_tokens(t)), None)
-        last = tensors[-1]  # tokens (N, L, C) in even chunks of L: Shard(1) (_windows.py)
-        even = isinstance(last, DTensor) and last.ndim == 3 and Shard(1) in last.placements
-        if x is None and even and kwargs.get("axis", dim) in (1, -2):
-            x = last
+        tensors, axis = list(tensors), kwargs.get("axis", dim)
+        x, last = next((t for t in reversed(tensors) if is_tokens(t)), None), tensors[-1]
+        if x is None and axis in (1, -2) and isinstance(last, DTensor) and last.ndim == 3:
+            x = last if Shard(1) in last.placements else None  # even chunks of L (_windows.py)
         if x is None or any(k != "axis" for k in kwargs):
             return prev(tensors, dim, **kwargs)
-        d = norm_dim(kwargs.get("axis", dim), x.ndim)
-        if d in {lay.dim for lay in split_layouts(x) if not is_dp(x, lay.mesh_dim)}:
-            front = tensors[:-1]
-            plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
-            if tensors[-1] is x and front and plain:
-                return _cat_prefix(tensors, d, function_name(fn))
-        else:
-            out = _cat_alongside(tensors, d, x, function_name(fn))
-            if out is not None:
-                return out
-        return prev(tensors, dim, **kwargs)
+        d, out, front = norm_dim(axis, x.ndim), None, tensors[:-1]
+        plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
+        if d not in {lay.dim for lay in split_layouts(x) if not is_dp(x, lay.mesh_dim)}:
+            out = _cat_alongside(tensors, d, x, what)
+        elif last is x and front and plain:
+            out = _cat_prefix(tensors, d, what)
+        return prev(tensors, dim, **kwargs) if out is None else out
 
     return handler
 

@@ -3,8 +3,7 @@ prefix tokens, on the local tokens: reductions and scans (``F.layer_norm``: ``_c
 ``split`` and ``chunk`` (DTensor sizes gradients by its own chunking and replicates an uneven
 ``_StridedShard`` to split it: docs/attention.md, "Token layout"). A reduction over the
 tokens goes to the handler before (``_reduce.py``), but a sum or mean over them (token pooling)
-is local sums added over the splitting groups; behind a prefix it is refused by name.
-"""
+is local sums added over the splitting groups; behind a prefix it is refused by name."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 reshape that cuts a split dim at window boundaries (``_moves``) re-chunks the map to
 window-aligned owners point to point where needed (the reverse merge back), the batch of
 windows a token layout; per-window matmuls and SDPA run locally. docs/attention.md, "Window
-attention (Swin)".
-"""
+attention (Swin)"."""
 
 from __future__ import annotations
 
