@@ -284,11 +284,12 @@ def _items(x, index) -> tuple | None:
     items = _expand_index(index, x.ndim)
     if items is None:
         return None
-    whole = (
-        isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(n)
+    return tuple(
+        slice(None)
+        if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(n)
+        else i
         for i, n in zip(items, x.shape, strict=True)
     )
-    return tuple(slice(None) if w else i for w, i in zip(whole, items, strict=True))
 
 
 def _local_index(x, index) -> DTensor | None:
