@@ -303,11 +303,9 @@ def _local_index(x, index) -> DTensor | None:
 
 
 def _select(x, dim, index) -> tuple | None:
-    """``x.select(dim, index)`` as one index per dim (``None``: not an int index)."""
-    if not isinstance(dim, int) or not isinstance(index, int):
-        return None
-    d = norm_dim(dim, x.ndim)
-    return tuple(index if e == d else slice(None) for e in range(x.ndim))
+    """``x.select(dim, index)`` as ``x[index]``'s index (``None``: not an int index)."""
+    ints = isinstance(dim, int) and isinstance(index, int)
+    return (*(slice(None),) * norm_dim(dim, x.ndim), index) if ints else None
 
 
 class _FromOwner(torch.autograd.Function):
