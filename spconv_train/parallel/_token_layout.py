@@ -94,6 +94,11 @@ def split_layouts(x: DTensor) -> list[TokenLayout]:
     ]
 
 
+def dim_layouts(lays: list[TokenLayout], dim: int) -> tuple[TokenLayout, ...]:
+    """The layouts of ``lays`` that split ``dim``."""
+    return tuple(lay for lay in lays if lay.dim == dim)
+
+
 def held_indices(lays: tuple[TokenLayout, ...]) -> Tensor:
     """Global indices along one dim this rank holds, in its local order (``lays``: the dim's)."""
     idx = lays[0].indices()
@@ -120,7 +125,7 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
         return part
     lays = split_layouts(x)
     for d in cut:
-        lay, *more = on_d = [lay for lay in lays if lay.dim == d]
+        lay, *more = on_d = dim_layouts(lays, d)
         one = not more and lay.split_factor == lay.unit == 1 and not lay.prefix
         a, b = shard_bounds(lay.inner, lay.parts, lay.rank)  # of one block: a view
         idx = None if one else held_indices(on_d)
