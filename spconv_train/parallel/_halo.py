@@ -49,7 +49,10 @@ def post_p2p(
 ) -> PendingExchange:
     """Post every send and receive together; ``wait()`` on the result before reading a
     receive or writing a send buffer. Peers are ranks *within* ``group``; messages pair up
-    by posting order per ``tag``. Bytes, messages and time go to ``stats``."""
+    by posting order per ``tag``. Bytes, messages and time go to ``stats``. A message of no
+    element (e.g. the halo of an empty window along the next dim) is posted by neither side:
+    both know its shape, and NCCL's zero-byte send / receive is not relied on."""
+    sends, recvs = [(p, t) for p, t in sends if t.numel()], [(p, t) for p, t in recvs if t.numel()]
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=p, tag=tag) for p, t in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=p, tag=tag) for p, t in sends]
     if not ops:
