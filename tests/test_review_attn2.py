@@ -6,12 +6,15 @@ that no other test reaches. fp64 against one device, every gradient.
   keys, or ``(..., L, 1)``: one value per row), and next to a boolean mask with
   ``is_causal`` (three terms in one block), in 1 and 3 pieces, the flash kernel and the
   matmul path, with a rank that holds no token;
-* models: ``nn.MultiheadAttention`` on the ring with a float ``key_padding_mask`` computed
-  from the map (it travels, its gradient comes home) and a causal float ``attn_mask`` with
-  the ``is_causal`` hint; whole queries (the cross route) with a float ``key_padding_mask``
-  split like the keys and a learned per-head float ``attn_mask``; SDPA of whole queries
-  with a float mask computed from the map (split like the keys, broadcast over heads): on
-  uneven strips, 2 x 2 tiles and the (dp, sp) mesh;
+* models: ``nn.MultiheadAttention`` on the ring with a learned float ``attn_mask`` and a
+  float ``key_padding_mask`` computed from the map (it travels, its gradient comes home),
+  and with a causal boolean ``attn_mask`` and the ``is_causal`` hint; whole queries (the
+  cross route) with that float ``key_padding_mask`` split like the keys and a learned
+  per-head float ``attn_mask``; SDPA of whole queries with a float mask computed from the
+  map (split like the keys, broadcast over heads): on uneven strips, 2 x 2 tiles and the
+  (dp, sp) mesh;
+* einsum attention with spaces in the equations and tokens before heads (operands and
+  result permuted around the ring matmuls), at 2 and 3 ranks;
 * every refusal of both check tables (SDPA, MHA) on both routes (ring, whole queries),
   naming the op, the module, the reason and the route.
 """
@@ -200,6 +203,7 @@ REFUSALS = {
     "mha:ring:static": (RING, "static_k / static_v"),
     "mha:ring:causal": (RING, "is_causal=True without an attn_mask"),
     "mha:ring:dropout": (RING, "attention dropout (dropout=0.1) in training"),
+    "mha:ring:kpm3d": ("a key_padding_mask (2, 1, 15)", "unlike the keys", "split like the keys"),
     "mha:cross:bias_kv": (CROSS, "bias_k / bias_v (add_bias_kv=True)"),
     "mha:cross:zero_attn": (CROSS, "add_zero_attn=True"),
     "mha:cross:static": (CROSS, "static_k / static_v"),
@@ -243,6 +247,9 @@ class Refused(nn.Module):
                 m.in_proj_bias, None, None, False, 0.0, m.out_proj.weight, m.out_proj.bias,
                 training=False, need_weights=False, static_k=static, static_v=static,
             )  # fmt: skip
+        if self.case == "kpm3d":  # (N, 1, L): split on dim 2 (was a KeyError)
+            kpm = x[:, :1].flatten(2) > 0
+            return self.mha(q, t, v, key_padding_mask=kpm, need_weights=False)
         causal = self.case == "causal"
         mask = torch.zeros(q.shape[1], n, dtype=torch.bool) if causal and q is not t else None
         return self.mha(q, t, v, attn_mask=mask, is_causal=causal, need_weights=False)
@@ -279,3 +286,40 @@ def test_every_attention_refusal_names_op_module_reason_and_route(dist_pool):
             if not ("module 'blk" in msg and op in msg and all(w in msg for w in words)):
                 bad[kind] = msg
         assert not bad, "\n".join(f"{k}: {m}" for k, m in bad.items())
+
+
+class EinsumLayouts(nn.Module):
+    """Attention written out as einsums with spaces and tokens before heads (``"b x h d, b
+    y h d -> b h x y"``, ``"b h x y, b y h d -> b x h d"``): operands and result permuted
+    around the ring matmuls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(3, C, 3, padding=1), nn.Conv2d(C, 2, 1)
+        self.qkv = nn.Linear(C, 3 * C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        b, c, h, w = f.shape
+        t = f.flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(t).reshape(b, h * w, 3, HEADS, c // HEADS).unbind(2)  # (N, L, H, d)
+        attn = torch.einsum("b x h d, b y h d -> b h x y", q, k) * 0.4
+        o = torch.einsum("b h x y, b y h d -> b x h d", attn.softmax(-1), v)
+        t = t + o.reshape(b, h * w, c)
+        return self.head(t.transpose(1, 2).reshape(b, c, h, w))
+
+
+def _einsum_failures() -> list[str]:
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = EinsumLayouts().double()
+    x = seeded(1, 2, 3, 4, 7, dtype=torch.float64)
+    gy = seeded(2, 2, 2, 4, 7, dtype=torch.float64)
+    gather = 2 * C * 4 * 7 // world // 4
+    return check_model_audited(model, x, gy, mesh(world), [Shard(3)], gather_numel=gather)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_einsum_with_spaces_and_permuted_terms_matches_one_device(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, _einsum_failures)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
