@@ -323,3 +323,58 @@ def _einsum_failures() -> list[str]:
 def test_einsum_with_spaces_and_permuted_terms_matches_one_device(dist_pool, world):
     for rank, failures in enumerate(dist_pool.run(world, _einsum_failures)):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+class CausalHint(nn.Module):
+    """``nn.MultiheadAttention`` on the ring with ``is_causal=True`` next to a boolean
+    ``attn_mask`` that is *not* causal: torch takes the causal order alone without a
+    ``key_padding_mask`` and weights (to the same tokens and to spatial-reduction keys:
+    top-left causal on ``L x S``), the mask alone with ``need_weights``, mask and padding
+    with a ``key_padding_mask``."""
+
+    def __init__(self, h: int, w: int) -> None:
+        super().__init__()
+        length, reduced = h * w, (h // 2) * (w // 2)
+        self.stem, self.head = nn.Conv2d(3, C, 3, padding=1), nn.Conv2d(C, 2, 1)
+        self.sr, self.mha = nn.Conv2d(C, C, 2, 2), nn.MultiheadAttention(C, HEADS, batch_first=True)
+        masks = [
+            torch.rand(length, n, generator=torch.Generator().manual_seed(n)) > 0.6
+            for n in (length, reduced)
+        ]
+        for m in masks:
+            m[:, 0] = False  # every query sees key 0 (no row masked everywhere: NaN with weights)
+        self.register_buffer("mask", masks[0])
+        self.register_buffer("mask_sr", masks[1])
+        pad = torch.rand(2, length, generator=torch.Generator().manual_seed(3)) < 0.3
+        pad[:, 0] = False
+        self.register_buffer("pad", pad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        b, c, h, w = f.shape
+        t = f.flatten(2).transpose(1, 2)
+        hint = {"attn_mask": self.mask, "is_causal": True}
+        t = t + self.mha(t, t, t, need_weights=False, **hint)[0]
+        t = t + self.mha(t, t, t, need_weights=True, **hint)[0]
+        t = t + self.mha(t, t, t, key_padding_mask=self.pad, need_weights=False, **hint)[0]
+        kv = self.sr(t.transpose(1, 2).reshape(b, c, h, w)).flatten(2).transpose(1, 2)
+        t = t + self.mha(t, kv, kv, attn_mask=self.mask_sr, is_causal=True, need_weights=False)[0]
+        return self.head(t.transpose(1, 2).reshape(b, c, h, w))
+
+
+def _hint_failures(world: int) -> list[str]:
+    if world == 4:
+        dmesh, placements, (h, w) = *mesh_and_placements((2, 2), ("sp_h", "sp_w")), (5, 7)
+    else:
+        dmesh, placements, (h, w) = mesh(world), [Shard(3)], (4, 7)
+    torch.manual_seed(0)
+    model = CausalHint(h, w).double()
+    x = seeded(1, 2, 3, h, w, dtype=torch.float64)
+    gy = seeded(2, 2, 2, h, w, dtype=torch.float64)
+    return check_model_audited(model, x, gy, dmesh, placements, buffers=True)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_mha_is_causal_hint_taken_as_torch_takes_it(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, _hint_failures, world)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
