@@ -13,6 +13,8 @@ that no other test reaches. fp64 against one device, every gradient.
   per-head float ``attn_mask``; SDPA of whole queries with a float mask computed from the
   map (split like the keys, broadcast over heads): on uneven strips, 2 x 2 tiles and the
   (dp, sp) mesh;
+* MHA sequence-first and with ``kdim`` / ``vdim`` on both routes; the ``is_causal`` hint
+  next to a non-causal ``attn_mask`` taken as torch takes it;
 * einsum attention with spaces in the equations and tokens before heads (operands and
   result permuted around the ring matmuls), at 2 and 3 ranks;
 * every refusal of both check tables (SDPA, MHA) on both routes (ring, whole queries),
@@ -115,6 +117,28 @@ HEADS, QUERIES, C = 2, 2, 8
 QUERY_SIZED = 2 * HEADS * QUERIES * (C // HEADS + 1)
 
 
+def _model_failures(world: int, build, dp: bool = False, **check) -> list[str]:
+    """``build(h, w)`` (2 output channels) parallelized against one device
+    (``check_model_audited``): W strips at 2, 3 ranks (W = 7: 4 + 3, 3 + 3 + 1), 2 x 2 tiles
+    at 4 (5 x 7: rows 3 + 2, columns 4 + 3) and with ``dp`` the (dp, sp) mesh."""
+    cases = [(mesh(world), [Shard(3)], (4, 7), "strips ")]
+    if world == 4:
+        cases = [(*mesh_and_placements((2, 2), ("sp_h", "sp_w")), (5, 7), "tiles ")]
+        cases += [(mesh((2, 2), ("dp", "sp")), [Shard(0), Shard(3)], (4, 7), "dp x sp ")] * dp
+    out = []
+    for dmesh, placements, (h, w), label in cases:
+        torch.manual_seed(0)
+        model = build(h, w).double()
+        x, gy = seeded(1, 2, 3, h, w).double(), seeded(2, 2, 2, h, w).double()
+        out += check_model_audited(model, x, gy, dmesh, placements, label=label, **check)
+    return out
+
+
+def _assert_matches(dist_pool, world: int, build, **check) -> None:
+    for rank, failures in enumerate(dist_pool.run(world, _model_failures, world, build, **check)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
 class MaskGrads(nn.Module):
     """Float masks whose gradients cross the ranks: MHA on the ring with a learned float
     ``attn_mask`` and a float ``key_padding_mask`` computed from the map (it travels with
@@ -124,7 +148,7 @@ class MaskGrads(nn.Module):
     SDPA (a float mask computed from the map, split like the keys, broadcast over heads);
     the queries back onto the map by einsum, plus a conv head."""
 
-    def __init__(self, n: int, h: int, w: int) -> None:
+    def __init__(self, h: int, w: int, n: int = 2) -> None:
         super().__init__()
         length = h * w
         self.stem, self.head = nn.Conv2d(3, C, 3, padding=1), nn.Conv2d(C, QUERIES, 1)
@@ -159,30 +183,9 @@ class MaskGrads(nn.Module):
         return self.head(tmap) + torch.einsum("bqc,bchw->bqhw", z, f)
 
 
-def _mask_grad_failures(world: int) -> list[str]:
-    if world == 4:
-        cases = [
-            (*mesh_and_placements((2, 2), ("sp_h", "sp_w")), (5, 7), "tiles "),
-            (mesh((2, 2), ("dp", "sp")), [Shard(0), Shard(3)], (4, 7), "dp x sp "),
-        ]
-    else:  # W = 7: 4 + 3 and 3 + 3 + 1 columns
-        cases = [(mesh(world), [Shard(3)], (4, 7), "strips ")]
-    out = []
-    for dmesh, placements, (h, w), label in cases:
-        torch.manual_seed(0)
-        model = MaskGrads(2, h, w).double()
-        x = seeded(1, 2, 3, h, w, dtype=torch.float64)
-        gy = seeded(2, 2, QUERIES, h, w, dtype=torch.float64)
-        out += check_model_audited(
-            model, x, gy, dmesh, placements, gather_numel=QUERY_SIZED + 1, label=label
-        )
-    return out
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_float_mask_gradients_on_both_routes_match_one_device(dist_pool, world):
-    for rank, failures in enumerate(dist_pool.run(world, _mask_grad_failures, world)):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+    _assert_matches(dist_pool, world, MaskGrads, dp=True, gather_numel=QUERY_SIZED + 1)
 
 
 RING = " on a sharded token sequence"
@@ -247,7 +250,7 @@ class Refused(nn.Module):
                 m.in_proj_bias, None, None, False, 0.0, m.out_proj.weight, m.out_proj.bias,
                 training=False, need_weights=False, static_k=static, static_v=static,
             )  # fmt: skip
-        if self.case == "kpm3d":  # (N, 1, L): split on dim 2 (was a KeyError)
+        if self.case == "kpm3d":  # (N, 1, L): split on dim 2
             kpm = x[:, :1].flatten(2) > 0
             return self.mha(q, t, v, key_padding_mask=kpm, need_weights=False)
         causal = self.case == "causal"
@@ -293,7 +296,7 @@ class EinsumLayouts(nn.Module):
     y h d -> b h x y"``, ``"b h x y, b y h d -> b x h d"``): operands and result permuted
     around the ring matmuls."""
 
-    def __init__(self) -> None:
+    def __init__(self, *_size: int) -> None:  # (h, w): any map
         super().__init__()
         self.stem, self.head = nn.Conv2d(3, C, 3, padding=1), nn.Conv2d(C, 2, 1)
         self.qkv = nn.Linear(C, 3 * C)
@@ -309,20 +312,9 @@ class EinsumLayouts(nn.Module):
         return self.head(t.transpose(1, 2).reshape(b, c, h, w))
 
 
-def _einsum_failures() -> list[str]:
-    world = dist.get_world_size()
-    torch.manual_seed(0)
-    model = EinsumLayouts().double()
-    x = seeded(1, 2, 3, 4, 7, dtype=torch.float64)
-    gy = seeded(2, 2, 2, 4, 7, dtype=torch.float64)
-    gather = 2 * C * 4 * 7 // world // 4
-    return check_model_audited(model, x, gy, mesh(world), [Shard(3)], gather_numel=gather)
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_einsum_with_spaces_and_permuted_terms_matches_one_device(dist_pool, world):
-    for rank, failures in enumerate(dist_pool.run(world, _einsum_failures)):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+    _assert_matches(dist_pool, world, EinsumLayouts)
 
 
 class CausalHint(nn.Module):
@@ -362,19 +354,38 @@ class CausalHint(nn.Module):
         return self.head(t.transpose(1, 2).reshape(b, c, h, w))
 
 
-def _hint_failures(world: int) -> list[str]:
-    if world == 4:
-        dmesh, placements, (h, w) = *mesh_and_placements((2, 2), ("sp_h", "sp_w")), (5, 7)
-    else:
-        dmesh, placements, (h, w) = mesh(world), [Shard(3)], (4, 7)
-    torch.manual_seed(0)
-    model = CausalHint(h, w).double()
-    x = seeded(1, 2, 3, h, w, dtype=torch.float64)
-    gy = seeded(2, 2, 2, h, w, dtype=torch.float64)
-    return check_model_audited(model, x, gy, dmesh, placements, buffers=True)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_mha_is_causal_hint_taken_as_torch_takes_it(dist_pool, world):
+    _assert_matches(dist_pool, world, CausalHint, buffers=True)
+
+
+class ProjectionForms(nn.Module):
+    """``nn.MultiheadAttention`` forms no other test runs: sequence-first (``batch_first=
+    False``) and ``kdim`` / ``vdim`` (separate projection weights), on the ring (keys of 6
+    channels from a strided conv: their own token layout) and for whole queries."""
+
+    def __init__(self, *_size: int) -> None:  # (h, w): any map
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(3, C, 3, padding=1), nn.Conv2d(C, 2, 1)
+        self.sr = nn.Conv2d(C, 6, 2, 2)
+        self.ring = nn.MultiheadAttention(C, HEADS, kdim=6, vdim=6)  # sequence-first
+        self.cross = nn.MultiheadAttention(C, HEADS, kdim=6, vdim=6, batch_first=True)
+        self.query = nn.Parameter(seeded(12, QUERIES, C, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        b, c, h, w = f.shape
+        t = f.flatten(2).permute(2, 0, 1)  # (L, N, C)
+        kv = self.sr(f).flatten(2).permute(2, 0, 1)  # (S, N, 6)
+        t = t + self.ring(t, kv, kv, need_weights=False)[0]
+        q = self.query.unsqueeze(0).expand(b, -1, -1)
+        z = self.cross(q, kv.transpose(0, 1), kv.transpose(0, 1), need_weights=False)[0]
+        tmap = t.permute(1, 2, 0).reshape(b, c, h, w)
+        return self.head(tmap) + torch.einsum("bqc,bchw->bqhw", z, f)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_mha_is_causal_hint_taken_as_torch_takes_it(dist_pool, world):
-    for rank, failures in enumerate(dist_pool.run(world, _hint_failures, world)):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+def test_mha_sequence_first_and_kdim_vdim_match_one_device(dist_pool, world):
+    _assert_matches(
+        dist_pool, world, ProjectionForms, gather_numel=QUERY_SIZED + 1, grad_floor=1e-4
+    )
