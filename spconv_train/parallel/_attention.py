@@ -262,7 +262,7 @@ def spatial_multi_head_attention(*args, **kwargs):
         (kw["bias_k"] is not None, "bias_k / bias_v (add_bias_kv=True)"),
         (kw["add_zero_attn"], "add_zero_attn=True"),
         (kw["static_k"] is not None, "static_k / static_v"),
-        # the ring takes is_causal, a hint that attn_mask is causal: the mask alone gives it
+        # the ring takes is_causal next to attn_mask (a hint that it is causal) as torch does
         (kw["is_causal"] and cross, "is_causal=True"),
         (kw["is_causal"] and kw["attn_mask"] is None, "is_causal=True without an attn_mask"),
         (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
@@ -289,9 +289,12 @@ def spatial_multi_head_attention(*args, **kwargs):
         queries = f"queries {tuple(q.shape)} {q.placements}"
         raise _ring_refuse(what, f"{queries} without a split sequence (dim 0 of (L, N, E))")
     kl, vl, attend_ring = _keys(q, k, v, seq, what)
-    bias, kbias = mha_bias(kw, q, k, seq, what)
+    # as torch: is_causal alone (attn_mask dropped) without a key_padding_mask or weights
+    hint = kw["is_causal"] and kw["key_padding_mask"] is None and not kw["need_weights"]
+    bias, kbias = mha_bias({**kw, "attn_mask": None} if hint else kw, q, k, seq, what)
+    rows = held_indices(seq).to(q.device) if hint else None
     groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
-    attend_ring = functools.partial(attend_ring, bias=bias, kbias=kbias)
+    attend_ring = functools.partial(attend_ring, bias=bias, rows=rows, kbias=kbias)
     out = project_attend(kw, (q.to_local(), kl, vl), groups, groups, attend_ring)
     if kw["need_weights"]:
         log.debug("nn.MultiheadAttention in '%s': attention weights not formed", module_path())
