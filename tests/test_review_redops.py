@@ -1,13 +1,17 @@
 """Review tests of the second cut of the reduction / pointwise / gradient-reduction modules:
-variance and standard deviation over the tokens in every call form (correction 0 and 1,
-``unbiased``, keepdim, dims as int / tuple / negative) on strips and 2x2 tiles with ranks
-holding 0 or 1 token, softmax over the tokens with ``dtype`` by position and keyword, and
-reductions with ``out=`` written or refused, never silently left unwritten."""
+variance, standard deviation and extremes over the tokens in every call form (correction 0
+and 1, ``unbiased``, keepdim, dims as int / tuple / negative) on strips, 2x2 tiles and
+dp x sp with ranks holding 0 or 1 token, softmax over the tokens with ``dtype`` by position
+and keyword, the same behind prefix tokens refused; a NaN on a later rank kept by amax /
+amin / softmax (gloo's MAX dropped it); in-place dropout with p = 1, p = 0 and training off
+with its gradient; reductions with ``out=`` written or refused, never silently left
+unwritten; one bucket per parameter on dp x sp (each with a further group)."""
 
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 
 import pytest
 import torch
@@ -20,6 +24,11 @@ from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import mesh
 from tests.op_check import check_fn
 from tests.reference import check_close, seeded
+
+
+def _no_failures(dist_pool, world: int, fn, *args) -> None:
+    for failures in dist_pool.run(world, fn, *args):
+        assert not failures, "\n".join(failures)
 
 
 def _tokens(t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +88,9 @@ def _token_op(fn):
     def run(m: torch.Tensor) -> torch.Tensor:
         y = fn(_tokens(m))
         return (
-            y.transpose(1, 2).unflatten(2, m.shape[2:]) if y.shape[1:2] == (m[0, 0].numel(),) else y
+            y.transpose(1, 2).unflatten(2, m.shape[2:])
+            if y.shape[1:2] == (math.prod(m.shape[2:]),)
+            else y
         )
 
     return run
@@ -87,10 +98,14 @@ def _token_op(fn):
 
 def token_variance_checks(world: int) -> list[str]:
     """Every form against one device (fp64, shard and replicate gradients, no gather) on
-    4 strips and 2x2 tiles of maps whose ranks hold many, 1 or 0 tokens."""
+    4 strips, 2x2 tiles and dp 2 x sp 2 of maps whose ranks hold many, 1 or 0 tokens."""
     failures: list[str] = []
     tiles = mesh((2, world // 2), ("sp_h", "sp_w"))
-    layouts = {"strips": (mesh((world,)), [Shard(3)]), "tiles": (tiles, [Shard(2), Shard(3)])}
+    layouts = {
+        "strips": (mesh((world,)), [Shard(3)]),
+        "tiles": (tiles, [Shard(2), Shard(3)]),
+        "dp x sp": (mesh((2, world // 2)), [Shard(0), Shard(3)]),
+    }
     # 5 x 7: uneven; 2 x 3: strips hold 2, 2, 2, 0 tokens, tiles 2, 1, 2, 1; 2 x 1: a
     # column on two ranks only (strips 2, 0, 0, 0 tokens, tiles 1, 0, 1, 0)
     maps = [(5, 7), (2, 3), (2, 1)]
@@ -109,8 +124,7 @@ def token_variance_checks(world: int) -> list[str]:
 
 
 def test_token_variances_and_softmaxes_exact_without_gather(dist_pool):
-    for failures in dist_pool.run(4, token_variance_checks, 4):
-        assert not failures, "\n".join(failures)
+    _no_failures(dist_pool, 4, token_variance_checks, 4)
 
 
 def _behind_prefix(fn):
@@ -122,26 +136,27 @@ def _behind_prefix(fn):
     return run
 
 
+def _refusal(call, want: str) -> str | None:
+    """None when ``call()`` is refused by name (``want`` in the message), else why not."""
+    try:
+        with SpatialMode():
+            call()
+    except SpatialShardingError as exc:
+        return None if want in str(exc) else str(exc)
+    return "not refused"
+
+
 def prefix_token_checks() -> list[str]:
     """Over the tokens behind prefix tokens: refused by name (never gathered or wrong)."""
-    dmesh, failures = mesh((2,)), []
-    x = distribute_tensor(seeded(5, 2, 3, 4, 5, dtype=torch.float64), dmesh, [Shard(3)])
-    for label, fn in {**VARIANCES, **SOFTMAXES}.items():
-        if label in ("var(False)", "torch.var(unbiased=False)", "std()", "var((0, 1))"):
-            continue
-        try:
-            with SpatialMode():
-                _behind_prefix(fn)(x)
-            failures.append(f"{label} behind a prefix: not refused")
-        except SpatialShardingError as exc:
-            if "prefix" not in str(exc):
-                failures.append(f"{label} behind a prefix: {exc}")
-    return failures
+    x = distribute_tensor(seeded(5, 2, 3, 4, 5, dtype=torch.float64), mesh((2,)), [Shard(3)])
+    whole = ("var(False)", "torch.var(unbiased=False)", "std()", "var((0, 1))")
+    ops = {k: f for k, f in {**VARIANCES, **SOFTMAXES}.items() if k not in whole}
+    whys = {k: _refusal(lambda f=f: _behind_prefix(f)(x), "prefix") for k, f in ops.items()}
+    return [f"{k} behind a prefix: {why}" for k, why in whys.items() if why]
 
 
 def test_token_reductions_behind_prefix_refused(dist_pool):
-    for failures in dist_pool.run(2, prefix_token_checks):
-        assert not failures, "\n".join(failures)
+    _no_failures(dist_pool, 2, prefix_token_checks)
 
 
 #: extremes of a map with a NaN on the last rank only: gloo's MAX / MIN all-reduce dropped
@@ -175,8 +190,7 @@ def nan_extreme_checks() -> list[str]:
 
 
 def test_extremes_keep_a_nan_of_a_later_rank(dist_pool):
-    for failures in dist_pool.run(2, nan_extreme_checks):
-        assert not failures, "\n".join(failures)
+    _no_failures(dist_pool, 2, nan_extreme_checks)
 
 
 def _in_place(fn):
@@ -214,8 +228,7 @@ def dropout_in_place_checks() -> list[str]:
 
 
 def test_dropout_in_place_gradients(dist_pool):
-    for failures in dist_pool.run(2, dropout_in_place_checks):
-        assert not failures, "\n".join(failures)
+    _no_failures(dist_pool, 2, dropout_in_place_checks)
 
 
 #: reductions with ``out=`` beyond the refused sum / mean / amax / amin / var / std
@@ -273,8 +286,7 @@ def out_checks() -> list[str]:
 
 
 def test_reductions_with_out_written_or_refused(dist_pool):
-    for failures in dist_pool.run(2, out_checks):
-        assert not failures, "\n".join(failures)
+    _no_failures(dist_pool, 2, out_checks)
 
 
 class _PooledNet(nn.Module):
@@ -298,12 +310,15 @@ def one_bucket_per_parameter(exchange_bytes: int | None) -> list:
     further group sp, bucket after bucket; by exchange, or gloo's all-reduce with
     ``exchange_bytes`` 0) and two backwards accumulated: one device's gradients, the same
     bits on every rank (tests/test_grad_reduce.py has one bucket per group)."""
-    if exchange_bytes is not None:  # a pool worker: restored below
-        saved, _small_sum.EXCHANGE_SUM_BYTES = _small_sum.EXCHANGE_SUM_BYTES, exchange_bytes
-        try:
-            return one_bucket_per_parameter(None)
-        finally:
-            _small_sum.EXCHANGE_SUM_BYTES = saved
+    saved = _small_sum.EXCHANGE_SUM_BYTES  # a pool worker's: restored below
+    _small_sum.EXCHANGE_SUM_BYTES = saved if exchange_bytes is None else exchange_bytes
+    try:
+        return _bucket_grads()
+    finally:
+        _small_sum.EXCHANGE_SUM_BYTES = saved
+
+
+def _bucket_grads() -> list:
     dmesh, failures = mesh((2, 2)), []
     ref = _PooledNet().double()
     par = parallelize(copy.deepcopy(ref), dmesh)
