@@ -163,6 +163,8 @@ def test_token_reductions_behind_prefix_refused(dist_pool):
 #: it (rank 0 got the largest number, one device NaN)
 NAN_EXTREMES = {
     "amax w": lambda t: t.amax(3),
+    "amax w of the row": lambda t: t[1:, 2:, 1:2].amax(3),
+    "tokens amin of the row": lambda t: _tokens(t[1:, 2:, 1:2]).amin(1),
     "torch.amin(t, (2, 3), True)": lambda t: torch.amin(t, (2, 3), True),
     "amax all": lambda t: t.amax(),
     "tokens amin": lambda t: _tokens(t).amin(1),
