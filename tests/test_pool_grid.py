@@ -103,7 +103,7 @@ def _adaptive_out(size, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _adaptive_placements(pl, dmesh, ndim: int, out: tuple[int, ...]) -> list:
-    """The output placements of an adaptive pool (``_adaptive.py``): a single sharded dim
+    """The output placements of an adaptive pool (``_pool.py``): a single sharded dim
     pooled to more than one cell keeps its ``Shard`` (images and signals: only when every
     rank gets an output cell), everything else is ``Replicate`` on the spatial mesh dims."""
     spatial = [(m, p.dim) for m, p in enumerate(pl) if p.dim >= 2]  # size-1 mesh dims too

@@ -80,9 +80,11 @@ _FRESH = textwrap.dedent(
 )
 
 
-def test_import_registers_nothing_and_install_is_explicit_and_idempotent():
+def run_fresh(script: str) -> None:
+    """Run ``script`` in a fresh interpreter (nothing imported, nothing installed); it
+    prints ``ok`` when every check held."""
     out = subprocess.run(
-        [sys.executable, "-c", _FRESH],
+        [sys.executable, "-c", script],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
@@ -90,6 +92,10 @@ def test_import_registers_nothing_and_install_is_explicit_and_idempotent():
         timeout=300,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_import_registers_nothing_and_install_is_explicit_and_idempotent():
+    run_fresh(_FRESH)
 
 
 def test_current_runtime_is_per_thread():

@@ -1,4 +1,4 @@
-"""Cases the shorter token layer (``_tokens``, ``_token_index``, ``_token_prefix``,
+"""Cases the shorter token layer (``_tokens``, ``_token_prefix``,
 ``_token_reduce``) must keep exact that the model tests reach only in part: keyword
 arguments to token arithmetic (``torch.add(t, pos, alpha=2)``), heads unflattened from the
 channels and picked by ``select`` / ``x[:, :, 1]`` with negative dims, uneven ``split`` and
@@ -204,7 +204,7 @@ def token_norm_failures() -> list[str]:
                 if "wrong input gradient" not in str(e):
                     failures.append(f"{name} {label}: {e}")
         for name, fn in EXACT_NORMS:
-            check_fn(fn, x, dmesh, placements, f"{name} {label}", failures, grad="replicate")
+            check_fn(fn, x, dmesh, placements, f"{name} {label}", failures)
     # the backward of a reduction over the tokens sends activation-sized messages (DTensor's
     # own rules): the audit's note, not a value error
     return [f for f in failures if "activation-sized collectives" not in f]
@@ -213,3 +213,28 @@ def token_norm_failures() -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_norm_over_tokens_refused_or_exact(dist_pool, world):
     _no_failures(dist_pool.run(world, token_norm_failures))
+
+
+#: behind prefix tokens: the whole token dim written as a slice (torch keeps every token), an
+#: index inside the prefix by keyword arguments (as by position)
+PREFIX_INDEXING = [
+    ("whole slices", lambda r: r[:, 0:] + r[:, :] * 2 + r[:, 0 : r.shape[1]] - r[:, -r.shape[1] :]),
+    ("select by keyword", lambda r: r * r.select(dim=1, index=1).unsqueeze(1)),
+    ("torch.select by keyword", lambda r: r + torch.select(r, dim=-2, index=0)[:, None]),
+]
+
+
+def prefix_indexing_failures() -> list[str]:
+    world, failures = dist.get_world_size(), []
+    x = seeded(35, 2, 4, 5, 2 * world + 1, dtype=torch.float64)
+    for label, dmesh, placements in _meshes(world):
+        for name, op in PREFIX_INDEXING:
+            fn = _through_tokens(op, 2)
+            check_fn(fn, x, dmesh, placements, f"{name} {label}", failures)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_prefix_whole_slice_and_keyword_select(dist_pool, world):
+    """``x[:, 0:]`` and ``x.select(dim=1, index=0)`` behind a prefix were once refused."""
+    _no_failures(dist_pool.run(world, prefix_indexing_failures))

@@ -194,7 +194,7 @@ def _resize_whole(x, size, sf, mode, ac, rc):
     align = bool(ac) if mode == "bilinear" else False
     (oh, ow), (sh, sw) = resize_sizes((h, w), size, sf, mode, ac, rc)
     for dim, n, no, s in ((3, w, ow, sw), (2, h, oh, sh)):
-        table = _local_table(mode, n, no, align, s, 0, no, 0, x.dtype, x.device)
+        table = _local_table((mode, n, no, align, s), 0, no, 0, x.dtype, x.device)
         x = x if table is None else _apply(x, dim, table)
     return x
 

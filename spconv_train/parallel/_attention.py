@@ -1,8 +1,6 @@
-"""``F.scaled_dot_product_attention`` and ``nn.MultiheadAttention`` over sharded tokens:
-queries split along the sequence by the ring (``_ring.py``, masks by ``_ring_mask.py``);
-whole queries (DETR, Mask2Former, SAM) to sharded keys where they lie, a row maximum and
-one query-sized sum combining the ranks' parts (``attend``). docs/attention.md.
-"""
+"""SDPA and ``nn.MultiheadAttention`` over sharded tokens: split queries by the ring
+(``_ring.py``); whole queries (DETR, Mask2Former, SAM) to sharded keys where they lie, the
+ranks' parts combined by one row maximum and one query-sized sum (``attend``)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import functools
 import inspect
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,27 +17,17 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._dims import wrap
 from ._errors import module_path
-from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._reduce import _global_extreme
 from ._ring import ring_attention
 from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, sdpa_bias, select_rows
+from ._ring_mask import refuse as _refuse
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
-from ._token_layout import held_indices
+from ._token_layout import dim_layouts, held_indices
 from ._token_ring import Seq, partial_local, token_ring
 from ._tokens import is_dp, split_layouts
-
-
-def _refuse(
-    what: str, why: str, where: str = "with whole queries and keys split over the spatial ranks"
-) -> SpatialShardingError:
-    """The error of an attention op ``what`` that does not take ``why`` ``where``."""
-    return SpatialShardingError(
-        f"{what} in module '{module_path()}' {where}: {why} is not supported. Drop it, or "
-        f"gather explicitly (x.full_tensor())."
-    )
 
 
 def split_keys(q, k, seq_dim: int) -> Seq | None:
@@ -56,8 +45,7 @@ def split_keys(q, k, seq_dim: int) -> Seq | None:
 
 
 def out_placements(k: DTensor, kseq: Seq) -> tuple:
-    """The output's placements: whole over the spatial mesh dims, split like ``k`` (its
-    batch) elsewhere."""
+    """The output's placements: whole over ``kseq``'s mesh dims, like ``k`` elsewhere."""
     dims = {lay.mesh_dim for lay in kseq}
     return tuple(Replicate() if i in dims else p for i, p in enumerate(k.placements))
 
@@ -67,9 +55,8 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
     split like ``k`` elsewhere, or a plain tensor), with a partial gradient per rank."""
     if isinstance(q, DTensor):
         if tuple(q.placements) != out_placements(k, kseq):
-            raise _refuse(
-                what, f"queries split as {q.placements} next to keys split as {k.placements}"
-            )
+            why = f"queries split as {q.placements} next to keys split as {k.placements}"
+            raise _refuse(what, why)
         return partial_local(q, kseq)
     return batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
 
@@ -81,91 +68,46 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
-        part = select_rows(mask, {-1: kseq}, grad_groups(k))  # the columns of this rank's keys
+        part = select_rows(mask, -1, kseq, grad_groups(k))  # the columns of this rank's keys
         return part if rows is None else batch_rows(part, k, kseq, 0, rows)
-    last = mask.ndim - 1
-    lays = split_layouts(mask)
-    on_last = tuple(lay for lay in lays if lay.dim == last)
-    dims = sorted(lay.mesh_dim for lay in kseq)
+    lays, dims, last = split_layouts(mask), sorted(lay.mesh_dim for lay in kseq), mask.ndim - 1
+    on_last = dim_layouts(lays, last)  # split like the keys, or whole
     bad = any(p.is_partial() for p in mask.placements) or any(
         lay.dim != 0 or rows is None or lay.mesh_dim in dims for lay in lays if lay.dim != last
     )
-    if on_last:
-        bad = bad or sorted(lay.mesh_dim for lay in on_last) != dims
-        bad = bad or not torch.equal(held_indices(on_last), held_indices(kseq))
+    if on_last and not bad:
+        alike = sorted(lay.mesh_dim for lay in on_last) == dims
+        bad = not (alike and torch.equal(held_indices(on_last), held_indices(kseq)))
     if bad:
         fix = "split its last dim like the keys, or pass it whole"
         split = f"a mask {tuple(mask.shape)} split as {mask.placements}"
         raise _refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
-    if on_last:
-        return mask.to_local()
-    return select_rows(partial_local(mask, kseq), {-1: kseq}, ())
+    return mask.to_local() if on_last else select_rows(partial_local(mask, kseq), -1, kseq, ())
 
 
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, kseq_group, empty_nan
-) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, group, empty_nan: bool) -> Tensor:
     """``softmax(q k^T * scale + mask) v`` of whole queries over the keys of every rank of
-    ``kseq_group`` (each holds its own ``k``, ``v``, ``mask`` columns; a bool ``mask`` True
-    where a query may attend), by autograd. A query that sees no key gives NaN with
-    ``empty_nan`` (``nn.MultiheadAttention`` with ``need_weights``), else zeros (SDPA)."""
+    ``group`` (each holds its own ``k``, ``v``, ``mask`` columns; a bool ``mask`` True where
+    a query may attend), by autograd. A query that sees no key gives NaN with ``empty_nan``
+    (``nn.MultiheadAttention`` with ``need_weights``), else zeros (SDPA)."""
     s = (q @ k.transpose(-2, -1)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
     # the row maximum over every rank's keys (-inf where a query sees no key; 0 then:
     # every term is 0): the shift cancels in num / den, so it needs no gradient
-    m = _global_extreme(s, (-1,), (kseq_group,), "max")
+    m = _global_extreme(s, (-1,), (group,), "max")
     p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
     part = torch.cat([p @ v, p.sum(-1, keepdim=True)], -1)
-    total = sum_replicated(part, (kseq_group,))
+    total = sum_replicated(part, (group,))
     num, den = total[..., :-1], total[..., -1:]
     if not empty_nan:  # zeros where no key is seen, as torch's SDPA gives
         den = torch.where(den > 0, den, 1.0)
     return num / den
 
 
-def cross_sdpa(kseq: Seq, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """``F.scaled_dot_product_attention`` of whole queries ``(..., Q, E)`` to keys / values
-    whose dim -2 is split (``kseq``): whole output on every rank."""
-    what = "F.scaled_dot_product_attention"
-    for bad, why in (
-        (is_causal, "is_causal=True"),
-        (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
-        (enable_gqa, "enable_gqa=True"),
-        (not isinstance(value, DTensor) or value.placements != key.placements, "values split"),
-        (query.shape[:-2] != key.shape[:-2], f"queries {tuple(query.shape)} for keys"),
-    ):
-        if bad:
-            raise _refuse(what, f"{why} {tuple(key.shape)} {key.placements}")
-    ql = local_query(query, key, kseq, 0, what)
-    rows = 1 if attn_mask is not None and attn_mask.ndim == key.ndim else None
-    mask = local_mask(attn_mask, key, kseq, rows, what)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    group = token_ring(key.device_mesh, kseq).group
-    out = attend(ql, key.to_local(), value.to_local(), mask, scale, group, False)
-    return wrap(out, key, out_placements(key, kseq), (*query.shape[:-1], value.shape[-1]))
-
-
-def unsupported_mha(kw: dict, causal_with_mask: bool) -> str | None:
-    """What the spatial routes of ``F.multi_head_attention_forward`` do not take, or None;
-    ``causal_with_mask``: ``is_causal`` is taken next to an ``attn_mask`` (the ring's route:
-    the mask alone gives the result), else refused (the cross route)."""
-    dropout = f"attention dropout (dropout={kw['dropout_p']}) in training"
-    checks = (
-        (kw["bias_k"] is not None, "bias_k / bias_v (add_bias_kv=True)"),
-        (kw["add_zero_attn"], "add_zero_attn=True"),
-        (kw["static_k"] is not None, "static_k / static_v"),
-        (kw["is_causal"] and not causal_with_mask, "is_causal=True"),
-        (kw["is_causal"] and kw["attn_mask"] is None, "is_causal=True without an attn_mask"),
-        (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
-    )
-    return next((why for bad, why in checks if bad), None)
-
-
 def _whole_mha(kw: dict, what: str):
-    """``F.multi_head_attention_forward`` with no sequence split (self-attention among
-    whole queries): torch's own on the local tensors, every parameter's gradient summed
-    over the batch split alone (the same on every spatial rank)."""
+    """MHA with no sequence split (among whole queries): torch's own on the local tensors,
+    each parameter's gradient summed over the batch split alone."""
     q, k, v = kw["query"], kw["key"], kw["value"]
     groups, args = grad_groups(q), dict(kw)
     same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
@@ -205,81 +147,54 @@ def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend
     return F.linear(out.permute(2, 0, 1, 3).flatten(2), w, b)  # (L, N, E)
 
 
-def cross_mha(kw: dict, kseq: Seq, what: str = "nn.MultiheadAttention"):
-    """``F.multi_head_attention_forward`` of whole queries ``(Q, N, E)`` and keys / values
-    ``(L, N, E)`` with ``L`` split (``kseq``; whole: ``_whole_mha``): the output whole on
-    every spatial rank; the attention weights (``Q x L``) are not formed (``None``)."""
-    why = unsupported_mha(kw, causal_with_mask=False)
-    if why:
-        raise _refuse(what, why)
-    if not kseq:
-        return _whole_mha(kw, what)
-    q, k, v = kw["query"], kw["key"], kw["value"]
-    if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
-        raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
-    xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
-    group = token_ring(k.device_mesh, kseq).group
-
-    def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
-        mask = mha_mask(kw, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what))
-        return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
-
-    # the input side: every rank's share of the keys; the output side: the batch alone
-    out = project_attend(kw, xs, grad_groups(k), grad_groups(k, kseq), attend_heads)
-    return wrap(out, k, out_placements(k, kseq), q.shape), None
-
-
 log = logging.getLogger("spconv_train.parallel")
 
-_ring_refuse = functools.partial(_refuse, where="on a sharded token sequence")
-
-#: the local keys and values of one attention call and their ring (``TokenRing.spec``)
-Keys = tuple[Tensor, Tensor, object, tuple[int, ...], tuple[Tensor, ...]]
+_ring_refuse = functools.partial(_refuse, where=" on a sharded token sequence")
 
 
 def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
     """The layouts that split ``q``'s sequence dim (empty: not split); refuses any other
     split but a plain one of the batch dim."""
-    found = []
-    for lay in split_layouts(q):
-        if lay.dim == seq_dim:
-            found.append(lay)
-        elif lay.dim != batch_dim or lay.split_factor != 1:
+    lays = split_layouts(q)
+    for lay in lays:
+        if lay.dim != seq_dim and (lay.dim != batch_dim or lay.split_factor != 1):
             raise _ring_refuse(what, f"a split of dim {lay.dim} ({q.placements})")
-    return tuple(found)
+    return dim_layouts(lays, seq_dim)
 
 
-def _keys(q: DTensor, k, v, seq: Seq, what: str) -> Keys:
-    """``k``, ``v`` split over the same mesh dims as ``q``'s sequence (their own token
-    counts: e.g. keys from a strided conv of the map, spatial-reduction attention) go
-    around those ranks; whole there and split like ``q`` elsewhere (the batch) they are a
-    ring of one rank, their gradient a partial sum."""
+def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callable]:
+    """``(k, v, attend)``, local: ``k``, ``v`` split over the mesh dims of ``q``'s sequence
+    (with their own counts: spatial-reduction attention) go around those ranks; whole there
+    (split like ``q`` elsewhere), a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
     dims = {m.mesh_dim for m in seq}
     others = [(m.mesh_dim, m.dim) for m in split_layouts(q) if m.mesh_dim not in dims]
+    kl = None
     if k.placements == v.placements:
         lays = split_layouts(k)
         rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]
         kseq = tuple(m for m in lays if m.mesh_dim in dims)
         on_seq = all(m.dim == seq[0].dim for m in kseq)
         if rest == others and {m.mesh_dim for m in kseq} == dims and on_seq:
-            return k.to_local(), v.to_local(), *token_ring(q.device_mesh, kseq).spec(q.device)
-        if rest == others and not kseq:  # every key here, in global order
+            kl, vl = k.to_local(), v.to_local()
+            group, sizes, cols = token_ring(q.device_mesh, kseq).spec(q.device)
+        elif rest == others and not kseq:  # every key here, in global order
             n = k.shape[seq[0].dim - q.ndim]  # (k's own batch dims may broadcast)
+            kl, vl, group, sizes = partial_local(k, seq), partial_local(v, seq), None, (n,)
             cols = (torch.arange(n, device=q.device),)
-            return partial_local(k, seq), partial_local(v, seq), None, (n,), cols
-    split = f"{k.placements}, {v.placements}"
-    raise _ring_refuse(what, f"keys / values split as {split} unlike the queries {q.placements}")
+    if kl is None:
+        split = f"{k.placements}, {v.placements} unlike the queries {q.placements}"
+        raise _ring_refuse(what, f"keys / values split as {split}")
 
+    def attend(ql, kl, vl, scale, bias=None, rows=None, kbias=None) -> Tensor:
+        """Local queries ``(..., L_r, E)`` attending; ``bias``: the rank's rows of an
+        additive mask, ``rows``: the queries' indices if causal, ``kbias``: travelling."""
+        masked = bias is not None or rows is not None or kbias is not None
+        mask = RingMask(cols, rows, ql.dtype) if masked else None
+        return ring_attention(ql, kl, vl, group, sizes, scale, bias=bias, mask=mask, kbias=kbias)
 
-def _attend(ql, kl, vl, scale, keys: Keys, bias=None, rows=None, kbias=None) -> Tensor:
-    """Attention of local queries ``(..., L_r, E)`` to the keys of ``keys``; ``bias``: the
-    rank's rows of an additive mask; ``rows``: the queries' global indices when causal;
-    ``kbias``: an additive mask of the rank's keys (ring only), which travels with them."""
-    masked = bias is not None or rows is not None or kbias is not None
-    mask = RingMask(keys[4], rows, ql.dtype) if masked else None
-    return ring_attention(ql, kl, vl, *keys[2:4], scale, bias=bias, mask=mask, kbias=kbias)
+    return kl, vl, attend
 
 
 @register_handler(F.scaled_dot_product_attention)  # torch._C._nn's is the same object
@@ -287,66 +202,97 @@ def spatial_sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
     """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
-    ranks: the ring, or local attention to whole keys / values."""
+    ranks: the ring, or local attention to whole keys / values; whole queries ``(..., Q, E)``
+    to keys split along dim -2 (``kseq``): whole output on every rank."""
     what = "F.scaled_dot_product_attention"
     kseq = split_keys(query, key, -2)
-    if kseq:  # whole queries, keys split: the cross route
-        args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        return cross_sdpa(kseq, *args)
-    if not isinstance(query, DTensor):
+    if not kseq and not isinstance(query, DTensor):
         raise _ring_refuse(what, "plain-tensor queries next to sharded keys / values")
+    tail = f" {tuple(key.shape)} {key.placements}" if kseq else ""  # (whole queries)
+    vsplit = not isinstance(value, DTensor) or value.placements != key.placements
     for bad, why in (
-        (attn_mask is not None and is_causal, "an attention mask with is_causal=True"),
+        (is_causal and kseq, "is_causal=True"),
+        (attn_mask is not None and is_causal and not kseq, "an attention mask with is_causal=True"),
         (dropout_p > 0, f"attention dropout (dropout_p={dropout_p})"),
         (enable_gqa, "enable_gqa=True"),
+        (kseq and vsplit, "values split"),
+        (kseq and query.shape[:-2] != key.shape[:-2], f"queries {tuple(query.shape)} for keys"),
     ):
         if bad:
-            raise _ring_refuse(what, why)
+            raise (_refuse if kseq else _ring_refuse)(what, why + tail)
+    if kseq:
+        ql = local_query(query, key, kseq, 0, what)
+        rows = 1 if attn_mask is not None and attn_mask.ndim == key.ndim else None
+        mask = local_mask(attn_mask, key, kseq, rows, what)
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+        group = token_ring(key.device_mesh, kseq).group
+        out = attend(ql, key.to_local(), value.to_local(), mask, scale, group, False)
+        return wrap(out, key, out_placements(key, kseq), (*query.shape[:-1], value.shape[-1]))
     seq = _sequence_layout(query, query.ndim - 2, 0, what)
     if not seq:
         if attn_mask is not None or is_causal:
             raise _ring_refuse(what, "an attention mask on queries whose sequence is whole")
         return F.scaled_dot_product_attention(query, key, value, scale=scale)  # DTensor's
-    keys = _keys(query, key, value, seq, what)
+    kl, vl, attend_ring = _keys(query, key, value, seq, what)
     bias = sdpa_bias(attn_mask, query, what)
     rows = held_indices(seq).to(query.device) if is_causal else None
-    out = _attend(query.to_local(), *keys[:2], scale, keys, bias, rows)
+    out = attend_ring(query.to_local(), kl, vl, scale, bias, rows)
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
 
-#: ``F.multi_head_attention_forward``'s parameters and their defaults
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 @register_handler(F.multi_head_attention_forward)
 def spatial_multi_head_attention(*args, **kwargs):
-    """``nn.MultiheadAttention``'s functional form, sequence-first ``(L, N, E)`` with ``L``
-    split: projections local, attention by the ring (or local to whole keys / values).
-    The averaged attention weights (``need_weights``, an ``L x L`` map) are not formed:
-    the second output is ``None``."""
+    """MHA's functional form, ``(L, N, E)`` with ``L`` split: local projections, the ring
+    (or whole keys / values); whole queries to split keys (``kseq``): whole output. The
+    attention weights (``need_weights``) are not formed: the second output is ``None``."""
     what = "nn.MultiheadAttention"
     bound = _MHA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     kw = bound.arguments
     q, k, v = kw["query"], kw["key"], kw["value"]
     kseq = split_keys(q, k, 0)
-    if kseq is not None:  # whole queries (keys split, or whole too)
-        return cross_mha(kw, kseq)
-    if not isinstance(q, DTensor):
+    cross = kseq is not None  # whole queries (keys split, or whole too)
+    if not cross and not isinstance(q, DTensor):
         raise _ring_refuse(what, "plain-tensor queries next to sharded keys / values")
-    why = unsupported_mha(kw, causal_with_mask=True)
-    if why:
-        raise _ring_refuse(what, why)
+    dropout = f"attention dropout (dropout={kw['dropout_p']}) in training"
+    for bad, why in (
+        (kw["bias_k"] is not None, "bias_k / bias_v (add_bias_kv=True)"),
+        (kw["add_zero_attn"], "add_zero_attn=True"),
+        (kw["static_k"] is not None, "static_k / static_v"),
+        # the ring takes is_causal, a hint that attn_mask is causal: the mask alone gives it
+        (kw["is_causal"] and cross, "is_causal=True"),
+        (kw["is_causal"] and kw["attn_mask"] is None, "is_causal=True without an attn_mask"),
+        (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
+    ):
+        if bad:
+            raise (_refuse if cross else _ring_refuse)(what, why)
+    if cross and not kseq:
+        return _whole_mha(kw, what)
+    if cross:
+        if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
+            raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
+        xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
+        group = token_ring(k.device_mesh, kseq).group
+
+        def attend_heads(qh: Tensor, kh: Tensor, vh: Tensor, scale: float) -> Tensor:
+            mask = mha_mask(kw, qh.dtype, lambda m, _, per: local_mask(m, k, kseq, per, what))
+            return attend(qh, kh, vh, mask, scale, group, kw["need_weights"])
+
+        # the input side: every rank's share of the keys; the output side: the batch alone
+        out = project_attend(kw, xs, grad_groups(k), grad_groups(k, kseq), attend_heads)
+        return wrap(out, k, out_placements(k, kseq), q.shape), None
     seq = _sequence_layout(q, 0, 1, what)
     if not seq or q.ndim != 3:
         queries = f"queries {tuple(q.shape)} {q.placements}"
         raise _ring_refuse(what, f"{queries} without a split sequence (dim 0 of (L, N, E))")
-    keys = _keys(q, k, v, seq, what)
-    # is_causal is a hint that attn_mask is causal: the mask alone gives the same result
+    kl, vl, attend_ring = _keys(q, k, v, seq, what)
     bias, kbias = mha_bias(kw, q, k, seq, what)
     groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
-    attend = functools.partial(_attend, keys=keys, bias=bias, kbias=kbias)
-    out = project_attend(kw, (q.to_local(), *keys[:2]), groups, groups, attend)
+    attend_ring = functools.partial(attend_ring, bias=bias, kbias=kbias)
+    out = project_attend(kw, (q.to_local(), kl, vl), groups, groups, attend_ring)
     if kw["need_weights"]:
         log.debug("nn.MultiheadAttention in '%s': attention weights not formed", module_path())
     return wrap(out, q, q.placements, q.shape), None

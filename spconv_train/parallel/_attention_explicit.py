@@ -1,9 +1,7 @@
-"""Attention written out over sharded pixel tokens. Dense: ``q @ k^T`` -> softmax -> ``@ v``
-(``@``, matmul, bmm, two-operand einsum) as ring matmuls (``_ring.Ring``, whole blocks), or
-local to whole keys / values (docs/attention.md, "Attention written out"). Neighbourhood:
-``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks picking among the windows
-(``masked_fill``, ``torch.where``; "Neighbourhood attention").
-"""
+"""Attention written out over sharded tokens: ``q @ k^T`` -> softmax -> ``@ v`` (matmuls,
+two-operand einsum) as ring matmuls, or local to whole keys / values; neighbourhood
+attention: ``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks (``masked_fill``,
+``torch.where``). docs/attention.md, "Attention written out", "Neighbourhood attention"."""
 
 from __future__ import annotations
 
@@ -23,36 +21,34 @@ from ._ring_mask import Span
 from ._runtime import current_runtime
 from ._tiles import along, halo_window
 from ._token_layout import local_part
-from ._token_ring import Seq, partial_local, token_ring
+from ._token_ring import partial_local, token_ring
 from ._tokens import MATMULS, chain, is_tokens, split_layouts
 from ._window import gather_window, plan_window
 
 SCORES, APPLY, LOCAL = "scores", "apply", "local"
 
 
+def _product(kind: str, x: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None:
+    """Into ``out``: the key columns ``cols`` of ``x @ t^T`` (``SCORES``; each column is
+    written by one block), or ``x``'s columns ``cols`` times ``t`` added (``APPLY``)."""
+    if kind == SCORES:
+        out.index_copy_(-1, cols, x @ t.transpose(-2, -1))
+    else:
+        out.add_(x.index_select(-1, cols) @ t)
+
+
 class RingMatmul(torch.autograd.Function):
-    """``SCORES``: ``a @ t_all^T`` (``a``: ``(*lead, L_r, d)``, result ``(*lead, L_r,
-    n_cols)``); ``APPLY``: ``a @ t_all`` (``a``: ``(*lead, L_r, n_cols)``, result
-    ``(*lead, L_r, e)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; ``t_all``
-    the blocks of every rank in global order: block ``j`` holds the global indices
-    ``cols[j]`` of the ``n_cols`` keys. One rank: the plain product."""
+    """``SCORES``: ``a @ t_all^T`` ``(*lead, L_r, n_cols)``; ``APPLY``: ``a @ t_all`` (``a``:
+    ``(*lead, L_r, n_cols)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; in
+    ``t_all`` block ``j`` holds the global indices ``cols[j]`` of the ``n_cols`` keys."""
 
     @staticmethod
     def forward(ctx, a, t, kind: str, group, sizes: tuple[int, ...], cols: tuple, n_cols: int):
         a, t = a.contiguous(), t.contiguous()  # gloo sends dense tensors
         ring = Ring(group, sizes, 1, (t,))
-        if kind == SCORES:
-            out = a.new_empty(*a.shape[:-1], n_cols)
-        else:
-            out = a.new_zeros(*a.shape[:-1], t.shape[-1])
-
-        def work(span: Span, tb: Blocks) -> None:
-            if kind == SCORES:  # this block's key columns of the scores
-                out.index_copy_(-1, cols[span[0]], a @ tb[0].transpose(-2, -1))
-            else:  # the weights of this block's keys times its values
-                out.add_(a.index_select(-1, cols[span[0]]) @ tb[0])
-
-        ring.run((t,), work)
+        alloc = a.new_empty if kind == SCORES else a.new_zeros  # (each score column written once)
+        out = alloc(*a.shape[:-1], n_cols if kind == SCORES else t.shape[-1])
+        ring.run((t,), lambda span, tb: _product(kind, a, tb[0], cols[span[0]], out))
         ctx.save_for_backward(a, t)
         ctx.kind, ctx.ring, ctx.cols = kind, ring, cols
         return out
@@ -63,15 +59,12 @@ class RingMatmul(torch.autograd.Function):
         kind, cols = ctx.kind, ctx.cols
         dout = dout.contiguous()
         da = torch.zeros_like(a)
+        x, y = (dout, a) if kind == SCORES else (a, dout)  # the block's gradient: x_j^T @ y
 
         def grads_of(span: Span, tb: Blocks) -> Blocks:
             """Adds the block's part of ``da``; this rank's part of the block's gradient."""
-            if kind == SCORES:
-                ds = dout.index_select(-1, cols[span[0]])
-                da.add_(ds @ tb[0])
-                return (ds.transpose(-2, -1) @ a,)
-            da.index_add_(-1, cols[span[0]], dout @ tb[0].transpose(-2, -1))
-            return (a.index_select(-1, cols[span[0]]).transpose(-2, -1) @ dout,)
+            _product(APPLY if kind == SCORES else SCORES, dout, tb[0], cols[span[0]], da)
+            return (x.index_select(-1, cols[span[0]]).transpose(-2, -1) @ y,)
 
         (dt,) = ctx.ring.run((t,), grads_of, grads=True)
         return da, dt, None, None, None, None, None
@@ -86,15 +79,14 @@ def ring_matmul(
     return RingMatmul.apply(a, t, kind, group, tuple(sizes), tuple(cols), n_cols)
 
 
-def _plan(a, b) -> tuple[str, Seq, Seq] | None:
-    """``(kind, rows layouts of a, layouts of b on the same mesh dims)`` for ``a @ b`` with
-    the rows of ``a`` split (over one mesh dim, or nested over several: tiles); ``None``
-    when the product is not one of the attention forms."""
+def token_matmul(a, b) -> DTensor | None:
+    """``a @ b`` with the rows of ``a`` split (one mesh dim or nested: tiles), batch splits
+    alike: ``b`` split there along its last dim (``SCORES``) or rows (``APPLY``) by the
+    ring, whole there locally (``LOCAL``); ``None`` for any other product."""
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         return None
-    if any(p.is_partial() for p in (*a.placements, *b.placements)):
-        return None  # a pending sum is no operand of a local product
-    if a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
+    pending = any(p.is_partial() for p in (*a.placements, *b.placements))  # no local operand
+    if pending or a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
         return None
     la = {m.mesh_dim: m for m in split_layouts(a)}
     lb = {m.mesh_dim: m for m in split_layouts(b)}
@@ -109,22 +101,11 @@ def _plan(a, b) -> tuple[str, Seq, Seq] | None:
         if x.dim >= a.ndim - 2:  # not a batch dim
             return None
     kb = tuple(lb[m] for m in sorted(seq) if m in lb)
-    if not kb:
-        return LOCAL, rows, rows
-    if len(kb) != len(rows) or len({m.dim for m in kb}) != 1:
+    kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim) if kb else LOCAL
+    if kind is None or (kb and (len(kb) != len(rows) or len({m.dim for m in kb}) != 1)):
         return None
-    kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim)
-    return None if kind is None else (kind, rows, kb)
-
-
-def token_matmul(a, b) -> DTensor | None:
-    """``a @ b`` when it is one of the attention products on split rows, else ``None``."""
-    plan = _plan(a, b)
-    if plan is None:
-        return None
-    kind, seq, kb = plan
     if kind == LOCAL:
-        out = a.to_local() @ partial_local(b, seq)
+        out = a.to_local() @ partial_local(b, rows)
     else:
         t = b.to_local().transpose(-2, -1) if kind == SCORES else b.to_local()
         spec = token_ring(a.device_mesh, kb).spec(t.device)  # group, sizes, columns
@@ -138,69 +119,33 @@ def _matmul(prev, a, b, *args, **kwargs):
     return out if out is not None else prev(a, b, *args, **kwargs)
 
 
-def einsum_terms(equation: str) -> tuple[str, str, str] | None:
-    """``(a, b, out)``: the index strings of a two-operand ``torch.einsum`` equation with an
-    explicit output, no ellipsis and no index twice in a term; ``None`` for any other."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq or eq.count(",") != 1:
-        return None
-    (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
-    return None if any(len(set(s)) != len(s) for s in (sa, sb, out)) else (sa, sb, out)
-
-
 def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
-    """``torch.einsum`` (``einsum_terms``) of two DTensors where one is whole on every mesh
-    dim that splits the other along an output index it lacks (Mask2Former's mask
-    prediction ``"bqc,bchw->bqhw"``), locally: the whole one's gradient a partial sum per
-    rank (both split alike, e.g. a ``dp`` batch, is local too). ``None`` for any other."""
+    """``torch.einsum`` (terms ``(a, b, out)``) of DTensors, one whole on every mesh dim
+    splitting the other along an output index it lacks (Mask2Former's ``"bqc,bchw->bqhw"``),
+    locally: the whole one's gradient a partial sum (a ``dp`` batch split alike too)."""
     sa, sb, out = terms
     pending = any(p.is_partial() for p in (*a.placements, *b.placements))
     if (len(sa), len(sb)) != (a.ndim, b.ndim) or a.device_mesh != b.device_mesh or pending:
         return None
     la, lb = ({m.mesh_dim: m for m in split_layouts(t)} for t in (a, b))
     placements, partial = list(a.placements), [[], []]
-    for i in range(a.device_mesh.ndim):
+    for i in sorted(la.keys() | lb.keys()):
         x, y = la.get(i), lb.get(i)
         lay, side, names = (x, 0, sa) if x is not None else (y, 1, sb)
-        if lay is None:
-            continue
         ch = names[lay.dim]
         if x is not None and y is not None:  # split alike on both (a batch index)
-            if sb.find(ch) != y.dim or (x.split_factor, x.inner) != (y.split_factor, y.inner):
-                return None
-        elif ch in (sb if side == 0 else sa):
-            return None  # contracted or shared with the whole operand: not local
-        if ch not in out:
+            local = sb.find(ch) == y.dim and (x.split_factor, x.inner) == (y.split_factor, y.inner)
+        else:  # not contracted or shared with the whole operand; it meets this rank's part
+            local = ch not in (sb if side == 0 else sa)
+            partial[1 - side].append(lay)
+        if not local or ch not in out:
             return None
         placements[i] = placement(out.index(ch), lay.split_factor, lay.prefix)
-        if x is None or y is None:
-            partial[1 - side].append(lay)  # the whole operand meets this rank's part
-    ops = [
-        partial_local(t, tuple(p)) if p else t.to_local()
-        for t, p in zip((a, b), partial, strict=True)
-    ]
-    sizes: dict[str, int] = {}
-    for names, t in ((sa, a), (sb, b)):
-        for ch, n in zip(names, t.shape, strict=True):
-            sizes[ch] = max(sizes.get(ch, 1), n)  # a size-1 dim broadcasts
-    shape = tuple(sizes[ch] for ch in out)
+    pairs = zip((a, b), partial, strict=True)
+    ops = [partial_local(t, tuple(p)) if p else t.to_local() for t, p in pairs]
+    dims = (dict(zip(sa, a.shape, strict=True)), dict(zip(sb, b.shape, strict=True)))
+    shape = tuple(max(d.get(ch, 1) for d in dims) for ch in out)  # a size-1 dim broadcasts
     return wrap(torch.einsum(f"{sa},{sb}->{out}", *ops), a, placements, shape)
-
-
-def _as_matmul(sa: str, sb: str, out: str) -> tuple[str, str, str] | None:
-    """A two-operand einsum (``einsum_terms``) that is a batched matmul: ``(a_order,
-    b_order, mm_order)``, the operands permuted to ``a_order`` (batch, rows, contracted)
-    and ``b_order`` (batch, contracted, columns), their product laid out as ``mm_order``."""
-    batch = [c for c in out if c in sa and c in sb]
-    contr = [c for c in sa if c in sb and c not in out]
-    rows = [c for c in sa if c not in sb]
-    cols = [c for c in sb if c not in sa]
-    if (len(contr), len(rows), len(cols)) != (1, 1, 1) or len(sa) != len(batch) + 2:
-        return None
-    if len(sb) != len(batch) + 2 or set(out) != {*batch, *rows, *cols}:
-        return None
-    b_ = "".join(batch)
-    return b_ + rows[0] + contr[0], b_ + contr[0] + cols[0], b_ + rows[0] + cols[0]
 
 
 def _permuted(x, src: str, dst: str):
@@ -209,23 +154,29 @@ def _permuted(x, src: str, dst: str):
 
 @register_handler(torch.einsum)
 def token_einsum(equation, *operands):
-    """``torch.einsum`` of two operands that is a batched matmul of the attention forms on
-    token tensors (``"bhxd,bhyd->bhxy"``, ``"bhxy,bhyd->bhxd"``); a whole operand times a
-    split one, locally (``whole_operand_einsum``); DTensor's own otherwise."""
+    """Two-operand ``torch.einsum`` (explicit output, no ellipsis or repeated index): a
+    batched matmul (``"bhxd,bhyd->bhxy"``) by ``token_matmul``, a whole operand times a
+    split one by ``whole_operand_einsum``; DTensor's own otherwise."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
-    terms = einsum_terms(equation) if len(ops) == 2 else None
-    if terms is not None and all(isinstance(t, DTensor) for t in ops):
-        sa, sb, out = terms
-        form = _as_matmul(sa, sb, out)
-        # tokens of a one-row map are a plain Shard (no _StridedShard): the plan decides
-        if form is not None:
-            a_order, b_order, mm_order = form
-            res = token_matmul(_permuted(ops[0], sa, a_order), _permuted(ops[1], sb, b_order))
+    eq = equation.replace(" ", "")
+    if len(ops) == 2 and "->" in eq and "." not in eq and eq.count(",") == 1:
+        (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
+        plain = all(len(set(x)) == len(x) for x in (sa, sb, out))
+        if plain and all(isinstance(t, DTensor) for t in ops):
+            batch = "".join(c for c in out if c in sa and c in sb)
+            rows, cols, contr = set(sa) - set(sb), set(sb) - set(sa), set(sa) & set(sb) - set(out)
+            # (batch, rows, contracted) @ (batch, contracted, columns); tokens of a one-row
+            # map are a plain Shard (no _StridedShard): the plan decides
+            sizes = (len(rows), len(cols), len(contr), len(sa) - len(batch), len(sb) - len(batch))
+            if sizes == (1, 1, 1, 2, 2) and set(out) == {*batch, *rows, *cols}:
+                (r,), (c,), (k,) = rows, cols, contr
+                a, b = _permuted(ops[0], sa, batch + r + k), _permuted(ops[1], sb, batch + k + c)
+                res = token_matmul(a, b)
+                if res is not None:
+                    return _permuted(res, batch + r + c, out)
+            res = whole_operand_einsum((sa, sb, out), *ops)  # whole queries times a map
             if res is not None:
-                return _permuted(res, mm_order, out)
-        res = whole_operand_einsum(terms, *ops)  # whole queries times a map
-        if res is not None:
-            return res
+                return res
     return run_dtensor_op(torch.einsum, (equation, *ops), {})
 
 
@@ -260,9 +211,8 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
 
 @register_handler(F.unfold)
 def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
-    """``F.unfold`` (im2col) of a sharded NCHW map: the window with its halos, unfolded with
-    padding 0, the rank's output grid flattened into the token layout of ``(N, C * k * k,
-    L)``."""
+    """``F.unfold`` (im2col) of a sharded NCHW map: the window with its halos unfolded, the
+    rank's output grid flattened into the token layout of ``(N, C * k * k, L)``."""
     args = (kernel_size, dilation, padding, stride)
     if not handled(input) or input.ndim != 4:
         return run_dtensor_op(F.unfold, (input, *args), {})
@@ -277,41 +227,31 @@ def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
     return reshape(grid, shape)
 
 
-def _local_operands(args: tuple):
-    """The DTensor whose layout the result takes and ``args`` as local operands (plain
-    tensors indexed with its positions), or ``None`` where DTensor's own rules apply
-    (DTensors laid out differently, a plain tensor that would broadcast the sharded one)."""
-    like = next(a for a in args if isinstance(a, DTensor))
-    if not (handled(like) or is_tokens(like)):
-        return None
-    out = []
-    for a in args:
-        if isinstance(a, DTensor):
-            if a.placements != like.placements or a.shape != like.shape:
-                return None
-            a = a.to_local()
-        elif isinstance(a, Tensor) and a.ndim:
-            try:
-                if torch.broadcast_shapes(a.shape, like.shape) != like.shape:
-                    return None
-            except RuntimeError:  # torch's own message, from DTensor's rules
-                return None
-            a = local_part(a, like)
-        out.append(a)
-    return like, out
-
-
 def _with_plain_masks(func):
     """Handler of an element-wise selection ``func``: a plain mask or operand next to a
-    sharded DTensor indexed with the rank's positions."""
+    sharded DTensor indexed with the rank's positions; DTensor's own rules for DTensors
+    laid out differently or a plain tensor that would broadcast the sharded one."""
+
+    def local(a, like: DTensor):
+        if isinstance(a, DTensor):
+            same = (a.placements, a.shape) == (like.placements, like.shape)
+            return a.to_local() if same else None
+        if not (isinstance(a, Tensor) and a.ndim):
+            return a
+        try:
+            fits = torch.broadcast_shapes(a.shape, like.shape) == like.shape
+        except RuntimeError:  # torch's own message, from DTensor's rules
+            return None
+        return local_part(a, like) if fits else None
 
     def handler(*args, **kwargs):
+        like = next((a for a in args if isinstance(a, DTensor)), None)
         plain = any(isinstance(a, Tensor) and not isinstance(a, DTensor) and a.ndim for a in args)
-        found = _local_operands(args) if plain and not kwargs else None
-        if found is None:
+        ok = plain and not kwargs and like is not None and (handled(like) or is_tokens(like))
+        ops = [local(a, like) for a in args] if ok else [None]
+        if any(o is None for o in ops):
             return run_dtensor_op(func, args, kwargs)
-        like, local = found
-        return wrap(func(*local), like, like.placements, like.shape)
+        return wrap(func(*ops), like, like.placements, like.shape)
 
     handler.__name__ = f"masked_{func.__name__}"
     return handler

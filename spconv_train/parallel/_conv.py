@@ -202,7 +202,7 @@ def _place(y: Tensor, start: int, o0: int, o1: int) -> Tensor:
 
 @register_handler(F.conv_transpose2d, F.conv_transpose3d)  # torch.conv_transpose*d: the same
 def spatial_conv_transpose(
-    x: DTensor,
+    input: DTensor,
     weight: Tensor,
     bias: Tensor | None = None,
     stride=1,
@@ -212,11 +212,12 @@ def spatial_conv_transpose(
     dilation=1,
     what: str | None = None,
 ) -> DTensor:
-    """``F.conv_transpose{n}d`` of a DTensor on any layout (module docstring)."""
+    """``F.conv_transpose{n}d`` of a DTensor on any layout (module docstring); torch's
+    argument names (``input=`` too: it is the handler of the functional)."""
     n = weight.ndim - 2
     what = what or f"F.conv_transpose{n}d"
     s, p, op, dil = (ntuple(v, n) for v in (stride, padding, output_padding, dilation))
-    x, layout = spatial_layout(x, what, ndim=n + 2, tiles=True)
+    x, layout = spatial_layout(input, what, ndim=n + 2, tiles=True)
     conv = _CONV_T[n]
     axes = layout_axes(layout)
     if not axes:  # spatially replicated (e.g. a pooled map): the plain op

@@ -2,8 +2,7 @@
 whole image's encoding as a plain tensor, whose gradient, added to sharded tokens, would be
 summed at the activation's size (refused by ``_broadcast.py``'s guard). It depends on
 global coordinates alone: each rank builds its block of the last map a spatial layer took,
-in timm's float32 steps (bitwise one device's). docs/models.md.
-"""
+in timm's float32 steps (bitwise one device's). docs/models.md."""
 
 from __future__ import annotations
 
@@ -20,26 +19,21 @@ TIMM_CLASS = "timm.models.edgenext.PositionalEncodingFourier"
 _EPS = 1e-6  # timm's
 
 
-def _axis(hidden: int, temperature: float, scale: float, n: int, part: slice, device) -> Tensor:
-    """``(len(part), hidden)``: timm's interleaved sin / cos encoding of positions ``part``
-    of ``n`` along one axis."""
-    pos = torch.arange(part.start + 1, part.stop + 1, dtype=torch.float32, device=device)
-    pos = pos / (torch.tensor(float(n), device=device) + _EPS) * scale
-    dim_t = torch.arange(hidden, dtype=torch.int64, device=device).to(torch.float32)
-    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / hidden)
-    pos = pos[:, None] / dim_t
-    return torch.stack((pos[:, 0::2].sin(), pos[:, 1::2].cos()), dim=2).flatten(1)
-
-
 def fourier_block(
     hidden: int, temperature: float, scale: float, size: tuple[int, int], rows: slice,
     cols: slice, device=None,
 ) -> Tensor:  # fmt: skip
     """``(2 * hidden, len(rows), len(cols))``: rows ``rows`` and columns ``cols`` of timm's
-    encoding of an ``H x W = size`` map before its projection, the y half first."""
-    y = _axis(hidden, temperature, scale, size[0], rows, device)
-    x = _axis(hidden, temperature, scale, size[1], cols, device)
-    h, w = y.shape[0], x.shape[0]
+    encoding of an ``H x W = size`` map before its projection (per axis the interleaved sin /
+    cos of the positions), the y half first."""
+    dim_t = torch.arange(hidden, dtype=torch.int64, device=device).to(torch.float32)
+    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / hidden)
+    axes = []
+    for n, part in zip(size, (rows, cols), strict=True):
+        pos = torch.arange(part.start + 1, part.stop + 1, dtype=torch.float32, device=device)
+        pos = (pos / (torch.tensor(float(n), device=device) + _EPS) * scale)[:, None] / dim_t
+        axes.append(torch.stack((pos[:, 0::2].sin(), pos[:, 1::2].cos()), dim=2).flatten(1))
+    (y, x), h, w = axes, len(axes[0]), len(axes[1])
     both = (y[:, None, :].expand(h, w, hidden), x[None, :, :].expand(h, w, hidden))
     return torch.cat(both, dim=2).permute(2, 0, 1)
 

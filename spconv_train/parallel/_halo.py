@@ -88,7 +88,10 @@ class _GatherColumns(torch.autograd.Function):
                 recvs.append((owner, buf))
                 arrivals.append((dst, buf))
         sends = [(q, local.narrow(-1, s - a, e - s).contiguous()) for q, s, e in plan.sends(rank)]
-        post_p2p(group, sends, recvs, ctx.stats).wait()
+        # Nothing to move when the other dims are empty (an empty window's halos along the
+        # next dim; every peer sees it too): no zero-size message (NCCL's is not relied on).
+        if 0 not in ctx.local_shape[:-1]:
+            post_p2p(group, sends, recvs, ctx.stats).wait()
         for dst, buf in arrivals:
             dst.copy_(buf)
         return out
@@ -113,7 +116,8 @@ class _GatherColumns(torch.autograd.Function):
         ]
         # ... and the gradients of the columns it gave arrive here, to be added to its own.
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
-        post_p2p(ctx.group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()
+        if 0 not in ctx.local_shape[:-1]:  # (as in the forward)
+            post_p2p(ctx.group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()
         for _, buf, s, e in recvs:
             grad_local.narrow(-1, s - a, e - s).add_(buf)
         return grad_local, None, None, None, None, None, None

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from ._dims import GRID_MESH_DIMS, mesh_axis
-from ._geometry import ExchangePlan, Interval, SpatialShardingError, all_shard_bounds
+from ._dims import GRID_MESH_DIMS, ParallelDims, mesh_axis
+from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._layout import memory_format
 from ._mode import register_handler
@@ -23,19 +23,6 @@ from ._parallelize import spatial_module
 from ._runtime import current_runtime
 from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
 from ._tiles import along, layout_axes
-
-#: the linear mode of each tensor rank (its 1-D table is the "bilinear" one, per dim)
-LINEAR = {3: "linear", 4: "bilinear", 5: "trilinear"}
-#: torch's adaptive average pool of each tensor rank ("area" mode is exactly that)
-_AREA = {4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
-
-
-def _per_dim(v, n: int, name: str, what: str) -> tuple:
-    """``v`` (a number or a sequence) as one value per spatial dim."""
-    out = tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
-    if len(out) != n:
-        raise ValueError(f"{what}: {name} {v} must give {n} values, one per spatial dim")
-    return out
 
 
 def resize_sizes(
@@ -57,12 +44,16 @@ def resize_sizes(
         )
     if (size is None) == (scale_factor is None):
         raise ValueError("exactly one of size or scale_factor should be defined")
+    if size is not None and recompute_scale_factor:
+        raise ValueError("recompute_scale_factor is not meaningful with an explicit size.")
+    v, name = (size, "size") if size is not None else (scale_factor, "scale_factor")
+    per_dim = tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
+    if len(per_dim) != n:
+        raise ValueError(f"{what}: {name} {v} must give {n} values, one per spatial dim")
     if size is not None:
-        if recompute_scale_factor:
-            raise ValueError("recompute_scale_factor is not meaningful with an explicit size.")
-        out, scales = tuple(int(o) for o in _per_dim(size, n, "size", what)), (None,) * n
+        out, scales = tuple(int(o) for o in per_dim), (None,) * n
     else:
-        sf = tuple(float(f) for f in _per_dim(scale_factor, n, "scale_factor", what))
+        sf = tuple(float(f) for f in per_dim)
         out = tuple(math.floor(i * f) for i, f in zip(in_sizes, sf, strict=True))
         scales = (None,) * n if recompute_scale_factor else sf
     if min(out) < 1:
@@ -82,18 +73,16 @@ def _ratio(size_in: int, size_out: int, scale: float | None, dtype: torch.dtype)
     return torch.tensor(size_in, dtype=dtype) / torch.tensor(size_out, dtype=dtype)
 
 
+#: one resized dim, the tables' key: (mode, input size, output size, align_corners, scale)
+ResizeDim = tuple[str, int, int, bool, float | None]
+
+
 @functools.lru_cache(maxsize=256)
-def resize_table(
-    mode: str,
-    size_in: int,
-    size_out: int,
-    align_corners: bool,
-    scale: float | None,
-    double: bool = False,
-) -> tuple[Tensor, ...]:
+def resize_table(rd: ResizeDim, double: bool = False) -> tuple[Tensor, ...]:
     """Global source table of one resized dim, as ATen's CPU kernel builds it: ``(index,)``
     (nearest modes) or ``(i0, i1, w0, w1)`` (``y[j] = w0[j] * x[i0[j]] + w1[j] * x[i1[j]]``),
     indices non-decreasing; ``double``: a float64 input (float64 scales and weights)."""
+    mode, size_in, size_out, align_corners, scale = rd
     j = torch.arange(size_out, dtype=torch.int64)
     last = size_in - 1
     opm = torch.float64 if double else torch.float32
@@ -128,38 +117,25 @@ def resize_table(
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_resize(
-    what: str, width: int, out: int, parts: int, mode: str, align: bool, scale, double, sharded
-) -> tuple[ExchangePlan, tuple[Interval, ...]]:
+def plan_resize(what: str, rd: ResizeDim, parts: int, double: bool, sharded: bool):
     """The exchange of the input each rank's output chunk reads, and the chunks."""
-    table = resize_table(mode, width, out, align, scale, double)
+    table = resize_table(rd, double)
     first, last = table[0], table[1] if len(table) > 1 else table[0]
-    out_bounds = tuple(all_shard_bounds(out, parts))
+    out_bounds = tuple(all_shard_bounds(rd[2], parts))
     needed = tuple(
         ((int(first[o0]), int(last[o1 - 1]) + 1),) if o0 < o1 else () for o0, o1 in out_bounds
     )
-    plan = ExchangePlan(width, tuple(all_shard_bounds(width, parts)), needed)
+    plan = ExchangePlan(rd[1], tuple(all_shard_bounds(rd[1], parts)), needed)
     if sharded:
         plan.check_neighbours(what)
     return plan, out_bounds
 
 
 @functools.lru_cache(maxsize=1024)
-def _local_table(
-    mode: str,
-    size_in: int,
-    size_out: int,
-    align_corners: bool,
-    scale: float | None,
-    o0: int,
-    o1: int,
-    start: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> tuple[Tensor, ...] | None:
+def _local_table(rd: ResizeDim, o0: int, o1: int, start: int, dtype, device) -> tuple | None:
     """Rows ``[o0, o1)`` of a resize table, indices from ``start``; ``None``: the identity."""
-    table = resize_table(mode, size_in, size_out, align_corners, scale, dtype == torch.float64)
-    if torch.equal(table[0], torch.arange(size_in)) and (len(table) == 1 or not table[3].any()):
+    table = resize_table(rd, dtype == torch.float64)
+    if torch.equal(table[0], torch.arange(rd[1])) and (len(table) == 1 or not table[3].any()):
         return None  # the identity
     idx = [t[o0:o1] - start for t in table[:2]]
     weights = [t[o0:o1].to(dtype) for t in table[2:]]
@@ -181,18 +157,11 @@ def _apply(t: Tensor, dim: int, table: tuple[Tensor, ...]) -> Tensor:
     return t.index_select(dim, i0) * w0.view(shape) + t.index_select(dim, i1) * w1.view(shape)
 
 
-def _hashable(v):
-    return tuple(v) if isinstance(v, (list, tuple)) else v
-
-
 def _replicated_axes(layout: SpatialLayout, ndim: int) -> tuple[tuple[int, int], ...]:
     """Where a replicated input's resize goes: tiles, an image's strips, or nowhere."""
-    names = layout.mesh.mesh_dim_names or ()
-    axes = tuple(
-        (i + ndim - 3, names.index(n))
-        for i, n in enumerate(GRID_MESH_DIMS)
-        if n in names and i + ndim - 3 >= 2
-    )
+    names = enumerate(layout.mesh.mesh_dim_names or ())
+    grid = ((ndim - ParallelDims.dims_from_end(n), m) for m, n in names if n in GRID_MESH_DIMS)
+    axes = tuple((d, m) for d, m in grid if d >= 2)
     if len(axes) > 1:
         return axes
     return ((3, layout.sp_dim),) if ndim == 4 else ()
@@ -209,12 +178,11 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
     y = enter(x, tuple(Partial() if m in by_mesh else p for m, p in pls) if replicated else None)
     double = x.dtype == torch.float64
     for d in range(x.ndim - 1, 1, -1):
-        n_out, scale = out_sizes[d - 2], scales[d - 2]
-        o0, o1, start = 0, n_out, 0
+        rd = (mode, x.shape[d], out_sizes[d - 2], align, scales[d - 2])
+        o0, o1, start = 0, rd[2], 0
         if d in by_dim:
             parts, rank, group = mesh_axis(mesh, by_dim[d])
-            geom = (x.shape[d], n_out, parts, mode, align, scale, double, not replicated)
-            ex, out_bounds = plan_resize(what, *geom)
+            ex, out_bounds = plan_resize(what, rd, parts, double, not replicated)
             needed = ex.needed[rank]
             start = needed[0][0] if needed else 0
             if replicated:  # this rank's columns, read locally
@@ -223,9 +191,7 @@ def _resize(x: DTensor, layout: SpatialLayout, out_sizes, scales, mode, align, w
                 # (every rank takes part, also one without outputs: others read its columns)
                 y = along(y, d, lambda t, e=ex, r=rank, g=group: gather_columns(t, e, r, g))
             o0, o1 = out_bounds[rank]
-        table = _local_table(
-            mode, x.shape[d], n_out, align, scale, o0, o1, start, x.dtype, y.device
-        )
+        table = _local_table(rd, o0, o1, start, x.dtype, y.device)
         if table is not None:
             y = _apply(y, d, table)
     pl = tuple(Shard(by_mesh[m]) if m in by_mesh else p for m, p in pls)
@@ -243,21 +209,30 @@ def spatial_interpolate(
     what: str = "interpolate",
 ):
     """``F.interpolate`` of a sharded image or volume on any layout."""
-    x, linear = input, LINEAR.get(input.ndim)
-    key = (tuple(x.shape[2:]), _hashable(size), _hashable(scale_factor))
+    x, ndim = input, input.ndim
+    linear = {3: "linear", 4: "bilinear", 5: "trilinear"}.get(ndim)
+    sized = [tuple(v) if isinstance(v, (list, tuple)) else v for v in (size, scale_factor)]
+    key = (tuple(x.shape[2:]), *sized)  # hashable: the geometry is cached
+    area = F.adaptive_avg_pool3d if ndim == 5 else F.adaptive_avg_pool2d  # mode "area"
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
         out, _ = _geometry(*key, mode, align_corners, recompute, what)
-        return _area(x, out, what)
+        handler = current_runtime().registry.handler(area)  # its spatial handler, if any
+        if handler is None:
+            raise SpatialShardingError(
+                f"{what}: interpolate mode='area' is {area.__name__}, which has no spatial "
+                f"implementation registered. Use 'bilinear'/'nearest', or gather explicitly."
+            )
+        return handler(x, out)
     if mode not in ("nearest", "nearest-exact", linear) or antialias:
-        kind = "volume" if x.ndim == 5 else "image"
-        area = _AREA.get(x.ndim, F.adaptive_avg_pool2d).__name__
+        kind = "volume" if ndim == 5 else "image"
         raise SpatialShardingError(
             f"{what}: interpolate mode={mode!r}{' with antialias' if antialias else ''} is not "
             f"supported on a sharded {kind} (supported: nearest, nearest-exact, {linear}, and "
-            f"'area' via {area}). Use one of those, or gather explicitly (x.full_tensor())."
+            f"'area' via {area.__name__}). Use one of those, or gather explicitly "
+            f"(x.full_tensor())."
         )
-    x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
+    x, layout = spatial_layout(x, what, ndim=5 if ndim == 5 else 4, tiles=True)
     out, scales = _geometry(*key, mode, align_corners, recompute_scale_factor, what)
     table_mode = "bilinear" if mode == linear else mode  # the same 1-D linear table
     y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)  # None: False
@@ -265,18 +240,6 @@ def spatial_interpolate(
         args = (size, scale_factor, mode, align_corners, recompute_scale_factor)
         return run_unsharded(x, layout, lambda t: F.interpolate(t, *args))
     return y
-
-
-def _area(x, out_sizes: tuple[int, ...], what: str):
-    """``mode='area'`` is torch's adaptive average pool: use its spatial handler if any."""
-    fn = _AREA.get(x.ndim, F.adaptive_avg_pool2d)
-    handler = current_runtime().registry.handler(fn)
-    if handler is None:
-        raise SpatialShardingError(
-            f"{what}: interpolate mode='area' is {fn.__name__}, which has no spatial "
-            f"implementation registered. Use 'bilinear'/'nearest', or gather explicitly."
-        )
-    return handler(x, out_sizes)
 
 
 _UPSAMPLE_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor")

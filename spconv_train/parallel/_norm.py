@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ._compile import not_traced
 from ._conv import spatial_subclasses
+from ._dims import mesh_group
 from ._errors import module_label
 from ._halo import sum_grad_over
 from ._layout import reshape_kept
@@ -26,23 +27,22 @@ from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_now
 
 
-def _check_channels(what: str, c: int, **params: Tensor | None) -> None:
-    for name, t in params.items():
-        if t is not None and t.numel() != c:
-            raise ValueError(f"{what}: {name} has {t.numel()} elements for {c} channels")
-
-
-def _layout(x: DTensor, what: str, **params: Tensor | None) -> tuple:
-    """``(x, layout, _as_nchw sizes)``; the per-channel ``params`` checked."""
+def _layout(x: DTensor, what: str, num_groups: int = 1, **params: Tensor | None) -> tuple:
+    """``(x, layout, (N, C, H, W))``, a volume's D and H as one (statistics only count
+    elements: they run on that 4-D view); checked in torch's order: the channels divisible
+    by ``num_groups``, then the per-channel ``params``."""
     x, layout = spatial_layout(x, what, ndim=5 if x.ndim == 5 else 4, tiles=True)
-    nchw = _as_nchw(x.shape)
-    _check_channels(what, nchw[1], **params)
+    s = x.shape  # (one read: a DTensor's shape goes through the spatial mode)
+    nchw = (s[0], s[1], math.prod(s[2:-1]), s[-1])
+    if nchw[1] % num_groups:
+        raise RuntimeError(
+            f"{what}: Expected number of channels in input to be divisible by num_groups, "
+            f"but got input of shape {list(x.shape)} and num_groups={num_groups}"
+        )
+    for name, t in params.items():
+        if t is not None and t.numel() != nchw[1]:
+            raise ValueError(f"{what}: {name} has {t.numel()} elements for {nchw[1]} channels")
     return x, layout, nchw
-
-
-def _as_nchw(shape) -> tuple[int, int, int, int]:
-    """The 4-D view the statistics run on (statistics only count elements)."""
-    return (shape[0], shape[1], math.prod(shape[2:-1]), shape[-1])
 
 
 @not_traced  # a hand-written one-pass backward, and collectives (see _compile.py)
@@ -50,8 +50,8 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     """``(output, mean, biased variance)`` of ``x`` normalised with global ``cells``."""
     local = enter(x)
     shape = local.shape
-    if local.ndim != 4:  # the same statistics on a 4-D view of the local part
-        local = local.reshape(_as_nchw(shape))
+    if local.ndim != 4:  # the same statistics on the 4-D view of the local part (``_layout``)
+        local = local.flatten(2, -2)
     groups = layout.grad_groups
     reduce_affine = cells.groups == groups  # batch norm: affine gradients ride on the stats'
     if not reduce_affine:
@@ -123,13 +123,7 @@ def spatial_group_norm(
     what: str = "group_norm",
 ) -> DTensor:
     """``F.group_norm`` of a sharded DTensor."""
-    x, layout, (n, c, h, w) = _layout(input, what)
-    if c % num_groups:  # checked first, as torch does
-        raise RuntimeError(
-            f"{what}: Expected number of channels in input to be divisible by num_groups, "
-            f"but got input of shape {list(x.shape)} and num_groups={num_groups}"
-        )
-    _check_channels(what, c, weight=weight, bias=bias)
+    x, layout, (n, c, h, w) = _layout(input, what, num_groups, weight=weight, bias=bias)
     count = c // num_groups * h * w
     if n * count == 1:
         raise ValueError(f"{what}: Expected more than 1 value per channel, got {list(x.shape)}")
@@ -160,9 +154,8 @@ def spatial_instance_norm(
     y, mean, var = _normalize(x, layout, cells, weight, bias, eps)
     if running_mean is not None or running_var is not None:
         # (the same per-sample statistics on the spatial group: summed over the batch dims)
-        dp = tuple(
-            layout.mesh.get_group(i) for i in layout.batch_dims if i not in layout.spatial_mesh_dims
-        )
+        spatial = layout.spatial_mesh_dims
+        dp = [mesh_group(layout.mesh, i) for i in layout.batch_dims if i not in spatial]
         avg = torch.stack([mean.sum(0), (var * (count / (count - 1))).sum(0)])
         avg = sum_now(avg.contiguous(), *dp) / n
         _update(((running_mean, avg[0]), (running_var, avg[1])), momentum)
@@ -173,8 +166,6 @@ class _SpatialBatchNorm:
     """``_BatchNorm.forward`` (torch 2.14) running ``spatial_batch_norm`` on a DTensor input:
     statistics over the global batch and image (SyncBatchNorm: over the input's mesh, its
     ``process_group`` unused)."""
-
-    spatial_name: str = ""
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, DTensor):
@@ -188,9 +179,8 @@ class _SpatialBatchNorm:
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats  # running stats to use or update
         rm, rv = (self.running_mean, self.running_var) if keep else (None, None)
-        w, b = self.weight, self.bias
-        what = module_label(self)
-        return spatial_batch_norm(x, rm, rv, w, b, batch_stats, factor, self.eps, what)
+        args = (rm, rv, self.weight, self.bias, batch_stats, factor, self.eps)
+        return spatial_batch_norm(x, *args, what=module_label(self))
 
 
 SpatialBatchNorm2d, SpatialBatchNorm3d, SpatialSyncBatchNorm = spatial_subclasses(
@@ -203,16 +193,13 @@ SpatialGroupNorm = spatial_module(nn.GroupNorm, spatial_group_norm, *_NORM_ARGS,
 class _SpatialInstanceNorm:
     """``_InstanceNorm`` running ``spatial_instance_norm`` on a DTensor input."""
 
-    spatial_name: str = ""
-
     def _apply_instance_norm(self, x: Tensor) -> Tensor:
         if not isinstance(x, DTensor):
             return super()._apply_instance_norm(x)
         batch_stats = self.training or not self.track_running_stats
         momentum = self.momentum if self.momentum is not None else 0.0
-        rm, rv, w, b = self.running_mean, self.running_var, self.weight, self.bias
-        what = module_label(self)
-        return spatial_instance_norm(x, rm, rv, w, b, batch_stats, momentum, self.eps, what)
+        args = (self.running_mean, self.running_var, self.weight, self.bias, batch_stats, momentum)
+        return spatial_instance_norm(x, *args, self.eps, what=module_label(self))
 
 
 SpatialInstanceNorm2d, SpatialInstanceNorm3d = spatial_subclasses(
@@ -220,14 +207,9 @@ SpatialInstanceNorm2d, SpatialInstanceNorm3d = spatial_subclasses(
 )
 
 
-# The functional handlers (``torch.batch_norm`` / ``torch.instance_norm`` put weight and bias
-# first and end with a required ``cudnn_enabled``).
-register_handler(F.batch_norm)(functools.partial(spatial_batch_norm, what="F.batch_norm"))
-register_handler(F.instance_norm)(functools.partial(spatial_instance_norm, what="F.instance_norm"))
-
-
 def _weight_first(fn, what: str):
-    """A handler of ``torch.batch_norm`` / ``torch.instance_norm`` calling ``fn``."""
+    """A handler of ``torch.batch_norm`` / ``torch.instance_norm`` (weight and bias first, a
+    required ``cudnn_enabled`` last) calling ``fn``."""
 
     def handler(input, weight, bias, running_mean, running_var, *args, **kwargs):
         kwargs.pop("cudnn_enabled", None)
@@ -236,8 +218,9 @@ def _weight_first(fn, what: str):
     return handler
 
 
-register_handler(torch.batch_norm)(_weight_first(spatial_batch_norm, "torch.batch_norm"))
-register_handler(torch.instance_norm)(_weight_first(spatial_instance_norm, "torch.instance_norm"))
+for _fn, _name in ((spatial_batch_norm, "batch_norm"), (spatial_instance_norm, "instance_norm")):
+    register_handler(getattr(F, _name))(functools.partial(_fn, what=f"F.{_name}"))
+    register_handler(getattr(torch, _name))(_weight_first(_fn, f"torch.{_name}"))
 
 
 @register_handler(F.group_norm, torch.group_norm)  # same leading arguments

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._layout import memory_format
+from ._layout import CHANNELS_LAST, memory_format
 from ._small_sum import group_size, sum_now
 
 
@@ -94,7 +94,7 @@ def _local_moments(x: Tensor, cells: _Cells) -> tuple[int, Tensor, Tensor]:
     the ``(1, N * groups, -, W)`` view of a contiguous part), else two passes (the mean,
     then squared deviations: no cancellation for large means)."""
     acc = _acc_dtype(x.dtype)
-    stats = cells.num_groups if cells.kind != "batch" else cells.channels
+    stats = cells.num_groups  # (batch norm: the channels)
     view = x if cells.kind == "batch" and x.numel() else None  # empty: the passes give zeros
     if cells.kind != "batch" and x.numel() and x.is_contiguous():
         view = x.reshape(1, x.shape[0] * stats, -1, x.shape[3])
@@ -167,7 +167,7 @@ def _fused(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean, cells: _
 
 def _cl_format(x: Tensor) -> torch.memory_format | None:
     """``x``'s channels-last memory format if it is laid out so, else None."""
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    fmt = CHANNELS_LAST.get(x.dim())
     return fmt if fmt is not None and x.is_contiguous(memory_format=fmt) else None
 
 
@@ -225,7 +225,7 @@ class _Normalize(torch.autograd.Function):
         want_dx = ctx.needs_input_grad[0]
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        if ctx.fused:
+        if ctx.fused:  # ``w`` always defined: ones without affine (``gw`` does not use it)
             w = _as(weight, mean.dtype) if weight is not None else torch.ones_like(mean)
             wants = (want_dx, want_dw, want_db)
             return _fused_backward(ctx, dy.to(x.dtype), x, weight, w, mean, var, invstd, wants)
@@ -286,11 +286,6 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
     return dx, dw, db, None, None, None, None, None
 
 
-# CUDA's ``native_batch_norm_backward`` asserts that ``save_mean`` / ``save_invstd`` are
-# defined (torch 2.11 on an H200: "save_mean should always be defined"; CPU takes ``None``).
-# ``w`` is always defined (ones without affine; ``gw`` does not depend on it).
-
-
 def _dx(dy, x, w, stats, invstd, sums, count: int, eps) -> Tensor:
     """``a * dy - xhat * (a * gw / count) - a * gb / count`` with ``a = invstd * w`` and
     ``sums = (gw, gb)`` global, rounded once to ``x``'s dtype: where ``dy`` is close to its
@@ -313,7 +308,9 @@ def _dx(dy, x, w, stats, invstd, sums, count: int, eps) -> Tensor:
 
 
 def _affine_sums(dy, x, w, stats, invstd, eps) -> tuple[Tensor, Tensor]:
-    """Local ``sum(dy * xhat)`` and ``sum(dy)`` per channel (the affine gradients' mask)."""
+    """Local ``sum(dy * xhat)`` and ``sum(dy)`` per channel (the affine gradients' mask).
+    CUDA's kernel asserts that ``save_mean`` / ``save_invstd`` are defined (torch 2.11, H200:
+    "save_mean should always be defined"; CPU takes ``None``)."""
     _, gw, gb = torch.ops.aten.native_batch_norm_backward(
         dy, x, w, None, None, stats[0], invstd, True, eps, [False, True, True]
     )

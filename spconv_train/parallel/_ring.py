@@ -1,8 +1,5 @@
-"""The ring: blocks that travel around a process group point to point (``Ring``), and
-ring attention on it (``ring_attention``): schedule, overlap, memory and the per-piece
-kernels in docs/attention.md, "Exact global attention: the ring"; masks meet each piece as
-columns (``_ring_mask.py``).
-"""
+"""The ring (``Ring``: blocks travelling point to point) and ring attention on it; masks in
+``_ring_mask.py``. docs/attention.md, "Exact global attention: the ring"."""
 
 from __future__ import annotations
 
@@ -11,21 +8,18 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._halo import PendingExchange, post_p2p
-from ._ring_mask import RingMask, Span, finite, key_grads
+from ._ring_mask import RingMask, Span, finite
 from ._runtime import current_runtime
 
-#: Pieces per block (``m``) when not given: the pieces a rank holds besides its own tensors
-#: at the peak (the one worked on, the one in flight, the received gradient accumulator and
-#: the piece's gradients: four key / value pairs) then add up to one block, as large as the
-#: unavoidable query-gradient block of the kernel. More pieces save less and cost a kernel
-#: call and a message each.
+#: Pieces per block (``m``) when not given: the four key / value pairs a rank holds at the
+#: peak besides its own (worked on, in flight, accumulator, gradients) add up to one block,
+#: as large as the kernel's query gradient; more save less and cost a call and a message each.
 PIECES = 8
-#: Smallest piece (tokens) the automatic choice makes: below it the per-piece kernel call
-#: and message overheads show in the time.
-MIN_PIECE_TOKENS = 64
+MIN_PIECE_TOKENS = 64  # smallest automatic piece: below it per-piece overheads show
 
 KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -35,21 +29,18 @@ Blocks = tuple[Tensor, ...]  # one piece (or block) of every operand that travel
 
 
 def auto_pieces(sizes: tuple[int, ...]) -> int:
-    """``m`` for blocks of ``sizes`` tokens: ``PIECES``, fewer where pieces would fall
-    under ``MIN_PIECE_TOKENS`` tokens. The same on every rank."""
+    """``m`` for blocks of ``sizes`` tokens: ``PIECES``, fewer below ``MIN_PIECE_TOKENS``."""
     return max(1, min(PIECES, max(sizes) // MIN_PIECE_TOKENS))
 
 
 class Ring:
-    """The schedule of one ring call: who sends which piece to whom, when. ``sizes``:
-    tokens (dim -2) of every rank's blocks; ``pieces``: ``m``; ``blocks``: this rank's
-    (their leading dims, last dim, dtype and device are every rank's)."""
+    """One ring call's schedule. ``sizes``: tokens (dim -2) of every rank's blocks;
+    ``pieces``: ``m``; ``blocks``: this rank's (all but dim -2 alike on every rank)."""
 
     def __init__(self, group, sizes: tuple[int, ...], pieces: int, blocks: Blocks):
         self.group, self.pieces, self.parts = group, pieces, len(sizes)
         self.specs = tuple((t.shape[:-2], t.shape[-1]) for t in blocks)
-        self.like = blocks[0]
-        self.steps = self.parts * pieces
+        self.like, self.steps = blocks[0], self.parts * pieces
         self.rank = dist.get_rank(group)
         self.next, self.prev = (self.rank + 1) % self.parts, (self.rank - 1) % self.parts
         # pieces of every owner's block, as token ranges, within one token of each other
@@ -63,8 +54,7 @@ class Ring:
         return (owner, *self.bounds[owner][step // self.parts])
 
     def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
-        """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors; a
-        view when the leading dims are 1) or, ``dense=False``, as views to write into."""
+        """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors) or views."""
         lo, hi = self.bounds[self.rank][piece]
         views = tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
         return tuple(t.contiguous() for t in views) if dense else views
@@ -73,25 +63,15 @@ class Ring:
         """Uninitialised tensors of a piece, one per operand."""
         return tuple(self.like.new_empty(*lead, span[2] - span[1], e) for lead, e in self.specs)
 
-    def _post(self, sends: Blocks | None, recv: Blocks | None, tag: int) -> PendingExchange:
-        # empty pieces are not sent: both sides know every piece's size
+    def _post(
+        self, sends: Blocks | None, span: Span | None, tag: int
+    ) -> tuple[PendingExchange, Blocks | None]:
+        """Send ``sends`` to the next rank, receive a piece ``span`` from the previous one:
+        ``(pending, receive buffers)``; empty pieces are not sent (both know every size)."""
+        recv = self.empty(span) if span else None
         sends = [(self.next, t) for t in sends] if sends and sends[0].shape[-2] else []
         recvs = [(self.prev, t) for t in recv] if recv and recv[0].shape[-2] else []
-        return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag)
-
-    def pass_on(self, step: int, piece: Blocks) -> tuple[PendingExchange, Blocks | None]:
-        """Post the send of the piece of ``step`` and the receive of the piece of ``step +
-        1``, unless its round ends here (the next piece is an own one): ``(pending, next)``."""
-        if (step + 1) % self.parts == 0:
-            return self._post(None, None, KV), None
-        nxt = self.empty(self.span(step + 1))
-        return self._post(piece, nxt, KV), nxt
-
-    def recv_grads(self, step: int) -> tuple[PendingExchange, Blocks]:
-        """Post the receive of the accumulator the previous rank sent at ``step - 1``: this
-        step's piece's or, at an own piece's step (and after the last), an own one, home."""
-        buf = self.empty(self.span(step - 1, self.prev))
-        return self._post(None, buf, GRAD), buf
+        return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag), recv
 
     def run(self, blocks: Blocks, fn: Callable[[Span, Blocks], Blocks | None], grads=False):
         """``fn(span, piece)`` on every piece of every rank's ``blocks``, in ring order, the
@@ -114,8 +94,11 @@ class Ring:
             own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
             if own:
                 cur = self.own(blocks, step // self.parts)
-            acc = self.recv_grads(step) if grads and step else None
-            pending, nxt = self.pass_on(step, cur)
+            # the accumulator sent at step - 1: this piece's, or an own one's (home)
+            acc = self._post(None, self.span(step - 1, self.prev), GRAD) if grads and step else None
+            # the next piece, unless the round ends here (the next one is an own one)
+            end = (step + 1) % self.parts == 0
+            pending, nxt = self._post(*((None, None) if end else (cur, self.span(step + 1))), KV)
             if sent is not None:
                 # the next rank posted its receive at the start of this step too: the wait
                 # is short, and frees the accumulator before this compute
@@ -131,13 +114,13 @@ class Ring:
                     part = tuple(s.add_(g) for s, g in zip(acc[1], part, strict=True))
             acc = None
             if grads:
-                sent = self._post(tuple(t.contiguous() for t in part), None, GRAD)
+                sent = self._post(tuple(t.contiguous() for t in part), None, GRAD)[0]
             del part
             pending.wait()
             cur = nxt
         if not grads:
             return None
-        last, part = self.recv_grads(self.steps)  # this rank's last piece, home
+        last, part = self._post(None, self.span(self.steps - 1, self.prev), GRAD)  # the last
         last.wait()
         store(self.pieces - 1, part)
         sent.wait()
@@ -154,15 +137,9 @@ def _kernel_mask(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, mask: Tensor | None) -> Tensor:
-    s = (q @ k.transpose(-2, -1)) * scale
-    return s if mask is None else s + mask
-
-
 class RingAttention(torch.autograd.Function):
-    """The autograd function of ``ring_attention``. Per piece the CPU flash kernel where it
-    applies (its backward given the *global* output and log-sum-exp), plain matmuls
-    elsewhere; the online-softmax updates run in place."""
+    """``ring_attention``'s autograd function: per piece the CPU flash kernel where it
+    applies (its backward given the *global* output and log-sum-exp), else matmuls."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
@@ -185,7 +162,8 @@ class RingAttention(torch.autograd.Function):
                 if block is not None:  # the kernel gives lse 0 to rows it masks whole
                     lse_b = lse_b.masked_fill((block == -math.inf).all(-1), -math.inf)
             else:
-                s = _scores(q, kv[0], scale, block)
+                s = (q @ kv[0].transpose(-2, -1)) * scale
+                s = s if block is None else s + block
                 lse_b = torch.logsumexp(s, dim=-1)
                 o_b = torch.exp(s - finite(lse_b).unsqueeze(-1)) @ kv[1]
             new = torch.logaddexp(lse, lse_b)
@@ -219,7 +197,8 @@ class RingAttention(torch.autograd.Function):
                     dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(block), scale=scale
                 )
             else:
-                p = torch.exp(_scores(q, k, scale, block) - lse.unsqueeze(-1))
+                s = (q @ k.transpose(-2, -1)) * scale
+                p = torch.exp((s if block is None else s + block) - lse.unsqueeze(-1))
                 dv_b = p.transpose(-2, -1) @ dout
                 ds = p * (dout @ v.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
                 dq_b, dk_b = (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale
@@ -227,7 +206,10 @@ class RingAttention(torch.autograd.Function):
             if dbias is not None:
                 mask.add_grad(dbias, span, ds)
             # the travelling key mask's gradient (zeros when it needs none) follows it home
-            return dk_b, dv_b, *key_grads(kv[2:], ds)
+            kb = kv[2:]
+            if kb and ds is not None:
+                kb = (ds.sum_to_size(*kb[0].shape[:-2], 1, ds.shape[-1]).transpose(-2, -1),)
+            return dk_b, dv_b, *(torch.zeros_like(t) if ds is None else t for t in kb)
 
         dk, dv, *dkb = ring.run(tuple(blocks), grads_of, grads=True)
         dkb = dkb[0] if dkb and ctx.needs_input_grad[4] else None
@@ -246,18 +228,15 @@ def ring_attention(
     mask: RingMask | None = None,
     kbias: Tensor | None = None,
 ) -> Tensor:
-    """Exact ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` over the tokens of
-    every rank of ``group`` (``sizes``: how many each holds), differentiable: this rank's
-    queries' output. ``pieces``: ``m`` (by default ``auto_pieces(sizes)``). ``mask``: where
-    a mask meets the keys (``RingMask``), with ``bias`` this rank's rows of an additive mask
-    and ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
+    """Exact, differentiable SDPA of this rank's queries over the keys of every rank of
+    ``group`` (``sizes``: how many each holds); ``pieces``: ``m`` (``auto_pieces``).
+    ``mask``: where a mask meets the keys, ``bias`` this rank's rows of an additive mask,
+    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:  # every key here (``group`` may be None)
         kb = () if kbias is None else (kbias,)
         block = mask.block(bias, (0, 0, sizes[0]), kb) if mask else None
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=block, scale=scale
-        )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=block, scale=scale)
     pieces = auto_pieces(tuple(sizes)) if pieces is None else int(pieces)
     if pieces < 1:
         raise ValueError(f"ring_attention: pieces={pieces}; give a count >= 1 or None (automatic)")

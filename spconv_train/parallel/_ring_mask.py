@@ -1,7 +1,5 @@
-"""Attention masks and biases on the ring (``_ring.py``): a whole mask cut once to this
-rank's query rows, each piece's key columns made an additive bias, a ``key_padding_mask``
-travelling with the keys, ``is_causal`` formed per piece, a learned bias's gradient summed
-into its columns (docs/attention.md, "Masks and biases on the ring").
+"""Attention masks and biases on the ring (``_ring.py``) and the cross route, cut to this
+rank's rows or keys, additive per piece (docs/attention.md, "Masks and biases on the ring").
 """
 
 from __future__ import annotations
@@ -22,6 +20,18 @@ from ._token_layout import held_indices, local_part
 from ._tokens import TokenLayout, split_layouts
 
 
+def refuse(
+    what: str,
+    why: str,
+    where: str = " with whole queries and keys split over the spatial ranks",
+    fix: str = ". Drop it, or gather explicitly (x.full_tensor()).",
+) -> SpatialShardingError:
+    """The error of an attention op ``what`` that does not take ``why`` ``where``."""
+    return SpatialShardingError(
+        f"{what} in module '{module_path()}'{where}: {why} is not supported{fix}"
+    )
+
+
 def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
     """``mask`` as an additive bias of ``dtype``: a boolean one ``-inf`` where it equals
     ``masked`` (SDPA masks ``False``, ``nn.MultiheadAttention`` ``True``), else 0."""
@@ -31,14 +41,12 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
     return out.masked_fill_(mask if masked else ~mask, -math.inf)
 
 
-def select_rows(mask: Tensor, picks: dict[int, tuple[TokenLayout, ...]], groups: tuple) -> Tensor:
-    """The entries of the whole ``mask`` this rank meets: along each dim of ``picks`` (from
-    the end: -2 query rows, -1 key columns) the indices the layouts give this rank, unless
-    broadcast; its gradient summed over ``groups``."""
+def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tuple) -> Tensor:
+    """This rank's entries of the whole ``mask`` along dim ``d`` (-2 query rows, -1 key
+    columns; none: ``lays`` empty) unless broadcast; its gradient summed over ``groups``."""
     part = sum_grad_over(mask, groups)
-    for d, lays in picks.items():
-        if lays and -d <= part.ndim and part.shape[d] != 1:
-            part = part.index_select(d, held_indices(lays).to(part.device))
+    if lays and -d <= part.ndim and part.shape[d] != 1:
+        part = part.index_select(d, held_indices(lays).to(part.device))
     return part
 
 
@@ -53,30 +61,25 @@ Span = tuple[int, int, int]  # (owner, lo, hi): tokens lo:hi of the owner's bloc
 
 @dataclass(frozen=True)
 class RingMask:
-    """Where the mask meets the ring's pieces: ``cols``, the global key indices of every
-    ring member in its local order; ``rows``, the global indices of this rank's queries
-    when causal; ``dtype``: the queries'. The bias (this rank's rows, its last dim all
-    ``S`` keys or 1) is passed apart, as an autograd input."""
+    """Where the mask meets the ring's pieces: ``cols``, every member's global key indices;
+    ``rows``, this rank's queries' when causal; ``dtype``: the queries'. The bias (this
+    rank's rows of ``S`` keys or 1) is passed apart, as an autograd input."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
     dtype: torch.dtype
 
-    def _keys(self, span: Span) -> Tensor:
-        owner, lo, hi = span
-        return self.cols[owner][lo:hi]
-
     def block(self, bias: Tensor | None, span: Span, travelling: tuple) -> Tensor | None:
         """The additive mask of the keys ``span`` for this rank's queries; ``travelling``:
         the piece's own key mask ``(..., tokens, 1)``, if one travels. None: nothing masks."""
-        keys = self._keys(span)
-        out = travelling[0].transpose(-2, -1) if travelling else None
+        keys = self.cols[span[0]][span[1] : span[2]]
+        out = [travelling[0].transpose(-2, -1)] if travelling else []
         if bias is not None:
             cols = bias if bias.shape[-1] == 1 else bias.index_select(-1, keys)
-            out = _plus(out, additive(cols, self.dtype, masked=False))
+            out.append(additive(cols, self.dtype, masked=False))
         if self.rows is not None:  # a key after the query is masked
-            out = _plus(out, additive(self.rows.unsqueeze(-1) < keys, self.dtype, masked=True))
-        return out
+            out.append(additive(self.rows.unsqueeze(-1) < keys, self.dtype, masked=True))
+        return sum(out[1:], out[0]) if out else None
 
     def add_grad(self, dbias: Tensor, span: Span, ds: Tensor) -> None:
         """Add the score gradient ``ds`` of the keys ``span`` into ``dbias``'s columns of
@@ -84,59 +87,26 @@ class RingMask:
         if dbias.shape[-1] == 1:
             dbias.add_(ds.sum_to_size(dbias.shape))
         else:
-            dbias.index_add_(-1, self._keys(span), ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1]))
-
-
-def key_grads(travelling: tuple, ds: Tensor | None) -> tuple[Tensor, ...]:
-    """The gradient of a piece's travelling key mask (``()`` without one; zeros when ``ds``
-    was not formed: the mask needs none)."""
-    if not travelling:
-        return ()
-    kb = travelling[0]
-    if ds is None:
-        return (torch.zeros_like(kb),)
-    return (ds.sum_to_size(*kb.shape[:-2], 1, ds.shape[-1]).transpose(-2, -1),)
-
-
-def _plus(a: Tensor | None, b: Tensor) -> Tensor:
-    return b if a is None else a + b
+            keys = self.cols[span[0]][span[1] : span[2]]
+            dbias.index_add_(-1, keys, ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1]))
 
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or a DTensor
-    split like the queries ``q``): boolean as given (a byte per entry), a float one in the
-    queries' dtype."""
+    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or split like
+    the queries ``q``): boolean as given (a byte per entry), else in the queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
         alike = mask.ndim == q.ndim and mask.placements == q.placements
         if not alike or any(mask.shape[x.dim] != q.shape[x.dim] for x in split_layouts(q)):
-            raise SpatialShardingError(
-                f"{what} in module '{module_path()}': an attention mask {tuple(mask.shape)} "
-                f"split as {mask.placements} next to queries {tuple(q.shape)} split as "
-                f"{q.placements} is not supported; pass the mask whole (a plain tensor) or "
-                "split like the queries."
-            )
+            why = f"an attention mask {tuple(mask.shape)} split as {mask.placements} next to"
+            fix = "; pass the mask whole (a plain tensor) or split like the queries."
+            raise refuse(what, f"{why} queries {tuple(q.shape)} split as {q.placements}", "", fix)
         rows = mask.to_local()
     else:
         # the mask broadcasts against the scores (..., L, S) like q against (..., L, E)
         rows = local_part(mask, q, what=what)
     return rows if rows.dtype == torch.bool else rows.to(q.dtype)
-
-
-def _key_mask(mask: DTensor, k: DTensor, what: str) -> Tensor:
-    """This rank's keys' entries ``(N_r, 1, S_r, 1)`` of a ``key_padding_mask`` ``(N, S)``
-    split like the sequence-first keys ``k`` ``(S, N, E)``: it travels with them."""
-    swap = {0: 1, 1: 0}  # (N, S) against (S, N, E)
-    lays = {dataclasses.replace(x, dim=swap[x.dim]) for x in split_layouts(mask)}
-    if mask.ndim != 2 or lays != set(split_layouts(k)):
-        raise SpatialShardingError(
-            f"{what} in module '{module_path()}': a key_padding_mask {tuple(mask.shape)} "
-            f"split as {mask.placements} unlike the keys {tuple(k.shape)} {k.placements} is "
-            "not supported; pass it whole (a plain tensor) or split like the keys."
-        )
-    local = additive(mask.to_local(), k.dtype, True)
-    return local.view(local.shape[0], 1, local.shape[1], 1)
 
 
 def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor:
@@ -151,36 +121,40 @@ def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor
 
 
 def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
-    """``nn.MultiheadAttention``'s (arguments ``kw``) ``attn_mask`` (``(Q, S)`` or ``(N *
-    heads, Q, S)``) and ``key_padding_mask`` (``(N, S)``), True masked out, each cut to this
-    rank by ``cut(mask, name, per_sample)`` (entries of dim 0 per sample; None: no batch
-    dim), as one additive mask broadcasting against the scores ``(N_r, heads, Q_r, S_r)``."""
+    """MHA's ``attn_mask`` (``(Q, S)``, ``(N * heads, Q, S)``) and ``key_padding_mask``
+    (``(N, S)``) cut by ``cut(mask, name, per_sample or None)``, as one additive mask
+    against the scores ``(N_r, heads, Q_r, S_r)``."""
     heads, am, kpm, out = kw["num_heads"], kw["attn_mask"], kw["key_padding_mask"], None
     if am is not None:
         am = additive(cut(am, "attn_mask", heads if am.ndim == 3 else None), dtype, True)
         out = am.view(-1, heads, *am.shape[1:]) if am.ndim == 3 else am
     if kpm is not None:
         kpm = additive(cut(kpm, "key_padding_mask", 1), dtype, True)
-        out = _plus(out, kpm.view(-1, 1, 1, kpm.shape[-1]))
+        kpm = kpm.view(-1, 1, 1, kpm.shape[-1])
+        out = kpm if out is None else out + kpm
     return out
 
 
 def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
-    """``nn.MultiheadAttention``'s masks on the ring: ``(bias, key bias)``. ``bias``: this
-    rank's rows and batch of the whole masks (``mha_mask``); ``key bias``: a
-    ``key_padding_mask`` split like the keys (``_key_mask``). ``q``, ``k``: the
-    sequence-first queries ``(L, N, E)`` and keys; ``seq``: the layouts of ``L``."""
-    kpm = kw["key_padding_mask"]
-    kbias = _key_mask(kpm, k, what) if isinstance(kpm, DTensor) else None
+    """MHA's masks on the ring: ``(bias, key bias)``: this rank's rows and batch of the whole
+    masks; a ``key_padding_mask`` split like the keys ``k`` (it travels). ``seq``: ``L``'s
+    layouts in the queries ``q`` ``(L, N, E)``."""
+    kpm, kbias = kw["key_padding_mask"], None
+    if isinstance(kpm, DTensor):  # (N, S) split like the keys (S, N, E): it travels with them
+        lays = {dataclasses.replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
+        if kpm.ndim != 2 or lays != set(split_layouts(k)):
+            why = f"a key_padding_mask {tuple(kpm.shape)} split as {kpm.placements} unlike the keys"
+            fix = "; pass it whole (a plain tensor) or split like the keys."
+            raise refuse(what, f"{why} {tuple(k.shape)} {k.placements}", "", fix)
+        kbias = additive(kpm.to_local(), k.dtype, True)
+        kbias = kbias.view(kbias.shape[0], 1, kbias.shape[1], 1)  # (N_r, 1, S_r, 1)
     groups = grad_groups(q)
 
     def cut(mask: Tensor, name: str, per: int | None) -> Tensor:
         if isinstance(mask, DTensor):
-            raise SpatialShardingError(
-                f"{what} in module '{module_path()}': an {name} that is a DTensor "
-                f"({mask.placements}) is not supported; pass it whole (a plain tensor)."
-            )
-        part = select_rows(mask, {-2: seq} if name == "attn_mask" else {}, groups)
+            why = f"an {name} that is a DTensor ({mask.placements})"
+            raise refuse(what, why, "", "; pass it whole (a plain tensor).")
+        part = select_rows(mask, -2, seq if name == "attn_mask" else (), groups)
         return part if per is None else batch_rows(part, q, seq, 0, per)
 
     kw = kw if kbias is None else {**kw, "key_padding_mask": None}  # it travels

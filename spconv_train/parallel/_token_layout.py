@@ -125,9 +125,8 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
         return part
     lays = split_layouts(x)
     for d in cut:
-        k, on_d = d - lead, dim_layouts(lays, d)
-        lay = on_d[0]
-        one = len(on_d) == 1 and lay.split_factor == lay.unit == 1 and not lay.prefix
+        lay, *more = on_d = dim_layouts(lays, d)
+        one = not more and lay.split_factor == lay.unit == 1 and not lay.prefix
         a, b = shard_bounds(lay.inner, lay.parts, lay.rank)  # of one block: a view
         idx = None if one else held_indices(on_d)
         held = b - a if one else idx.numel()
@@ -143,5 +142,6 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
                 f"the sharded map (x.flatten(2).transpose(1, 2)), or gather explicitly "
                 f"(x.full_tensor())."
             )
+        k = d - lead
         part = part.narrow(k, a, held) if idx is None else part.index_select(k, idx.to(part.device))
     return part

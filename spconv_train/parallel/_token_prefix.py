@@ -1,30 +1,36 @@
 """Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens:
 ``torch.cat([cls.expand(N, -1, -1), x], 1)`` gives a ``PrefixShard`` token dim, the prefix
 held (and its gradient counted) once; ops that keep the tokens in place run on the plain
-placements and get the prefix back. Refused by name: a plain tensor with a gradient joined
-to the tokens (a gather in the backward). docs/attention.md, "Prefix tokens".
-"""
+placements and get the prefix back; ``x[:, p:]`` gives the pixel tokens, ``x[:, 0]`` is
+broadcast from its owner. Refused by name: a plain tensor with a gradient joined to the
+tokens (a gather in the backward). Indexing along dims no rank splits (``kv[0]``) runs
+locally: DTensor's ``select_backward`` would size the gradient by its own chunking, not the
+tiles' layout. docs/attention.md, "Prefix tokens"."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
-from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain
+from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain, plain_part
 from ._dims import norm_dim, wrap
 from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
-from ._prefix_shard import PrefixShard, placement, prefix_of
-from ._probe import cat_shape
+from ._prefix_shard import PrefixShard, placement, prefix_of, reduced_placements
+from ._probe import cat_shape, index_shape
+from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
 from ._registry import function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
-from ._tokens import chain, chain_each, is_dp, is_tokens, split_layouts
+from ._token_ring import token_ring
+from ._tokens import chain, chain_each, is_dp, is_nested, is_tokens, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -41,10 +47,12 @@ def _strip(x):
     ``_StridedShard``, for DTensor's own ops."""
     if isinstance(x, (list, tuple)):
         return type(x)(_strip(t) for t in x)
-    if not has_prefix(x):
-        return x
-    plain = [placement(p.dim, p.split_factor) if prefix_of(p) else p for p in x.placements]
-    return wrap(x.to_local(), x, plain, x.shape)
+    return wrap(x.to_local(), x, _plain(x.placements), x.shape) if has_prefix(x) else x
+
+
+def _plain(placements) -> list:
+    """``placements`` with every ``PrefixShard`` read as its plain ``_StridedShard``."""
+    return [placement(p.dim, p.split_factor) if prefix_of(p) else p for p in placements]
 
 
 def _attach(out, prefixes: dict[int, tuple[int, int]], what: str):
@@ -113,28 +121,54 @@ chain_each(_KEEPING, _keeps_prefix, "prefix", graph=True)
 
 
 def _arith_handler(fn, prev):
-    """Arithmetic: ``prev`` (``_tokens.py``) counts the prefix for two tensors laid out
-    alike and for a plain tensor (a position embedding); a scalar goes through DTensor."""
-    kept = _keeps_prefix(fn, prev)
+    """Arithmetic with a token tensor first or second: local next to a token tensor laid out
+    alike or a plain tensor (the rank's part of it, the prefix counted: a position
+    embedding); other operands of a tensor with prefix tokens (a scalar) on the plain
+    placements, the prefix put back; else ``prev``."""
+    what = function_name(fn)
+
+    def tokens(a, b, *rest, **kwargs):
+        dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
+        alike = isinstance(plain, DTensor) and a.ndim == b.ndim and a.placements == b.placements
+        if alike and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a)):
+            # DTensor redistributes some of these when the strides differ (a transposed view
+            # next to a contiguous tensor); laid out alike, the op is local
+            shape = torch.broadcast_shapes(a.shape, b.shape)
+            return wrap(fn(a.to_local(), b.to_local(), *rest, **kwargs), dt, dt.placements, shape)
+        if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
+            return fn(a, b, *rest, **kwargs)  # DTensor's own rules
+        shape = torch.broadcast_shapes(dt.shape, plain.shape)
+        if shape != dt.shape:
+            raise SpatialShardingError(
+                f"{what} of a token tensor {tuple(dt.shape)} and a plain tensor "
+                f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
+            )
+        # the guard here, not in local_part: the attention masks and biases it cuts
+        # (_ring_mask.py) have a window's size, not the image's
+        part = plain_part(plain, dt, what)
+        la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
+        return wrap(fn(la, lb, *rest, **kwargs), dt, dt.placements, shape)
+
+    kept = _keeps_prefix(fn, tokens)
 
     def handler(a, *args, **kwargs):
-        if not args and "other" in kwargs:  # x.add(other=y): every handler below by position
+        if not args and "other" in kwargs:  # x.add(other=y): the handlers below by position
             args = (kwargs.pop("other"),)
-        if not args:
-            return prev(a, **kwargs)  # torch's own error
+        if not args or not (is_tokens(a) or is_tokens(args[0])):
+            return prev(a, *args, **kwargs)
         b, *args = args
         dt, other = (a, b) if has_prefix(a) else (b, a)
-        if not has_prefix(dt) or (
+        if has_prefix(dt) and not (
             isinstance(other, Tensor)
             and (not isinstance(other, DTensor) or _prefixes([other]) == _prefixes([dt]))
         ):
-            return prev(a, b, *args, **kwargs)
-        return kept(a, b, *args, **kwargs)
+            return kept(a, b, *args, **kwargs)
+        return tokens(a, b, *args, **kwargs)
 
     return handler
 
 
-chain_each(ARITH, _arith_handler, "prefix", graph=True)
+chain_each(ARITH, _arith_handler, "prefix")
 
 
 def _expanded_leaf(t: Tensor) -> Tensor | None:
@@ -205,26 +239,22 @@ def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | No
 
 
 def _cat_handler(fn, prev):
+    what = function_name(fn)
+
     def handler(tensors, dim=0, **kwargs):
-        tensors = list(tensors)
-        x = next((t for t in reversed(tensors) if is_tokens(t)), None)
-        last = tensors[-1]  # tokens (N, L, C) in even chunks of L: Shard(1) (_windows.py)
-        even = isinstance(last, DTensor) and last.ndim == 3 and Shard(1) in last.placements
-        if x is None and even and kwargs.get("axis", dim) in (1, -2):
-            x = last
+        tensors, axis = list(tensors), kwargs.get("axis", dim)
+        x, last = next((t for t in reversed(tensors) if is_tokens(t)), None), tensors[-1]
+        if x is None and axis in (1, -2) and isinstance(last, DTensor) and last.ndim == 3:
+            x = last if Shard(1) in last.placements else None  # even chunks of L (_windows.py)
         if x is None or any(k != "axis" for k in kwargs):
             return prev(tensors, dim, **kwargs)
-        d = norm_dim(kwargs.get("axis", dim), x.ndim)
-        if d in {lay.dim for lay in split_layouts(x) if not is_dp(x, lay.mesh_dim)}:
-            front = tensors[:-1]
-            plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
-            if tensors[-1] is x and front and plain:
-                return _cat_prefix(tensors, d, function_name(fn))
-        else:
-            out = _cat_alongside(tensors, d, x, function_name(fn))
-            if out is not None:
-                return out
-        return prev(tensors, dim, **kwargs)
+        d, out, front = norm_dim(axis, x.ndim), None, tensors[:-1]
+        plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
+        if d not in {lay.dim for lay in split_layouts(x) if not is_dp(x, lay.mesh_dim)}:
+            out = _cat_alongside(tensors, d, x, what)
+        elif last is x and front and plain:
+            out = _cat_prefix(tensors, d, what)
+        return prev(tensors, dim, **kwargs) if out is None else out
 
     return handler
 
@@ -246,3 +276,119 @@ def _expand_as(prev, t, other, *args, **kwargs):
         grads[m] = pt if pt == po else Partial()
     local = t.to_local(grad_placements=grads).expand(other.to_local().shape)
     return wrap(local, other, other.placements, other.shape)
+
+
+def _items(x, index) -> tuple | None:
+    """``index`` as one item per dim of ``x`` (``None``: not ints and slices), a slice that
+    keeps a whole dim (``x[:, 0:]``, as torch: every entry) read as ``slice(None)``."""
+    items = _expand_index(index, x.ndim)
+    if items is None:
+        return None
+    return tuple(
+        slice(None)
+        if isinstance(i, slice) and i.step in (None, 1) and range(n)[i] == range(n)
+        else i
+        for i, n in zip(items, x.shape, strict=True)
+    )
+
+
+def _local_index(x, index) -> DTensor | None:
+    """``x[index]`` on the local tensor when ``x`` is a token tensor and ``index`` (ints and
+    slices) leaves every split dim whole; ``None`` otherwise."""
+    items = _items(x, index) if is_tokens(x) or is_nested(x) else None
+    if items is None or any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
+        return None
+    placements = reduced_placements(x, [d for d, i in enumerate(items) if isinstance(i, int)])
+    return wrap(x.to_local()[items], x, placements, index_shape(x.shape, items))
+
+
+def _select(x, dim, index) -> tuple | None:
+    """``x.select(dim, index)`` as ``x[index]``'s index (``None``: not an int index)."""
+    ints = isinstance(dim, int) and isinstance(index, int)
+    return (*(slice(None),) * norm_dim(dim, x.ndim), index) if ints else None
+
+
+class _FromOwner(torch.autograd.Function):
+    """The group rank ``src``'s ``part`` on every rank of ``group`` (a broadcast); the
+    gradient, a partial sum on every rank, summed back to ``src``."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, group, shape: tuple[int, ...], dim: int, src: int) -> Tensor:
+        ctx.group, ctx.src, ctx.dim = group, src, dim
+        ctx.owner = dist.get_rank(group) == src
+        out = part.contiguous() if ctx.owner else part.new_empty(shape)
+        dist.broadcast(out, group_src=src, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.reduce(grad, group_dst=ctx.src, op=dist.ReduceOp.SUM, group=ctx.group)
+        return (grad if ctx.owner else grad.narrow(ctx.dim, 0, 0)), None, None, None, None
+
+
+def _prefix_index(x: DTensor, index) -> DTensor | None:
+    """``x[index]`` on a tensor with prefix tokens (``None``: the token dim stays whole): the
+    pixel tokens (``x[:, p:]``) or a part of the prefix (``x[:, 0]``, ``x[:, :p]``) from its
+    owner, the first rank of every mesh dim splitting the tokens."""
+    items, lays = _items(x, index), [lay for lay in split_layouts(x) if lay.prefix]
+    d, p, n = lays[0].dim, lays[0].prefix, x.shape[lays[0].dim]
+    if items is not None and items[d] == slice(None):
+        return None
+    what = "indexing (x[...])"
+    if items is None or any(i != slice(None) for e, i in enumerate(items) if e != d):
+        raise _refuse(
+            what,
+            f"index {index!r} of tokens {tuple(x.shape)} behind {p} prefix tokens indexes "
+            f"more than the token dim (dim {d})",
+            "Index the token dim alone (x[:, p:], x[:, :p], x[:, 0])",
+        )
+    i, local, owner = items[d], x.to_local(), all(lay.rank == 0 for lay in lays)
+    picked = range(n)[i] if isinstance(i, slice) else range(n)[i : i + 1 or None]
+    if isinstance(i, slice) and i.step in (None, 1) and picked == range(p, n):
+        out = local.narrow(d, p, local.shape[d] - p) if owner else local
+        return wrap(out, x, _plain(x.placements), index_shape(x.shape, items))
+    if not picked or max(picked) >= p or not (isinstance(i, int) or i.step in (None, 1)):
+        raise _refuse(
+            what,
+            f"index {i!r} of the token dim {d} of {tuple(x.shape)} mixes its {p} prefix "
+            f"tokens (on the first rank) with the pixel tokens (split over the ranks)",
+            "Take the prefix (x[:, :p], x[:, 0]) and the pixel tokens (x[:, p:]) apart",
+        )
+    shape = list(local.shape)
+    shape[d] = len(picked)
+    ring = token_ring(x.device_mesh, tuple(lays))
+    src = next(r for r, m in enumerate(ring.members) if all(lay.rank == 0 for lay in m))
+    part = local.narrow(d, picked[0], len(picked) if owner else 0)
+    out = _FromOwner.apply(part, ring.group, shape, d, src)
+    out = out.select(d, 0) if isinstance(i, int) else out
+    placements = [Replicate() if prefix_of(q) else q for q in x.placements]
+    grads = [Partial() if prefix_of(q) else q for q in x.placements]
+    global_shape = index_shape(x.shape, items)
+    return DTensor.from_local(
+        out, x.device_mesh, placements, run_check=False, shape=global_shape,
+        stride=torch.empty(global_shape, device="meta").stride(), grad_placements=grads,
+    )  # fmt: skip
+
+
+def _indexing(index_of, fn, prev):
+    """Handler (``chain_each``) of ``x[index_of(x, *args)]``: behind a prefix by
+    ``_prefix_index``, locally (``_local_index``), else ``prev``."""
+
+    def local(x, *args, **kwargs):
+        out = _local_index(x, index_of(x, *args, **kwargs))
+        return prev(x, *args, **kwargs) if out is None else out
+
+    kept = _keeps_prefix(fn, local)
+
+    def handler(x, *args, **kwargs):
+        if not has_prefix(x):
+            return local(x, *args, **kwargs)
+        out = _prefix_index(x, index_of(x, *args, **kwargs))
+        return kept(x, *args, **kwargs) if out is None else out
+
+    return handler
+
+
+chain_each((_T.__getitem__,), partial(_indexing, lambda x, index: index), "prefix")
+chain_each((torch.select, _T.select), partial(_indexing, _select), "prefix")

@@ -3,13 +3,11 @@ prefix tokens, on the local tokens: reductions and scans (``F.layer_norm``: ``_c
 ``split`` and ``chunk`` (DTensor sizes gradients by its own chunking and replicates an uneven
 ``_StridedShard`` to split it: docs/attention.md, "Token layout"). A reduction over the
 tokens goes to the handler before (``_reduce.py``), but a sum or mean over them (token pooling)
-is local sums added over the splitting groups; behind a prefix it is refused by name.
-"""
+is local sums added over the splitting groups; behind a prefix it is refused by name."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,28 +28,26 @@ from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 _T = torch.Tensor
 
 
-class _Spec(NamedTuple):
-    """Where an op takes ``dim`` and ``keepdim`` by position (``keep_pos`` ``None``: the
-    shape is kept), its dims without ``dim`` (``None``: all), and whether without ``dim``
-    it is another op (``x.max()``, ``torch.max(a, b)``) or needs it (``softmax``)."""
-
-    dim_pos: int
-    keep_pos: int | None
-    default: int | None = None
-    needs_dim: bool = False
-
-
-#: the ops by ``_Spec``: a name for both ``torch.name`` and ``Tensor.name``, or the function
+#: the ops by ``(dim_pos, keep_pos, default, needs_dim)``: where they take ``dim`` and
+#: ``keepdim`` by position (``keep_pos`` ``None``: the shape is kept), their dims without
+#: ``dim`` (``None``: all), and whether without ``dim`` they are another op (``x.max()``,
+#: ``torch.max(a, b)``) or need it (``softmax``); a name for ``torch.name`` and
+#: ``Tensor.name``, or the function
 _OPS = {
-    _Spec(1, 2): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin", "logsumexp")
-    + ("argmax", "argmin"),
-    _Spec(1, 3): ("var", "std"),
-    _Spec(2, 3): ("norm", torch.linalg.vector_norm),
-    _Spec(1, 2, needs_dim=True): ("max", "min", "median", "nanmedian"),
-    _Spec(1, None, needs_dim=True): ("softmax", "log_softmax", "cumsum", "cumprod")
+    (1, 2, None, False): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin")
+    + ("logsumexp", "argmax", "argmin"),
+    (1, 3, None, False): ("var", "std"),
+    (2, 3, None, False): ("norm", torch.linalg.vector_norm),
+    (1, 2, None, True): ("max", "min", "median", "nanmedian"),
+    (1, None, None, True): ("softmax", "log_softmax", "cumsum", "cumprod")
     + (F.softmax, F.log_softmax),
-    _Spec(2, None, default=1): (F.normalize,),
+    (2, None, 1, False): (F.normalize,),
 }
+#: the p-norms (``p`` / ``ord`` the first argument after the tensor)
+_NORMS = (torch.norm, _T.norm, torch.linalg.vector_norm)
+#: the reductions over the split token dim done by ``_reduce.reduce_sharded`` (local sums
+#: added over every mesh dim splitting the tokens), not by DTensor's own rule
+_SUMS = {torch.sum: "sum", _T.sum: "sum", torch.mean: "mean", _T.mean: "mean"}
 
 
 def _arg(args, kwargs, pos: int | None, name: str, default):
@@ -60,38 +56,23 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
     return args[pos] if pos is not None and len(args) > pos else default
 
 
-#: the p-norms (``p`` / ``ord`` the first argument after the tensor)
-_NORMS = (torch.norm, _T.norm, torch.linalg.vector_norm)
-
-
-#: the reductions over the split token dim done by ``_reduce.reduce_sharded`` (local sums
-#: added over every mesh dim splitting the tokens), not by DTensor's own rule
-_SUMS = {torch.sum: "sum", _T.sum: "sum", torch.mean: "mean", _T.mean: "mean"}
-
-
-def _order(fn, full: tuple, kwargs: dict):
-    """The ``p`` (``ord``) of a norm call, 2 by default (``"fro"``: 2 over one dim)."""
-    p = _arg(full, kwargs, 1, "ord" if fn is torch.linalg.vector_norm else "p", 2)
-    return 2 if p in (None, "fro") else p
-
-
-def _token_wise(fn, prev, spec: _Spec):
+def _token_wise(fn, prev, spec: tuple):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
-    what = function_name(fn)
+    what, (dim_pos, keep_pos, default, needs_dim) = function_name(fn), spec
 
     def handler(x, *args, **kwargs):
         if not is_tokens(x) or kwargs.get("out") is not None:
             return prev(x, *args, **kwargs)
         full = (x, *args)
-        dim = _arg(full, kwargs, spec.dim_pos, "dim", spec.default)
+        dim = _arg(full, kwargs, dim_pos, "dim", default)
         dim = None if isinstance(dim, bool) else dim  # x.var(unbiased): over every dim
         ints = all(isinstance(d, int) for d in (dim if isinstance(dim, (tuple, list)) else [dim]))
-        if not ints and (dim is not None or spec.needs_dim):
+        if not ints and (dim is not None or needs_dim):
             # x.max(): over all; torch.max(a, b): element-wise; softmax without dim
             return prev(x, *args, **kwargs)
         dims = _dims(dim, x.ndim)
         split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
-        keepdim = spec.keep_pos is None or bool(_arg(full, kwargs, spec.keep_pos, "keepdim", 0))
+        keepdim = keep_pos is None or bool(_arg(full, kwargs, keep_pos, "keepdim", 0))
         if split & set(dims):
             if any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements):
                 raise SpatialShardingError(
@@ -101,7 +82,8 @@ def _token_wise(fn, prev, spec: _Spec):
                     f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
                     f"channels (dim=-1)."
                 )
-            if fn in _NORMS and len(dims) < x.ndim and _order(fn, full, kwargs) != 1:
+            order = _arg(full, kwargs, 1, "ord" if fn is _NORMS[2] else "p", 2)  # p, 2 or "fro"
+            if fn in _NORMS and len(dims) < x.ndim and order != 1:
                 raise SpatialShardingError(
                     f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
                     f"module '{module_path()}': DTensor's own p-norm over the split token dim "

@@ -1,7 +1,5 @@
-"""The ring over every rank that holds part of a token sequence: one mesh dim's group on
-strips, on tiles and rows both dims flattened to one (``_replicas.flat_mesh``), each
-member's token count and global indices from its place on the mesh (docs/attention.md).
-"""
+"""The ring over the ranks holding a token sequence: one mesh dim's group, or two flattened
+(tiles, rows); each member's token indices from its place on the mesh (docs/attention.md)."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ class TokenRing:
     _specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def spec(self, device) -> tuple[object, tuple[int, ...], tuple[Tensor, ...]]:
-        """``(group, every member's token count, the global token indices every member
-        holds in its local order, on device)``."""
+        """``(group, every member's token count, its global token indices on device)``."""
         key = str(torch.device(device))
         if key not in self._specs:
             cols = tuple(held_indices(m).to(device) for m in self.members)

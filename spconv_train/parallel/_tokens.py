@@ -1,29 +1,25 @@
 """Token layouts: a map flattened to pixel tokens, kept sharded (read by ``TokenLayout``).
-Reshapes that keep each sharded factor whole run locally (DTensor refuses uneven ones:
-"Cannot unflatten unevenly sharded tensor"), arithmetic with a plain tensor takes the rank's
-tokens of it; a reshape mixing ranks' tokens is refused by name. docs/attention.md, "Token
-layout"."""
+Reshapes that keep each sharded factor whole run locally (``local_reshape``; DTensor refuses
+uneven ones: "Cannot unflatten unevenly sharded tensor"); one mixing ranks' tokens is refused
+by name. ``chain_each``: the token modules' handlers registration. docs/attention.md."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from . import _channels  # noqa: F401  (its handlers are wrapped below)
-from ._broadcast import ARITH, plain_part  # (and its handlers, wrapped below)
+from . import _channels  # noqa: F401  (first: the token modules' handlers wrap its)
 from ._compile import graph_handler, in_dtensor_graphs
 from ._dims import is_dp, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, shard_bounds
 from ._mode import register_handler
 from ._prefix_shard import placement
-from ._probe import result_shape
-from ._registry import DEFAULT_REGISTRY, function_name
-from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts
+from ._registry import DEFAULT_REGISTRY
+from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts  # noqa: F401  (re-exported)
 
 
 def is_nested(x) -> bool:
@@ -127,66 +123,3 @@ def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> N
 
 #: the matrix products (handlers in ``_attention_explicit.py`` and ``_windows.py``)
 MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__, torch.bmm, Tensor.bmm)
-#: the reshape-like ops, each a handler here and in ``_windows.py``
-RESHAPES = (torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten)
-RESHAPES += (torch.unflatten, torch.Tensor.unflatten, torch.Tensor.view)
-
-
-def reshape_of(func, x: DTensor, args, kwargs) -> tuple[tuple[int, ...], Callable | None]:
-    """``(global shape, fn)`` of ``func(x, *args, **kwargs)`` (one of ``RESHAPES``), ``fn``
-    for ``local_reshape`` (a view for ``Tensor.view``); the shape ``None`` for a dtype view."""
-    fn = (lambda t, s: t.view(s)) if func is torch.Tensor.view else None
-    if (args and isinstance(args[0], torch.dtype)) or "dtype" in kwargs:
-        return None, fn
-    return result_shape(func, x.shape, *args, **kwargs), fn
-
-
-def _reshaping(fn, prev):
-    """Handler for ``fn`` (a reshape-like op): local on token tensors, else ``prev``."""
-    what = function_name(fn)
-
-    def handler(x, *args, **kwargs):
-        tokens = is_tokens(x) or is_nested(x)
-        shape, f = reshape_of(fn, x, args, kwargs) if tokens else (None, None)
-        return prev(x, *args, **kwargs) if shape is None else local_reshape(x, shape, what, f)
-
-    return handler
-
-
-chain_each(RESHAPES, _reshaping)
-
-
-def _arith(fn, prev):
-    """Handler for ``fn`` with a token tensor first or second: local next to a token tensor
-    laid out alike or a plain tensor (the rank's part of it); else ``prev``."""
-    what = function_name(fn)
-
-    def handler(*args, **kwargs):
-        if len(args) < 2 or not (is_tokens(args[0]) or is_tokens(args[1])):
-            return prev(*args, **kwargs)
-        a, b, *rest = args
-        dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
-        alike = isinstance(plain, DTensor) and a.ndim == b.ndim and a.placements == b.placements
-        if alike and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a)):
-            # DTensor redistributes some of these when the strides differ (a transposed view
-            # next to a contiguous tensor); laid out alike, the op is local
-            shape = torch.broadcast_shapes(a.shape, b.shape)
-            return wrap(fn(a.to_local(), b.to_local(), *rest, **kwargs), dt, dt.placements, shape)
-        if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
-            return fn(*args, **kwargs)  # DTensor's own rules
-        shape = torch.broadcast_shapes(dt.shape, plain.shape)
-        if shape != dt.shape:
-            raise SpatialShardingError(
-                f"{what} of a token tensor {tuple(dt.shape)} and a plain tensor "
-                f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
-            )
-        # the guard here, not in local_part: the attention masks and biases it cuts
-        # (_ring_mask.py) have a window's size, not the image's
-        part = plain_part(plain, dt, what)
-        la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
-        return wrap(fn(la, lb, *rest, **kwargs), dt, dt.placements, shape)
-
-    return handler
-
-
-chain_each(ARITH, _arith)

@@ -2,8 +2,7 @@
 reshape that cuts a split dim at window boundaries (``_moves``) re-chunks the map to
 window-aligned owners point to point where needed (the reverse merge back), the batch of
 windows a token layout; per-window matmuls and SDPA run locally. docs/attention.md, "Window
-attention (Swin)".
-"""
+attention (Swin)"."""
 
 from __future__ import annotations
 
@@ -22,9 +21,11 @@ from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped bel
 from ._dims import is_dp, mesh_group, wrap
 from ._geometry import ExchangePlan, all_shard_bounds, shard_bounds
 from ._halo import gather_columns
-from ._prefix_shard import placement, prefix_of
+from ._prefix_shard import placement
+from ._probe import result_shape
+from ._registry import function_name
 from ._ring_mask import sdpa_bias
-from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, split_layouts
+from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, local_reshape, split_layouts
 
 
 def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
@@ -198,12 +199,11 @@ def _single_window_dims(x: DTensor, lays: list, out_shape: tuple) -> dict[int, i
     return out
 
 
-def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn=None) -> DTensor:
+def window_reshape(x: DTensor, out_shape: tuple, moves: list[Move], fn, lays: list) -> DTensor:
     """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
     by default): the dims of ``moves`` cut / merged at window boundaries (re-chunked where
-    the chunks are not aligned), every other split dim kept whole."""
+    the chunks are not aligned), every other split dim kept whole. ``lays``: ``x``'s."""
     shape, placements, local = tuple(x.shape), list(x.placements), x.to_local()
-    lays = split_layouts(x)  # read once: every step below reads the input's layouts
     for m in moves:
         if m.split:
             local = _rechunk(local, x, lays, m, out_shape)
@@ -240,10 +240,10 @@ def window_reshape(x: DTensor, out_shape: tuple[int, ...], moves: list[Move], fn
     return wrap(out, x, placements, out_shape)
 
 
-def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
-    """The window moves of a reshape of ``x`` to ``out_shape`` (empty: none, but local
-    here), ``None`` when the reshape handlers before this one decide."""
-    shape, lays = tuple(x.shape), split_layouts(x)
+def _moves(x: DTensor, out_shape: tuple[int, ...], lays: list) -> list[Move] | None:
+    """The window moves of a reshape of ``x`` (layouts ``lays``) to ``out_shape`` (empty:
+    none, but local here), ``None`` when it is not a window reshape."""
+    shape = tuple(x.shape)
     spatial = [o.dim for o in lays if not is_dp(x, o.mesh_dim)]
     # two layouts on one dim (dp and sp on the batch of windows): their shares compose here
     moves, local = [], len({lay.dim for lay in lays}) < len(lays)
@@ -272,22 +272,33 @@ def _moves(x: DTensor, out_shape: tuple[int, ...]) -> list[Move] | None:
     return moves if moves or local else None
 
 
+#: the reshape-like ops
+RESHAPES = (torch.reshape, Tensor.reshape, torch.flatten, Tensor.flatten, torch.unflatten)
+RESHAPES += (Tensor.unflatten, Tensor.view)
+
+
 def _reshaping(fn, prev):
-    """Window moves for the reshape-like ``fn``, before the token / DTensor rules."""
+    """Handler for the reshape-like ``fn``: window moves (``_moves``), else a token tensor's
+    reshape kept local (``_tokens.local_reshape``), else ``prev`` (a dtype view too)."""
+    what, view = function_name(fn), (lambda t, s: t.view(s)) if fn is Tensor.view else None
 
     def handler(x, *args, **kwargs):
-        # tokens behind a prefix (class token) are never windows: _tokens.py keeps the prefix
-        if isinstance(x, DTensor) and not any(map(prefix_of, x.placements)):
-            shape, f = _tokens.reshape_of(fn, x, args, kwargs)
-            moves = None if shape is None else _moves(x, shape)
-            if moves is not None:
-                return window_reshape(x, shape, moves, f)
+        if not isinstance(x, DTensor) or "dtype" in kwargs or torch.dtype in map(type, args):
+            return prev(x, *args, **kwargs)
+        shape = result_shape(fn, x.shape, *args, **kwargs)
+        # tokens behind a prefix (class token) are never windows: local_reshape keeps it
+        lays = split_layouts(x)
+        moves = None if any(lay.prefix for lay in lays) else _moves(x, shape, lays)
+        if moves is not None:
+            return window_reshape(x, shape, moves, view, lays)
+        if _tokens.is_tokens(x) or _tokens.is_nested(x):
+            return local_reshape(x, shape, what, view)
         return prev(x, *args, **kwargs)
 
     return handler
 
 
-chain_each(_tokens.RESHAPES, _reshaping, "window")
+chain_each(RESHAPES, _reshaping, "window")
 
 
 def _batches_alike(a, *others) -> bool:

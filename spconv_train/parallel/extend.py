@@ -42,16 +42,20 @@ __all__ = [
 # fmt: on
 
 
-def _installing(fn: Callable) -> Callable:
+def _installing(fn: Callable, name: str) -> Callable:
     @functools.wraps(fn)
     def call(*args, **kwargs):
         install()  # the built-ins first: a registration here takes precedence
         return fn(*args, **kwargs)
 
+    call.__name__ = call.__qualname__ = name  # help(), tracebacks, pickle: this module's name
+    call.__module__ = __name__
     return call
 
 
-register_handler = _installing(DEFAULT_REGISTRY.register)
-refuse_handler = _installing(DEFAULT_REGISTRY.refuse)
-register_spatial_module = _installing(_parallelize.register_spatial_module)
-refuse_module = _installing(_parallelize.refuse_module)
+register_handler = _installing(DEFAULT_REGISTRY.register, "register_handler")
+refuse_handler = _installing(DEFAULT_REGISTRY.refuse, "refuse_handler")
+register_spatial_module = _installing(
+    _parallelize.register_spatial_module, "register_spatial_module"
+)
+refuse_module = _installing(_parallelize.refuse_module, "refuse_module")
