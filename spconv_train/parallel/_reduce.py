@@ -39,12 +39,16 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
 
 
 def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
-    """Max or min of ``local`` over ``dims`` and ``groups``' ranks (detached, keepdim)."""
+    """Max or min of ``local`` over ``dims`` and ``groups``' ranks (detached, keepdim). A NaN
+    goes as the opposite infinity (gloo's MAX / MIN drop a NaN held by a later rank): no
+    element equals it, so ``reduce_sharded`` gives NaN (0 / 0) and softmax NaN, as torch."""
     big = float("inf") if kind == "min" else float("-inf")
     if local.numel():
         m = (torch.amax if kind == "max" else torch.amin)(local.detach(), dims, keepdim=True)
     else:
         m = local.detach().sum(dims, keepdim=True).fill_(big)
+    if groups:
+        m = m.nan_to_num_(-big, posinf=float("inf"), neginf=float("-inf"))
     for g in groups:
         dist.all_reduce(m, dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN, group=g)
     return m
