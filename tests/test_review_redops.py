@@ -169,6 +169,11 @@ NAN_EXTREMES = {
     "amax all": lambda t: t.amax(),
     "tokens amin": lambda t: _tokens(t).amin(1),
     "softmax w": lambda t: t.softmax(-1),
+    "max all": lambda t: t.max(),
+    "torch.min all": lambda t: torch.min(t),
+    "adaptive max pool to 1": lambda t: F.adaptive_max_pool2d(t, 1),
+    # torch's index of a NaN window: the last NaN in row-major order
+    "adaptive max pool indices": lambda t: F.adaptive_max_pool2d(t, 1, True)[1].double(),
 }
 
 
@@ -176,13 +181,22 @@ def nan_extreme_checks() -> list[str]:
     dmesh, failures = mesh((2,)), []
     x = seeded(9, 2, 3, 4, 6, dtype=torch.float64)
     x[1, 2, 1, 5] = float("nan")  # on rank 1 only
-    xs = distribute_tensor(x, dmesh, [Shard(3)])
-    for label, fn in NAN_EXTREMES.items():
+    two = x.clone()
+    two[0, 1, 3, 0] = two[0, 1, 0, 4] = float("nan")  # one window, a NaN on each rank
+    cases = [
+        (f"{label}{tag}", fn, t)
+        for tag, t in (("", x), (", two NaNs", two))
+        for label, fn in NAN_EXTREMES.items()
+    ]
+    for label, fn, x in cases:
+        xs = distribute_tensor(x, dmesh, [Shard(3)])
         with SpatialMode():
             y = fn(xs)
         got, want = y.full_tensor(), fn(x)
-        if not torch.equal(got.isnan(), want.isnan()) or not torch.allclose(
-            got.nan_to_num(), want.nan_to_num()
+        if (
+            got.shape != want.shape
+            or not torch.equal(got.isnan(), want.isnan())
+            or not torch.allclose(got.nan_to_num(), want.nan_to_num())
         ):
             failures.append(
                 f"{label}: NaN at {got.isnan().nonzero().tolist()}, one device at "

@@ -311,14 +311,20 @@ def adaptive_pool(
         return leave(v, out_layout, shape)
     v, idx, valid = _reduce_max(t, plans, sizes)
     if not halo:
-        best = v.detach().clone()
+        inf = float("inf")  # gloo's MAX drops a NaN held by a later rank: it goes as +inf
+        best = v.detach().nan_to_num(nan=inf, posinf=inf, neginf=-inf)
         groups = [group for _, parts, _, group in axes if parts > 1]
         for group in groups:
             dist.all_reduce(best, dist.ReduceOp.MAX, group=group)
-        # ties between ranks: the smallest global (row-major) index wins, as on one device
-        cand = torch.where(valid & (v.detach() == best), idx, torch.iinfo(idx.dtype).max)
+        # ties between ranks: the smallest global (row-major) index wins, as on one device;
+        # a NaN wins over any number (torch propagates it), the last one by index (-1 - i)
+        nan = valid & v.detach().isnan()
+        top = torch.where(valid & (v.detach() == best), idx, torch.iinfo(idx.dtype).max)
+        cand = torch.where(nan, -1 - idx, top)
         for group in groups:
             dist.all_reduce(cand, dist.ReduceOp.MIN, group=group)
+        best = torch.where(cand < 0, float("nan"), best)
+        cand = torch.where(cand < 0, -1 - cand, cand)
         v, idx = torch.where(valid & (idx == cand), v, best), cand  # only the owner: gradient
     if not return_indices:
         return leave(v, out_layout, shape)

@@ -143,6 +143,20 @@ for _kind in ("sum", "mean", "amax", "amin", "var", "std"):
         register_handler(_fn)(_make(_kind, _fn))
 
 
+def _extreme_of_all(kind: str, func):  # x.max() / x.min(): amax / amin over every dim
+    def handler(input, *args, **kwargs):
+        if args or kwargs or not _reducible(input):  # max(x, dim) / max(x, y): DTensor's rules
+            return func(input, *args, **kwargs)
+        return reduce_sharded(input, kind)  # DTensor's all-reduce MAX drops a later rank's NaN
+
+    return handler
+
+
+for _kind in ("max", "min"):
+    for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
+        register_handler(_fn)(_extreme_of_all(f"a{_kind}", _fn))
+
+
 def _norm_like(func):
     def handler(input, p="fro", dim=None, keepdim=False, *args, **kwargs):
         if func is torch.linalg.vector_norm:  # (x, ord=2, dim=None, keepdim=False)
