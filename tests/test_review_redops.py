@@ -183,6 +183,9 @@ def nan_extreme_checks() -> list[str]:
     x[1, 2, 1, 5] = float("nan")  # on rank 1 only
     two = x.clone()
     two[0, 1, 3, 0] = two[0, 1, 0, 4] = float("nan")  # one window, a NaN on each rank
+    ties = (seeded(9, 2, 3, 4, 6, dtype=torch.float64) * 2).round()  # maxima on both ranks
+    for label, fn in (("x.max()", lambda t: t.max()), ("torch.min(x)", torch.min)):
+        check_fn(fn, ties, dmesh, [Shard(3)], f"{label} gradient over ties", failures)
     cases = [
         (f"{label}{tag}", fn, t)
         for tag, t in (("", x), (", two NaNs", two))
