@@ -112,3 +112,61 @@ def test_aminmax_of_maps(dist_pool):
     results = dist_pool.run(2, aminmax_map_failures)
     for rank, failures in enumerate(results):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+def _with_prefix(op, prefix: int = 2):
+    """``op`` on a map's pixel tokens behind ``prefix`` constant tokens (``t``, ``L`` pixel
+    tokens): its pixel tokens ``(N, L, C)`` back as the map."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        front = torch.linspace(-1, 1, prefix * c, dtype=x.dtype, device=x.device)
+        t = torch.cat([front.view(1, prefix, c).expand(n, -1, -1), x.flatten(2).transpose(1, 2)], 1)
+        return op(t, h * w).transpose(1, 2).reshape(n, c, h, w)
+
+    return fn
+
+
+def _pos(t: torch.Tensor) -> torch.Tensor:
+    """A plain constant ``(1, tokens, C)`` (a position embedding without gradient)."""
+    return torch.linspace(-2, 2, t.shape[1] * t.shape[2], dtype=t.dtype).view(1, *t.shape[1:])
+
+
+#: behind 2 prefix tokens ``(label, op(t, L))`` giving the pixel tokens: the forms of the
+#: pixel-token slice and of an index inside the prefix the cut re-routed (``_items``)
+PREFIX_FORMS = [
+    ("explicit stop", lambda t, n: t[:, 2 : t.shape[1]]),
+    ("explicit stop step 1", lambda t, n: t[:, 2 : t.shape[1] : 1]),
+    ("negative start", lambda t, n: t[:, -n:]),
+    ("ellipsis", lambda t, n: t[..., 2:, :]),
+    ("whole batch slice", lambda t, n: t[0 : t.shape[0], 2:]),
+    ("then whole slices", lambda t, n: t[:, 2:][:, 0:][:, ::1][:, -n:]),
+    ("negative int into prefix", lambda t, n: t[:, 2:] * t[:, -t.shape[1]].unsqueeze(1)),
+    ("ellipsis int", lambda t, n: t[:, 2:] + t[..., 1, :].unsqueeze(1)),
+    ("select negative", lambda t, n: t[:, 2:] * t.select(-2, 1 - t.shape[1])[:, None]),
+    ("prefix by negative stop", lambda t, n: t[:, 2:] - t[:, :-n].sum(1, keepdim=True)),
+    ("scalar first", lambda t, n: (2.0 - t)[:, 2:] + (3.0 * t)[:, 2:] / (1.5 + t * t)[:, 2:]),
+    ("plain other, alpha", lambda t, n: torch.sub(t, _pos(t), alpha=0.5)[:, 2:]),
+    ("in place mul_", lambda t, n: (t * 1).mul_(t)[:, 2:]),
+    ("channel mean keepdim", lambda t, n: (t - t.mean(-1, keepdim=True))[:, 2:]),
+    ("prefix token broadcast", lambda t, n: (t * t[:, :1])[:, 2:]),
+]
+
+
+def prefix_form_failures() -> list[str]:
+    world, failures = dist.get_world_size(), []
+    x = seeded(43, 2, 4, 5, 2 * world + 1, dtype=torch.float64)
+    for name, op in PREFIX_FORMS:
+        for label, dmesh, placements in _meshes(world):
+            try:
+                check_fn(_with_prefix(op), x, dmesh, placements, f"{name} {label}", failures)
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{name} {label}: {type(e).__name__}: {str(e)[:300]}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_prefix_forms_match_single_device(dist_pool, world):
+    results = dist_pool.run(world, prefix_form_failures)
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:20])
