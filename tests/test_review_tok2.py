@@ -67,6 +67,10 @@ OVER_TOKENS = [
     ("topk", lambda t: t.topk(2, dim=1).values, "topk"),
     ("aminmax", lambda t: torch.aminmax(t, dim=1).max, "aminmax"),
     ("aminmax keepdim", lambda t: t.aminmax(dim=-2, keepdim=True).min * t, "aminmax"),
+    # cat along the tokens by torch's alias axis= (was cat along the batch: (2 N, L, C))
+    ("cat axis=", lambda t: torch.cat([t, t * 2], axis=1).sum(1), "aten.cat"),
+    ("concatenate axis=", lambda t: torch.concatenate([t, t * 2], axis=-2).sum(1), "aten.cat"),
+    ("concat channels axis=", lambda t: torch.concat([t, t * 2], axis=-1), "aten.cat"),
 ]
 
 
@@ -155,7 +159,7 @@ PREFIX_FORMS = [
 
 def prefix_form_failures() -> list[str]:
     world, failures = dist.get_world_size(), []
-    x = seeded(43, 2, 4, 5, 2 * world + 1, dtype=torch.float64)
+    x = seeded(43, 2, 4, 2 * world + 2, 3 * world + 1, dtype=torch.float64)  # prefix: small
     for name, op in PREFIX_FORMS:
         for label, dmesh, placements in _meshes(world):
             try:
@@ -168,5 +172,51 @@ def prefix_form_failures() -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_prefix_forms_match_single_device(dist_pool, world):
     results = dist_pool.run(world, prefix_form_failures)
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:20])
+
+
+def _map_back(t: torch.Tensor, n: int, c: int, h: int, w: int) -> torch.Tensor:
+    return t.reshape(n, h * w, c).transpose(1, 2).reshape(n, c, h, w)
+
+
+#: reshapes of pixel tokens ``(N, L, C)`` in the forms the one reshape handler parses
+#: (keywords, a dtype view, unflatten, the batch and the tokens flattened together)
+RESHAPES = [
+    ("view tokens to map rows", lambda t, s: t.view(s[0], s[2], s[3], s[1]).flatten(1, 2)),
+    ("unflatten keyword", lambda t, s: torch.unflatten(t, dim=1, sizes=(s[2], s[3])).flatten(1, 2)),
+    ("reshape shape=", lambda t, s: t.reshape(shape=(s[0], s[2], -1, s[1])).flatten(1, 2)),
+    (
+        "flatten start_dim=",
+        lambda t, s: torch.flatten(t.unflatten(1, (s[2], s[3])), start_dim=1, end_dim=2),
+    ),
+    (
+        "dtype view",
+        lambda t, s: t * t.detach().view(torch.float64) - t.detach().view(dtype=torch.float64),
+    ),
+    ("batch and tokens", lambda t, s: t.flatten(0, 1).view(s[0], -1, s[1])),
+]
+
+
+def reshape_failures() -> list[str]:
+    world, failures = dist.get_world_size(), []
+    x = seeded(44, 2, 4, 5, 2 * world + 1, dtype=torch.float64)
+    for name, op in RESHAPES:
+
+        def fn(m, op=op):
+            n, c, h, w = m.shape
+            return _map_back(op(m.flatten(2).transpose(1, 2), m.shape), n, c, h, w)
+
+        for label, dmesh, placements in _meshes(world):
+            try:
+                check_fn(fn, x, dmesh, placements, f"{name} {label}", failures)
+            except SpatialShardingError as e:
+                failures.append(f"{name} {label}: refused: {str(e)[:300]}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_token_reshape_forms(dist_pool, world):
+    results = dist_pool.run(world, reshape_failures)
     for rank, failures in enumerate(results):
         assert not failures, f"rank {rank}: " + "\n".join(failures[:20])
