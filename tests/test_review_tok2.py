@@ -154,6 +154,9 @@ PREFIX_FORMS = [
     ("in place mul_", lambda t, n: (t * 1).mul_(t)[:, 2:]),
     ("channel mean keepdim", lambda t, n: (t - t.mean(-1, keepdim=True))[:, 2:]),
     ("prefix token broadcast", lambda t, n: (t * t[:, :1])[:, 2:]),
+    # DTensor's stack dropped the prefix (a _StridedShard the ranks' tokens do not have)
+    ("stack", lambda t, n: torch.stack([t, t * 2], 1).sum(1)[:, 2:]),
+    ("stack last dim=", lambda t, n: torch.stack((t, t.sin()), dim=-1).prod(-1)[:, 2:]),
 ]
 
 
