@@ -21,6 +21,11 @@ from tests.op_check import check_fn, check_module
 from tests.reference import seeded
 
 
+def _no_failures(results: list) -> None:
+    for rank, failures in enumerate(results):
+        assert not failures, f"rank {rank}: " + "\n".join(failures[:20])
+
+
 class TokenOp(nn.Module):
     """A map's pixel tokens (``prefix`` learned tokens in front), ``op`` on them, the
     result back on the map: the pixel tokens as a map, or a per-sample value times it."""
@@ -93,9 +98,7 @@ def over_tokens_failures() -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_ops_over_split_tokens_exact_or_refused(dist_pool, world):
     """``torch.aminmax`` over the tokens of H strips once all-gathered them in the backward."""
-    results = dist_pool.run(world, over_tokens_failures)
-    for rank, failures in enumerate(results):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+    _no_failures(dist_pool.run(world, over_tokens_failures))
 
 
 def aminmax_map_failures() -> list[str]:
@@ -113,9 +116,7 @@ def aminmax_map_failures() -> list[str]:
 
 
 def test_aminmax_of_maps(dist_pool):
-    results = dist_pool.run(2, aminmax_map_failures)
-    for rank, failures in enumerate(results):
-        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+    _no_failures(dist_pool.run(2, aminmax_map_failures))
 
 
 def _with_prefix(op, prefix: int = 2):
@@ -174,9 +175,7 @@ def prefix_form_failures() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_prefix_forms_match_single_device(dist_pool, world):
-    results = dist_pool.run(world, prefix_form_failures)
-    for rank, failures in enumerate(results):
-        assert not failures, f"rank {rank}: " + "\n".join(failures[:20])
+    _no_failures(dist_pool.run(world, prefix_form_failures))
 
 
 def _map_back(t: torch.Tensor, n: int, c: int, h: int, w: int) -> torch.Tensor:
@@ -220,9 +219,7 @@ def reshape_failures() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_token_reshape_forms(dist_pool, world):
-    results = dist_pool.run(world, reshape_failures)
-    for rank, failures in enumerate(results):
-        assert not failures, f"rank {rank}: " + "\n".join(failures[:20])
+    _no_failures(dist_pool.run(world, reshape_failures))
 
 
 #: ops DTensor's own rules ran on tokens behind a prefix giving a ``_StridedShard`` without
@@ -261,6 +258,4 @@ def lost_prefix_failures() -> list[str]:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_prefix_lost_by_dtensor_refused(dist_pool, world):
-    results = dist_pool.run(world, lost_prefix_failures)
-    for rank, failures in enumerate(results):
-        assert not failures, f"rank {rank}: " + "\n".join(failures[:20])
+    _no_failures(dist_pool.run(world, lost_prefix_failures))
