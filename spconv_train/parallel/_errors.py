@@ -314,9 +314,9 @@ def run_dtensor_op(func, args, kwargs):
     output that lost an input's prefix tokens is refused (``_lost_prefix``)."""
     try:
         out = func(*args, **kwargs)
-        for o in out if out.__class__ in (tuple, list) else (out,):  # no call: host overhead
+        for o in out if out.__class__ in (tuple, list) else (out,):  # few calls: host overhead
             if o.__class__ is DTensor:
-                for p in o._spec.placements:
+                for p in o.placements:
                     if p.__class__ is _StridedShard:  # not a PrefixShard
                         _lost_prefix(func, args, kwargs, out)
         return out
