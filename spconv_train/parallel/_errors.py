@@ -285,10 +285,41 @@ def add_pointwise_strategies() -> None:
             register_op_strategy(op, schema_info=info)(_pointwise_ops.pointwise_strategy)
 
 
+def _lost_prefix(func, args, kwargs, out) -> None:
+    """Refuse ``out`` of DTensor's own rule for ``func`` when an input had prefix tokens and
+    ``out`` a ``_StridedShard`` without them (``t.detach()``, ``torch.where``, ``t ** 2``,
+    torch 2.14.1): a layout the ranks' tokens (the prefix on the first rank) do not have."""
+    ins = [
+        t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
+    ]
+    prefixed = [t for t in ins if isinstance(t, DTensor) and any(map(prefix_of, t.placements))]
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    lost = [
+        o for o in outs if isinstance(o, DTensor)
+        and any(isinstance(p, _StridedShard) and not prefix_of(p) for p in o.placements)
+    ]  # fmt: skip
+    if prefixed and lost:
+        raise SpatialShardingError(
+            f"{function_name(func)} in module '{module_path()}' of tokens "
+            f"{tuple(prefixed[0].shape)} {tuple(prefixed[0].placements)} behind prefix (class / "
+            f"register) tokens: DTensor's own rule drops the prefix (giving "
+            f"{tuple(lost[0].placements)}), which would be silently wrong. Run it on the pixel "
+            f"tokens (x[:, p:]) and the prefix (x[:, :p]) apart, or register a handler "
+            f"(spconv_train.parallel.register_handler)."
+        )
+
+
 def run_dtensor_op(func, args, kwargs):
-    """``func(*args, **kwargs)``; a DTensor error becomes a ``SpatialShardingError``."""
+    """``func(*args, **kwargs)``; a DTensor error becomes a ``SpatialShardingError``, an
+    output that lost an input's prefix tokens is refused (``_lost_prefix``)."""
     try:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        for o in out if out.__class__ in (tuple, list) else (out,):  # few calls: host overhead
+            if o.__class__ is DTensor:
+                for p in o.placements:
+                    if p.__class__ is _StridedShard:  # not a PrefixShard
+                        _lost_prefix(func, args, kwargs, out)
+        return out
     except SpatialShardingError:
         raise
     except (RuntimeError, NotImplementedError, AssertionError, ValueError) as exc:

@@ -123,6 +123,17 @@ def _sum_like(kind: str, func):  # sum, mean, amax, amin
     return handler
 
 
+@register_handler(torch.aminmax, torch.Tensor.aminmax)
+def spatial_aminmax(input, *, dim=None, keepdim=False, out=None):
+    """``torch.aminmax`` as ``amin`` and ``amax`` (the gradient spread over the extremes, as
+    torch's): DTensor's own rule all-gathers the activation in the backward (torch 2.14.1)."""
+    _refuse_out(torch.aminmax, out)
+    if not _reducible(input):  # a pending sum (Partial) or a prefix: DTensor's rules
+        return run_dtensor_op(torch.aminmax, (input,), {"dim": dim, "keepdim": keepdim})
+    parts = (reduce_sharded(input, kind, dim, keepdim) for kind in ("amin", "amax"))
+    return torch.return_types.aminmax(tuple(parts))
+
+
 def _var_like(kind: str, func):
     def handler(input, dim=None, unbiased=None, keepdim=False, *, correction=None, out=None):
         if isinstance(dim, bool):  # the x.var(unbiased) overload

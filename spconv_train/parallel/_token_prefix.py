@@ -242,7 +242,9 @@ def _cat_handler(fn, prev):
     what = function_name(fn)
 
     def handler(tensors, dim=0, **kwargs):
-        tensors, axis = list(tensors), kwargs.get("axis", dim)
+        if "axis" in kwargs:  # torch's alias: passed on with dim=0, tokens were cat on dim 0
+            dim = kwargs.pop("axis")
+        tensors, axis = list(tensors), dim
         x, last = next((t for t in reversed(tensors) if is_tokens(t)), None), tensors[-1]
         if x is None and axis in (1, -2) and isinstance(last, DTensor) and last.ndim == 3:
             x = last if Shard(1) in last.placements else None  # even chunks of L (_windows.py)

@@ -12,7 +12,6 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from . import _token_prefix  # noqa: F401  (its handlers are wrapped here)
 from ._channels import local_pieces
 from ._dims import norm_dim, wrap
 from ._errors import module_path
@@ -22,7 +21,9 @@ from ._prefix_shard import prefix_of, reduced_placements
 from ._probe import result_shape
 from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
 from ._registry import function_name
+from ._runtime import current_runtime
 from ._sharding import grad_groups, sharded_dim
+from ._token_prefix import has_prefix  # (and its handlers, wrapped here)
 from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
@@ -150,3 +151,16 @@ def _local_pieces(fn, prev):
 
 
 chain_each((torch.split, _T.split, torch.chunk, _T.chunk), _local_pieces, "token_pieces")
+
+
+@chain(torch.stack, prefix="prefix_stack")
+def _stack(prev, tensors, dim=0, **kwargs):
+    """``torch.stack`` of tensors with prefix tokens as ``cat`` of each ``unsqueeze``d, by
+    their handlers (both keep the prefix): DTensor's own rule gives a ``_StridedShard``
+    without it (torch 2.14.1), a layout the ranks' tokens do not have (silently wrong after)."""
+    tensors = list(tensors)
+    if kwargs or not any(map(has_prefix, tensors)):
+        return prev(tensors, dim, **kwargs)
+    d, registry = norm_dim(dim, tensors[0].ndim + 1), current_runtime().registry
+    unsqueeze, cat = (registry.handler(f) for f in (torch.unsqueeze, torch.cat))
+    return cat([unsqueeze(t, d) for t in tensors], d)
