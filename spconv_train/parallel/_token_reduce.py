@@ -164,3 +164,40 @@ def _stack(prev, tensors, dim=0, **kwargs):
     d, registry = norm_dim(dim, tensors[0].ndim + 1), current_runtime().registry
     unsqueeze, cat = (registry.handler(f) for f in (torch.unsqueeze, torch.cat))
     return cat([unsqueeze(t, d) for t in tensors], d)
+
+
+def _pad_dims(ndim: int, pad, *args, **kwargs) -> set[int]:
+    return {ndim - 1 - i // 2 for i, v in enumerate(pad) if v}
+
+
+def _roll_dims(ndim: int, shifts, dims=None) -> set[int]:
+    if dims is None or dims == ():  # a roll of the flattened tensor
+        return set(range(ndim))
+    return {norm_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+
+
+def _along_unsplit(fn, prev, touched):
+    """Handler for ``fn`` (pad, roll) of tensors with prefix tokens: local along dims no
+    rank splits (the channels; the prefix stays where it is), refused along the tokens.
+    DTensor's own rule drops the prefix (a layout the ranks' tokens do not have)."""
+    what = function_name(fn)
+
+    def handler(x, *args, **kwargs):
+        if not has_prefix(x):
+            return prev(x, *args, **kwargs)
+        split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
+        if touched(x.ndim, *args, **kwargs) & split:
+            raise SpatialShardingError(
+                f"{what} along the tokens of {tuple(x.shape)} {x.placements} in module "
+                f"'{module_path()}': along tokens behind prefix (class / register) tokens, "
+                f"which one rank holds alone, it is not supported. Slice the prefix off "
+                f"first (x[:, p:]), or pad / roll the channels (the last dim)."
+            )
+        shape = result_shape(fn, x.shape, *args, meta_dtype=x.dtype, **kwargs)
+        return wrap(fn(x.to_local(), *args, **kwargs), x, x.placements, shape)
+
+    return handler
+
+
+chain_each((F.pad, torch._C._nn.pad), partial(_along_unsplit, touched=_pad_dims), "prefix")
+chain_each((torch.roll, _T.roll), partial(_along_unsplit, touched=_roll_dims), "prefix")

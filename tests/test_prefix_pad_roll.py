@@ -1,0 +1,54 @@
+"""``F.pad`` and ``roll`` of tokens behind prefix (class / register) tokens: along the
+channels exact (the prefix kept where it is), along the tokens refused by name (DTensor's
+rule ran them on a layout without the prefix: silently wrong after). fp64 output, input and
+every gradient against one device, no-gather audit, W strips, H strips and tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from spconv_train.parallel.extend import SpatialShardingError
+from tests.op_check import check_fn
+from tests.reference import seeded
+from tests.test_review_tok2 import _meshes, _no_failures, _with_prefix
+
+#: along the channels (dim -1): the prefix stays where it is
+CHANNELS = [
+    ("F.pad channels", lambda t, n: F.pad(t, (1, 2), value=0.5)[:, 2:][:, :, 1:-2] * 2),
+    ("F.pad channels reflect", lambda t, n: F.pad(t, (2, 1), "reflect")[:, 2:][:, :, :-3]),
+    ("roll channels", lambda t, n: t.roll(1, -1)[:, 2:]),
+    ("torch.roll dims=", lambda t, n: torch.roll(t, shifts=2, dims=2)[:, 2:]),
+]
+#: along the tokens (dim 1) or every dim: refused
+TOKENS = [
+    ("F.pad tokens", lambda t, n: F.pad(t, (0, 0, 1, 0))[:, 3:]),
+    ("roll tokens", lambda t, n: t.roll(1, 1)[:, 2:]),
+    ("roll flattened", lambda t, n: t.roll(1)[:, 2:]),
+]
+
+
+def pad_roll_failures() -> list[str]:
+    world, failures = dist.get_world_size(), []
+    x = seeded(45, 2, 4, 2 * world + 2, 3 * world + 1, dtype=torch.float64)
+    for label, dmesh, placements in _meshes(world):
+        for name, op in CHANNELS:
+            try:
+                check_fn(_with_prefix(op), x, dmesh, placements, f"{name} {label}", failures)
+            except Exception as e:  # noqa: BLE001
+                failures.append(f"{name} {label}: {type(e).__name__}: {str(e)[:300]}")
+        for name, op in TOKENS:
+            try:
+                check_fn(_with_prefix(op), x, dmesh, placements, f"{name} {label}", [])
+                failures.append(f"{name} {label}: not refused")
+            except SpatialShardingError as e:
+                if "prefix" not in str(e):
+                    failures.append(f"{name} {label}: refused without naming the prefix: {e}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pad_and_roll_behind_prefix(dist_pool, world):
+    _no_failures(dist_pool.run(world, pad_roll_failures))
