@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Shard, distribute_tensor
 
+from spconv_train.parallel import SpatialShardingError, parallelize
 from tests.dist_harness import mesh
 from tests.meshes import each_mesh
-from tests.op_check import check_module
+from tests.op_check import check_fn, check_module
 from tests.reference import seeded
 
 
@@ -101,3 +102,39 @@ def test_conv_transpose_empty_windows_post_no_empty_message(dist_pool):
     for rank, (failures, found) in enumerate(dist_pool.run(4, convt_empty_windows)):
         assert not failures, "\n".join(failures)
         assert not found, f"rank {rank} posted zero-size messages: {found}"
+
+
+def flip_forms() -> list[str]:
+    """``x.flip(1)`` (``Tensor.flip``'s int form) of a tensor no re-chunk moves (replicated,
+    tokens) went to ``torch.flip(x, 1)``, a TypeError; with it the sharded and the keyword
+    forms."""
+    failures: list[str] = []
+    x = seeded(7, 2, 3, 4, 7, dtype=torch.float64)
+    forms = {
+        "x.flip(1)": lambda t: t.flip(1),
+        "x.flip(1, 3)": lambda t: t.flip(1, 3),
+        "x.flip(-1)": lambda t: t.flip(-1),
+        "torch.flip(x, dims=[2])": lambda t: torch.flip(t, dims=[2]),
+    }
+
+    for label, fn in forms.items():
+        check_fn(fn, x, mesh(2), [Shard(3)], label, failures)
+    # along the split tokens: the no-gather guard's named refusal (was the TypeError)
+    model = parallelize(_TokenFlip(), mesh(2))
+    try:
+        model(distribute_tensor(x, mesh(2), [Shard(3)]))
+        failures.append("tokens .flip(1): not refused")
+    except SpatialShardingError as e:
+        if "flip" not in str(e):
+            failures.append(f"tokens .flip(1): refused without naming flip: {e}")
+    return failures
+
+
+class _TokenFlip(nn.Module):
+    def forward(self, m: torch.Tensor) -> torch.Tensor:
+        return m.flatten(2).transpose(1, 2).flip(1)
+
+
+def test_flip_forms(dist_pool):
+    for rank, failures in enumerate(dist_pool.run(2, flip_forms)):
+        assert not failures, f"rank {rank}: {failures}"

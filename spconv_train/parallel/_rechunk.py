@@ -147,7 +147,7 @@ def spatial_getitem(x, index):
 @register_handler(torch.flip, torch.Tensor.flip)
 def spatial_flip(x, *dims, **kwargs):
     """``torch.flip`` / ``x.flip``: along a sharded dim a mirroring re-chunk."""
-    given = kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims
+    given = _dims_list(kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims)
     wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)] if handled(x) else []
     remapped = _split(x, wanted) if handled(x) else None
     if remapped is None:
