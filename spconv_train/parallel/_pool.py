@@ -20,6 +20,7 @@ from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, che
 from ._halo import gather_columns
 from ._mode import register_handler
 from ._parallelize import spatial_module
+from ._reduce import all_reduce_extreme
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_replicated
 from ._tiles import along, ceil_geom, layout_axes, sharded_axes, tile_shape, tile_window
@@ -311,11 +312,8 @@ def adaptive_pool(
         return leave(v, out_layout, shape)
     v, idx, valid = _reduce_max(t, plans, sizes)
     if not halo:
-        inf = float("inf")  # gloo's MAX drops a NaN held by a later rank: it goes as +inf
-        best = v.detach().nan_to_num(nan=inf, posinf=inf, neginf=-inf)
         groups = [group for _, parts, _, group in axes if parts > 1]
-        for group in groups:
-            dist.all_reduce(best, dist.ReduceOp.MAX, group=group)
+        best = all_reduce_extreme(v.detach().clone(), groups, "max")  # a NaN as +inf
         # ties between ranks: the smallest global (row-major) index wins, as on one device;
         # a NaN wins over any number (torch propagates it), the last one by index (-1 - i)
         nan = valid & v.detach().isnan()

@@ -38,20 +38,26 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
     return tuple(sorted({norm_dim(int(d), ndim) for d in dims}))
 
 
-def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
-    """Max or min of ``local`` over ``dims`` and ``groups``' ranks (detached, keepdim). A NaN
-    goes as the opposite infinity (gloo's MAX / MIN drop a NaN held by a later rank): no
-    element equals it, so ``reduce_sharded`` gives NaN (0 / 0) and softmax NaN, as torch."""
-    big = float("inf") if kind == "min" else float("-inf")
-    if local.numel():
-        m = (torch.amax if kind == "max" else torch.amin)(local.detach(), dims, keepdim=True)
-    else:
-        m = local.detach().sum(dims, keepdim=True).fill_(big)
+def all_reduce_extreme(m: Tensor, groups, kind: str) -> Tensor:
+    """``m`` (a rank's maxima or minima, ``kind``) reduced over ``groups``' ranks in place. A
+    NaN goes as the opposite infinity: gloo's MAX / MIN drop a NaN held by a later rank."""
+    inf = float("inf")
     if groups:
-        m = m.nan_to_num_(-big, posinf=float("inf"), neginf=float("-inf"))
+        m.nan_to_num_(inf if kind == "max" else -inf, posinf=inf, neginf=-inf)
     for g in groups:
         dist.all_reduce(m, dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN, group=g)
     return m
+
+
+def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
+    """Max or min of ``local`` over ``dims`` and ``groups``' ranks (detached, keepdim). A NaN
+    is the opposite infinity there (``all_reduce_extreme``): no element equals it, so
+    ``reduce_sharded`` gives NaN (0 / 0) and softmax NaN, as torch."""
+    if local.numel():
+        m = (torch.amax if kind == "max" else torch.amin)(local.detach(), dims, keepdim=True)
+    else:
+        m = local.detach().sum(dims, keepdim=True).fill_(float("inf" if kind == "min" else "-inf"))
+    return all_reduce_extreme(m, groups, kind)
 
 
 def _split_groups(x: DTensor, dims) -> list:
