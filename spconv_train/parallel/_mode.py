@@ -31,15 +31,12 @@ from ._geometry import SpatialShardingError
 from ._registry import DEFAULT_REGISTRY
 from ._runtime import SpatialRuntime, activate, current_runtime
 
-#: the op modules' decorator: a handler for every model (``HandlerRegistry.register``)
-register_handler = DEFAULT_REGISTRY.register
-
+register_handler = DEFAULT_REGISTRY.register  # the op modules' decorator: every model
 
 _LOCK = threading.Lock()
 _INSTALLED = False
 
-#: Ops that DTensor would run by gathering the width or that would be wrong on strips; the
-#: op modules register handlers for those they implement, which take precedence.
+#: Ops that DTensor would gather or get wrong on strips (a handler takes precedence).
 # fmt: off
 _REFUSED = (
     "conv1d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
@@ -81,15 +78,13 @@ def install() -> None:
         _INSTALLED = True
 
 
-#: argument class -> what it is to the scan below: a DTensor, a list or tuple (its items
-#: are scanned, one level, as torch's own argument parsing does) or something else; filled
-#: as classes are met, so that a call's scan reads classes in a dict, no function call
+#: argument class -> a DTensor, a list or tuple (its items scanned, one level, as torch's
+#: argument parsing does) or other; filled as met, so a scan reads a dict, calls nothing
 _OTHER, _SEQUENCE, _DTENSOR = 0, 1, 2
 _KINDS: dict[type, int] = {DTensor: _DTENSOR, list: _SEQUENCE, tuple: _SEQUENCE}
 _KINDS.update(dict.fromkeys((torch.Tensor, torch.nn.Parameter, torch.Size), _OTHER))
 _KINDS.update(dict.fromkeys((int, float, bool, str, type(None)), _OTHER))
-#: what ``__torch_function__`` receives for a property read (``x.shape``: the getter's
-#: ``__get__``, a new object per read, so never a registry key)
+#: what ``__torch_function__`` receives for a property read (``x.shape``'s ``__get__``)
 _METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
 
 
@@ -125,12 +120,9 @@ class SpatialMode(TorchFunctionMode):
 
     def __init__(self, runtime: SpatialRuntime | None = None) -> None:
         super().__init__()
-        if runtime is None:
-            # the built-in handlers; ``parallelize`` (a runtime passed in) installed them, and
-            # a call here would make Dynamo compile one more frame entering the mode
+        if runtime is None:  # with one, ``parallelize`` installed (a call: one more frame)
             install()
         self.runtime = runtime or current_runtime()
-        self._active = None
 
     def __enter__(self):
         self._active = activate(self.runtime)
@@ -155,30 +147,24 @@ class SpatialMode(TorchFunctionMode):
             else:
                 return func(*args)
         kwargs = kwargs or {}
-        if not _has_dtensor(args, kwargs):
-            # most calls: plain-tensor ops inside spatial layers and handlers
+        if not _has_dtensor(args, kwargs):  # plain-tensor ops inside layers and handlers
             return func(*args, **kwargs)
         compiling = torch.compiler.is_compiling()
         graphs = compiling and self.dtensor_graphs
-        if graphs and func in IN_PLACE:
-            # in place, eagerly between graphs (see _compile.py); not compiling there
+        if graphs and func in IN_PLACE:  # eagerly between graphs (see _compile.py)
             return run_eagerly(self.__torch_function__, func, types, args, kwargs)
         entry = self.runtime.registry.lookup(func)
         if entry is not None:
             if entry.handler is not None:
-                if not compiling:
-                    # from eager code Dynamo compiles nothing below (eager_from_eager):
-                    # ``entry.run``'s graph-break wrapper would only cost its switches
-                    return entry.handler(*args, **kwargs)
-                if graphs and in_dtensor_graphs(entry.handler):
+                # eager: no graph break to make (eager_from_eager)
+                if not compiling or (graphs and in_dtensor_graphs(entry.handler)):
                     return entry.handler(*args, **kwargs)
                 return entry.run(*args, **kwargs)
             raise SpatialShardingError(
                 f"{entry.name} is not supported on a width-sharded DTensor: {entry.refused}"
             )
         if compiling and (not graphs or func in VIEWS) and not traced_dtensor_op(func):
-            # DTensor's own op, outside compiled graphs (plain tensors only there)
-            return run_eagerly(func, *args, **kwargs)
+            return run_eagerly(func, *args, **kwargs)  # DTensor's own op, outside graphs
         return run_dtensor_op(func, args, kwargs)  # DTensor's rules; errors named (_errors.py)
 
 

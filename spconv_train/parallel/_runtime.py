@@ -1,7 +1,6 @@
-"""The options, statistics and handler registry of one parallelized model: ``parallelize``
-attaches a ``SpatialRuntime`` (``runtime_of``), *current* during its forward (outside one, a
-process-wide default). The backward runs after the forward returned: code accounting work
-there captures the runtime in the forward (``_halo.py`` keeps it on the autograd context).
+"""The options, statistics and handler registry of one parallelized model (``runtime_of``),
+*current* during its forward (outside one, a process-wide default). A backward runs after
+the forward returned: code accounting work there captures the runtime in the forward.
 """
 
 from __future__ import annotations
@@ -24,28 +23,24 @@ from ._registry import DEFAULT_REGISTRY, HandlerRegistry
 class SpatialOptions:
     """Behaviour switches of a runtime (``parallelize`` keyword arguments)."""
 
-    #: Save conv / max-pool windows as (strip reference + halo columns), rebuilt in the
-    #: backward: activation memory per rank = one device's / N, for one more window copy
-    #: per layer (~4 % of a conv step on CPU, docs/benchmarks.md).
+    #: Save conv / max-pool windows as a strip reference + halo columns, rebuilt in the
+    #: backward: activation memory per rank one device's / N (docs/design.md, "Saving
+    #: windows by reference").
     save_windows_by_reference: bool = True
-    #: Let an op move a whole sharded activation between ranks (counted in
-    #: ``SpatialStats.gathers``, logged) instead of raising.
+    #: Let an op move a whole sharded activation between ranks (counted, logged) instead
+    #: of raising.
     allow_gather: bool = False
-    #: Zero-padded convs: the interior columns in place, thin halo windows for the edges,
-    #: the exchange overlapped with the interior (``_halo_conv.py``).
+    #: Zero-padded convs: the interior in place, thin halo windows for the edges, the
+    #: exchange overlapped with the interior (``_halo_conv.py``).
     split_halo_conv: bool = True
-    #: Broadcast mesh rank 0's parameters and buffers when parallelizing (as DDP does): a
-    #: rank built from another random state would use other weights, silently. False: the
-    #: caller guarantees identical state (e.g. loads a checkpoint on every rank).
+    #: Broadcast mesh rank 0's parameters and buffers when parallelizing (as DDP does).
+    #: False: the caller guarantees identical state (a checkpoint loaded on every rank).
     sync_state: bool = True
     #: Under ``torch.compile``, let Dynamo trace the model's plain-tensor code between
-    #: spatial layers (each layer, handler and DTensor op stays a graph break). False: the
-    #: forward runs eagerly as a whole; the built-in, torchvision and smp models have no
-    #: such code, and their 7-64 graph breaks cost guard checks every step (LR-ASPP 32x128
-    #: on CPU: +10 % per step, docs/benchmarks.md).
+    #: spatial layers; False: the forward runs eagerly as a whole (docs/design.md,
+    #: "torch.compile"; its cost: docs/benchmarks.md).
     trace_under_compile: bool = False
-    #: Under ``torch.compile`` (implies ``trace_under_compile``), trace DTensor's own ops
-    #: and the element-wise handlers into the graphs too (``_compile.py``).
+    #: Also trace DTensor's own ops and the element-wise handlers (``_compile.py``).
     trace_dtensor_ops: bool = False
 
 
@@ -53,13 +48,12 @@ class SpatialOptions:
 class SpatialStats:
     """Since the last ``reset``: halo exchanges (both passes) and the gathers let through."""
 
-    #: seconds blocked on the halo exchange (read ``halo_seconds``; CUDA event pairs still
-    #: pending on the GPU are in ``_pending`` and settled when it is read)
+    #: seconds blocked on the halo exchange (read ``halo_seconds``)
     _halo_seconds: float = 0.0
     halo_bytes: int = 0
     halo_messages: int = 0
     gathers: int = 0
-    #: op name -> count of let-through gathers (filled by the no-silent-gather guard)
+    #: op name -> count of let-through gathers
     gathered_ops: dict[str, int] = field(default_factory=dict)
     #: (start, end) CUDA events of exchanges not yet settled into ``halo_seconds``
     _pending: list = field(default_factory=list, repr=False)
@@ -102,8 +96,7 @@ class SpatialRuntime:
         self.options = options or SpatialOptions()
         self.stats = SpatialStats()
         self.registry = HandlerRegistry(parent=DEFAULT_REGISTRY)
-        #: sums the partial parameter gradients over the sharding groups (``sum_grad_over``)
-        self.grad_reducer = GradReducer()
+        self.grad_reducer = GradReducer()  # ``sum_grad_over``'s
         #: elements of one rank's share of the largest activation a spatial layer took (the
         #: input image at least): the gather guards' yardstick of "activation-sized"
         self.input_share = 0
@@ -112,8 +105,7 @@ class SpatialRuntime:
         self.last_image: tuple | None = None
 
     def __deepcopy__(self, memo) -> SpatialRuntime:
-        # A deep-copied model (e.g. a reference copy) gets its own statistics and registry
-        # entries; the mesh (process groups) and the immutable options are shared.
+        # own statistics and registry entries; the mesh and the immutable options shared
         new = SpatialRuntime(self.mesh, self.options)
         new.registry = copy.deepcopy(self.registry, memo)
         return new
