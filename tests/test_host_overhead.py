@@ -129,7 +129,7 @@ def test_second_step_host_work(dist_pool):
         assert c["python_calls"] <= PYTHON_CALLS_BOUND, (rank, c)
         # strips exchange along the last dim: no permute views around the windows
         assert c["permute"] <= PERMUTE_BOUND and c["aten"] <= ATEN_BOUND, (rank, c)
-        # the spatial layers wrap and unwrap through cached specs (_dtensor_wrap.py): no
+        # the spatial layers wrap and unwrap through cached specs (_dims.wrap_local): no
         # DTensorSpec is built in the second step (50 with DTensor.from_local / to_local)
         assert c.get("specs", 0) == 0, (rank, c)
 

@@ -15,8 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ._broadcast import plain_part
-from ._dims import handled, norm_dim, sharded_dims, wrap
-from ._dtensor_wrap import local_of
+from ._dims import handled, local_of, norm_dim, sharded_dims, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over

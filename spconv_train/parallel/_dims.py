@@ -1,7 +1,8 @@
-"""Tensor dims and mesh dims: which tensor dims a DTensor's placements shard, wrapping a
-local result back, cached mesh lookups, and ``ParallelDims`` (the mesh dim names). Placements
-other than plain ``Shard`` / ``Replicate`` (``handled`` False) are left to DTensor's rules.
-"""
+"""Tensor dims and mesh dims: which tensor dims a DTensor's placements shard (others than
+plain ``Shard`` / ``Replicate``, ``handled`` False, are left to DTensor's rules), cached mesh
+lookups, ``ParallelDims`` (the mesh dim names), and the way in and out of DTensor at the
+spatial layers (``wrap_local`` / ``local_of``, docs/design.md; their DTensor internals are
+checked against the public API by ``tests/test_dtensor_wrap.py``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._api import _FromTorchTensor, _ToTorchTensor
 
-from ._dtensor_wrap import wrap_local
+_PLAIN = (Shard, Replicate)
 
 
 def handled(x) -> bool:
     """True for a DTensor whose placements are all exactly ``Shard`` or ``Replicate``."""
-    return isinstance(x, DTensor) and all(type(p) in (Shard, Replicate) for p in x.placements)
+    return isinstance(x, DTensor) and all(type(p) in _PLAIN for p in x.placements)
 
 
 def norm_dim(d: int, ndim: int) -> int:
@@ -33,14 +36,114 @@ def sharded_dims(x: DTensor) -> dict[int, int]:
     return {norm_dim(p.dim, x.ndim): i for i, p in enumerate(x.placements) if isinstance(p, Shard)}
 
 
-#: ``from_local(local, mesh, placements, shape)``: ``local`` as a DTensor of the contiguous
-#: global ``shape`` (given, not inferred: no collective to learn the other ranks' sizes)
-from_local = wrap_local
+#: ``(id(mesh), placements, their types, shape, stride, dtype) -> (mesh, DTensorSpec)``
+#: (the entry holds its mesh: its id is not reused while cached)
+_SPECS: dict[tuple, tuple] = {}
+#: ``(spec, grad_placements, grad shape, grad stride, grad dtype, local stride) -> spec``
+#: of the gradient (``local_of``'s backward)
+_GRAD_SPECS: dict[tuple, object] = {}
+_MAX_ENTRIES = 4096
+
+#: ``DTensor(local, spec, requires_grad=...)`` without ``DTensor.__init__``: torch 2.14's
+#: only calls ``Tensor.__init__`` (a no-op) behind ``torch._disable_dynamo`` and an export
+#: marker (its cost: docs/benchmarks.md); torch's C++ ``_dtensor__new__`` builds it all.
+#: Eager only: under ``torch.compile`` and ``torch.export`` the public functions run.
+_FAST_NEW = DTensor.__new__ is getattr(torch.Tensor, "_dtensor__new__", None)
 
 
-#: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``: ``DeviceMesh.get_group`` and
-#: ``get_local_rank`` cost tens of microseconds each, asked several times per layer, fixed
-#: for a mesh's lifetime (each entry holds its mesh, so its id cannot be reused)
+def _dtensor(local: Tensor, spec, requires_grad: bool) -> DTensor:
+    if _FAST_NEW and not torch.compiler.is_exporting():
+        return DTensor.__new__(DTensor, local, spec, requires_grad=requires_grad)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _remember(cache: dict, key: tuple, value, bound: int = _MAX_ENTRIES) -> None:
+    if len(cache) >= bound:  # bounded: shapes or meshes that change every step
+        cache.clear()
+    cache[key] = value
+
+
+class _FromLocal(torch.autograd.Function):
+    """``DTensor.from_local`` with a prepared spec: the same DTensor, torch's backward."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, spec) -> DTensor:  # type: ignore[override]
+        ctx.forward_input_placements = spec.placements
+        ctx.forward_input_device_mesh = spec.mesh
+        ctx.grad_placements = None
+        ctx.set_materialize_grads(False)
+        return _dtensor(local.view_as(local), spec, local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _FromTorchTensor.backward(ctx, grad)[:2]
+
+
+def _public_from_local(local: Tensor, mesh, placements, shape, stride) -> DTensor:
+    row_major = (math.prod(max(n, 1) for n in shape[i + 1 :]) for i in range(len(shape)))
+    stride = tuple(row_major if stride is None else stride)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def wrap_local(local: Tensor, mesh, placements, shape, stride=None) -> DTensor:
+    """``DTensor.from_local(..., run_check=False, shape=shape, stride=stride or row-major)``."""
+    placements, shape = tuple(placements), tuple(shape)
+    if torch.compiler.is_compiling():  # Dynamo traces the public function
+        return _public_from_local(local, mesh, placements, shape, stride)
+    key = (id(mesh), placements, tuple(map(type, placements)), shape, stride, local.dtype)
+    hit = _SPECS.get(key)
+    if hit is None or hit[0] is not mesh or local.device.type != mesh.device_type:
+        out = _public_from_local(local, mesh, placements, shape, stride)
+        if all(type(p) in _PLAIN for p in placements) and out._local_tensor.shape == local.shape:
+            _remember(_SPECS, key, (mesh, out._spec))
+        return out
+    if not local.requires_grad:  # no graph to record
+        return _dtensor(local.view_as(local), hit[1], False)
+    return _FromLocal.apply(local, hit[1])
+
+
+class _ToLocal(torch.autograd.Function):
+    """``DTensor.to_local``: the same local view; the backward's gradient spec cached."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor, grad_placements) -> Tensor:  # type: ignore[override]
+        ctx.dtensor_spec = x._spec
+        ctx.grad_placements = grad_placements
+        ctx.set_materialize_grads(False)
+        local = x._local_tensor
+        ctx.local_tensor_stride = local.stride()
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad is None or torch.is_grad_enabled() or type(grad) is not Tensor:
+            return _ToTorchTensor.backward(ctx, grad)
+        spec, stride = ctx.dtensor_spec, ctx.local_tensor_stride
+        key = (spec, ctx.grad_placements, grad.shape, grad.stride(), grad.dtype, stride)
+        grad_spec = _GRAD_SPECS.get(key)
+        if grad_spec is None or grad.device.type != spec.mesh.device_type:
+            out, none = _ToTorchTensor.backward(ctx, grad)
+            if all(type(p) in _PLAIN for p in (*spec.placements, *out.placements)):
+                _remember(_GRAD_SPECS, key, out._spec)
+            return out, none
+        return _dtensor(grad.view_as(grad), grad_spec, grad.requires_grad), None
+
+
+def local_of(x: DTensor, grad_placements=None) -> Tensor:
+    """``x.to_local(grad_placements=grad_placements)`` (differentiable)."""
+    if (
+        torch.compiler.is_compiling()  # Dynamo traces the public method
+        or not torch.is_grad_enabled()
+        or getattr(x, "_is_param", False)
+    ):
+        return x.to_local(grad_placements=grad_placements)
+    if grad_placements is not None:
+        grad_placements = tuple(grad_placements)
+    return _ToLocal.apply(x, grad_placements)
+
+
+#: ``(id(mesh), mesh dim) -> (mesh, size, local rank, group)``, fixed for a mesh's lifetime
+#: (``DeviceMesh.get_group`` / ``get_local_rank`` are slow: docs/benchmarks.md)
 _MESH_AXES: dict[tuple[int, int | str], tuple] = {}
 _MESH_AXES_MAX = 256
 
@@ -49,10 +152,8 @@ def mesh_axis(mesh, m: int | str) -> tuple[int, int, object]:
     """``(size, local rank, process group)`` of mesh dim ``m`` (read once per mesh and dim)."""
     hit = _MESH_AXES.get((id(mesh), m))
     if hit is None or hit[0] is not mesh:
-        if len(_MESH_AXES) >= _MESH_AXES_MAX:  # bounded: meshes built in a loop
-            _MESH_AXES.clear()
         hit = (mesh, mesh.size(m), mesh.get_local_rank(m), mesh.get_group(m))
-        _MESH_AXES[(id(mesh), m)] = hit
+        _remember(_MESH_AXES, (id(mesh), m), hit, _MESH_AXES_MAX)
     return hit[1:]
 
 
@@ -68,7 +169,7 @@ def mesh_group(mesh, m: int | str):
 
 def wrap(local: Tensor, x: DTensor, placements, shape) -> DTensor:
     """``local`` as a DTensor on ``x``'s mesh with ``placements`` and global ``shape``."""
-    return from_local(local, x.device_mesh, placements, shape)
+    return wrap_local(local, x.device_mesh, placements, shape)
 
 
 #: The data-parallel mesh dim (shards the batch) and the one-split-dim spatial mesh dim.

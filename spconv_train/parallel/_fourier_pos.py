@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dims import from_local
+from ._dims import wrap_local
 from ._geometry import SpatialShardingError
 from ._parallelize import register_spatial_module
 from ._runtime import current_runtime
@@ -61,4 +61,4 @@ class SpatialFourierEncoding:
         args = (self.hidden_dim, self.temperature, self.scale, (height, width), rows, cols)
         local = fourier_block(*args, weight.device).to(weight.dtype)
         local = local.expand(b.stop - b.start, -1, -1, -1)
-        return self.token_projection(from_local(local.contiguous(), mesh, placements, full))
+        return self.token_projection(wrap_local(local.contiguous(), mesh, placements, full))

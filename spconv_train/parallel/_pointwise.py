@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from ._compile import graph_handler, run_eagerly
-from ._dims import mesh_rank
-from ._dtensor_wrap import local_of, wrap_local
+from ._dims import local_of, mesh_rank, wrap_local
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler

@@ -14,8 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import GRID_MESH_DIMS, ParallelDims, from_local, mesh_group, mesh_rank
-from ._dtensor_wrap import local_of
+from ._dims import GRID_MESH_DIMS, ParallelDims, local_of, mesh_group, mesh_rank, wrap_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
@@ -211,4 +210,4 @@ def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:
     """A local strip as a DTensor of ``global_shape`` laid out like the input; the backward
     redistributes a gradient of any placement to it (canonical channels-last)."""
-    return from_local(grad_in_layout(local), like.mesh, like.placements, global_shape)
+    return wrap_local(grad_in_layout(local), like.mesh, like.placements, global_shape)
