@@ -2,15 +2,12 @@
 
 DTensor refuses a plain tensor next to a DTensor, but model code multiplies activations by
 parameters it reshapes (timm ConvNeXt's layer scale) or masks it draws (drop-connect). The
-plain tensor is the global value: each rank uses the part meeting its strip (all of it
-along broadcast dims), and its gradient is summed over the mesh dims sharding the
-activation (``sum_grad_over``). With a ``Partial`` DTensor (a pending sum: EdgeNeXt's
-channel x channel attention map times ``temperature``) it joins as a small ``Replicate``
-DTensor and DTensor's rule runs the op. A plain tensor the model *computed* at the
-activation's size (EdgeNeXt's Fourier positional encoding) would have its gradient
-all-reduced at full size: refused, or counted with ``allow_gather`` (``guard_gather``).
-``addcmul`` / ``addcdiv`` with a plain operand (ConvNeXt-V2's global response norm) run as
-``input + value * (tensor1 op tensor2)``, each step through its own handler.
+plain tensor is the global value: each rank uses the part meeting its entries, and its
+gradient is summed over the mesh dims sharding the activation. Next to a ``Partial`` DTensor
+(EdgeNeXt's attention map times ``temperature``) it joins as a ``Replicate`` DTensor. One
+the model *computed* at the activation's size would have its gradient all-reduced at full
+size: refused (``guard_computed_plain``). ``addcmul`` / ``addcdiv`` with a plain operand run
+as ``input + value * (tensor1 op tensor2)``, each step through its own handler.
 """
 
 from __future__ import annotations

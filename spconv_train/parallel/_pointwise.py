@@ -1,17 +1,14 @@
-"""Element-wise activations and dropout on sharded DTensors, run on the local strip.
+"""Element-wise activations and dropout on sharded DTensors, run on the local part (no halo).
 
-An element-wise op needs no halo; DTensor lacks backward strategies for some
-(``hardswish_backward``, ``hardsigmoid_backward``: MobileNetV3). In-place requests
-(``F.relu(x, inplace=True)``, in-place dropout) change ``x`` itself, as on one device, as
-DTensor's own in-place op (one on the ``to_local()`` view would bypass autograd's view
-tracking), eagerly under ``torch.compile`` (a mutated graph input fails AOTAutograd's
-DTensor graphs); the backward rule of three of them is ``_errors.add_pointwise_strategies``'.
+In-place requests (``F.relu(x, inplace=True)``, in-place dropout) run DTensor's own in-place
+op on ``x`` (one on the ``to_local()`` view would bypass autograd's view tracking), eagerly
+under ``torch.compile`` (a mutated graph input fails AOTAutograd's DTensor graphs); three
+backward rules DTensor lacks: ``_errors.add_pointwise_strategies``.
 
-Dropout: each rank draws the mask of its own strip, so a sharded run is *not* bit-identical
-to one device while dropout is active (``verify`` compares with it off). Each call takes
-exactly one draw of the global RNG on every rank (the streams stay in step; none in eval
-mode or with p = 0 or 1, as torch); ``dropout2d``'s mask (one value per sample and channel)
-is the same on every strip.
+Dropout: each rank draws the mask of its own part, so a sharded run is *not* bit-identical
+to one device while dropout is active (``verify`` turns it off). Each call takes exactly one
+draw of the global RNG on every rank (none in eval mode or with p = 0 or 1, as torch);
+``dropout2d``'s mask (one value per sample and channel) is the same on every strip.
 """
 
 from __future__ import annotations
