@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
 from spconv_train.parallel._mode import SpatialMode, _has_dtensor
-from spconv_train.parallel._registry import HandlerRegistry
+from spconv_train.parallel._runtime import HandlerRegistry
 from spconv_train.train import cross_entropy
 from tests.dist_harness import mesh
 

@@ -9,8 +9,7 @@ tiles, volume blocks)::
 
 Op authors use ``extend`` (``docs/extending.md``). Importing registers and patches nothing
 (``parallelize`` installs). On CPU, create the gloo process groups inside
-``with gloo_threads_idle():``. Torch only.
-"""
+``with gloo_threads_idle():``. Torch only."""
 
 from ._comm_audit import CommAudit
 from ._comm_threads import gloo_threads_idle, restore_gloo_threads

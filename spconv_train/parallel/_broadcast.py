@@ -7,8 +7,7 @@ gradient is summed over the mesh dims sharding the activation. Next to a ``Parti
 (EdgeNeXt's attention map times ``temperature``) it joins as a ``Replicate`` DTensor. One
 the model *computed* at the activation's size would have its gradient all-reduced at full
 size: refused (``guard_computed_plain``). ``addcmul`` / ``addcdiv`` with a plain operand run
-as ``input + value * (tensor1 op tensor2)``, each step through its own handler.
-"""
+as ``input + value * (tensor1 op tensor2)``, each step through its own handler."""
 
 from __future__ import annotations
 

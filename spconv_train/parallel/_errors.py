@@ -22,8 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ._dims import DP
 from ._geometry import SpatialShardingError, all_shard_bounds
 from ._prefix_shard import prefix_of
-from ._registry import function_name
-from ._runtime import current_runtime
+from ._runtime import current_runtime, function_name
 
 log = logging.getLogger("spconv_train.parallel")
 #: Fragments of DTensor's own error messages (torch 2.14, lower case): "no sharding rule".

@@ -3,8 +3,7 @@
 Model code calls ``F.interpolate``, ``F.conv2d`` or ``x.mean((2, 3))`` directly (torchvision's
 and timm's blocks do): ``SpatialMode`` (a ``TorchFunctionMode``, active while a parallelized
 model runs) runs the handler its runtime's registry holds for a call with a DTensor argument,
-or raises for a *refused* one (DTensor would gather or be silently wrong, ``docs/halo.md``).
-"""
+or raises for a *refused* one (DTensor would gather or be silently wrong, ``docs/halo.md``)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ from ._compile import (
 )
 from ._errors import add_pointwise_strategies, install_guards, run_dtensor_op
 from ._geometry import SpatialShardingError
-from ._registry import DEFAULT_REGISTRY
-from ._runtime import SpatialRuntime, activate, current_runtime
+from ._runtime import DEFAULT_REGISTRY, SpatialRuntime, activate, current_runtime
 
 register_handler = DEFAULT_REGISTRY.register  # the op modules' decorator: every model
 

@@ -1,10 +1,9 @@
 """``parallelize(model, mesh)``: a single-device model run sharded, its code unchanged.
 
 Every supported module becomes its spatial subclass *in place* (parameters, buffers, hooks
-and ``state_dict`` keys untouched; ``print(model)`` shows it), unsupported ones are refused
-with every path listed *before* anything changes, and the forward runs under ``SpatialMode``
-with the model's ``SpatialRuntime`` (functional calls in model code are handled too).
-"""
+and ``state_dict`` keys untouched), unsupported ones are refused with every path listed
+*before* anything changes, and the forward runs under ``SpatialMode`` with the model's
+``SpatialRuntime`` (functional calls in model code are handled too)."""
 
 from __future__ import annotations
 
@@ -31,10 +30,7 @@ _REFUSED_MODULES: dict[type[nn.Module], str] = {
     nn.Fold: "fold sums overlapping windows across the columns of several ranks",
     nn.LocalResponseNorm: "no spatial implementation",
 }
-
-
-#: ``"module.QualName"`` of a library class the parallel layer does not import -> the mixin
-#: that makes it spatial (``register_spatial_module`` with a name)
+#: ``"module.QualName"`` of a class not imported here -> the mixin that makes it spatial
 _SPATIAL_MIXINS: dict[str, type] = {}
 
 
@@ -50,8 +46,7 @@ def register_spatial_module(base: type[nn.Module] | str) -> Callable[[type], typ
             return cls
         if not issubclass(cls, base):
             raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
-        # eager under torch.compile: its exchanges break the graph anyway, and its Python
-        # (plans, labels, hooks) would make Dynamo guard and recompile per layer
+        # eager under torch.compile: its exchanges break the graph anyway (docs/design.md)
         cls.forward = not_traced(cls.forward)
         _SPATIAL_MODULES[base] = cls
         _REFUSED_MODULES.pop(base, None)
@@ -77,18 +72,17 @@ def spatial_module(base: type[nn.Module], fn: Callable, *attrs: str, module: str
 
 
 def refuse_module(base: type[nn.Module], reason: str) -> None:
-    """Make ``parallelize`` refuse models holding a module of exactly type ``base``, naming
-    its path and ``reason`` (before changing anything)."""
+    """Make ``parallelize`` refuse models holding a module of exactly type ``base`` (its
+    path and ``reason`` named)."""
     if base not in _SPATIAL_MODULES:
         _REFUSED_MODULES[base] = reason
 
 
 class _SpatialRoot:
-    """Mixin for the parallelized root module: its forward runs under ``SpatialMode`` with
-    the model's runtime, eagerly as a whole under ``torch.compile`` unless traced
-    (``SpatialOptions``). The two contexts are one opaque object: Dynamo graph-breaks on it;
-    two nested ``with`` blocks in a traced frame hit its "len(block_stack) == 1" assertion
-    when a graph break falls inside them (torch 2.14)."""
+    """The parallelized root's forward: under ``SpatialMode`` and the gather guard, eagerly
+    under ``torch.compile`` unless traced. The two contexts are one opaque object (Dynamo
+    graph-breaks on it): two nested ``with`` blocks in a traced frame hit its
+    "len(block_stack) == 1" assertion at a graph break inside them (torch 2.14)."""
 
     def forward(self, *args, **kwargs):
         opts = self.spatial_runtime.options
@@ -100,8 +94,6 @@ class _SpatialRoot:
 
 
 class _SpatialContext:
-    """``SpatialMode(runtime)`` and the no-silent-gather guard, entered together."""
-
     def __init__(self, runtime: SpatialRuntime) -> None:
         mode = (DTensorGraphMode if runtime.options.trace_dtensor_ops else SpatialMode)(runtime)
         self.contexts, self.runtime = (mode, gather_guard(runtime.options.allow_gather)), runtime

@@ -8,8 +8,7 @@ backward rules DTensor lacks: ``_errors.add_pointwise_strategies``.
 Dropout: each rank draws the mask of its own part, so a sharded run is *not* bit-identical
 to one device while dropout is active (``verify`` turns it off). Each call takes exactly one
 draw of the global RNG on every rank (none in eval mode or with p = 0 or 1, as torch);
-``dropout2d``'s mask (one value per sample and channel) is the same on every strip.
-"""
+``dropout2d``'s mask (one value per sample and channel) is the same on every strip."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from ._dims import local_of, mesh_rank, wrap_local
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
-from ._registry import function_name
+from ._runtime import function_name
 from ._sharding import sharded_dim
 
 # fmt: off

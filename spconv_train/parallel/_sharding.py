@@ -1,7 +1,6 @@
 """How a sharded DTensor is laid out on its mesh (``spatial_layout``: one spatial dim over
 one mesh dim, strips, or several, one mesh dim each, tiles and volume blocks; other mesh dims
-shard the batch or replicate), and the way in and out of local code (``enter`` / ``leave``).
-"""
+shard the batch or replicate), and the way in and out of local code (``enter`` / ``leave``)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from ._halo import sum_grad_over
 from ._layout import grad_in_layout, in_layout
 from ._runtime import note_share
 
-#: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
-#: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
+#: Per tensor rank: the tensor dims that may be sharded spatial dims (NCL, NCHW, NCDHW).
 SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
 
 
@@ -115,10 +113,9 @@ class SpatialLayout:
     @property
     def grad_groups(self) -> tuple:
         """Groups over which a local parameter gradient is a partial sum (width, batch)."""
-        return tuple(mesh_group(self.mesh, i) for i in sharding_mesh_dims(self.placements))
+        return tuple(mesh_group(self.mesh, i) for i in self.batch_dims)
 
-    #: groups to reduce statistics over: the same
-    stat_groups = grad_groups
+    stat_groups = grad_groups  # groups to reduce statistics over: the same
 
 
 def spatial_layout(
@@ -138,7 +135,7 @@ def spatial_layout(
     ]
     if not sp_dims:
         names, sp = x.device_mesh.mesh_dim_names or (), ParallelDims.spatial_mesh_dim(x.device_mesh)
-        # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
+        # every spatial mesh dim replicates (e.g. after global pooling)
         grid = [names.index(n) for n in GRID_MESH_DIMS if n in names]
         if sp is not None and all(isinstance(placements[m], Replicate) for m in (sp, *grid)):
             _check_other_dims(placements, what, (sp,))
@@ -150,8 +147,7 @@ def spatial_layout(
             f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
-    # tiles: an image (volume) sharded along H (and W, D), one mesh dim each
-    m = sp_dims[-1]
+    m = sp_dims[-1]  # tiles: sharded along H (and W, D), one mesh dim each
     tiled = len(sp_dims) > 1 or (ndim == 4 and placements[m].dim % ndim == 2)
     axes = tuple(sorted((placements[i].dim % ndim, i) for i in sp_dims)) if tiled else ()
     if tiled and len({d for d, _ in axes}) != len(axes):

@@ -25,7 +25,7 @@ from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
 from ._prefix_shard import PrefixShard, placement, prefix_of, reduced_placements
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
-from ._registry import function_name
+from ._runtime import function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
 from ._token_ring import token_ring

@@ -19,8 +19,7 @@ from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._prefix_shard import prefix_of, reduced_placements
 from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
-from ._registry import function_name
-from ._runtime import current_runtime
+from ._runtime import current_runtime, function_name
 from ._sharding import grad_groups, sharded_dim
 from ._token_prefix import has_prefix  # (and its handlers, wrapped here)
 from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts

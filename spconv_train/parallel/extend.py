@@ -14,8 +14,7 @@ from . import _parallelize
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._mode import SpatialMode, install
-from ._registry import DEFAULT_REGISTRY, HandlerRegistry
-from ._runtime import current_runtime
+from ._runtime import DEFAULT_REGISTRY, HandlerRegistry, current_runtime
 from ._sharding import (
     SpatialLayout,
     block_slices,
