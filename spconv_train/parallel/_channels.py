@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ._broadcast import plain_part
 from ._dims import cat_shape, handled, local_of, norm_dim, result_shape, sharded_dims, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
@@ -22,6 +21,7 @@ from ._halo import gather_columns, sum_grad_over
 from ._layout import in_layout
 from ._mode import register_handler
 from ._parallelize import register_spatial_module
+from ._pointwise import plain_part
 from ._sharding import enter, grad_groups, leave, sharded_dim, spatial_layout
 from ._tiles import sharded_axes
 from ._token_layout import is_tokens, split_layouts

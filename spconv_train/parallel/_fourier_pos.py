@@ -1,6 +1,6 @@
 """timm EdgeNeXt's Fourier positional encoding, built per strip or tile: timm builds the
 whole image's encoding as a plain tensor, whose gradient, added to sharded tokens, would be
-summed at the activation's size (refused by ``_broadcast.py``'s guard). It depends on
+summed at the activation's size (refused by ``_pointwise.py``'s guard). It depends on
 global coordinates alone: each rank builds its block of the last map a spatial layer took,
 in timm's float32 steps (bitwise one device's). docs/models.md."""
 
