@@ -15,7 +15,7 @@ from ._comm_audit import CommAudit
 from ._comm_threads import gloo_threads_idle, restore_gloo_threads
 from ._dims import ParallelDims
 from ._geometry import SpatialShardingError
-from ._parallelize import parallelize
+from ._mode import parallelize
 from ._replicas import full_parameters, is_sharded, replicate_gradients, shard_parameters
 from ._runtime import (
     SpatialOptions,

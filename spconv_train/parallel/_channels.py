@@ -19,8 +19,7 @@ from ._errors import module_path, run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
 from ._layout import in_layout
-from ._mode import register_handler
-from ._parallelize import register_spatial_module
+from ._mode import register_handler, register_spatial_module
 from ._pointwise import plain_part
 from ._sharding import enter, grad_groups, leave, sharded_dim, spatial_layout
 from ._tiles import sharded_axes

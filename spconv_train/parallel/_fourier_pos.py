@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ._dims import wrap_local
 from ._geometry import SpatialShardingError
-from ._parallelize import register_spatial_module
+from ._mode import register_spatial_module
 from ._runtime import current_runtime
 from ._sharding import block_slices, mesh_coords
 
