@@ -290,7 +290,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, **options) -> nn.Module:
     if unknown := sorted(set(options) - known):  # a typo raises: no silent default
         raise TypeError(f"parallelize: unknown option(s) {unknown}; valid: {sorted(known)}")
     opts = SpatialOptions(**options)
-    install()  # the built-in handlers and module swaps (explicit, idempotent: _mode.py)
+    install()  # the built-in handlers and module swaps (idempotent)
     names = mesh.mesh_dim_names or ()  # several dims: ``sp``, or two or three grid dims
     if mesh.ndim > 1 and SP not in names and sum(n in names for n in GRID_MESH_DIMS) < 2:
         raise SpatialShardingError(

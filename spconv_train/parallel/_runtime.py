@@ -281,14 +281,3 @@ def local_module(model: nn.Module) -> nn.Module:
     """The model inside a ``replicate_gradients`` (DDP) wrapper, any other as it is (for
     forwards without DDP's bookkeeping and lock-step: validation, start-up probes)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def note_share(x) -> None:
-    """Raise the runtime's ``input_share`` to one rank's share of ``x`` (the same on every
-    rank); an NCHW ``x`` is its ``last_image``."""
-    rt = current_runtime()
-    if x.ndim == 4:
-        rt.last_image = (x.device_mesh, tuple(x.placements), tuple(x.shape))
-    share = x.numel() // x.device_mesh.size()
-    if share > rt.input_share:
-        rt.input_share = share

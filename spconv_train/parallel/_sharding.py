@@ -18,7 +18,7 @@ from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 from ._layout import grad_in_layout, in_layout
-from ._runtime import note_share
+from ._runtime import current_runtime
 
 #: Per tensor rank: the tensor dims that may be sharded spatial dims (NCL, NCHW, NCDHW).
 SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
@@ -197,9 +197,14 @@ def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
 
 def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
     """The local strip of ``x`` (differentiable, canonical strides); ``grad_placements``
-    labels the gradient flowing back (``Partial`` on sp: a replicated input used in part)."""
+    labels the gradient flowing back (``Partial`` on sp: a replicated input used in part);
+    ``x`` noted in the runtime (``input_share``, ``last_image``)."""
     if not torch.compiler.is_compiling():
-        note_share(x)
+        rt, share = current_runtime(), x.numel() // x.device_mesh.size()
+        if x.ndim == 4:
+            rt.last_image = (x.device_mesh, tuple(x.placements), tuple(x.shape))
+        if share > rt.input_share:
+            rt.input_share = share
     return in_layout(local_of(x, grad_placements))
 
 
