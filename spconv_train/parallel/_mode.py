@@ -1,14 +1,11 @@
-"""``parallelize(model, mesh)``: a single-device model run sharded, its code unchanged, and
-the routing of its torch calls on sharded DTensors to spatial handlers.
+"""``parallelize(model, mesh)``: a single-device model run sharded, its code unchanged.
 
 Every supported module becomes its spatial subclass *in place* (parameters, buffers, hooks
 and ``state_dict`` keys untouched), unsupported ones are refused with every path listed
-*before* anything changes, and the forward runs under ``SpatialMode`` with the model's
-``SpatialRuntime``. Model code calls ``F.interpolate``, ``F.conv2d`` or ``x.mean((2, 3))``
-directly (torchvision's and timm's blocks do): ``SpatialMode`` (a ``TorchFunctionMode``)
-runs the handler its runtime's registry holds for a call with a DTensor argument, or raises
-for a *refused* one (DTensor would gather or be silently wrong, ``docs/halo.md``).
-``install()`` registers the built-in handlers first."""
+*before* anything changes, and the forward runs under ``SpatialMode``: model code calls
+``F.conv2d`` or ``x.mean((2, 3))`` directly (torchvision's and timm's blocks do), and the
+mode runs the handler the model's registry holds for a call with a DTensor argument, or
+raises for a *refused* one (DTensor would gather or be silently wrong, ``docs/halo.md``)."""
 
 from __future__ import annotations
 
