@@ -203,11 +203,11 @@ def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
             raise SpatialShardingError(
                 f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
                 f"'{module_path()}' is not supported: dim {p.dim} holds {p.prefix} prefix "
-                f"(class / register) tokens on one rank in front of the pixel tokens, "
-                f"which DTensor reads as its own chunking (wrong values). Slice the prefix "
-                f"off first (x[:, {p.prefix}:] gives the pixel tokens; x[:, :{p.prefix}] the "
-                f"prefix, replicated) or build the model without class token "
-                f"(class_token: false, no reg_tokens)."
+                "(class / register) tokens on one rank in front of the pixel tokens, which "
+                "DTensor reads as its own chunking (wrong values). Slice the prefix off first "
+                f"(x[:, {p.prefix}:] gives the pixel tokens; x[:, :{p.prefix}] the prefix, "
+                "replicated) or build the model without class token (class_token: false, no "
+                "reg_tokens)."
             )
     names = mesh.mesh_dim_names or ()
     for d, mesh_dims in _misread_mesh_dims(mesh, placements, shape).items():
@@ -215,12 +215,11 @@ def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
             continue
         on = [names[m] if m < len(names) else str(m) for m in mesh_dims]
         raise SpatialShardingError(
-            f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
-            f"'{module_path()}' is not supported: dim {d} holds the pixel tokens of a map "
-            f"split over mesh dims {on} (H x W tiles or rows), nested splits that DTensor "
-            f"reads as its own chunking (wrong values). Reshape the tokens back to the map "
-            f"(B, C, H, W) first (e.g. t.transpose(1, 2).reshape(B, C, H, W)) and call it on "
-            f"the map."
+            f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module '{module_path()}' "
+            f"is not supported: dim {d} holds the pixel tokens of a map split over mesh dims {on} "
+            "(H x W tiles or rows), nested splits that DTensor reads as its own chunking (wrong "
+            "values). Reshape the tokens back to the map (B, C, H, W) first (e.g. "
+            "t.transpose(1, 2).reshape(B, C, H, W)) and call it on the map."
         )
 
 
@@ -282,22 +281,17 @@ def _dtensors(args, kwargs) -> list[DTensor]:
     return [t for ts in found for t in ts if isinstance(t, DTensor)]
 
 
-def _lost_prefix(func, args, kwargs, out) -> None:
-    """Refuse ``out`` of DTensor's own rule for ``func`` when an input had prefix tokens and
-    ``out`` a ``_StridedShard`` without them (``t.detach()``, ``torch.where``, ``t ** 2``,
-    torch 2.14.1): a layout the ranks' tokens (the prefix on the first rank) do not have."""
+def _lost_prefix(func, args, kwargs, lost: DTensor) -> None:
+    """Refuse ``lost``, an output of DTensor's own rule for ``func`` with a ``_StridedShard``,
+    when an input had prefix tokens (``t.detach()``, ``torch.where``, ``t ** 2``, torch
+    2.14.1): a layout the ranks' tokens (the prefix on the first rank) do not have."""
     prefixed = [t for t in _dtensors(args, kwargs) if any(map(prefix_of, t.placements))]
-    outs = out if isinstance(out, (list, tuple)) else (out,)
-    lost = [
-        o for o in outs if isinstance(o, DTensor)
-        and any(isinstance(p, _StridedShard) and not prefix_of(p) for p in o.placements)
-    ]  # fmt: skip
-    if prefixed and lost:
+    if prefixed:
         raise SpatialShardingError(
             f"{function_name(func)} in module '{module_path()}' of tokens "
             f"{tuple(prefixed[0].shape)} {tuple(prefixed[0].placements)} behind prefix (class / "
             f"register) tokens: DTensor's own rule drops the prefix (giving "
-            f"{tuple(lost[0].placements)}), which would be silently wrong. Run it on the pixel "
+            f"{tuple(lost.placements)}), which would be silently wrong. Run it on the pixel "
             f"tokens (x[:, p:]) and the prefix (x[:, :p]) apart, or register a handler "
             f"(spconv_train.parallel.register_handler)."
         )
@@ -312,7 +306,7 @@ def run_dtensor_op(func, args, kwargs):
             if o.__class__ is DTensor:
                 for p in o.placements:
                     if p.__class__ is _StridedShard:  # not a PrefixShard
-                        _lost_prefix(func, args, kwargs, out)
+                        _lost_prefix(func, args, kwargs, o)
         return out
     except SpatialShardingError:
         raise
@@ -323,8 +317,7 @@ def run_dtensor_op(func, args, kwargs):
         found = [f"{tuple(t.shape)} {tuple(t.placements)}" for t in _dtensors(args, kwargs)]
         raise SpatialShardingError(
             f"{function_name(func)} in module '{module_path()}' is not supported on these "
-            f"sharded inputs ({'; '.join(found)}): DTensor has no local "
-            f"rule for it ({text[:300]}). Use a supported op, make it "
-            f"spatial (spconv_train.parallel.register_handler), or gather explicitly "
-            f"(x.full_tensor())."
+            f"sharded inputs ({'; '.join(found)}): DTensor has no local rule for it "
+            f"({text[:300]}). Use a supported op, make it spatial (spconv_train.parallel."
+            f"register_handler), or gather explicitly (x.full_tensor())."
         ) from exc

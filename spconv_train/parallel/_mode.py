@@ -64,10 +64,9 @@ _REFUSED = (
 )
 # fmt: on
 _REASON = (
-    "no spatial implementation (it would gather the whole image or mix strips wrongly). Use "
-    "a supported layer, register a handler (spconv_train.parallel.extend, "
-    "docs/extending.md), or run this part of the model on a gathered tensor explicitly "
-    "(x.full_tensor())."
+    "no spatial implementation (it would gather the whole image or mix strips wrongly). Use a "
+    "supported layer, register a handler (spconv_train.parallel.extend, docs/extending.md), or "
+    "run this part of the model on a gathered tensor explicitly (x.full_tensor())."
 )
 
 

@@ -141,10 +141,9 @@ def spatial_layout(
             _check_other_dims(placements, what, (sp,))
             return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
         raise SpatialShardingError(
-            f"{what} in module '{module_path()}': input placements {placements} have no "
-            f"Shard(3) (width) dimension. "
-            f"Distribute the image with distribute_tensor(img, mesh, [Shard(3)]) "
-            f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
+            f"{what} in module '{module_path()}': input placements {placements} have no Shard(3) "
+            "(width) dimension. Distribute the image with distribute_tensor(img, mesh, "
+            "[Shard(3)]) ([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
     m = sp_dims[-1]  # tiles: sharded along H (and W, D), one mesh dim each
