@@ -191,8 +191,7 @@ class ParallelDims:
     ``dp`` splits the batch; the spatial ranks split an image along one dim over ``sp``
     (strips) or along several, one mesh dim each (``grid``: ``sp_d`` / ``sp_h`` / ``sp_w``)."""
 
-    #: the names, for code that reads a mesh: ``ParallelDims.DP``, ``ParallelDims.SP``,
-    #: ``ParallelDims.AXIS["H"]`` (the grid dim splitting H), ``ParallelDims.GRID``
+    #: the names, for code that reads a mesh (``AXIS["H"]``: the grid dim splitting H)
     DP: ClassVar[str] = DP
     SP: ClassVar[str] = SP
     AXIS: ClassVar[Mapping[str, str]] = AXIS_MESH_DIMS

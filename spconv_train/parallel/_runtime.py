@@ -148,8 +148,7 @@ class SpatialOptions:
     #: backward: activation memory per rank one device's / N (docs/design.md, "Saving
     #: windows by reference").
     save_windows_by_reference: bool = True
-    #: Let an op move a whole sharded activation between ranks (counted, logged) instead
-    #: of raising.
+    #: Let an op move a whole sharded activation (counted, logged) instead of raising.
     allow_gather: bool = False
     #: Zero-padded convs: the interior in place, thin halo windows for the edges, the
     #: exchange overlapped with the interior (``_halo_conv.py``).
