@@ -21,13 +21,7 @@ from ._halo_conv import _CONV, halo_conv, plan_split
 from ._mode import register_handler, register_spatial_module
 from ._runtime import current_runtime
 from ._sharding import enter, leave, run_unsharded, spatial_layout
-from ._tiles import (
-    along,
-    layout_axes,
-    sharded_axes,
-    tile_shape,
-    tile_window,
-)
+from ._tiles import along, layout_axes, sharded_axes, tile_shape, tile_window
 from ._window import WindowPlan, plan_window
 
 #: ``(before, after)`` padding per spatial dim
@@ -108,17 +102,15 @@ def spatial_conv(
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).
     with tw.saving():
         if split is None:
-            out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
+            out = _CONV[n](tw.local, w, b, stride, conv_pad, dilation, groups)
             return leave(out, layout, tile_shape(shape, out, tw))
         args = (wp, split, rank, group, stride, conv_pad[:-1], dilation, groups)
-        out = halo_conv(tw.window, w, b, *args)
+        out = halo_conv(tw.local, w, b, *args)
     return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
 
 
 class _SpatialConv:
     """``Conv*d`` running ``spatial_conv`` on a DTensor input (any layout)."""
-
-    spatial_name: str = ""
 
     def forward(self, input: Tensor) -> Tensor:
         if not isinstance(input, DTensor):
@@ -227,11 +219,11 @@ def spatial_conv_transpose(
     tw = tile_window(enter(x), tuple(x.shape), layout, what, geoms, plan=plan_conv_transpose)
     # No input reaches this rank's outputs along a dim: one zero row keeps the weight and the
     # exchange in its graph (every rank must run their backward collectives).
-    grow = [a for d in range(x.ndim - 1, 1, -1) for a in (0, int(tw.window.shape[d] == 0))]
-    t = F.pad(tw.window, grow) if any(grow) else tw.window
+    grow = [a for d in range(x.ndim - 1, 1, -1) for a in (0, int(tw.local.shape[d] == 0))]
+    t = F.pad(tw.local, grow) if any(grow) else tw.local
     pads, out_pads = (tuple(0 if j + 2 in geoms else v[j] for j in range(n)) for v in (p, op))
     w = sum_grad_over(weight, layout.grad_groups)
-    with tw.saving() if t is tw.window else contextlib.nullcontext():  # by reference + halos
+    with tw.saving() if t is tw.local else contextlib.nullcontext():  # by reference + halos
         y = conv(t, w, None, s, pads, out_pads, groups, dil)
     for d, (o0, o1) in tw.out_ranges.items():  # along the sharded dims: the global width
         a = tw.starts[d] * s[d - 2] - p[d - 2]
@@ -243,8 +235,6 @@ def spatial_conv_transpose(
 
 class _SpatialConvTranspose:
     """``ConvTranspose{n}d`` running ``spatial_conv_transpose`` on a DTensor input."""
-
-    spatial_name: str = ""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         if not isinstance(input, DTensor):

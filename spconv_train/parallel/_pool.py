@@ -79,7 +79,7 @@ def max_pool(
     geometry = (kernel_size, stride, padding, dilation, ceil_mode, return_indices)
     layout, tw, (k, s, _, d), op_pad, _, sharded = _window("max", x, rank, what, *geometry)
     with tw.saving():
-        out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
+        out, idx = _MAX[x.ndim](tw.local, k, s, op_pad, d, ceil_mode, True)
     shape = tile_shape(tuple(x.shape), out, tw)
     if not return_indices:
         return leave(out, layout, shape)
@@ -87,7 +87,7 @@ def max_pool(
     # start along the sharded dims (the op's own padding leaves the others' coordinates)
     rest, flat, stride = idx, torch.zeros_like(idx), 1
     for i in range(x.ndim - 1, 1, -1):
-        n, start = tw.window.shape[i], tw.starts[i] if i in sharded else 0
+        n, start = tw.local.shape[i], tw.starts[i] if i in sharded else 0
         flat = flat + (rest % n + start) * stride
         rest, stride = rest // n, stride * x.shape[i]
     return leave(out, layout, shape), leave(flat, layout, shape)
@@ -116,9 +116,9 @@ def avg_pool(
         geoms[i][4] == p[i - 2] and (include_pad or p[i - 2] == 0) for i in sharded
     )
     if divisor or local_divisor_right:
-        out = pool(tw.window, k, s, op_pad, ceil_mode, include_pad, divisor)
+        out = pool(tw.local, k, s, op_pad, ceil_mode, include_pad, divisor)
     else:
-        sums = pool(tw.window, k, s, op_pad, ceil_mode, True, 1)
+        sums = pool(tw.local, k, s, op_pad, ceil_mode, True, 1)
         div = sums.new_ones(())
         for i in range(2, x.ndim):  # the outer product of the per-dim counts
             f = _counts(x.shape[i], k[i - 2], s[i - 2], p[i - 2], *tw.out_ranges[i], include_pad)

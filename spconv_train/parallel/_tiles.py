@@ -20,7 +20,6 @@ from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._window import (
     PAD_MODES,
     WindowPlan,
-    WindowStep,
     gather_window,
     plan_window,
     saving_steps_by_reference,
@@ -60,25 +59,20 @@ def ceil_geom(size: int, k: int, s: int, d: int, p: int, ceil_mode: bool) -> Geo
 
 @dataclass(frozen=True)
 class HaloWindow:
-    """This rank's input window for a window op (local part + halos + edge padding: run the
-    op on it with padding 0), and the way back to the output DTensor. Per spatial tensor
-    dim: the global output size, the output positions this rank computes, the global input
-    index of the window's first element (may be negative). ``recipe``: ``(source, steps,
+    """This rank's input window ``local`` for a window op (local part + halos + edge padding:
+    run the op on it with padding 0), and the way back to the output DTensor. Per spatial
+    tensor dim: the global output size, the output positions this rank computes, the global
+    input index of the window's first element (may be negative). ``recipe``: ``(source, steps,
     value)`` when the exchanges ``steps`` alone built it from ``source`` (edges of ``value``)."""
 
-    window: Tensor
+    local: Tensor
     layout: SpatialLayout | None  # None: a plain tensor
     input_shape: tuple[int, ...]
     out_sizes: dict[int, int]
     out_ranges: dict[int, tuple[int, int]]
     starts: dict[int, int]
     what: str = "halo_window"
-    recipe: tuple[Tensor, tuple[WindowStep, ...], float] | None = None
-
-    @property
-    def local(self) -> Tensor:
-        """The window (the name op authors use: the local input of the op)."""
-        return self.window
+    recipe: tuple[Tensor, tuple, float] | None = None
 
     @property
     def grad_groups(self) -> tuple:
@@ -103,7 +97,7 @@ class HaloWindow:
         """Context: the window saved by reference (``saving_steps_by_reference``) if it can be."""
         if self.recipe is None or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return saving_steps_by_reference(self.window, *self.recipe)
+        return saving_steps_by_reference(self.local, *self.recipe)
 
 
 def tile_window(
@@ -129,14 +123,11 @@ def tile_window(
             sizes[d], ranges[d], starts[d] = out, (0, out), -lo
             continue
         parts, rank, _ = ax = axes[d]
-        if plan is None:
-            wp = plan_window(what, shape[d], parts, *geoms[d], mode)
-        else:
-            wp = plan(what, shape[d], parts, *geoms[d])
+        args = (what, shape[d], parts, *geoms[d])
+        wp = plan(*args) if plan else plan_window(*args, mode)
         t = along(t, d, lambda m, wp=wp, ax=ax: gather_window(m, wp, *ax[1:], mode, value))
-        pl, pr, cl, cr = wp.edges[rank]
-        steps.append(WindowStep(d, wp.exchange, rank, pl, pr, t))
-        cropped = cropped or bool(cl or cr)
+        steps.append((d, wp, rank, t))
+        cropped = cropped or any(wp.edges[rank][2:])
         sizes[d], ranges[d], starts[d] = wp.out_width, wp.out_bounds[rank], wp.starts[rank]
     pads: list[int] = []
     for d in range(t.ndim - 1, 1, -1):  # F.pad lists the last dim first

@@ -13,13 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._geometry import (
-    ExchangePlan,
-    Interval,
-    SpatialShardingError,
-    check_strips,
-    window_out_size,
-)
+from ._geometry import ExchangePlan, Interval, SpatialShardingError, check_strips, window_out_size
 from ._halo import gather_columns
 from ._layout import reshape_kept
 from ._runtime import current_runtime
@@ -102,18 +96,6 @@ def gather_window(
     return g.narrow(-1, cl, g.shape[-1] - cl - cr) if cl or cr else g
 
 
-@dataclass(frozen=True)
-class WindowStep:
-    """One exchange of a window's chain (W, then H, D): ``exchange``'s pieces between edge pads."""
-
-    dim: int
-    exchange: ExchangePlan
-    rank: int
-    pad_lo: int
-    pad_hi: int
-    result: Tensor
-
-
 class _WindowRecipe:
     """How to rebuild a padded window from the local part (by reference: usually the op
     before saved it anyway) and thin copies of every step's halos, both through the hooks
@@ -126,18 +108,19 @@ class _WindowRecipe:
         #: per step: (dim, parts); a part (offset, n, source): pad (None), the previous
         #: step's result from ``start`` (an int) or a received halo, thin copied planes
         self.levels: list[tuple[int, list[tuple[int, int, object]]]] = []
-        for st in steps:
-            a, offset = st.exchange.owned[st.rank][0], st.pad_lo
-            parts: list[tuple[int, int, object]] = [(0, st.pad_lo, None)] if st.pad_lo else []
-            for owner, s, e in st.exchange.pieces(st.rank):
+        for dim, wp, rank, result in steps:  # (tensor dim, WindowPlan, rank, the exchange's result)
+            (pad_lo, pad_hi, _, _), a = wp.edges[rank], wp.exchange.owned[rank][0]
+            parts: list[tuple[int, int, object]] = [(0, pad_lo, None)] if pad_lo else []
+            offset = pad_lo
+            for owner, s, e in wp.exchange.pieces(rank):
                 src = s - a  # own columns: read from the previous step's result
-                if owner != st.rank:  # a received halo: a few planes, copied (corners too)
-                    src = self._put(st.result.narrow(st.dim, offset, e - s).clone())
+                if owner != rank:  # a received halo: a few planes, copied (corners too)
+                    src = self._put(result.narrow(dim, offset, e - s).clone())
                 parts.append((offset, e - s, src))
                 offset += e - s
-            if st.pad_hi:
-                parts.append((offset, st.pad_hi, None))
-            self.levels.append((st.dim, parts))
+            if pad_hi:
+                parts.append((offset, pad_hi, None))
+            self.levels.append((dim, parts))
 
     def _put(self, t: Tensor):
         return self.outer[0](t) if self.outer else t
