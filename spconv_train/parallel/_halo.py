@@ -71,10 +71,9 @@ class _GatherColumns(torch.autograd.Function):
         ctx.local_shape, a, pieces = local.shape, plan.owned[rank][0], plan.pieces(rank)
         total = sum(e - s for _, s, e in pieces)
         out = empty_as(local, (*local.shape[:-1], pad_lo + total + pad_hi))
-        if pad_lo:
-            out.narrow(-1, 0, pad_lo).fill_(value)
-        if pad_hi:
-            out.narrow(-1, pad_lo + total, pad_hi).fill_(value)
+        for at, n in ((0, pad_lo), (pad_lo + total, pad_hi)):
+            if n:
+                out.narrow(-1, at, n).fill_(value)
         recvs, arrivals, offset = [], [], pad_lo  # arrivals: (window slice, receive buffer)
         ctx.placed = []  # (offset in the window, owner, start, stop) per piece
         for owner, s, e in pieces:

@@ -1,9 +1,7 @@
 """Max, average and adaptive pooling of any spatial rank on every layout, their modules and
-torch-function routes. Max / average: the local op on ``tile_window``'s window (ties as on one
-device, global indices, torch's divisor from *global* positions). Adaptive, separable per dim:
-*halo* (one sharded dim pooled to more than one cell: the input's ``Shard``) or *reduce*
-(global and small pools: parts all-reduced, ``Replicate``; max by value, then the smallest
-global index, whose rank alone passes the gradient). docs/tiles.md, docs/volumes.md.
+routes. Max / average: the local op on ``tile_window``'s window. Adaptive, separable per dim:
+*halo* (one sharded dim pooled to more than one cell: ``Shard``) or *reduce* (global and small
+pools: parts all-reduced, ``Replicate``). docs/tiles.md, docs/volumes.md.
 """
 
 from __future__ import annotations
@@ -144,11 +142,9 @@ def adaptive_bounds(size: int, out: int, lo: int, hi: int) -> Segments:
 @functools.lru_cache(maxsize=1024)
 def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
     """Input planes each rank gathers for its chunk of ``out`` adaptive outputs."""
-    owned = check_strips(what, width, parts, "input")
     windows = (adaptive_bounds(width, out, *chunk) for chunk in all_shard_bounds(out, parts))
-    plan = ExchangePlan(
-        width, tuple(owned), tuple(((w[0][0], w[-1][1]),) if w else () for w in windows)
-    )
+    needed = tuple(((w[0][0], w[-1][1]),) if w else () for w in windows)
+    plan = ExchangePlan(width, tuple(check_strips(what, width, parts, "input")), needed)
     plan.check_neighbours(what)
     return plan
 
@@ -206,8 +202,7 @@ def _plan(sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, .
 
 def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
     """``(values, global flat index, valid)`` of the max over every window, innermost first."""
-    idx, stride = None, 1
-    valid = torch.ones((), dtype=torch.bool, device=t.device)
+    idx, stride, valid = None, 1, torch.ones((), dtype=torch.bool, device=t.device)
     for j in range(len(plans) - 1, -1, -1):
         (segs, offset, _), d = plans[j], j + 2
         m = t.movedim(d, -1)

@@ -48,7 +48,7 @@ def plan_window(
     """Plan a window op along a width over ``parts`` ranks (``ceil_mode``: extra ``pad_hi``)."""
     if mode not in PAD_MODES:
         raise SpatialShardingError(f"{what}: padding mode {mode!r} is not supported")
-    owned = check_strips(what, width, parts, "input")
+    owned = tuple(check_strips(what, width, parts, "input"))
     out_width = window_out_size(width, kernel, stride, dilation, pad_lo, pad_hi)
     if out_width < 1:
         raise SpatialShardingError(f"{what}: input width {width} is too small for this window")
@@ -74,7 +74,7 @@ def plan_window(
         needed.append(((src_lo, src_hi),) if src_lo < src_hi else ())
         pl, pr = max(0, src_lo - lo), max(0, hi - src_hi)
         edges.append((pl, pr, lo - min(lo, src_lo), max(hi, src_hi) - hi))
-    plan = ExchangePlan(width, tuple(owned), tuple(needed), wrap=mode == "circular")
+    plan = ExchangePlan(width, owned, tuple(needed), wrap=mode == "circular")
     plan.check_neighbours(what)
     starts = tuple(o0 * stride - pad_lo for o0, _ in out_bounds)
     return WindowPlan(plan, out_width, tuple(out_bounds), tuple(edges), starts)
@@ -105,13 +105,12 @@ class _WindowRecipe:
         self.shape, self.stride, self.value = window.shape, window.stride(), value
         self.outer, self.version = outer, local._version
         self.local = self._put(local)
-        #: per step: (dim, parts); a part (offset, n, source): pad (None), the previous
-        #: step's result from ``start`` (an int) or a received halo, thin copied planes
+        #: per step (tensor dim, WindowPlan, rank, result): (dim, parts); a part (offset, n,
+        #: source): pad (None), the previous result from ``start`` (an int) or a copied halo
         self.levels: list[tuple[int, list[tuple[int, int, object]]]] = []
-        for dim, wp, rank, result in steps:  # (tensor dim, WindowPlan, rank, the exchange's result)
+        for dim, wp, rank, result in steps:
             (pad_lo, pad_hi, _, _), a = wp.edges[rank], wp.exchange.owned[rank][0]
-            parts: list[tuple[int, int, object]] = [(0, pad_lo, None)] if pad_lo else []
-            offset = pad_lo
+            parts, offset = ([(0, pad_lo, None)] if pad_lo else []), pad_lo
             for owner, s, e in wp.exchange.pieces(rank):
                 src = s - a  # own columns: read from the previous step's result
                 if owner != rank:  # a received halo: a few planes, copied (corners too)
