@@ -80,8 +80,7 @@ def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
 
 def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None):
     """``x`` with dim ``d`` holding ``maps[d]`` per ``d``; ``then``: a local op afterwards."""
-    axes = rechunk_axes(x)
-    local = x.to_local()
+    axes, local = rechunk_axes(x), x.to_local()
     for d, segments in maps.items():
         parts, rank, group = axes.get(d, (1, 0, None))
         plan = plan_remap(x.shape[d], parts, tuple(segments))
@@ -180,7 +179,6 @@ def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
     if b <= a:
         raise SpatialShardingError(f"F.pad: cropping ({left}, {right}) leaves no column of {width}")
     pl, pr = max(left, 0), max(right, 0)
-    mid = Segment(a, b - a)
     if mode == "constant":
         sides = Segment(None, pl), Segment(None, pr)  # fills
     elif mode == "reflect":
@@ -189,7 +187,7 @@ def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
         sides = Segment(0, pl, 0), Segment(width - 1, pr, 0)
     else:  # circular wraps within the cropped part, as torch does
         sides = Segment(b - pl, pl), Segment(a, pr)
-    return [s for s in (sides[0], mid, sides[1]) if s.length]
+    return [s for s in (sides[0], Segment(a, b - a), sides[1]) if s.length]
 
 
 @functools.lru_cache(maxsize=1024)
