@@ -1,8 +1,6 @@
-"""Convolution and transposed convolution of any spatial rank on every layout, one
-implementation each: the overlapped ``_halo_conv.py`` path where the last dim is sharded and
-zero-padded, else the local convolution on ``tile_window``'s window; transposed convolution
-from the input columns that reach each rank's outputs (docs/halo.md). The path chosen is the
-same on every rank (message order).
+"""Convolution (``_halo_conv.py`` where the last dim is sharded and zero-padded, else on
+``tile_window``'s window) and transposed convolution (from the input columns that reach each
+rank's outputs) of any spatial rank on every layout; every rank takes the same path (docs/halo.md).
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ Pads = tuple[tuple[int, int], ...]
 
 
 def conv_pads(padding, kernel: tuple[int, ...], dilation) -> Pads:
-    """``((before, after), ...)`` per spatial dim of a ``Conv*d`` / ``F.conv*d`` padding
-    given as an int, a tuple, ``'valid'`` or ``'same'`` (the extra one of an even kernel goes
-    after, as PyTorch does)."""
+    """``((before, after), ...)`` per spatial dim of a conv's int, tuple, ``'valid'`` or
+    ``'same'`` padding (an even kernel's extra one after, as PyTorch)."""
     n = len(kernel)
     if isinstance(padding, str):
         if padding == "valid":
@@ -44,10 +41,8 @@ def conv_pads(padding, kernel: tuple[int, ...], dilation) -> Pads:
 
 
 def conv_padding(conv: nn.Module) -> Pads:
-    """The padding a ``Conv*d`` applies *now*, per spatial dim, as torch reads it: zero
-    padding from the live attributes (smp's ``make_dilated`` edits them after
-    construction), the other modes from the constructor's ``_reversed_padding_repeated_twice``
-    (torch pads with ``F.pad`` from that cache first)."""
+    """The padding a ``Conv*d`` applies *now*, as torch reads it: zeros from the live attributes
+    (smp's ``make_dilated`` edits them), other modes from ``_reversed_padding_repeated_twice``."""
     if conv.padding_mode != "zeros":
         rev = conv._reversed_padding_repeated_twice  # last dim first
         return tuple(zip(rev[::2], rev[1::2], strict=True))[::-1]

@@ -1,6 +1,5 @@
-"""Halo exchange along the last dim as differentiable point-to-point communication
-(``gather_columns``, one ``batch_isend_irecv`` on the spatial group; its backward is the
-adjoint, docs/halo.md), and ``sum_grad_over``.
+"""Halo exchange along the last dim (``gather_columns``: one ``batch_isend_irecv``, backward
+the adjoint; docs/halo.md), and ``sum_grad_over``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Zero-padded convolution along a sharded last dim without a padded copy, the exchange
-overlapped with the interior in forward and backward; "same" convolutions convolve the whole
-strip and add the halo's share per kernel tap (docs/halo.md, docs/design.md). Saved: the
-strip by reference, the thin halos, the weight.
+overlapped with the interior; "same" convolutions convolve the whole strip and add the halo's
+share per kernel tap (docs/halo.md, docs/design.md). Saved: the strip, thin halos, the weight.
 """
 
 from __future__ import annotations

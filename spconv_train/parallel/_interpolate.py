@@ -1,7 +1,6 @@
-"""``F.interpolate`` / ``nn.Upsample`` on every layout ("nearest", "nearest-exact", the
-linear modes; "area" is torch's adaptive average pool): per dim an index table and weights
-from the *global* sizes with ATen's arithmetic, applied with ``index_select`` after one halo
-exchange per sharded dim (``plan_resize``): docs/halo.md, "Resizing".
+"""``F.interpolate`` / ``nn.Upsample`` on every layout: per dim an index table and weights from
+the *global* sizes with ATen's arithmetic, applied after one halo exchange per sharded dim
+(``plan_resize``; "area" is the adaptive average pool): docs/halo.md, "Resizing".
 """
 
 from __future__ import annotations

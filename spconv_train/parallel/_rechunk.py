@@ -1,7 +1,6 @@
-"""Re-chunk a sharded dim (every output element a copy of an input element or a fill, by
-point-to-point messages only: a map of ``Segment``s, received as hulls per owner and picked by
-``index_select``), and the ops that are one: ``F.pad`` (every mode; negative amounts crop),
-basic slicing (other index forms: DTensor's rules), ``flip`` and ``roll``.
+"""Re-chunk a sharded dim by a map of ``Segment``s (hulls received per owner, picked by
+``index_select``), and the ops that are one: ``F.pad`` (every mode, crops), basic slicing,
+``flip`` and ``roll``.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ class RemapPlan:
     the buffer as it is), and whether a fill column follows the buffer."""
 
     exchange: ExchangePlan
-    out_width: int
     index: tuple[tuple[int, ...] | None, ...]
     fills: tuple[bool, ...]
 
@@ -44,10 +42,8 @@ class RemapPlan:
 @functools.lru_cache(maxsize=1024)
 def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPlan:
     """Plan the re-chunk of a ``width``-column input over ``parts`` ranks into ``segments``."""
-    out_width = sum(s.length for s in segments)
-    owned = all_shard_bounds(width, parts)
-    needed, index, fills = [], [], []
-    for o0, o1 in all_shard_bounds(out_width, parts):
+    owned, needed, index, fills = all_shard_bounds(width, parts), [], [], []
+    for o0, o1 in all_shard_bounds(sum(s.length for s in segments), parts):
         src, pos = [], 0  # the input column (-1: fill) of every output column in [o0, o1)
         for seg in segments:
             for j in range(max(o0, pos), min(o1, pos + seg.length)):
@@ -69,7 +65,7 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
         index.append(None if where == list(range(total)) else tuple(where))  # (no fill then)
         fills.append(any(c < 0 for c in src))
     plan = ExchangePlan(width, tuple(owned), tuple(needed))
-    return RemapPlan(plan, out_width, tuple(index), tuple(fills))
+    return RemapPlan(plan, tuple(index), tuple(fills))
 
 
 def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
@@ -145,7 +141,7 @@ def spatial_getitem(x, index):
 def spatial_flip(x, *dims, **kwargs):
     """``torch.flip`` / ``x.flip``: along a sharded dim a mirroring re-chunk."""
     given = _dims_list(kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims)
-    wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)] if handled(x) else []
+    wanted = [norm_dim(d, x.ndim) for d in given] if handled(x) else []
     remapped = _split(x, wanted) if handled(x) else None
     if remapped is None:
         return torch.flip(x, given)

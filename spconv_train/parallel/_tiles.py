@@ -1,6 +1,5 @@
-"""The layout's sharded axes (``layout_axes``), and a window op's input window over them
-(``tile_window``; ``halo_window`` for op authors): W, then H *on the W window*, then D, so
-corners come from diagonal neighbours in neighbour-only exchanges (docs/tiles.md).
+"""A window op's input window over every sharded axis (``tile_window``; ``halo_window`` for op
+authors): W, then H *on the W window*, then D: corners from neighbours only (docs/tiles.md).
 """
 
 from __future__ import annotations
@@ -180,13 +179,9 @@ def halo_window(
     value: float = 0.0,
     what: str = "halo_window",
 ) -> HaloWindow:
-    """This rank's input window for a window op of the given geometry on ``x`` (an image or
-    volume on any layout, replicated, or a plain tensor). ``kernel``, ``stride``,
-    ``dilation``: an int or one per spatial dim; ``padding``: an int, or per spatial dim an
-    int or a ``(before, after)`` pair; ``padding_mode``: "zeros", "constant" (with ``value``,
-    e.g. ``-inf`` for a max), "reflect", "replicate", "circular". Differentiable. Raises
-    ``SpatialShardingError`` naming ``what`` for a part narrower than its halo or without
-    output."""
+    """This rank's input window for a window op of the given geometry on ``x`` (any layout,
+    replicated, or a plain tensor; arguments: docs/extending.md). Differentiable. Raises
+    ``SpatialShardingError`` naming ``what`` for a part narrower than its halo or without output."""
     if padding_mode not in PAD_MODES:
         raise SpatialShardingError(
             f"{what}: padding_mode {padding_mode!r} is not one of {list(PAD_MODES)}"

@@ -1,6 +1,5 @@
-"""A window op's halo along one sharded dim, the last (``plan_window``, ``gather_window``:
-the local op then runs with padding 0 there and gives this rank's DTensor chunk of the
-output; docs/halo.md), and windows saved for the backward by reference.
+"""A window op's halo along the last, sharded dim (``plan_window``, ``gather_window``: the op
+then runs with padding 0 there; docs/halo.md), and windows saved for the backward by reference.
 """
 
 from __future__ import annotations
@@ -97,9 +96,8 @@ def gather_window(
 
 
 class _WindowRecipe:
-    """How to rebuild a padded window from the local part (by reference: usually the op
-    before saved it anyway) and thin copies of every step's halos, both through the hooks
-    active before (``outer``: a memory meter, offloading, checkpointing see what is kept)."""
+    """A window rebuilt from the local part (by reference) and thin copies of each step's halos,
+    both through the hooks active before (``outer``: offloading, checkpointing, a meter)."""
 
     def __init__(self, window: Tensor, local: Tensor, steps, value, outer):
         self.shape, self.stride, self.value = window.shape, window.stride(), value
