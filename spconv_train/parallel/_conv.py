@@ -18,8 +18,8 @@ from ._halo import sum_grad_over
 from ._halo_conv import _CONV, halo_conv, plan_split
 from ._mode import register_handler, register_spatial_module
 from ._runtime import current_runtime
-from ._sharding import enter, leave, run_unsharded, spatial_layout
-from ._tiles import along, layout_axes, sharded_axes, tile_shape, tile_window
+from ._sharding import enter, run_unsharded, spatial_layout
+from ._tiles import along, layout_axes, sharded_axes, tile_window
 from ._window import WindowPlan, plan_window
 
 #: ``(before, after)`` padding per spatial dim
@@ -83,7 +83,6 @@ def spatial_conv(
         d: (weight.shape[d], stride[d - 2], dilation[d - 2], *padding[d - 2])
         for d in range(2, x.ndim)
     }
-    local = enter(x)
     w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
     last, split = x.ndim - 1, None
     if inside and axes.get(last, (1,))[0] > 1 and current_runtime().options.split_halo_conv:
@@ -92,16 +91,16 @@ def spatial_conv(
         split = plan_split(wp, rank, *geoms[last][:4])
     if split is not None:  # the other sharded dims' window, the last dim in halo_conv
         geoms = {d: geoms[d] for d in axes if d != last}
-    tw = tile_window(local, shape, layout, what, geoms, padding_mode, pad_local=not inside)
+    tw = tile_window(enter(x), shape, layout, what, geoms, padding_mode, pad_local=not inside)
     conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in range(2, x.ndim))
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).
     with tw.saving():
         if split is None:
-            out = _CONV[n](tw.local, w, b, stride, conv_pad, dilation, groups)
-            return leave(out, layout, tile_shape(shape, out, tw))
+            return tw.output(_CONV[n](tw.local, w, b, stride, conv_pad, dilation, groups))
         args = (wp, split, rank, group, stride, conv_pad[:-1], dilation, groups)
         out = halo_conv(tw.local, w, b, *args)
-    return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
+    tw.out_sizes[last] = wp.out_width  # (the window left the last dim to halo_conv)
+    return tw.output(out)
 
 
 class _SpatialConv:
@@ -225,7 +224,7 @@ def spatial_conv_transpose(
         y = along(y, d, lambda m, a=a, o0=o0, o1=o1: _place(m, a, o0, o1))
     if bias is not None:
         y = y + sum_grad_over(bias, layout.grad_groups).view(1, -1, *([1] * n))
-    return leave(y, layout, tile_shape(tuple(x.shape), y, tw))
+    return tw.output(y)
 
 
 class _SpatialConvTranspose:

@@ -106,13 +106,13 @@ class _GatherColumns(torch.autograd.Function):
             grad_local = empty_as(grad, ctx.local_shape).zero_()
             for off, s, e in own:
                 grad_local.narrow(-1, s - a, e - s).add_(grad.narrow(-1, off, e - s))
-        # Gradients of the columns this rank received go back to their owners ...
+        # Gradients of the columns this rank received go back to their owners, of those it
+        # gave arrive here, to be added to its own.
         sends = [
             (q, grad.narrow(-1, off, e - s).contiguous())
             for off, q, s, e in ctx.placed
             if q != rank
         ]
-        # ... and the gradients of the columns it gave arrive here, to be added to its own.
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
         if 0 not in ctx.local_shape[:-1]:  # (as in the forward)
             post_p2p(ctx.group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()

@@ -138,7 +138,6 @@ class _HaloConv(torch.autograd.Function):
         for first, _, lo, hi in split.edges:
             edge = conv(_thin_window(lo, hi, sources, local), weight, bias, *geom)
             (left if first < split.interior[0] else right).append(edge)
-        # (the interior result copied once more: the output, not the input window)
         out = torch.cat([*left, out, *right], dim=-1) if left or right else out
         ctx.save_for_backward(local, weight, *(h for _, _, h in halos))
         ctx.meta = (wp, split, rank, group, geo, stats, bias is not None)

@@ -237,6 +237,4 @@ SpatialUpsample, SpatialUpsamplingNearest2d, SpatialUpsamplingBilinear2d = (
     spatial_module(base, spatial_interpolate, *_UPSAMPLE_ARGS, module=__name__)
     for base in (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)
 )
-
-# F.interpolate (called by model code or by nn.Upsample) has spatial_interpolate's arguments
 register_handler(F.interpolate)(functools.partial(spatial_interpolate, what="F.interpolate"))

@@ -20,7 +20,7 @@ from ._mode import register_handler, spatial_module
 from ._reduce import all_reduce_extreme
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_replicated
-from ._tiles import along, ceil_geom, layout_axes, sharded_axes, tile_shape, tile_window
+from ._tiles import along, ceil_geom, layout_axes, sharded_axes, tile_window
 
 #: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
 _MAX = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
@@ -43,21 +43,21 @@ def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: 
 
 def _window(kind: str, x: DTensor, rank: int, what: str, kernel_size, stride, padding, dilation,
             ceil_mode: bool, *rest) -> tuple:  # fmt: skip
-    """``(layout, window, (k, s, p, d), op padding, geometries, sharded dims)`` of a pooling op
+    """``(window, (k, s, p, d), op padding, geometries, sharded dims)`` of a pooling op
     (the default stride: the kernel), after torch's own checks (``rest``: its other arguments)."""
     default = stride is None or stride == [] or stride == ()  # torch's; 0 is refused, as by torch
     stride = kernel_size if default else stride
     k, s, p, d = [ntuple(v, rank) for v in (kernel_size, stride, padding, dilation)]
-    _torch_checks(kind, tuple(x.shape), k, s, p, *((d,) if kind == "max" else ()), ceil_mode, *rest)
-    x, layout = spatial_layout(x, what, rank + 2, tiles=True)
     shape = tuple(x.shape)
+    _torch_checks(kind, shape, k, s, p, *((d,) if kind == "max" else ()), ceil_mode, *rest)
+    x, layout = spatial_layout(x, what, rank + 2, tiles=True)
     geoms = {i: ceil_geom(shape[i], k[i - 2], s[i - 2], d[i - 2], p[i - 2], ceil_mode)
              for i in range(2, x.ndim)}  # fmt: skip
     value = float("-inf") if kind == "max" else 0.0
     tw = tile_window(enter(x), shape, layout, what, geoms, "zeros", value, pad_local=False)
     sharded = {td for td, _ in layout_axes(layout)}
     op_pad = tuple(0 if i + 2 in sharded else p[i] for i in range(x.ndim - 2))
-    return layout, tw, (k, s, p, d), op_pad, geoms, sharded
+    return tw, (k, s, p, d), op_pad, geoms, sharded
 
 
 def max_pool(
@@ -75,20 +75,19 @@ def max_pool(
     """``F.max_pool{rank}d`` of a DTensor on any layout (indices global, as torch's)."""
     no_volume_indices(rank, return_indices, what)
     geometry = (kernel_size, stride, padding, dilation, ceil_mode, return_indices)
-    layout, tw, (k, s, _, d), op_pad, _, sharded = _window("max", x, rank, what, *geometry)
+    tw, (k, s, _, d), op_pad, _, sharded = _window("max", x, rank, what, *geometry)
     with tw.saving():
         out, idx = _MAX[x.ndim](tw.local, k, s, op_pad, d, ceil_mode, True)
-    shape = tile_shape(tuple(x.shape), out, tw)
     if not return_indices:
-        return leave(out, layout, shape)
+        return tw.output(out)
     # window flat index -> global flat index: each window coordinate moved by the window's
     # start along the sharded dims (the op's own padding leaves the others' coordinates)
     rest, flat, stride = idx, torch.zeros_like(idx), 1
     for i in range(x.ndim - 1, 1, -1):
         n, start = tw.local.shape[i], tw.starts[i] if i in sharded else 0
         flat = flat + (rest % n + start) * stride
-        rest, stride = rest // n, stride * x.shape[i]
-    return leave(out, layout, shape), leave(flat, layout, shape)
+        rest, stride = rest // n, stride * tw.input_shape[i]
+    return tw.output(out), tw.output(flat)
 
 
 def avg_pool(
@@ -104,10 +103,9 @@ def avg_pool(
     what: str,
 ) -> DTensor:
     """``F.avg_pool{rank}d`` of a DTensor on any layout."""
-    include_pad, divisor = count_include_pad, divisor_override
+    include_pad, divisor, pool = count_include_pad, divisor_override, _AVG[x.ndim]
     geometry = (kernel_size, stride, padding, 1, ceil_mode, include_pad, divisor)
-    layout, tw, (k, s, p, _), op_pad, geoms, sharded = _window("avg", x, rank, what, *geometry)
-    pool = _AVG[x.ndim]
+    tw, (k, s, p, _), op_pad, geoms, sharded = _window("avg", x, rank, what, *geometry)
     # In the window the edge padding of a sharded dim is ordinary zeros, so the local op's
     # divisor is right unless padding must not be counted or a ceil window overhangs.
     local_divisor_right = all(
@@ -123,7 +121,7 @@ def avg_pool(
             f = torch.tensor(f, dtype=sums.dtype, device=sums.device)
             div = div * f.view(-1, *(1,) * (x.ndim - 1 - i))
         out = sums / div
-    return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
+    return tw.output(out)
 
 
 Segments = tuple[tuple[int, int], ...]
@@ -346,10 +344,8 @@ def _register(fn, names: str, pair_after: int = 0) -> None:
 
 _MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
 _AVG_ARGS = (*_MAX_ARGS[:3], "ceil_mode", "count_include_pad", "divisor_override")
-# The ``Spatial<Pool>{2,3}d`` modules (module attributes: pickled by name) and the routes.
-# SpatialMode sees F.max_pool*d / F.adaptive_max_pool*d (tensor or pair) or a function always
-# returning a pair (F.*_with_indices, torch._C._nn.adaptive_max_pool*d; 3-D: to refuse them
-# clearly). F.avg_pool*d is torch._C._nn.avg_pool*d; torch.max_pool*d are separate objects.
+# The ``Spatial<Pool>{2,3}d`` modules (module attributes: pickled by name) and the routes, pair
+# forms too (3-D: refused clearly). F.avg_pool*d is torch._C._nn's; torch.max_pool*d differ.
 for n in (2, 3):
     _max, _avg = (functools.partial(f, rank=n) for f in (max_pool, avg_pool))
     _amax, _aavg = (functools.partial(adaptive_pool, rank=n, kind=k) for k in ("max", "avg"))

@@ -88,9 +88,14 @@ class HaloWindow:
                     f"hold this rank's {hi - lo} output positions (run the op on "
                     f"HaloWindow.local with padding 0 and the same kernel, stride, dilation)"
                 )
-        if self.layout is None:
-            return out
-        return leave(out, self.layout, tile_shape(self.input_shape, out, self))
+        return out if self.layout is None else self.output(out)
+
+    def output(self, out: Tensor) -> Tensor:
+        """``wrap`` unchecked, of a DTensor's window: ``out`` in the output's global shape."""
+        shape = [self.input_shape[0], *out.shape[1:]]
+        for d, n in self.out_sizes.items():
+            shape[d] = n
+        return leave(out, self.layout, tuple(shape))
 
     def saving(self):
         """Context: the window saved by reference (``saving_steps_by_reference``) if it can be."""
@@ -138,14 +143,6 @@ def tile_window(
     reshaped = cropped or any(pads) or not constant  # (padded or cropped after the exchanges)
     recipe = None if reshaped or not steps else (local, tuple(steps), value)
     return HaloWindow(t, layout, shape, sizes, ranges, starts, what, recipe)
-
-
-def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[int, ...]:
-    """Global shape of a window op's output ``out``."""
-    shape = [x_shape[0], *out.shape[1:]]
-    for d, n in tw.out_sizes.items():
-        shape[d] = n
-    return tuple(shape)
 
 
 def _geoms(ndim: int, kernel, stride, padding, dilation, what: str) -> dict[int, Geom]:
