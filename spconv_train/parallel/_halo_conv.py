@@ -22,13 +22,11 @@ from ._window import WindowPlan
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Interior/edge split of one rank's output columns (indices local to the rank):
-    interior outputs ``[i0, i1)`` convolve strip columns ``strip_cols`` with width padding
-    ``pad``; per edge ``(first output, count, global input lo, hi)``. A "same" convolution
-    (stride 1, every output strip its input strip) convolves the whole strip with its
-    padding instead and adds the halo's share per run ``corrections``: ``(halo index, tap,
-    first output, first halo column, length)`` (``whole_strip``). ``halos``: the ``(owner,
-    start, stop)`` pieces it receives."""
+    """One rank's output columns (local indices): interior ``[i0, i1)`` from strip columns
+    ``strip_cols`` with width padding ``pad``; per edge ``(first output, count, global input lo,
+    hi)``; ``halos``: received ``(owner, start, stop)``. ``whole_strip`` ("same": stride 1, output
+    strips = input strips): the padded strip plus per run ``corrections`` ``(halo index, tap,
+    first output, first halo column, length)``."""
 
     interior: tuple[int, int]
     strip_cols: tuple[int, int]

@@ -325,10 +325,9 @@ _NAMESPACES = {"F": F, "torch": torch, "torch._C._nn": torch._C._nn}
 
 
 def _register(fn, names: str, pair_after: int = 0) -> None:
-    """Route the torch functions ``names`` ("F.max_pool2d torch.max_pool2d") to ``fn``.
-    ``pair_after`` marks functions that always return ``(values, indices)``: only their
-    first ``pair_after`` positionals are geometry (the ``*_with_indices`` forms carry a
-    ``return_indices`` after them that they ignore)."""
+    """Route the torch functions ``names`` ("F.max_pool2d torch.max_pool2d") to ``fn``; those
+    always returning ``(values, indices)``: ``pair_after`` positionals of geometry (the
+    ``*_with_indices`` forms carry a ``return_indices`` after them that they ignore)."""
     functions = [getattr(_NAMESPACES[m], a) for m, a in (n.rsplit(".", 1) for n in names.split())]
     what = names.split()[0].removesuffix("_with_indices")
 
