@@ -135,8 +135,7 @@ def tile_window(
         sizes[d], ranges[d], starts[d] = wp.out_width, wp.out_bounds[rank], wp.starts[rank]
     pads: list[int] = []
     for d in range(t.ndim - 1, 1, -1):  # F.pad lists the last dim first
-        local_pad = pad_local and d in geoms and d not in axes
-        pads += list(geoms[d][3:5]) if local_pad else [0, 0]
+        pads += geoms[d][3:5] if pad_local and d in geoms and d not in axes else (0, 0)
     constant = mode in ("zeros", "constant")
     if any(pads):
         t = F.pad(t, pads, mode="constant", value=value) if constant else F.pad(t, pads, mode=mode)
