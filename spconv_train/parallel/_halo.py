@@ -109,9 +109,7 @@ class _GatherColumns(torch.autograd.Function):
         # Gradients of the columns this rank received go back to their owners, of those it
         # gave arrive here, to be added to its own.
         sends = [
-            (q, grad.narrow(-1, off, e - s).contiguous())
-            for off, q, s, e in ctx.placed
-            if q != rank
+            (q, grad.narrow(-1, o, e - s).contiguous()) for o, q, s, e in ctx.placed if q != rank
         ]
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
         if 0 not in ctx.local_shape[:-1]:  # (as in the forward)
