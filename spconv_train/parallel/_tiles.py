@@ -16,13 +16,7 @@ from torch.distributed.tensor import DTensor
 from ._dims import mesh_axis
 from ._geometry import SpatialShardingError, window_out_size
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
-from ._window import (
-    PAD_MODES,
-    WindowPlan,
-    gather_window,
-    plan_window,
-    saving_steps_by_reference,
-)
+from ._window import PAD_MODES, WindowPlan, gather_window, plan_window, saving_steps_by_reference
 
 #: one spatial dim's window geometry: kernel, stride, dilation, padding before, padding after
 Geom = tuple[int, int, int, int, int]
