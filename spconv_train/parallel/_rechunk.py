@@ -108,8 +108,7 @@ def _expand_index(index, ndim: int):
 
 
 def _split(x, dims) -> list[int] | None:
-    """The sharded dims among ``dims`` a re-chunk moves, or None when ``dims`` touch another
-    sharded dim (the batch: DTensor's own rules, watched by the no-gather guard)."""
+    """The sharded dims among ``dims`` a re-chunk moves; None: another (the batch: DTensor's)."""
     where, axes = sharded_dims(x), rechunk_axes(x)
     remapped = [d for d in dims if d in axes]
     return None if any(d in where and d not in remapped for d in dims) else remapped

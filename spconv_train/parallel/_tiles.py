@@ -69,8 +69,7 @@ class HaloWindow:
 
     @property
     def grad_groups(self) -> tuple:
-        """Groups over which a parameter gradient computed on this window is a partial sum
-        (give them to ``sum_grad_over``); empty for a plain tensor."""
+        """Groups to sum a parameter gradient computed on it over (``sum_grad_over``)."""
         return self.layout.grad_groups if self.layout is not None else ()
 
     def wrap(self, out: Tensor) -> Tensor:
