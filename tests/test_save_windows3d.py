@@ -62,7 +62,7 @@ def recipe_rebuilds_window(key: str) -> list[str]:
             if tw.recipe is None:
                 failures.append(f"{label}: window not saved by reference")
                 continue
-            window, (_, steps, _) = tw.window, tw.recipe
+            window, (_, steps, _) = tw.local, tw.recipe
             rebuilt = _WindowRecipe(window, local, steps, value, None).rebuild()
             if not torch.equal(rebuilt, window):
                 failures.append(f"{label}: rebuilt window differs")

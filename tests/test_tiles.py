@@ -64,14 +64,14 @@ def corner_exchange(world: int) -> list[str]:
             (pt, pb), (pleft, pright) = geoms[2][3:], geoms[3][3:]
             f_mode = "constant" if mode == "zeros" else mode
             padded = F.pad(full, (pleft, pright, pt, pb), mode=f_mode)
-            rows = slice(tw.starts[2] + pt, tw.starts[2] + pt + tw.window.shape[2])
-            cols = slice(tw.starts[3] + pleft, tw.starts[3] + pleft + tw.window.shape[3])
+            rows = slice(tw.starts[2] + pt, tw.starts[2] + pt + tw.local.shape[2])
+            cols = slice(tw.starts[3] + pleft, tw.starts[3] + pleft + tw.local.shape[3])
             want = padded[block_slices(full.shape, pl, mesh_coords(dmesh))[0], :, rows, cols]
-            if not torch.equal(tw.window.detach(), want):
+            if not torch.equal(tw.local.detach(), want):
                 failures.append(f"{label} {mode} {geoms}: window differs from the padded image")
-            y = seeded(100 + dist.get_rank(), *tw.window.shape, dtype=torch.float64)
-            (tw.window * y).sum().backward()
-            dots = torch.stack([(tw.window.detach() * y).sum(), (local * local.grad).sum() * 0])
+            y = seeded(100 + dist.get_rank(), *tw.local.shape, dtype=torch.float64)
+            (tw.local * y).sum().backward()
+            dots = torch.stack([(tw.local.detach() * y).sum(), (local * local.grad).sum() * 0])
             dots[1] = (local.detach() * local.grad).sum()
             dist.all_reduce(dots)
             if abs(dots[0] - dots[1]) > 1e-10 * abs(dots[0]):

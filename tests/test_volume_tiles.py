@@ -59,12 +59,12 @@ def corner_exchange_3d(key: str) -> list[str]:
         box = [block_slices(full.shape, pl, mesh_coords(dmesh))[0], slice(None)]
         for d in (2, 3, 4):
             a = tw.starts[d] + geoms[d][3]
-            box.append(slice(a, a + tw.window.shape[d]))
-        if not torch.equal(tw.window.detach(), padded[tuple(box)]):
+            box.append(slice(a, a + tw.local.shape[d]))
+        if not torch.equal(tw.local.detach(), padded[tuple(box)]):
             failures.append(f"{key} {mode} {geoms}: window differs from the padded volume")
-        y = seeded(100 + dist.get_rank(), *tw.window.shape, dtype=torch.float64)
-        (tw.window * y).sum().backward()
-        dots = torch.stack([(tw.window.detach() * y).sum(), (local.detach() * local.grad).sum()])
+        y = seeded(100 + dist.get_rank(), *tw.local.shape, dtype=torch.float64)
+        (tw.local * y).sum().backward()
+        dots = torch.stack([(tw.local.detach() * y).sum(), (local.detach() * local.grad).sum()])
         dist.all_reduce(dots)
         if abs(dots[0] - dots[1]) > 1e-10 * abs(dots[0]):
             failures.append(f"{key} {mode} {geoms}: <Ex,y> {dots[0]} != <x,E'y> {dots[1]}")

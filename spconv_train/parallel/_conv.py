@@ -1,8 +1,6 @@
-"""Convolution and transposed convolution of any spatial rank on every layout, one
-implementation each: the overlapped ``_halo_conv.py`` path where the last dim is sharded and
-zero-padded, else the local convolution on ``tile_window``'s window; transposed convolution
-from the input columns that reach each rank's outputs (docs/halo.md). The path chosen is the
-same on every rank (message order).
+"""Convolution (``_halo_conv.py`` where the last dim is sharded and zero-padded, else on
+``tile_window``'s window) and transposed convolution (from the input columns that reach each
+rank's outputs) of any spatial rank on every layout; every rank takes the same path (docs/halo.md).
 """
 
 from __future__ import annotations
@@ -20,14 +18,8 @@ from ._halo import sum_grad_over
 from ._halo_conv import _CONV, halo_conv, plan_split
 from ._mode import register_handler, register_spatial_module
 from ._runtime import current_runtime
-from ._sharding import enter, leave, run_unsharded, spatial_layout
-from ._tiles import (
-    along,
-    layout_axes,
-    sharded_axes,
-    tile_shape,
-    tile_window,
-)
+from ._sharding import enter, run_unsharded, spatial_layout
+from ._tiles import along, layout_axes, sharded_axes, tile_window
 from ._window import WindowPlan, plan_window
 
 #: ``(before, after)`` padding per spatial dim
@@ -35,9 +27,8 @@ Pads = tuple[tuple[int, int], ...]
 
 
 def conv_pads(padding, kernel: tuple[int, ...], dilation) -> Pads:
-    """``((before, after), ...)`` per spatial dim of a ``Conv*d`` / ``F.conv*d`` padding
-    given as an int, a tuple, ``'valid'`` or ``'same'`` (the extra one of an even kernel goes
-    after, as PyTorch does)."""
+    """``((before, after), ...)`` per spatial dim of a conv's int, tuple, ``'valid'`` or
+    ``'same'`` padding (an even kernel's extra one after, as PyTorch)."""
     n = len(kernel)
     if isinstance(padding, str):
         if padding == "valid":
@@ -50,10 +41,8 @@ def conv_pads(padding, kernel: tuple[int, ...], dilation) -> Pads:
 
 
 def conv_padding(conv: nn.Module) -> Pads:
-    """The padding a ``Conv*d`` applies *now*, per spatial dim, as torch reads it: zero
-    padding from the live attributes (smp's ``make_dilated`` edits them after
-    construction), the other modes from the constructor's ``_reversed_padding_repeated_twice``
-    (torch pads with ``F.pad`` from that cache first)."""
+    """The padding a ``Conv*d`` applies *now*, as torch reads it: zeros from the live attributes
+    (smp's ``make_dilated`` edits them), other modes from ``_reversed_padding_repeated_twice``."""
     if conv.padding_mode != "zeros":
         rev = conv._reversed_padding_repeated_twice  # last dim first
         return tuple(zip(rev[::2], rev[1::2], strict=True))[::-1]
@@ -94,7 +83,6 @@ def spatial_conv(
         d: (weight.shape[d], stride[d - 2], dilation[d - 2], *padding[d - 2])
         for d in range(2, x.ndim)
     }
-    local = enter(x)
     w, b = sum_grad_over(weight, layout.grad_groups), sum_grad_over(bias, layout.grad_groups)
     last, split = x.ndim - 1, None
     if inside and axes.get(last, (1,))[0] > 1 and current_runtime().options.split_halo_conv:
@@ -103,22 +91,20 @@ def spatial_conv(
         split = plan_split(wp, rank, *geoms[last][:4])
     if split is not None:  # the other sharded dims' window, the last dim in halo_conv
         geoms = {d: geoms[d] for d in axes if d != last}
-    tw = tile_window(local, shape, layout, what, geoms, padding_mode, pad_local=not inside)
+    tw = tile_window(enter(x), shape, layout, what, geoms, padding_mode, pad_local=not inside)
     conv_pad = tuple(padding[d - 2][0] if inside and d not in axes else 0 for d in range(2, x.ndim))
     # Zero padding: the window is saved as the part by reference + thin halos (memory ~1/N).
     with tw.saving():
         if split is None:
-            out = _CONV[n](tw.window, w, b, stride, conv_pad, dilation, groups)
-            return leave(out, layout, tile_shape(shape, out, tw))
+            return tw.output(_CONV[n](tw.local, w, b, stride, conv_pad, dilation, groups))
         args = (wp, split, rank, group, stride, conv_pad[:-1], dilation, groups)
-        out = halo_conv(tw.window, w, b, *args)
-    return leave(out, layout, (*tile_shape(shape, out, tw)[:last], wp.out_width))
+        out = halo_conv(tw.local, w, b, *args)
+    tw.out_sizes[last] = wp.out_width  # (the window left the last dim to halo_conv)
+    return tw.output(out)
 
 
 class _SpatialConv:
     """``Conv*d`` running ``spatial_conv`` on a DTensor input (any layout)."""
-
-    spatial_name: str = ""
 
     def forward(self, input: Tensor) -> Tensor:
         if not isinstance(input, DTensor):
@@ -227,24 +213,22 @@ def spatial_conv_transpose(
     tw = tile_window(enter(x), tuple(x.shape), layout, what, geoms, plan=plan_conv_transpose)
     # No input reaches this rank's outputs along a dim: one zero row keeps the weight and the
     # exchange in its graph (every rank must run their backward collectives).
-    grow = [a for d in range(x.ndim - 1, 1, -1) for a in (0, int(tw.window.shape[d] == 0))]
-    t = F.pad(tw.window, grow) if any(grow) else tw.window
+    grow = [a for d in range(x.ndim - 1, 1, -1) for a in (0, int(tw.local.shape[d] == 0))]
+    t = F.pad(tw.local, grow) if any(grow) else tw.local
     pads, out_pads = (tuple(0 if j + 2 in geoms else v[j] for j in range(n)) for v in (p, op))
     w = sum_grad_over(weight, layout.grad_groups)
-    with tw.saving() if t is tw.window else contextlib.nullcontext():  # by reference + halos
+    with tw.saving() if t is tw.local else contextlib.nullcontext():  # by reference + halos
         y = conv(t, w, None, s, pads, out_pads, groups, dil)
     for d, (o0, o1) in tw.out_ranges.items():  # along the sharded dims: the global width
         a = tw.starts[d] * s[d - 2] - p[d - 2]
         y = along(y, d, lambda m, a=a, o0=o0, o1=o1: _place(m, a, o0, o1))
     if bias is not None:
         y = y + sum_grad_over(bias, layout.grad_groups).view(1, -1, *([1] * n))
-    return leave(y, layout, tile_shape(tuple(x.shape), y, tw))
+    return tw.output(y)
 
 
 class _SpatialConvTranspose:
     """``ConvTranspose{n}d`` running ``spatial_conv_transpose`` on a DTensor input."""
-
-    spatial_name: str = ""
 
     def forward(self, input: Tensor, output_size: list[int] | None = None) -> Tensor:
         if not isinstance(input, DTensor):

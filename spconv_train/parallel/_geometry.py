@@ -1,6 +1,5 @@
-"""Halo arithmetic in *global* column indices (docs/halo.md): who owns which columns and which
-columns a window op reads. Nothing communicates: every rank computes every rank's plan, so
-the exchange posts matching sends and receives without a metadata round trip.
+"""Halo arithmetic in *global* column indices (docs/halo.md): who owns and who needs which
+columns, computed by every rank for every rank (no metadata round trip).
 """
 
 from __future__ import annotations
@@ -33,13 +32,10 @@ def window_out_size(
 ) -> int:
     """Output length of a sliding window op (conv, pooling) along one dimension."""
     span = size + pad_lo + pad_hi - dilation * (kernel - 1) - 1
-    if ceil_mode:
-        out = -(-span // stride) + 1
-        # PyTorch's rule: the last window must start inside the input or its left padding.
-        if (out - 1) * stride >= size + pad_lo:
-            out -= 1
-        return out
-    return span // stride + 1
+    if not ceil_mode:
+        return span // stride + 1
+    out = -(-span // stride) + 1  # PyTorch: the last window starts inside the input or its left pad
+    return out - 1 if (out - 1) * stride >= size + pad_lo else out
 
 
 @dataclass(frozen=True)
@@ -80,8 +76,7 @@ class ExchangePlan:
         n = len(self.owned)
         for r in range(n):
             for owner, s, e in self.pieces(r):
-                ok = abs(owner - r) <= 1 or (self.wrap and {owner, r} == {0, n - 1})
-                if not ok:
+                if abs(owner - r) > 1 and not (self.wrap and {owner, r} == {0, n - 1}):
                     widths = [b - a for a, b in self.owned]
                     raise SpatialShardingError(
                         f"{what}: rank {r} needs columns [{s}, {e}) held by rank {owner}, but "

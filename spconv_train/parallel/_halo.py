@@ -1,6 +1,5 @@
-"""Halo exchange along the last dim as differentiable point-to-point communication
-(``gather_columns``, one ``batch_isend_irecv`` on the spatial group; its backward is the
-adjoint, docs/halo.md), and ``sum_grad_over``.
+"""Halo exchange along the last dim (``gather_columns``: one ``batch_isend_irecv``, backward
+the adjoint; docs/halo.md), and ``sum_grad_over``.
 """
 
 from __future__ import annotations
@@ -71,10 +70,9 @@ class _GatherColumns(torch.autograd.Function):
         ctx.local_shape, a, pieces = local.shape, plan.owned[rank][0], plan.pieces(rank)
         total = sum(e - s for _, s, e in pieces)
         out = empty_as(local, (*local.shape[:-1], pad_lo + total + pad_hi))
-        if pad_lo:
-            out.narrow(-1, 0, pad_lo).fill_(value)
-        if pad_hi:
-            out.narrow(-1, pad_lo + total, pad_hi).fill_(value)
+        for at, n in ((0, pad_lo), (pad_lo + total, pad_hi)):
+            if n:
+                out.narrow(-1, at, n).fill_(value)
         recvs, arrivals, offset = [], [], pad_lo  # arrivals: (window slice, receive buffer)
         ctx.placed = []  # (offset in the window, owner, start, stop) per piece
         for owner, s, e in pieces:
@@ -108,13 +106,11 @@ class _GatherColumns(torch.autograd.Function):
             grad_local = empty_as(grad, ctx.local_shape).zero_()
             for off, s, e in own:
                 grad_local.narrow(-1, s - a, e - s).add_(grad.narrow(-1, off, e - s))
-        # Gradients of the columns this rank received go back to their owners ...
+        # Gradients of the columns this rank received go back to their owners, of those it
+        # gave arrive here, to be added to its own.
         sends = [
-            (q, grad.narrow(-1, off, e - s).contiguous())
-            for off, q, s, e in ctx.placed
-            if q != rank
+            (q, grad.narrow(-1, o, e - s).contiguous()) for o, q, s, e in ctx.placed if q != rank
         ]
-        # ... and the gradients of the columns it gave arrive here, to be added to its own.
         recvs = [(q, grad.new_empty((*grad.shape[:-1], e - s)), s, e) for q, s, e in given]
         if 0 not in ctx.local_shape[:-1]:  # (as in the forward)
             post_p2p(ctx.group, sends, [(q, buf) for q, buf, _, _ in recvs], ctx.stats).wait()

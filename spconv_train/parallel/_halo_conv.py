@@ -1,7 +1,6 @@
 """Zero-padded convolution along a sharded last dim without a padded copy, the exchange
-overlapped with the interior in forward and backward; "same" convolutions convolve the whole
-strip and add the halo's share per kernel tap (docs/halo.md, docs/design.md). Saved: the
-strip by reference, the thin halos, the weight.
+overlapped with the interior; "same" convolutions convolve the whole strip and add the halo's
+share per kernel tap (docs/halo.md, docs/design.md). Saved: the strip, thin halos, the weight.
 """
 
 from __future__ import annotations
@@ -23,13 +22,11 @@ from ._window import WindowPlan
 
 @dataclass(frozen=True)
 class SplitPlan:
-    """Interior/edge split of one rank's output columns (indices local to the rank):
-    interior outputs ``[i0, i1)`` convolve strip columns ``strip_cols`` with width padding
-    ``pad``; per edge ``(first output, count, global input lo, hi)``. A "same" convolution
-    (stride 1, every output strip its input strip) convolves the whole strip with its
-    padding instead and adds the halo's share per run ``corrections``: ``(halo index, tap,
-    first output, first halo column, length)`` (``whole_strip``). ``halos``: the ``(owner,
-    start, stop)`` pieces it receives."""
+    """One rank's output columns (local indices): interior ``[i0, i1)`` from strip columns
+    ``strip_cols`` with width padding ``pad``; per edge ``(first output, count, global input lo,
+    hi)``; ``halos``: received ``(owner, start, stop)``. ``whole_strip`` ("same": stride 1, output
+    strips = input strips): the padded strip plus per run ``corrections`` ``(halo index, tap,
+    first output, first halo column, length)``."""
 
     interior: tuple[int, int]
     strip_cols: tuple[int, int]
@@ -103,14 +100,12 @@ def _cols(t: Tensor, c0: int, c1: int) -> Tensor:
 
 def _columns_to_batch(x: Tensor) -> Tensor:
     """``(N, C, *S, L)`` -> ``(N*L, C, *S)``: one convolution of one rank less with a tap's
-    weight then gives that tap's share of the whole run (a thin full-rank convolution runs
-    PyTorch's im2col kernel below 20480 input elements: ~4x slower)."""
+    weight then gives that tap's share of the whole run (docs/design.md, "Halo corrections")."""
     n, w = x.shape[0], x.shape[-1]
     return x.squeeze(-1) if w == 1 else x.movedim(-1, 1).reshape(n * w, *x.shape[1:-1])
 
 
-def _batch_to_columns(y: Tensor, n: int) -> Tensor:
-    """``(N*L, C, *S)`` -> ``(N, C, *S, L)``."""
+def _batch_to_columns(y: Tensor, n: int) -> Tensor:  # (N*L, C, *S) -> (N, C, *S, L)
     return y.view(n, -1, *y.shape[1:]).movedim(1, -1)
 
 
@@ -135,14 +130,12 @@ class _HaloConv(torch.autograd.Function):
         pending.wait()
         for i, t, o, h, length in split.corrections:  # "same": the edges read zeros, not halos
             cols = _columns_to_batch(halos[i][2].narrow(-1, h, length))
-            tap = (weight[..., t], None, stride[:-1], pad_other, dilation[:-1], groups)
-            y = conv_less(cols, *tap)
+            y = conv_less(cols, weight[..., t], None, stride[:-1], pad_other, dilation[:-1], groups)
             out.narrow(-1, o, length).add_(_batch_to_columns(y, out.shape[0]))
         sources, left, right = [(a, local), *((s, h) for _, s, h in halos)], [], []
         for first, _, lo, hi in split.edges:
             edge = conv(_thin_window(lo, hi, sources, local), weight, bias, *geom)
             (left if first < split.interior[0] else right).append(edge)
-        # (the interior result copied once more: the output, not the input window)
         out = torch.cat([*left, out, *right], dim=-1) if left or right else out
         ctx.save_for_backward(local, weight, *(h for _, _, h in halos))
         ctx.meta = (wp, split, rank, group, geo, stats, bias is not None)
@@ -154,7 +147,7 @@ class _HaloConv(torch.autograd.Function):
         local, weight, *bufs = ctx.saved_tensors
         wp, split, rank, group, geo, stats, has_bias = ctx.meta
         stride, pad_other, dilation, groups = geo
-        ex, a = wp.exchange, wp.exchange.owned[rank][0]
+        a, geom_pad = wp.exchange.owned[rank][0], (*pad_other, split.pad)
         halos = [(q, s, h) for (q, s, _), h in zip(split.halos, bufs, strict=True)]
         need_in, need_w, need_b = *ctx.needs_input_grad[:2], has_bias and ctx.needs_input_grad[2]
 
@@ -196,12 +189,11 @@ class _HaloConv(torch.autograd.Function):
                 for lo, gi in (*runs, *edge_grads):
                     _add_thin_grad(lo, gi, start, g)
                 sends.append((q, g))
-            recvs = _buffers(local, ex.sends(rank))
+            recvs = _buffers(local, wp.exchange.sends(rank))
             pending = post_p2p(group, sends, [(q, buf) for q, _, buf in recvs], stats)
         # The interior (the big one) while the halo gradients travel.
         (i0, i1), (c0, c1) = split.interior, split.strip_cols
-        pad = (*pad_other, split.pad)
-        gi, gwi, gbi = conv_bwd(_cols(grad_out, i0, i1), _cols(local, c0, c1), pad=pad)
+        gi, gwi, gbi = conv_bwd(_cols(grad_out, i0, i1), _cols(local, c0, c1), pad=geom_pad)
         gw, gb, grad_local = add(gw, gwi), add(gb, gbi), gi
         if need_in:
             if c0 != 0 or c1 != local.shape[-1]:

@@ -1,7 +1,6 @@
-"""``F.interpolate`` / ``nn.Upsample`` on every layout ("nearest", "nearest-exact", the
-linear modes; "area" is torch's adaptive average pool): per dim an index table and weights
-from the *global* sizes with ATen's arithmetic, applied with ``index_select`` after one halo
-exchange per sharded dim (``plan_resize``): docs/halo.md, "Resizing".
+"""``F.interpolate`` / ``nn.Upsample`` on every layout: per dim an index table and weights from
+the *global* sizes with ATen's arithmetic, applied after one halo exchange per sharded dim
+(``plan_resize``; "area" is the adaptive average pool): docs/halo.md, "Resizing".
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layou
 from ._tiles import along, layout_axes
 
 
+@functools.lru_cache(maxsize=1024)  # once per call geometry (sizes as tuples)
 def resize_sizes(
     in_sizes: tuple[int, ...],
     size,
@@ -60,9 +60,6 @@ def resize_sizes(
             f"{what}: output size {out} of input {in_sizes} is empty; torch rejects it."
         )
     return out, scales
-
-
-_geometry = functools.lru_cache(maxsize=1024)(resize_sizes)  # once per call geometry
 
 
 def _ratio(size_in: int, size_out: int, scale: float | None, dtype: torch.dtype) -> Tensor:
@@ -215,24 +212,18 @@ def spatial_interpolate(
     area = F.adaptive_avg_pool3d if ndim == 5 else F.adaptive_avg_pool2d  # mode "area"
     if mode == "area" and not antialias:
         recompute = True if size is None else recompute_scale_factor  # as F.interpolate
-        out, _ = _geometry(*key, mode, align_corners, recompute, what)
-        handler = current_runtime().registry.handler(area)  # its spatial handler, if any
-        if handler is None:
-            raise SpatialShardingError(
-                f"{what}: interpolate mode='area' is {area.__name__}, which has no spatial "
-                f"implementation registered. Use 'bilinear'/'nearest', or gather explicitly."
-            )
-        return handler(x, out)
+        out, _ = resize_sizes(*key, mode, align_corners, recompute, what)
+        # its spatial handler (_pool.py's unless a user's replaced it; never refused: it has one)
+        return current_runtime().registry.handler(area)(x, out)
     if mode not in ("nearest", "nearest-exact", linear) or antialias:
-        kind = "volume" if ndim == 5 else "image"
         raise SpatialShardingError(
             f"{what}: interpolate mode={mode!r}{' with antialias' if antialias else ''} is not "
-            f"supported on a sharded {kind} (supported: nearest, nearest-exact, {linear}, and "
-            f"'area' via {area.__name__}). Use one of those, or gather explicitly "
-            f"(x.full_tensor())."
+            f"supported on a sharded {'volume' if ndim == 5 else 'image'} (supported: nearest, "
+            f"nearest-exact, {linear}, and 'area' via {area.__name__}). Use one of those, or "
+            f"gather explicitly (x.full_tensor())."
         )
     x, layout = spatial_layout(x, what, ndim=5 if ndim == 5 else 4, tiles=True)
-    out, scales = _geometry(*key, mode, align_corners, recompute_scale_factor, what)
+    out, scales = resize_sizes(*key, mode, align_corners, recompute_scale_factor, what)
     table_mode = "bilinear" if mode == linear else mode  # the same 1-D linear table
     y = _resize(x, layout, out, scales, table_mode, bool(align_corners), what)  # None: False
     if y is None:  # a replicated volume on a strip mesh: the plain op, output replicated
@@ -246,6 +237,4 @@ SpatialUpsample, SpatialUpsamplingNearest2d, SpatialUpsamplingBilinear2d = (
     spatial_module(base, spatial_interpolate, *_UPSAMPLE_ARGS, module=__name__)
     for base in (nn.Upsample, nn.UpsamplingNearest2d, nn.UpsamplingBilinear2d)
 )
-
-# F.interpolate (called by model code or by nn.Upsample) has spatial_interpolate's arguments
 register_handler(F.interpolate)(functools.partial(spatial_interpolate, what="F.interpolate"))

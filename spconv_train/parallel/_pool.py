@@ -1,9 +1,7 @@
 """Max, average and adaptive pooling of any spatial rank on every layout, their modules and
-torch-function routes. Max / average: the local op on ``tile_window``'s window (ties as on one
-device, global indices, torch's divisor from *global* positions). Adaptive, separable per dim:
-*halo* (one sharded dim pooled to more than one cell: the input's ``Shard``) or *reduce*
-(global and small pools: parts all-reduced, ``Replicate``; max by value, then the smallest
-global index, whose rank alone passes the gradient). docs/tiles.md, docs/volumes.md.
+routes. Max / average: the local op on ``tile_window``'s window. Adaptive, separable per dim:
+*halo* (one sharded dim pooled to more than one cell: ``Shard``) or *reduce* (global and small
+pools: parts all-reduced, ``Replicate``). docs/tiles.md, docs/volumes.md.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from ._mode import register_handler, spatial_module
 from ._reduce import all_reduce_extreme
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_replicated
-from ._tiles import along, ceil_geom, layout_axes, sharded_axes, tile_shape, tile_window
+from ._tiles import along, ceil_geom, layout_axes, sharded_axes, tile_window
 
 #: the local ops per tensor rank: NCL signals, NCHW images, NCDHW volumes
 _MAX = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
@@ -45,21 +43,21 @@ def _counts(size: int, k: int, s: int, pad: int, lo: int, hi: int, include_pad: 
 
 def _window(kind: str, x: DTensor, rank: int, what: str, kernel_size, stride, padding, dilation,
             ceil_mode: bool, *rest) -> tuple:  # fmt: skip
-    """``(layout, window, (k, s, p, d), op padding, geometries, sharded dims)`` of a pooling op
+    """``(window, (k, s, p, d), op padding, geometries, sharded dims)`` of a pooling op
     (the default stride: the kernel), after torch's own checks (``rest``: its other arguments)."""
     default = stride is None or stride == [] or stride == ()  # torch's; 0 is refused, as by torch
     stride = kernel_size if default else stride
     k, s, p, d = [ntuple(v, rank) for v in (kernel_size, stride, padding, dilation)]
-    _torch_checks(kind, tuple(x.shape), k, s, p, *((d,) if kind == "max" else ()), ceil_mode, *rest)
-    x, layout = spatial_layout(x, what, rank + 2, tiles=True)
     shape = tuple(x.shape)
+    _torch_checks(kind, shape, k, s, p, *((d,) if kind == "max" else ()), ceil_mode, *rest)
+    x, layout = spatial_layout(x, what, rank + 2, tiles=True)
     geoms = {i: ceil_geom(shape[i], k[i - 2], s[i - 2], d[i - 2], p[i - 2], ceil_mode)
              for i in range(2, x.ndim)}  # fmt: skip
     value = float("-inf") if kind == "max" else 0.0
     tw = tile_window(enter(x), shape, layout, what, geoms, "zeros", value, pad_local=False)
     sharded = {td for td, _ in layout_axes(layout)}
     op_pad = tuple(0 if i + 2 in sharded else p[i] for i in range(x.ndim - 2))
-    return layout, tw, (k, s, p, d), op_pad, geoms, sharded
+    return tw, (k, s, p, d), op_pad, geoms, sharded
 
 
 def max_pool(
@@ -77,20 +75,19 @@ def max_pool(
     """``F.max_pool{rank}d`` of a DTensor on any layout (indices global, as torch's)."""
     no_volume_indices(rank, return_indices, what)
     geometry = (kernel_size, stride, padding, dilation, ceil_mode, return_indices)
-    layout, tw, (k, s, _, d), op_pad, _, sharded = _window("max", x, rank, what, *geometry)
+    tw, (k, s, _, d), op_pad, _, sharded = _window("max", x, rank, what, *geometry)
     with tw.saving():
-        out, idx = _MAX[x.ndim](tw.window, k, s, op_pad, d, ceil_mode, True)
-    shape = tile_shape(tuple(x.shape), out, tw)
+        out, idx = _MAX[x.ndim](tw.local, k, s, op_pad, d, ceil_mode, True)
     if not return_indices:
-        return leave(out, layout, shape)
+        return tw.output(out)
     # window flat index -> global flat index: each window coordinate moved by the window's
     # start along the sharded dims (the op's own padding leaves the others' coordinates)
     rest, flat, stride = idx, torch.zeros_like(idx), 1
     for i in range(x.ndim - 1, 1, -1):
-        n, start = tw.window.shape[i], tw.starts[i] if i in sharded else 0
+        n, start = tw.local.shape[i], tw.starts[i] if i in sharded else 0
         flat = flat + (rest % n + start) * stride
-        rest, stride = rest // n, stride * x.shape[i]
-    return leave(out, layout, shape), leave(flat, layout, shape)
+        rest, stride = rest // n, stride * tw.input_shape[i]
+    return tw.output(out), tw.output(flat)
 
 
 def avg_pool(
@@ -106,26 +103,25 @@ def avg_pool(
     what: str,
 ) -> DTensor:
     """``F.avg_pool{rank}d`` of a DTensor on any layout."""
-    include_pad, divisor = count_include_pad, divisor_override
+    include_pad, divisor, pool = count_include_pad, divisor_override, _AVG[x.ndim]
     geometry = (kernel_size, stride, padding, 1, ceil_mode, include_pad, divisor)
-    layout, tw, (k, s, p, _), op_pad, geoms, sharded = _window("avg", x, rank, what, *geometry)
-    pool = _AVG[x.ndim]
+    tw, (k, s, p, _), op_pad, geoms, sharded = _window("avg", x, rank, what, *geometry)
     # In the window the edge padding of a sharded dim is ordinary zeros, so the local op's
     # divisor is right unless padding must not be counted or a ceil window overhangs.
     local_divisor_right = all(
         geoms[i][4] == p[i - 2] and (include_pad or p[i - 2] == 0) for i in sharded
     )
     if divisor or local_divisor_right:
-        out = pool(tw.window, k, s, op_pad, ceil_mode, include_pad, divisor)
+        out = pool(tw.local, k, s, op_pad, ceil_mode, include_pad, divisor)
     else:
-        sums = pool(tw.window, k, s, op_pad, ceil_mode, True, 1)
+        sums = pool(tw.local, k, s, op_pad, ceil_mode, True, 1)
         div = sums.new_ones(())
         for i in range(2, x.ndim):  # the outer product of the per-dim counts
             f = _counts(x.shape[i], k[i - 2], s[i - 2], p[i - 2], *tw.out_ranges[i], include_pad)
             f = torch.tensor(f, dtype=sums.dtype, device=sums.device)
             div = div * f.view(-1, *(1,) * (x.ndim - 1 - i))
         out = sums / div
-    return leave(out, layout, tile_shape(tuple(x.shape), out, tw))
+    return tw.output(out)
 
 
 Segments = tuple[tuple[int, int], ...]
@@ -144,11 +140,9 @@ def adaptive_bounds(size: int, out: int, lo: int, hi: int) -> Segments:
 @functools.lru_cache(maxsize=1024)
 def _adaptive_exchange(what: str, width: int, out: int, parts: int) -> ExchangePlan:
     """Input planes each rank gathers for its chunk of ``out`` adaptive outputs."""
-    owned = check_strips(what, width, parts, "input")
     windows = (adaptive_bounds(width, out, *chunk) for chunk in all_shard_bounds(out, parts))
-    plan = ExchangePlan(
-        width, tuple(owned), tuple(((w[0][0], w[-1][1]),) if w else () for w in windows)
-    )
+    needed = tuple(((w[0][0], w[-1][1]),) if w else () for w in windows)
+    plan = ExchangePlan(width, tuple(check_strips(what, width, parts, "input")), needed)
     plan.check_neighbours(what)
     return plan
 
@@ -206,8 +200,7 @@ def _plan(sizes: tuple, out: tuple, axes: tuple, halo: bool) -> tuple[DimPlan, .
 
 def _reduce_max(t: Tensor, plans: tuple[DimPlan, ...], sizes: tuple) -> tuple:
     """``(values, global flat index, valid)`` of the max over every window, innermost first."""
-    idx, stride = None, 1
-    valid = torch.ones((), dtype=torch.bool, device=t.device)
+    idx, stride, valid = None, 1, torch.ones((), dtype=torch.bool, device=t.device)
     for j in range(len(plans) - 1, -1, -1):
         (segs, offset, _), d = plans[j], j + 2
         m = t.movedim(d, -1)
@@ -332,10 +325,9 @@ _NAMESPACES = {"F": F, "torch": torch, "torch._C._nn": torch._C._nn}
 
 
 def _register(fn, names: str, pair_after: int = 0) -> None:
-    """Route the torch functions ``names`` ("F.max_pool2d torch.max_pool2d") to ``fn``.
-    ``pair_after`` marks functions that always return ``(values, indices)``: only their
-    first ``pair_after`` positionals are geometry (the ``*_with_indices`` forms carry a
-    ``return_indices`` after them that they ignore)."""
+    """Route the torch functions ``names`` ("F.max_pool2d torch.max_pool2d") to ``fn``; those
+    always returning ``(values, indices)``: ``pair_after`` positionals of geometry (the
+    ``*_with_indices`` forms carry a ``return_indices`` after them that they ignore)."""
     functions = [getattr(_NAMESPACES[m], a) for m, a in (n.rsplit(".", 1) for n in names.split())]
     what = names.split()[0].removesuffix("_with_indices")
 
@@ -351,10 +343,8 @@ def _register(fn, names: str, pair_after: int = 0) -> None:
 
 _MAX_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
 _AVG_ARGS = (*_MAX_ARGS[:3], "ceil_mode", "count_include_pad", "divisor_override")
-# The ``Spatial<Pool>{2,3}d`` modules (module attributes: pickled by name) and the routes.
-# SpatialMode sees F.max_pool*d / F.adaptive_max_pool*d (tensor or pair) or a function always
-# returning a pair (F.*_with_indices, torch._C._nn.adaptive_max_pool*d; 3-D: to refuse them
-# clearly). F.avg_pool*d is torch._C._nn.avg_pool*d; torch.max_pool*d are separate objects.
+# The ``Spatial<Pool>{2,3}d`` modules (module attributes: pickled by name) and the routes, pair
+# forms too (3-D: refused clearly). F.avg_pool*d is torch._C._nn's; torch.max_pool*d differ.
 for n in (2, 3):
     _max, _avg = (functools.partial(f, rank=n) for f in (max_pool, avg_pool))
     _amax, _aavg = (functools.partial(adaptive_pool, rank=n, kind=k) for k in ("max", "avg"))

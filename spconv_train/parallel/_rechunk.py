@@ -1,7 +1,6 @@
-"""Re-chunk a sharded dim (every output element a copy of an input element or a fill, by
-point-to-point messages only: a map of ``Segment``s, received as hulls per owner and picked by
-``index_select``), and the ops that are one: ``F.pad`` (every mode; negative amounts crop),
-basic slicing (other index forms: DTensor's rules), ``flip`` and ``roll``.
+"""Re-chunk a sharded dim by a map of ``Segment``s (hulls received per owner, picked by
+``index_select``), and the ops that are one: ``F.pad`` (every mode, crops), basic slicing,
+``flip`` and ``roll``.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ class RemapPlan:
     the buffer as it is), and whether a fill column follows the buffer."""
 
     exchange: ExchangePlan
-    out_width: int
     index: tuple[tuple[int, ...] | None, ...]
     fills: tuple[bool, ...]
 
@@ -44,10 +42,8 @@ class RemapPlan:
 @functools.lru_cache(maxsize=1024)
 def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPlan:
     """Plan the re-chunk of a ``width``-column input over ``parts`` ranks into ``segments``."""
-    out_width = sum(s.length for s in segments)
-    owned = all_shard_bounds(width, parts)
-    needed, index, fills = [], [], []
-    for o0, o1 in all_shard_bounds(out_width, parts):
+    owned, needed, index, fills = all_shard_bounds(width, parts), [], [], []
+    for o0, o1 in all_shard_bounds(sum(s.length for s in segments), parts):
         src, pos = [], 0  # the input column (-1: fill) of every output column in [o0, o1)
         for seg in segments:
             for j in range(max(o0, pos), min(o1, pos + seg.length)):
@@ -69,7 +65,7 @@ def plan_remap(width: int, parts: int, segments: tuple[Segment, ...]) -> RemapPl
         index.append(None if where == list(range(total)) else tuple(where))  # (no fill then)
         fills.append(any(c < 0 for c in src))
     plan = ExchangePlan(width, tuple(owned), tuple(needed))
-    return RemapPlan(plan, out_width, tuple(index), tuple(fills))
+    return RemapPlan(plan, tuple(index), tuple(fills))
 
 
 def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
@@ -80,8 +76,7 @@ def rechunk_axes(x: DTensor) -> dict[int, tuple[int, int, object]]:
 
 def remap_dims(x: DTensor, maps: dict, value: float = 0.0, then=None, shape=None):
     """``x`` with dim ``d`` holding ``maps[d]`` per ``d``; ``then``: a local op afterwards."""
-    axes = rechunk_axes(x)
-    local = x.to_local()
+    axes, local = rechunk_axes(x), x.to_local()
     for d, segments in maps.items():
         parts, rank, group = axes.get(d, (1, 0, None))
         plan = plan_remap(x.shape[d], parts, tuple(segments))
@@ -113,8 +108,7 @@ def _expand_index(index, ndim: int):
 
 
 def _split(x, dims) -> list[int] | None:
-    """The sharded dims among ``dims`` a re-chunk moves, or None when ``dims`` touch another
-    sharded dim (the batch: DTensor's own rules, watched by the no-gather guard)."""
+    """The sharded dims among ``dims`` a re-chunk moves; None: another (the batch: DTensor's)."""
     where, axes = sharded_dims(x), rechunk_axes(x)
     remapped = [d for d in dims if d in axes]
     return None if any(d in where and d not in remapped for d in dims) else remapped
@@ -146,7 +140,7 @@ def spatial_getitem(x, index):
 def spatial_flip(x, *dims, **kwargs):
     """``torch.flip`` / ``x.flip``: along a sharded dim a mirroring re-chunk."""
     given = _dims_list(kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims)
-    wanted = [norm_dim(d, x.ndim) for d in _dims_list(given)] if handled(x) else []
+    wanted = [norm_dim(d, x.ndim) for d in given] if handled(x) else []
     remapped = _split(x, wanted) if handled(x) else None
     if remapped is None:
         return torch.flip(x, given)
@@ -180,7 +174,6 @@ def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
     if b <= a:
         raise SpatialShardingError(f"F.pad: cropping ({left}, {right}) leaves no column of {width}")
     pl, pr = max(left, 0), max(right, 0)
-    mid = Segment(a, b - a)
     if mode == "constant":
         sides = Segment(None, pl), Segment(None, pr)  # fills
     elif mode == "reflect":
@@ -189,7 +182,7 @@ def _pad_segments(width: int, left: int, right: int, mode: str) -> list:
         sides = Segment(0, pl, 0), Segment(width - 1, pr, 0)
     else:  # circular wraps within the cropped part, as torch does
         sides = Segment(b - pl, pl), Segment(a, pr)
-    return [s for s in (sides[0], mid, sides[1]) if s.length]
+    return [s for s in (sides[0], Segment(a, b - a), sides[1]) if s.length]
 
 
 @functools.lru_cache(maxsize=1024)

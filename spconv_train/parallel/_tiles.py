@@ -1,6 +1,5 @@
-"""The layout's sharded axes (``layout_axes``), and a window op's input window over them
-(``tile_window``; ``halo_window`` for op authors): W, then H *on the W window*, then D, so
-corners come from diagonal neighbours in neighbour-only exchanges (docs/tiles.md).
+"""A window op's input window over every sharded axis (``tile_window``; ``halo_window`` for op
+authors): W, then H *on the W window*, then D: corners from neighbours only (docs/tiles.md).
 """
 
 from __future__ import annotations
@@ -17,14 +16,7 @@ from torch.distributed.tensor import DTensor
 from ._dims import mesh_axis
 from ._geometry import SpatialShardingError, window_out_size
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
-from ._window import (
-    PAD_MODES,
-    WindowPlan,
-    WindowStep,
-    gather_window,
-    plan_window,
-    saving_steps_by_reference,
-)
+from ._window import PAD_MODES, WindowPlan, gather_window, plan_window, saving_steps_by_reference
 
 #: one spatial dim's window geometry: kernel, stride, dilation, padding before, padding after
 Geom = tuple[int, int, int, int, int]
@@ -60,30 +52,24 @@ def ceil_geom(size: int, k: int, s: int, d: int, p: int, ceil_mode: bool) -> Geo
 
 @dataclass(frozen=True)
 class HaloWindow:
-    """This rank's input window for a window op (local part + halos + edge padding: run the
-    op on it with padding 0), and the way back to the output DTensor. Per spatial tensor
-    dim: the global output size, the output positions this rank computes, the global input
-    index of the window's first element (may be negative). ``recipe``: ``(source, steps,
+    """This rank's input window ``local`` for a window op (local part + halos + edge padding:
+    run the op on it with padding 0), and the way back to the output DTensor. Per spatial
+    tensor dim: the global output size, the output positions this rank computes, the global
+    input index of the window's first element (may be negative). ``recipe``: ``(source, steps,
     value)`` when the exchanges ``steps`` alone built it from ``source`` (edges of ``value``)."""
 
-    window: Tensor
+    local: Tensor
     layout: SpatialLayout | None  # None: a plain tensor
     input_shape: tuple[int, ...]
     out_sizes: dict[int, int]
     out_ranges: dict[int, tuple[int, int]]
     starts: dict[int, int]
     what: str = "halo_window"
-    recipe: tuple[Tensor, tuple[WindowStep, ...], float] | None = None
-
-    @property
-    def local(self) -> Tensor:
-        """The window (the name op authors use: the local input of the op)."""
-        return self.window
+    recipe: tuple[Tensor, tuple, float] | None = None
 
     @property
     def grad_groups(self) -> tuple:
-        """Groups over which a parameter gradient computed on this window is a partial sum
-        (give them to ``sum_grad_over``); empty for a plain tensor."""
+        """Groups to sum a parameter gradient computed on it over (``sum_grad_over``)."""
         return self.layout.grad_groups if self.layout is not None else ()
 
     def wrap(self, out: Tensor) -> Tensor:
@@ -95,15 +81,20 @@ class HaloWindow:
                     f"hold this rank's {hi - lo} output positions (run the op on "
                     f"HaloWindow.local with padding 0 and the same kernel, stride, dilation)"
                 )
-        if self.layout is None:
-            return out
-        return leave(out, self.layout, tile_shape(self.input_shape, out, self))
+        return out if self.layout is None else self.output(out)
+
+    def output(self, out: Tensor) -> Tensor:
+        """``wrap`` unchecked, of a DTensor's window: ``out`` in the output's global shape."""
+        shape = [self.input_shape[0], *out.shape[1:]]
+        for d, n in self.out_sizes.items():
+            shape[d] = n
+        return leave(out, self.layout, tuple(shape))
 
     def saving(self):
         """Context: the window saved by reference (``saving_steps_by_reference``) if it can be."""
         if self.recipe is None or not torch.is_grad_enabled():
             return contextlib.nullcontext()
-        return saving_steps_by_reference(self.window, *self.recipe)
+        return saving_steps_by_reference(self.local, *self.recipe)
 
 
 def tile_window(
@@ -129,33 +120,21 @@ def tile_window(
             sizes[d], ranges[d], starts[d] = out, (0, out), -lo
             continue
         parts, rank, _ = ax = axes[d]
-        if plan is None:
-            wp = plan_window(what, shape[d], parts, *geoms[d], mode)
-        else:
-            wp = plan(what, shape[d], parts, *geoms[d])
+        args = (what, shape[d], parts, *geoms[d])
+        wp = plan(*args) if plan else plan_window(*args, mode)
         t = along(t, d, lambda m, wp=wp, ax=ax: gather_window(m, wp, *ax[1:], mode, value))
-        pl, pr, cl, cr = wp.edges[rank]
-        steps.append(WindowStep(d, wp.exchange, rank, pl, pr, t))
-        cropped = cropped or bool(cl or cr)
+        steps.append((d, wp, rank, t))
+        cropped = cropped or any(wp.edges[rank][2:])
         sizes[d], ranges[d], starts[d] = wp.out_width, wp.out_bounds[rank], wp.starts[rank]
     pads: list[int] = []
     for d in range(t.ndim - 1, 1, -1):  # F.pad lists the last dim first
-        local_pad = pad_local and d in geoms and d not in axes
-        pads += list(geoms[d][3:5]) if local_pad else [0, 0]
+        pads += geoms[d][3:5] if pad_local and d in geoms and d not in axes else (0, 0)
     constant = mode in ("zeros", "constant")
     if any(pads):
         t = F.pad(t, pads, mode="constant", value=value) if constant else F.pad(t, pads, mode=mode)
     reshaped = cropped or any(pads) or not constant  # (padded or cropped after the exchanges)
     recipe = None if reshaped or not steps else (local, tuple(steps), value)
     return HaloWindow(t, layout, shape, sizes, ranges, starts, what, recipe)
-
-
-def tile_shape(x_shape: tuple[int, ...], out: Tensor, tw: HaloWindow) -> tuple[int, ...]:
-    """Global shape of a window op's output ``out``."""
-    shape = [x_shape[0], *out.shape[1:]]
-    for d, n in tw.out_sizes.items():
-        shape[d] = n
-    return tuple(shape)
 
 
 def _geoms(ndim: int, kernel, stride, padding, dilation, what: str) -> dict[int, Geom]:
@@ -189,13 +168,9 @@ def halo_window(
     value: float = 0.0,
     what: str = "halo_window",
 ) -> HaloWindow:
-    """This rank's input window for a window op of the given geometry on ``x`` (an image or
-    volume on any layout, replicated, or a plain tensor). ``kernel``, ``stride``,
-    ``dilation``: an int or one per spatial dim; ``padding``: an int, or per spatial dim an
-    int or a ``(before, after)`` pair; ``padding_mode``: "zeros", "constant" (with ``value``,
-    e.g. ``-inf`` for a max), "reflect", "replicate", "circular". Differentiable. Raises
-    ``SpatialShardingError`` naming ``what`` for a part narrower than its halo or without
-    output."""
+    """This rank's input window for a window op of the given geometry on ``x`` (any layout,
+    replicated, or a plain tensor; arguments: docs/extending.md). Differentiable. Raises
+    ``SpatialShardingError`` naming ``what`` for a part narrower than its halo or without output."""
     if padding_mode not in PAD_MODES:
         raise SpatialShardingError(
             f"{what}: padding_mode {padding_mode!r} is not one of {list(PAD_MODES)}"

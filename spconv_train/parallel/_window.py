@@ -1,6 +1,5 @@
-"""A window op's halo along one sharded dim, the last (``plan_window``, ``gather_window``:
-the local op then runs with padding 0 there and gives this rank's DTensor chunk of the
-output; docs/halo.md), and windows saved for the backward by reference.
+"""A window op's halo along the last, sharded dim (``plan_window``, ``gather_window``: the op
+then runs with padding 0 there; docs/halo.md), and windows saved for the backward by reference.
 """
 
 from __future__ import annotations
@@ -13,13 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._geometry import (
-    ExchangePlan,
-    Interval,
-    SpatialShardingError,
-    check_strips,
-    window_out_size,
-)
+from ._geometry import ExchangePlan, Interval, SpatialShardingError, check_strips, window_out_size
 from ._halo import gather_columns
 from ._layout import reshape_kept
 from ._runtime import current_runtime
@@ -54,7 +47,7 @@ def plan_window(
     """Plan a window op along a width over ``parts`` ranks (``ceil_mode``: extra ``pad_hi``)."""
     if mode not in PAD_MODES:
         raise SpatialShardingError(f"{what}: padding mode {mode!r} is not supported")
-    owned = check_strips(what, width, parts, "input")
+    owned = tuple(check_strips(what, width, parts, "input"))
     out_width = window_out_size(width, kernel, stride, dilation, pad_lo, pad_hi)
     if out_width < 1:
         raise SpatialShardingError(f"{what}: input width {width} is too small for this window")
@@ -80,7 +73,7 @@ def plan_window(
         needed.append(((src_lo, src_hi),) if src_lo < src_hi else ())
         pl, pr = max(0, src_lo - lo), max(0, hi - src_hi)
         edges.append((pl, pr, lo - min(lo, src_lo), max(hi, src_hi) - hi))
-    plan = ExchangePlan(width, tuple(owned), tuple(needed), wrap=mode == "circular")
+    plan = ExchangePlan(width, owned, tuple(needed), wrap=mode == "circular")
     plan.check_neighbours(what)
     starts = tuple(o0 * stride - pad_lo for o0, _ in out_bounds)
     return WindowPlan(plan, out_width, tuple(out_bounds), tuple(edges), starts)
@@ -102,42 +95,29 @@ def gather_window(
     return g.narrow(-1, cl, g.shape[-1] - cl - cr) if cl or cr else g
 
 
-@dataclass(frozen=True)
-class WindowStep:
-    """One exchange of a window's chain (W, then H, D): ``exchange``'s pieces between edge pads."""
-
-    dim: int
-    exchange: ExchangePlan
-    rank: int
-    pad_lo: int
-    pad_hi: int
-    result: Tensor
-
-
 class _WindowRecipe:
-    """How to rebuild a padded window from the local part (by reference: usually the op
-    before saved it anyway) and thin copies of every step's halos, both through the hooks
-    active before (``outer``: a memory meter, offloading, checkpointing see what is kept)."""
+    """A window rebuilt from the local part (by reference) and thin copies of each step's halos,
+    both through the hooks active before (``outer``: offloading, checkpointing, a meter)."""
 
     def __init__(self, window: Tensor, local: Tensor, steps, value, outer):
         self.shape, self.stride, self.value = window.shape, window.stride(), value
         self.outer, self.version = outer, local._version
         self.local = self._put(local)
-        #: per step: (dim, parts); a part (offset, n, source): pad (None), the previous
-        #: step's result from ``start`` (an int) or a received halo, thin copied planes
+        #: per step (tensor dim, WindowPlan, rank, result): (dim, parts); a part (offset, n,
+        #: source): pad (None), the previous result from ``start`` (an int) or a copied halo
         self.levels: list[tuple[int, list[tuple[int, int, object]]]] = []
-        for st in steps:
-            a, offset = st.exchange.owned[st.rank][0], st.pad_lo
-            parts: list[tuple[int, int, object]] = [(0, st.pad_lo, None)] if st.pad_lo else []
-            for owner, s, e in st.exchange.pieces(st.rank):
+        for dim, wp, rank, result in steps:
+            (pad_lo, pad_hi, _, _), a = wp.edges[rank], wp.exchange.owned[rank][0]
+            parts, offset = ([(0, pad_lo, None)] if pad_lo else []), pad_lo
+            for owner, s, e in wp.exchange.pieces(rank):
                 src = s - a  # own columns: read from the previous step's result
-                if owner != st.rank:  # a received halo: a few planes, copied (corners too)
-                    src = self._put(st.result.narrow(st.dim, offset, e - s).clone())
+                if owner != rank:  # a received halo: a few planes, copied (corners too)
+                    src = self._put(result.narrow(dim, offset, e - s).clone())
                 parts.append((offset, e - s, src))
                 offset += e - s
-            if st.pad_hi:
-                parts.append((offset, st.pad_hi, None))
-            self.levels.append((st.dim, parts))
+            if pad_hi:
+                parts.append((offset, pad_hi, None))
+            self.levels.append((dim, parts))
 
     def _put(self, t: Tensor):
         return self.outer[0](t) if self.outer else t
