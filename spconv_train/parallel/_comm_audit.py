@@ -1,10 +1,6 @@
-"""Count the communication a sharded step does, and catch hidden activation gathers.
-
-``CommAudit`` (a ``TorchDispatchMode``; unlike DTensor's ``CommDebugMode`` it sees the
-point-to-point halo traffic and plain ``dist.all_reduce``) records ``c10d.*`` and
-``_c10d_functional.*`` ops by name (``tests/test_comm_audit.py``). ``activation_sized``
-flags big gathers and reductions of spatial maps; ``grows_with_image`` keeps those a run on
-a wider image does not repeat with the same shape (docs/models.md).
+"""``CommAudit``: the communication a sharded step does, and hidden activation gathers
+(unlike DTensor's ``CommDebugMode`` it sees the halo's point-to-point traffic and plain
+``dist.all_reduce``); ``grows_with_image``: the flagged ones a wider image does not repeat.
 """
 
 from __future__ import annotations
@@ -22,13 +18,9 @@ from torch.utils._pytree import tree_flatten
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _P2P = ("send", "recv", "recv_", "recv_any_source_")
 _SKIP = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
-#: Ops that move (pieces of) a whole tensor between ranks rather than reducing it.
-# fmt: off
-_GATHER_LIKE = (
-    "all_gather", "allgather", "all_to_all", "alltoall", "reduce_scatter", "scatter",
-    "broadcast", "gather",
-)
-# fmt: on
+#: Parts of the names of ops that move (pieces of) a whole tensor between ranks rather than
+#: reducing it (``all_gather``, ``allgather``, ``reduce_scatter``, ...).
+_GATHER_LIKE = ("gather", "scatter", "all_to_all", "alltoall", "broadcast")
 
 
 @dataclass

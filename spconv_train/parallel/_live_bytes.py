@@ -1,9 +1,6 @@
-"""``LiveBytes``: how much activation memory a forward leaves alive for its backward.
-
-Exact, independent of the allocator: the distinct storages created under the meter and
-still referenced, held by C++ weak references (``StorageWeakRef``: a Python weakref to the
-tensor dies with its wrapper while autograd's saved copy lives on). Activation checkpointing
-shows here, where a saved-tensor hook outside the checkpointed blocks would not see it.
+"""``LiveBytes``: the activation memory a forward leaves alive for its backward, exactly:
+the storages created under the meter and still referenced, by C++ weak references (a
+Python weakref to the tensor dies with its wrapper while autograd's saved copy lives on).
 """
 
 from __future__ import annotations
