@@ -37,24 +37,19 @@ class _Bucket:
 def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Bucket]:
     """Buckets for ``entries`` (parameter, groups) in the given order; a bucket holds one
     dtype/device/groups combination and closes once it reaches ``bucket_bytes``."""
-    buckets: list[_Bucket] = []
-    open_: dict[tuple, tuple[list, int]] = {}
-
-    def close(key: tuple) -> None:
-        params, _ = open_.pop(key)
-        *offsets, at = itertools.accumulate((p.numel() for p in params), initial=0)
-        buffer = params[0].new_empty(at + len(params))
-        buckets.append(_Bucket(key[0], params, offsets, buffer, at))
-
+    closed: list[tuple[tuple, list[Tensor]]] = []
+    open_: dict[tuple, tuple[list[Tensor], int]] = {}
     for param, groups in entries:
         key = (groups, param.dtype, param.device)
         params, size = open_.get(key, ([], 0))
         params.append(param)
         open_[key] = (params, size + param.numel() * param.element_size())
         if open_[key][1] >= bucket_bytes:
-            close(key)
-    for key in list(open_):
-        close(key)
+            closed.append((groups, open_.pop(key)[0]))
+    buckets = []
+    for groups, params in closed + [(key[0], params) for key, (params, _) in open_.items()]:
+        *offsets, at = itertools.accumulate((p.numel() for p in params), initial=0)
+        buckets.append(_Bucket(groups, params, offsets, params[0].new_empty(at + len(params)), at))
     return buckets
 
 
