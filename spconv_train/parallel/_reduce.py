@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
+from ._dims import handled, mesh_axis, mesh_group, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
@@ -226,11 +226,9 @@ def spatial_cumsum(input, dim, *, dtype=None, out=None):
     result = local.cumsum(d)
     i = sharded_dims(input).get(d)
     if i is not None:
-        group, rank = mesh_group(input.device_mesh, i), mesh_rank(input.device_mesh, i)
-        n = dist.get_world_size(group)
-        total = local.sum(d, keepdim=True)
-        table = torch.zeros((n, *total.shape), dtype=total.dtype, device=total.device)
-        table = table.index_put((torch.tensor([rank], device=table.device),), total.unsqueeze(0))
+        n, rank, group = mesh_axis(input.device_mesh, i)
+        total = local.sum(d, keepdim=True)  # in its rank's row of a zeroed table, summed
+        table = torch.stack([total if q == rank else torch.zeros_like(total) for q in range(n)])
         table = dist_fn.all_reduce(table, group=group)
         result = result + table[:rank].sum(0)
     return wrap(result, input, input.placements, input.shape)
