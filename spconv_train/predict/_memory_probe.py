@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from spconv_train.parallel._live_bytes import PeakBytes
+from spconv_train.parallel._comm_audit import PeakBytes
 
 __all__ = [
     "CPU_OVERHEAD",
