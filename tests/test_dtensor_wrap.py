@@ -1,14 +1,14 @@
-"""``_dtensor_wrap`` (the spatial layers' way in and out of DTensor, on DTensor internals)
-builds what the public ``DTensor.from_local`` / ``to_local`` build: the same placements,
-shape, strides, local strides and ``requires_grad``, and the same gradients with the same
-placements and strides, on a cache miss and on a hit (checked against torch 2.14.1)."""
+"""``_dims.wrap_local`` / ``local_of`` (the spatial layers' way in and out of DTensor, on
+DTensor internals) build what the public ``DTensor.from_local`` / ``to_local`` build: the
+same placements, shape, strides, local strides and ``requires_grad``, and the same gradients
+with the same placements and strides, on a cache miss and on a hit (torch 2.14.1)."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from spconv_train.parallel._dtensor_wrap import _FAST_NEW, local_of, wrap_local
+from spconv_train.parallel._dims import _FAST_NEW, local_of, wrap_local
 from tests.dist_harness import mesh
 from tests.reference import seeded
 

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
 from spconv_train.parallel._mode import SpatialMode, _has_dtensor
-from spconv_train.parallel._registry import HandlerRegistry
+from spconv_train.parallel._runtime import HandlerRegistry
 from spconv_train.train import cross_entropy
 from tests.dist_harness import mesh
 
@@ -129,7 +129,7 @@ def test_second_step_host_work(dist_pool):
         assert c["python_calls"] <= PYTHON_CALLS_BOUND, (rank, c)
         # strips exchange along the last dim: no permute views around the windows
         assert c["permute"] <= PERMUTE_BOUND and c["aten"] <= ATEN_BOUND, (rank, c)
-        # the spatial layers wrap and unwrap through cached specs (_dtensor_wrap.py): no
+        # the spatial layers wrap and unwrap through cached specs (_dims.wrap_local): no
         # DTensorSpec is built in the second step (50 with DTensor.from_local / to_local)
         assert c.get("specs", 0) == 0, (rank, c)
 

@@ -1,4 +1,4 @@
-"""Global result shapes are probed once per geometry, not on every call (``_probe.py``).
+"""Global result shapes are probed once per geometry, not on every call (``_dims.py``).
 
 The handlers of ``torch.cat``, ``split`` / ``chunk``, pixel (un)shuffle, token reshapes and
 reductions wrap their local results with the op's global shape, read from the op run on
@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spconv_train.parallel import parallelize
-from spconv_train.parallel._probe import _cached, cat_shape, result_shape
+from spconv_train.parallel._dims import _cached, cat_shape, result_shape
 from tests.dist_harness import mesh
 from tests.reference import seeded
 from tests.test_ops_channels import Splits
@@ -95,7 +95,7 @@ def test_probe_cached_and_errors_raised_again():
 def test_probe_keys_tell_bool_from_int():
     """``1`` and ``True`` are the same dict key, not the same index: ``t[1]`` drops a dim,
     ``t[True]`` adds one; each is probed under its own key whichever comes first."""
-    from spconv_train.parallel._probe import index_shape
+    from spconv_train.parallel._dims import index_shape
 
     assert index_shape((2, 3), (1,)) == (3,)
     assert index_shape((2, 3), (True,)) == (1, 2, 3)

@@ -52,7 +52,7 @@ _FRESH = textwrap.dedent(
 
     import spconv_train.parallel
     from spconv_train.parallel import _mode
-    from spconv_train.parallel._registry import DEFAULT_REGISTRY
+    from spconv_train.parallel._runtime import DEFAULT_REGISTRY
 
     observe = E.observe_redistribution.__func__
     assert DEFAULT_REGISTRY.functions() == [], "registered on import"

@@ -198,7 +198,7 @@ _THREADS = textwrap.dedent(
     from torch.distributed.tensor._utils import ExplicitRedistributionContext as E
 
     from spconv_train.parallel import _errors, _mode, extend
-    from spconv_train.parallel._registry import DEFAULT_REGISTRY
+    from spconv_train.parallel._runtime import DEFAULT_REGISTRY
 
     def mine(*args, **kwargs):
         return "mine"

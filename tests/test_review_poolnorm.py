@@ -60,7 +60,7 @@ def test_classes_by_name_and_every_route_registered():
     import importlib
 
     from spconv_train.parallel._mode import install
-    from spconv_train.parallel._registry import DEFAULT_REGISTRY
+    from spconv_train.parallel._runtime import DEFAULT_REGISTRY
 
     install()
     for module, names in CLASSES.items():

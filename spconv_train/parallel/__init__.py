@@ -1,7 +1,5 @@
 """Spatial parallelism for NCHW images and NCDHW volumes on DTensor (width strips, H x W
-tiles, volume blocks).
-
-Using it (torch's own ``init_device_mesh``, ``distribute_tensor``, ``Shard``)::
+tiles, volume blocks)::
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("sp",))  # or ("dp", "sp")
     model = parallelize(model, mesh)  # options: SpatialOptions fields
@@ -9,16 +7,15 @@ Using it (torch's own ``init_device_mesh``, ``distribute_tensor``, ``Shard``)::
     y = model(x)                      # DTensor, Shard(3); y.full_tensor() == model(img)
     runtime_of(model).stats           # halo seconds / bytes / messages, gathers
 
-Every name in ``__all__`` is public and documented; op authors use ``extend``
-(``docs/extending.md``). Importing registers and patches nothing (``parallelize`` installs).
-On CPU, create the gloo process groups inside ``with gloo_threads_idle():``. Torch only.
-"""
+Op authors use ``extend`` (``docs/extending.md``). Importing registers and patches nothing
+(``parallelize`` installs). On CPU, create the gloo process groups inside
+``with gloo_threads_idle():``. Torch only."""
 
 from ._comm_audit import CommAudit
 from ._comm_threads import gloo_threads_idle, restore_gloo_threads
 from ._dims import ParallelDims
 from ._geometry import SpatialShardingError
-from ._parallelize import parallelize
+from ._mode import parallelize
 from ._replicas import full_parameters, is_sharded, replicate_gradients, shard_parameters
 from ._runtime import (
     SpatialOptions,

@@ -11,11 +11,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import _attention  # noqa: F401  (registers first)
-from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
+from ._dims import handled, mesh_group, mesh_rank, norm_dim, result_shape, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._prefix_shard import placement
-from ._probe import result_shape
 from ._ring import Blocks, Ring
 from ._ring_mask import Span
 from ._runtime import current_runtime

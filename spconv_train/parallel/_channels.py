@@ -14,16 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ._broadcast import plain_part
-from ._dims import handled, norm_dim, sharded_dims, wrap
-from ._dtensor_wrap import local_of
+from ._dims import cat_shape, handled, local_of, norm_dim, result_shape, sharded_dims, wrap
 from ._errors import module_path, run_dtensor_op
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips
 from ._halo import gather_columns, sum_grad_over
 from ._layout import in_layout
-from ._mode import register_handler
-from ._parallelize import register_spatial_module
-from ._probe import cat_shape, result_shape
+from ._mode import register_handler, register_spatial_module
+from ._pointwise import plain_part
 from ._sharding import enter, grad_groups, leave, sharded_dim, spatial_layout
 from ._tiles import sharded_axes
 from ._token_layout import is_tokens, split_layouts
@@ -65,7 +62,7 @@ def spatial_prelu(input, weight):
 def local_pieces(func, x: DTensor, arg, d: int) -> tuple[DTensor, ...]:
     """``func(x, arg, d)`` (``split`` / ``chunk`` along a dim ``d`` no rank splits): each
     rank's local pieces, with ``x``'s placements and the pieces' global shapes."""
-    arg = tuple(arg) if isinstance(arg, list) else arg  # sections: a cache key (_probe.py)
+    arg = tuple(arg) if isinstance(arg, list) else arg  # sections: a cache key (_dims.py)
     shapes = result_shape(func, x.shape, arg, d)
     pieces = func(local_of(x), arg, d)
     return tuple(wrap(t, x, x.placements, s) for t, s in zip(pieces, shapes, strict=True))

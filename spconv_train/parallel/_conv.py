@@ -18,8 +18,7 @@ from ._errors import module_label
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, ntuple
 from ._halo import sum_grad_over
 from ._halo_conv import _CONV, halo_conv, plan_split
-from ._mode import register_handler
-from ._parallelize import register_spatial_module
+from ._mode import register_handler, register_spatial_module
 from ._runtime import current_runtime
 from ._sharding import enter, leave, run_unsharded, spatial_layout
 from ._tiles import (

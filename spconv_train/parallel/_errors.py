@@ -22,8 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ._dims import DP
 from ._geometry import SpatialShardingError, all_shard_bounds
 from ._prefix_shard import prefix_of
-from ._registry import function_name
-from ._runtime import current_runtime
+from ._runtime import current_runtime, function_name
 
 log = logging.getLogger("spconv_train.parallel")
 #: Fragments of DTensor's own error messages (torch 2.14, lower case): "no sharding rule".
@@ -79,8 +78,7 @@ def module_path() -> str:
 
 
 def module_label(module: nn.Module) -> str:
-    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module`` (the first ``torch.*``
-    class of its MRO), cached on it: the hyperparameters are fixed, a rename rebuilds it."""
+    """``"<spatial_name> (<TorchClass>(<extra_repr>))"`` of ``module``, cached on it."""
     name = getattr(module, "spatial_name", "") or "<module>"
     cached = module.__dict__.get("_spatial_label")
     if cached is None or cached[0] != name:
@@ -130,8 +128,7 @@ def _op_of(message) -> str | None:
 
 def _observe(cls, src_spec, dst_spec, message):
     meta = src_spec.tensor_meta
-    # only nested or prefix token layouts (a _StridedShard, PrefixShard included) can be
-    # misread: the others skip the check and its message on every implicit redistribution
+    # only token layouts (a _StridedShard, PrefixShard included) can be misread
     if meta is not None and any(isinstance(p, _StridedShard) for p in src_spec.placements):
         what = f"an implicit redistribution for {_op_of(message) or 'an op'}"
         check_tokens_move(what, src_spec.mesh, src_spec.placements, meta.shape, dst_spec.placements)
@@ -166,19 +163,10 @@ def _observe(cls, src_spec, dst_spec, message):
 _SPATIAL_MESHES: dict = {}
 
 
-def _chunks_differ(n: int, sf: int, nxt: int, parts: int) -> bool:
-    """Whether the nesting's chunks of an ``n``-long dim split with factor ``sf`` over
-    ``parts`` ranks (``_token_layout._nest``) differ from DTensor's (``n // sf`` chunked)."""
-    if nxt % sf or n % nxt:
-        return False  # not nested: the one-dim meaning, DTensor's own
-    ours = [(b - a) * (n // nxt) for a, b in all_shard_bounds(nxt // sf, parts)]
-    return ours != [b - a for a, b in all_shard_bounds(n // sf, parts)]
-
-
 def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
     """``{tensor dim: mesh dims}`` of the dims holding pixel tokens nested over several
     spatial mesh dims that DTensor's own chunking reads differently: two mesh dims of more
-    than one rank, or one whose chunks differ (uneven rows)."""
+    than one rank, or one whose chunks (``_token_layout._nest``) differ (uneven rows)."""
     if not any(isinstance(p, _StridedShard) for p in placements):
         return {}
     names = mesh.mesh_dim_names or ()
@@ -193,9 +181,12 @@ def _misread_mesh_dims(mesh, placements, shape) -> dict[int, tuple[int, ...]]:
         if len(chain) < 2 or chain[-1][0] == 1 or not moving:
             continue
         if len(moving) == 1:  # one split moves: misread where its chunks differ
-            j = moving[0]
-            nxt = chain[j + 1][0] if j + 1 < len(chain) else shape[d]
-            if not _chunks_differ(shape[d], chain[j][0], nxt, mesh.size(chain[j][1])):
+            (sf, m), n = chain[moving[0]], shape[d]
+            nxt = chain[moving[0] + 1][0] if moving[0] + 1 < len(chain) else n
+            if nxt % sf or n % nxt:
+                continue  # not nested: the one-dim meaning, DTensor's own
+            ours = [(b - a) * (n // nxt) for a, b in all_shard_bounds(nxt // sf, mesh.size(m))]
+            if ours == [b - a for a, b in all_shard_bounds(n // sf, mesh.size(m))]:
                 continue
         found[d] = tuple(m for _, m in chain)
     return found
@@ -212,24 +203,23 @@ def check_tokens_move(what: str, mesh, placements, shape, target=None) -> None:
             raise SpatialShardingError(
                 f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
                 f"'{module_path()}' is not supported: dim {p.dim} holds {p.prefix} prefix "
-                f"(class / register) tokens on one rank in front of the pixel tokens, "
-                f"which DTensor reads as its own chunking (wrong values). Slice the prefix "
-                f"off first (x[:, {p.prefix}:] gives the pixel tokens; x[:, :{p.prefix}] the "
-                f"prefix, replicated) or build the model without class token "
-                f"(class_token: false, no reg_tokens)."
+                "(class / register) tokens on one rank in front of the pixel tokens, which "
+                "DTensor reads as its own chunking (wrong values). Slice the prefix off first "
+                f"(x[:, {p.prefix}:] gives the pixel tokens; x[:, :{p.prefix}] the prefix, "
+                "replicated) or build the model without class token (class_token: false, no "
+                "reg_tokens)."
             )
+    names = mesh.mesh_dim_names or ()
     for d, mesh_dims in _misread_mesh_dims(mesh, placements, shape).items():
         if target is not None and all(target[m] == placements[m] for m in mesh_dims):
             continue
-        names = mesh.mesh_dim_names or ()
         on = [names[m] if m < len(names) else str(m) for m in mesh_dims]
         raise SpatialShardingError(
-            f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module "
-            f"'{module_path()}' is not supported: dim {d} holds the pixel tokens of a map "
-            f"split over mesh dims {on} (H x W tiles or rows), nested splits that DTensor "
-            f"reads as its own chunking (wrong values). Reshape the tokens back to the map "
-            f"(B, C, H, W) first (e.g. t.transpose(1, 2).reshape(B, C, H, W)) and call it on "
-            f"the map."
+            f"{what} of a tensor {tuple(shape)} {tuple(placements)} in module '{module_path()}' "
+            f"is not supported: dim {d} holds the pixel tokens of a map split over mesh dims {on} "
+            "(H x W tiles or rows), nested splits that DTensor reads as its own chunking (wrong "
+            "values). Reshape the tokens back to the map (B, C, H, W) first (e.g. "
+            "t.transpose(1, 2).reshape(B, C, H, W)) and call it on the map."
         )
 
 
@@ -285,25 +275,23 @@ def add_pointwise_strategies() -> None:
             register_op_strategy(op, schema_info=info)(_pointwise_ops.pointwise_strategy)
 
 
-def _lost_prefix(func, args, kwargs, out) -> None:
-    """Refuse ``out`` of DTensor's own rule for ``func`` when an input had prefix tokens and
-    ``out`` a ``_StridedShard`` without them (``t.detach()``, ``torch.where``, ``t ** 2``,
-    torch 2.14.1): a layout the ranks' tokens (the prefix on the first rank) do not have."""
-    ins = [
-        t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
-    ]
-    prefixed = [t for t in ins if isinstance(t, DTensor) and any(map(prefix_of, t.placements))]
-    outs = out if isinstance(out, (list, tuple)) else (out,)
-    lost = [
-        o for o in outs if isinstance(o, DTensor)
-        and any(isinstance(p, _StridedShard) and not prefix_of(p) for p in o.placements)
-    ]  # fmt: skip
-    if prefixed and lost:
+def _dtensors(args, kwargs) -> list[DTensor]:
+    """The DTensors among ``args``, ``kwargs`` and the lists and tuples in them."""
+    found = (a if isinstance(a, (list, tuple)) else (a,) for a in (*args, *kwargs.values()))
+    return [t for ts in found for t in ts if isinstance(t, DTensor)]
+
+
+def _lost_prefix(func, args, kwargs, lost: DTensor) -> None:
+    """Refuse ``lost``, an output of DTensor's own rule for ``func`` with a ``_StridedShard``,
+    when an input had prefix tokens (``t.detach()``, ``torch.where``, ``t ** 2``, torch
+    2.14.1): a layout the ranks' tokens (the prefix on the first rank) do not have."""
+    prefixed = [t for t in _dtensors(args, kwargs) if any(map(prefix_of, t.placements))]
+    if prefixed:
         raise SpatialShardingError(
             f"{function_name(func)} in module '{module_path()}' of tokens "
             f"{tuple(prefixed[0].shape)} {tuple(prefixed[0].placements)} behind prefix (class / "
             f"register) tokens: DTensor's own rule drops the prefix (giving "
-            f"{tuple(lost[0].placements)}), which would be silently wrong. Run it on the pixel "
+            f"{tuple(lost.placements)}), which would be silently wrong. Run it on the pixel "
             f"tokens (x[:, p:]) and the prefix (x[:, :p]) apart, or register a handler "
             f"(spconv_train.parallel.register_handler)."
         )
@@ -318,7 +306,7 @@ def run_dtensor_op(func, args, kwargs):
             if o.__class__ is DTensor:
                 for p in o.placements:
                     if p.__class__ is _StridedShard:  # not a PrefixShard
-                        _lost_prefix(func, args, kwargs, out)
+                        _lost_prefix(func, args, kwargs, o)
         return out
     except SpatialShardingError:
         raise
@@ -326,16 +314,10 @@ def run_dtensor_op(func, args, kwargs):
         text = " ".join(str(exc).split())
         if not _DTENSOR_ERRORS.search(text.lower()):
             raise
-        found = [
-            f"{tuple(t.shape)} {tuple(t.placements)}"
-            for a in (*args, *kwargs.values())
-            for t in (a if isinstance(a, (list, tuple)) else (a,))
-            if isinstance(t, DTensor)
-        ]
+        found = [f"{tuple(t.shape)} {tuple(t.placements)}" for t in _dtensors(args, kwargs)]
         raise SpatialShardingError(
             f"{function_name(func)} in module '{module_path()}' is not supported on these "
-            f"sharded inputs ({'; '.join(found)}): DTensor has no local "
-            f"rule for it ({text[:300]}). Use a supported op, make it "
-            f"spatial (spconv_train.parallel.register_handler), or gather explicitly "
-            f"(x.full_tensor())."
+            f"sharded inputs ({'; '.join(found)}): DTensor has no local rule for it "
+            f"({text[:300]}). Use a supported op, make it spatial (spconv_train.parallel."
+            f"register_handler), or gather explicitly (x.full_tensor())."
         ) from exc

@@ -1,6 +1,6 @@
 """timm EdgeNeXt's Fourier positional encoding, built per strip or tile: timm builds the
 whole image's encoding as a plain tensor, whose gradient, added to sharded tokens, would be
-summed at the activation's size (refused by ``_broadcast.py``'s guard). It depends on
+summed at the activation's size (refused by ``_pointwise.py``'s guard). It depends on
 global coordinates alone: each rank builds its block of the last map a spatial layer took,
 in timm's float32 steps (bitwise one device's). docs/models.md."""
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dims import from_local
+from ._dims import wrap_local
 from ._geometry import SpatialShardingError
-from ._parallelize import register_spatial_module
+from ._mode import register_spatial_module
 from ._runtime import current_runtime
 from ._sharding import block_slices, mesh_coords
 
@@ -61,4 +61,4 @@ class SpatialFourierEncoding:
         args = (self.hidden_dim, self.temperature, self.scale, (height, width), rows, cols)
         local = fourier_block(*args, weight.device).to(weight.dtype)
         local = local.expand(b.stop - b.start, -1, -1, -1)
-        return self.token_projection(from_local(local.contiguous(), mesh, placements, full))
+        return self.token_projection(wrap_local(local.contiguous(), mesh, placements, full))

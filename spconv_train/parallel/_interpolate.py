@@ -18,8 +18,7 @@ from ._dims import GRID_MESH_DIMS, ParallelDims, mesh_axis
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._layout import memory_format
-from ._mode import register_handler
-from ._parallelize import spatial_module
+from ._mode import register_handler, spatial_module
 from ._runtime import current_runtime
 from ._sharding import SpatialLayout, enter, leave, run_unsharded, spatial_layout
 from ._tiles import along, layout_axes

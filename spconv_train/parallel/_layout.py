@@ -1,7 +1,6 @@
 """Memory layout of local blocks: channels-last activations stay channels-last (``to_local`` /
 ``from_local`` give a size-1 batch dim the stride ``C``, which torch's kernels read as NCHW;
-docs/design.md).
-"""
+docs/design.md)."""
 
 from __future__ import annotations
 

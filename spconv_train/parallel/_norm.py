@@ -19,9 +19,8 @@ from ._dims import mesh_group
 from ._errors import module_label
 from ._halo import sum_grad_over
 from ._layout import reshape_kept
-from ._mode import register_handler
+from ._mode import register_handler, spatial_module
 from ._norm_stats import _Cells, _moments, _Normalize
-from ._parallelize import spatial_module
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_now
 

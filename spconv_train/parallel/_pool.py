@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, check_strips, ntuple
 from ._halo import gather_columns
-from ._mode import register_handler
-from ._parallelize import spatial_module
+from ._mode import register_handler, spatial_module
 from ._reduce import all_reduce_extreme
 from ._sharding import SpatialLayout, enter, leave, spatial_layout
 from ._small_sum import sum_replicated

@@ -13,13 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from ._dims import handled, is_dp, mesh_axis, norm_dim, sharded_dims, wrap
-from ._dtensor_wrap import local_of
+from ._dims import handled, index_shape, is_dp, local_of, mesh_axis, norm_dim, sharded_dims, wrap
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds
 from ._halo import gather_columns
 from ._mode import register_handler
 from ._prefix_shard import reduced_placements
-from ._probe import index_shape
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
 from ._prefix_shard import reduced_placements
-from ._registry import function_name
+from ._runtime import function_name
 from ._sharding import sharded_dim
 from ._small_sum import sum_now, sum_replicated
 

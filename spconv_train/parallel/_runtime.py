@@ -1,8 +1,6 @@
-"""The options, statistics and handler registry of one parallelized model: ``parallelize``
-attaches a ``SpatialRuntime`` (``runtime_of``), *current* during its forward (outside one, a
-process-wide default). The backward runs after the forward returned: code accounting work
-there captures the runtime in the forward (``_halo.py`` keeps it on the autograd context).
-"""
+"""The options, statistics and handler registry of one parallelized model (``runtime_of``),
+*current* during its forward (outside one, a process-wide default). A backward runs after
+the forward returned: code accounting work there captures the runtime in the forward."""
 
 from __future__ import annotations
 
@@ -10,42 +8,159 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ._compile import not_traced, route_through_modes
 from ._grad_reduce import GradReducer
-from ._registry import DEFAULT_REGISTRY, HandlerRegistry
+
+#: bumped by every ``register`` / ``refuse`` of any registry: ``lookup``'s resolved entries
+#: (a child's include its parent's) are kept while it stays the same
+_GENERATION = [0]
+_MAX_RESOLVED = 4096  # functions resolved per registry (what the cache keeps alive)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the registry holds for one function: a handler, or a refusal reason."""
+
+    name: str
+    handler: Callable | None = None
+    refused: str | None = None
+    #: what ``SpatialMode`` calls under ``torch.compile``: the handler when ``traced``,
+    #: otherwise the handler run eagerly (exchanges, collectives: no graph material)
+    run: Callable | None = field(default=None, compare=False, repr=False)
+
+
+def function_name(fn: Callable) -> str:
+    """A readable name for a torch function or Tensor method (``F.pad``, ``Tensor.mean``)."""
+    qual = getattr(fn, "__qualname__", "") or ""
+    name = getattr(fn, "__name__", None) or repr(fn)
+    module = getattr(fn, "__module__", None) or ""
+    if qual.startswith(("TensorBase.", "Tensor.")):
+        return f"Tensor.{name}"
+    if module.endswith("nn.functional"):
+        return f"F.{name}"
+    if module.startswith("torch._C._nn"):
+        return f"torch._C._nn.{name}"
+    return f"torch.{name}" if module.startswith("torch") or not module else f"{module}.{name}"
+
+
+class HandlerRegistry:
+    """Function object -> ``Entry``; lookups fall back to ``parent``. Keyed by the object
+    model code calls: ``F.conv2d``, ``torch.batch_norm`` (another object than
+    ``F.batch_norm``, another signature), ``torch._C._nn.adaptive_max_pool2d`` (always a
+    pair), or an unbound Tensor method (``torch.Tensor.mean``, for ``x.mean()``)."""
+
+    def __init__(self, parent: HandlerRegistry | None = None) -> None:
+        self.parent = parent
+        self._entries: dict[int, tuple[Callable, Entry]] = {}
+        #: ``fn -> (fn, entry or None)`` as ``lookup`` resolved it, at ``_generation``
+        self._resolved: dict = {}
+        self._generation = -1
+
+    def __deepcopy__(self, memo) -> HandlerRegistry:
+        new = HandlerRegistry(self.parent)  # a deep-copied model's own entries, same parent
+        new._entries = dict(self._entries)  # its own resolved entries, built on use
+        return new
+
+    def register(
+        self, *functions: Callable, traced: bool = False
+    ) -> Callable[[Callable], Callable]:
+        """Decorator: while a parallelized model runs, a call of any of ``functions`` (the
+        function objects: ``F.pad``, ``torch.batch_norm``, ``torch.Tensor.mean``) with a
+        DTensor among its arguments runs the handler instead, with the same arguments; it
+        returns what the function returns. ``extend.register_handler``: for every model, over
+        a built-in handler; ``runtime.registry.register``: one model. Under ``torch.compile``
+        it runs eagerly (a graph break) unless ``traced=True`` (Dynamo inlines it: no DTensor
+        op, exchange, collective or cached plan, Dynamo would guard on its state)."""
+        if not functions or not all(callable(f) for f in functions):
+            raise TypeError("register_handler takes the torch functions themselves, e.g. F.pad")
+
+        route_through_modes(functions)
+
+        def deco(handler: Callable) -> Callable:
+            self._put(functions, handler=handler, run=handler if traced else not_traced(handler))
+            return handler
+
+        return deco
+
+    def refuse(self, *functions: Callable, reason: str) -> None:
+        """Make ``functions`` raise ``SpatialShardingError`` (with ``reason``) on sharded
+        DTensors; a function that has a handler keeps it."""
+        route_through_modes(functions)
+        self._put([fn for fn in functions if self.handler(fn) is None], refused=reason)
+
+    def _put(self, functions, **fields) -> None:
+        for fn in functions:  # the function object kept alive with its id: never reused
+            self._entries[id(fn)] = (fn, Entry(function_name(fn), **fields))
+        _GENERATION[0] += 1
+
+    def lookup(self, fn: Callable) -> Entry | None:
+        """The entry for ``fn`` here or in a parent (``None``: none), resolved once until a
+        registry changes; not under ``torch.compile`` (Dynamo would guard on the cache)."""
+        if torch.compiler.is_compiling():
+            return self._find(fn)
+        if self._generation != _GENERATION[0]:
+            self._resolved, self._generation = {}, _GENERATION[0]
+        try:
+            hit = self._resolved.get(fn)
+        except TypeError:  # an unhashable callable
+            return self._find(fn)
+        if hit is not None and hit[0] is fn:
+            return hit[1]
+        entry = self._find(fn)
+        if len(self._resolved) < _MAX_RESOLVED:
+            self._resolved[fn] = (fn, entry)
+        return entry
+
+    def _find(self, fn: Callable) -> Entry | None:
+        found = self._entries.get(id(fn))
+        if found is not None:
+            return found[1]
+        return self.parent._find(fn) if self.parent is not None else None
+
+    def handler(self, fn: Callable) -> Callable | None:
+        """The handler registered for ``fn`` (``None`` if it is refused or unknown)."""
+        entry = self.lookup(fn)
+        return entry.handler if entry is not None else None
+
+    def functions(self) -> list[Callable]:
+        """Every function with an entry, this registry's and its parents'."""
+        mine = [fn for fn, _ in self._entries.values()]
+        theirs = self.parent.functions() if self.parent is not None else []
+        return mine + [fn for fn in theirs if id(fn) not in self._entries]
+
+
+#: The registry every op module registers into at import (``register_handler``).
+DEFAULT_REGISTRY = HandlerRegistry()
 
 
 @dataclass(frozen=True)
 class SpatialOptions:
     """Behaviour switches of a runtime (``parallelize`` keyword arguments)."""
 
-    #: Save conv / max-pool windows as (strip reference + halo columns), rebuilt in the
-    #: backward: activation memory per rank = one device's / N, for one more window copy
-    #: per layer (~4 % of a conv step on CPU, docs/benchmarks.md).
+    #: Save conv / max-pool windows as a strip reference + halo columns, rebuilt in the
+    #: backward: activation memory per rank one device's / N (docs/design.md, "Saving
+    #: windows by reference").
     save_windows_by_reference: bool = True
-    #: Let an op move a whole sharded activation between ranks (counted in
-    #: ``SpatialStats.gathers``, logged) instead of raising.
+    #: Let an op move a whole sharded activation (counted, logged) instead of raising.
     allow_gather: bool = False
-    #: Zero-padded convs: the interior columns in place, thin halo windows for the edges,
-    #: the exchange overlapped with the interior (``_halo_conv.py``).
+    #: Zero-padded convs: the interior in place, thin halo windows for the edges, the
+    #: exchange overlapped with the interior (``_halo_conv.py``).
     split_halo_conv: bool = True
-    #: Broadcast mesh rank 0's parameters and buffers when parallelizing (as DDP does): a
-    #: rank built from another random state would use other weights, silently. False: the
-    #: caller guarantees identical state (e.g. loads a checkpoint on every rank).
+    #: Broadcast mesh rank 0's parameters and buffers when parallelizing (as DDP does).
+    #: False: the caller guarantees identical state (a checkpoint loaded on every rank).
     sync_state: bool = True
     #: Under ``torch.compile``, let Dynamo trace the model's plain-tensor code between
-    #: spatial layers (each layer, handler and DTensor op stays a graph break). False: the
-    #: forward runs eagerly as a whole; the built-in, torchvision and smp models have no
-    #: such code, and their 7-64 graph breaks cost guard checks every step (LR-ASPP 32x128
-    #: on CPU: +10 % per step, docs/benchmarks.md).
+    #: spatial layers; False: the forward runs eagerly as a whole (docs/design.md,
+    #: "torch.compile"; its cost: docs/benchmarks.md).
     trace_under_compile: bool = False
-    #: Under ``torch.compile`` (implies ``trace_under_compile``), trace DTensor's own ops
-    #: and the element-wise handlers into the graphs too (``_compile.py``).
+    #: Also trace DTensor's own ops and the element-wise handlers (``_compile.py``).
     trace_dtensor_ops: bool = False
 
 
@@ -53,13 +168,12 @@ class SpatialOptions:
 class SpatialStats:
     """Since the last ``reset``: halo exchanges (both passes) and the gathers let through."""
 
-    #: seconds blocked on the halo exchange (read ``halo_seconds``; CUDA event pairs still
-    #: pending on the GPU are in ``_pending`` and settled when it is read)
+    #: seconds blocked on the halo exchange (read ``halo_seconds``)
     _halo_seconds: float = 0.0
     halo_bytes: int = 0
     halo_messages: int = 0
     gathers: int = 0
-    #: op name -> count of let-through gathers (filled by the no-silent-gather guard)
+    #: op name -> count of let-through gathers
     gathered_ops: dict[str, int] = field(default_factory=dict)
     #: (start, end) CUDA events of exchanges not yet settled into ``halo_seconds``
     _pending: list = field(default_factory=list, repr=False)
@@ -102,8 +216,7 @@ class SpatialRuntime:
         self.options = options or SpatialOptions()
         self.stats = SpatialStats()
         self.registry = HandlerRegistry(parent=DEFAULT_REGISTRY)
-        #: sums the partial parameter gradients over the sharding groups (``sum_grad_over``)
-        self.grad_reducer = GradReducer()
+        self.grad_reducer = GradReducer()  # ``sum_grad_over``'s
         #: elements of one rank's share of the largest activation a spatial layer took (the
         #: input image at least): the gather guards' yardstick of "activation-sized"
         self.input_share = 0
@@ -112,8 +225,7 @@ class SpatialRuntime:
         self.last_image: tuple | None = None
 
     def __deepcopy__(self, memo) -> SpatialRuntime:
-        # A deep-copied model (e.g. a reference copy) gets its own statistics and registry
-        # entries; the mesh (process groups) and the immutable options are shared.
+        # own statistics and registry entries; the mesh and the immutable options shared
         new = SpatialRuntime(self.mesh, self.options)
         new.registry = copy.deepcopy(self.registry, memo)
         return new
@@ -168,14 +280,3 @@ def local_module(model: nn.Module) -> nn.Module:
     """The model inside a ``replicate_gradients`` (DDP) wrapper, any other as it is (for
     forwards without DDP's bookkeeping and lock-step: validation, start-up probes)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def note_share(x) -> None:
-    """Raise the runtime's ``input_share`` to one rank's share of ``x`` (the same on every
-    rank); an NCHW ``x`` is its ``last_image``."""
-    rt = current_runtime()
-    if x.ndim == 4:
-        rt.last_image = (x.device_mesh, tuple(x.placements), tuple(x.shape))
-    share = x.numel() // x.device_mesh.size()
-    if share > rt.input_share:
-        rt.input_share = share

@@ -1,7 +1,6 @@
 """How a sharded DTensor is laid out on its mesh (``spatial_layout``: one spatial dim over
 one mesh dim, strips, or several, one mesh dim each, tiles and volume blocks; other mesh dims
-shard the batch or replicate), and the way in and out of local code (``enter`` / ``leave``).
-"""
+shard the batch or replicate), and the way in and out of local code (``enter`` / ``leave``)."""
 
 from __future__ import annotations
 
@@ -14,16 +13,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import GRID_MESH_DIMS, ParallelDims, from_local, mesh_group, mesh_rank
-from ._dtensor_wrap import local_of
+from ._dims import GRID_MESH_DIMS, ParallelDims, local_of, mesh_group, mesh_rank, wrap_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError, shard_bounds
 from ._halo import sum_grad_over
 from ._layout import grad_in_layout, in_layout
-from ._runtime import note_share
+from ._runtime import current_runtime
 
-#: Per tensor rank: the tensor dims that may be sharded spatial dims. NCL signals: the length;
-#: NCHW: the width (strips), or H and W (tiles, ``_tiles.py``); NCDHW volumes: any of D, H, W.
+#: Per tensor rank: the tensor dims that may be sharded spatial dims (NCL, NCHW, NCDHW).
 SPATIAL_DIMS_BY_NDIM = {3: (2,), 4: (2, 3), 5: (2, 3, 4)}
 
 
@@ -116,10 +113,9 @@ class SpatialLayout:
     @property
     def grad_groups(self) -> tuple:
         """Groups over which a local parameter gradient is a partial sum (width, batch)."""
-        return tuple(mesh_group(self.mesh, i) for i in sharding_mesh_dims(self.placements))
+        return tuple(mesh_group(self.mesh, i) for i in self.batch_dims)
 
-    #: groups to reduce statistics over: the same
-    stat_groups = grad_groups
+    stat_groups = grad_groups  # groups to reduce statistics over: the same
 
 
 def spatial_layout(
@@ -139,20 +135,18 @@ def spatial_layout(
     ]
     if not sp_dims:
         names, sp = x.device_mesh.mesh_dim_names or (), ParallelDims.spatial_mesh_dim(x.device_mesh)
-        # on a tile mesh every spatial mesh dim must replicate (e.g. after global pooling)
+        # every spatial mesh dim replicates (e.g. after global pooling)
         grid = [names.index(n) for n in GRID_MESH_DIMS if n in names]
         if sp is not None and all(isinstance(placements[m], Replicate) for m in (sp, *grid)):
             _check_other_dims(placements, what, (sp,))
             return x, SpatialLayout(x.device_mesh, placements, sp, width_sharded=False)
         raise SpatialShardingError(
-            f"{what} in module '{module_path()}': input placements {placements} have no "
-            f"Shard(3) (width) dimension. "
-            f"Distribute the image with distribute_tensor(img, mesh, [Shard(3)]) "
-            f"([Shard(0), Shard(3)] on a (dp, sp) mesh)."
+            f"{what} in module '{module_path()}': input placements {placements} have no Shard(3) "
+            "(width) dimension. Distribute the image with distribute_tensor(img, mesh, "
+            "[Shard(3)]) ([Shard(0), Shard(3)] on a (dp, sp) mesh)."
             + (" A volume (NCDHW) takes one of Shard(2), Shard(3), Shard(4)." if ndim == 5 else "")
         )
-    # tiles: an image (volume) sharded along H (and W, D), one mesh dim each
-    m = sp_dims[-1]
+    m = sp_dims[-1]  # tiles: sharded along H (and W, D), one mesh dim each
     tiled = len(sp_dims) > 1 or (ndim == 4 and placements[m].dim % ndim == 2)
     axes = tuple(sorted((placements[i].dim % ndim, i) for i in sp_dims)) if tiled else ()
     if tiled and len({d for d, _ in axes}) != len(axes):
@@ -202,13 +196,18 @@ def run_unsharded(x: DTensor, layout: SpatialLayout, fn, *params) -> DTensor:
 
 def enter(x: DTensor, grad_placements: tuple | None = None) -> Tensor:
     """The local strip of ``x`` (differentiable, canonical strides); ``grad_placements``
-    labels the gradient flowing back (``Partial`` on sp: a replicated input used in part)."""
+    labels the gradient flowing back (``Partial`` on sp: a replicated input used in part);
+    ``x`` noted in the runtime (``input_share``, ``last_image``)."""
     if not torch.compiler.is_compiling():
-        note_share(x)
+        rt, share = current_runtime(), x.numel() // x.device_mesh.size()
+        if x.ndim == 4:
+            rt.last_image = (x.device_mesh, tuple(x.placements), tuple(x.shape))
+        if share > rt.input_share:
+            rt.input_share = share
     return in_layout(local_of(x, grad_placements))
 
 
 def leave(local: Tensor, like: SpatialLayout, global_shape: tuple[int, ...]) -> DTensor:
     """A local strip as a DTensor of ``global_shape`` laid out like the input; the backward
     redistributes a gradient of any placement to it (canonical channels-last)."""
-    return from_local(grad_in_layout(local), like.mesh, like.placements, global_shape)
+    return wrap_local(grad_in_layout(local), like.mesh, like.placements, global_shape)

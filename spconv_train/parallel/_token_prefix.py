@@ -19,14 +19,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import _attention_explicit  # noqa: F401  (its handlers are wrapped)
-from ._broadcast import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain, plain_part
-from ._dims import norm_dim, wrap
+from ._dims import cat_shape, index_shape, norm_dim, wrap
 from ._errors import guard_gather, module_path
 from ._geometry import SpatialShardingError
+from ._pointwise import ARITH, PLAIN_GRADIENT_GATHERS, guard_computed_plain, plain_part
 from ._prefix_shard import PrefixShard, placement, prefix_of, reduced_placements
-from ._probe import cat_shape, index_shape
 from ._rechunk import _expand_index  # (and its __getitem__ handler, chained below)
-from ._registry import function_name
+from ._runtime import function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
 from ._token_ring import token_ring

@@ -13,15 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from ._channels import local_pieces
-from ._dims import norm_dim, wrap
+from ._dims import norm_dim, result_shape, wrap
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._prefix_shard import prefix_of, reduced_placements
-from ._probe import result_shape
 from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
-from ._registry import function_name
-from ._runtime import current_runtime
+from ._runtime import current_runtime, function_name
 from ._sharding import grad_groups, sharded_dim
 from ._token_prefix import has_prefix  # (and its handlers, wrapped here)
 from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts

@@ -18,7 +18,7 @@ from ._errors import module_path, run_dtensor_op
 from ._geometry import SpatialShardingError, shard_bounds
 from ._mode import register_handler
 from ._prefix_shard import placement
-from ._registry import DEFAULT_REGISTRY
+from ._runtime import DEFAULT_REGISTRY
 from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts  # noqa: F401  (re-exported)
 
 

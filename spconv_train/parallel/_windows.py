@@ -18,13 +18,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _attention, _tokens  # noqa: F401  (their handlers are wrapped below)
-from ._dims import is_dp, mesh_group, wrap
+from ._dims import is_dp, mesh_group, result_shape, wrap
 from ._geometry import ExchangePlan, all_shard_bounds, shard_bounds
 from ._halo import gather_columns
 from ._prefix_shard import placement
-from ._probe import result_shape
-from ._registry import function_name
 from ._ring_mask import sdpa_bias
+from ._runtime import function_name
 from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, local_reshape, split_layouts
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from . import _parallelize
+from . import _mode
 from ._geometry import ExchangePlan, SpatialShardingError, all_shard_bounds, shard_bounds
 from ._halo import gather_columns, sum_grad_over
 from ._mode import SpatialMode, install
-from ._registry import DEFAULT_REGISTRY, HandlerRegistry
-from ._runtime import current_runtime
+from ._runtime import DEFAULT_REGISTRY, HandlerRegistry, current_runtime
 from ._sharding import (
     SpatialLayout,
     block_slices,
@@ -55,7 +54,5 @@ def _installing(fn: Callable, name: str) -> Callable:
 
 register_handler = _installing(DEFAULT_REGISTRY.register, "register_handler")
 refuse_handler = _installing(DEFAULT_REGISTRY.refuse, "refuse_handler")
-register_spatial_module = _installing(
-    _parallelize.register_spatial_module, "register_spatial_module"
-)
-refuse_module = _installing(_parallelize.refuse_module, "refuse_module")
+register_spatial_module = _installing(_mode.register_spatial_module, "register_spatial_module")
+refuse_module = _installing(_mode.refuse_module, "refuse_module")
