@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
-from spconv_train.parallel._live_bytes import LiveBytes
+from spconv_train.parallel._comm_audit import LiveBytes
 from spconv_train.parallel._sharding import spatial_layout
 from spconv_train.parallel._tiles import tile_window
 from spconv_train.parallel._window import _WindowRecipe

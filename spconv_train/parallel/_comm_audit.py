@@ -1,10 +1,10 @@
-"""Count the communication a sharded step does, and catch hidden activation gathers.
-
-``CommAudit`` (a ``TorchDispatchMode``; unlike DTensor's ``CommDebugMode`` it sees the
-point-to-point halo traffic and plain ``dist.all_reduce``) records ``c10d.*`` and
-``_c10d_functional.*`` ops by name (``tests/test_comm_audit.py``). ``activation_sized``
-flags big gathers and reductions of spatial maps; ``grows_with_image`` keeps those a run on
-a wider image does not repeat with the same shape (docs/models.md).
+"""Dispatch modes that measure a step. ``CommAudit``: the communication, and hidden
+activation gathers (unlike DTensor's ``CommDebugMode`` it sees the halo's point-to-point
+traffic and plain ``dist.all_reduce``); ``grows_with_image``: the flagged ones a wider
+image does not repeat. ``LiveBytes``: the activation memory a forward leaves alive for its
+backward, exactly: the storages created under the meter and still referenced, by C++ weak
+references (a Python weakref to the tensor dies with its wrapper while autograd's saved
+copy lives on).
 """
 
 from __future__ import annotations
@@ -15,20 +15,18 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 _P2P = ("send", "recv", "recv_", "recv_any_source_")
 _SKIP = ("wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier")
-#: Ops that move (pieces of) a whole tensor between ranks rather than reducing it.
-# fmt: off
-_GATHER_LIKE = (
-    "all_gather", "allgather", "all_to_all", "alltoall", "reduce_scatter", "scatter",
-    "broadcast", "gather",
-)
-# fmt: on
+#: Parts of the names of ops that move (pieces of) a whole tensor between ranks rather than
+#: reducing it (``all_gather``, ``allgather``, ``reduce_scatter``, ...).
+_GATHER_LIKE = ("gather", "scatter", "all_to_all", "alltoall", "broadcast")
 
 
 @dataclass
@@ -122,3 +120,52 @@ def counted_as_reduce(tensor: torch.Tensor):
         yield
     finally:
         CommAudit._inside_reduce -= 1
+
+
+class LiveBytes(TorchDispatchMode):
+    """Dispatch mode recording every op output; ``live()`` sums those still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A view or an in-place result shares an input's storage: it is new only if that
+        # input was made while the meter runs (then it is recorded already). A view of a
+        # parameter (a conv tap's weight slice) is no activation.
+        inputs = {_storage(t, nn.Parameter) for t in tree_flatten((args, kwargs))[0]}
+        for t in tree_flatten(out)[0]:
+            st = _storage(t)
+            if st is not None and st._cdata not in {i._cdata for i in inputs if i is not None}:
+                self.refs[st._cdata] = (StorageWeakRef(st), st.nbytes())
+        return out
+
+    def live(self) -> int:
+        """Bytes of the recorded storages whose tensor is still alive."""
+        return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+def _storage(t, *also: type) -> torch.UntypedStorage | None:
+    """The storage of a plain tensor (or of one of the types ``also``), else ``None``."""
+    if type(t) is not torch.Tensor and type(t) not in also:
+        return None
+    try:
+        return t.untyped_storage()
+    except RuntimeError:  # no storage (e.g. a meta or functional tensor)
+        return None
+
+
+class PeakBytes(LiveBytes):
+    """``LiveBytes`` that also keeps ``peak``: the most bytes alive after any op (inputs,
+    outputs, gradients, saved tensors, message buffers created while active)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.refs = {k: r for k, r in self.refs.items() if not r[0].expired()}
+        self.peak = max(self.peak, self.live())
+        return out

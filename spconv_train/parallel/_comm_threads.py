@@ -1,11 +1,6 @@
-"""Keep gloo's helper threads from taking the CPU away from a rank's compute thread.
-
-gloo's socket loop spins while a rank's thread holds a connection's lock and, on busy cores,
-takes its core until the next tick; ``yield_gloo_threads`` gives gloo's threads
-``SCHED_IDLE`` (no privilege needed), ``gloo_threads_idle()`` around process-group creation
-(``SPCONV_GLOO_THREADS=normal``: off). Thread names are a torch 2.14.1 internal
-(``tests/test_comm_threads.py``). Why: docs/design.md, "CPU runs"; docs/benchmarks.md, "CPU
-thread placement".
+"""gloo's helper threads at ``SCHED_IDLE`` (no privilege needed), so they never take a core
+from a rank's compute thread (gloo's socket loop spins on busy cores): docs/design.md, "CPU
+runs"; docs/benchmarks.md, "CPU thread placement". Thread names: a torch 2.14.1 internal.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""How the parallel layer meets ``torch.compile`` (the one place that touches Dynamo).
-
-The three modes (default, ``trace_under_compile``, ``trace_dtensor_ops``), why spatial
-layers run eagerly with a graph break around each, and the designs measured and not kept
-are in docs/design.md, "``torch.compile``"; speed in docs/benchmarks.md.
+"""How the parallel layer meets ``torch.compile`` (the one place that touches Dynamo); the
+three modes and why: docs/design.md, "``torch.compile``"; speed: docs/benchmarks.md.
 """
 
 from __future__ import annotations

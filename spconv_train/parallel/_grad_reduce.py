@@ -1,14 +1,10 @@
 """Bucketed, asynchronous reduction of parameter gradients over the sharding groups
-(docs/design.md, "The built-in reducer is bucketed and asynchronous").
-
-Each use ``sum_grad_over`` marks goes through an identity node (``_PartialUse``) whose backward
-adds the use's (partial) gradient to the parameter's partial sum and passes zeros on; the
-parameter's hook (all uses summed by autograd) copies that sum into its bucket. The other
-uses' gradient (a whole weight in plain code, a view summed by its own node) is complete on
-every rank and reaches ``.grad`` unsummed. A flag per parameter rides in the bucket: one no
-rank got a gradient for keeps ``.grad`` None. A small CPU bucket is summed by one exchange
-(``_small_sum``): gloo's all-reduce of 9 KB took 4-5 ms per step on the 2-core CI machine,
-the exchange ~0.2 ms (docs/benchmarks.md, "Case 1").
+(docs/design.md, "The built-in reducer is bucketed and asynchronous"). A use that
+``sum_grad_over`` marks goes through ``_PartialUse``, whose backward adds the use's partial
+gradient to the parameter's partial sum; the parameter's hook copies that sum into its
+bucket, with a flag (no rank got a gradient: ``.grad`` stays None). Unmarked uses' gradient
+is complete on every rank and reaches ``.grad`` unsummed. Small CPU buckets are summed by
+one exchange (``_small_sum``; docs/benchmarks.md, "Case 1").
 """
 
 from __future__ import annotations
@@ -22,9 +18,6 @@ import torch
 from torch import Tensor
 
 from ._small_sum import group_size, sum_async
-
-#: Default bucket size (DDP's default).
-BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass
@@ -44,24 +37,19 @@ class _Bucket:
 def _layout(entries: list[tuple[Tensor, tuple]], bucket_bytes: int) -> list[_Bucket]:
     """Buckets for ``entries`` (parameter, groups) in the given order; a bucket holds one
     dtype/device/groups combination and closes once it reaches ``bucket_bytes``."""
-    buckets: list[_Bucket] = []
-    open_: dict[tuple, tuple[list, int]] = {}
-
-    def close(key: tuple) -> None:
-        params, _ = open_.pop(key)
-        *offsets, at = itertools.accumulate((p.numel() for p in params), initial=0)
-        buffer = params[0].new_empty(at + len(params))
-        buckets.append(_Bucket(key[0], params, offsets, buffer, at))
-
+    closed: list[tuple[tuple, list[Tensor]]] = []
+    open_: dict[tuple, tuple[list[Tensor], int]] = {}
     for param, groups in entries:
         key = (groups, param.dtype, param.device)
         params, size = open_.get(key, ([], 0))
         params.append(param)
         open_[key] = (params, size + param.numel() * param.element_size())
         if open_[key][1] >= bucket_bytes:
-            close(key)
-    for key in list(open_):
-        close(key)
+            closed.append((groups, open_.pop(key)[0]))
+    buckets = []
+    for groups, params in closed + [(key[0], params) for key, (params, _) in open_.items()]:
+        *offsets, at = itertools.accumulate((p.numel() for p in params), initial=0)
+        buckets.append(_Bucket(groups, params, offsets, params[0].new_empty(at + len(params)), at))
     return buckets
 
 
@@ -79,9 +67,10 @@ class _PartialUse(torch.autograd.Function):
 
 
 class GradReducer:
-    """Sums marked parameters' gradients over their groups per backward (one per runtime)."""
+    """Sums marked parameters' gradients over their groups per backward (one per runtime;
+    ``bucket_bytes``: DDP's default)."""
 
-    def __init__(self, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, bucket_bytes: int = 25 * 2**20) -> None:
         self.bucket_bytes = bucket_bytes
         #: id -> (parameter, groups), in the order the forward first used them
         self._pending: dict[int, tuple[Tensor, tuple]] = {}
@@ -94,9 +83,7 @@ class GradReducer:
         #: id -> the sum of this backward's partial gradients of the parameter's marked uses
         self._partial: dict[int, Tensor] = {}
         self._next = 0
-        #: the world an outer data-parallel wrapper averages gradients over (``defer_to``);
-        #: None: this reducer sums the partial gradients itself
-        self.deferred_world: int | None = None
+        self.deferred_world: int | None = None  # ``defer_to``'s world; None: summed here
 
     def defer_to(self, world: int) -> None:
         """Leave the reduction to a wrapper averaging every gradient over ``world`` ranks

@@ -1,7 +1,6 @@
-"""Sharded batch (and sync batch), group and instance norm on every layout and spatial rank,
-modules and functionals: statistics reduced over ``layout.stat_groups`` (batch norm, like
-SyncBatchNorm; its affine gradients ride on that all-reduce) or the spatial groups; running
-statistics as torch's on every rank. The arithmetic: ``_norm_stats.py``.
+"""Sharded batch (and sync batch), group and instance norm on every layout, modules and
+functionals: statistics over ``layout.stat_groups`` (batch norm, as SyncBatchNorm) or the
+spatial groups; running statistics as torch's on every rank (arithmetic: ``_norm_stats``).
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ def _normalize(x: DTensor, layout: SpatialLayout, cells: _Cells, weight, bias, e
     reduce_affine = cells.groups == groups  # batch norm: affine gradients ride on the stats'
     if not reduce_affine:
         weight, bias = sum_grad_over(weight, groups), sum_grad_over(bias, groups)
-    # Plain local tensors only from here: torch functions skip the spatial mode's dispatch
-    # (about 30 us per call, some 40 calls per layer: more than the kernels of a small map)
+    # plain local tensors: skip the spatial mode (its cost: docs/benchmarks.md, fused batch norm)
     with torch._C.DisableTorchFunction():
         mean, var = _moments(local, cells)  # under no_grad
         y = _Normalize.apply(local, weight, bias, mean, var, eps, cells, reduce_affine)

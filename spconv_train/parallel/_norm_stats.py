@@ -1,7 +1,6 @@
-"""The arithmetic of sharded normalisation (``_norm.py`` holds the layers): per-rank moments
-merged exactly in one collective (``_moments``), ``_Normalize`` and its analytic backward,
-batch statistics on torch's fused kernels (``_fused``); docs/design.md.
-"""
+"""The arithmetic of sharded normalisation under ``_norm.py``: per-rank moments merged
+exactly in one collective, ``_Normalize`` and its analytic backward, batch statistics on
+torch's fused kernels (``_fused``); docs/design.md."""
 
 from __future__ import annotations
 
@@ -63,9 +62,8 @@ _LOW = (torch.bfloat16, torch.float16)
 @functools.cache
 def _kernel_stats(device: str, dtype: torch.dtype, channels_last: bool) -> bool:
     """Whether a part's moments come from ``torch.batch_norm_update_stats`` (one fused pass)
-    instead of two passes, once per device type, dtype and layout: not fp64 (its digits),
-    nor contiguous fp32 on CPU (that kernel's strided loop ran 2-3x slower, torch 2.14,
-    2-core Xeon), nor a dtype the kernel refuses."""
+    instead of two, per device type, dtype and layout: not fp64 (its digits), nor contiguous
+    fp32 on CPU (slower: docs/benchmarks.md, "Batch norm on the fused kernels")."""
     if dtype not in _LOW + (torch.float32,):
         return False
     if device == "cpu" and dtype == torch.float32 and not channels_last:
@@ -159,8 +157,7 @@ def _fused(x: Tensor, weight: Tensor | None, bias: Tensor | None, mean, cells: _
         return False
     if x.dtype == mean.dtype:
         return True
-    # CUDA's bf16 sums are fp32-exact on its channels-last kernels only (NCHW: 4.6e-3
-    # relative, channels-last 2.3e-7; H200, torch 2.11, scripts/probe_bn_cuda.py)
+    # CUDA's bf16 sums are fp32-exact on its channels-last kernels only (docs/benchmarks.md)
     layout_ok = x.device.type == "cpu" or _cl_format(x) is not None
     return layout_ok and _mixed_ok(x.device.type, x.dtype, mean.dtype)
 
@@ -288,9 +285,8 @@ def _fused_backward(ctx, dy, x, weight, w, mean, var, invstd, wants):
 
 def _dx(dy, x, w, stats, invstd, sums, count: int, eps) -> Tensor:
     """``a * dy - xhat * (a * gw / count) - a * gb / count`` with ``a = invstd * w`` and
-    ``sums = (gw, gb)`` global, rounded once to ``x``'s dtype: where ``dy`` is close to its
-    projection the terms cancel, and a bf16 sum of two rounded terms lost up to 40x the
-    precision of one rounding (``scripts/probe_bn_cuda.py``, ``dy = 30 * xhat + noise``)."""
+    ``sums = (gw, gb)`` global, rounded once to ``x``'s dtype: the terms can cancel
+    (docs/design.md, "Normalisation statistics in one collective")."""
     if x.dtype != stats[0].dtype and x.device.type != "cpu":
         # SyncBatchNorm's kernel: fp32 inside, one rounding; the sums as means (its count
         # tensor is int32, too small for the pixels of a whole slide)

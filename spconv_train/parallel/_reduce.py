@@ -1,10 +1,8 @@
-"""Reductions and scans over any dims of a sharded DTensor: ``sum``, ``mean``, ``amax``,
-``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax``, ``cumsum``. Each rank
-reduces its part; small all-reduces over the mesh dims sharding a reduced dim give the exact
-value (variances in two passes; ``amax`` / ``amin`` spread the gradient over every element
-equal to the extreme, as torch does). Scans along a sharded dim need small statistics of
-the other blocks (softmax: row maximum and sum of exponentials; cumsum: the totals before),
-all-reduced through ``torch.distributed.nn`` so the backward sums the gradient's parts.
+"""Reductions and scans over any dims of a sharded DTensor (``sum``, ``mean``, ``amax``,
+``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax``, ``cumsum``): each rank
+reduces its part, small all-reduces over the mesh dims splitting a reduced dim give the
+exact value; scans along a split dim take small statistics of the other blocks, summed by
+``torch.distributed.nn`` (its backward sums the gradient's parts).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._dims import handled, mesh_group, mesh_rank, norm_dim, sharded_dims, wrap
+from ._dims import handled, mesh_axis, mesh_group, norm_dim, sharded_dims, wrap
 from ._errors import run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
@@ -32,6 +30,7 @@ _REDUCIBLE = (Shard, _StridedShard, Replicate)
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
+    """``dim`` (None, empty: all) as sorted non-negative dims."""
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         return tuple(range(ndim))
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
@@ -39,8 +38,8 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
 
 
 def all_reduce_extreme(m: Tensor, groups, kind: str) -> Tensor:
-    """``m`` (a rank's maxima or minima, ``kind``) reduced over ``groups``' ranks in place. A
-    NaN goes as the opposite infinity: gloo's MAX / MIN drop a NaN held by a later rank."""
+    """``m`` (a rank's maxima or minima, ``kind``) reduced over ``groups`` in place. A NaN
+    goes as the opposite infinity: gloo's MAX / MIN drop a NaN held by a later rank."""
     inf = float("inf")
     if groups:
         m.nan_to_num_(inf if kind == "max" else -inf, posinf=inf, neginf=-inf)
@@ -50,9 +49,8 @@ def all_reduce_extreme(m: Tensor, groups, kind: str) -> Tensor:
 
 
 def _global_extreme(local: Tensor, dims, groups, kind: str) -> Tensor:
-    """Max or min of ``local`` over ``dims`` and ``groups``' ranks (detached, keepdim). A NaN
-    is the opposite infinity there (``all_reduce_extreme``): no element equals it, so
-    ``reduce_sharded`` gives NaN (0 / 0) and softmax NaN, as torch."""
+    """Max or min of ``local`` over ``dims`` and ``groups`` (detached, keepdim); a NaN as the
+    opposite infinity (``all_reduce_extreme``): no element equals it, so the result is NaN."""
     if local.numel():
         m = (torch.amax if kind == "max" else torch.amin)(local.detach(), dims, keepdim=True)
     else:
@@ -83,8 +81,7 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
         part = torch.where(hit, local, local.new_zeros(())).sum(dims, keepdim=True)
         out = sum_replicated(part / hits, groups)
     else:
-        # The mean's own gradient contribution is zero (deviations sum to zero), so it
-        # is detached: each rank would only see its part of that zero sum.
+        # detached: its gradient contribution is zero (deviations sum to zero)
         mean = sum_replicated(local.detach().sum(dims, keepdim=True), groups) / count
         sq = sum_replicated((local - mean).square().sum(dims, keepdim=True), groups)
         out = sq / (count - opts.get("correction", 1))
@@ -106,10 +103,9 @@ def _refuse_out(func, out) -> None:
 
 
 def _reducible(x) -> bool:
-    """Whether ``reduce_sharded`` takes ``x``: every element held once per sharding group
-    (``Shard``, token ``_StridedShard``, ``Replicate``; not a pending sum or a prefix).
-    DTensor's rules over a ``_StridedShard`` all-gather the tokens (``var(1)``) or give a
-    NaN gradient (``amin((), keepdim=True)``, torch 2.14.1)."""
+    """Whether ``reduce_sharded`` takes ``x`` (``Shard``, token ``_StridedShard``,
+    ``Replicate``; not a pending sum or a prefix). DTensor's rules over a ``_StridedShard``
+    all-gather the tokens (``var(1)``) or give a NaN gradient (``amin((), True)``, torch 2.14.1)."""
     return isinstance(x, DTensor) and all(type(p) in _REDUCIBLE for p in x.placements)
 
 
@@ -154,24 +150,23 @@ def _var_like(kind: str, func):
     return handler
 
 
-for _kind in ("sum", "mean", "amax", "amin", "var", "std"):
-    _make = _var_like if _kind in ("var", "std") else _sum_like
-    for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
-        register_handler(_fn)(_make(_kind, _fn))
-
-
 def _extreme_of_all(kind: str, func):  # x.max() / x.min(): amax / amin over every dim
     def handler(input, *args, **kwargs):
         if args or kwargs or not _reducible(input):  # max(x, dim) / max(x, y): DTensor's rules
             return func(input, *args, **kwargs)
-        return reduce_sharded(input, kind)  # DTensor's all-reduce MAX drops a later rank's NaN
+        return reduce_sharded(input, f"a{kind}")  # DTensor's MAX drops a later rank's NaN
 
     return handler
 
 
-for _kind in ("max", "min"):
-    for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
-        register_handler(_fn)(_extreme_of_all(f"a{_kind}", _fn))
+for _make, _kinds in (
+    (_sum_like, "sum mean amax amin"),
+    (_var_like, "var std"),
+    (_extreme_of_all, "max min"),
+):
+    for _kind in _kinds.split():
+        for _fn in (getattr(torch, _kind), getattr(torch.Tensor, _kind)):
+            register_handler(_fn)(_make(_kind, _fn))
 
 
 def _norm_like(func):
@@ -231,11 +226,9 @@ def spatial_cumsum(input, dim, *, dtype=None, out=None):
     result = local.cumsum(d)
     i = sharded_dims(input).get(d)
     if i is not None:
-        group, rank = mesh_group(input.device_mesh, i), mesh_rank(input.device_mesh, i)
-        n = dist.get_world_size(group)
-        total = local.sum(d, keepdim=True)
-        table = torch.zeros((n, *total.shape), dtype=total.dtype, device=total.device)
-        table = table.index_put((torch.tensor([rank], device=table.device),), total.unsqueeze(0))
+        n, rank, group = mesh_axis(input.device_mesh, i)
+        total = local.sum(d, keepdim=True)  # in its rank's row of a zeroed table, summed
+        table = torch.stack([total if q == rank else torch.zeros_like(total) for q in range(n)])
         table = dist_fn.all_reduce(table, group=group)
         result = result + table[:rank].sum(0)
     return wrap(result, input, input.placements, input.shape)

@@ -1,9 +1,6 @@
-"""One model across a mesh: mesh rank 0's starting state everywhere
-(``broadcast_model_state``), and DDP (``replicate_gradients``) or FSDP2
-(``shard_parameters``) over the mesh flattened to one dim as gradient reducers, the
-``GradReducer`` deferring to them. Why: docs/design.md, "Every rank starts from the same
-weights", "Parameter gradients are averaged by DistributedDataParallel by default", "With
-FSDP nothing is reduced twice".
+"""One model across a mesh: rank 0's starting state everywhere, DDP or FSDP2 over the mesh
+flattened to one dim as gradient reducers, the ``GradReducer`` deferring to them (why:
+docs/design.md, "Every rank starts from the same weights" and the two items before it).
 """
 
 from __future__ import annotations

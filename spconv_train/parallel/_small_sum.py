@@ -1,11 +1,9 @@
 """Sums of small CPU tensors over a process group by one exchange of messages (docs/design.md,
-"Small sums by exchange on CPU"): every rank sends its tensor to every other and adds the
-arrivals in rank order, one round instead of gloo's two (2-core CI machine: a norm's 2C
-statistics a median 3.5 ms inside a U-Net backward, a 9 KB gradient bucket 4-5 ms,
-docs/benchmarks.md), and the same bits on every rank (the norms' statistics rely on it).
-Tags: halo exchanges 0, gradient buckets (posted from hooks, in an order that can differ
-between ranks) ``BUCKET_TAG``, norm statistics and global pools ``STATS_TAG``. CUDA tensors
-and those sending over ``EXCHANGE_SUM_BYTES`` per rank take ``all_reduce``.
+"Small sums by exchange on CPU"; timings: docs/benchmarks.md, "Case 1"): one round instead
+of gloo's two, the same bits on every rank (the norms' statistics rely on it). Tags: halos
+0, gradient buckets (posted from hooks, in an order that can differ between ranks)
+``BUCKET_TAG``, norm statistics and global pools ``STATS_TAG``. CUDA tensors and those
+sending over ``EXCHANGE_SUM_BYTES`` per rank take ``all_reduce``.
 """
 
 from __future__ import annotations
@@ -21,15 +19,12 @@ from ._comm_audit import counted_as_reduce
 EXCHANGE_SUM_BYTES = 2**20
 BUCKET_TAG = 0x5C0A
 STATS_TAG = 0x5C0B
-
-
-#: ``id(group) -> (group, size)``: ``dist.get_world_size`` costs a dozen Python calls, asked
-#: per layer and step (each entry holds its group, so its id cannot be reused)
+#: ``id(group) -> (group, size)`` (holding the group: its id cannot be reused)
 _SIZES: dict[int, tuple] = {}
 
 
 def group_size(group) -> int:
-    """``dist.get_world_size(group)``, once per group (``None``, the default group: each call)."""
+    """``dist.get_world_size(group)`` (a dozen Python calls), cached per group but ``None``."""
     if group is None:
         return dist.get_world_size()
     hit = _SIZES.get(id(group))

@@ -13,12 +13,11 @@ part (weights, the process) is what the rank holds before it (``current_bytes``)
 from __future__ import annotations
 
 import os
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from spconv_train.parallel._comm_audit import PeakBytes
 
 __all__ = [
     "CPU_OVERHEAD",
@@ -87,48 +86,13 @@ def budget_bytes(device: torch.device, memory_gb: float | None = None) -> int:
     return int(current_bytes(device) + SAFETY * _available(device) / local)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of the tensors alive during a forward and their peak: every
-    storage an op returns is counted once, while any tensor on it is alive (a weak
-    reference per tensor; views share their base's storage)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, list[int]] = {}  # storage address -> [live tensors, bytes]
-        self.now = self.peak = 0
-
-    def _drop(self, key: int) -> None:
-        entry = self.refs[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.now -= entry[1]
-            del self.refs[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key == 0:  # empty
-                continue
-            entry = self.refs.setdefault(key, [0, storage.nbytes()])
-            if entry[0] == 0:
-                self.now += entry[1]
-                self.peak = max(self.peak, self.now)
-            entry[0] += 1
-            weakref.finalize(t, self._drop, key)
-        return out
-
-
 def probe_bytes_per_pixel(
     model: torch.nn.Module, in_channels: int, stride: int
 ) -> tuple[float, str]:
     """(bytes per pixel of ``model``'s forward on its device, how it was found), from one
     forward of a small probe (a square of at least 64 pixels, a multiple of ``stride``).
     On a GPU: the allocator's peak over what was allocated before, per pixel. On the
-    CPU: the peak of the live tensors (``_LiveBytes``; deterministic, unlike the resident
+    CPU: the peak of the live tensors (``PeakBytes``; deterministic, unlike the resident
     set, which follows glibc's reuse of freed memory) times ``CPU_OVERHEAD``."""
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
@@ -144,7 +108,7 @@ def probe_bytes_per_pixel(
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         return max(peak / side**2, 1.0), "probed (GPU allocator peak)"
-    counter = _LiveBytes()
+    counter = PeakBytes()
     with torch.no_grad(), counter:
         model(x)
     per_pixel = counter.peak / side**2 * CPU_OVERHEAD
