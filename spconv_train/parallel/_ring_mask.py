@@ -1,6 +1,5 @@
-"""Attention masks and biases on the ring (``_ring.py``) and the cross route, cut to this
-rank's rows or keys, additive per piece (docs/attention.md, "Masks and biases on the ring").
-"""
+"""Attention masks on the ring (``_ring.py``) and the cross route, cut to this rank's rows or
+keys, additive per piece (docs/attention.md, "Masks and biases on the ring")."""
 
 from __future__ import annotations
 
@@ -19,13 +18,11 @@ from ._sharding import grad_groups
 from ._token_layout import held_indices, local_part
 from ._tokens import TokenLayout, split_layouts
 
+CROSS = " with whole queries and keys split over the spatial ranks"
+GATHER = ". Drop it, or gather explicitly (x.full_tensor())."
 
-def refuse(
-    what: str,
-    why: str,
-    where: str = " with whole queries and keys split over the spatial ranks",
-    fix: str = ". Drop it, or gather explicitly (x.full_tensor()).",
-) -> SpatialShardingError:
+
+def refuse(what: str, why: str, where: str = CROSS, fix: str = GATHER) -> SpatialShardingError:
     """The error of an attention op ``what`` that does not take ``why`` ``where``."""
     return SpatialShardingError(
         f"{what} in module '{module_path()}'{where}: {why} is not supported{fix}"
