@@ -87,21 +87,17 @@ def token_matmul(a, b) -> DTensor | None:
     pending = any(p.is_partial() for p in (*a.placements, *b.placements))  # no local operand
     if pending or a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
         return None
-    la = {m.mesh_dim: m for m in split_layouts(a)}
-    lb = {m.mesh_dim: m for m in split_layouts(b)}
-    rows = tuple(m for m in la.values() if m.dim == a.ndim - 2)
-    if not rows or a.shape[-1] != b.shape[-2]:
-        return None
+    la, lb = split_layouts(a), split_layouts(b)
+    rows = tuple(m for m in la if m.dim == a.ndim - 2)
     seq = {m.mesh_dim for m in rows}
-    for mesh_dim in (set(la) | set(lb)) - seq:  # batch splits, alike on both
-        x, y = la.get(mesh_dim), lb.get(mesh_dim)
-        if None in (x, y) or (x.dim, x.split_factor) != (y.dim, y.split_factor):
-            return None
-        if x.dim >= a.ndim - 2:  # not a batch dim
-            return None
-    kb = tuple(lb[m] for m in sorted(seq) if m in lb)
+    ba = {(m.mesh_dim, m.dim, m.split_factor) for m in la if m.mesh_dim not in seq}
+    bb = {(m.mesh_dim, m.dim, m.split_factor) for m in lb if m.mesh_dim not in seq}
+    kb = tuple(m for m in lb if m.mesh_dim in seq)
     kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim) if kb else LOCAL
-    if kind is None or (kb and (len(kb) != len(rows) or len({m.dim for m in kb}) != 1)):
+    alike = ba == bb and all(d < a.ndim - 2 for _, d, _ in ba)  # batch splits, alike on both
+    if not (rows and alike and a.shape[-1] == b.shape[-2]) or kind is None:
+        return None
+    if kb and (len(kb) != len(rows) or len({m.dim for m in kb}) != 1):
         return None
     if kind == LOCAL:
         out = a.to_local() @ partial_local(b, rows)
@@ -237,10 +233,8 @@ def _with_plain_masks(func):
             return a.to_local() if same else None
         if not (isinstance(a, Tensor) and a.ndim):
             return a
-        try:
-            fits = torch.broadcast_shapes(a.shape, like.shape) == like.shape
-        except RuntimeError:  # torch's own message, from DTensor's rules
-            return None
+        tail = like.shape[like.ndim - a.ndim :]  # a must broadcast to like, not like to a
+        fits = a.ndim <= like.ndim and all(n in (1, m) for n, m in zip(a.shape, tail, strict=True))
         return local_part(a, like) if fits else None
 
     def handler(*args, **kwargs):
