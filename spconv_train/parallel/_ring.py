@@ -15,11 +15,9 @@ from ._halo import PendingExchange, post_p2p
 from ._ring_mask import RingMask, Span, finite
 from ._runtime import current_runtime
 
-#: Pieces per block (``m``) when not given: the four key / value pairs a rank holds at the
-#: peak besides its own (worked on, in flight, accumulator, gradients) add up to one block,
-#: as large as the kernel's query gradient; more save less and cost a call and a message each.
-PIECES = 8
-MIN_PIECE_TOKENS = 64  # smallest automatic piece: below it per-piece overheads show
+#: Pieces per block (``m``) when not given, and the smallest automatic piece: memory against
+#: per-piece calls and messages (docs/benchmarks.md, "Ring attention")
+PIECES, MIN_PIECE_TOKENS = 8, 64
 
 KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -74,10 +72,9 @@ class Ring:
         return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag), recv
 
     def run(self, blocks: Blocks, fn: Callable[[Span, Blocks], Blocks | None], grads=False):
-        """``fn(span, piece)`` on every piece of every rank's ``blocks``, in ring order, the
-        next piece's transfer overlapped with each call. With ``grads``: ``fn`` gives this
-        rank's part of the piece's gradients, summed over the ranks by accumulators that
-        follow the pieces one step behind; returns the gradients of this rank's ``blocks``."""
+        """``fn(span, piece)`` on every piece of every rank's ``blocks`` in ring order, the
+        next transfer overlapped. With ``grads``: ``fn`` gives this rank's part of the piece's
+        gradients, summed by accumulators one step behind; returns those of ``blocks``."""
         home = None  # allocated at the first piece home (m = 1: the received buffers)
 
         def store(piece: int, grads: Blocks) -> None:
@@ -138,8 +135,8 @@ def _kernel_mask(mask: Tensor | None) -> Tensor | None:
 
 
 class RingAttention(torch.autograd.Function):
-    """``ring_attention``'s autograd function: per piece the CPU flash kernel where it
-    applies (its backward given the *global* output and log-sum-exp), else matmuls."""
+    """Per piece the CPU flash kernel where it applies (its backward given the *global*
+    output and log-sum-exp), else matmuls."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
@@ -228,10 +225,9 @@ def ring_attention(
     mask: RingMask | None = None,
     kbias: Tensor | None = None,
 ) -> Tensor:
-    """Exact, differentiable SDPA of this rank's queries over the keys of every rank of
-    ``group`` (``sizes``: how many each holds); ``pieces``: ``m`` (``auto_pieces``).
-    ``mask``: where a mask meets the keys, ``bias`` this rank's rows of an additive mask,
-    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
+    """Exact SDPA of this rank's queries over the keys of every rank of ``group`` (``sizes``
+    per rank), ``m`` = ``pieces``; ``bias``: this rank's rows of a mask, ``kbias``: its keys'
+    ``(..., L_r, 1)`` (it travels); ``mask`` places them (``RingMask``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:  # every key here (``group`` may be None)
         kb = () if kbias is None else (kbias,)

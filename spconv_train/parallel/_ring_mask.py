@@ -39,8 +39,8 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 
 def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tuple) -> Tensor:
-    """This rank's entries of the whole ``mask`` along dim ``d`` (-2 query rows, -1 key
-    columns; none: ``lays`` empty) unless broadcast; its gradient summed over ``groups``."""
+    """This rank's entries (``lays``) of the whole ``mask`` along dim ``d`` unless broadcast,
+    its gradient summed over ``groups``."""
     part = sum_grad_over(mask, groups)
     if lays and -d <= part.ndim and part.shape[d] != 1:
         part = part.index_select(d, held_indices(lays).to(part.device))
@@ -48,8 +48,8 @@ def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tup
 
 
 def finite(lse: Tensor) -> Tensor:
-    """``lse`` with the rows no key reached (``-inf``) at 0, as the CPU flash kernel gives
-    them: ``exp(score - lse)`` is then 0 there, not NaN."""
+    """``lse`` 0 where no key was reached (as the CPU flash kernel gives): ``exp(s - lse)``
+    is then 0 there, not NaN."""
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
@@ -58,17 +58,16 @@ Span = tuple[int, int, int]  # (owner, lo, hi): tokens lo:hi of the owner's bloc
 
 @dataclass(frozen=True)
 class RingMask:
-    """Where the mask meets the ring's pieces: ``cols``, every member's global key indices;
-    ``rows``, this rank's queries' when causal; ``dtype``: the queries'. The bias (this
-    rank's rows of ``S`` keys or 1) is passed apart, as an autograd input."""
+    """Where masks meet the pieces: ``cols``, every member's global key indices; ``rows``,
+    this rank's queries' when causal. The bias travels apart (an autograd input)."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
     dtype: torch.dtype
 
     def block(self, bias: Tensor | None, span: Span, travelling: tuple) -> Tensor | None:
-        """The additive mask of the keys ``span`` for this rank's queries; ``travelling``:
-        the piece's own key mask ``(..., tokens, 1)``, if one travels. None: nothing masks."""
+        """The additive mask of the keys ``span`` (``travelling``: the piece's own key mask
+        ``(..., tokens, 1)``), None: nothing masks."""
         keys = self.cols[span[0]][span[1] : span[2]]
         out = [travelling[0].transpose(-2, -1)] if travelling else []
         if bias is not None:
@@ -79,8 +78,7 @@ class RingMask:
         return sum(out[1:], out[0]) if out else None
 
     def add_grad(self, dbias: Tensor, span: Span, ds: Tensor) -> None:
-        """Add the score gradient ``ds`` of the keys ``span`` into ``dbias``'s columns of
-        those keys, summed over the dims the bias broadcasts."""
+        """The score gradient ``ds`` of the keys ``span`` added into ``dbias``."""
         if dbias.shape[-1] == 1:
             dbias.add_(ds.sum_to_size(dbias.shape))
         else:
@@ -89,8 +87,8 @@ class RingMask:
 
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or split like
-    the queries ``q``): boolean as given (a byte per entry), else in the queries' dtype."""
+    """This rank's rows (images, windows) of SDPA's ``attn_mask`` (whole, or split like the
+    queries ``q``): boolean as given (a byte per entry), else in the queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -107,9 +105,8 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
 
 
 def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor:
-    """This rank's batch of a plain ``t`` along ``dim`` (``rows`` entries per sample:
-    ``nn.MultiheadAttention``'s ``(N * heads, Q, L)`` masks) where ``x``'s batch (its splits
-    outside the sequence layouts ``seq``) is split; a size-1 (broadcast) dim stays."""
+    """This rank's batch of a plain ``t`` along ``dim`` (``rows`` entries per sample: MHA's
+    ``(N * heads, Q, L)`` masks) where ``x``'s splits outside ``seq`` split it, unless 1."""
     outer = tuple(lay for lay in split_layouts(x) if lay not in seq)
     if not outer or t.shape[dim] == 1:
         return t
@@ -118,9 +115,8 @@ def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor
 
 
 def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
-    """MHA's ``attn_mask`` (``(Q, S)``, ``(N * heads, Q, S)``) and ``key_padding_mask``
-    (``(N, S)``) cut by ``cut(mask, name, per_sample or None)``, as one additive mask
-    against the scores ``(N_r, heads, Q_r, S_r)``."""
+    """MHA's ``attn_mask`` and ``key_padding_mask`` cut by ``cut(mask, name, per_sample or
+    None)``, as one additive mask against the scores ``(N_r, heads, Q_r, S_r)``."""
     heads, am, kpm, out = kw["num_heads"], kw["attn_mask"], kw["key_padding_mask"], None
     if am is not None:
         am = additive(cut(am, "attn_mask", heads if am.ndim == 3 else None), dtype, True)
@@ -133,9 +129,8 @@ def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
 
 
 def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
-    """MHA's masks on the ring: ``(bias, key bias)``: this rank's rows and batch of the whole
-    masks; a ``key_padding_mask`` split like the keys ``k`` (it travels). ``seq``: ``L``'s
-    layouts in the queries ``q`` ``(L, N, E)``."""
+    """MHA's masks on the ring, ``(bias, key bias)``: this rank's rows (``seq``) and batch of
+    the whole masks; a ``key_padding_mask`` split like the keys ``k`` (it travels)."""
     kpm, kbias = kw["key_padding_mask"], None
     if isinstance(kpm, DTensor):  # (N, S) split like the keys (S, N, E): it travels with them
         lays = {dataclasses.replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
