@@ -124,14 +124,14 @@ class Ring:
         return home
 
 
-def _flash_ok(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    # the kernel takes a mask of 2 or 4 dims next to 4-dim queries (the mask is widened)
+def _flash(q: Tensor, v: Tensor, mask: Tensor | None) -> tuple[bool, Tensor | None]:
+    """Whether the CPU flash kernel takes the piece, and ``mask`` as it takes it: 4 dims
+    next to 4-dim queries (it takes 2 or 4: a mask of fewer is widened)."""
     fits = mask is None or (q.ndim == 4 and mask.ndim <= 4)
-    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and fits
-
-
-def _kernel_mask(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    ok = q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and fits
+    if ok and mask is not None:
+        mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    return ok, mask
 
 
 class RingAttention(torch.autograd.Function):
@@ -152,10 +152,9 @@ class RingAttention(torch.autograd.Function):
                 return
             block = mask.block(bias, span, kv[2:]) if mask else None
             # the piece's output and log-sum-exp (-inf, output 0: a query it does not reach)
-            if _flash_ok(q, v, block):
-                o_b, lse_b = _FLASH(
-                    q, kv[0], kv[1], 0.0, False, attn_mask=_kernel_mask(block), scale=scale
-                )
+            flash, kmask = _flash(q, v, block)
+            if flash:
+                o_b, lse_b = _FLASH(q, kv[0], kv[1], 0.0, False, attn_mask=kmask, scale=scale)
                 if block is not None:  # the kernel gives lse 0 to rows it masks whole
                     lse_b = lse_b.masked_fill((block == -math.inf).all(-1), -math.inf)
             else:
@@ -188,10 +187,11 @@ class RingAttention(torch.autograd.Function):
                 return tuple(t.zero_() for t in ring.empty(span))
             k, v = kv[:2]
             block = mask.block(bias, span, kv[2:]) if mask else None
+            flash, kmask = _flash(q, v, block)
             ds = None
-            if _flash_ok(q, v, block) and not need_ds:
+            if flash and not need_ds:
                 dq_b, dk_b, dv_b = _FLASH_BACKWARD(
-                    dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(block), scale=scale
+                    dout, q, k, v, out, lse, 0.0, False, attn_mask=kmask, scale=scale
                 )
             else:
                 s = (q @ k.transpose(-2, -1)) * scale
