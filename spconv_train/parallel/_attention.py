@@ -54,16 +54,16 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
     attends to its keys, their gradient a partial sum per rank."""
     if isinstance(q, DTensor):
         if tuple(q.placements) != out_placements(k, kseq):
-            why = f"queries split as {q.placements} next to keys split as {k.placements}"
-            raise _refuse(what, why)
+            raise _refuse(
+                what, f"queries split as {q.placements} next to keys split as {k.placements}"
+            )
         return partial_local(q, kseq)
     return batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
 
 
 def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tensor | None:
-    """The columns of ``mask`` (``(..., Q, L)``) that meet this rank's keys, and its batch
-    (``rows`` entries of dim 0 per sample; ``None``: no batch dim): a DTensor's split like
-    the keys along its last dim, a whole one's picked (its gradient summed)."""
+    """The columns of ``mask`` ``(..., Q, L)`` split like the keys, or picked from a whole
+    one, and its batch (``rows`` entries of dim 0 per sample; ``None``: no batch dim)."""
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
@@ -94,8 +94,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, group, empty_nan
     # the row maximum (-inf: no key seen, 0 then) cancels in num / den: no gradient
     m = _global_extreme(s, (-1,), (group,), "max")
     p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
-    part = torch.cat([p @ v, p.sum(-1, keepdim=True)], -1)
-    total = sum_replicated(part, (group,))
+    total = sum_replicated(torch.cat([p @ v, p.sum(-1, keepdim=True)], -1), (group,))
     num, den = total[..., :-1], total[..., -1:]
     if not empty_nan:
         den = torch.where(den > 0, den, 1.0)
@@ -115,9 +114,8 @@ def _whole_mha(kw: dict, what: str):
             raise _refuse(what, f"{name} with queries split as {q.placements}")
         if isinstance(t, Tensor) and name not in ("query", "key", "value"):
             args[name] = sum_grad_over(t, groups)
-    out, weights = F.multi_head_attention_forward(
-        **{**args, "query": q.to_local(), "key": k.to_local(), "value": v.to_local()}
-    )
+    args.update(query=q.to_local(), key=k.to_local(), value=v.to_local())
+    out, weights = F.multi_head_attention_forward(**args)
     if weights is not None:  # (N, [heads,] Q, S): the batch first
         batch = tuple(Shard(0) if p == Shard(1) else p for p in q.placements)
         weights = wrap(weights, q, batch, (q.shape[1], *weights.shape[1:]))
@@ -158,9 +156,8 @@ def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq
 
 
 def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callable]:
-    """``(k, v, attend)``, local: split over the mesh dims of ``q``'s sequence (with their
-    own counts: spatial-reduction attention) they go around the ring; whole there (split
-    like ``q`` elsewhere), a ring of one rank, their gradient a partial sum."""
+    """``(k, v, attend)``, local: split like ``q``'s sequence (with their own counts) they go
+    around the ring; whole there, a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
     dims, lays = {m.mesh_dim for m in seq}, split_layouts(k)
@@ -194,9 +191,8 @@ def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callab
 def spatial_sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
-    ranks: the ring, or local attention to whole keys / values; whole queries ``(..., Q, E)``
-    to keys split along dim -2 (``kseq``): whole output on every rank."""
+    """``F.scaled_dot_product_attention``, the sequence (dim -2) split: the ring; whole
+    queries to keys split along dim -2 (``kseq``): the cross route, whole output."""
     what = "F.scaled_dot_product_attention"
     kseq = split_keys(query, key, -2)
     if not kseq and not isinstance(query, DTensor):
@@ -237,9 +233,8 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 @register_handler(F.multi_head_attention_forward)
 def spatial_multi_head_attention(*args, **kwargs):
-    """MHA's functional form, ``(L, N, E)`` with ``L`` split: local projections, the ring
-    (or whole keys / values); whole queries to split keys (``kseq``): whole output. The
-    attention weights (``need_weights``) are not formed: the second output is ``None``."""
+    """MHA's functional form, ``(L, N, E)``: ``L`` split, the ring; whole queries to split
+    keys, the cross route. The attention weights are not formed (``None``)."""
     what = "nn.MultiheadAttention"
     bound = _MHA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()

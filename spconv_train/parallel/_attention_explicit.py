@@ -55,8 +55,7 @@ class RingMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         a, t = ctx.saved_tensors
-        kind, cols = ctx.kind, ctx.cols
-        dout = dout.contiguous()
+        kind, cols, dout = ctx.kind, ctx.cols, dout.contiguous()
         da = torch.zeros_like(a)
         x, y = (dout, a) if kind == SCORES else (a, dout)  # the block's gradient: x_j^T @ y
 
