@@ -242,7 +242,7 @@ def spatial_multi_head_attention(*args, **kwargs):
     q, k, v = kw["query"], kw["key"], kw["value"]
     kseq = split_keys(q, k, 0)
     cross = kseq is not None  # whole queries (keys split, or whole too)
-    if not cross and not isinstance(q, DTensor):
+    if not kseq and not isinstance(q, DTensor):
         raise _ring_refuse(what, "plain-tensor queries next to sharded keys / values")
     dropout = f"attention dropout (dropout={kw['dropout_p']}) in training"
     for bad, why in (
