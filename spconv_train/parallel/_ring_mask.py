@@ -48,8 +48,7 @@ def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tup
 
 
 def finite(lse: Tensor) -> Tensor:
-    """``lse`` 0 where no key was reached (as the CPU flash kernel gives): ``exp(s - lse)``
-    is then 0 there, not NaN."""
+    """``lse`` 0 where no key was reached, as the CPU flash kernel gives (no NaN after)."""
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
@@ -59,7 +58,7 @@ Span = tuple[int, int, int]  # (owner, lo, hi): tokens lo:hi of the owner's bloc
 @dataclass(frozen=True)
 class RingMask:
     """Where masks meet the pieces: ``cols``, every member's global key indices; ``rows``,
-    this rank's queries' when causal. The bias travels apart (an autograd input)."""
+    this rank's queries' when causal. The bias is passed apart (an autograd input)."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
