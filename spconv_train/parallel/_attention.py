@@ -21,8 +21,7 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._reduce import _global_extreme
 from ._ring import ring_attention
-from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, sdpa_bias, select_rows
-from ._ring_mask import refuse as _refuse
+from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, refuse, sdpa_bias, select_rows
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
 from ._token_layout import dim_layouts, held_indices
@@ -54,9 +53,8 @@ def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
     attends to its keys, their gradient a partial sum per rank."""
     if isinstance(q, DTensor):
         if tuple(q.placements) != out_placements(k, kseq):
-            raise _refuse(
-                what, f"queries split as {q.placements} next to keys split as {k.placements}"
-            )
+            why = f"queries split as {q.placements} next to keys split as {k.placements}"
+            raise refuse(what, why)
         return partial_local(q, kseq)
     return batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
 
@@ -80,7 +78,7 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if bad:
         fix = "split its last dim like the keys, or pass it whole"
         split = f"a mask {tuple(mask.shape)} split as {mask.placements}"
-        raise _refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
+        raise refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
     return mask.to_local() if on_last else select_rows(partial_local(mask, kseq), -1, kseq, ())
 
 
@@ -108,10 +106,10 @@ def _whole_mha(kw: dict, what: str):
     groups, args = grad_groups(q), dict(kw)
     same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
     if not same or q.ndim != 3 or any(lay.dim != 1 for lay in split_layouts(q)):
-        raise _refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
+        raise refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
     for name, t in kw.items():
         if name.endswith("mask") and t is not None and (groups or isinstance(t, DTensor)):
-            raise _refuse(what, f"{name} with queries split as {q.placements}")
+            raise refuse(what, f"{name} with queries split as {q.placements}")
         if isinstance(t, Tensor) and name not in ("query", "key", "value"):
             args[name] = sum_grad_over(t, groups)
     args.update(query=q.to_local(), key=k.to_local(), value=v.to_local())
@@ -143,7 +141,7 @@ def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend
 
 log = logging.getLogger("spconv_train.parallel")
 
-_ring_refuse = functools.partial(_refuse, where=" on a sharded token sequence")
+_ring_refuse = functools.partial(refuse, where=" on a sharded token sequence")
 
 
 def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
@@ -208,7 +206,7 @@ def spatial_sdpa(
         (kseq and query.shape[:-2] != key.shape[:-2], f"queries {tuple(query.shape)} for keys"),
     ):
         if bad:
-            raise (_refuse if kseq else _ring_refuse)(what, why + tail)
+            raise (refuse if kseq else _ring_refuse)(what, why + tail)
     if kseq:
         ql = local_query(query, key, kseq, 0, what)
         rows = 1 if attn_mask is not None and attn_mask.ndim == key.ndim else None
@@ -255,12 +253,12 @@ def spatial_multi_head_attention(*args, **kwargs):
         (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
     ):
         if bad:
-            raise (_refuse if cross else _ring_refuse)(what, why)
+            raise (refuse if cross else _ring_refuse)(what, why)
     if cross and not kseq:
         return _whole_mha(kw, what)
     if cross:
         if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
-            raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
+            raise refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
         xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
         group = token_ring(k.device_mesh, kseq).group
 
