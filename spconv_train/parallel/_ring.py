@@ -16,7 +16,7 @@ from ._ring_mask import RingMask, Span, finite
 from ._runtime import current_runtime
 
 #: Pieces per block (``m``) when not given, and the smallest automatic piece: memory against
-#: per-piece calls and messages (docs/benchmarks.md, "Ring attention")
+#: per-piece calls and messages (docs/attention.md, the ring; docs/benchmarks.md, "Ring attention")
 PIECES, MIN_PIECE_TOKENS = 8, 64
 
 KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
