@@ -49,8 +49,7 @@ def out_placements(k: DTensor, kseq: Seq) -> tuple:
 
 
 def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
-    """The whole queries (a DTensor placed as the output, or a plain tensor) every rank
-    attends to its keys, their gradient a partial sum per rank."""
+    """The whole queries (placed as the output, or plain), their gradient a partial sum."""
     if isinstance(q, DTensor):
         if tuple(q.placements) != out_placements(k, kseq):
             why = f"queries split as {q.placements} next to keys split as {k.placements}"
@@ -100,8 +99,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, group, empty_nan
 
 
 def _whole_mha(kw: dict, what: str):
-    """MHA among whole queries: torch's own on the local tensors, each parameter's
-    gradient summed over the batch split."""
+    """MHA among whole queries: torch's own on the local tensors (gradients over the batch)."""
     q, k, v = kw["query"], kw["key"], kw["value"]
     groups, args = grad_groups(q), dict(kw)
     same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))

@@ -29,8 +29,7 @@ SCORES, APPLY, LOCAL = "scores", "apply", "local"
 
 
 def _product(kind: str, x: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None:
-    """Into ``out``: the columns ``cols`` of ``x @ t^T`` (``SCORES``), or ``x``'s columns
-    ``cols`` times ``t`` added (``APPLY``)."""
+    """Into ``out``: ``x @ t^T`` at columns ``cols`` (``SCORES``), or ``x[..., cols] @ t`` added."""
     if kind == SCORES:
         out.index_copy_(-1, cols, x @ t.transpose(-2, -1))
     else:
@@ -198,8 +197,7 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
 
 @register_handler(F.unfold)
 def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
-    """``F.unfold`` of a sharded NCHW map: the halo window unfolded, the rank's output grid
-    flattened into the token layout of ``(N, C * k * k, L)``."""
+    """``F.unfold`` of a sharded NCHW map: its halo window unfolded to ``(N, C k k, L)`` tokens."""
     args = (kernel_size, dilation, padding, stride)
     if not handled(input) or input.ndim != 4:
         return run_dtensor_op(F.unfold, (input, *args), {})
@@ -215,8 +213,7 @@ def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
 
 
 def _with_plain_masks(func):
-    """Handler of a selection ``func``: a plain mask or operand next to a sharded DTensor cut
-    to the rank's part; DTensor's own rules for anything else."""
+    """Handler of ``func``: a plain mask / operand cut to a sharded DTensor's part, or DTensor's."""
 
     def local(a, like: DTensor):
         if isinstance(a, DTensor):

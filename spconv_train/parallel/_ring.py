@@ -135,8 +135,7 @@ def _flash(q: Tensor, v: Tensor, mask: Tensor | None) -> tuple[bool, Tensor | No
 
 
 class RingAttention(torch.autograd.Function):
-    """Per piece the CPU flash kernel where it applies (its backward given the *global*
-    output and log-sum-exp), else matmuls."""
+    """Per piece the CPU flash kernel (its backward given the *global* lse), else matmuls."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):

@@ -39,8 +39,7 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 
 def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tuple) -> Tensor:
-    """This rank's entries (``lays``) of the whole ``mask`` along dim ``d`` unless broadcast,
-    its gradient summed over ``groups``."""
+    """This rank's entries ``lays`` of a whole ``mask`` along ``d`` (gradient over ``groups``)."""
     part = sum_grad_over(mask, groups)
     if lays and -d <= part.ndim and part.shape[d] != 1:
         part = part.index_select(d, held_indices(lays).to(part.device))
@@ -65,8 +64,7 @@ class RingMask:
     dtype: torch.dtype
 
     def block(self, bias: Tensor | None, span: Span, travelling: tuple) -> Tensor | None:
-        """The additive mask of the keys ``span`` (``travelling``: the piece's own key mask
-        ``(..., tokens, 1)``), None: nothing masks."""
+        """The additive mask of the keys ``span`` (``travelling``: their own), None: none."""
         keys = self.cols[span[0]][span[1] : span[2]]
         out = [travelling[0].transpose(-2, -1)] if travelling else []
         if bias is not None:
