@@ -3,9 +3,8 @@ keys, additive per piece (docs/attention.md, "Masks and biases on the ring")."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -130,7 +129,7 @@ def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
     the whole masks; a ``key_padding_mask`` split like the keys ``k`` (it travels)."""
     kpm, kbias = kw["key_padding_mask"], None
     if isinstance(kpm, DTensor):  # (N, S) split like the keys (S, N, E): it travels with them
-        lays = {dataclasses.replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
+        lays = {replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
         if kpm.ndim != 2 or lays != set(split_layouts(k)):
             why = f"a key_padding_mask {tuple(kpm.shape)} split as {kpm.placements} unlike the keys"
             fix = "; pass it whole (a plain tensor) or split like the keys."
