@@ -51,11 +51,10 @@ class Ring:
         owner = ((self.rank if rank is None else rank) - step % self.parts) % self.parts
         return (owner, *self.bounds[owner][step // self.parts])
 
-    def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
-        """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors) or views."""
+    def own(self, blocks: Blocks, piece: int) -> Blocks:
+        """Views of this rank's piece ``piece`` of ``blocks``."""
         lo, hi = self.bounds[self.rank][piece]
-        views = tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
-        return tuple(t.contiguous() for t in views) if dense else views
+        return tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
 
     def empty(self, span: Span) -> Blocks:
         """Uninitialised tensors of a piece, one per operand."""
@@ -83,14 +82,14 @@ class Ring:
                 home = grads
                 return
             home = tuple(torch.empty_like(t) for t in blocks) if home is None else home
-            for dst, src in zip(self.own(home, piece, dense=False), grads, strict=True):
+            for dst, src in zip(self.own(home, piece), grads, strict=True):
                 dst.copy_(src)
 
         cur = sent = None  # the piece worked on; the accumulator sent last step
         for step in range(self.steps):
             own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
-            if own:
-                cur = self.own(blocks, step // self.parts)
+            if own:  # (dense: gloo sends dense tensors)
+                cur = tuple(t.contiguous() for t in self.own(blocks, step // self.parts))
             # the accumulator sent at step - 1: this piece's, or an own one's (home)
             acc = self._post(None, self.span(step - 1, self.prev), GRAD) if grads and step else None
             # the next piece, unless the round ends here (the next one is an own one)
