@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import _attention  # noqa: F401  (registers first)
-from ._dims import handled, mesh_axis, norm_dim, result_shape, sharded_dims, wrap
+from ._dims import handled, mesh_axis, norm_dim, result_shape, sharded_dims, wrap, wrap_local
 from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._prefix_shard import placement
@@ -188,11 +188,8 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
         wp = plan_window("Tensor.unfold", x.shape[d], parts, size, step, 1, 0, 0)
         local = along(local, d, lambda t: gather_window(t, wp, rank, group))
         meta = along(meta, d, torch.Tensor.contiguous)
-    out = local.unfold(d, size, step)
     stride = meta.unfold(d, size, step).stride()
-    return DTensor.from_local(
-        out, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride
-    )
+    return wrap_local(local.unfold(d, size, step), x.device_mesh, x.placements, shape, stride)
 
 
 @register_handler(F.unfold)
