@@ -214,6 +214,7 @@ REFUSALS = {
     "mha:cross:dropout": (CROSS, "attention dropout (dropout=0.1) in training"),
     "mha:cross:values": (CROSS, "values split unlike the keys"),
     "mha:whole:bias_kv": (CROSS, "bias_k / bias_v (add_bias_kv=True)"),
+    "mha:whole:plain_query": (RING, "plain-tensor queries next to sharded keys / values"),
 }
 
 
@@ -241,6 +242,7 @@ class Refused(nn.Module):
         if self.route == "whole":
             t = F.adaptive_avg_pool2d(x, 1).flatten(2).transpose(1, 2)  # (N, 1, 4), whole
         q = t.new_ones(b, 3, 4) if self.route == "cross" else t
+        q = q.to_local() if self.case == "plain_query" else q  # plain queries, whole keys
         v = t.detach().full_tensor() if self.case == "values" else t
         if self.case == "static":
             m = self.mha

@@ -21,8 +21,7 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._reduce import _global_extreme
 from ._ring import ring_attention
-from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, sdpa_bias, select_rows
-from ._ring_mask import refuse as _refuse
+from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, refuse, sdpa_bias, select_rows
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
 from ._token_layout import dim_layouts, held_indices
@@ -31,9 +30,8 @@ from ._tokens import is_dp, split_layouts
 
 
 def split_keys(q, k, seq_dim: int) -> Seq | None:
-    """The layouts splitting ``k``'s sequence dim ``seq_dim`` over spatial mesh dims when
-    the queries' sequence is whole (the cross route; empty: neither is split), ``None``
-    when the queries' sequence is split (the ring) or ``k`` is no DTensor."""
+    """``k``'s spatial layouts of dim ``seq_dim`` where the queries' is whole (the cross
+    route; empty: neither split); ``None``: the queries' is split (the ring), or plain ``k``."""
 
     def on_seq(x: DTensor) -> Seq:
         d = seq_dim % x.ndim
@@ -51,20 +49,18 @@ def out_placements(k: DTensor, kseq: Seq) -> tuple:
 
 
 def local_query(q, k: DTensor, kseq: Seq, batch_dim: int, what: str) -> Tensor:
-    """The queries every rank attends to its keys (a DTensor whole on the spatial ranks and
-    split like ``k`` elsewhere, or a plain tensor), with a partial gradient per rank."""
+    """The whole queries (placed as the output, or plain), their gradient a partial sum."""
     if isinstance(q, DTensor):
         if tuple(q.placements) != out_placements(k, kseq):
             why = f"queries split as {q.placements} next to keys split as {k.placements}"
-            raise _refuse(what, why)
+            raise refuse(what, why)
         return partial_local(q, kseq)
     return batch_rows(sum_grad_over(q, grad_groups(k)), k, kseq, batch_dim, 1)
 
 
 def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tensor | None:
-    """The columns of ``mask`` (``(..., Q, L)``) that meet this rank's keys, and its batch
-    (``rows`` entries of dim 0 per sample; ``None``: no batch dim): a DTensor's split like
-    the keys along its last dim, a whole one's picked (its gradient summed)."""
+    """The columns of ``mask`` ``(..., Q, L)`` split like the keys, or picked from a whole
+    one, and its batch (``rows`` entries of dim 0 per sample; ``None``: no batch dim)."""
     if mask is None:
         return None
     if not isinstance(mask, DTensor):
@@ -81,46 +77,41 @@ def local_mask(mask, k: DTensor, kseq: Seq, rows: int | None, what: str) -> Tens
     if bad:
         fix = "split its last dim like the keys, or pass it whole"
         split = f"a mask {tuple(mask.shape)} split as {mask.placements}"
-        raise _refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
+        raise refuse(what, f"{split} unlike the keys {k.placements} ({fix})")
     return mask.to_local() if on_last else select_rows(partial_local(mask, kseq), -1, kseq, ())
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask, scale: float, group, empty_nan: bool) -> Tensor:
-    """``softmax(q k^T * scale + mask) v`` of whole queries over the keys of every rank of
-    ``group`` (each holds its own ``k``, ``v``, ``mask`` columns; a bool ``mask`` True where
-    a query may attend), by autograd. A query that sees no key gives NaN with ``empty_nan``
-    (``nn.MultiheadAttention`` with ``need_weights``), else zeros (SDPA)."""
+    """``softmax(q k^T * scale + mask) v`` of whole queries over every rank's keys in
+    ``group`` (a bool ``mask`` True attends), by autograd; a query that sees no key gives
+    NaN with ``empty_nan`` (``nn.MultiheadAttention`` with ``need_weights``), else 0 (SDPA)."""
     s = (q @ k.transpose(-2, -1)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
-    # the row maximum over every rank's keys (-inf where a query sees no key; 0 then:
-    # every term is 0): the shift cancels in num / den, so it needs no gradient
+    # the row maximum (-inf: no key seen, 0 then) cancels in num / den: no gradient
     m = _global_extreme(s, (-1,), (group,), "max")
     p = torch.exp(s - torch.where(torch.isfinite(m), m, 0.0))
-    part = torch.cat([p @ v, p.sum(-1, keepdim=True)], -1)
-    total = sum_replicated(part, (group,))
+    total = sum_replicated(torch.cat([p @ v, p.sum(-1, keepdim=True)], -1), (group,))
     num, den = total[..., :-1], total[..., -1:]
-    if not empty_nan:  # zeros where no key is seen, as torch's SDPA gives
+    if not empty_nan:
         den = torch.where(den > 0, den, 1.0)
     return num / den
 
 
 def _whole_mha(kw: dict, what: str):
-    """MHA with no sequence split (among whole queries): torch's own on the local tensors,
-    each parameter's gradient summed over the batch split alone."""
+    """MHA among whole queries: torch's own on the local tensors (gradients over the batch)."""
     q, k, v = kw["query"], kw["key"], kw["value"]
     groups, args = grad_groups(q), dict(kw)
     same = all(isinstance(t, DTensor) and t.placements == q.placements for t in (k, v))
     if not same or q.ndim != 3 or any(lay.dim != 1 for lay in split_layouts(q)):
-        raise _refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
+        raise refuse(what, f"queries, keys, values split as {[t.placements for t in (q, k, v)]}")
     for name, t in kw.items():
         if name.endswith("mask") and t is not None and (groups or isinstance(t, DTensor)):
-            raise _refuse(what, f"{name} with queries split as {q.placements}")
+            raise refuse(what, f"{name} with queries split as {q.placements}")
         if isinstance(t, Tensor) and name not in ("query", "key", "value"):
             args[name] = sum_grad_over(t, groups)
-    out, weights = F.multi_head_attention_forward(
-        **{**args, "query": q.to_local(), "key": k.to_local(), "value": v.to_local()}
-    )
+    args.update(query=q.to_local(), key=k.to_local(), value=v.to_local())
+    out, weights = F.multi_head_attention_forward(**args)
     if weights is not None:  # (N, [heads,] Q, S): the batch first
         batch = tuple(Shard(0) if p == Shard(1) else p for p in q.placements)
         weights = wrap(weights, q, batch, (q.shape[1], *weights.shape[1:]))
@@ -128,9 +119,8 @@ def _whole_mha(kw: dict, what: str):
 
 
 def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend) -> Tensor:
-    """The local ``(L, N, E)`` queries, keys and values ``xs`` through MHA's input
-    projections (gradients summed over ``groups``) into heads ``(N, heads, L, E / heads)``,
-    ``attend(qh, kh, vh, scale)``, the output projection (gradients over ``out_groups``)."""
+    """MHA's input projections of the local ``(L, N, E)`` ``xs`` into heads (gradients over
+    ``groups``), ``attend(qh, kh, vh, scale)``, the output projection (over ``out_groups``)."""
     heads = kw["num_heads"]
     if kw["use_separate_proj_weight"]:
         ws = [sum_grad_over(kw[f"{n}_proj_weight"], groups) for n in "qkv"]
@@ -149,12 +139,11 @@ def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend
 
 log = logging.getLogger("spconv_train.parallel")
 
-_ring_refuse = functools.partial(_refuse, where=" on a sharded token sequence")
+_ring_refuse = functools.partial(refuse, where=" on a sharded token sequence")
 
 
 def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq:
-    """The layouts that split ``q``'s sequence dim (empty: not split); refuses any other
-    split but a plain one of the batch dim."""
+    """The layouts splitting ``q``'s ``seq_dim``; refuses any other but a plain batch split."""
     lays = split_layouts(q)
     for lay in lays:
         if lay.dim != seq_dim and (lay.dim != batch_dim or lay.split_factor != 1):
@@ -163,34 +152,31 @@ def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq
 
 
 def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callable]:
-    """``(k, v, attend)``, local: ``k``, ``v`` split over the mesh dims of ``q``'s sequence
-    (with their own counts: spatial-reduction attention) go around those ranks; whole there
-    (split like ``q`` elsewhere), a ring of one rank, their gradient a partial sum."""
+    """``(k, v, attend)``, local: split like ``q``'s sequence (with their own counts) they go
+    around the ring; whole there, a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
-    dims = {m.mesh_dim for m in seq}
+    dims, lays = {m.mesh_dim for m in seq}, split_layouts(k)
+    kseq = tuple(m for m in lays if m.mesh_dim in dims)
+    rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]
     others = [(m.mesh_dim, m.dim) for m in split_layouts(q) if m.mesh_dim not in dims]
-    kl = None
-    if k.placements == v.placements:
-        lays = split_layouts(k)
-        rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]
-        kseq = tuple(m for m in lays if m.mesh_dim in dims)
-        on_seq = all(m.dim == seq[0].dim for m in kseq)
-        if rest == others and {m.mesh_dim for m in kseq} == dims and on_seq:
-            kl, vl = k.to_local(), v.to_local()
-            group, sizes, cols = token_ring(q.device_mesh, kseq).spec(q.device)
-        elif rest == others and not kseq:  # every key here, in global order
-            n = k.shape[seq[0].dim - q.ndim]  # (k's own batch dims may broadcast)
-            kl, vl, group, sizes = partial_local(k, seq), partial_local(v, seq), None, (n,)
-            cols = (torch.arange(n, device=q.device),)
-    if kl is None:
+    ring = {m.mesh_dim for m in kseq} == dims and all(m.dim == seq[0].dim for m in kseq)
+    if k.placements != v.placements or rest != others or not (ring or not kseq):
         split = f"{k.placements}, {v.placements} unlike the queries {q.placements}"
         raise _ring_refuse(what, f"keys / values split as {split}")
+    if ring:
+        kl, vl = k.to_local(), v.to_local()
+        group, sizes, cols = token_ring(q.device_mesh, kseq).spec(q.device)
+    else:  # every key here, in global order
+        n = k.shape[seq[0].dim - q.ndim]  # (k's own batch dims may broadcast)
+        kl, vl, group, sizes = partial_local(k, seq), partial_local(v, seq), None, (n,)
+        cols = (torch.arange(n, device=q.device),)
 
-    def attend(ql, kl, vl, scale, bias=None, rows=None, kbias=None) -> Tensor:
+    def attend(ql, kl, vl, scale, bias=None, causal=False, kbias=None) -> Tensor:
         """Local queries ``(..., L_r, E)`` attending; ``bias``: the rank's rows of an
-        additive mask, ``rows``: the queries' indices if causal, ``kbias``: travelling."""
-        masked = bias is not None or rows is not None or kbias is not None
+        additive mask, ``kbias``: the keys' own, travelling."""
+        rows = held_indices(seq).to(ql.device) if causal else None
+        masked = bias is not None or causal or kbias is not None
         mask = RingMask(cols, rows, ql.dtype) if masked else None
         return ring_attention(ql, kl, vl, group, sizes, scale, bias=bias, mask=mask, kbias=kbias)
 
@@ -201,9 +187,8 @@ def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callab
 def spatial_sdpa(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    """``F.scaled_dot_product_attention`` with the sequence (dim -2) split over the spatial
-    ranks: the ring, or local attention to whole keys / values; whole queries ``(..., Q, E)``
-    to keys split along dim -2 (``kseq``): whole output on every rank."""
+    """``F.scaled_dot_product_attention``, the sequence (dim -2) split: the ring; whole
+    queries to keys split along dim -2 (``kseq``): the cross route, whole output."""
     what = "F.scaled_dot_product_attention"
     kseq = split_keys(query, key, -2)
     if not kseq and not isinstance(query, DTensor):
@@ -219,7 +204,7 @@ def spatial_sdpa(
         (kseq and query.shape[:-2] != key.shape[:-2], f"queries {tuple(query.shape)} for keys"),
     ):
         if bad:
-            raise (_refuse if kseq else _ring_refuse)(what, why + tail)
+            raise (refuse if kseq else _ring_refuse)(what, why + tail)
     if kseq:
         ql = local_query(query, key, kseq, 0, what)
         rows = 1 if attn_mask is not None and attn_mask.ndim == key.ndim else None
@@ -235,8 +220,7 @@ def spatial_sdpa(
         return F.scaled_dot_product_attention(query, key, value, scale=scale)  # DTensor's
     kl, vl, attend_ring = _keys(query, key, value, seq, what)
     bias = sdpa_bias(attn_mask, query, what)
-    rows = held_indices(seq).to(query.device) if is_causal else None
-    out = attend_ring(query.to_local(), kl, vl, scale, bias, rows)
+    out = attend_ring(query.to_local(), kl, vl, scale, bias, is_causal)
     return wrap(out, query, query.placements, (*query.shape[:-1], value.shape[-1]))
 
 
@@ -245,9 +229,8 @@ _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 @register_handler(F.multi_head_attention_forward)
 def spatial_multi_head_attention(*args, **kwargs):
-    """MHA's functional form, ``(L, N, E)`` with ``L`` split: local projections, the ring
-    (or whole keys / values); whole queries to split keys (``kseq``): whole output. The
-    attention weights (``need_weights``) are not formed: the second output is ``None``."""
+    """MHA's functional form, ``(L, N, E)``: ``L`` split, the ring; whole queries to split
+    keys, the cross route. The attention weights are not formed (``None``)."""
     what = "nn.MultiheadAttention"
     bound = _MHA_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
@@ -255,7 +238,7 @@ def spatial_multi_head_attention(*args, **kwargs):
     q, k, v = kw["query"], kw["key"], kw["value"]
     kseq = split_keys(q, k, 0)
     cross = kseq is not None  # whole queries (keys split, or whole too)
-    if not cross and not isinstance(q, DTensor):
+    if not kseq and not isinstance(q, DTensor):
         raise _ring_refuse(what, "plain-tensor queries next to sharded keys / values")
     dropout = f"attention dropout (dropout={kw['dropout_p']}) in training"
     for bad, why in (
@@ -268,12 +251,12 @@ def spatial_multi_head_attention(*args, **kwargs):
         (kw["training"] and kw["dropout_p"] > 0, dropout),  # replicas would draw other masks
     ):
         if bad:
-            raise (_refuse if cross else _ring_refuse)(what, why)
+            raise (refuse if cross else _ring_refuse)(what, why)
     if cross and not kseq:
         return _whole_mha(kw, what)
     if cross:
         if not isinstance(v, DTensor) or v.placements != k.placements or q.ndim != 3:
-            raise _refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
+            raise refuse(what, f"queries {tuple(q.shape)}, values split unlike the keys")
         xs = (local_query(q, k, kseq, 1, what), k.to_local(), v.to_local())
         group = token_ring(k.device_mesh, kseq).group
 
@@ -292,9 +275,8 @@ def spatial_multi_head_attention(*args, **kwargs):
     # as torch: is_causal alone (attn_mask dropped) without a key_padding_mask or weights
     hint = kw["is_causal"] and kw["key_padding_mask"] is None and not kw["need_weights"]
     bias, kbias = mha_bias({**kw, "attn_mask": None} if hint else kw, q, k, seq, what)
-    rows = held_indices(seq).to(q.device) if hint else None
     groups = grad_groups(q)  # every weight gradient is a partial sum: each rank's queries
-    attend_ring = functools.partial(attend_ring, bias=bias, rows=rows, kbias=kbias)
+    attend_ring = functools.partial(attend_ring, bias=bias, causal=hint, kbias=kbias)
     out = project_attend(kw, (q.to_local(), kl, vl), groups, groups, attend_ring)
     if kw["need_weights"]:
         log.debug("nn.MultiheadAttention in '%s': attention weights not formed", module_path())

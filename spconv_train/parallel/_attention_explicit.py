@@ -1,9 +1,10 @@
-"""Attention written out over sharded tokens: ``q @ k^T`` -> softmax -> ``@ v`` (matmuls,
-two-operand einsum) as ring matmuls, or local to whole keys / values; neighbourhood
-attention: ``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks (``masked_fill``,
-``torch.where``). docs/attention.md, "Attention written out", "Neighbourhood attention"."""
+"""Attention written out over sharded tokens (matmuls, two-operand einsum) as ring matmuls;
+neighbourhood attention: ``Tensor.unfold`` / ``F.unfold`` through the halo, plain masks.
+docs/attention.md, "Attention written out", "Neighbourhood attention"."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from . import _attention  # noqa: F401  (registers first)
-from ._dims import handled, mesh_group, mesh_rank, norm_dim, result_shape, sharded_dims, wrap
+from ._dims import handled, mesh_axis, norm_dim, result_shape, sharded_dims, wrap, wrap_local
 from ._errors import run_dtensor_op
 from ._mode import register_handler
 from ._prefix_shard import placement
@@ -28,8 +29,7 @@ SCORES, APPLY, LOCAL = "scores", "apply", "local"
 
 
 def _product(kind: str, x: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None:
-    """Into ``out``: the key columns ``cols`` of ``x @ t^T`` (``SCORES``; each column is
-    written by one block), or ``x``'s columns ``cols`` times ``t`` added (``APPLY``)."""
+    """Into ``out``: ``x @ t^T`` at columns ``cols`` (``SCORES``), or ``x[..., cols] @ t`` added."""
     if kind == SCORES:
         out.index_copy_(-1, cols, x @ t.transpose(-2, -1))
     else:
@@ -37,9 +37,8 @@ def _product(kind: str, x: Tensor, t: Tensor, cols: Tensor, out: Tensor) -> None
 
 
 class RingMatmul(torch.autograd.Function):
-    """``SCORES``: ``a @ t_all^T`` ``(*lead, L_r, n_cols)``; ``APPLY``: ``a @ t_all`` (``a``:
-    ``(*lead, L_r, n_cols)``). ``t``: this rank's block ``(*lead, sizes[rank], e)``; in
-    ``t_all`` block ``j`` holds the global indices ``cols[j]`` of the ``n_cols`` keys."""
+    """``a @ t_all^T`` (``SCORES``) or ``a @ t_all`` (``APPLY``; ``a``: ``(..., L_r, n_cols)``),
+    ``t`` this rank's block of ``t_all``, block ``j`` its global indices ``cols[j]``."""
 
     @staticmethod
     def forward(ctx, a, t, kind: str, group, sizes: tuple[int, ...], cols: tuple, n_cols: int):
@@ -55,8 +54,7 @@ class RingMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         a, t = ctx.saved_tensors
-        kind, cols = ctx.kind, ctx.cols
-        dout = dout.contiguous()
+        kind, cols, dout = ctx.kind, ctx.cols, dout.contiguous()
         da = torch.zeros_like(a)
         x, y = (dout, a) if kind == SCORES else (a, dout)  # the block's gradient: x_j^T @ y
 
@@ -79,29 +77,24 @@ def ring_matmul(
 
 
 def token_matmul(a, b) -> DTensor | None:
-    """``a @ b`` with the rows of ``a`` split (one mesh dim or nested: tiles), batch splits
-    alike: ``b`` split there along its last dim (``SCORES``) or rows (``APPLY``) by the
-    ring, whole there locally (``LOCAL``); ``None`` for any other product."""
+    """``a @ b``, ``a``'s rows split, batch splits alike: ``b`` split there along its last
+    dim (``SCORES``) or rows (``APPLY``) by the ring, whole locally; else ``None``."""
     if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
         return None
     pending = any(p.is_partial() for p in (*a.placements, *b.placements))  # no local operand
     if pending or a.ndim != b.ndim or a.ndim < 3 or a.shape[:-2] != b.shape[:-2]:
         return None
-    la = {m.mesh_dim: m for m in split_layouts(a)}
-    lb = {m.mesh_dim: m for m in split_layouts(b)}
-    rows = tuple(m for m in la.values() if m.dim == a.ndim - 2)
-    if not rows or a.shape[-1] != b.shape[-2]:
-        return None
+    la, lb = split_layouts(a), split_layouts(b)
+    rows = tuple(m for m in la if m.dim == a.ndim - 2)
     seq = {m.mesh_dim for m in rows}
-    for mesh_dim in (set(la) | set(lb)) - seq:  # batch splits, alike on both
-        x, y = la.get(mesh_dim), lb.get(mesh_dim)
-        if None in (x, y) or (x.dim, x.split_factor) != (y.dim, y.split_factor):
-            return None
-        if x.dim >= a.ndim - 2:  # not a batch dim
-            return None
-    kb = tuple(lb[m] for m in sorted(seq) if m in lb)
+    ba = {(m.mesh_dim, m.dim, m.split_factor) for m in la if m.mesh_dim not in seq}
+    bb = {(m.mesh_dim, m.dim, m.split_factor) for m in lb if m.mesh_dim not in seq}
+    kb = tuple(m for m in lb if m.mesh_dim in seq)
     kind = {b.ndim - 1: SCORES, b.ndim - 2: APPLY}.get(kb[0].dim) if kb else LOCAL
-    if kind is None or (kb and (len(kb) != len(rows) or len({m.dim for m in kb}) != 1)):
+    alike = ba == bb and all(d < a.ndim - 2 for _, d, _ in ba)  # batch splits, alike on both
+    if not (rows and alike and a.shape[-1] == b.shape[-2]) or kind is None:
+        return None
+    if kb and (len(kb) != len(rows) or len({m.dim for m in kb}) != 1):
         return None
     if kind == LOCAL:
         out = a.to_local() @ partial_local(b, rows)
@@ -119,9 +112,8 @@ def _matmul(prev, a, b, *args, **kwargs):
 
 
 def whole_operand_einsum(terms: tuple[str, str, str], a, b) -> DTensor | None:
-    """``torch.einsum`` (terms ``(a, b, out)``) of DTensors, one whole on every mesh dim
-    splitting the other along an output index it lacks (Mask2Former's ``"bqc,bchw->bqhw"``),
-    locally: the whole one's gradient a partial sum (a ``dp`` batch split alike too)."""
+    """``torch.einsum`` (``terms``: a, b, out) of DTensors, one whole on every mesh dim that
+    splits the other along an output index it lacks (``"bqc,bchw->bqhw"``), locally."""
     sa, sb, out = terms
     pending = any(p.is_partial() for p in (*a.placements, *b.placements))
     if (len(sa), len(sb)) != (a.ndim, b.ndim) or a.device_mesh != b.device_mesh or pending:
@@ -154,39 +146,35 @@ def _permuted(x, src: str, dst: str):
 @register_handler(torch.einsum)
 def token_einsum(equation, *operands):
     """Two-operand ``torch.einsum`` (explicit output, no ellipsis or repeated index): a
-    batched matmul (``"bhxd,bhyd->bhxy"``) by ``token_matmul``, a whole operand times a
-    split one by ``whole_operand_einsum``; DTensor's own otherwise."""
+    batched matmul by ``token_matmul``, else ``whole_operand_einsum``, else DTensor's."""
     ops = operands[0] if len(operands) == 1 and isinstance(operands[0], list | tuple) else operands
-    eq = equation.replace(" ", "")
-    if len(ops) == 2 and "->" in eq and "." not in eq and eq.count(",") == 1:
-        (sa, sb), out = eq.split("->")[0].split(","), eq.split("->")[1]
-        plain = all(len(set(x)) == len(x) for x in (sa, sb, out))
-        if plain and all(isinstance(t, DTensor) for t in ops):
-            batch = "".join(c for c in out if c in sa and c in sb)
-            rows, cols, contr = set(sa) - set(sb), set(sb) - set(sa), set(sa) & set(sb) - set(out)
-            # (batch, rows, contracted) @ (batch, contracted, columns); tokens of a one-row
-            # map are a plain Shard (no _StridedShard): the plan decides
-            sizes = (len(rows), len(cols), len(contr), len(sa) - len(batch), len(sb) - len(batch))
-            if sizes == (1, 1, 1, 2, 2) and set(out) == {*batch, *rows, *cols}:
-                (r,), (c,), (k,) = rows, cols, contr
-                a, b = _permuted(ops[0], sa, batch + r + k), _permuted(ops[1], sb, batch + k + c)
-                res = token_matmul(a, b)
-                if res is not None:
-                    return _permuted(res, batch + r + c, out)
-            res = whole_operand_einsum((sa, sb, out), *ops)  # whole queries times a map
+    terms = re.fullmatch(r"([a-zA-Z]*),([a-zA-Z]*)->([a-zA-Z]*)", equation.replace(" ", ""))
+    plain = terms and len(ops) == 2 and all(len(set(x)) == len(x) for x in terms.groups())
+    if plain and all(isinstance(t, DTensor) for t in ops):
+        sa, sb, out = terms.groups()
+        batch = "".join(c for c in out if c in sa and c in sb)
+        rows, cols, contr = set(sa) - set(sb), set(sb) - set(sa), set(sa) & set(sb) - set(out)
+        # (batch, rows, contracted) @ (batch, contracted, columns); tokens of a one-row
+        # map are a plain Shard (no _StridedShard): the plan decides
+        sizes = (len(rows), len(cols), len(contr), len(sa) - len(batch), len(sb) - len(batch))
+        if sizes == (1, 1, 1, 2, 2) and set(out) == {*batch, *rows, *cols}:
+            (r,), (c,), (k,) = rows, cols, contr
+            a, b = _permuted(ops[0], sa, batch + r + k), _permuted(ops[1], sb, batch + k + c)
+            res = token_matmul(a, b)
             if res is not None:
-                return res
+                return _permuted(res, batch + r + c, out)
+        res = whole_operand_einsum((sa, sb, out), *ops)  # whole queries times a map
+        if res is not None:
+            return res
     return run_dtensor_op(torch.einsum, (equation, *ops), {})
 
 
 @register_handler(torch.Tensor.unfold)
 def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
-    """``x.unfold(dimension, size, step)`` of a sharded tensor: along a sharded dim the
-    halo of ``size - 1`` positions comes from the next rank, then the local op."""
+    """``x.unfold(dimension, size, step)`` of a sharded tensor, the halo from the next rank."""
     args = (dimension, size, step)
     split = sharded_dims(x) if handled(x) else None
-    # tokens, Partial (DTensor's own rules, named errors), or one dim split over several
-    # mesh dims (no halo plan for that here)
+    # tokens, Partial (DTensor's own rules), one dim split over several mesh dims (no plan)
     if split is None or sum(p.is_shard() for p in x.placements) != len(split):
         return run_dtensor_op(torch.Tensor.unfold, (x, *args), {})
     shape = result_shape(torch.Tensor.unfold, x.shape, *args)
@@ -195,23 +183,18 @@ def spatial_tensor_unfold(x, dimension: int, size: int, step: int):
     # the global strides DTensor's later view rules read mirror the local tensor's: the
     # window is a new buffer with ``d`` innermost, unfolded as a view (as on one device)
     meta = torch.empty_strided(x.shape, x.stride(), device="meta")
-    if d in split and x.device_mesh.size(split[d]) > 1:
-        mesh, m = x.device_mesh, split[d]
-        rank, group = mesh_rank(mesh, m), mesh_group(mesh, m)
-        wp = plan_window("Tensor.unfold", x.shape[d], mesh.size(m), size, step, 1, 0, 0)
+    parts, rank, group = mesh_axis(x.device_mesh, split[d]) if d in split else (1, 0, None)
+    if parts > 1:
+        wp = plan_window("Tensor.unfold", x.shape[d], parts, size, step, 1, 0, 0)
         local = along(local, d, lambda t: gather_window(t, wp, rank, group))
         meta = along(meta, d, torch.Tensor.contiguous)
-    out = local.unfold(d, size, step)
     stride = meta.unfold(d, size, step).stride()
-    return DTensor.from_local(
-        out, x.device_mesh, x.placements, run_check=False, shape=shape, stride=stride
-    )
+    return wrap_local(local.unfold(d, size, step), x.device_mesh, x.placements, shape, stride)
 
 
 @register_handler(F.unfold)
 def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
-    """``F.unfold`` (im2col) of a sharded NCHW map: the window with its halos unfolded, the
-    rank's output grid flattened into the token layout of ``(N, C * k * k, L)``."""
+    """``F.unfold`` of a sharded NCHW map: its halo window unfolded to ``(N, C k k, L)`` tokens."""
     args = (kernel_size, dilation, padding, stride)
     if not handled(input) or input.ndim != 4:
         return run_dtensor_op(F.unfold, (input, *args), {})
@@ -227,9 +210,7 @@ def spatial_f_unfold(input, kernel_size, dilation=1, padding=0, stride=1):
 
 
 def _with_plain_masks(func):
-    """Handler of an element-wise selection ``func``: a plain mask or operand next to a
-    sharded DTensor indexed with the rank's positions; DTensor's own rules for DTensors
-    laid out differently or a plain tensor that would broadcast the sharded one."""
+    """Handler of ``func``: a plain mask / operand cut to a sharded DTensor's part, or DTensor's."""
 
     def local(a, like: DTensor):
         if isinstance(a, DTensor):
@@ -237,10 +218,8 @@ def _with_plain_masks(func):
             return a.to_local() if same else None
         if not (isinstance(a, Tensor) and a.ndim):
             return a
-        try:
-            fits = torch.broadcast_shapes(a.shape, like.shape) == like.shape
-        except RuntimeError:  # torch's own message, from DTensor's rules
-            return None
+        tail = like.shape[like.ndim - a.ndim :]  # a must broadcast to like, not like to a
+        fits = a.ndim <= like.ndim and all(n in (1, m) for n, m in zip(a.shape, tail, strict=True))
         return local_part(a, like) if fits else None
 
     def handler(*args, **kwargs):

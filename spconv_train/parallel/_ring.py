@@ -15,11 +15,9 @@ from ._halo import PendingExchange, post_p2p
 from ._ring_mask import RingMask, Span, finite
 from ._runtime import current_runtime
 
-#: Pieces per block (``m``) when not given: the four key / value pairs a rank holds at the
-#: peak besides its own (worked on, in flight, accumulator, gradients) add up to one block,
-#: as large as the kernel's query gradient; more save less and cost a call and a message each.
-PIECES = 8
-MIN_PIECE_TOKENS = 64  # smallest automatic piece: below it per-piece overheads show
+#: Pieces per block (``m``) when not given, and the smallest automatic piece: memory against
+#: per-piece calls and messages (docs/attention.md, the ring; docs/benchmarks.md, "Ring attention")
+PIECES, MIN_PIECE_TOKENS = 8, 64
 
 KV, GRAD = 1, 2  # message tags: travelling pieces, gradient accumulators
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -53,11 +51,10 @@ class Ring:
         owner = ((self.rank if rank is None else rank) - step % self.parts) % self.parts
         return (owner, *self.bounds[owner][step // self.parts])
 
-    def own(self, blocks: Blocks, piece: int, dense: bool = True) -> Blocks:
-        """This rank's piece ``piece`` of ``blocks``, dense (gloo sends dense tensors) or views."""
+    def own(self, blocks: Blocks, piece: int) -> Blocks:
+        """Views of this rank's piece ``piece`` of ``blocks``."""
         lo, hi = self.bounds[self.rank][piece]
-        views = tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
-        return tuple(t.contiguous() for t in views) if dense else views
+        return tuple(t.narrow(-2, lo, hi - lo) for t in blocks)
 
     def empty(self, span: Span) -> Blocks:
         """Uninitialised tensors of a piece, one per operand."""
@@ -74,10 +71,9 @@ class Ring:
         return post_p2p(self.group, sends, recvs, current_runtime().stats, tag=tag), recv
 
     def run(self, blocks: Blocks, fn: Callable[[Span, Blocks], Blocks | None], grads=False):
-        """``fn(span, piece)`` on every piece of every rank's ``blocks``, in ring order, the
-        next piece's transfer overlapped with each call. With ``grads``: ``fn`` gives this
-        rank's part of the piece's gradients, summed over the ranks by accumulators that
-        follow the pieces one step behind; returns the gradients of this rank's ``blocks``."""
+        """``fn(span, piece)`` on every piece of every rank's ``blocks`` in ring order, the
+        next transfer overlapped. With ``grads``: ``fn`` gives this rank's part of the piece's
+        gradients, summed by accumulators one step behind; returns those of ``blocks``."""
         home = None  # allocated at the first piece home (m = 1: the received buffers)
 
         def store(piece: int, grads: Blocks) -> None:
@@ -86,14 +82,14 @@ class Ring:
                 home = grads
                 return
             home = tuple(torch.empty_like(t) for t in blocks) if home is None else home
-            for dst, src in zip(self.own(home, piece, dense=False), grads, strict=True):
+            for dst, src in zip(self.own(home, piece), grads, strict=True):
                 dst.copy_(src)
 
         cur = sent = None  # the piece worked on; the accumulator sent last step
         for step in range(self.steps):
             own = step % self.parts == 0  # an own piece (and a finished accumulator arrives)
-            if own:
-                cur = self.own(blocks, step // self.parts)
+            if own:  # (dense: gloo sends dense tensors)
+                cur = tuple(t.contiguous() for t in self.own(blocks, step // self.parts))
             # the accumulator sent at step - 1: this piece's, or an own one's (home)
             acc = self._post(None, self.span(step - 1, self.prev), GRAD) if grads and step else None
             # the next piece, unless the round ends here (the next one is an own one)
@@ -127,19 +123,18 @@ class Ring:
         return home
 
 
-def _flash_ok(q: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-    # the kernel takes a mask of 2 or 4 dims next to 4-dim queries (the mask is widened)
+def _flash(q: Tensor, v: Tensor, mask: Tensor | None) -> tuple[bool, Tensor | None]:
+    """Whether the CPU flash kernel takes the piece, and ``mask`` as it takes it: 4 dims
+    next to 4-dim queries (it takes 2 or 4: a mask of fewer is widened)."""
     fits = mask is None or (q.ndim == 4 and mask.ndim <= 4)
-    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and fits
-
-
-def _kernel_mask(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    ok = q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and fits
+    if ok and mask is not None:
+        mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    return ok, mask
 
 
 class RingAttention(torch.autograd.Function):
-    """``ring_attention``'s autograd function: per piece the CPU flash kernel where it
-    applies (its backward given the *global* output and log-sum-exp), else matmuls."""
+    """Per piece the CPU flash kernel (its backward given the *global* lse), else matmuls."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, kbias, scale, group, sizes, pieces: int, mask: RingMask):
@@ -155,10 +150,9 @@ class RingAttention(torch.autograd.Function):
                 return
             block = mask.block(bias, span, kv[2:]) if mask else None
             # the piece's output and log-sum-exp (-inf, output 0: a query it does not reach)
-            if _flash_ok(q, v, block):
-                o_b, lse_b = _FLASH(
-                    q, kv[0], kv[1], 0.0, False, attn_mask=_kernel_mask(block), scale=scale
-                )
+            flash, kmask = _flash(q, v, block)
+            if flash:
+                o_b, lse_b = _FLASH(q, kv[0], kv[1], 0.0, False, attn_mask=kmask, scale=scale)
                 if block is not None:  # the kernel gives lse 0 to rows it masks whole
                     lse_b = lse_b.masked_fill((block == -math.inf).all(-1), -math.inf)
             else:
@@ -191,10 +185,11 @@ class RingAttention(torch.autograd.Function):
                 return tuple(t.zero_() for t in ring.empty(span))
             k, v = kv[:2]
             block = mask.block(bias, span, kv[2:]) if mask else None
+            flash, kmask = _flash(q, v, block)
             ds = None
-            if _flash_ok(q, v, block) and not need_ds:
+            if flash and not need_ds:
                 dq_b, dk_b, dv_b = _FLASH_BACKWARD(
-                    dout, q, k, v, out, lse, 0.0, False, attn_mask=_kernel_mask(block), scale=scale
+                    dout, q, k, v, out, lse, 0.0, False, attn_mask=kmask, scale=scale
                 )
             else:
                 s = (q @ k.transpose(-2, -1)) * scale
@@ -228,10 +223,9 @@ def ring_attention(
     mask: RingMask | None = None,
     kbias: Tensor | None = None,
 ) -> Tensor:
-    """Exact, differentiable SDPA of this rank's queries over the keys of every rank of
-    ``group`` (``sizes``: how many each holds); ``pieces``: ``m`` (``auto_pieces``).
-    ``mask``: where a mask meets the keys, ``bias`` this rank's rows of an additive mask,
-    ``kbias`` an additive mask of this rank's keys ``(..., L_r, 1)``, which travels."""
+    """Exact SDPA of this rank's queries over the keys of every rank of ``group`` (``sizes``
+    per rank), ``m`` = ``pieces``; ``bias``: this rank's rows of a mask, ``kbias``: its keys'
+    ``(..., L_r, 1)`` (it travels); ``mask`` places them (``RingMask``)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if len(sizes) == 1:  # every key here (``group`` may be None)
         kb = () if kbias is None else (kbias,)

@@ -1,12 +1,10 @@
-"""Attention masks and biases on the ring (``_ring.py``) and the cross route, cut to this
-rank's rows or keys, additive per piece (docs/attention.md, "Masks and biases on the ring").
-"""
+"""Attention masks on the ring (``_ring.py``) and the cross route, cut to this rank's rows or
+keys, additive per piece (docs/attention.md, "Masks and biases on the ring")."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -19,13 +17,11 @@ from ._sharding import grad_groups
 from ._token_layout import held_indices, local_part
 from ._tokens import TokenLayout, split_layouts
 
+CROSS = " with whole queries and keys split over the spatial ranks"
+GATHER = ". Drop it, or gather explicitly (x.full_tensor())."
 
-def refuse(
-    what: str,
-    why: str,
-    where: str = " with whole queries and keys split over the spatial ranks",
-    fix: str = ". Drop it, or gather explicitly (x.full_tensor()).",
-) -> SpatialShardingError:
+
+def refuse(what: str, why: str, where: str = CROSS, fix: str = GATHER) -> SpatialShardingError:
     """The error of an attention op ``what`` that does not take ``why`` ``where``."""
     return SpatialShardingError(
         f"{what} in module '{module_path()}'{where}: {why} is not supported{fix}"
@@ -42,8 +38,7 @@ def additive(mask: Tensor, dtype: torch.dtype, masked: bool) -> Tensor:
 
 
 def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tuple) -> Tensor:
-    """This rank's entries of the whole ``mask`` along dim ``d`` (-2 query rows, -1 key
-    columns; none: ``lays`` empty) unless broadcast; its gradient summed over ``groups``."""
+    """This rank's entries ``lays`` of a whole ``mask`` along ``d`` (gradient over ``groups``)."""
     part = sum_grad_over(mask, groups)
     if lays and -d <= part.ndim and part.shape[d] != 1:
         part = part.index_select(d, held_indices(lays).to(part.device))
@@ -51,8 +46,7 @@ def select_rows(mask: Tensor, d: int, lays: tuple[TokenLayout, ...], groups: tup
 
 
 def finite(lse: Tensor) -> Tensor:
-    """``lse`` with the rows no key reached (``-inf``) at 0, as the CPU flash kernel gives
-    them: ``exp(score - lse)`` is then 0 there, not NaN."""
+    """``lse`` 0 where no key was reached, as the CPU flash kernel gives (no NaN after)."""
     return lse.masked_fill(lse == -math.inf, 0.0)
 
 
@@ -61,17 +55,15 @@ Span = tuple[int, int, int]  # (owner, lo, hi): tokens lo:hi of the owner's bloc
 
 @dataclass(frozen=True)
 class RingMask:
-    """Where the mask meets the ring's pieces: ``cols``, every member's global key indices;
-    ``rows``, this rank's queries' when causal; ``dtype``: the queries'. The bias (this
-    rank's rows of ``S`` keys or 1) is passed apart, as an autograd input."""
+    """Where masks meet the pieces: ``cols``, every member's global key indices; ``rows``,
+    this rank's queries' when causal. The bias is passed apart (an autograd input)."""
 
     cols: tuple[Tensor, ...]
     rows: Tensor | None
     dtype: torch.dtype
 
     def block(self, bias: Tensor | None, span: Span, travelling: tuple) -> Tensor | None:
-        """The additive mask of the keys ``span`` for this rank's queries; ``travelling``:
-        the piece's own key mask ``(..., tokens, 1)``, if one travels. None: nothing masks."""
+        """The additive mask of the keys ``span`` (``travelling``: their own), None: none."""
         keys = self.cols[span[0]][span[1] : span[2]]
         out = [travelling[0].transpose(-2, -1)] if travelling else []
         if bias is not None:
@@ -82,8 +74,7 @@ class RingMask:
         return sum(out[1:], out[0]) if out else None
 
     def add_grad(self, dbias: Tensor, span: Span, ds: Tensor) -> None:
-        """Add the score gradient ``ds`` of the keys ``span`` into ``dbias``'s columns of
-        those keys, summed over the dims the bias broadcasts."""
+        """The score gradient ``ds`` of the keys ``span`` added into ``dbias``."""
         if dbias.shape[-1] == 1:
             dbias.add_(ds.sum_to_size(dbias.shape))
         else:
@@ -92,8 +83,8 @@ class RingMask:
 
 
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
-    """This rank's rows (and images, windows) of SDPA's ``attn_mask`` (whole, or split like
-    the queries ``q``): boolean as given (a byte per entry), else in the queries' dtype."""
+    """This rank's rows (images, windows) of SDPA's ``attn_mask`` (whole, or split like the
+    queries ``q``): boolean as given (a byte per entry), else in the queries' dtype."""
     if mask is None:
         return None
     if isinstance(mask, DTensor):
@@ -110,9 +101,8 @@ def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
 
 
 def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor:
-    """This rank's batch of a plain ``t`` along ``dim`` (``rows`` entries per sample:
-    ``nn.MultiheadAttention``'s ``(N * heads, Q, L)`` masks) where ``x``'s batch (its splits
-    outside the sequence layouts ``seq``) is split; a size-1 (broadcast) dim stays."""
+    """This rank's batch of a plain ``t`` along ``dim`` (``rows`` entries per sample: MHA's
+    ``(N * heads, Q, L)`` masks) where ``x``'s splits outside ``seq`` split it, unless 1."""
     outer = tuple(lay for lay in split_layouts(x) if lay not in seq)
     if not outer or t.shape[dim] == 1:
         return t
@@ -121,9 +111,8 @@ def batch_rows(t: Tensor, x: DTensor, seq: tuple, dim: int, rows: int) -> Tensor
 
 
 def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
-    """MHA's ``attn_mask`` (``(Q, S)``, ``(N * heads, Q, S)``) and ``key_padding_mask``
-    (``(N, S)``) cut by ``cut(mask, name, per_sample or None)``, as one additive mask
-    against the scores ``(N_r, heads, Q_r, S_r)``."""
+    """MHA's ``attn_mask`` and ``key_padding_mask`` cut by ``cut(mask, name, per_sample or
+    None)``, as one additive mask against the scores ``(N_r, heads, Q_r, S_r)``."""
     heads, am, kpm, out = kw["num_heads"], kw["attn_mask"], kw["key_padding_mask"], None
     if am is not None:
         am = additive(cut(am, "attn_mask", heads if am.ndim == 3 else None), dtype, True)
@@ -136,12 +125,11 @@ def mha_mask(kw: dict, dtype, cut) -> Tensor | None:
 
 
 def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
-    """MHA's masks on the ring: ``(bias, key bias)``: this rank's rows and batch of the whole
-    masks; a ``key_padding_mask`` split like the keys ``k`` (it travels). ``seq``: ``L``'s
-    layouts in the queries ``q`` ``(L, N, E)``."""
+    """MHA's masks on the ring, ``(bias, key bias)``: this rank's rows (``seq``) and batch of
+    the whole masks; a ``key_padding_mask`` split like the keys ``k`` (it travels)."""
     kpm, kbias = kw["key_padding_mask"], None
     if isinstance(kpm, DTensor):  # (N, S) split like the keys (S, N, E): it travels with them
-        lays = {dataclasses.replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
+        lays = {replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
         if kpm.ndim != 2 or lays != set(split_layouts(k)):
             why = f"a key_padding_mask {tuple(kpm.shape)} split as {kpm.placements} unlike the keys"
             fix = "; pass it whole (a plain tensor) or split like the keys."
