@@ -11,6 +11,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ._channels import local_pieces
 from ._dims import norm_dim, result_shape, wrap
@@ -55,12 +56,29 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
     return args[pos] if pos is not None and len(args) > pos else default
 
 
+def _refuse_product(x, dim, what: str) -> None:
+    """Refuse a product over a split dim (of tokens or of a map) by name: DTensor's own rule
+    fails in the backward, "aten.cat got mixed torch.Tensor and DTensor" (torch 2.14.1)."""
+    dims = _dims(None if isinstance(dim, torch.dtype) else dim, x.ndim)
+    if any(d is not None and d % x.ndim in dims for d in map(sharded_dim, x.placements)):
+        raise SpatialShardingError(
+            f"{what} over dims {dims} of {tuple(x.shape)} {x.placements} in module "
+            f"'{module_path()}': a product over a split dim is not supported. Write it as "
+            f"x.log().sum(dim).exp() (positive x), or gather explicitly (x.full_tensor())."
+        )
+
+
 def _token_wise(fn, prev, spec: tuple):
     """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
     what, (dim_pos, keep_pos, default, needs_dim) = function_name(fn), spec
+    product = fn in (torch.prod, _T.prod)
 
     def handler(x, *args, **kwargs):
-        if not is_tokens(x) or kwargs.get("out") is not None:
+        local = is_tokens(x)
+        if product and isinstance(x, DTensor):  # DTensor's own rule fails in the backward
+            _refuse_product(x, _arg((x, *args), kwargs, dim_pos, "dim", default), what)
+            local = not any(p.is_partial() for p in x.placements)
+        if not local or kwargs.get("out") is not None:
             return prev(x, *args, **kwargs)
         full = (x, *args)
         dim = _arg(full, kwargs, dim_pos, "dim", default)
