@@ -1,7 +1,6 @@
-"""Token layouts: a map flattened to pixel tokens, kept sharded (read by ``TokenLayout``).
-Reshapes that keep each sharded factor whole run locally (``local_reshape``; DTensor refuses
-uneven ones: "Cannot unflatten unevenly sharded tensor"); one mixing ranks' tokens is refused
-by name. ``chain_each``: the token modules' handlers registration. docs/attention.md."""
+"""Reshapes of token tensors keeping each sharded factor whole, locally (``local_reshape``;
+DTensor refuses uneven ones), one mixing ranks' tokens refused by name; ``chain_each``: the
+token modules' handler registration. docs/attention.md."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts  # noqa:
 
 
 def is_nested(x) -> bool:
-    """True for a DTensor split over several spatial mesh dims (tiles, rows, their tokens):
-    its reshapes run on the local tensor here."""
+    """True for a DTensor split over several spatial mesh dims (tiles, rows, their tokens)."""
     if not isinstance(x, DTensor):
         return False
     lays = [m for m in split_layouts(x) if not is_dp(x, m.mesh_dim)]
@@ -66,10 +64,9 @@ def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> 
 
 
 def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) -> DTensor:
-    """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
-    by default), every sharded factor kept whole; refuses by name (``what``) a reshape that
-    mixes ranks' tokens or nests them in a way the placements cannot say (the token dim
-    merged with the channels)."""
+    """``x`` reshaped to ``out_shape`` locally (``fn(local, shape)``, else ``reshape``), every
+    sharded factor kept whole; refuses by name (``what``) one mixing ranks' tokens or nesting
+    them in a way the placements cannot say (the token dim merged with the channels)."""
     placements, lays, placed, shares = list(x.placements), split_layouts(x), {}, {}
     for lay in lays:
         found = _target(tuple(x.shape), lay, out_shape)
@@ -97,8 +94,8 @@ def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) ->
 
 
 def chain(*functions, prefix: str = "token", graph: bool = False):
-    """Decorator: ``handler(prev, *args, **kwargs)`` becomes the handler of each of
-    ``functions`` (``chain_each``), ``prev`` the one before it, called for what it leaves."""
+    """Decorator: ``handler(prev, *args, **kwargs)`` the handler of each of ``functions``
+    (``chain_each``), ``prev`` the one before it."""
 
     def deco(handler):
         chain_each(
@@ -111,8 +108,8 @@ def chain(*functions, prefix: str = "token", graph: bool = False):
 
 def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> None:
     """Register ``make(fn, prev)`` for each of ``functions``, ``prev`` the handler before it
-    (else DTensor's own rules, errors named); with ``graph``, graph material where ``prev`` is
-    (``_compile.graph_handler``: a wrapper must not make an element-wise op a graph break)."""
+    (else DTensor's rules, errors named); ``graph``: graph material where ``prev`` is (a
+    wrapper must not make an element-wise op a graph break, ``_compile.graph_handler``)."""
     for fn in functions:
         prev = DEFAULT_REGISTRY.handler(fn) or (lambda *a, _fn=fn, **k: run_dtensor_op(_fn, a, k))
         handler = make(fn, prev)
