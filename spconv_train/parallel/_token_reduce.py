@@ -1,9 +1,10 @@
-"""Token-wise ops over dims no rank splits (the channels) of pixel tokens, with or without
-prefix tokens, on the local tokens: reductions and scans (``F.layer_norm``: ``_channels.py``),
-``split`` and ``chunk`` (DTensor sizes gradients by its own chunking and replicates an uneven
-``_StridedShard`` to split it: docs/attention.md, "Token layout"). A reduction over the
-tokens goes to the handler before (``_reduce.py``), but a sum or mean over them (token pooling)
-is local sums added over the splitting groups; behind a prefix it is refused by name."""
+"""Token-wise ops over unsplit dims (the channels) of pixel tokens, a prefix or not, locally:
+reductions, scans, ``split`` / ``chunk`` (DTensor sizes gradients by its own chunking and
+replicates an uneven ``_StridedShard`` to split it); over the split tokens a sum or mean is
+local sums added over the groups (token pooling), others go to ``_reduce.py``, or are refused
+by name behind a prefix. And timm EdgeNeXt's Fourier position encoding built per strip or tile
+(timm's plain whole-image one would sum its gradient at the activation's size), from global
+coordinates in timm's float32 steps (bitwise one device's). docs/attention.md, docs/models.md."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ._channels import local_pieces
-from ._dims import norm_dim, result_shape, wrap
+from ._dims import norm_dim, result_shape, wrap, wrap_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
+from ._mode import register_spatial_module
 from ._prefix_shard import prefix_of, reduced_placements
 from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
 from ._runtime import current_runtime, function_name
-from ._sharding import grad_groups, sharded_dim
+from ._sharding import block_slices, grad_groups, mesh_coords, sharded_dim
 from ._token_prefix import has_prefix  # (and its handlers, wrapped here)
 from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 
@@ -217,3 +220,52 @@ def _along_unsplit(fn, prev, touched):
 
 chain_each((F.pad, torch._C._nn.pad), partial(_along_unsplit, touched=_pad_dims), "prefix")
 chain_each((torch.roll, _T.roll), partial(_along_unsplit, touched=_roll_dims), "prefix")
+
+
+TIMM_CLASS = "timm.models.edgenext.PositionalEncodingFourier"
+_EPS = 1e-6  # timm's
+
+
+def fourier_block(
+    hidden: int, temperature: float, scale: float, size: tuple[int, int], rows: slice,
+    cols: slice, device=None,
+) -> Tensor:  # fmt: skip
+    """``(2 * hidden, len(rows), len(cols))``: rows ``rows`` and columns ``cols`` of timm's
+    encoding of an ``H x W = size`` map before its projection (per axis the interleaved sin /
+    cos of the positions), the y half first."""
+    dim_t = torch.arange(hidden, dtype=torch.int64, device=device).to(torch.float32)
+    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / hidden)
+    axes = []
+    for n, part in zip(size, (rows, cols), strict=True):
+        pos = torch.arange(part.start + 1, part.stop + 1, dtype=torch.float32, device=device)
+        pos = (pos / (torch.tensor(float(n), device=device) + _EPS) * scale)[:, None] / dim_t
+        axes.append(torch.stack((pos[:, 0::2].sin(), pos[:, 1::2].cos()), dim=2).flatten(1))
+    (y, x), h, w = axes, len(axes[0]), len(axes[1])
+    both = (y[:, None, :].expand(h, w, hidden), x[None, :, :].expand(h, w, hidden))
+    return torch.cat(both, dim=2).permute(2, 0, 1)
+
+
+@register_spatial_module(TIMM_CLASS)
+class SpatialFourierEncoding:
+    """``PositionalEncodingFourier`` whose output is laid out like the map it encodes."""
+
+    def forward(self, shape: tuple[int, int, int]):
+        seen = current_runtime().last_image
+        if seen is None:  # no sharded map in this forward: the plain encoding is right
+            return super().forward(shape)
+        mesh, placements, image = seen
+        batch, height, width = (int(n) for n in shape)
+        if (image[0], *image[2:]) != (batch, height, width):
+            raise SpatialShardingError(
+                f"module '{getattr(self, 'spatial_name', '?')}' (PositionalEncodingFourier): "
+                f"asked to encode a {batch} x {height} x {width} map, but the last map a "
+                f"spatial layer took is {image}, so its layout is unknown. Call it with the "
+                f"shape of the activation it is added to (as timm's EdgeNeXt does)."
+            )
+        weight = self.token_projection.weight
+        full = (batch, 2 * self.hidden_dim, height, width)
+        b, _, rows, cols = block_slices(full, placements, mesh_coords(mesh))
+        args = (self.hidden_dim, self.temperature, self.scale, (height, width), rows, cols)
+        local = fourier_block(*args, weight.device).to(weight.dtype)
+        local = local.expand(b.stop - b.start, -1, -1, -1)
+        return self.token_projection(wrap_local(local.contiguous(), mesh, placements, full))
