@@ -31,11 +31,9 @@ from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 _T = torch.Tensor
 
 
-#: the ops by ``(dim_pos, keep_pos, default, needs_dim)``: where they take ``dim`` and
-#: ``keepdim`` by position (``keep_pos`` ``None``: the shape is kept), their dims without
-#: ``dim`` (``None``: all), and whether without ``dim`` they are another op (``x.max()``,
-#: ``torch.max(a, b)``) or need it (``softmax``); a name for ``torch.name`` and
-#: ``Tensor.name``, or the function
+#: the ops (a name: ``torch.name`` and ``Tensor.name``) by ``(dim_pos, keep_pos, default,
+#: needs_dim)``: ``dim`` / ``keepdim`` positions (``keep_pos`` ``None``: shape kept), dims
+#: without ``dim`` (``None``: all), whether without ``dim`` they are another op (``x.max()``)
 _OPS = {
     (1, 2, None, False): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin")
     + ("logsumexp", "argmax", "argmin"),
@@ -48,8 +46,7 @@ _OPS = {
 }
 #: the p-norms (``p`` / ``ord`` the first argument after the tensor)
 _NORMS = (torch.norm, _T.norm, torch.linalg.vector_norm)
-#: the reductions over the split token dim done by ``_reduce.reduce_sharded`` (local sums
-#: added over every mesh dim splitting the tokens), not by DTensor's own rule
+#: the reductions over the split token dim done by ``_reduce.reduce_sharded``
 _SUMS = {torch.sum: "sum", _T.sum: "sum", torch.mean: "mean", _T.mean: "mean"}
 
 
@@ -132,8 +129,7 @@ for _spec, _ops in _OPS.items():
 
 @chain(F.rms_norm)
 def _rms_norm(prev, input, normalized_shape, weight=None, eps=None):
-    """``F.rms_norm`` over trailing dims no rank splits (the channels): local, as
-    ``F.layer_norm`` (``_channels.spatial_layer_norm``)."""
+    """``F.rms_norm`` over unsplit trailing dims (the channels): local."""
     k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
     # is_tokens first: the layouts are read only for token tensors
     if not is_tokens(input) or any(lay.dim >= input.ndim - k for lay in split_layouts(input)):
@@ -149,8 +145,8 @@ _SIZES = ("split_size_or_sections", "split_size", "chunks")
 
 
 def _local_pieces(fn, prev):
-    """Handler: ``fn(x, arg, dim)`` (``split`` / ``chunk``) on the local tensor when ``x`` is
-    a token tensor and no layout of it splits ``dim``; otherwise ``prev``."""
+    """Handler: ``fn(x, arg, dim)`` (``split`` / ``chunk``) of a token tensor along an
+    unsplit ``dim`` on the local tensor; otherwise ``prev``."""
     run = getattr(torch, fn.__name__)
 
     def handler(x, *args, **kwargs):
@@ -174,9 +170,8 @@ chain_each((torch.split, _T.split, torch.chunk, _T.chunk), _local_pieces, "token
 
 @chain(torch.stack, prefix="prefix_stack")
 def _stack(prev, tensors, dim=0, **kwargs):
-    """``torch.stack`` of tensors with prefix tokens as ``cat`` of each ``unsqueeze``d, by
-    their handlers (both keep the prefix): DTensor's own rule gives a ``_StridedShard``
-    without it (torch 2.14.1), a layout the ranks' tokens do not have (silently wrong after)."""
+    """``torch.stack`` behind a prefix as ``cat`` of each ``unsqueeze``d (their handlers keep
+    it): DTensor's own rule drops the prefix (torch 2.14.1; silently wrong after)."""
     tensors = list(tensors)
     if kwargs or not any(map(has_prefix, tensors)):
         return prev(tensors, dim, **kwargs)
@@ -196,9 +191,8 @@ def _roll_dims(ndim: int, shifts, dims=None) -> set[int]:
 
 
 def _along_unsplit(fn, prev, touched):
-    """Handler for ``fn`` (pad, roll) of tensors with prefix tokens: local along dims no
-    rank splits (the channels; the prefix stays where it is), refused along the tokens.
-    DTensor's own rule drops the prefix (a layout the ranks' tokens do not have)."""
+    """Handler for ``fn`` (pad, roll) behind a prefix: local along unsplit dims (the
+    channels), refused along the tokens (DTensor's own rule drops the prefix)."""
     what = function_name(fn)
 
     def handler(x, *args, **kwargs):
@@ -230,9 +224,8 @@ def fourier_block(
     hidden: int, temperature: float, scale: float, size: tuple[int, int], rows: slice,
     cols: slice, device=None,
 ) -> Tensor:  # fmt: skip
-    """``(2 * hidden, len(rows), len(cols))``: rows ``rows`` and columns ``cols`` of timm's
-    encoding of an ``H x W = size`` map before its projection (per axis the interleaved sin /
-    cos of the positions), the y half first."""
+    """``(2 * hidden, len(rows), len(cols))``: ``rows`` x ``cols`` of timm's encoding of an
+    ``H x W = size`` map before its projection (per axis sin / cos interleaved, y first)."""
     dim_t = torch.arange(hidden, dtype=torch.int64, device=device).to(torch.float32)
     dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / hidden)
     axes = []
