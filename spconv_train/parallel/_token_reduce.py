@@ -49,6 +49,22 @@ _NORMS = (torch.norm, _T.norm, torch.linalg.vector_norm)
 #: the reductions over the split token dim done by ``_reduce.reduce_sharded``
 _SUMS = {torch.sum: "sum", _T.sum: "sum", torch.mean: "mean", _T.mean: "mean"}
 
+#: why a reduction over the split token dim is refused, and the way around it
+_BEHIND_PREFIX = (
+    "a reduction or scan over the tokens behind prefix (class / register) tokens, which one "
+    "rank holds alone, is not supported. Slice the prefix off first (x[:, p:]), or reduce "
+    "over the channels (dim=-1)."
+)
+_P_NORM = (
+    "DTensor's own p-norm over the split token dim of a token tensor gives a wrong input "
+    "gradient (torch 2.14.1), so it is not supported. Write it as x.square().sum(dim).sqrt(), "
+    "or reduce over the channels (dim=-1)."
+)
+_PRODUCT = (
+    "a product over a split dim is not supported. Write it as x.log().sum(dim).exp() "
+    "(positive x), or gather explicitly (x.full_tensor())."
+)
+
 
 def _arg(args, kwargs, pos: int | None, name: str, default):
     if name in kwargs:
@@ -56,28 +72,16 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
     return args[pos] if pos is not None and len(args) > pos else default
 
 
-def _refuse_product(x, dim, what: str) -> None:
-    """Refuse a product over a split dim (of tokens or of a map) by name: DTensor's own rule
-    fails in the backward, "aten.cat got mixed torch.Tensor and DTensor" (torch 2.14.1)."""
-    dims = _dims(None if isinstance(dim, torch.dtype) else dim, x.ndim)
-    if any(d is not None and d % x.ndim in dims for d in map(sharded_dim, x.placements)):
-        raise SpatialShardingError(
-            f"{what} over dims {dims} of {tuple(x.shape)} {x.placements} in module "
-            f"'{module_path()}': a product over a split dim is not supported. Write it as "
-            f"x.log().sum(dim).exp() (positive x), or gather explicitly (x.full_tensor())."
-        )
-
-
 def _token_wise(fn, prev, spec: tuple):
-    """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
+    """Handler for ``fn``: local on token tensors reduced over dims no rank splits (a
+    product: on any DTensor; DTensor's own rule fails in its backward, torch 2.14.1)."""
     what, (dim_pos, keep_pos, default, needs_dim) = function_name(fn), spec
     product = fn in (torch.prod, _T.prod)
 
     def handler(x, *args, **kwargs):
-        local = is_tokens(x)
-        if product and isinstance(x, DTensor):  # DTensor's own rule fails in the backward
-            _refuse_product(x, _arg((x, *args), kwargs, dim_pos, "dim", default), what)
-            local = not any(p.is_partial() for p in x.placements)
+        local = is_tokens(x) or (
+            product and isinstance(x, DTensor) and not any(p.is_partial() for p in x.placements)
+        )
         if not local or kwargs.get("out") is not None:
             return prev(x, *args, **kwargs)
         full = (x, *args)
@@ -91,22 +95,15 @@ def _token_wise(fn, prev, spec: tuple):
         split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
         keepdim = keep_pos is None or bool(_arg(full, kwargs, keep_pos, "keepdim", 0))
         if split & set(dims):
-            if any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements):
-                raise SpatialShardingError(
-                    f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
-                    f"module '{module_path()}': a reduction or scan over the tokens behind "
-                    f"prefix (class / register) tokens, which one rank holds alone, is not "
-                    f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
-                    f"channels (dim=-1)."
-                )
+            behind = any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements)
             order = _arg(full, kwargs, 1, "ord" if fn is _NORMS[2] else "p", 2)  # p, 2 or "fro"
-            if fn in _NORMS and len(dims) < x.ndim and order != 1:
+            p_norm = fn in _NORMS and len(dims) < x.ndim and order != 1
+            if behind or p_norm or product:
+                why = _BEHIND_PREFIX if behind else _P_NORM if p_norm else _PRODUCT
+                kind = "tokens " if is_tokens(x) else ""
                 raise SpatialShardingError(
-                    f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
-                    f"module '{module_path()}': DTensor's own p-norm over the split token dim "
-                    f"of a token tensor gives a wrong input gradient (torch 2.14.1), so it is "
-                    f"not supported. Write it as x.square().sum(dim).sqrt(), or reduce over "
-                    f"the channels (dim=-1)."
+                    f"{what} over dims {dims} of {kind}{tuple(x.shape)} {x.placements} in "
+                    f"module '{module_path()}': {why}"
                 )
             if fn in _SUMS:  # a sum or mean over the tokens (token pooling)
                 return reduce_sharded(x, _SUMS[fn], dims, keepdim, dtype=kwargs.get("dtype"))
