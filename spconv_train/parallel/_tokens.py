@@ -29,28 +29,34 @@ def is_nested(x) -> bool:
     return len(lays) > 1 and any(m.dim for m in lays)
 
 
-def _target(shape: tuple, lay: TokenLayout, out_shape: tuple, last: bool = False):
-    """``(output dim, split factor, unit)`` of ``lay``'s sharded factor after a reshape to
-    ``out_shape``, ``None`` if it mixes with others. A factor of size 1 fits several output
-    dims: the first, or with ``last`` the innermost (a single window's index)."""
-    if lay.prefix:  # the dim stays whole
-        head, n = math.prod(shape[: lay.dim]), shape[lay.dim]
-        fits = [e for e, m in enumerate(out_shape) if m == n and math.prod(out_shape[:e]) == head]
-        return (fits[0], lay.split_factor, lay.unit) if fits else None
+def fits(shape: tuple, lay: TokenLayout, out_shape: tuple) -> list[tuple[int, int, int]]:
+    """Every ``(output dim, split factor, unit)`` where ``lay``'s sharded factor lands whole
+    after a reshape to ``out_shape`` (a factor of size 1: on several, in dim order)."""
     before = math.prod(shape[: lay.dim]) * lay.split_factor
     after = math.prod(shape[lay.dim + 1 :]) * lay.unit
-    found, dims = [], list(enumerate(out_shape))
-    for e, n in reversed(dims) if last else dims:
+    found = []
+    for e, n in enumerate(out_shape):
         head, tail = math.prod(out_shape[:e]), math.prod(out_shape[e + 1 :])
         if not head or not tail or before % head or after % tail:
             continue
         sf, unit = before // head, after // tail
         if sf * max(lay.inner, 1) * unit == n and (n > 1 or lay.inner <= 1):
             found.append((e, sf, unit))
+    return found
+
+
+def _target(shape: tuple, lay: TokenLayout, out_shape: tuple, last: bool = False):
+    """The ``fits`` of ``lay`` after a reshape, ``None`` if it mixes with others: the first,
+    or with ``last`` the innermost (a single window's index)."""
+    if lay.prefix:  # the dim stays whole
+        head, n = math.prod(shape[: lay.dim]), shape[lay.dim]
+        found = [e for e, m in enumerate(out_shape) if m == n and math.prod(out_shape[:e]) == head]
+        return (found[0], lay.split_factor, lay.unit) if found else None
+    found = fits(shape, lay, out_shape)
     # a factor followed by the same runs as before (``unit`` kept) first: the others put
     # it before (part of) the dims after it, which the placements say only when nested
     kept = [f for f in found if f[2] == lay.unit]
-    return (kept or found or [None])[0]
+    return (kept or found or [None])[-1 if last else 0]
 
 
 def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> Exception:

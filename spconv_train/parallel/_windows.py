@@ -22,7 +22,8 @@ from ._halo import gather_columns
 from ._prefix_shard import placement
 from ._ring_mask import sdpa_bias
 from ._runtime import function_name
-from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, local_reshape, split_layouts
+from ._token_layout import TokenLayout, split_layouts
+from ._tokens import MATMULS, _target, chain, chain_each, fits, local_reshape
 
 
 def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
@@ -166,26 +167,20 @@ def _single_window_dims(x: DTensor, lays: list, out_shape: tuple) -> dict[int, i
     """``{mesh dim: output dim}`` of the single windows of a batch of windows a reshape puts
     back: on tiles the size-1 output dims that fit, in mesh dim order; on one mesh dim the
     window index it came from (``SINGLE_WINDOWS``). ``_target`` would pick another dim."""
-    shape, groups, out = tuple(x.shape), {}, {}
+    groups, out = {}, {}
     for lay in lays:
         if not is_dp(x, lay.mesh_dim):
             groups.setdefault(lay.dim, []).append(lay)
-    for d, group in groups.items():
+    for group in groups.values():
         ones = [lay for lay in group if lay.inner <= 1]
         if not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
             continue
-        head = math.prod(shape[:d]) * ones[0].split_factor
-        tail = math.prod(shape[d + 1 :]) * ones[0].unit
-        fits = [
-            e
-            for e, n in enumerate(out_shape)
-            if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
-        ]
+        found = [e for e, _, _ in fits(tuple(x.shape), ones[0], out_shape) if out_shape[e] == 1]
         at = SINGLE_WINDOWS.get(("batch", tuple(out_shape), ones[0].mesh_dim))
-        if len(group) == 1 and at in fits and len(out_shape) > len(shape):  # a reverse view
+        if len(group) == 1 and at in found and len(out_shape) > x.ndim:  # a reverse view
             out[ones[0].mesh_dim] = at
-        elif len(group) > 1 and len(fits) >= len(ones):
-            out.update(zip([o.mesh_dim for o in ones], fits[len(fits) - len(ones) :], strict=True))
+        elif len(group) > 1 and len(found) >= len(ones):
+            out.update(zip([o.mesh_dim for o in ones], found[-len(ones) :], strict=True))
     return out
 
 
