@@ -63,20 +63,14 @@ def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
 def split_layouts(x: DTensor) -> list[TokenLayout]:
     """One ``TokenLayout`` per mesh dim sharding a dim of ``x``, in mesh dim order; mesh dims
     on one dim nest (``_nest``), a ``dp`` one aside (it splits whole images)."""
-    mesh = x.device_mesh
-    chains: dict[int, list[tuple[int, int]]] = {}
-    found: dict[int, tuple[int, int, int, int]] = {}  # mesh dim: dim, split factor, inner, unit
+    mesh, chains = x.device_mesh, {}
     for i, p in enumerate(x.placements):
         d = sharded_dim(p)
-        if d is None:
-            continue
-        d %= x.ndim
-        sf = p.split_factor if isinstance(p, _StridedShard) else 1
-        if is_dp(x, i):
-            found[i] = (d, sf, x.shape[d] // sf, 1)
-        else:
-            chains.setdefault(d, []).append((sf, i))
-    for d, chain in chains.items():
+        if d is not None:  # keyed by (dim, dp): a dp mesh dim nests with no other
+            sf = p.split_factor if isinstance(p, _StridedShard) else 1
+            chains.setdefault((d % x.ndim, is_dp(x, i)), []).append((sf, i))
+    found = {}  # mesh dim: dim, split factor, inner, unit
+    for (d, _), chain in chains.items():
         # prefix tokens (on every mesh dim of the chain alike) stand in front of the nesting
         prefix = max(prefix_of(x.placements[i]) for _, i in chain)
         nest = _nest(x.shape[d] - prefix, sorted(chain))
