@@ -1,4 +1,4 @@
-"""timm EdgeNeXt's Fourier positional encoding sharded (``parallel/_fourier_pos.py``): each
+"""timm EdgeNeXt's Fourier positional encoding sharded (``parallel/_token_reduce.py``): each
 rank builds its own block of the encoding and projects it locally, in fp64 against one
 device, output and every parameter gradient, with no activation-sized collective:
 
@@ -17,7 +17,7 @@ from timm.models.edgenext import PositionalEncodingFourier, SplitTransposeBlock
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from spconv_train.parallel._fourier_pos import TIMM_CLASS, fourier_block
+from spconv_train.parallel._token_reduce import TIMM_CLASS, fourier_block
 from tests.dist_harness import mesh
 from tests.meshes import mesh_and_placements
 from tests.op_check import check_model_audited, check_strip_model

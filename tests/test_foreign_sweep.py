@@ -11,7 +11,7 @@ and on EdgeNeXt's split transposed-attention block:
   error ("got mixed torch.Tensor and DTensor"); now it matches one device;
 - a Fourier positional encoding built for the whole image (a plain tensor of the
   activation's size computed with a gradient: timm's module under another class name, which
-  ``parallel/_fourier_pos.py`` does not build per strip) had its gradient all-reduced at full
+  ``parallel/_token_reduce.py`` does not build per strip) had its gradient all-reduced at full
   size in the backward (a silent gather); now refused naming the module and the op, and
   exact (counted) with ``allow_gather`` (timm's own class: ``tests/test_edgenext_pos.py``);
 

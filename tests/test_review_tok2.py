@@ -76,6 +76,11 @@ OVER_TOKENS = [
     ("cat axis=", lambda t: torch.cat([t, t * 2], axis=1).sum(1), "aten.cat"),
     ("concatenate axis=", lambda t: torch.concatenate([t, t * 2], axis=-2).sum(1), "aten.cat"),
     ("concat channels axis=", lambda t: torch.concat([t, t * 2], axis=-1), "aten.cat"),
+    # DTensor's prod failed in the backward, unnamed ("aten.cat got mixed"), over any dim
+    ("prod", lambda t: t.prod(1), "prod"),
+    ("torch.prod keepdim dtype", lambda t: torch.prod(t, -2, True, dtype=t.dtype), "prod"),
+    ("prod channels", lambda t: t * t.prod(-1, keepdim=True), "prod"),
+    ("prod batch", lambda t: t * torch.prod(t, dim=0), "prod"),
 ]
 
 
@@ -108,6 +113,7 @@ def aminmax_map_failures() -> list[str]:
         ("map H", lambda m: torch.aminmax(m, dim=2).max.unsqueeze(2) * m),
         ("map W", lambda m: m * m.aminmax(dim=-1, keepdim=True).min),
         ("map all", lambda m: m * torch.aminmax(m).max),
+        ("map prod channels", lambda m: m * m.prod(1, keepdim=True)),
     ]
     for name, op in ops:
         for label, dmesh, placements in _meshes(world):
@@ -115,7 +121,7 @@ def aminmax_map_failures() -> list[str]:
     return failures
 
 
-def test_aminmax_of_maps(dist_pool):
+def test_aminmax_and_prod_of_maps(dist_pool):
     _no_failures(dist_pool.run(2, aminmax_map_failures))
 
 

@@ -9,13 +9,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 class PrefixShard(_StridedShard):
     """``_StridedShard(dim, split_factor)`` of the pixel tokens behind ``prefix`` tokens held
-    by the first rank of the mesh dim. ``prefix`` is keyword-only: code copying a
-    ``_StridedShard`` by its two fields fails instead of dropping it. It compares equal to
-    that ``_StridedShard`` (the local tensors are laid out alike), so DTensor's own rules
-    (the sum of two gradients, the check of a gradient's placements) take it without moving
-    data; its hash counts the prefix, so that DTensor's cache of sharding decisions keeps the
-    two apart (an output spec copying its input's placements must not hand a prefix to
-    pixel tokens of the same shape)."""
+    by the first rank. ``prefix`` is keyword-only: code copying a ``_StridedShard`` by its
+    two fields fails instead of dropping it. Equal to that ``_StridedShard`` (laid out
+    alike: DTensor's rules, a gradient sum or check, take it without moving data); its hash
+    counts the prefix (DTensor's sharding cache must not hand it to plain pixel tokens)."""
 
     def __init__(self, dim: int, split_factor: int = 1, *, prefix: int) -> None:
         super().__init__(dim, split_factor=split_factor)
@@ -36,16 +33,14 @@ def prefix_of(p) -> int:
 
 
 def placement(dim: int, sf: int = 1, prefix: int = 0):
-    """The shard of ``dim``: a ``Shard``, a ``_StridedShard`` of split factor ``sf`` > 1, or
-    a ``PrefixShard`` with ``prefix`` tokens."""
+    """The shard of ``dim``: ``Shard``, ``_StridedShard`` (``sf`` > 1) or ``PrefixShard``."""
     if prefix:
         return PrefixShard(dim, sf, prefix=prefix)
     return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
 
 
 def reduced_placements(x: DTensor, dims, keepdim: bool = False) -> list:
-    """``x``'s placements once ``dims`` are reduced (or indexed away, ``keepdim`` False):
-    a shard of one of them ``Replicate``, every other moved to its new dim."""
+    """``x``'s placements once ``dims`` are reduced (or indexed away, ``keepdim`` False)."""
     out = []
     for p in x.placements:
         if p.is_shard() or isinstance(p, _StridedShard):

@@ -1,7 +1,5 @@
-"""Which entries of each dim of a sharded DTensor every rank holds, for any placement
-(``TokenLayout``, ``split_layouts``), and ``local_part``: the part of a plain tensor that
-meets a rank's entries, wherever a plain tensor joins a sharded one. docs/attention.md,
-"Token layout"."""
+"""Which entries of each dim of a sharded DTensor every rank holds (``split_layouts``), and
+``local_part``: the part of a plain tensor meeting a rank's entries. docs/attention.md."""
 
 from __future__ import annotations
 
@@ -22,10 +20,9 @@ from ._sharding import grad_groups, sharded_dim
 
 @dataclass(frozen=True)
 class TokenLayout:
-    """How mesh dim ``mesh_dim`` splits ``dim``: ``prefix`` entries (``PrefixShard``: rank
-    0's), then the dim viewed as ``(split_factor, inner, unit)``, ``inner`` chunked like
-    ``Shard`` over ``parts`` ranks (a ``Shard``: factor and unit 1; a ``_StridedShard``:
-    unit 1; tiles nest, ``split_layouts``). docs/attention.md, "Tiles and rows"."""
+    """How mesh dim ``mesh_dim`` splits ``dim``: ``prefix`` entries (rank 0's), then the dim
+    viewed as ``(split_factor, inner, unit)``, ``inner`` chunked like ``Shard`` over
+    ``parts`` ranks (``unit`` > 1: tiles nest, ``split_layouts``)."""
 
     dim: int
     mesh_dim: int
@@ -42,8 +39,7 @@ class TokenLayout:
         return self.split_factor * (b - a) * self.unit + (self.prefix if self.rank == 0 else 0)
 
     def indices(self) -> Tensor:
-        """Global indices along ``dim`` that this rank holds (this mesh dim's split alone),
-        in its local order: the prefix (on rank 0), then its pixel tokens."""
+        """Global indices along ``dim`` this rank holds (this split alone), in local order."""
         a, b = shard_bounds(self.inner, self.parts, self.rank)
         outer = torch.arange(self.split_factor).view(-1, 1, 1) * (self.inner * self.unit)
         mid = torch.arange(a, b).view(1, -1, 1) * self.unit
@@ -54,9 +50,8 @@ class TokenLayout:
 def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
     """``{mesh dim: (inner, unit)}`` of the mesh dims splitting one ``n``-long dim, ``chain``
     their ``(split_factor, mesh dim)`` sorted: each chunks the factor up to the next one's
-    split factor (the last: the rest); an equal one chunks a factor of 1 (a map one row high
-    over ``sp_h``: its first rank holds it all); one that does not nest keeps the one-dim
-    meaning (the rest chunked, ``unit`` 1)."""
+    split factor (the last: the rest; equal: a factor of 1); one that does not nest keeps
+    the one-dim meaning (the rest chunked, ``unit`` 1)."""
     out = {}
     for j, (sf, m) in enumerate(chain):
         nxt = chain[j + 1][0] if j + 1 < len(chain) else n
@@ -66,22 +61,16 @@ def _nest(n: int, chain: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
 
 
 def split_layouts(x: DTensor) -> list[TokenLayout]:
-    """One ``TokenLayout`` per mesh dim that shards a dim of ``x``, in mesh dim order; mesh
-    dims on one dim nest (``_nest``), a ``dp`` one aside (it splits whole images)."""
-    mesh = x.device_mesh
-    chains: dict[int, list[tuple[int, int]]] = {}
-    found: dict[int, tuple[int, int, int, int]] = {}  # mesh dim: dim, split factor, inner, unit
+    """One ``TokenLayout`` per mesh dim sharding a dim of ``x``, in mesh dim order; mesh dims
+    on one dim nest (``_nest``), a ``dp`` one aside (it splits whole images)."""
+    mesh, chains = x.device_mesh, {}
     for i, p in enumerate(x.placements):
         d = sharded_dim(p)
-        if d is None:
-            continue
-        d %= x.ndim
-        sf = p.split_factor if isinstance(p, _StridedShard) else 1
-        if is_dp(x, i):
-            found[i] = (d, sf, x.shape[d] // sf, 1)
-        else:
-            chains.setdefault(d, []).append((sf, i))
-    for d, chain in chains.items():
+        if d is not None:  # keyed by (dim, dp): a dp mesh dim nests with no other
+            sf = p.split_factor if isinstance(p, _StridedShard) else 1
+            chains.setdefault((d % x.ndim, is_dp(x, i)), []).append((sf, i))
+    found = {}  # mesh dim: dim, split factor, inner, unit
+    for (d, _), chain in chains.items():
         # prefix tokens (on every mesh dim of the chain alike) stand in front of the nesting
         prefix = max(prefix_of(x.placements[i]) for _, i in chain)
         nest = _nest(x.shape[d] - prefix, sorted(chain))
@@ -113,10 +102,9 @@ def is_tokens(x) -> bool:
 
 
 def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "an op") -> Tensor:
-    """The part of ``plain`` (broadcast against ``x``'s global shape: a position embedding
-    ``(1, L, C)``, a layer scale ``(1, C, 1, 1)``) that meets this rank's entries of ``x``
-    (all of dim ``skip``), its gradient summed over the ranks that split ``x``. Refuses by
-    name (``what``) a local tensor of ``x`` not holding the entries its placements give."""
+    """The part of ``plain`` (broadcast against ``x``: a position embedding) meeting this
+    rank's entries of ``x`` (all of dim ``skip``), its gradient summed over the ranks; a
+    local tensor of ``x`` not holding the entries its placements give refused by name."""
     part = sum_grad_over(plain, grad_groups(x))
     lead = x.ndim - part.ndim
     split = {d % x.ndim for d in map(sharded_dim, x.placements) if d is not None} - {skip}
@@ -130,8 +118,7 @@ def local_part(plain: Tensor, x: DTensor, skip: int | None = None, what: str = "
         a, b = shard_bounds(lay.inner, lay.parts, lay.rank)  # of one block: a view
         idx = None if one else held_indices(on_d)
         held = b - a if one else idx.numel()
-        # a mismatch would fail in the op as a bare size error, or broadcast a local
-        # dim of size 1 against the picked entries
+        # a mismatch: a bare size error in the op, or a size-1 local dim broadcast
         if held != x.to_local().shape[d]:
             raise SpatialShardingError(
                 f"{what} of a token tensor {tuple(x.shape)} {x.placements} and a plain tensor "

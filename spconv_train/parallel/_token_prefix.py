@@ -1,11 +1,8 @@
-"""Prefix tokens (a ViT's class and register tokens) in front of sharded pixel tokens:
-``torch.cat([cls.expand(N, -1, -1), x], 1)`` gives a ``PrefixShard`` token dim, the prefix
-held (and its gradient counted) once; ops that keep the tokens in place run on the plain
-placements and get the prefix back; ``x[:, p:]`` gives the pixel tokens, ``x[:, 0]`` is
-broadcast from its owner. Refused by name: a plain tensor with a gradient joined to the
-tokens (a gather in the backward). Indexing along dims no rank splits (``kv[0]``) runs
-locally: DTensor's ``select_backward`` would size the gradient by its own chunking, not the
-tiles' layout. docs/attention.md, "Prefix tokens"."""
+"""Prefix tokens (a ViT's class / register tokens) in front of sharded pixel tokens: ``cat``
+gives a ``PrefixShard`` token dim (the prefix held once); ops keeping the tokens in place run
+on the plain placements, the prefix put back; ``x[:, p:]``: the pixel tokens, ``x[:, 0]``:
+broadcast from its owner. Indexing along unsplit dims (``kv[0]``) runs locally (DTensor's
+``select_backward`` sizes the gradient by its own chunking). docs/attention.md."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ def _refuse(what: str, why: str, fix: str) -> SpatialShardingError:
 
 
 def _strip(x):
-    """``x`` (or a list / tuple of tensors) with every ``PrefixShard`` read as its plain
-    ``_StridedShard``, for DTensor's own ops."""
+    """``x`` (or a list / tuple of them) with every ``PrefixShard`` read as ``_plain``."""
     if isinstance(x, (list, tuple)):
         return type(x)(_strip(t) for t in x)
     return wrap(x.to_local(), x, _plain(x.placements), x.shape) if has_prefix(x) else x
@@ -55,8 +51,8 @@ def _plain(placements) -> list:
 
 
 def _attach(out, prefixes: dict[int, tuple[int, int]], what: str):
-    """``out`` (or a list / tuple of tensors) with the prefixes ``{mesh dim: (prefix,
-    tokens)}`` put back; refused where a split dim no longer holds all the tokens."""
+    """``out`` (or a list / tuple of them) with the prefixes ``{mesh dim: (prefix, tokens)}``
+    put back; refused where a split dim no longer holds all the tokens."""
     if isinstance(out, (list, tuple)):
         return type(out)(_attach(t, prefixes, what) for t in out)
     if not isinstance(out, DTensor):
@@ -90,8 +86,8 @@ def _prefixes(args) -> dict[int, tuple[int, int]]:
 
 
 def _keeps_prefix(fn, prev):
-    """Handler for ``fn``, an op that keeps every token where it is (a permute, an
-    activation): ``prev`` on the plain placements, the prefix put back."""
+    """Handler for ``fn``, an op keeping every token in place: ``prev`` on the plain
+    placements, the prefix put back."""
     what = function_name(fn)
 
     def handler(*args, **kwargs):
@@ -121,8 +117,7 @@ chain_each(_KEEPING, _keeps_prefix, "prefix", graph=True)
 
 def _arith_handler(fn, prev):
     """Arithmetic with a token tensor first or second: local next to a token tensor laid out
-    alike or a plain tensor (the rank's part of it, the prefix counted: a position
-    embedding); other operands of a tensor with prefix tokens (a scalar) on the plain
+    alike or a plain tensor (the rank's part of it); a scalar behind a prefix on the plain
     placements, the prefix put back; else ``prev``."""
     what = function_name(fn)
 
@@ -130,8 +125,7 @@ def _arith_handler(fn, prev):
         dt, plain = (a, b) if isinstance(a, DTensor) else (b, a)
         alike = isinstance(plain, DTensor) and a.ndim == b.ndim and a.placements == b.placements
         if alike and all(a.shape[lay.dim] == b.shape[lay.dim] for lay in split_layouts(a)):
-            # DTensor redistributes some of these when the strides differ (a transposed view
-            # next to a contiguous tensor); laid out alike, the op is local
+            # DTensor redistributes some when the strides differ (a transposed view)
             shape = torch.broadcast_shapes(a.shape, b.shape)
             return wrap(fn(a.to_local(), b.to_local(), *rest, **kwargs), dt, dt.placements, shape)
         if isinstance(plain, DTensor) or not isinstance(plain, Tensor) or plain.ndim > dt.ndim:
@@ -142,8 +136,7 @@ def _arith_handler(fn, prev):
                 f"{what} of a token tensor {tuple(dt.shape)} and a plain tensor "
                 f"{tuple(plain.shape)} in module '{module_path()}' broadcasts the token tensor."
             )
-        # the guard here, not in local_part: the attention masks and biases it cuts
-        # (_ring_mask.py) have a window's size, not the image's
+        # the guard here, not in local_part: it also cuts window-sized masks (_ring_mask.py)
         part = plain_part(plain, dt, what)
         la, lb = (dt.to_local(), part) if a is dt else (part, dt.to_local())
         return wrap(fn(la, lb, *rest, **kwargs), dt, dt.placements, shape)
@@ -171,8 +164,7 @@ chain_each(ARITH, _arith_handler, "prefix")
 
 
 def _expanded_leaf(t: Tensor) -> Tensor | None:
-    """The leaf (a parameter) ``t`` is an expanded view of (timm's
-    ``cls_token.expand(N, -1, -1)``), or ``None``."""
+    """The leaf ``t`` is an expanded view of (``cls_token.expand(N, -1, -1)``), or ``None``."""
     base = t._base
     if base is None or not base.is_leaf or base.ndim != t.ndim:
         return None
@@ -185,13 +177,11 @@ def _expanded_leaf(t: Tensor) -> Tensor | None:
 
 
 def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
-    """``torch.cat(tensors, d)`` (``what``) of plain tensors (class / register tokens) in
-    front of the token tensor (the last) along its token dim ``d``, held by the first rank
-    of every mesh dim splitting ``d``. An expanded parameter is expanded here, so that its
-    gradient sum is the bucketed parameter one, not an all-reduce of ``(N, p, C)``. Other
-    plain tokens with a gradient at least as long as a rank's share of the pixel tokens (the
-    same on every rank) are refused (``guard_gather``): their gradient is all-reduced at that
-    size (a position table resized to the token grid; a class token is far shorter)."""
+    """``torch.cat(tensors, d)`` of plain prefix tokens in front of the token tensor (the
+    last) along its token dim ``d``, held by the first rank. An expanded parameter is
+    expanded here (its gradient summed as the parameter's, not as ``(N, p, C)``); other
+    plain tokens with a gradient as long as a rank's share of the pixel tokens are refused
+    (``guard_gather``: their gradient would be all-reduced at that size)."""
     x, front, parts = tensors[-1], tensors[:-1], []
     lays = [lay for lay in split_layouts(x) if lay.dim == d and not is_dp(x, lay.mesh_dim)]
     share = (x.shape[d] - lays[0].prefix) // math.prod(lay.parts for lay in lays)
@@ -222,8 +212,8 @@ def _cat_prefix(tensors: list, d: int, what: str) -> DTensor:
 
 
 def _cat_alongside(tensors: list, d: int, x: DTensor, what: str) -> DTensor | None:
-    """``torch.cat`` (``what``) along a dim no rank splits of token tensors laid out like
-    ``x`` and plain tensors (each rank takes its tokens' part); ``None`` for other mixes."""
+    """``torch.cat`` along an unsplit dim of token tensors laid out like ``x`` and plain
+    tensors (the rank's part of each); ``None`` for other mixes."""
     dims = [lay.dim for lay in split_layouts(x)]
     for t in (t for t in tensors if isinstance(t, DTensor)):
         if t.placements != x.placements or any(t.shape[e] != x.shape[e] for e in dims):
@@ -243,13 +233,13 @@ def _cat_handler(fn, prev):
     def handler(tensors, dim=0, **kwargs):
         if "axis" in kwargs:  # torch's alias: passed on with dim=0, tokens were cat on dim 0
             dim = kwargs.pop("axis")
-        tensors, axis = list(tensors), dim
+        tensors = list(tensors)
         x, last = next((t for t in reversed(tensors) if is_tokens(t)), None), tensors[-1]
-        if x is None and axis in (1, -2) and isinstance(last, DTensor) and last.ndim == 3:
+        if x is None and dim in (1, -2) and isinstance(last, DTensor) and last.ndim == 3:
             x = last if Shard(1) in last.placements else None  # even chunks of L (_windows.py)
         if x is None or any(k != "axis" for k in kwargs):
             return prev(tensors, dim, **kwargs)
-        d, out, front = norm_dim(axis, x.ndim), None, tensors[:-1]
+        d, out, front = norm_dim(dim, x.ndim), None, tensors[:-1]
         plain = all(isinstance(t, Tensor) and not isinstance(t, DTensor) for t in front)
         if d not in {lay.dim for lay in split_layouts(x) if not is_dp(x, lay.mesh_dim)}:
             out = _cat_alongside(tensors, d, x, what)
@@ -265,8 +255,8 @@ chain_each((torch.cat, torch.concat, torch.concatenate), _cat_handler, "prefix",
 
 @chain(_T.expand_as, prefix="prefix", graph=True)
 def _expand_as(prev, t, other, *args, **kwargs):
-    """``t.expand_as(tokens)`` of a tensor replicated over the ranks that split the tokens,
-    of size 1 along them (a class token): local, laid out like ``tokens``."""
+    """``t.expand_as(tokens)`` of ``t`` replicated where ``tokens`` is split, of size 1
+    along the split dims (a class token): local, laid out like ``tokens``."""
     if not (isinstance(t, DTensor) and is_tokens(other) and t.ndim == other.ndim):
         return prev(t, other, *args, **kwargs)
     grads = list(t.placements)
@@ -281,7 +271,7 @@ def _expand_as(prev, t, other, *args, **kwargs):
 
 def _items(x, index) -> tuple | None:
     """``index`` as one item per dim of ``x`` (``None``: not ints and slices), a slice that
-    keeps a whole dim (``x[:, 0:]``, as torch: every entry) read as ``slice(None)``."""
+    keeps a whole dim (``x[:, 0:]``) read as ``slice(None)``."""
     items = _expand_index(index, x.ndim)
     if items is None:
         return None
@@ -294,8 +284,8 @@ def _items(x, index) -> tuple | None:
 
 
 def _local_index(x, index) -> DTensor | None:
-    """``x[index]`` on the local tensor when ``x`` is a token tensor and ``index`` (ints and
-    slices) leaves every split dim whole; ``None`` otherwise."""
+    """``x[index]`` on the local tensor of a token tensor when ``index`` (ints and slices)
+    leaves every split dim whole; ``None`` otherwise."""
     items = _items(x, index) if is_tokens(x) or is_nested(x) else None
     if items is None or any(items[lay.dim] != slice(None) for lay in split_layouts(x)):
         return None
@@ -329,9 +319,8 @@ class _FromOwner(torch.autograd.Function):
 
 
 def _prefix_index(x: DTensor, index) -> DTensor | None:
-    """``x[index]`` on a tensor with prefix tokens (``None``: the token dim stays whole): the
-    pixel tokens (``x[:, p:]``) or a part of the prefix (``x[:, 0]``, ``x[:, :p]``) from its
-    owner, the first rank of every mesh dim splitting the tokens."""
+    """``x[index]`` behind prefix tokens (``None``: the token dim stays whole): the pixel
+    tokens (``x[:, p:]``) or a part of the prefix (``x[:, 0]``) from its owner."""
     items, lays = _items(x, index), [lay for lay in split_layouts(x) if lay.prefix]
     d, p, n = lays[0].dim, lays[0].prefix, x.shape[lays[0].dim]
     if items is not None and items[d] == slice(None):
@@ -373,8 +362,8 @@ def _prefix_index(x: DTensor, index) -> DTensor | None:
 
 
 def _indexing(index_of, fn, prev):
-    """Handler (``chain_each``) of ``x[index_of(x, *args)]``: behind a prefix by
-    ``_prefix_index``, locally (``_local_index``), else ``prev``."""
+    """Handler of ``x[index_of(x, *args)]``: ``_prefix_index``, ``_local_index``, else
+    ``prev``."""
 
     def local(x, *args, **kwargs):
         out = _local_index(x, index_of(x, *args, **kwargs))

@@ -1,9 +1,10 @@
-"""Token-wise ops over dims no rank splits (the channels) of pixel tokens, with or without
-prefix tokens, on the local tokens: reductions and scans (``F.layer_norm``: ``_channels.py``),
-``split`` and ``chunk`` (DTensor sizes gradients by its own chunking and replicates an uneven
-``_StridedShard`` to split it: docs/attention.md, "Token layout"). A reduction over the
-tokens goes to the handler before (``_reduce.py``), but a sum or mean over them (token pooling)
-is local sums added over the splitting groups; behind a prefix it is refused by name."""
+"""Token-wise ops over unsplit dims (the channels) of pixel tokens, a prefix or not, locally:
+reductions, scans, ``split`` / ``chunk`` (DTensor sizes gradients by its own chunking and
+replicates an uneven ``_StridedShard`` to split it); over the split tokens a sum or mean is
+local sums added over the groups (token pooling), others go to ``_reduce.py``, or are refused
+by name behind a prefix. And timm EdgeNeXt's Fourier position encoding built per strip or tile
+(timm's plain whole-image one would sum its gradient at the activation's size), from global
+coordinates in timm's float32 steps (bitwise one device's). docs/attention.md, docs/models.md."""
 
 from __future__ import annotations
 
@@ -11,27 +12,28 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ._channels import local_pieces
-from ._dims import norm_dim, result_shape, wrap
+from ._dims import norm_dim, result_shape, wrap, wrap_local
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
+from ._mode import register_spatial_module
 from ._prefix_shard import prefix_of, reduced_placements
 from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
 from ._runtime import current_runtime, function_name
-from ._sharding import grad_groups, sharded_dim
+from ._sharding import block_slices, grad_groups, mesh_coords, sharded_dim
 from ._token_prefix import has_prefix  # (and its handlers, wrapped here)
 from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
 
 
-#: the ops by ``(dim_pos, keep_pos, default, needs_dim)``: where they take ``dim`` and
-#: ``keepdim`` by position (``keep_pos`` ``None``: the shape is kept), their dims without
-#: ``dim`` (``None``: all), and whether without ``dim`` they are another op (``x.max()``,
-#: ``torch.max(a, b)``) or need it (``softmax``); a name for ``torch.name`` and
-#: ``Tensor.name``, or the function
+#: the ops (a name: ``torch.name`` and ``Tensor.name``) by ``(dim_pos, keep_pos, default,
+#: needs_dim)``: ``dim`` / ``keepdim`` positions (``keep_pos`` ``None``: shape kept), dims
+#: without ``dim`` (``None``: all), whether without ``dim`` they are another op (``x.max()``)
 _OPS = {
     (1, 2, None, False): ("sum", "mean", "nansum", "nanmean", "prod", "amax", "amin")
     + ("logsumexp", "argmax", "argmin"),
@@ -44,9 +46,24 @@ _OPS = {
 }
 #: the p-norms (``p`` / ``ord`` the first argument after the tensor)
 _NORMS = (torch.norm, _T.norm, torch.linalg.vector_norm)
-#: the reductions over the split token dim done by ``_reduce.reduce_sharded`` (local sums
-#: added over every mesh dim splitting the tokens), not by DTensor's own rule
+#: the reductions over the split token dim done by ``_reduce.reduce_sharded``
 _SUMS = {torch.sum: "sum", _T.sum: "sum", torch.mean: "mean", _T.mean: "mean"}
+
+#: why a reduction over the split token dim is refused, and the way around it
+_BEHIND_PREFIX = (
+    "a reduction or scan over the tokens behind prefix (class / register) tokens, which one "
+    "rank holds alone, is not supported. Slice the prefix off first (x[:, p:]), or reduce "
+    "over the channels (dim=-1)."
+)
+_P_NORM = (
+    "DTensor's own p-norm over the split token dim of a token tensor gives a wrong input "
+    "gradient (torch 2.14.1), so it is not supported. Write it as x.square().sum(dim).sqrt(), "
+    "or reduce over the channels (dim=-1)."
+)
+_PRODUCT = (
+    "a product over a split dim is not supported. Write it as x.log().sum(dim).exp() "
+    "(positive x), or gather explicitly (x.full_tensor())."
+)
 
 
 def _arg(args, kwargs, pos: int | None, name: str, default):
@@ -56,11 +73,16 @@ def _arg(args, kwargs, pos: int | None, name: str, default):
 
 
 def _token_wise(fn, prev, spec: tuple):
-    """Handler for ``fn``: local on token tensors reduced over dims no rank splits."""
+    """Handler for ``fn``: local on token tensors reduced over dims no rank splits (a
+    product: on any DTensor; DTensor's own rule fails in its backward, torch 2.14.1)."""
     what, (dim_pos, keep_pos, default, needs_dim) = function_name(fn), spec
+    product = fn in (torch.prod, _T.prod)
 
     def handler(x, *args, **kwargs):
-        if not is_tokens(x) or kwargs.get("out") is not None:
+        local = is_tokens(x) or (
+            product and isinstance(x, DTensor) and not any(p.is_partial() for p in x.placements)
+        )
+        if not local or kwargs.get("out") is not None:
             return prev(x, *args, **kwargs)
         full = (x, *args)
         dim = _arg(full, kwargs, dim_pos, "dim", default)
@@ -73,22 +95,15 @@ def _token_wise(fn, prev, spec: tuple):
         split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
         keepdim = keep_pos is None or bool(_arg(full, kwargs, keep_pos, "keepdim", 0))
         if split & set(dims):
-            if any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements):
-                raise SpatialShardingError(
-                    f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
-                    f"module '{module_path()}': a reduction or scan over the tokens behind "
-                    f"prefix (class / register) tokens, which one rank holds alone, is not "
-                    f"supported. Slice the prefix off first (x[:, p:]), or reduce over the "
-                    f"channels (dim=-1)."
-                )
+            behind = any(prefix_of(p) and sharded_dim(p) % x.ndim in dims for p in x.placements)
             order = _arg(full, kwargs, 1, "ord" if fn is _NORMS[2] else "p", 2)  # p, 2 or "fro"
-            if fn in _NORMS and len(dims) < x.ndim and order != 1:
+            p_norm = fn in _NORMS and len(dims) < x.ndim and order != 1
+            if behind or p_norm or product:
+                why = _BEHIND_PREFIX if behind else _P_NORM if p_norm else _PRODUCT
+                kind = "tokens " if is_tokens(x) else ""
                 raise SpatialShardingError(
-                    f"{what} over dims {dims} of tokens {tuple(x.shape)} {x.placements} in "
-                    f"module '{module_path()}': DTensor's own p-norm over the split token dim "
-                    f"of a token tensor gives a wrong input gradient (torch 2.14.1), so it is "
-                    f"not supported. Write it as x.square().sum(dim).sqrt(), or reduce over "
-                    f"the channels (dim=-1)."
+                    f"{what} over dims {dims} of {kind}{tuple(x.shape)} {x.placements} in "
+                    f"module '{module_path()}': {why}"
                 )
             if fn in _SUMS:  # a sum or mean over the tokens (token pooling)
                 return reduce_sharded(x, _SUMS[fn], dims, keepdim, dtype=kwargs.get("dtype"))
@@ -111,8 +126,7 @@ for _spec, _ops in _OPS.items():
 
 @chain(F.rms_norm)
 def _rms_norm(prev, input, normalized_shape, weight=None, eps=None):
-    """``F.rms_norm`` over trailing dims no rank splits (the channels): local, as
-    ``F.layer_norm`` (``_channels.spatial_layer_norm``)."""
+    """``F.rms_norm`` over unsplit trailing dims (the channels): local."""
     k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
     # is_tokens first: the layouts are read only for token tensors
     if not is_tokens(input) or any(lay.dim >= input.ndim - k for lay in split_layouts(input)):
@@ -128,8 +142,8 @@ _SIZES = ("split_size_or_sections", "split_size", "chunks")
 
 
 def _local_pieces(fn, prev):
-    """Handler: ``fn(x, arg, dim)`` (``split`` / ``chunk``) on the local tensor when ``x`` is
-    a token tensor and no layout of it splits ``dim``; otherwise ``prev``."""
+    """Handler: ``fn(x, arg, dim)`` (``split`` / ``chunk``) of a token tensor along an
+    unsplit ``dim`` on the local tensor; otherwise ``prev``."""
     run = getattr(torch, fn.__name__)
 
     def handler(x, *args, **kwargs):
@@ -153,9 +167,8 @@ chain_each((torch.split, _T.split, torch.chunk, _T.chunk), _local_pieces, "token
 
 @chain(torch.stack, prefix="prefix_stack")
 def _stack(prev, tensors, dim=0, **kwargs):
-    """``torch.stack`` of tensors with prefix tokens as ``cat`` of each ``unsqueeze``d, by
-    their handlers (both keep the prefix): DTensor's own rule gives a ``_StridedShard``
-    without it (torch 2.14.1), a layout the ranks' tokens do not have (silently wrong after)."""
+    """``torch.stack`` behind a prefix as ``cat`` of each ``unsqueeze``d (their handlers keep
+    it): DTensor's own rule drops the prefix (torch 2.14.1; silently wrong after)."""
     tensors = list(tensors)
     if kwargs or not any(map(has_prefix, tensors)):
         return prev(tensors, dim, **kwargs)
@@ -175,9 +188,8 @@ def _roll_dims(ndim: int, shifts, dims=None) -> set[int]:
 
 
 def _along_unsplit(fn, prev, touched):
-    """Handler for ``fn`` (pad, roll) of tensors with prefix tokens: local along dims no
-    rank splits (the channels; the prefix stays where it is), refused along the tokens.
-    DTensor's own rule drops the prefix (a layout the ranks' tokens do not have)."""
+    """Handler for ``fn`` (pad, roll) behind a prefix: local along unsplit dims (the
+    channels), refused along the tokens (DTensor's own rule drops the prefix)."""
     what = function_name(fn)
 
     def handler(x, *args, **kwargs):
@@ -199,3 +211,51 @@ def _along_unsplit(fn, prev, touched):
 
 chain_each((F.pad, torch._C._nn.pad), partial(_along_unsplit, touched=_pad_dims), "prefix")
 chain_each((torch.roll, _T.roll), partial(_along_unsplit, touched=_roll_dims), "prefix")
+
+
+TIMM_CLASS = "timm.models.edgenext.PositionalEncodingFourier"
+_EPS = 1e-6  # timm's
+
+
+def fourier_block(
+    hidden: int, temperature: float, scale: float, size: tuple[int, int], rows: slice,
+    cols: slice, device=None,
+) -> Tensor:  # fmt: skip
+    """``(2 * hidden, len(rows), len(cols))``: ``rows`` x ``cols`` of timm's encoding of an
+    ``H x W = size`` map before its projection (per axis sin / cos interleaved, y first)."""
+    dim_t = torch.arange(hidden, dtype=torch.int64, device=device).to(torch.float32)
+    dim_t = temperature ** (2 * torch.div(dim_t, 2, rounding_mode="floor") / hidden)
+    axes = []
+    for n, part in zip(size, (rows, cols), strict=True):
+        pos = torch.arange(part.start + 1, part.stop + 1, dtype=torch.float32, device=device)
+        pos = (pos / (torch.tensor(float(n), device=device) + _EPS) * scale)[:, None] / dim_t
+        axes.append(torch.stack((pos[:, 0::2].sin(), pos[:, 1::2].cos()), dim=2).flatten(1))
+    (y, x), h, w = axes, len(axes[0]), len(axes[1])
+    both = (y[:, None, :].expand(h, w, hidden), x[None, :, :].expand(h, w, hidden))
+    return torch.cat(both, dim=2).permute(2, 0, 1)
+
+
+@register_spatial_module(TIMM_CLASS)
+class SpatialFourierEncoding:
+    """``PositionalEncodingFourier`` whose output is laid out like the map it encodes."""
+
+    def forward(self, shape: tuple[int, int, int]):
+        seen = current_runtime().last_image
+        if seen is None:  # no sharded map in this forward: the plain encoding is right
+            return super().forward(shape)
+        mesh, placements, image = seen
+        batch, height, width = (int(n) for n in shape)
+        if (image[0], *image[2:]) != (batch, height, width):
+            raise SpatialShardingError(
+                f"module '{getattr(self, 'spatial_name', '?')}' (PositionalEncodingFourier): "
+                f"asked to encode a {batch} x {height} x {width} map, but the last map a "
+                f"spatial layer took is {image}, so its layout is unknown. Call it with the "
+                f"shape of the activation it is added to (as timm's EdgeNeXt does)."
+            )
+        weight = self.token_projection.weight
+        full = (batch, 2 * self.hidden_dim, height, width)
+        b, _, rows, cols = block_slices(full, placements, mesh_coords(mesh))
+        args = (self.hidden_dim, self.temperature, self.scale, (height, width), rows, cols)
+        local = fourier_block(*args, weight.device).to(weight.dtype)
+        local = local.expand(b.stop - b.start, -1, -1, -1)
+        return self.token_projection(wrap_local(local.contiguous(), mesh, placements, full))

@@ -17,15 +17,13 @@ from ._replicas import flat_mesh
 from ._token_layout import held_indices
 from ._tokens import TokenLayout
 
-#: the layouts splitting one token dim (every mesh dim that splits it: one on strips,
-#: ``sp_h`` and ``sp_w`` on tiles), empty when it is whole
+#: the layouts splitting one token dim (one on strips, two on tiles), empty when whole
 Seq = tuple[TokenLayout, ...]
 
 
 @dataclass(frozen=True)
 class TokenRing:
-    """The ring over the ranks that split one token dim: its ``group`` and, per member in
-    group-rank order, the layouts of that dim as that member holds them."""
+    """The ring's ``group`` and, per member in group-rank order, its layouts of the dim."""
 
     group: object
     members: tuple[tuple[TokenLayout, ...], ...]
@@ -43,8 +41,7 @@ class TokenRing:
 
 @functools.lru_cache(maxsize=256)
 def token_ring(mesh: DeviceMesh, lays: tuple[TokenLayout, ...]) -> TokenRing:
-    """The ring of the ranks splitting the token dim of ``lays`` (every layout of that
-    dim of one tensor; a ``dp`` split of the same dim is left to the batch)."""
+    """The ring of the ranks splitting the token dim of ``lays`` (all its layouts but dp)."""
     dims = tuple(lay.mesh_dim for lay in lays)
     if len(dims) == 1:
         group = mesh.get_group(dims[0])
@@ -63,8 +60,8 @@ def token_ring(mesh: DeviceMesh, lays: tuple[TokenLayout, ...]) -> TokenRing:
 
 
 def partial_local(t: DTensor, seq: Seq) -> Tensor:
-    """``t``'s local tensor, whole on the ranks of ``seq``'s mesh dims, each of which uses
-    it for its own tokens only: its gradient there is a partial sum (``Partial``)."""
+    """``t``'s local tensor, whole on ``seq``'s mesh dims, each rank using it for its own
+    tokens: its gradient there a partial sum (``Partial``)."""
     dims = {lay.mesh_dim for lay in seq}
     grad = tuple(Partial() if i in dims else p for i, p in enumerate(t.placements))
     return t.to_local(grad_placements=grad)

@@ -1,7 +1,6 @@
-"""Token layouts: a map flattened to pixel tokens, kept sharded (read by ``TokenLayout``).
-Reshapes that keep each sharded factor whole run locally (``local_reshape``; DTensor refuses
-uneven ones: "Cannot unflatten unevenly sharded tensor"); one mixing ranks' tokens is refused
-by name. ``chain_each``: the token modules' handlers registration. docs/attention.md."""
+"""Reshapes of token tensors keeping each sharded factor whole, locally (``local_reshape``;
+DTensor refuses uneven ones), one mixing ranks' tokens refused by name; ``chain_each``: the
+token modules' handler registration. docs/attention.md."""
 
 from __future__ import annotations
 
@@ -23,36 +22,41 @@ from ._token_layout import TokenLayout, _nest, is_tokens, split_layouts  # noqa:
 
 
 def is_nested(x) -> bool:
-    """True for a DTensor split over several spatial mesh dims (tiles, rows, their tokens):
-    its reshapes run on the local tensor here."""
+    """True for a DTensor split over several spatial mesh dims (tiles, rows, their tokens)."""
     if not isinstance(x, DTensor):
         return False
     lays = [m for m in split_layouts(x) if not is_dp(x, m.mesh_dim)]
     return len(lays) > 1 and any(m.dim for m in lays)
 
 
-def _target(shape: tuple, lay: TokenLayout, out_shape: tuple, last: bool = False):
-    """``(output dim, split factor, unit)`` of ``lay``'s sharded factor after a reshape to
-    ``out_shape``, ``None`` if it mixes with others. A factor of size 1 fits several output
-    dims: the first, or with ``last`` the innermost (a single window's index)."""
-    if lay.prefix:  # the dim stays whole
-        head, n = math.prod(shape[: lay.dim]), shape[lay.dim]
-        fits = [e for e, m in enumerate(out_shape) if m == n and math.prod(out_shape[:e]) == head]
-        return (fits[0], lay.split_factor, lay.unit) if fits else None
+def fits(shape: tuple, lay: TokenLayout, out_shape: tuple) -> list[tuple[int, int, int]]:
+    """Every ``(output dim, split factor, unit)`` where ``lay``'s sharded factor lands whole
+    after a reshape to ``out_shape`` (a factor of size 1: on several, in dim order)."""
     before = math.prod(shape[: lay.dim]) * lay.split_factor
     after = math.prod(shape[lay.dim + 1 :]) * lay.unit
-    found, dims = [], list(enumerate(out_shape))
-    for e, n in reversed(dims) if last else dims:
+    found = []
+    for e, n in enumerate(out_shape):
         head, tail = math.prod(out_shape[:e]), math.prod(out_shape[e + 1 :])
         if not head or not tail or before % head or after % tail:
             continue
         sf, unit = before // head, after // tail
         if sf * max(lay.inner, 1) * unit == n and (n > 1 or lay.inner <= 1):
             found.append((e, sf, unit))
+    return found
+
+
+def _target(shape: tuple, lay: TokenLayout, out_shape: tuple, last: bool = False):
+    """The ``fits`` of ``lay`` after a reshape, ``None`` if it mixes with others: the first,
+    or with ``last`` the innermost (a single window's index)."""
+    if lay.prefix:  # the dim stays whole
+        head, n = math.prod(shape[: lay.dim]), shape[lay.dim]
+        found = [e for e, m in enumerate(out_shape) if m == n and math.prod(out_shape[:e]) == head]
+        return (found[0], lay.split_factor, lay.unit) if found else None
+    found = fits(shape, lay, out_shape)
     # a factor followed by the same runs as before (``unit`` kept) first: the others put
     # it before (part of) the dims after it, which the placements say only when nested
     kept = [f for f in found if f[2] == lay.unit]
-    return (kept or found or [None])[0]
+    return (kept or found or [None])[-1 if last else 0]
 
 
 def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> Exception:
@@ -66,10 +70,9 @@ def _mixes(x: DTensor, out_shape: tuple[int, ...], what: str, lay, why: str) -> 
 
 
 def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) -> DTensor:
-    """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
-    by default), every sharded factor kept whole; refuses by name (``what``) a reshape that
-    mixes ranks' tokens or nests them in a way the placements cannot say (the token dim
-    merged with the channels)."""
+    """``x`` reshaped to ``out_shape`` locally (``fn(local, shape)``, else ``reshape``), every
+    sharded factor kept whole; refuses by name (``what``) one mixing ranks' tokens or nesting
+    them in a way the placements cannot say (the token dim merged with the channels)."""
     placements, lays, placed, shares = list(x.placements), split_layouts(x), {}, {}
     for lay in lays:
         found = _target(tuple(x.shape), lay, out_shape)
@@ -97,8 +100,8 @@ def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) ->
 
 
 def chain(*functions, prefix: str = "token", graph: bool = False):
-    """Decorator: ``handler(prev, *args, **kwargs)`` becomes the handler of each of
-    ``functions`` (``chain_each``), ``prev`` the one before it, called for what it leaves."""
+    """Decorator: ``handler(prev, *args, **kwargs)`` the handler of each of ``functions``
+    (``chain_each``), ``prev`` the one before it."""
 
     def deco(handler):
         chain_each(
@@ -111,8 +114,8 @@ def chain(*functions, prefix: str = "token", graph: bool = False):
 
 def chain_each(functions, make, prefix: str = "token", graph: bool = False) -> None:
     """Register ``make(fn, prev)`` for each of ``functions``, ``prev`` the handler before it
-    (else DTensor's own rules, errors named); with ``graph``, graph material where ``prev`` is
-    (``_compile.graph_handler``: a wrapper must not make an element-wise op a graph break)."""
+    (else DTensor's rules, errors named); ``graph``: graph material where ``prev`` is (a
+    wrapper must not make an element-wise op a graph break, ``_compile.graph_handler``)."""
     for fn in functions:
         prev = DEFAULT_REGISTRY.handler(fn) or (lambda *a, _fn=fn, **k: run_dtensor_op(_fn, a, k))
         handler = make(fn, prev)

@@ -1,8 +1,6 @@
-"""Window partition and reverse of a sharded map (Swin), and the ops that run per window: a
-reshape that cuts a split dim at window boundaries (``_moves``) re-chunks the map to
-window-aligned owners point to point where needed (the reverse merge back), the batch of
-windows a token layout; per-window matmuls and SDPA run locally. docs/attention.md, "Window
-attention (Swin)"."""
+"""Window partition and reverse of a sharded map (Swin): a reshape cutting a split dim at
+window boundaries (``_moves``) re-chunks it to window-aligned owners (the reverse back), the
+batch of windows a token layout; per-window matmuls and SDPA run locally. docs/attention.md."""
 
 from __future__ import annotations
 
@@ -24,7 +22,8 @@ from ._halo import gather_columns
 from ._prefix_shard import placement
 from ._ring_mask import sdpa_bias
 from ._runtime import function_name
-from ._tokens import MATMULS, TokenLayout, _target, chain, chain_each, local_reshape, split_layouts
+from ._token_layout import TokenLayout, split_layouts
+from ._tokens import MATMULS, _target, chain, chain_each, fits, local_reshape
 
 
 def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
@@ -53,8 +52,7 @@ def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool
 class Move:
     """How a reshape moves the split of input dim ``lay.dim``: factorised (``split``) into
     output dims from ``dim`` on, ``k`` elements per window, or merged with the ``k`` entries
-    of the dims after it into output dim ``dim``. ``outer``: whole entries in front of the
-    chunked part (a ``_StridedShard``'s split factor), on the input (split) or output dim."""
+    of the dims after it into output dim ``dim``; ``outer``: the split factor."""
 
     lay: TokenLayout
     split: bool
@@ -63,10 +61,9 @@ class Move:
     outer: int = 1
 
 
-#: Single windows (a split dim of size 1: Swin's last stage, the first rank holds it) that
-#: shapes alone cannot place. ``("cut", shape, dim) -> 1``: a merge of that dim is the window
-#: reverse, not a merge into the batch of windows. ``("batch", shape, mesh dim) -> dim``:
-#: the split dim merged into the batch of windows, where the reverse view puts it back.
+#: Single windows (a split dim of size 1, on the first rank) shapes cannot place: ``("cut",
+#: shape, dim) -> 1``: a merge of that dim is the window reverse; ``("batch", shape, mesh
+#: dim) -> dim``: the split dim merged into the batch of windows, put back by the reverse.
 SINGLE_WINDOWS: dict[tuple, int] = {}
 
 
@@ -78,9 +75,8 @@ def remember_single(key: tuple, value: int) -> None:
 
 
 def _split(lay: TokenLayout, shape: tuple, out: tuple) -> Move | None:
-    """A split dim cut into output dims ``[e0, e1)``: a ``_StridedShard``'s split factor into
-    whole dims in front (the batch of windows back to ``(B, nD, nH, nW, ...)``), the chunked
-    run into ``(windows, ...)``, the windows split."""
+    """A split dim cut into output dims ``[e0, e1)``: the split factor into whole dims in
+    front, the chunked run into ``(windows, ...)``, the windows split."""
     runs = _runs(shape, out, lay.dim, False)
     if runs is None or runs[1] - runs[0] != 1:
         return None
@@ -123,8 +119,7 @@ def _merge(lay: TokenLayout, shape: tuple, out: tuple, split_dims) -> Move | Non
 
 
 def _batch_of_one_rank(lay: TokenLayout, x: DTensor) -> bool:
-    """The batch split over a ``dp`` mesh dim of one rank: kept on dim 0 (with size-1 dims
-    around, the shape alone could place it on any)."""
+    """The batch split over a ``dp`` mesh dim of one rank: kept on dim 0."""
     return lay.parts == 1 and lay.dim == 0 and is_dp(x, lay.mesh_dim)
 
 
@@ -142,8 +137,7 @@ def window_plan(size: int, parts: int, k: int, to_windows: bool) -> ExchangePlan
 
 def _local_outer(x: DTensor, lays: list, move: Move, out_shape: tuple) -> int:
     """``move.outer`` on this rank: a ``dp`` mesh dim leaves it part of the images where the
-    batch is among the whole entries in front of the chunked run (the batch of windows when
-    ``move`` splits; a dim merged in front of the split one when it merges)."""
+    batch is among the whole entries in front of the chunked run."""
     outer, lead = move.outer, math.prod(out_shape[: move.dim])  # entries before the merge
     for lay in lays:
         merged = lay.dim < move.lay.dim and math.prod(x.shape[: lay.dim + 1]) > lead
@@ -153,9 +147,8 @@ def _local_outer(x: DTensor, lays: list, move: Move, out_shape: tuple) -> int:
 
 
 def _rechunk(local: Tensor, x: DTensor, lays: list, move: Move, out_shape: tuple) -> Tensor:
-    """``local``'s dim ``d`` that ``move`` cuts (of ``x``) or merges into (of ``out_shape``):
-    ``move.outer`` entries, each a chunked run, moved between the map's own chunks and the
-    window-aligned ones, point to point. ``lays``: ``split_layouts(x)``."""
+    """``local``'s dim that ``move`` cuts (of ``x``) or merges into (of ``out_shape``) moved
+    between the map's own chunks and the window-aligned ones, point to point."""
     d = move.lay.dim if move.split else move.dim
     size = (x.shape if move.split else out_shape)[d]
     plan = window_plan(size // move.outer, move.lay.parts, move.k, move.split)
@@ -171,37 +164,29 @@ def _rechunk(local: Tensor, x: DTensor, lays: list, move: Move, out_shape: tuple
 
 
 def _single_window_dims(x: DTensor, lays: list, out_shape: tuple) -> dict[int, int]:
-    """``{mesh dim: output dim}`` of the size-1 factors (single windows, the first rank holds
-    them) of a batch of windows a reshape puts back: on tiles the size-1 output dims that
-    fit them, in mesh dim order (``sp_h``'s window row first); on one mesh dim the window
-    index it came from (``SINGLE_WINDOWS``). ``_target`` would pick another dim."""
-    shape, groups, out = tuple(x.shape), {}, {}
+    """``{mesh dim: output dim}`` of the single windows of a batch of windows a reshape puts
+    back: on tiles the size-1 output dims that fit, in mesh dim order; on one mesh dim the
+    window index it came from (``SINGLE_WINDOWS``). ``_target`` would pick another dim."""
+    groups, out = {}, {}
     for lay in lays:
         if not is_dp(x, lay.mesh_dim):
             groups.setdefault(lay.dim, []).append(lay)
-    for d, group in groups.items():
+    for group in groups.values():
         ones = [lay for lay in group if lay.inner <= 1]
         if not ones or len({(o.split_factor, o.unit) for o in ones}) > 1:
             continue
-        head = math.prod(shape[:d]) * ones[0].split_factor
-        tail = math.prod(shape[d + 1 :]) * ones[0].unit
-        fits = [
-            e
-            for e, n in enumerate(out_shape)
-            if n == 1 and math.prod(out_shape[:e]) == head and math.prod(out_shape[e:]) == tail
-        ]
+        found = [e for e, _, _ in fits(tuple(x.shape), ones[0], out_shape) if out_shape[e] == 1]
         at = SINGLE_WINDOWS.get(("batch", tuple(out_shape), ones[0].mesh_dim))
-        if len(group) == 1 and at in fits and len(out_shape) > len(shape):  # a reverse view
+        if len(group) == 1 and at in found and len(out_shape) > x.ndim:  # a reverse view
             out[ones[0].mesh_dim] = at
-        elif len(group) > 1 and len(fits) >= len(ones):
-            out.update(zip([o.mesh_dim for o in ones], fits[len(fits) - len(ones) :], strict=True))
+        elif len(group) > 1 and len(found) >= len(ones):
+            out.update(zip([o.mesh_dim for o in ones], found[-len(ones) :], strict=True))
     return out
 
 
 def window_reshape(x: DTensor, out_shape: tuple, moves: list[Move], fn, lays: list) -> DTensor:
-    """``x`` reshaped to ``out_shape`` on the local tensor (``fn(local, shape)``, ``reshape``
-    by default): the dims of ``moves`` cut / merged at window boundaries (re-chunked where
-    the chunks are not aligned), every other split dim kept whole. ``lays``: ``x``'s."""
+    """``x`` reshaped to ``out_shape`` locally (``fn(local, shape)``, else ``reshape``): the
+    dims of ``moves`` re-chunked at window boundaries, every other split dim kept whole."""
     shape, placements, local = tuple(x.shape), list(x.placements), x.to_local()
     for m in moves:
         if m.split:
@@ -240,8 +225,8 @@ def window_reshape(x: DTensor, out_shape: tuple, moves: list[Move], fn, lays: li
 
 
 def _moves(x: DTensor, out_shape: tuple[int, ...], lays: list) -> list[Move] | None:
-    """The window moves of a reshape of ``x`` (layouts ``lays``) to ``out_shape`` (empty:
-    none, but local here), ``None`` when it is not a window reshape."""
+    """The window moves of a reshape of ``x`` to ``out_shape`` (empty: none, but local),
+    ``None`` when it is not a window reshape."""
     shape = tuple(x.shape)
     spatial = [o.dim for o in lays if not is_dp(x, o.mesh_dim)]
     # two layouts on one dim (dp and sp on the batch of windows): their shares compose here
@@ -277,8 +262,7 @@ RESHAPES += (Tensor.unflatten, Tensor.view)
 
 
 def _reshaping(fn, prev):
-    """Handler for the reshape-like ``fn``: window moves (``_moves``), else a token tensor's
-    reshape kept local (``_tokens.local_reshape``), else ``prev`` (a dtype view too)."""
+    """Handler for ``fn``: window moves, else ``local_reshape`` of tokens, else ``prev``."""
     what, view = function_name(fn), (lambda t, s: t.view(s)) if fn is Tensor.view else None
 
     def handler(x, *args, **kwargs):
@@ -301,8 +285,8 @@ chain_each(RESHAPES, _reshaping, "window")
 
 
 def _batches_alike(a, *others) -> bool:
-    """True for ``a`` split only along dims before its last two (a batch of windows: every
-    matrix whole on one rank) and ``others`` split alike."""
+    """True for ``a`` split only along dims before its last two (a batch of windows) and
+    ``others`` split alike."""
     if not isinstance(a, DTensor) or any(p.is_partial() for p in a.placements):
         return False
     lays = split_layouts(a)
@@ -318,8 +302,7 @@ def _batches_alike(a, *others) -> bool:
 
 @chain(*MATMULS, prefix="window")
 def window_matmul(prev, a, b, *args, **kwargs):
-    """``a @ b`` of two batches split alike along their batch dims (``q @ k.transpose(-2,
-    -1)``, ``attn @ v`` per window): local."""
+    """``a @ b`` of two batches split alike along their batch dims (per window): local."""
     if args or kwargs or not _batches_alike(a, b):
         return prev(a, b, *args, **kwargs)
     out = torch.matmul(a.to_local(), b.to_local())
@@ -328,8 +311,8 @@ def window_matmul(prev, a, b, *args, **kwargs):
 
 @chain(F.scaled_dot_product_attention, prefix="window")
 def window_sdpa(prev, query, key, value, attn_mask=None, *args, **kwargs):
-    """``F.scaled_dot_product_attention`` on queries, keys and values split alike along
-    their batch dims only (windows): local, the mask sliced to the rank's windows."""
+    """SDPA of q, k, v split alike along their batch dims only (windows): local, the mask
+    sliced to the rank's windows."""
     if not _batches_alike(query, key, value):
         return prev(query, key, value, attn_mask, *args, **kwargs)
     mask = sdpa_bias(attn_mask, query, "F.scaled_dot_product_attention")  # the rank's windows
