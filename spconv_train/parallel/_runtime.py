@@ -220,8 +220,8 @@ class SpatialRuntime:
         #: elements of one rank's share of the largest activation a spatial layer took (the
         #: input image at least): the gather guards' yardstick of "activation-sized"
         self.input_share = 0
-        #: ``(mesh, placements, global shape)`` of the last NCHW map a spatial layer took in
-        #: this forward: the layout of tensors built from shapes alone (``_token_reduce.fourier_block``)
+        #: ``(mesh, placements, global shape)`` of the last NCHW map a spatial layer took in this
+        #: forward: the layout of tensors built from shapes alone (``_token_reduce.fourier_block``)
         self.last_image: tuple | None = None
 
     def __deepcopy__(self, memo) -> SpatialRuntime:
