@@ -1,0 +1,277 @@
+"""Review of the dispatch modules' third cut (issue 22): the cases it touched that no other
+test pins, in fp64 against one device on uneven strips (2 and 3 ranks).
+
+- DTensor's own rule on tokens behind prefix (class / register) tokens: ops whose result
+  is a ``torch.return_types`` tuple (``sort``, ``frexp``, ``kthvalue``, ``cummax``) gave
+  ``_StridedShard`` values without the prefix, silently wrong (``_errors.run_dtensor_op``
+  read only plain tuples and lists); now refused like ``t ** 2``, also when the tokens come
+  as keyword arguments. The same ops on pixel tokens or on the map stay exact.
+- DTensor's errors become ``SpatialShardingError`` naming every sharded input (positional,
+  keyword, several), its shape and placements (``_errors._dtensors``).
+- ``_sharding.enter``'s notes (``input_share``: one rank's share of the largest spatial
+  input, the same on every rank; ``last_image``: the last NCHW one) on strips, tiles and
+  volumes, and the computed-plain-tensor guard that reads it.
+- The bounded caches of ``_dims`` (specs, gradient specs, mesh axes) clear at their bound.
+- ``import spconv_train.parallel`` and ``extend`` patch and swap nothing; a module swap
+  registered through ``extend`` before ``install()`` wins over the built-in one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from spconv_train.parallel import SpatialShardingError, _dims, parallelize, runtime_of
+from spconv_train.parallel.extend import SpatialMode
+from tests.dist_harness import mesh
+from tests.meshes import placements as grid_placements
+from tests.reference import check_close, seeded
+from tests.test_public_api_surface import run_fresh
+
+TOL = 1e-12
+
+#: ops with a ``torch.return_types`` result, on tokens ``(B, L, C)`` along the channels
+SEVERAL_OUTPUTS = [
+    ("sort", lambda t: torch.sort(t, 2)),
+    ("frexp", lambda t: torch.frexp(t)),
+    ("kthvalue", lambda t: torch.kthvalue(t, 2, 2)),
+    ("cummax", lambda t: torch.cummax(t, dim=2)),
+    ("sort keyword", lambda t: torch.sort(input=t, dim=2, descending=True)),
+]
+#: DTensor's own element-wise rules with the prefixed tokens as keyword arguments only
+KEYWORD_ONLY = [
+    ("maximum", lambda t: torch.maximum(input=t, other=t * 2)),
+    ("lerp", lambda t: torch.lerp(input=t, end=t * 2, weight=0.5)),
+]
+
+
+def _tokens(x, front):
+    """Pixel tokens of the map ``x`` behind the ``front`` (prefix) tokens, and without."""
+    pixels = x.flatten(2).transpose(1, 2)
+    return torch.cat([front.expand(x.shape[0], -1, -1), pixels], 1), pixels
+
+
+def several_outputs_failures() -> list[str]:
+    world, failures = dist.get_world_size(), []
+    x = seeded(45, 2, 3, 5, 2 * world + 1, dtype=torch.float64)  # uneven strips
+    front = seeded(46, 1, 2, 3, dtype=torch.float64)
+    xs = distribute_tensor(x, mesh(world), [Shard(3)])
+    for name, op in SEVERAL_OUTPUTS + KEYWORD_ONLY:
+        try:
+            with SpatialMode():
+                out = op(_tokens(xs, front)[0])
+            failures.append(f"{name}: not refused ({[o.placements for o in out]})")
+        except SpatialShardingError as e:
+            if "drops the prefix" not in str(e):
+                failures.append(f"{name}: {e}")
+        # the pixel tokens alone (no prefix) and the map: DTensor's rule, exact
+        with SpatialMode():
+            pixels, on_map = op(_tokens(xs, front)[1]), op(xs.transpose(1, 3))
+        for label, got, want in (
+            ("pixels", pixels, op(_tokens(x, front)[1])),
+            ("map", on_map, op(x.transpose(1, 3))),
+        ):
+            got, want = (v if isinstance(v, tuple) else (v,) for v in (got, want))
+            for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                got_i = g.full_tensor().double()
+                check_close(f"{name} {label} [{i}]", got_i, w.double(), TOL, failures)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_several_outputs_behind_prefix_refused_and_exact_without(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, several_outputs_failures)):
+        assert not failures, (rank, failures)
+
+
+def dtensor_error_texts() -> dict[str, str]:
+    dmesh = mesh(2)
+    xs = distribute_tensor(seeded(1, 2, 3, 4, 5, dtype=torch.float64), dmesh, [Shard(3)])
+    a = distribute_tensor(seeded(2, 3, 6, 5, dtype=torch.float64), dmesh, [Shard(2)])
+    sv = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    calls = {
+        "torch.renorm": lambda: torch.renorm(input=xs, p=2, dim=3, maxnorm=1.0),
+        "torch.searchsorted": lambda: torch.searchsorted(sv, input=xs),
+        "torch.cdist": lambda: torch.cdist(a, xs[0]),
+    }
+    found = {}
+    for name, call in calls.items():
+        try:
+            with SpatialMode():
+                call()
+            found[name] = "not refused"
+        except SpatialShardingError as e:
+            found[name] = str(e)
+    return found
+
+
+def test_dtensor_errors_name_the_op_and_every_sharded_input(dist_pool):
+    wants = {
+        "torch.renorm": ["(2, 3, 4, 5) (Shard(dim=3),)"],
+        "torch.searchsorted": ["(2, 3, 4, 5) (Shard(dim=3),)"],
+        "torch.cdist": ["(3, 6, 5) (Shard(dim=2),); (3, 4, 5) (Shard(dim=2),)"],
+    }
+    for found in dist_pool.run(2, dtensor_error_texts):
+        for name, text in found.items():
+            head = f"{name} in module '<model>' is not supported on these sharded inputs ("
+            assert text.startswith(head), text
+            assert "DTensor has no local rule for it" in text, text
+            assert all(w in text for w in wants[name]), text
+
+
+class _Net(nn.Module):
+    """Two convs (the second one's input is the larger: 4 channels), then, with ``plain``,
+    a tensor the model computes from a parameter added: ``"narrow"`` ``(1, 1, 1, W)``, far
+    under an eighth of the input share; ``"wide"`` ``(1, 2, H, W)``, the activation's size."""
+
+    def __init__(self, conv: type = nn.Conv2d, plain: str | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same weights on every rank
+        self.a, self.b = conv(3, 4, 3, padding=1), conv(4, 2, 3, padding=1)
+        self.scale = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+        self.plain = plain
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        if self.plain is None:
+            return y
+        h, w = y.shape[2:]
+        shape = (1, 2, h, w) if self.plain == "wide" else (1, 1, 1, w)
+        ramp = torch.arange(math.prod(shape), dtype=y.dtype).reshape(shape)
+        return y + ramp * self.scale  # computed: has a grad_fn
+
+
+def _placements(names: tuple[str, ...], ndim: int) -> list[Shard]:
+    return [Shard(ndim - 1)] if names == ("sp",) else grid_placements(names, ndim)
+
+
+def runtime_notes(specs) -> list:
+    world, out = dist.get_world_size(), []
+    for shape, names, label in specs:
+        for conv, size in ((nn.Conv2d, (2, 3, 5, 2 * world + 1)), (nn.Conv3d, (1, 3, 3, 4, 5))):
+            dmesh, placements = mesh(shape, names), _placements(names, len(size))
+            model = parallelize(_Net(conv).double(), dmesh)
+            x = seeded(3, *size, dtype=torch.float64)
+            model(distribute_tensor(x, dmesh, placements))
+            rt = runtime_of(model)
+            share = 4 * x.numel() // 3 // world  # the second conv's input: 4 channels
+            seen = rt.last_image and (rt.last_image[0] is dmesh, *rt.last_image[1:])
+            want = (True, tuple(placements), (size[0], 4, *size[2:])) if len(size) == 4 else None
+            out.append((label, len(size), rt.input_share, share, seen, want))
+    return out
+
+
+MESHES = [
+    ((2,), ("sp",), "strips"),
+    ((1, 2), ("sp_h", "sp_w"), "tiles"),
+    ((2, 1), ("sp_h", "sp_w"), "rows"),
+]
+
+
+def test_enter_notes_the_input_share_and_last_image(dist_pool):
+    for rank, notes in enumerate(dist_pool.run(2, runtime_notes, MESHES)):
+        for label, ndim, share, want_share, seen, want in notes:
+            assert share == want_share and seen == want, (rank, label, ndim, notes)
+
+
+def computed_plain_failures() -> list[str]:
+    """The narrow computed plain tensor: exact, every gradient; the wide one: refused."""
+    world, failures = dist.get_world_size(), []
+    x = seeded(4, 2, 3, 5, 2 * world + 1, dtype=torch.float64)
+    gy = seeded(5, 2, 2, 5, 2 * world + 1, dtype=torch.float64)
+    plain = _Net(plain="narrow").double()
+    ref = plain(x)
+    ref.backward(gy)
+    model = parallelize(copy.deepcopy(plain), mesh(world))
+    y = model(distribute_tensor(x, mesh(world), [Shard(3)]))
+    y.backward(distribute_tensor(gy, mesh(world), [Shard(3)]))
+    check_close("output", y.full_tensor(), ref, TOL, failures)
+    for (name, p), pr in zip(model.named_parameters(), plain.parameters(), strict=True):
+        check_close(f"grad {name}", p.grad, pr.grad, TOL, failures)
+    try:
+        parallelize(_Net(plain="wide").double(), mesh(world))(
+            distribute_tensor(x, mesh(world), [Shard(3)])
+        )
+        failures.append("wide: not refused")
+    except SpatialShardingError as e:
+        if "plain tensor (1, 2, 5," not in str(e) or "allow_gather=True" not in str(e):
+            failures.append(f"wide: {e}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_computed_plain_tensor_exact_when_small_refused_when_activation_sized(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, computed_plain_failures)):
+        assert not failures, (rank, failures)
+
+
+def bounded_caches() -> list[str]:
+    """Each cache, filled to its bound with keys no call uses, holds only the new entry
+    after the next miss; the results equal the public API's."""
+    dmesh, failures = mesh(2), []
+    x = seeded(6, 2, 3, 4, 5, dtype=torch.float64)
+    xs = distribute_tensor(x, dmesh, [Shard(3)])
+    bounds = ((_dims._SPECS, 4096), (_dims._GRAD_SPECS, 4096), (_dims._MESH_AXES, 256))
+    for cache, bound in bounds:
+        cache.clear()
+        cache.update({("unused", i): None for i in range(bound)})
+    local = xs.to_local().clone().requires_grad_()
+    wrapped = _dims.wrap_local(local, dmesh, [Shard(3)], xs.shape)
+    _dims.local_of(wrapped * 2).sum().backward()
+    size, rank, _ = _dims.mesh_axis(dmesh, 0)
+    for (cache, _), name in zip(bounds, ("specs", "grad specs", "mesh axes"), strict=True):
+        if len(cache) != 1:
+            failures.append(f"{name}: {len(cache)} entries after a miss at the bound")
+    if (size, rank) != (2, dist.get_rank()) or wrapped.placements != (Shard(3),):
+        failures.append(f"mesh axis {(size, rank)}, placements {wrapped.placements}")
+    check_close("grad", local.grad, torch.full_like(local, 2.0), 0.0, failures)
+    check_close("wrapped", wrapped.full_tensor(), x, 0.0, failures)
+    return failures
+
+
+def test_bounded_caches_clear_at_their_bound(dist_pool):
+    for rank, failures in enumerate(dist_pool.run(2, bounded_caches)):
+        assert not failures, (rank, failures)
+
+
+_FRESH = textwrap.dedent(
+    """
+    import sys
+
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    redistribute, full_tensor = DTensor.redistribute, DTensor.full_tensor
+    import spconv_train.parallel
+    from spconv_train.parallel import _mode, extend
+
+    assert DTensor.redistribute is redistribute and DTensor.full_tensor is full_tensor
+    assert not _mode._SPATIAL_MODULES and not _mode._SPATIAL_MIXINS, "swaps on import"
+    ops = ("_pointwise", "_conv", "_channels", "_norm", "_tokens", "_token_prefix")
+    loaded = [m for m in ops if f"spconv_train.parallel.{m}" in sys.modules]
+    assert not loaded, f"op modules imported on import: {loaded}"
+
+    class MyGroupNorm(nn.GroupNorm):
+        pass
+
+    assert extend.register_spatial_module(nn.GroupNorm)(MyGroupNorm) is MyGroupNorm
+    assert _mode._INSTALLED, "not installed first"
+    assert _mode._SPATIAL_MODULES[nn.GroupNorm] is MyGroupNorm, "the built-in swap won"
+    assert _mode._SPATIAL_MODULES[nn.BatchNorm2d].__name__ == "SpatialBatchNorm2d"
+    assert DTensor.redistribute is not redistribute and DTensor.full_tensor is not full_tensor
+    extend.install()
+    assert _mode._SPATIAL_MODULES[nn.GroupNorm] is MyGroupNorm
+    print("ok")
+    """
+)
+
+
+def test_import_swaps_nothing_and_an_extend_swap_wins_over_the_built_in():
+    run_fresh(_FRESH)
