@@ -12,6 +12,8 @@ test pins, in fp64 against one device on uneven strips (2 and 3 ranks).
   input, the same on every rank; ``last_image``: the last NCHW one) on strips, tiles and
   volumes, and the computed-plain-tensor guard that reads it.
 - The bounded caches of ``_dims`` (specs, gradient specs, mesh axes) clear at their bound.
+- The gather guard's module names: ``<model>`` for the root's own op, a child's path, and
+  ``Spatial<Root>`` for a parallelized model inside another (its class made by ``_mode``).
 - ``import spconv_train.parallel`` and ``extend`` patch and swap nothing; a module swap
   registered through ``extend`` before ``install()`` wins over the built-in one.
 """
@@ -275,3 +277,50 @@ _FRESH = textwrap.dedent(
 
 def test_import_swaps_nothing_and_an_extend_swap_wins_over_the_built_in():
     run_fresh(_FRESH)
+
+
+class _CumNet(nn.Module):
+    """A conv, then ``logcumsumexp`` along the sharded width (no handler: DTensor would
+    gather it) in the root's own forward or in a child's."""
+
+    def __init__(self, in_child: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 2, 3, padding=1).double()
+        self.head = _CumSum() if in_child else None
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.head(y) if self.head is not None else y.logcumsumexp(3)
+
+
+class _CumSum(nn.Module):
+    def forward(self, x):
+        return x.logcumsumexp(3)
+
+
+def guard_labels() -> list:
+    """The module the guard names for the root's own op, a child's, and the root's own op
+    of a parallelized model inside another (named by its class, ``Spatial<Root>``)."""
+    x = seeded(7, 2, 3, 4, 5, dtype=torch.float64)
+    inner = parallelize(_CumNet(False), mesh(2))
+    models = [_CumNet(False), _CumNet(True), nn.Sequential(inner)]
+    found = [(type(inner).__qualname__, repr(inner).split("(")[0])]
+    for model in models:
+        try:
+            parallelize(model, mesh(2))(distribute_tensor(x, mesh(2), [Shard(3)]))
+            found.append("not refused")
+        except SpatialShardingError as e:
+            found.append(str(e).split(" has no spatial")[0])
+    return found
+
+
+def test_guard_names_the_module_of_a_refused_op(dist_pool):
+    op = "(aten.logcumsumexp.default)"
+    for found in dist_pool.run(2, guard_labels):
+        assert found == [
+            ("Spatial_CumNet", "Spatial_CumNet"),
+            f"an op in module '<model>' {op}",  # the root's own forward: no module around it
+            f"an op in module 'head' {op}",
+            f"an op in module 'Spatial_CumNet' {op}",
+        ], found
