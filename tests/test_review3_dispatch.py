@@ -34,6 +34,7 @@ from spconv_train.parallel import SpatialShardingError, _dims, parallelize, runt
 from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import mesh
 from tests.meshes import placements as grid_placements
+from tests.op_check import check_module
 from tests.reference import check_close, seeded
 from tests.test_public_api_surface import run_fresh
 
@@ -324,3 +325,48 @@ def test_guard_names_the_module_of_a_refused_op(dist_pool):
             f"an op in module 'head' {op}",
             f"an op in module 'Spatial_CumNet' {op}",
         ], found
+
+
+class _Addc(nn.Module):
+    """``addcmul`` / ``addcdiv`` with a plain parameter as ``input``, ``tensor1`` or
+    ``tensor2``, ``value`` other than 1, function and method forms, after a conv."""
+
+    def __init__(self, conv: type = nn.Conv2d) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = conv(3, 4, 3, padding=1)
+        lead = (1, 4) + (1,) * (2 if conv is nn.Conv2d else 3)
+        self.w, self.b = nn.Parameter(torch.randn(lead)), nn.Parameter(torch.randn(lead[1:]))
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = torch.addcmul(y, self.w, y, value=-0.5)
+        z = z.addcdiv(y, self.b.abs() + 1, value=0.25)
+        z = torch.addcdiv(z, self.w, y * y + 1)
+        return torch.addcmul(self.b, z, y)
+
+
+ADDC_MESHES = [  # (mesh shape, None: all ranks; names; ndim)
+    (None, ("sp",), 4),
+    ((1, 2), ("sp_h", "sp_w"), 4),
+    ((2, 1), ("sp_h", "sp_w"), 4),
+    (None, ("sp",), 5),
+    ((1, 2), ("sp_d", "sp_w"), 5),
+]
+
+
+def addc_failures(specs) -> list[str]:
+    world, failures = dist.get_world_size(), []
+    for shape, names, ndim in specs:
+        conv = nn.Conv2d if ndim == 4 else nn.Conv3d
+        size = (2, 3, 5, 2 * world + 1) if ndim == 4 else (1, 3, 3, 4, 2 * world + 1)
+        dmesh, placements = mesh(shape or world, names), _placements(names, ndim)
+        x = seeded(8, *size, dtype=torch.float64)
+        check_module(_Addc(conv).double(), x, dmesh, placements, f"{names} {ndim}-D", failures)
+    return failures
+
+
+@pytest.mark.parametrize("world, specs", [(2, ADDC_MESHES), (3, ADDC_MESHES[:1])])
+def test_addcmul_addcdiv_with_plain_operands_exact(dist_pool, world, specs):
+    for rank, failures in enumerate(dist_pool.run(world, addc_failures, specs)):
+        assert not failures, (rank, failures)
