@@ -11,7 +11,8 @@ test pins, in fp64 against one device on uneven strips (2 and 3 ranks).
 - ``_sharding.enter``'s notes (``input_share``: one rank's share of the largest spatial
   input, the same on every rank; ``last_image``: the last NCHW one) on strips, tiles and
   volumes, and the computed-plain-tensor guard that reads it.
-- The bounded caches of ``_dims`` (specs, gradient specs, mesh axes) clear at their bound.
+- The bounded caches of ``_dims`` (specs, gradient specs, mesh axes) clear at their bound;
+  one layout wrapped in several dtypes is what the public ``DTensor.from_local`` builds.
 - The gather guard's module names: ``<model>`` for the root's own op, a child's path, and
   ``Spatial<Root>`` for a parallelized model inside another (its class made by ``_mode``).
 - ``import spconv_train.parallel`` and ``extend`` patch and swap nothing; a module swap
@@ -28,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, _dims, parallelize, runtime_of
 from spconv_train.parallel.extend import SpatialMode
@@ -241,6 +242,38 @@ def bounded_caches() -> list[str]:
 
 def test_bounded_caches_clear_at_their_bound(dist_pool):
     for rank, failures in enumerate(dist_pool.run(2, bounded_caches)):
+        assert not failures, (rank, failures)
+
+
+def wrap_dtypes() -> list[str]:
+    """One layout wrapped in fp64, bf16, fp32 and int64 (each a miss, then a hit of the spec
+    cache) is what the public ``DTensor.from_local`` builds: dtype, shape, strides; the
+    floating ones' gradients through ``local_of`` keep their dtype and placements."""
+    dmesh, failures = mesh(2), []
+    x = seeded(9, 2, 3, 4, 5, dtype=torch.float64)
+    xs = distribute_tensor(x, dmesh, [Shard(3)])
+    for dtype in (torch.float64, torch.bfloat16, torch.float32, torch.int64, torch.float64):
+        local = (xs.to_local() * 4).to(dtype)
+        want = DTensor.from_local(
+            local, dmesh, [Shard(3)], run_check=False, shape=xs.shape, stride=xs.stride()
+        )
+        for attempt in ("miss", "hit"):
+            floating = dtype.is_floating_point
+            leaf = local.clone().requires_grad_(floating)
+            got = _dims.wrap_local(leaf, dmesh, [Shard(3)], xs.shape)
+            meta = (got.dtype, got.shape, got.stride(), got.placements, got.requires_grad)
+            if meta != (dtype, want.shape, want.stride(), want.placements, floating):
+                failures.append(f"{dtype} {attempt}: {meta}")
+            if not floating:
+                continue
+            _dims.local_of(got * 3).sum().backward()
+            if leaf.grad.dtype != dtype or not bool((leaf.grad == 3).all()):
+                failures.append(f"{dtype} {attempt}: gradient {leaf.grad.dtype}")
+    return failures
+
+
+def test_wrap_local_per_dtype_matches_the_public_api(dist_pool):
+    for rank, failures in enumerate(dist_pool.run(2, wrap_dtypes)):
         assert not failures, (rank, failures)
 
 
