@@ -6,13 +6,14 @@ test pins, in fp64 against one device on uneven strips (2 and 3 ranks).
   ``_StridedShard`` values without the prefix, silently wrong (``_errors.run_dtensor_op``
   read only plain tuples and lists); now refused like ``t ** 2``, also when the tokens come
   as keyword arguments. The same ops on pixel tokens or on the map stay exact.
-- DTensor's errors become ``SpatialShardingError`` naming every sharded input (positional,
-  keyword, several), its shape and placements (``_errors._dtensors``).
+- DTensor's errors name every sharded input, positional or keyword (``_errors._dtensors``).
 - ``_sharding.enter``'s notes (``input_share``: one rank's share of the largest spatial
   input, the same on every rank; ``last_image``: the last NCHW one) on strips, tiles and
   volumes, and the computed-plain-tensor guard that reads it.
 - The bounded caches of ``_dims`` (specs, gradient specs, mesh axes) clear at their bound;
   one layout wrapped in several dtypes is what the public ``DTensor.from_local`` builds.
+- ``addcmul`` / ``addcdiv`` with plain operands on strips, tiles, rows, volumes and a rank
+  holding no column.
 - The gather guard's module names: ``<model>`` for the root's own op, a child's path, and
   ``Spatial<Root>`` for a parallelized model inside another (its class made by ``_mode``).
 - ``import spconv_train.parallel`` and ``extend`` patch and swap nothing; a module swap
@@ -164,11 +165,7 @@ def runtime_notes(specs) -> list:
     return out
 
 
-MESHES = [
-    ((2,), ("sp",), "strips"),
-    ((1, 2), ("sp_h", "sp_w"), "tiles"),
-    ((2, 1), ("sp_h", "sp_w"), "rows"),
-]
+MESHES = [((2,), ("sp",), "strips"), *(((p, 3 - p), ("sp_h", "sp_w"), "grid") for p in (1, 2))]
 
 
 def test_enter_notes_the_input_share_and_last_image(dist_pool):
@@ -354,13 +351,13 @@ def test_guard_names_the_module_of_a_refused_op(dist_pool):
 
 class _Addc(nn.Module):
     """``addcmul`` / ``addcdiv`` with a plain parameter as ``input``, ``tensor1`` or
-    ``tensor2``, ``value`` other than 1, function and method forms, after a conv."""
+    ``tensor2``, ``value`` other than 1, function and method forms, after a conv or not."""
 
-    def __init__(self, conv: type = nn.Conv2d) -> None:
+    def __init__(self, conv: type | None = nn.Conv2d) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.conv = conv(3, 4, 3, padding=1)
-        lead = (1, 4) + (1,) * (2 if conv is nn.Conv2d else 3)
+        self.conv = conv(3, 4, 3, padding=1) if conv else nn.Identity()  # None: any width
+        lead = (1, 4 if conv else 3) + (1,) * (3 if conv is nn.Conv3d else 2)
         self.w, self.b = nn.Parameter(torch.randn(lead)), nn.Parameter(torch.randn(lead[1:]))
 
     def forward(self, x):
@@ -388,6 +385,8 @@ def addc_failures(specs) -> list[str]:
         dmesh, placements = mesh(shape or world, names), _placements(names, ndim)
         x = seeded(8, *size, dtype=torch.float64)
         check_module(_Addc(conv).double(), x, dmesh, placements, f"{names} {ndim}-D", failures)
+    x = seeded(9, 2, 3, 4, world - 1, dtype=torch.float64)  # the last rank holds nothing
+    check_module(_Addc(None).double(), x, mesh(world), [Shard(3)], "no conv", failures)
     return failures
 
 
