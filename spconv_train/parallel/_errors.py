@@ -297,12 +297,16 @@ def _lost_prefix(func, args, kwargs, lost: DTensor) -> None:
         )
 
 
+#: the result classes holding several outputs: ``torch.sort``'s, ``torch.frexp``'s ... too
+_MANY = frozenset((tuple, list, *torch.return_types.all_return_types))
+
+
 def run_dtensor_op(func, args, kwargs):
     """``func(*args, **kwargs)``; a DTensor error becomes a ``SpatialShardingError``, an
     output that lost an input's prefix tokens is refused (``_lost_prefix``)."""
     try:
         out = func(*args, **kwargs)
-        for o in out if out.__class__ in (tuple, list) else (out,):  # few calls: host overhead
+        for o in out if out.__class__ in _MANY else (out,):  # few calls: host overhead
             if o.__class__ is DTensor:
                 for p in o.placements:
                     if p.__class__ is _StridedShard:  # not a PrefixShard
