@@ -1,5 +1,6 @@
 """``F.pad`` and ``roll`` of tokens behind prefix (class / register) tokens: along the
-channels exact (the prefix kept where it is), along the tokens refused by name (DTensor's
+channels exact (the prefix kept where it is; likewise ``t.mT`` / ``t.mH``), along the tokens
+refused by name (DTensor's
 rule ran them on a layout without the prefix: silently wrong after). fp64 output, input and
 every gradient against one device, no-gather audit, W strips, H strips and tiles."""
 
@@ -22,6 +23,12 @@ CHANNELS = [
     ("roll channels", lambda t, n: t.roll(1, -1)[:, 2:]),
     ("torch.roll dims=", lambda t, n: torch.roll(t, shifts=2, dims=2)[:, 2:]),
 ]
+#: the matrix-transpose properties: the transpose they are (the prefix moves with its dim)
+TRANSPOSED = [
+    ("mT", lambda t, n: (t.mT * 2).mT[:, 2:]),
+    ("mH", lambda t, n: (t.mH - 1).transpose(1, 2)[:, 2:]),
+    ("mT of pixel tokens", lambda t, n: t[:, 2:].mT.mT.sin()),
+]
 #: along the tokens (dim 1) or every dim: refused
 TOKENS = [
     ("F.pad tokens", lambda t, n: F.pad(t, (0, 0, 1, 0))[:, 3:]),
@@ -34,7 +41,7 @@ def pad_roll_failures() -> list[str]:
     world, failures = dist.get_world_size(), []
     x = seeded(45, 2, 4, 2 * world + 2, 3 * world + 1, dtype=torch.float64)
     for label, dmesh, placements in _meshes(world):
-        for name, op in CHANNELS:
+        for name, op in CHANNELS + TRANSPOSED:
             try:
                 check_fn(_with_prefix(op), x, dmesh, placements, f"{name} {label}", failures)
             except Exception as e:  # noqa: BLE001

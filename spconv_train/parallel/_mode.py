@@ -101,6 +101,9 @@ _KINDS.update(dict.fromkeys((torch.Tensor, torch.nn.Parameter, torch.Size), _OTH
 _KINDS.update(dict.fromkeys((int, float, bool, str, type(None)), _OTHER))
 #: what ``__torch_function__`` receives for a property read (``x.shape``'s ``__get__``)
 _METHOD_WRAPPER = type(torch.Tensor.shape.__get__)
+#: properties that are a transpose: routed as ``transpose(-2, -1)`` so its handlers run (DTensor's
+#: own rule for ``t.mT`` drops prefix tokens); a complex ``mH`` (a conjugate too) stays DTensor's
+_TRANSPOSE_PROPERTIES = (torch.Tensor.mT, torch.Tensor.mH)
 
 
 def _kind(cls: type) -> int:
@@ -154,6 +157,10 @@ class SpatialMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func.__class__ is _METHOD_WRAPPER and func.__name__ == "__get__":
             # a property read (``x.shape``, ``x.requires_grad``): no handler, no graph op
+            x = args[0]
+            transposes = func.__self__ in _TRANSPOSE_PROPERTIES
+            if transposes and isinstance(x, DTensor) and not x.is_complex():
+                return self.__torch_function__(torch.Tensor.transpose, types, (x, -2, -1))
             return func(*args)
         if not kwargs:
             for a in args:  # plain tensors and numbers only: no call (``_has_dtensor``)
