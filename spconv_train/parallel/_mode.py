@@ -156,7 +156,7 @@ class SpatialMode(TorchFunctionMode):
     @eager_from_eager  # see _compile.py
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func.__class__ is _METHOD_WRAPPER and func.__name__ == "__get__":
-            # a property read (``x.shape``, ``x.requires_grad``): no handler, no graph op
+            # a property read (``x.shape``, ``x.requires_grad``): no handler but the transposes
             x = args[0]
             transposes = func.__self__ in _TRANSPOSE_PROPERTIES
             if transposes and isinstance(x, DTensor) and not x.is_complex():
