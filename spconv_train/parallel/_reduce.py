@@ -65,13 +65,15 @@ def _split_groups(x: DTensor, dims) -> list:
 
 
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
-    """``kind`` (sum, mean, amax, amin, var, std, norm2) over ``dim`` of a sharded DTensor,
-    exact and differentiable; ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
+    """``kind`` (sum, mean, nansum, amax, amin, var, std, norm2) over ``dim`` of a sharded
+    DTensor, exact and differentiable; ``opts``: ``dtype`` (sums, mean), ``correction``
+    (var, std)."""
     dims = _dims(dim, x.ndim)
     groups, local = _split_groups(x, dims), x.to_local()
     count = math.prod(x.shape[d] for d in dims)
-    if kind in ("sum", "mean"):
-        out = sum_replicated(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
+    if kind in ("sum", "mean", "nansum"):
+        add = local.nansum if kind == "nansum" else local.sum  # DTensor's nansum: a gather
+        out = sum_replicated(add(dims, keepdim=True, dtype=opts.get("dtype")), groups)
         out = out / count if kind == "mean" else out
     elif kind == "norm2":  # DTensor's own rule all-gathers the activation in the backward
         out = sum_replicated(local.square().sum(dims, keepdim=True), groups).sqrt()
@@ -109,7 +111,7 @@ def _reducible(x) -> bool:
     return isinstance(x, DTensor) and all(type(p) in _REDUCIBLE for p in x.placements)
 
 
-def _sum_like(kind: str, func):  # sum, mean, amax, amin
+def _sum_like(kind: str, func):  # sum, mean, nansum, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         _refuse_out(func, out)
         if not _reducible(input):  # a pending sum (Partial) or a prefix: DTensor's rules
@@ -160,7 +162,7 @@ def _extreme_of_all(kind: str, func):  # x.max() / x.min(): amax / amin over eve
 
 
 for _make, _kinds in (
-    (_sum_like, "sum mean amax amin"),
+    (_sum_like, "sum mean nansum amax amin"),
     (_var_like, "var std"),
     (_extreme_of_all, "max min"),
 ):
