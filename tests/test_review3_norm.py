@@ -32,6 +32,8 @@ FORMS = {
     "torch.nansum hw NaN dtype": lambda x: torch.nansum(
         x.masked_fill(x > 1.0, float("nan")), (2, 3), dtype=torch.float64
     ),
+    "Tensor.nanmean w NaN keep": lambda x: x.masked_fill(x < -1.0, float("nan")).nanmean(3, True),
+    "torch.nanmean None dtype": lambda x: torch.nanmean(x, None, dtype=torch.float64),
     "torch.amax w": lambda x: torch.amax(x, 3),
     "Tensor.amin hw keep": lambda x: x.amin((2, 3), True),
     "torch.max all": lambda x: torch.max(x),
