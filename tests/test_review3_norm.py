@@ -34,6 +34,8 @@ FORMS = {
     ),
     "Tensor.nanmean w NaN keep": lambda x: x.masked_fill(x < -1.0, float("nan")).nanmean(3, True),
     "torch.nanmean None dtype": lambda x: torch.nanmean(x, None, dtype=torch.float64),
+    "Tensor.nansum tokens": lambda x: x.flatten(2).transpose(1, 2).nansum(1),
+    "torch.nanmean tokens keep": lambda x: torch.nanmean(x.flatten(2).transpose(1, 2), 1, True),
     "torch.amax w": lambda x: torch.amax(x, 3),
     "Tensor.amin hw keep": lambda x: x.amin((2, 3), True),
     "torch.max all": lambda x: torch.max(x),
