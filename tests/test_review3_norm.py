@@ -1,9 +1,9 @@
 """Review of the third cut of the reductions, the gradient reducer, ``CommAudit`` and the
 memory probe (issue 22): the cases no other test holds. Every routed reduction name and
 call form with a rank holding no column or row (3 ranks, 4 wide / high: 2, 2, 0), a
-``dtype`` and integer ``cumsum``; ``CommAudit``'s kinds for real gloo collectives; the
-bucket order of interleaved groups and dtypes; predict's probe of a model that views or
-changes its input in place."""
+``dtype``, integer ``cumsum``, torch's error for an integer mean; ``CommAudit``'s kinds for
+real gloo collectives; the bucket order of interleaved groups and dtypes; predict's probe
+of a model that views or changes its input in place."""
 
 from __future__ import annotations
 
@@ -79,6 +79,31 @@ def empty_rank_checks() -> list[str]:
             want = fn(x)
             if got.dtype != want.dtype or not torch.allclose(got, want, rtol=1e-12, atol=0):
                 failures.append(f"{label} @{where}: {got.dtype} {got.tolist()} != {want.tolist()}")
+        failures += integer_errors(xs)
+    return failures
+
+
+def integer_errors(xs) -> list[str]:
+    """An integer ``mean`` / ``nanmean`` / ``var`` / ``std`` raises torch's own error (on
+    one device: a RuntimeError), not a floating result; with a floating ``dtype`` it runs."""
+    failures, n = [], (xs * 10).long()
+    for name in ("mean", "nanmean", "var", "std"):
+        want = ""
+        try:
+            getattr(torch, name)(n.full_tensor(), 3)
+        except RuntimeError as exc:
+            want = str(exc)
+        try:
+            with SpatialMode():
+                got = f"a {getattr(torch, name)(n, 3).dtype} result"
+        except RuntimeError as exc:
+            got = str(exc)
+        if not want or got != want:
+            failures.append(f"integer {name}: {got!r}, on one device {want!r}")
+    with SpatialMode():
+        y = n.mean(3, dtype=torch.float64).full_tensor()
+    if not torch.allclose(y, n.full_tensor().mean(3, dtype=torch.float64), rtol=1e-12):
+        failures.append("integer mean with dtype float64: wrong")
     return failures
 
 

@@ -64,12 +64,22 @@ def _split_groups(x: DTensor, dims) -> list:
     return [mesh_group(x.device_mesh, i) for i, d in split if d is not None and d % x.ndim in dims]
 
 
+#: the kinds torch refuses on integer and bool inputs (unless a floating ``dtype`` is given)
+_FLOATING = ("mean", "nanmean", "var", "std")
+
+
+def _floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
     """``kind`` (sum, mean, nansum, nanmean, amax, amin, var, std, norm2) over ``dim`` of a
     sharded DTensor, exact and differentiable; ``opts``: ``dtype`` (sums, means),
     ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
     groups, local = _split_groups(x, dims), x.to_local()
+    if kind in _FLOATING and opts.get("dtype") is None and not _floating(x.dtype):
+        getattr(torch, kind)(local.new_zeros(1))  # torch's error (an integer mean, var)
     count = math.prod(x.shape[d] for d in dims)
     if kind in ("sum", "mean", "nansum", "nanmean"):  # DTensor's nan*: a gather backward
         add = local.nansum if kind.startswith("nan") else local.sum
