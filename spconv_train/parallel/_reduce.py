@@ -81,7 +81,7 @@ def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opt
     if kind in _FLOATING and opts.get("dtype") is None and not _floating(x.dtype):
         getattr(torch, kind)(local.new_zeros(1))  # torch's error (an integer mean, var)
     count = math.prod(x.shape[d] for d in dims)
-    if kind in ("sum", "mean", "nansum", "nanmean"):  # DTensor's nan*: a gather backward
+    if kind in ("sum", "mean", "nansum", "nanmean"):  # DTensor's nan*: gathers
         add = local.nansum if kind.startswith("nan") else local.sum
         out = sum_replicated(add(dims, keepdim=True, dtype=opts.get("dtype")), groups)
         if kind == "nanmean":
