@@ -20,9 +20,9 @@ from tests.dist_harness import mesh
 from tests.op_check import check_fn
 from tests.reference import seeded
 
-#: every name the registration loop routes (and nansum, left to DTensor), by keyword and
-#: position, torch function and Tensor method, dim int / tuple / None, keepdim, dtype,
-#: correction / unbiased
+#: every name the registration loop routes (nansum / nanmean: DTensor's rules all-gathered
+#: before), by keyword and position, torch function and Tensor method, dim int / tuple /
+#: None, keepdim, dtype, correction / unbiased, on maps and tokens
 FORMS = {
     "Tensor.sum w": lambda x: x.sum(3),
     "torch.sum None keep dtype": lambda x: torch.sum(x, None, True, dtype=torch.float64),
@@ -48,7 +48,6 @@ FORMS = {
     "torch.cumsum w kw": lambda x: torch.cumsum(x, dim=3),
     "Tensor.cumsum h": lambda x: x.cumsum(-2),
 }
-
 
 SCANS = {
     "fp32 cumsum dtype fp64": lambda t: t.float().cumsum(3, dtype=torch.float64),
