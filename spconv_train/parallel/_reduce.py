@@ -1,8 +1,8 @@
-"""Reductions and scans over any dims of a sharded DTensor (``sum``, ``mean``, ``amax``,
-``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax``, ``cumsum``): each rank
-reduces its part, small all-reduces over the mesh dims splitting a reduced dim give the
-exact value; scans along a split dim take small statistics of the other blocks, summed by
-``torch.distributed.nn`` (its backward sums the gradient's parts).
+"""Reductions and scans over any dims of a sharded DTensor (``sum``, ``mean``, ``nansum``,
+``nanmean``, ``amax``, ``amin``, ``var``, ``std``, the L2 norm, ``softmax``, ``log_softmax``,
+``cumsum``): each rank reduces its part, small all-reduces over the mesh dims splitting a
+reduced dim give the exact value; scans along a split dim take small statistics of the other
+blocks, summed by ``torch.distributed.nn`` (its backward sums the gradient's parts).
 """
 
 from __future__ import annotations
@@ -64,15 +64,29 @@ def _split_groups(x: DTensor, dims) -> list:
     return [mesh_group(x.device_mesh, i) for i, d in split if d is not None and d % x.ndim in dims]
 
 
+#: the kinds torch refuses on integer and bool inputs (unless a floating ``dtype`` is given)
+_FLOATING = ("mean", "nanmean", "var", "std")
+
+
+def _floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def reduce_sharded(x: DTensor, kind: str, dim=None, keepdim: bool = False, **opts) -> DTensor:
-    """``kind`` (sum, mean, amax, amin, var, std, norm2) over ``dim`` of a sharded DTensor,
-    exact and differentiable; ``opts``: ``dtype`` (sum, mean), ``correction`` (var, std)."""
+    """``kind`` (sum, mean, nansum, nanmean, amax, amin, var, std, norm2) over ``dim`` of a
+    sharded DTensor, exact and differentiable; ``opts``: ``dtype`` (sums, means),
+    ``correction`` (var, std)."""
     dims = _dims(dim, x.ndim)
     groups, local = _split_groups(x, dims), x.to_local()
+    if kind in _FLOATING and opts.get("dtype") is None and not _floating(x.dtype):
+        getattr(torch, kind)(local.new_zeros(1))  # torch's error (an integer mean, var)
     count = math.prod(x.shape[d] for d in dims)
-    if kind in ("sum", "mean"):
-        out = sum_replicated(local.sum(dims, keepdim=True, dtype=opts.get("dtype")), groups)
-        out = out / count if kind == "mean" else out
+    if kind in ("sum", "mean", "nansum", "nanmean"):  # DTensor's nan*: gathers
+        add = local.nansum if kind.startswith("nan") else local.sum
+        out = sum_replicated(add(dims, keepdim=True, dtype=opts.get("dtype")), groups)
+        if kind == "nanmean":
+            count = sum_now(local.detach().isnan().logical_not().sum(dims, keepdim=True), *groups)
+        out = out / count if kind.endswith("mean") else out
     elif kind == "norm2":  # DTensor's own rule all-gathers the activation in the backward
         out = sum_replicated(local.square().sum(dims, keepdim=True), groups).sqrt()
     elif kind in ("amax", "amin"):  # the gradient spread over every extreme (as torch)
@@ -109,7 +123,7 @@ def _reducible(x) -> bool:
     return isinstance(x, DTensor) and all(type(p) in _REDUCIBLE for p in x.placements)
 
 
-def _sum_like(kind: str, func):  # sum, mean, amax, amin
+def _sum_like(kind: str, func):  # sum, mean, nansum, nanmean, amax, amin
     def handler(input, dim=None, keepdim=False, *, dtype=None, out=None):
         _refuse_out(func, out)
         if not _reducible(input):  # a pending sum (Partial) or a prefix: DTensor's rules
@@ -160,7 +174,7 @@ def _extreme_of_all(kind: str, func):  # x.max() / x.min(): amax / amin over eve
 
 
 for _make, _kinds in (
-    (_sum_like, "sum mean amax amin"),
+    (_sum_like, "sum mean nansum nanmean amax amin"),
     (_var_like, "var std"),
     (_extreme_of_all, "max min"),
 ):
