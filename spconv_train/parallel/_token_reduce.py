@@ -77,8 +77,12 @@ def _token_wise(fn, prev, spec: tuple):
     product: on any DTensor; DTensor's own rule fails in its backward, torch 2.14.1)."""
     what, (dim_pos, keep_pos, default, needs_dim) = function_name(fn), spec
     product = fn in (torch.prod, _T.prod)
+    key = "x" if fn is torch.linalg.vector_norm else "input"  # the tensor by keyword
 
-    def handler(x, *args, **kwargs):
+    def handler(*args, **kwargs):
+        if not args and key in kwargs:  # torch.sum(input=x, dim=1)
+            args = (kwargs.pop(key),)
+        x, args = args[0], args[1:]
         local = is_tokens(x) or (
             product and isinstance(x, DTensor) and not any(p.is_partial() for p in x.placements)
         )
