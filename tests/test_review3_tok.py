@@ -2,9 +2,10 @@
 any DTensor (maps too). Over dims no rank splits it is exact, also where the product's
 gradient is special (zeros in the input: one zero, two zeros in one product), on a ``dp``
 mesh dim, on volumes split along D and for integer maps; over a split dim (the batch split by
-``dp`` included) it is refused by name with the workaround. The reductions take the tensor by
-keyword too (``torch.sum(input=x, dim=1)``: an unnamed ``TypeError`` before). fp64 output and
-input gradient against one device, uneven widths, no-gather audit (``tests/op_check.py``).
+``dp`` included) it is refused by name with the workaround. The token handlers (reductions,
+reshapes, ``chunk``, ``roll``) take the tensor by keyword too (``torch.sum(input=x, dim=1)``:
+an unnamed ``TypeError`` before). fp64 output and input gradient against one device,
+uneven widths, no-gather audit (``tests/op_check.py``).
 """
 
 from __future__ import annotations
@@ -113,21 +114,46 @@ BY_KEYWORD = [
     ("torch.sum(input=) tokens", lambda m: torch.sum(input=_tokens(m), dim=1)[..., None, None] * m),
     ("torch.amax(input=)", lambda m: _map(torch.amax(input=_tokens(m), dim=-1, keepdim=True), m)),
     ("torch.softmax(input=)", lambda m: torch.softmax(input=m, dim=1)),
-    ("vector_norm(x=)", lambda m: torch.linalg.vector_norm(x=m, dim=1)),
     ("torch.cumsum(input=) channels", lambda m: _map(torch.cumsum(input=_tokens(m), dim=2), m)),
+    # the other token handlers: reshapes, chunk, roll behind a prefix
+    ("torch.flatten(input=)", lambda m: _map(torch.flatten(input=m, start_dim=2).mT, m)),
+    (
+        "torch.unflatten(input=)",
+        lambda m: torch.unflatten(input=m.flatten(2), dim=2, sizes=m.shape[2:]),
+    ),
+    ("torch.reshape(input=) tokens", lambda m: _map(_heads(_tokens(m)).flatten(2), m)),
+    (
+        "torch.chunk(input=) tokens",
+        lambda m: _map(torch.chunk(input=_tokens(m), chunks=2, dim=-1)[1], m),
+    ),
+    ("torch.roll(input=) behind a prefix", lambda m: _map(_rolled(_tokens(m))[:, 1:], m)),
 ]
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    return torch.reshape(input=t, shape=(t.shape[0], t.shape[1], 2, -1))
+
+
+def _rolled(t: torch.Tensor) -> torch.Tensor:
+    """``t`` behind a constant prefix token, rolled along the channels by keyword."""
+    front = torch.ones(1, 1, t.shape[-1], dtype=t.dtype, device=t.device)
+    return torch.roll(input=torch.cat([front.expand(t.shape[0], -1, -1), t], 1), shifts=1, dims=-1)
 
 
 def keyword_failures() -> list[str]:
     world, failures = dist.get_world_size(), []
-    x = seeded(52, 2, 3, 5, 2 * world + 1, dtype=torch.float64)
+    x = seeded(52, 2, 4, 5, 2 * world + 1, dtype=torch.float64)
     for label, dmesh, placements, _ in _meshes(world)[:2]:
         for name, op in BY_KEYWORD:
-            check_fn(op, x, dmesh, placements, f"{name} {label}", failures)
+            try:
+                check_fn(op, x, dmesh, placements, f"{name} {label}", failures)
+            except TypeError as e:  # the handler's signature: unnamed, not a refusal
+                failures.append(f"{name} {label}: {e}")
     return failures
 
 
-def test_reductions_take_the_tensor_by_keyword(dist_pool):
-    """``torch.sum(input=x, dim=1)`` raised ``TypeError: handler() missing 1 required
-    positional argument: 'x'`` (the token-wise handler took the tensor by position only)."""
+def test_token_handlers_take_the_tensor_by_keyword(dist_pool):
+    """``torch.sum(input=x, dim=1)``, ``torch.reshape(input=...)``, ``torch.chunk(input=...)``,
+    ``torch.roll(input=...)`` raised ``TypeError: handler() missing 1 required positional
+    argument: 'x'`` (the token handlers took the tensor by position only)."""
     _no_failures(dist_pool.run(2, keyword_failures))
