@@ -3,7 +3,7 @@ any DTensor (maps too). Over dims no rank splits it is exact, also where the pro
 gradient is special (zeros in the input: one zero, two zeros in one product), on a ``dp``
 mesh dim, on volumes split along D and for integer maps; over a split dim (the batch split by
 ``dp`` included) it is refused by name with the workaround. The token handlers (reductions,
-reshapes, ``chunk``, ``roll``) take the tensor by keyword too (``torch.sum(input=x, dim=1)``:
+arithmetic, reshapes, ``chunk``, ``roll``) take the tensor by keyword too (``torch.sum(input=x, dim=1)``:
 an unnamed ``TypeError`` before). fp64 output and input gradient against one device,
 uneven widths, no-gather audit (``tests/op_check.py``).
 """
@@ -115,7 +115,15 @@ BY_KEYWORD = [
     ("torch.amax(input=)", lambda m: _map(torch.amax(input=_tokens(m), dim=-1, keepdim=True), m)),
     ("torch.softmax(input=)", lambda m: torch.softmax(input=m, dim=1)),
     ("torch.cumsum(input=) channels", lambda m: _map(torch.cumsum(input=_tokens(m), dim=2), m)),
-    # the other token handlers: reshapes, chunk, roll behind a prefix
+    # the other token handlers: arithmetic, reshapes, chunk, roll behind a prefix
+    (
+        "torch.mul(input=, other=) tokens",
+        lambda m: _map(torch.mul(input=_tokens(m), other=_tokens(m)), m),
+    ),
+    (
+        "torch.add(input=) a plain embedding",
+        lambda m: _map(torch.add(input=_tokens(m), other=_embedding(m)), m),
+    ),
     ("torch.flatten(input=)", lambda m: _map(torch.flatten(input=m, start_dim=2).mT, m)),
     (
         "torch.unflatten(input=)",
@@ -128,6 +136,12 @@ BY_KEYWORD = [
     ),
     ("torch.roll(input=) behind a prefix", lambda m: _map(_rolled(_tokens(m))[:, 1:], m)),
 ]
+
+
+def _embedding(m: torch.Tensor) -> torch.Tensor:
+    """A plain ``(1, H W, C)`` position embedding for the tokens of ``m``."""
+    n = m.shape[1] * m.shape[2:].numel()
+    return torch.linspace(-1, 1, n, dtype=m.dtype, device=m.device).view(1, -1, m.shape[1])
 
 
 def _heads(t: torch.Tensor) -> torch.Tensor:
@@ -153,7 +167,7 @@ def keyword_failures() -> list[str]:
 
 
 def test_token_handlers_take_the_tensor_by_keyword(dist_pool):
-    """``torch.sum(input=x, dim=1)``, ``torch.reshape(input=...)``, ``torch.chunk(input=...)``,
-    ``torch.roll(input=...)`` raised ``TypeError: handler() missing 1 required positional
+    """``torch.sum(input=x, dim=1)``, ``torch.add(input=...)``, ``torch.reshape(input=...)``,
+    ``torch.chunk(input=...)``, ``torch.roll(input=...)`` raised ``TypeError: handler() missing 1 required positional
     argument: 'x'`` (the token handlers took the tensor by position only)."""
     _no_failures(dist_pool.run(2, keyword_failures))
