@@ -3,9 +3,9 @@ any DTensor (maps too). Over dims no rank splits it is exact, also where the pro
 gradient is special (zeros in the input: one zero, two zeros in one product), on a ``dp``
 mesh dim, on volumes split along D and for integer maps; over a split dim (the batch split by
 ``dp`` included) it is refused by name with the workaround. The token handlers (reductions,
-arithmetic, reshapes, ``chunk``, ``roll``) take the tensor by keyword too (``torch.sum(input=x, dim=1)``:
-an unnamed ``TypeError`` before). fp64 output and input gradient against one device,
-uneven widths, no-gather audit (``tests/op_check.py``).
+arithmetic, reshapes, ``chunk``, ``roll``) take the tensor by keyword too
+(``torch.sum(input=x, dim=1)``: an unnamed ``TypeError`` before). fp64 output and input
+gradient against one device, uneven widths, no-gather audit (``tests/op_check.py``).
 """
 
 from __future__ import annotations
@@ -168,6 +168,6 @@ def keyword_failures() -> list[str]:
 
 def test_token_handlers_take_the_tensor_by_keyword(dist_pool):
     """``torch.sum(input=x, dim=1)``, ``torch.add(input=...)``, ``torch.reshape(input=...)``,
-    ``torch.chunk(input=...)``, ``torch.roll(input=...)`` raised ``TypeError: handler() missing 1 required positional
-    argument: 'x'`` (the token handlers took the tensor by position only)."""
+    ``torch.chunk(input=...)``, ``torch.roll(input=...)`` raised ``TypeError: handler()
+    missing 1 required positional argument`` (the handlers took the tensor by position)."""
     _no_failures(dist_pool.run(2, keyword_failures))
