@@ -221,7 +221,7 @@ class SpatialRuntime:
         #: input image at least): the gather guards' yardstick of "activation-sized"
         self.input_share = 0
         #: ``(mesh, placements, global shape)`` of the last NCHW map a spatial layer took in
-        #: this forward: the layout of tensors built from shapes alone (``_fourier_pos.py``)
+        #: this forward: the layout of tensors built from shapes alone (``_token_reduce.py``)
         self.last_image: tuple | None = None
 
     def __deepcopy__(self, memo) -> SpatialRuntime:
