@@ -26,7 +26,7 @@ from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
 from ._runtime import current_runtime, function_name
 from ._sharding import block_slices, grad_groups, mesh_coords, sharded_dim
 from ._token_prefix import has_prefix  # (and its handlers, wrapped here)
-from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
+from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts, tensor_first
 
 _T = torch.Tensor
 
@@ -78,7 +78,8 @@ def _token_wise(fn, prev, spec: tuple):
     what, (dim_pos, keep_pos, default, needs_dim) = function_name(fn), spec
     product = fn in (torch.prod, _T.prod)
 
-    def handler(x, *args, **kwargs):
+    def handler(*args, **kwargs):
+        x, *args = tensor_first(args, kwargs)
         local = is_tokens(x) or (
             product and isinstance(x, DTensor) and not any(p.is_partial() for p in x.placements)
         )
@@ -146,7 +147,8 @@ def _local_pieces(fn, prev):
     unsplit ``dim`` on the local tensor; otherwise ``prev``."""
     run = getattr(torch, fn.__name__)
 
-    def handler(x, *args, **kwargs):
+    def handler(*args, **kwargs):
+        x, *args = tensor_first(args, kwargs)
         arg = args[0] if args else next((kwargs[n] for n in _SIZES if n in kwargs), None)
         d = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if (
@@ -192,7 +194,8 @@ def _along_unsplit(fn, prev, touched):
     channels), refused along the tokens (DTensor's own rule drops the prefix)."""
     what = function_name(fn)
 
-    def handler(x, *args, **kwargs):
+    def handler(*args, **kwargs):
+        x, *args = tensor_first(args, kwargs)
         if not has_prefix(x):
             return prev(x, *args, **kwargs)
         split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
