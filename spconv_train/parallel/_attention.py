@@ -129,7 +129,7 @@ def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend
     bias = sum_grad_over(kw["in_proj_bias"], groups)
     bs = list(bias.chunk(3)) if bias is not None else [None] * 3
     qh, kh, vh = (
-        F.linear(x, w, b).reshape(*x.shape[:2], heads, -1).permute(1, 2, 0, 3)
+        F.linear(x, w, b).unflatten(-1, (heads, -1)).permute(1, 2, 0, 3)
         for x, w, b in zip(xs, ws, bs, strict=True)
     )
     out = attend(qh, kh, vh, 1.0 / math.sqrt(xs[0].shape[-1] // heads))

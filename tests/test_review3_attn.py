@@ -1,0 +1,223 @@
+"""Review of the third cut of the attention modules (issue 22): cases its changes touch that
+no other test reaches. fp64 against one device, every gradient, no activation gather.
+
+* causal attention to whole keys (``_keys``' local route: its causal rows against the keys
+  ``0..S-1``, SDPA's top-left alignment): SDPA ``is_causal`` and the MHA ``is_causal`` hint
+  to learned keys offset by a pooled token, next to the ring's causal SDPA and MHA hint;
+  on uneven W strips, a rank holding no token, and a one-dim tile mesh (nested layouts);
+* plain masks (``masked_fill`` / ``torch.where``) of every broadcast form next to split
+  tokens: full size, broadcast over dims, scalar-like ``(1,)``, a 0-size dim, a plain
+  ``other`` operand;
+* ``Tensor.unfold`` with a step (patches, overlapping windows) on a split dim, twice on one
+  shape (the cached spec) and without grad;
+* ``torch.einsum`` attention with upper-case indices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from tests.dist_harness import mesh
+from tests.meshes import mesh_and_placements
+from tests.op_check import check_fn, check_model_audited
+from tests.reference import seeded
+
+C, HEADS, KEYS = 4, 2, 3
+
+
+class CausalRoutes(nn.Module):
+    """Tokens of a 1x1-conv map through causal attention on both routes of ``_keys``: the
+    ring (keys split like the queries) and whole keys (a pooled token plus ``KEYS`` learned
+    offsets), by SDPA ``is_causal`` and by the MHA ``is_causal`` hint (a non-causal mask
+    next to it, which torch drops), then back onto the map."""
+
+    def __init__(self, h: int, w: int) -> None:
+        super().__init__()
+        length = h * w
+        self.stem, self.head = nn.Conv2d(C, C, 1), nn.Conv2d(C, 2, 1)
+        self.qkv, self.proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.mha = nn.MultiheadAttention(C, HEADS, batch_first=True)
+        self.offsets = nn.Parameter(seeded(5, 1, KEYS, C, dtype=torch.float64))
+        self.register_buffer("open", torch.zeros(length, length, dtype=torch.bool))
+        self.register_buffer("open_keys", torch.zeros(length, KEYS, dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        b, c, h, w = f.shape
+        t = f.flatten(2).transpose(1, 2)
+        g = F.adaptive_avg_pool2d(f, 1).flatten(2).transpose(1, 2) + self.offsets  # whole
+        heads = (b, -1, HEADS, c // HEADS)
+        q, k, v = (y.reshape(heads).transpose(1, 2) for y in self.qkv(t).chunk(3, -1))
+        gh = g.reshape(heads).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.45)
+        o = o + F.scaled_dot_product_attention(q, gh, gh * 0.5, is_causal=True)
+        t = t + self.proj(o.transpose(1, 2).reshape(b, h * w, c))
+        kw = {"is_causal": True, "need_weights": False}
+        t = t + self.mha(t, t, t, attn_mask=self.open, **kw)[0]
+        t = t + self.mha(t, g, g, attn_mask=self.open_keys, **kw)[0]
+        return self.head(t.transpose(1, 2).reshape(b, c, h, w))
+
+
+def _causal_failures(world: int) -> list[str]:
+    """``CausalRoutes`` on W strips (7: uneven) and tile meshes of one split dim."""
+    cases = [(mesh(world), [Shard(3)], (3, 7), "strips ")]
+    cases.append((*mesh_and_placements((1, world), ("sp_h", "sp_w")), (4, 8), "tiles 1 x w "))
+    cases.append((*mesh_and_placements((world, 1), ("sp_h", "sp_w")), (8, 4), "tiles h x 1 "))
+    out = []
+    for dmesh, placements, (h, w), label in cases:
+        torch.manual_seed(0)
+        model = CausalRoutes(h, w).double()
+        x, gy = seeded(1, 2, C, h, w).double(), seeded(2, 2, 2, h, w).double()
+        # the whole keys' gradient (N, KEYS, C): partial sums, one all-reduce
+        keys = 2 * KEYS * C + 1
+        out += check_model_audited(model, x, gy, dmesh, placements, gather_numel=keys, label=label)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_causal_attention_to_whole_and_split_keys_matches_one_device(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, _causal_failures, world)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+def _empty_rank_failures() -> list[str]:
+    """The handlers with a rank holding no token (2 over 3 ranks): SDPA causal, with a plain
+    float mask and a broadcast boolean one; MHA (sequence-first) with the causal hint and a
+    float mask; whole plain queries to those keys by MHA and SDPA (the cross route). Output
+    and input gradient (the weights are plain)."""
+    dmesh, failures, n = mesh(3), [], 2
+    x = seeded(8, 2, HEADS, n, 4, dtype=torch.float64)
+    bias = seeded(9, n, n, dtype=torch.float64)
+    keep = torch.tensor([[True, False], [True, True]]).view(1, 1, n, n)
+    sdpa = F.scaled_dot_product_attention
+
+    def attention(t):
+        o = sdpa(t, t * 0.7, t * 1.3, is_causal=True, scale=0.4)
+        return o + sdpa(t, t, t * 0.5, attn_mask=bias) + sdpa(t * 2, t, t, attn_mask=keep)
+
+    check_fn(attention, x, dmesh, [Shard(2)], "sdpa empty rank", failures)
+    w_in, w_out = seeded(10, 3 * C, C).double(), seeded(11, C, C).double()
+    b_in, b_out = seeded(12, 3 * C).double(), seeded(13, C).double()
+
+    def mha(t, q=None, **kw):  # (L, N, E); q: whole queries (the cross route)
+        out = F.multi_head_attention_forward(
+            t if q is None else q, t, t, C, HEADS, w_in, b_in, None, None, False, 0.0, w_out,
+            b_out, training=False, need_weights=False, **kw,
+        )  # fmt: skip
+        return out[0]
+
+    y = seeded(14, n, 2, C, dtype=torch.float64)
+    hint = {"attn_mask": torch.zeros(n, n, dtype=torch.bool), "is_causal": True}
+    check_fn(lambda t: mha(t, **hint), y, dmesh, [Shard(0)], "mha hint empty rank", failures)
+    check_fn(lambda t: mha(t, attn_mask=bias), y, dmesh, [Shard(0)], "mha bias empty", failures)
+    # whole plain queries (3) to keys of which a rank holds none (the cross route); its
+    # one query-sized sum (N, heads, 3, head dim + 1) is no activation
+    q, qh = seeded(15, 3, 2, C).double(), seeded(16, 2, HEADS, 3, 4).double()
+    sums = {"param_shapes": {(2, HEADS, 3, C // HEADS + 1), (2, HEADS, 3, 5)}}
+    check_fn(lambda t: mha(t, q), y, dmesh, [Shard(0)], "mha cross empty", failures, **sums)
+    fn = lambda t: sdpa(qh, t, t * 0.5)  # noqa: E731
+    check_fn(fn, x, dmesh, [Shard(2)], "sdpa cross empty", failures, **sums)
+    return failures
+
+
+def test_a_rank_holding_no_token_matches_one_device(dist_pool):
+    for rank, failures in enumerate(dist_pool.run(3, _empty_rank_failures)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+L = 5  # tokens: 3 + 2 at 2 ranks, 2 + 2 + 1 at 3
+#: plain masks next to tokens (2, 3, L, 4) split along L: full size, broadcast forms
+MASKS = {
+    "full": (2, 3, L, 4),
+    "trailing": (L, 4),
+    "rows": (L, 1),
+    "lead": (3, 1, 1),
+    "one": (1,),
+    "ones": (1, 1, 1, 1),
+}
+
+
+def _plain_mask_failures() -> list[str]:
+    """``masked_fill`` (method and function) and ``torch.where`` (plain mask, plain
+    ``other``) of each plain mask of ``MASKS`` next to tokens split along L, and with a
+    0-size batch."""
+    dmesh, failures = mesh(dist.get_world_size()), []
+    x = seeded(3, 2, 3, L, 4, dtype=torch.float64)
+    for name, shape in MASKS.items():
+        keep = seeded(4, *shape, dtype=torch.float64) > 0
+        other = seeded(6, *shape, dtype=torch.float64)
+        fns = {
+            "masked_fill": lambda t, keep=keep: (t * 1.5).masked_fill(keep, -2.0),
+            "torch.masked_fill": lambda t, keep=keep: torch.masked_fill(t * 1.5, ~keep, 0.5),
+            "where": lambda t, keep=keep, o=other: torch.where(keep, t * 1.5, o),
+        }
+        for op, fn in fns.items():
+            check_fn(fn, x, dmesh, [Shard(2)], f"{op} {name}", failures)
+    return failures
+
+
+def test_plain_masks_of_every_broadcast_form_match_one_device(dist_pool):
+    for world in (2, 3):
+        for rank, failures in enumerate(dist_pool.run(world, _plain_mask_failures)):
+            assert not failures, f"world {world} rank {rank}: " + "; ".join(failures[:8])
+
+
+def _unfold_failures() -> list[str]:
+    """``Tensor.unfold`` along a split W (7: uneven): patches (size = step), overlapping
+    windows with a step, two calls on one shape (the second wraps with the cached spec),
+    one of a tensor that needs no grad."""
+    dmesh, failures = mesh(dist.get_world_size()), []
+    x = seeded(7, 2, 3, 4, 7, dtype=torch.float64)
+    fns = {
+        "patches 2/2": lambda t: t.unfold(3, 2, 2) * 1.5,
+        "windows 3/2": lambda t: t.unfold(3, 3, 2).exp(),
+        "twice": lambda t: t.unfold(3, 3, 1) * (t * 2).unfold(3, 3, 1),
+        "no grad": lambda t: t.unfold(3, 2, 1) * t.detach().unfold(3, 2, 1),
+    }
+    for label, fn in fns.items():
+        check_fn(fn, x, dmesh, [Shard(3)], f"unfold {label}", failures)
+    return failures
+
+
+def test_tensor_unfold_with_steps_matches_one_device(dist_pool):
+    for world in (2, 3):
+        for rank, failures in enumerate(dist_pool.run(world, _unfold_failures)):
+            assert not failures, f"world {world} rank {rank}: " + "; ".join(failures[:8])
+
+
+class UpperEinsum(nn.Module):
+    """Attention written out as einsums with upper-case indices."""
+
+    def __init__(self, *_size: int) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(C, C, 1), nn.Conv2d(C, 2, 1)
+        self.qkv = nn.Linear(C, 3 * C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        b, c, h, w = f.shape
+        t = f.flatten(2).transpose(1, 2)
+        heads = (b, -1, HEADS, c // HEADS)
+        q, k, v = (y.reshape(heads).transpose(1, 2) for y in self.qkv(t).chunk(3, -1))
+        a = torch.einsum("BHXD,BHYD->BHXY", q, k).softmax(-1)
+        o = torch.einsum("BHXY,BHYD->BHXD", a, v)
+        t = t + o.transpose(1, 2).reshape(b, h * w, c)
+        return self.head(t.transpose(1, 2).reshape(b, c, h, w))
+
+
+def _einsum_failures(world: int) -> list[str]:
+    torch.manual_seed(0)
+    model = UpperEinsum().double()
+    x, gy = seeded(1, 2, C, 3, 7).double(), seeded(2, 2, 2, 3, 7).double()
+    return check_model_audited(model, x, gy, mesh(world), [Shard(3)], label="einsum ")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_upper_case_einsum_attention_matches_one_device(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, _einsum_failures, world)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
