@@ -10,7 +10,8 @@ no other test reaches. fp64 against one device, every gradient, no activation ga
   ``other`` operand;
 * ``Tensor.unfold`` with a step (patches, overlapping windows) on a split dim, twice on one
   shape (the cached spec) and without grad;
-* ``torch.einsum`` attention with upper-case indices.
+* ``torch.einsum`` attention with upper-case indices;
+* SDPA on the ring of queries of 3 and 5 dims (no heads; two batch dims).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tests.op_check import check_fn, check_model_audited
 from tests.reference import seeded
 
 C, HEADS, KEYS = 4, 2, 3
+L = 5  # tokens: 3 + 2 at 2 ranks, 2 + 2 + 1 at 3
 
 
 class CausalRoutes(nn.Module):
@@ -130,7 +132,29 @@ def test_a_rank_holding_no_token_matches_one_device(dist_pool):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
 
 
-L = 5  # tokens: 3 + 2 at 2 ranks, 2 + 2 + 1 at 3
+def _query_dims_failures() -> list[str]:
+    """SDPA on the ring of queries without heads ``(N, L, E)`` and with two batch dims
+    ``(N, G, heads, L, E)`` (the CPU flash kernel takes 4 dims alone: the matmul path),
+    plain, causal and with a float mask; L = 5 uneven."""
+    dmesh, failures = mesh(dist.get_world_size()), []
+    sdpa, bias = F.scaled_dot_product_attention, seeded(17, L, L, dtype=torch.float64)
+    fns = {
+        "plain": lambda t: sdpa(t, t * 0.7, t),
+        "causal": lambda t: sdpa(t, t * 0.7, t, is_causal=True, scale=0.4),
+        "mask": lambda t: sdpa(t, t * 0.7, t, attn_mask=bias),
+    }
+    for x in (seeded(18, 2, L, 4).double(), seeded(19, 2, 3, 2, L, 4).double()):
+        for label, fn in fns.items():
+            check_fn(fn, x, dmesh, [Shard(x.ndim - 2)], f"{x.ndim}-dim {label}", failures)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sdpa_of_three_and_five_dim_queries_on_the_ring_matches_one_device(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, _query_dims_failures)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
 #: plain masks next to tokens (2, 3, L, 4) split along L: full size, broadcast forms
 MASKS = {
     "full": (2, 3, L, 4),
