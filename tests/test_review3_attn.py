@@ -11,7 +11,10 @@ no other test reaches. fp64 against one device, every gradient, no activation ga
 * ``Tensor.unfold`` with a step (patches, overlapping windows) on a split dim, twice on one
   shape (the cached spec) and without grad;
 * ``torch.einsum`` attention with upper-case indices;
-* SDPA on the ring of queries of 3 and 5 dims (no heads; two batch dims).
+* SDPA on the ring of queries of 3 and 5 dims (no heads; two batch dims);
+* the key-route refusals of ``_keys`` (plain keys, values split unlike the keys, keys
+  split along another dim or over another mesh dim) and of queries split off their
+  sequence, for SDPA and MHA: their texts.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from spconv_train.parallel import SpatialShardingError
+from spconv_train.parallel.extend import SpatialMode
 from tests.dist_harness import mesh
 from tests.meshes import mesh_and_placements
 from tests.op_check import check_fn, check_model_audited
@@ -245,3 +250,66 @@ def _einsum_failures(world: int) -> list[str]:
 def test_upper_case_einsum_attention_matches_one_device(dist_pool, world):
     for rank, failures in enumerate(dist_pool.run(world, _einsum_failures, world)):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+RING = " on a sharded token sequence: "
+S0, S1, S2, S3, R = Shard(0), Shard(1), Shard(2), Shard(3), Replicate()
+KV = "keys / values split as "
+#: case -> (SDPA or MHA, queries', keys', values' placements, the refusal's words)
+KEY_ROUTES = {
+    "plain keys": ("sdpa", (S2, None, None), "plain-tensor keys / values next to sharded"),
+    "values whole": ("sdpa", (S2, S2, R), KV + "(Shard(dim=2),), (Replicate(),) unlike the"),
+    "keys on E": ("sdpa", (S2, S3, S3), KV + "(Shard(dim=3),), (Shard(dim=3),) unlike the"),
+    "keys on heads": ("sdpa", (S2, S1, S1), KV + "(Shard(dim=1),), (Shard(dim=1),) unlike"),
+    "queries on heads": ("sdpa", (S1, S2, S2), "queries split as (Shard(dim=1),) next to keys"),
+    "mha plain keys": ("mha", (S0, None, None), "plain-tensor keys / values next to sharded"),
+    "mha values whole": ("mha", (S0, S0, R), KV + "(Shard(dim=0),), (Replicate(),) unlike the"),
+    "mha keys on E": ("mha", (S0, S2, S2), KV + "(Shard(dim=2),), (Shard(dim=2),) unlike the"),
+    "mha queries on N": ("mha", (S1, S0, S0), "queries split as (Shard(dim=1),) next to keys"),
+}
+#: keys split over sp_w, the queries over sp_h (a (2, 1) tile mesh)
+OTHER_MESH_DIM = KV + "(Replicate(), Shard(dim=2)), (Replicate(), Shard(dim=2)) unlike the"
+
+
+def _key_route_messages() -> dict[str, str]:
+    """The message (or "not refused") of each ``KEY_ROUTES`` case, and of keys split over
+    another mesh dim than the queries (a ``(2, 1)`` tile mesh)."""
+    flat, tiles = mesh(2), mesh((2, 1), ("sp_h", "sp_w"))
+    x, y = seeded(20, 2, 2, L, 4).double(), seeded(21, L, 2, C).double()
+    w_in, w_out = seeded(22, 3 * C, C).double(), seeded(23, C, C).double()
+
+    def mha(q, k, v):
+        args = (C, HEADS, w_in, None, None, None, False, 0.0, w_out, None)
+        return F.multi_head_attention_forward(q, k, v, *args, need_weights=False)
+
+    calls = {}
+    for case, (op, pls, _) in KEY_ROUTES.items():
+        t = x if op == "sdpa" else y
+        qkv = [t if p is None else distribute_tensor(t, flat, [p]) for p in pls]
+        calls[case] = (F.scaled_dot_product_attention if op == "sdpa" else mha, qkv)
+    q = distribute_tensor(x, tiles, [Shard(2), Replicate()])
+    k = distribute_tensor(x, tiles, [Replicate(), Shard(2)])
+    calls["keys over sp_w"] = (F.scaled_dot_product_attention, (q, k, k))
+    out = {}
+    for case, (fn, args) in calls.items():
+        try:
+            with SpatialMode():
+                fn(*args)
+            out[case] = "not refused"
+        except SpatialShardingError as exc:
+            out[case] = str(exc)
+    return out
+
+
+def test_key_route_refusals_name_the_reason(dist_pool):
+    for msgs in dist_pool.run(2, _key_route_messages):
+        want = {case: (op, words) for case, (op, _, words) in KEY_ROUTES.items()}
+        want["keys over sp_w"] = ("sdpa", OTHER_MESH_DIM)
+        bad = {}
+        for case, (op, words) in want.items():
+            name = "F.scaled_dot_product_attention" if op == "sdpa" else "nn.MultiheadAttention"
+            route = " with whole queries" if "queries on" in case else RING
+            msg = msgs[case]
+            if not (msg.startswith(name) and route in msg and words in msg):
+                bad[case] = msg
+        assert not bad, "\n".join(f"{k}: {m}" for k, m in bad.items())
