@@ -6,8 +6,8 @@ no other test reaches. fp64 against one device, every gradient, no activation ga
   to learned keys offset by a pooled token, next to the ring's causal SDPA and MHA hint;
   on uneven W strips, a rank holding no token, and a one-dim tile mesh (nested layouts);
 * plain masks (``masked_fill`` / ``torch.where``) of every broadcast form next to split
-  tokens: full size, broadcast over dims, scalar-like ``(1,)``, a 0-size dim, a plain
-  ``other`` operand;
+  tokens: full size, broadcast over dims, ``(1,)``, 0 dims, next to a 0-size dim, a
+  plain ``other`` operand;
 * ``Tensor.unfold`` with a step (patches, overlapping windows) on a split dim, twice on one
   shape (the cached spec) and without grad;
 * ``torch.einsum`` attention with upper-case indices;
@@ -173,8 +173,8 @@ MASKS = {
 
 def _plain_mask_failures() -> list[str]:
     """``masked_fill`` (method and function) and ``torch.where`` (plain mask, plain
-    ``other``) of each plain mask of ``MASKS`` next to tokens split along L, and with a
-    0-size batch."""
+    ``other``) of each plain mask of ``MASKS`` next to tokens split along L; a 0-dim mask;
+    masks next to tokens with a 0-size dim."""
     dmesh, failures = mesh(dist.get_world_size()), []
     x = seeded(3, 2, 3, L, 4, dtype=torch.float64)
     for name, shape in MASKS.items():
@@ -187,6 +187,13 @@ def _plain_mask_failures() -> list[str]:
         }
         for op, fn in fns.items():
             check_fn(fn, x, dmesh, [Shard(2)], f"{op} {name}", failures)
+    scalar = torch.tensor(True)  # 0 dims: DTensor's own rule
+    check_fn(lambda t: (t * 1.5).masked_fill(scalar, 2.0), x, dmesh, [Shard(2)], "0-dim", failures)
+    empty = x[:, :0].contiguous()  # a 0-size dim next to the split one
+    for shape in ((0, 1, 1), (1, L, 1), (L, 4), (1, 0, L, 4)):
+        keep = torch.zeros(shape, dtype=torch.bool)
+        fn = lambda t, keep=keep: (t * 2).masked_fill(keep, 1.0)  # noqa: E731
+        check_fn(fn, empty, dmesh, [Shard(2)], f"0-size {shape}", failures)
     return failures
 
 
