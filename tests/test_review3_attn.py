@@ -1,6 +1,8 @@
 """Review of the third cut of the attention modules (issue 22): cases its changes touch that
 no other test reaches. fp64 against one device, every gradient, no activation gather.
 
+* keys pooled over the split tokens (slot weights times the tokens: a ``Partial`` sum)
+  on the ring, by SDPA and MHA;
 * causal attention to whole keys (``_keys``' local route: its causal rows against the keys
   ``0..S-1``, SDPA's top-left alignment): SDPA ``is_causal`` and the MHA ``is_causal`` hint
   to learned keys offset by a pooled token, next to the ring's causal SDPA and MHA hint;
@@ -89,6 +91,49 @@ def _causal_failures(world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_causal_attention_to_whole_and_split_keys_matches_one_device(dist_pool, world):
     for rank, failures in enumerate(dist_pool.run(world, _causal_failures, world)):
+        assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
+
+
+class SlotKeys(nn.Module):
+    """Tokens attending on the ring to ``KEYS`` slots pooled from them: softmax weights over
+    the split tokens times the tokens (``matmul``, ``einsum``: DTensor's own, a pending sum
+    over the ranks, ``Partial``), by SDPA and MHA."""
+
+    def __init__(self, *_size: int) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(C, C, 1), nn.Conv2d(C, 2, 1)
+        self.slots = nn.Conv2d(C, KEYS, 1, bias=False)  # (a bias has no gradient: softmax)
+        self.mha = nn.MultiheadAttention(C, HEADS, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = self.stem(x)
+        b, c, h, w = f.shape
+        t = f.flatten(2).transpose(1, 2)
+        a = self.slots(f).flatten(2).softmax(-1)  # (N, KEYS, L)
+        g = a @ t  # (N, KEYS, C)
+        ge = torch.einsum("bsl,blc->bsc", a, t * 0.5).reshape(b, KEYS, HEADS, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            t.reshape(b, -1, HEADS, c // HEADS).transpose(1, 2), ge, ge
+        )
+        t = t + o.transpose(1, 2).reshape(b, h * w, c)
+        t = t + self.mha(t, g, g, need_weights=False)[0]
+        return self.head(t.transpose(1, 2).reshape(b, c, h, w))
+
+
+def _slot_failures(world: int) -> list[str]:
+    """``SlotKeys`` on W strips (7: uneven). The slots' sums and their gradients are
+    key-sized all-reduces."""
+    torch.manual_seed(0)
+    model, keys = SlotKeys().double(), 2 * KEYS * C + 1
+    x, gy = seeded(1, 2, C, 3, 7).double(), seeded(2, 2, 2, 3, 7).double()
+    return check_model_audited(
+        model, x, gy, mesh(world), [Shard(3)], gather_numel=keys, traffic=None
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_keys_pooled_over_the_split_tokens_match_one_device(dist_pool, world):
+    for rank, failures in enumerate(dist_pool.run(world, _slot_failures, world)):
         assert not failures, f"rank {rank}: " + "; ".join(failures[:8])
 
 

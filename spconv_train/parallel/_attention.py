@@ -151,11 +151,20 @@ def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq
     return dim_layouts(lays, seq_dim)
 
 
+def _summed(t: DTensor) -> DTensor:
+    """``t`` with its pending sums done (keys pooled over the split tokens by DTensor's own
+    matmul are ``Partial``: each rank holds a part of every key, not the keys)."""
+    if not any(p.is_partial() for p in t.placements):
+        return t
+    return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+
+
 def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callable]:
     """``(k, v, attend)``, local: split like ``q``'s sequence (with their own counts) they go
     around the ring; whole there, a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
+    k, v = _summed(k), _summed(v)
     dims, lays = {m.mesh_dim for m in seq}, split_layouts(k)
     kseq = tuple(m for m in lays if m.mesh_dim in dims)
     rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]
