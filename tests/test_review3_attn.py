@@ -97,7 +97,8 @@ def test_causal_attention_to_whole_and_split_keys_matches_one_device(dist_pool, 
 class SlotKeys(nn.Module):
     """Tokens attending on the ring to ``KEYS`` slots pooled from them: softmax weights over
     the split tokens times the tokens (``matmul``, ``einsum``: DTensor's own, a pending sum
-    over the ranks, ``Partial``), by SDPA and MHA."""
+    over the ranks, ``Partial``), by SDPA and MHA (a float ``key_padding_mask`` pooled so
+    too, and one pooled whole: its gradient a partial sum per rank)."""
 
     def __init__(self, *_size: int) -> None:
         super().__init__()
@@ -116,7 +117,10 @@ class SlotKeys(nn.Module):
             t.reshape(b, -1, HEADS, c // HEADS).transpose(1, 2), ge, ge
         )
         t = t + o.transpose(1, 2).reshape(b, h * w, c)
-        t = t + self.mha(t, g, g, need_weights=False)[0]
+        kp = (a @ t[..., :1]).squeeze(-1)  # (N, KEYS) float key_padding_mask, a sum too
+        t = t + self.mha(t, g, g, key_padding_mask=kp, need_weights=False)[0]
+        kp = F.adaptive_avg_pool2d(f, 1).flatten(1)[:, :KEYS]  # whole, no sum pending
+        t = t + self.mha(t, g, g, key_padding_mask=kp, need_weights=False)[0]
         return self.head(t.transpose(1, 2).reshape(b, c, h, w))
 
 

@@ -21,7 +21,16 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._reduce import _global_extreme
 from ._ring import ring_attention
-from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, refuse, sdpa_bias, select_rows
+from ._ring_mask import (
+    RingMask,
+    batch_rows,
+    mha_bias,
+    mha_mask,
+    refuse,
+    sdpa_bias,
+    select_rows,
+    summed,
+)
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
 from ._token_layout import dim_layouts, held_indices
@@ -151,20 +160,12 @@ def _sequence_layout(q: DTensor, seq_dim: int, batch_dim: int, what: str) -> Seq
     return dim_layouts(lays, seq_dim)
 
 
-def _summed(t: DTensor) -> DTensor:
-    """``t`` with its pending sums done (keys pooled over the split tokens by DTensor's own
-    matmul are ``Partial``: each rank holds a part of every key, not the keys)."""
-    if not any(p.is_partial() for p in t.placements):
-        return t
-    return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
-
-
 def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callable]:
     """``(k, v, attend)``, local: split like ``q``'s sequence (with their own counts) they go
     around the ring; whole there, a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
-    k, v = _summed(k), _summed(v)
+    k, v = summed(k), summed(v)
     dims, lays = {m.mesh_dim for m in seq}, split_layouts(k)
     kseq = tuple(m for m in lays if m.mesh_dim in dims)
     rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]
