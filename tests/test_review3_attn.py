@@ -1,19 +1,22 @@
 """Review of the third cut of the attention modules (issue 22): cases its changes touch that
 no other test reaches. fp64 against one device, every gradient, no activation gather.
 
-* keys pooled over the split tokens (slot weights times the tokens: a ``Partial`` sum)
-  on the ring, by SDPA and MHA;
-* causal attention to whole keys (``_keys``' local route: its causal rows against the keys
-  ``0..S-1``, SDPA's top-left alignment): SDPA ``is_causal`` and the MHA ``is_causal`` hint
-  to learned keys offset by a pooled token, next to the ring's causal SDPA and MHA hint;
-  on uneven W strips, a rank holding no token, and a one-dim tile mesh (nested layouts);
+* keys / values pooled over the split tokens (slot weights times the tokens: DTensor's
+  own matmul / einsum, a ``Partial`` sum) on the ring by SDPA and MHA, with a float
+  ``key_padding_mask`` pooled so too and one whole (a DTensor: its gradient a partial
+  sum per rank);
+* a rank holding no token (2 over 3 ranks): SDPA causal and masked, MHA with the causal
+  hint and a float mask, whole queries to keys of which a rank holds none (MHA, SDPA);
+* SDPA on the ring of queries of 3 and 5 dims (no heads; two batch dims);
+* causal attention to whole keys (``_keys``' local route: the causal rows against the keys
+  ``0..S-1``, SDPA's top-left alignment) by SDPA ``is_causal`` and the MHA hint, next to
+  the ring's, on uneven W strips and tile meshes of one split dim (nested layouts);
 * plain masks (``masked_fill`` / ``torch.where``) of every broadcast form next to split
   tokens: full size, broadcast over dims, ``(1,)``, 0 dims, next to a 0-size dim, a
   plain ``other`` operand;
 * ``Tensor.unfold`` with a step (patches, overlapping windows) on a split dim, twice on one
   shape (the cached spec) and without grad;
 * ``torch.einsum`` attention with upper-case indices;
-* SDPA on the ring of queries of 3 and 5 dims (no heads; two batch dims);
 * the key-route refusals of ``_keys`` (plain keys, values split unlike the keys, keys
   split along another dim or over another mesh dim) and of queries split off their
   sequence, for SDPA and MHA: their texts.
