@@ -21,7 +21,16 @@ from ._halo import sum_grad_over
 from ._mode import register_handler
 from ._reduce import _global_extreme
 from ._ring import ring_attention
-from ._ring_mask import RingMask, batch_rows, mha_bias, mha_mask, refuse, sdpa_bias, select_rows
+from ._ring_mask import (
+    RingMask,
+    batch_rows,
+    mha_bias,
+    mha_mask,
+    refuse,
+    sdpa_bias,
+    select_rows,
+    summed,
+)
 from ._sharding import grad_groups
 from ._small_sum import sum_replicated
 from ._token_layout import dim_layouts, held_indices
@@ -129,7 +138,7 @@ def project_attend(kw: dict, xs: tuple, groups: tuple, out_groups: tuple, attend
     bias = sum_grad_over(kw["in_proj_bias"], groups)
     bs = list(bias.chunk(3)) if bias is not None else [None] * 3
     qh, kh, vh = (
-        F.linear(x, w, b).reshape(*x.shape[:2], heads, -1).permute(1, 2, 0, 3)
+        F.linear(x, w, b).unflatten(-1, (heads, -1)).permute(1, 2, 0, 3)
         for x, w, b in zip(xs, ws, bs, strict=True)
     )
     out = attend(qh, kh, vh, 1.0 / math.sqrt(xs[0].shape[-1] // heads))
@@ -156,6 +165,7 @@ def _keys(q: DTensor, k, v, seq: Seq, what: str) -> tuple[Tensor, Tensor, Callab
     around the ring; whole there, a ring of one rank, their gradient a partial sum."""
     if not (isinstance(k, DTensor) and isinstance(v, DTensor)):
         raise _ring_refuse(what, "plain-tensor keys / values next to sharded queries")
+    k, v = summed(k), summed(v)
     dims, lays = {m.mesh_dim for m in seq}, split_layouts(k)
     kseq = tuple(m for m in lays if m.mesh_dim in dims)
     rest = [(m.mesh_dim, m.dim) for m in lays if m.mesh_dim not in dims]

@@ -124,9 +124,9 @@ class Ring:
 
 
 def _flash(q: Tensor, v: Tensor, mask: Tensor | None) -> tuple[bool, Tensor | None]:
-    """Whether the CPU flash kernel takes the piece, and ``mask`` as it takes it: 4 dims
-    next to 4-dim queries (it takes 2 or 4: a mask of fewer is widened)."""
-    fits = mask is None or (q.ndim == 4 and mask.ndim <= 4)
+    """Whether the CPU flash kernel takes the piece (4-dim queries alone), and ``mask`` as
+    it takes it: 4 dims (it takes 2 or 4: a mask of fewer is widened)."""
+    fits = q.ndim == 4 and (mask is None or mask.ndim <= 4)
     ok = q.device.type == "cpu" and q.shape[-1] == v.shape[-1] and fits
     if ok and mask is not None:
         mask = mask.view((1,) * (4 - mask.ndim) + tuple(mask.shape))

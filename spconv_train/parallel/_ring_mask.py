@@ -8,13 +8,14 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from ._errors import module_path
 from ._geometry import SpatialShardingError
 from ._halo import sum_grad_over
 from ._sharding import grad_groups
 from ._token_layout import held_indices, local_part
+from ._token_ring import partial_local
 from ._tokens import TokenLayout, split_layouts
 
 CROSS = " with whole queries and keys split over the spatial ranks"
@@ -82,6 +83,14 @@ class RingMask:
             dbias.index_add_(-1, keys, ds.sum_to_size(*dbias.shape[:-1], ds.shape[-1]))
 
 
+def summed(t: DTensor) -> DTensor:
+    """``t`` with its pending sums done (keys or masks pooled over the split tokens by
+    DTensor's own matmul are ``Partial``: each rank holds a part of each, not the whole)."""
+    if not any(p.is_partial() for p in t.placements):
+        return t
+    return t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+
+
 def sdpa_bias(mask, q: DTensor, what: str) -> Tensor | None:
     """This rank's rows (images, windows) of SDPA's ``attn_mask`` (whole, or split like the
     queries ``q``): boolean as given (a byte per entry), else in the queries' dtype."""
@@ -129,12 +138,15 @@ def mha_bias(kw: dict, q: DTensor, k: DTensor, seq: tuple, what: str):
     the whole masks; a ``key_padding_mask`` split like the keys ``k`` (it travels)."""
     kpm, kbias = kw["key_padding_mask"], None
     if isinstance(kpm, DTensor):  # (N, S) split like the keys (S, N, E): it travels with them
+        kpm = summed(kpm)
         lays = {replace(x, dim=1 - x.dim) for x in split_layouts(kpm)}
         if kpm.ndim != 2 or lays != set(split_layouts(k)):
             why = f"a key_padding_mask {tuple(kpm.shape)} split as {kpm.placements} unlike the keys"
             fix = "; pass it whole (a plain tensor) or split like the keys."
             raise refuse(what, f"{why} {tuple(k.shape)} {k.placements}", "", fix)
-        kbias = additive(kpm.to_local(), k.dtype, True)
+        # whole over the ring (whole keys): each rank's gradient is a part (its queries')
+        ring = any(x.mesh_dim in {m.mesh_dim for m in seq} for x in lays)
+        kbias = additive(kpm.to_local() if ring else partial_local(kpm, seq), k.dtype, True)
         kbias = kbias.view(kbias.shape[0], 1, kbias.shape[1], 1)  # (N_r, 1, S_r, 1)
     groups = grad_groups(q)
 
