@@ -8,6 +8,8 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +36,41 @@ class Entry:
     #: what ``SpatialMode`` calls under ``torch.compile``: the handler when ``traced``,
     #: otherwise the handler run eagerly (exchanges, collectives: no graph material)
     run: Callable | None = field(default=None, compare=False, repr=False)
+    #: the function's parameters that torch takes by position or keyword, in order
+    #: (``positional``)
+    params: tuple[str, ...] = field(default=(), compare=False, repr=False)
+
+    def positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with the tensors passed by keyword in the places torch
+        takes them by position moved there (``torch.matmul(input=a, other=b)`` -> ``(a,
+        b)``, ``x.matmul(other=b)`` -> ``(x, b)``), up to the first parameter not passed or
+        not a tensor (or a list / tuple, ``torch.cat(tensors=...)``): handlers take tensors by
+        position, their other arguments by torch's keywords."""
+        params, n = self.params, len(args)
+        if n >= len(params) or params[n] not in kwargs:
+            return args, kwargs
+        kwargs, moved = dict(kwargs), list(args)
+        for name in params[n:]:
+            if not isinstance(kwargs.get(name), (torch.Tensor, list, tuple)):
+                break
+            moved.append(kwargs.pop(name))
+        return tuple(moved), kwargs
+
+
+@functools.cache
+def _overrides() -> dict:
+    return torch.overrides.get_testing_overrides()
+
+
+def positional_params(fn: Callable) -> tuple[str, ...]:
+    """The parameters of the torch function ``fn`` that it takes by position (or keyword),
+    in order, as ``torch.overrides`` lists them (``out`` left out); ``()`` for another."""
+    try:
+        sig = inspect.signature(_overrides().get(fn, fn))
+    except (TypeError, ValueError):  # a builtin without a signature
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in sig.parameters.values() if p.kind in kinds and p.name != "out")
 
 
 def function_name(fn: Callable) -> str:
@@ -97,7 +134,8 @@ class HandlerRegistry:
 
     def _put(self, functions, **fields) -> None:
         for fn in functions:  # the function object kept alive with its id: never reused
-            self._entries[id(fn)] = (fn, Entry(function_name(fn), **fields))
+            entry = Entry(function_name(fn), params=positional_params(fn), **fields)
+            self._entries[id(fn)] = (fn, entry)
         _GENERATION[0] += 1
 
     def lookup(self, fn: Callable) -> Entry | None:
