@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -36,9 +37,10 @@ class Entry:
     #: what ``SpatialMode`` calls under ``torch.compile``: the handler when ``traced``,
     #: otherwise the handler run eagerly (exchanges, collectives: no graph material)
     run: Callable | None = field(default=None, compare=False, repr=False)
-    #: the function's parameters that torch takes by position or keyword, in order
-    #: (``positional``)
+    #: the builtin function's parameters that torch takes by position or keyword, in order,
+    #: and those of them a tensor can be passed to (``positional``)
     params: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    tensor_params: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     def positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``args`` and ``kwargs`` with the tensors passed by keyword in the places torch
@@ -62,15 +64,23 @@ def _overrides() -> dict:
     return torch.overrides.get_testing_overrides()
 
 
-def positional_params(fn: Callable) -> tuple[str, ...]:
-    """The parameters of the torch function ``fn`` that it takes by position (or keyword),
-    in order, as ``torch.overrides`` lists them (``out`` left out); ``()`` for another."""
+def positional_params(fn: Callable) -> dict:
+    """``Entry``'s ``params`` and ``tensor_params`` of a builtin torch function or Tensor
+    method (a Python one, ``F.interpolate``, hands its tensor on by position): the names
+    ``torch.overrides`` lists (``out`` left out), those aten's schemas type as tensors."""
+    if isinstance(fn, types.FunctionType):
+        return {}
     try:
         sig = inspect.signature(_overrides().get(fn, fn))
-    except (TypeError, ValueError):  # a builtin without a signature
-        return ()
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{fn.__name__}")
+    except (TypeError, ValueError, RuntimeError, AttributeError):
+        return {}
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in sig.parameters.values() if p.kind in kinds and p.name != "out")
+    params = tuple(p.name for p in sig.parameters.values() if p.kind in kinds and p.name != "out")
+    args = (a for s in schemas for a in s.arguments if not a.kwarg_only)
+    tensors = {a.name for a in args if "Tensor" in str(a.type)}
+    tensors = frozenset(tensors | ({"input"} if "self" in tensors else set()))
+    return {"params": params, "tensor_params": tensors} if tensors else {}
 
 
 def function_name(fn: Callable) -> str:
@@ -134,7 +144,7 @@ class HandlerRegistry:
 
     def _put(self, functions, **fields) -> None:
         for fn in functions:  # the function object kept alive with its id: never reused
-            entry = Entry(function_name(fn), params=positional_params(fn), **fields)
+            entry = Entry(function_name(fn), **positional_params(fn), **fields)
             self._entries[id(fn)] = (fn, entry)
         _GENERATION[0] += 1
 
