@@ -20,7 +20,7 @@ from spconv_train.parallel.extend import SpatialMode
 from tests.keyword_forms import MAP_FORMS, plain, positive
 from tests.meshes import mesh_and_placements
 from tests.op_check import check_fn
-from tests.reference import seeded
+from tests.reference import check_close, seeded
 
 #: ``(name, op)``: tokens ``(N, L, C)`` (C = 4) to tokens ``(N, L, C')``, by keyword
 TOKEN_FORMS = [
@@ -265,3 +265,50 @@ def test_keyword_forms_match_single_device(dist_pool, world, kind):
     ``torch.bmm(input=, mat2=)`` raised an unnamed ``TypeError`` (a handler took the tensor
     by position), ``torch.dropout(train=)`` and ``torch.layer_norm(cudnn_enable=)`` too."""
     _no_failures(dist_pool.run(world, globals()[f"{kind}_failures"]))
+
+
+class _KeywordNet(torch.nn.Module):
+    """A conv, then handlers called with their tensors by keyword (torch's builtins)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.max_pool2d(input=self.conv(x), kernel_size=3, stride=1, padding=1)
+        y = torch.flip(input=y, dims=(1,)) + torch.select(input=y, dim=1, index=0)[:, None]
+        y = torch.layer_norm(input=y.permute(0, 2, 3, 1), normalized_shape=[4], cudnn_enable=False)
+        return torch.dropout(input=y.permute(0, 3, 1, 2), p=0.5, train=False)
+
+
+def compiled_failures() -> list[str]:
+    """``_KeywordNet`` parallelized, eager and compiled (``aot_eager``, DTensor ops traced),
+    against one device: output and every gradient in fp64."""
+    import copy
+
+    from spconv_train.parallel import parallelize
+    from tests.reference import full
+
+    world, failures = dist.get_world_size(), []
+    dmesh, placements = mesh_and_placements((world,), ("sp_w",))
+    torch.manual_seed(0)
+    ref = _KeywordNet().double()
+    x = seeded(63, 2, 3, 5, 3 * world + 1, dtype=torch.float64)
+    ref(x).square().sum().backward()
+    for compiled in (False, True):
+        par = parallelize(copy.deepcopy(ref), dmesh, trace_dtensor_ops=True)
+        par.zero_grad(set_to_none=True)
+        run = torch.compile(par, backend="aot_eager", dynamic=False) if compiled else par
+        y = run(distribute_tensor(x, dmesh, placements))
+        y.to_local().square().sum().backward()
+        label = "compiled" if compiled else "eager"
+        check_close(f"{label} output", full(y), ref(x), 1e-10, failures)
+        for (name, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
+            check_close(f"{label} {name} grad", p.grad, q.grad, 1e-10, failures)
+    return failures
+
+
+def test_keyword_forms_compiled(dist_pool):
+    """The keyword forms under ``torch.compile`` too (``SpatialMode`` moves the tensors to
+    their places in traced code)."""
+    _no_failures(dist_pool.run(2, compiled_failures))
