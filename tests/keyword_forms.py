@@ -19,6 +19,43 @@ def positive(m: torch.Tensor) -> torch.Tensor:
     return m * m + 0.5
 
 
+#: ``torch.batch_norm`` / ``torch.instance_norm``'s arguments after the input, by keyword
+NO_STATISTICS = {
+    "weight": None,
+    "bias": None,
+    "running_mean": None,
+    "running_var": None,
+    "momentum": 0.1,
+    "eps": 1e-5,
+    "cudnn_enabled": False,
+}
+
+
+def pool_forms(d: int) -> list:
+    """``(name, fn)``: the ``d``-D pooling functions with the input by keyword."""
+    window = {"kernel_size": 3, "stride": 1, "padding": 1}
+    forms = [
+        (f"F.max_pool{d}d", getattr(F, f"max_pool{d}d"), window),
+        (
+            f"F.max_pool{d}d indices",
+            getattr(F, f"max_pool{d}d"),
+            {**window, "return_indices": True},
+        ),
+        (f"torch.max_pool{d}d", getattr(torch, f"max_pool{d}d"), window),
+        (f"F.avg_pool{d}d", getattr(F, f"avg_pool{d}d"), window),
+        (f"F.adaptive_avg_pool{d}d", getattr(F, f"adaptive_avg_pool{d}d"), {"output_size": 1}),
+        (f"F.adaptive_max_pool{d}d", getattr(F, f"adaptive_max_pool{d}d"), {"output_size": 1}),
+        (
+            f"F.adaptive_max_pool{d}d indices",
+            getattr(F, f"adaptive_max_pool{d}d"),
+            {"output_size": 1, "return_indices": True},
+        ),
+    ]
+    if d == 3:  # volumes: max-pool indices refused by name (no MaxUnpool3d)
+        forms = [form for form in forms if not form[0].endswith("indices")]
+    return [(f"{name}(input=)", lambda x, f=f, k=k: f(input=x, **k)) for name, f, k in forms]
+
+
 #: ``(name, fn)``: a map ``(N, C, H, W)`` (C = 4) to a tensor, the map by keyword
 MAP_FORMS = [
     # reductions, over the channels and over the split dims
@@ -151,17 +188,7 @@ MAP_FORMS = [
     ),
     (
         "torch.batch_norm(input=)",
-        lambda m: torch.batch_norm(
-            input=m,
-            weight=None,
-            bias=None,
-            running_mean=None,
-            running_var=None,
-            training=True,
-            momentum=0.1,
-            eps=1e-5,
-            cudnn_enabled=False,
-        ),
+        lambda m: torch.batch_norm(input=m, training=True, **NO_STATISTICS),
     ),
     (
         "F.instance_norm(input=)",
@@ -169,17 +196,7 @@ MAP_FORMS = [
     ),
     (
         "torch.instance_norm(input=)",
-        lambda m: torch.instance_norm(
-            input=m,
-            weight=None,
-            bias=None,
-            running_mean=None,
-            running_var=None,
-            use_input_stats=True,
-            momentum=0.1,
-            eps=1e-5,
-            cudnn_enabled=False,
-        ),
+        lambda m: torch.instance_norm(input=m, use_input_stats=True, **NO_STATISTICS),
     ),
     (
         "F.group_norm(input=)",
@@ -189,6 +206,7 @@ MAP_FORMS = [
     ),
     ("torch.group_norm(input=)", lambda m: torch.group_norm(input=m, num_groups=2)),
     # convolutions, pooling, resizing
+    *pool_forms(2),
     (
         "F.conv2d(input=, weight=, bias=)",
         lambda m: F.conv2d(
@@ -212,22 +230,6 @@ MAP_FORMS = [
         lambda m: F.interpolate(
             input=m, size=(7, 2 * m.shape[3]), mode="bilinear", align_corners=False
         ),
-    ),
-    ("F.max_pool2d(input=)", lambda m: F.max_pool2d(input=m, kernel_size=3, stride=1, padding=1)),
-    (
-        "F.max_pool2d(input=, return_indices=)",
-        lambda m: F.max_pool2d(input=m, kernel_size=3, stride=1, padding=1, return_indices=True),
-    ),
-    (
-        "torch.max_pool2d(input=)",
-        lambda m: torch.max_pool2d(input=m, kernel_size=3, stride=1, padding=1),
-    ),
-    ("F.avg_pool2d(input=)", lambda m: F.avg_pool2d(input=m, kernel_size=3, stride=1, padding=1)),
-    ("F.adaptive_avg_pool2d(input=)", lambda m: F.adaptive_avg_pool2d(input=m, output_size=1)),
-    ("F.adaptive_max_pool2d(input=)", lambda m: F.adaptive_max_pool2d(input=m, output_size=1)),
-    (
-        "F.adaptive_max_pool2d(input=, return_indices=)",
-        lambda m: F.adaptive_max_pool2d(input=m, output_size=1, return_indices=True),
     ),
     ("F.pad(input=, pad=)", lambda m: F.pad(input=m, pad=(1, 1, 2, 0), mode="constant", value=0.5)),
     ("F.pad(input=) reflect", lambda m: F.pad(input=m, pad=(1, 1, 1, 1), mode="reflect")),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import distribute_tensor
 
 from spconv_train.parallel.extend import SpatialMode
-from tests.keyword_forms import MAP_FORMS, plain, positive
+from tests.keyword_forms import MAP_FORMS, plain, pool_forms, positive
 from tests.meshes import mesh_and_placements
 from tests.op_check import check_fn
 from tests.reference import check_close, seeded
@@ -114,14 +114,6 @@ VOLUME_FORMS = [
         "F.conv_transpose3d(input=)",
         lambda v: F.conv_transpose3d(input=v, weight=plain(31, 2, 2, 2, 2, 2, like=v), stride=2),
     ),
-    ("F.max_pool3d(input=)", lambda v: F.max_pool3d(input=v, kernel_size=3, stride=1, padding=1)),
-    (
-        "torch.max_pool3d(input=)",
-        lambda v: torch.max_pool3d(input=v, kernel_size=3, stride=1, padding=1),
-    ),
-    ("F.avg_pool3d(input=)", lambda v: F.avg_pool3d(input=v, kernel_size=3, stride=1, padding=1)),
-    ("F.adaptive_avg_pool3d(input=)", lambda v: F.adaptive_avg_pool3d(input=v, output_size=1)),
-    ("F.adaptive_max_pool3d(input=)", lambda v: F.adaptive_max_pool3d(input=v, output_size=1)),
     (
         "F.interpolate(input=) trilinear",
         lambda v: F.interpolate(input=v, scale_factor=2, mode="trilinear"),
@@ -246,7 +238,9 @@ def token_failures() -> list[str]:
 
 def volume_failures() -> list[str]:
     w = 2 * dist.get_world_size() + 1
-    return _check_all(VOLUME_FORMS, seeded(62, 1, 2, w, 3, 4, dtype=torch.float64), 5)
+    return _check_all(
+        VOLUME_FORMS + pool_forms(3), seeded(62, 1, 2, w, 3, 4, dtype=torch.float64), 5
+    )
 
 
 def _no_failures(results: list) -> None:
