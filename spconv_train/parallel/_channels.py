@@ -27,9 +27,12 @@ from ._token_layout import is_tokens, split_layouts
 
 
 @register_handler(F.layer_norm, torch.layer_norm)
-def spatial_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, *args):
+def spatial_layer_norm(
+    input, normalized_shape, weight=None, bias=None, eps=1e-5, *args, cudnn_enable=True
+):
     """``F.layer_norm`` over trailing dims no rank splits (channels-last maps, tokens):
-    local on each rank, the weight's and bias's gradients summed over the ranks."""
+    local on each rank, the weight's and bias's gradients summed over the ranks
+    (``torch.layer_norm``'s ``cudnn_enable``, by position or keyword: unused)."""
     tokens = is_tokens(input)  # first: a token tensor's _StridedShard is not ``handled``
     if not (tokens or handled(input)):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)  # DTensor's rules

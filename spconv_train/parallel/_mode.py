@@ -178,6 +178,10 @@ class SpatialMode(TorchFunctionMode):
         entry = self.runtime.registry.lookup(func)
         if entry is not None:
             if entry.handler is not None:
+                for name in kwargs:  # a tensor by keyword (a loop: no call for others)
+                    if name in entry.tensor_params:
+                        args, kwargs = entry.positional(args, kwargs)
+                        break
                 # eager: no graph break to make (eager_from_eager)
                 if not compiling or (graphs and in_dtensor_graphs(entry.handler)):
                     return entry.handler(*args, **kwargs)

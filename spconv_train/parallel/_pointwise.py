@@ -123,8 +123,15 @@ def _drop(input, p=0.5, training=True, inplace=False, *, channels_only: bool):
     return _wrap(input, local * scale)
 
 
-# torch.dropout has F.dropout's leading arguments
-register_handler(F.dropout, torch.dropout)(functools.partial(_drop, channels_only=False))
+register_handler(F.dropout)(functools.partial(_drop, channels_only=False))
+
+
+@register_handler(torch.dropout)
+def _torch_dropout(input, p, train):
+    """``torch.dropout``: ``F.dropout``'s leading arguments, the third named ``train``."""
+    return _drop(input, p, train, channels_only=False)
+
+
 register_handler(F.dropout2d)(functools.partial(_drop, channels_only=True))
 
 

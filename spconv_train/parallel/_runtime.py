@@ -8,6 +8,9 @@ import contextlib
 import contextvars
 import copy
 import dataclasses
+import functools
+import inspect
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -34,6 +37,50 @@ class Entry:
     #: what ``SpatialMode`` calls under ``torch.compile``: the handler when ``traced``,
     #: otherwise the handler run eagerly (exchanges, collectives: no graph material)
     run: Callable | None = field(default=None, compare=False, repr=False)
+    #: the builtin function's parameters that torch takes by position or keyword, in order,
+    #: and those of them a tensor can be passed to (``positional``)
+    params: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    tensor_params: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    def positional(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args`` and ``kwargs`` with the tensors passed by keyword in the places torch
+        takes them by position moved there (``torch.matmul(input=a, other=b)`` -> ``(a,
+        b)``, ``x.matmul(other=b)`` -> ``(x, b)``), up to the first parameter not passed or
+        not a tensor (or a list / tuple, ``torch.cat(tensors=...)``): handlers take tensors by
+        position, their other arguments by torch's keywords."""
+        params, n = self.params, len(args)
+        if n >= len(params) or params[n] not in kwargs:
+            return args, kwargs
+        kwargs, moved = dict(kwargs), list(args)
+        for name in params[n:]:
+            if not isinstance(kwargs.get(name), (torch.Tensor, list, tuple)):
+                break
+            moved.append(kwargs.pop(name))
+        return tuple(moved), kwargs
+
+
+@functools.cache
+def _overrides() -> dict:
+    return torch.overrides.get_testing_overrides()
+
+
+def positional_params(fn: Callable) -> dict:
+    """``Entry``'s ``params`` and ``tensor_params`` of a builtin torch function or Tensor
+    method (a Python one, ``F.interpolate``, hands its tensor on by position): the names
+    ``torch.overrides`` lists (``out`` left out), those aten's schemas type as tensors."""
+    if isinstance(fn, types.FunctionType):
+        return {}
+    try:
+        sig = inspect.signature(_overrides().get(fn, fn))
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{fn.__name__}")
+    except (TypeError, ValueError, RuntimeError, AttributeError):
+        return {}
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = tuple(p.name for p in sig.parameters.values() if p.kind in kinds and p.name != "out")
+    args = (a for s in schemas for a in s.arguments if not a.kwarg_only)
+    tensors = {a.name for a in args if "Tensor" in str(a.type)}
+    tensors = frozenset(tensors | ({"input"} if "self" in tensors else set()))
+    return {"params": params, "tensor_params": tensors} if tensors else {}
 
 
 def function_name(fn: Callable) -> str:
@@ -97,7 +144,8 @@ class HandlerRegistry:
 
     def _put(self, functions, **fields) -> None:
         for fn in functions:  # the function object kept alive with its id: never reused
-            self._entries[id(fn)] = (fn, Entry(function_name(fn), **fields))
+            entry = Entry(function_name(fn), **positional_params(fn), **fields)
+            self._entries[id(fn)] = (fn, entry)
         _GENERATION[0] += 1
 
     def lookup(self, fn: Callable) -> Entry | None:
