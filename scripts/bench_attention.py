@@ -52,7 +52,7 @@ from bench_conv import (
 )
 
 from spconv_train.distributed import shutdown
-from spconv_train.parallel._comm_audit import PeakBytes
+from spconv_train.parallel._step_meters import PeakBytes
 
 VARIANTS = (
     "one process",

@@ -63,7 +63,7 @@ def _worker(rank, world, port, name, ck, comp, args, floor, queue) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from spconv_train.parallel import parallelize
-    from spconv_train.parallel._comm_audit import LiveBytes
+    from spconv_train.parallel._step_meters import LiveBytes
     from spconv_train.train import cross_entropy
     from spconv_train.train.optim import enable_activation_checkpointing
 

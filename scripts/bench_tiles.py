@@ -81,7 +81,7 @@ def _volume_case(world: int, dim: int, args) -> dict:
 
     from spconv_train.models import create_model
     from spconv_train.parallel import parallelize
-    from spconv_train.parallel._comm_audit import LiveBytes
+    from spconv_train.parallel._step_meters import LiveBytes
 
     torch.manual_seed(0)
     model = create_model("unet3d", num_classes=3, in_channels=1, depth=2, base_width=4)

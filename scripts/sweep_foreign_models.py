@@ -13,7 +13,7 @@ encoder's total stride (and any window size it needs). One line per case and wor
 - ``GATHER``: values exact, but a collective over the audit's size ran (which, its shape)
   and grows with the image: a case so flagged runs again a few columns wider, and the
   collectives that run there again with the same op and shape are image-independent, not
-  gathers (``spconv_train/parallel/_comm_audit.py``, ``grows_with_image``);
+  gathers (``spconv_train/parallel/_step_meters.py``, ``grows_with_image``);
 - ``REFUSED``: ``SpatialShardingError`` with its message (a gather refused included);
 - ``CRASH``: any other exception (type and message).
 
@@ -39,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.check_foreign_models import _outcome  # noqa: E402
 from spconv_train.parallel import CommAudit  # noqa: E402
-from spconv_train.parallel._comm_audit import CommRecord, grows_with_image  # noqa: E402
+from spconv_train.parallel._step_meters import CommRecord, grows_with_image  # noqa: E402
 from tests.dist_harness import DistPool, mesh  # noqa: E402
 from tests.op_check import check_strip_model  # noqa: E402
 from tests.reference import dropout_off, seeded  # noqa: E402
@@ -191,7 +191,7 @@ def two_width_check(
     """``strip_check`` at width ``w``; where its only failures are activation-sized
     collectives (on any rank), the same check at width ``wider`` under a ``CommAudit``,
     and the lines of the collectives that run there again with the same op and shape
-    dropped (they do not grow with the image: ``_comm_audit.grows_with_image``), each
+    dropped (they do not grow with the image: ``_step_meters.grows_with_image``), each
     added to ``cleared`` as ``CLEARED`` + op and shape; the wider check's other failures are
     kept, prefixed with its width."""
     lines = strip_check(build, h, w, world, **check)

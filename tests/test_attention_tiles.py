@@ -19,7 +19,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel._step_meters import CommAudit
 from tests.meshes import mesh_and_placements
 from tests.reference import check_close, dropout_off, seeded
 from tests.test_attention import TokenBlock

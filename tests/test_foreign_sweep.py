@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from scripts.sweep_foreign_models import two_width_check
 from spconv_train.parallel import SpatialShardingError, parallelize, runtime_of
-from spconv_train.parallel._comm_audit import CommRecord, grows_with_image
+from spconv_train.parallel._step_meters import CommRecord, grows_with_image
 from tests.dist_harness import mesh
 from tests.op_check import check_strip_model
 from tests.reference import check_close, seeded

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel._step_meters import CommAudit
 from tests.dist_harness import mesh
 from tests.reference import check_close, seeded
 

@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import SpatialShardingError, parallelize, runtime_of
-from spconv_train.parallel._comm_audit import CommAudit
 from spconv_train.parallel._errors import GATHER_EVENTS
+from spconv_train.parallel._step_meters import CommAudit
 from tests.dist_harness import mesh
 from tests.reference import rel_err, seeded
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from spconv_train.parallel._comm_audit import PeakBytes
 from spconv_train.parallel._ring import auto_pieces, ring_attention
+from spconv_train.parallel._step_meters import PeakBytes
 from tests.reference import seeded
 from tests.test_attention import ring_errors, sdpa_reference
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.models import create_model
 from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import LiveBytes
 from spconv_train.parallel._sharding import spatial_layout
+from spconv_train.parallel._step_meters import LiveBytes
 from spconv_train.parallel._tiles import tile_window
 from spconv_train.parallel._window import _WindowRecipe
 from tests.dist_harness import mesh

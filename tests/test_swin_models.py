@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from spconv_train.parallel import parallelize
-from spconv_train.parallel._comm_audit import CommAudit
+from spconv_train.parallel._step_meters import CommAudit
 from tests.dist_harness import mesh
 from tests.meshes import mesh_and_placements
 from tests.reference import rel_err, seeded

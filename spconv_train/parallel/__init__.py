@@ -11,7 +11,6 @@ Op authors use ``extend`` (``docs/extending.md``). Importing registers and patch
 (``parallelize`` installs). On CPU, create the gloo process groups inside
 ``with gloo_threads_idle():``. Torch only."""
 
-from ._comm_audit import CommAudit
 from ._comm_threads import gloo_threads_idle, restore_gloo_threads
 from ._dims import ParallelDims
 from ._geometry import SpatialShardingError
@@ -25,6 +24,7 @@ from ._runtime import (
     local_module,
     runtime_of,
 )
+from ._step_meters import CommAudit
 
 # fmt: off
 __all__ = [

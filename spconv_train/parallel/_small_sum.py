@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._comm_audit import counted_as_reduce
+from ._step_meters import counted_as_reduce
 
 #: A CPU tensor is summed by exchange when it sends at most this many bytes per rank (its
 #: size times the other ranks); larger ones take gloo's ring all-reduce.

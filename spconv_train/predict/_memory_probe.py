@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from spconv_train.parallel._comm_audit import PeakBytes
+from spconv_train.parallel._step_meters import PeakBytes
 
 __all__ = [
     "CPU_OVERHEAD",
