@@ -193,6 +193,7 @@ def _roll_dims(ndim: int, shifts, dims=None) -> set[int]:
 
 
 def _flip_dims(ndim: int, *dims, **kwargs) -> set[int]:
+    """The dims ``flip`` reverses: ``x.flip(0, 1)``, ``x.flip((0, 1))``, ``flip(dims=...)``."""
     given = kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims
     return {norm_dim(d, ndim) for d in ([given] if isinstance(given, int) else given)}
 
