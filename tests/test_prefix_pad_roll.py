@@ -1,8 +1,9 @@
-"""``F.pad`` and ``roll`` of tokens behind prefix (class / register) tokens: along the
-channels exact (the prefix kept where it is; likewise ``t.mT`` / ``t.mH``), along the tokens
-refused by name (DTensor's
-rule ran them on a layout without the prefix: silently wrong after). fp64 output, input and
-every gradient against one device, no-gather audit, W strips, H strips and tiles."""
+"""``F.pad``, ``roll``, ``flip``, ``chunk`` and ``split`` of tokens behind prefix (class /
+register) tokens: along the channels exact (the prefix kept where it is; likewise ``t.mT`` /
+``t.mH``), along the tokens refused by name on every rank alike (DTensor's rules ran them on
+a layout without the prefix: silently wrong after, a gradient of the wrong shape, or ranks
+in different collectives). fp64 output, input and every gradient against one device,
+no-gather audit, W strips, H strips and tiles."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ CHANNELS = [
     ("F.pad channels reflect", lambda t, n: F.pad(t, (2, 1), "reflect")[:, 2:][:, :, :-3]),
     ("roll channels", lambda t, n: t.roll(1, -1)[:, 2:]),
     ("torch.roll dims=", lambda t, n: torch.roll(t, shifts=2, dims=2)[:, 2:]),
+    ("flip channels", lambda t, n: t.flip(-1)[:, 2:] * 2),
+    ("torch.flip dims=", lambda t, n: torch.flip(t, dims=(2,))[:, 2:]),
+    ("torch.flip input= dims=", lambda t, n: torch.flip(input=t, dims=[-1])[:, 2:].sin()),
+    ("chunk channels", lambda t, n: t.chunk(2, -1)[1][:, 2:].repeat(1, 1, 2)),
+    ("torch.chunk dim=", lambda t, n: torch.chunk(t, 3, dim=2)[0][:, 2:].repeat(1, 1, 2)),
+    ("split channels", lambda t, n: t.split([3, 1], -1)[0][:, 2:].sin().repeat(1, 1, 2)[..., 1:5]),
+    ("torch.split dim=", lambda t, n: torch.split(t, 2, dim=-1)[1][:, 2:].repeat(1, 1, 2)),
 ]
 #: the matrix-transpose properties: the transpose they are (the prefix moves with its dim)
 TRANSPOSED = [
@@ -34,6 +42,9 @@ TOKENS = [
     ("F.pad tokens", lambda t, n: F.pad(t, (0, 0, 1, 0))[:, 3:]),
     ("roll tokens", lambda t, n: t.roll(1, 1)[:, 2:]),
     ("roll flattened", lambda t, n: t.roll(1)[:, 2:]),
+    ("flip tokens", lambda t, n: t.flip(1)[:, 2:]),
+    ("chunk tokens", lambda t, n: torch.cat(t.chunk(2, 1), 1)[:, 2:]),
+    ("split tokens", lambda t, n: torch.cat(torch.split(t, 3, dim=-2), 1)[:, 2:]),
 ]
 
 

@@ -145,7 +145,7 @@ _SIZES = ("split_size_or_sections", "split_size", "chunks")
 def _local_pieces(fn, prev):
     """Handler: ``fn(x, arg, dim)`` (``split`` / ``chunk``) of a token tensor along an
     unsplit ``dim`` on the local tensor; otherwise ``prev``."""
-    run = getattr(torch, fn.__name__)
+    run, what = getattr(torch, fn.__name__), function_name(fn)
 
     def handler(*args, **kwargs):
         x, *args = tensor_first(args, kwargs)
@@ -155,11 +155,14 @@ def _local_pieces(fn, prev):
             arg is None
             or set(kwargs) - {"dim", *_SIZES}
             or not (is_tokens(x) or is_nested(x))
-            or any(p.is_partial() or prefix_of(p) for p in x.placements)
-            or any(lay.dim == norm_dim(d, x.ndim) for lay in split_layouts(x))
+            or any(p.is_partial() for p in x.placements)
         ):
             return prev(x, *args, **kwargs)
-        return local_pieces(run, x, arg, norm_dim(d, x.ndim))
+        if any(lay.dim == norm_dim(d, x.ndim) for lay in split_layouts(x)):
+            if has_prefix(x):  # DTensor's rule: a gradient it cannot cat (torch 2.14.1)
+                raise _along_tokens(what, x)
+            return prev(x, *args, **kwargs)
+        return local_pieces(run, x, arg, norm_dim(d, x.ndim))  # a prefix stays in place
 
     return handler
 
@@ -189,8 +192,25 @@ def _roll_dims(ndim: int, shifts, dims=None) -> set[int]:
     return {norm_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
 
 
+def _flip_dims(ndim: int, *dims, **kwargs) -> set[int]:
+    """The dims ``flip`` reverses: ``x.flip(0, 1)``, ``x.flip((0, 1))``, ``flip(dims=...)``."""
+    given = kwargs["dims"] if "dims" in kwargs else dims[0] if len(dims) == 1 else dims
+    return {norm_dim(d, ndim) for d in ([given] if isinstance(given, int) else given)}
+
+
+def _along_tokens(what: str, x: DTensor) -> SpatialShardingError:
+    """The refusal of ``what`` along the split tokens of ``x`` behind a prefix (raised on
+    every rank alike: it reads the global shape and the placements only)."""
+    return SpatialShardingError(
+        f"{what} along the tokens of {tuple(x.shape)} {x.placements} in module "
+        f"'{module_path()}': along tokens behind prefix (class / register) tokens, which one "
+        f"rank holds alone, it is not supported. Slice the prefix off first (x[:, p:]), or "
+        f"apply it along the channels (the last dim)."
+    )
+
+
 def _along_unsplit(fn, prev, touched):
-    """Handler for ``fn`` (pad, roll) behind a prefix: local along unsplit dims (the
+    """Handler for ``fn`` (pad, roll, flip) behind a prefix: local along unsplit dims (the
     channels), refused along the tokens (DTensor's own rule drops the prefix)."""
     what = function_name(fn)
 
@@ -200,12 +220,7 @@ def _along_unsplit(fn, prev, touched):
             return prev(x, *args, **kwargs)
         split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}
         if touched(x.ndim, *args, **kwargs) & split:
-            raise SpatialShardingError(
-                f"{what} along the tokens of {tuple(x.shape)} {x.placements} in module "
-                f"'{module_path()}': along tokens behind prefix (class / register) tokens, "
-                f"which one rank holds alone, it is not supported. Slice the prefix off "
-                f"first (x[:, p:]), or pad / roll the channels (the last dim)."
-            )
+            raise _along_tokens(what, x)
         shape = result_shape(fn, x.shape, *args, meta_dtype=x.dtype, **kwargs)
         return wrap(fn(x.to_local(), *args, **kwargs), x, x.placements, shape)
 
@@ -214,6 +229,7 @@ def _along_unsplit(fn, prev, touched):
 
 chain_each((F.pad, torch._C._nn.pad), partial(_along_unsplit, touched=_pad_dims), "prefix")
 chain_each((torch.roll, _T.roll), partial(_along_unsplit, touched=_roll_dims), "prefix")
+chain_each((torch.flip, _T.flip), partial(_along_unsplit, touched=_flip_dims), "prefix")
 
 
 TIMM_CLASS = "timm.models.edgenext.PositionalEncodingFourier"
