@@ -70,7 +70,7 @@ def positional_params(fn: Callable) -> dict:
     ``torch.overrides`` lists (``out`` left out), those aten's schemas type as tensors."""
     if isinstance(fn, types.FunctionType):
         return {}
-    try:
+    try:  # a torch internal (aten's schemas), checked on torch 2.14.1: without it, no move
         sig = inspect.signature(_overrides().get(fn, fn))
         schemas = torch._C._jit_get_schemas_for_operator(f"aten::{fn.__name__}")
     except (TypeError, ValueError, RuntimeError, AttributeError):
