@@ -249,5 +249,7 @@ def spatial_unbind(input, dim=0):
             "(e.g. the channels)."
         )
     shape = (*input.shape[:d], *input.shape[d + 1 :])
+    stride = (*input.stride()[:d], *input.stride()[d + 1 :])  # views of a permuted input
     placements = reduced_placements(input, (d,))
-    return tuple(wrap(t, input, placements, shape) for t in local_of(input).unbind(d))
+    mesh = input.device_mesh
+    return tuple(wrap_local(t, mesh, placements, shape, stride) for t in local_of(input).unbind(d))
