@@ -19,7 +19,11 @@ entries, and its gradient is summed over the mesh dims sharding the activation. 
 ``Replicate`` DTensor. One the model *computed* at the activation's size would have its
 gradient all-reduced at full size: refused (``guard_computed_plain``). ``addcmul`` /
 ``addcdiv`` with a plain operand run as ``input + value * (tensor1 op tensor2)``, each step
-through its own handler."""
+through its own handler.
+
+``unbind`` along a dim no rank splits (the channels) runs on the local part: DTensor's own
+rule stacks the gradients of the pieces in the backward, plain zeros for unused ones next to
+DTensors (an error); along a split dim it is refused by name."""
 
 from __future__ import annotations
 
@@ -32,10 +36,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from ._compile import graph_handler, run_eagerly
-from ._dims import handled, is_dp, local_of, mesh_rank, wrap, wrap_local
-from ._errors import guard_gather, run_dtensor_op
+from ._dims import handled, is_dp, local_of, mesh_rank, norm_dim, wrap, wrap_local
+from ._errors import guard_gather, module_path, run_dtensor_op
 from ._geometry import SpatialShardingError
 from ._mode import register_handler
+from ._prefix_shard import reduced_placements
 from ._runtime import current_runtime, function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
@@ -227,3 +232,24 @@ def _addc(func, combine):
 
 for _fn, _combine in ((torch.addcmul, torch.mul), (torch.addcdiv, torch.div)):
     register_handler(_fn, getattr(Tensor, _fn.__name__))(_addc(_fn, _combine))
+
+
+@register_handler(torch.unbind, Tensor.unbind)
+def spatial_unbind(input, dim=0):
+    """``unbind`` along a dim no rank splits: the local pieces, that dim dropped from the
+    placements (maps, tokens); along a split dim refused by name; ``Partial``: DTensor's."""
+    if any(isinstance(p, Partial) for p in input.placements):
+        return run_dtensor_op(torch.unbind, (input, dim), {})
+    d = norm_dim(dim, input.ndim)
+    if any(sharded_dim(p) is not None and p.dim % input.ndim == d for p in input.placements):
+        raise SpatialShardingError(
+            f"torch.unbind along dim {d} of a tensor {tuple(input.shape)} "
+            f"{tuple(input.placements)} in module '{module_path()}' is not supported: the ranks "
+            "split that dim, each holds some of its pieces. Unbind along a dim no rank splits "
+            "(e.g. the channels)."
+        )
+    shape = (*input.shape[:d], *input.shape[d + 1 :])
+    stride = (*input.stride()[:d], *input.stride()[d + 1 :])  # views of a permuted input
+    placements = reduced_placements(input, (d,))
+    mesh = input.device_mesh
+    return tuple(wrap_local(t, mesh, placements, shape, stride) for t in local_of(input).unbind(d))
