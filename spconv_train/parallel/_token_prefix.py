@@ -26,7 +26,7 @@ from ._runtime import function_name
 from ._sharding import sharded_dim
 from ._token_layout import local_part
 from ._token_ring import token_ring
-from ._tokens import chain, chain_each, is_dp, is_nested, is_tokens, split_layouts, tensor_first
+from ._tokens import chain, chain_each, is_dp, is_nested, is_tokens, split_layouts
 
 
 def has_prefix(x) -> bool:
@@ -143,8 +143,7 @@ def _arith_handler(fn, prev):
 
     kept = _keeps_prefix(fn, tokens)
 
-    def handler(*args, **kwargs):
-        a, *args = tensor_first(args, kwargs)
+    def handler(a, *args, **kwargs):
         if not args and "other" in kwargs:  # x.add(other=y): the handlers below by position
             args = (kwargs.pop("other"),)
         if not args or not (is_tokens(a) or is_tokens(args[0])):

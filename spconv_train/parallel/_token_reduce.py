@@ -26,7 +26,7 @@ from ._reduce import _dims, reduce_sharded  # (and its handlers, wrapped here)
 from ._runtime import current_runtime, function_name
 from ._sharding import block_slices, grad_groups, mesh_coords, sharded_dim
 from ._token_prefix import has_prefix  # (and its handlers, wrapped here)
-from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts, tensor_first
+from ._tokens import chain, chain_each, is_nested, is_tokens, split_layouts
 
 _T = torch.Tensor
 
@@ -78,8 +78,7 @@ def _token_wise(fn, prev, spec: tuple):
     what, (dim_pos, keep_pos, default, needs_dim) = function_name(fn), spec
     product = fn in (torch.prod, _T.prod)
 
-    def handler(*args, **kwargs):
-        x, *args = tensor_first(args, kwargs)
+    def handler(x, *args, **kwargs):
         local = is_tokens(x) or (
             product and isinstance(x, DTensor) and not any(p.is_partial() for p in x.placements)
         )
@@ -147,8 +146,7 @@ def _local_pieces(fn, prev):
     unsplit ``dim`` on the local tensor; otherwise ``prev``."""
     run, what = getattr(torch, fn.__name__), function_name(fn)
 
-    def handler(*args, **kwargs):
-        x, *args = tensor_first(args, kwargs)
+    def handler(x, *args, **kwargs):
         arg = args[0] if args else next((kwargs[n] for n in _SIZES if n in kwargs), None)
         d = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         if (
@@ -214,8 +212,7 @@ def _along_unsplit(fn, prev, touched):
     channels), refused along the tokens (DTensor's own rule drops the prefix)."""
     what = function_name(fn)
 
-    def handler(*args, **kwargs):
-        x, *args = tensor_first(args, kwargs)
+    def handler(x, *args, **kwargs):
         if not has_prefix(x):
             return prev(x, *args, **kwargs)
         split = {sharded_dim(p) % x.ndim for p in x.placements if sharded_dim(p) is not None}

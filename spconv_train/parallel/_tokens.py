@@ -99,12 +99,6 @@ def local_reshape(x: DTensor, out_shape: tuple[int, ...], what: str, fn=None) ->
     return wrap(out, x, placements, out_shape)
 
 
-def tensor_first(args: tuple, kwargs: dict, key: str = "input") -> tuple:
-    """``args``, or the tensor a call passed by keyword ``key`` (``torch.sum(input=x, dim=1)``)
-    popped from ``kwargs``: the handlers take it by position."""
-    return (kwargs.pop(key),) if not args and key in kwargs else args
-
-
 def chain(*functions, prefix: str = "token", graph: bool = False):
     """Decorator: ``handler(prev, *args, **kwargs)`` the handler of each of ``functions``
     (``chain_each``), ``prev`` the one before it."""

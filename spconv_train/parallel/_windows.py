@@ -23,7 +23,7 @@ from ._prefix_shard import placement
 from ._ring_mask import sdpa_bias
 from ._runtime import function_name
 from ._token_layout import TokenLayout, split_layouts
-from ._tokens import MATMULS, _target, chain, chain_each, fits, local_reshape, tensor_first
+from ._tokens import MATMULS, _target, chain, chain_each, fits, local_reshape
 
 
 def _runs(shape: tuple[int, ...], out: tuple[int, ...], d: int, past_units: bool):
@@ -265,8 +265,7 @@ def _reshaping(fn, prev):
     """Handler for ``fn``: window moves, else ``local_reshape`` of tokens, else ``prev``."""
     what, view = function_name(fn), (lambda t, s: t.view(s)) if fn is Tensor.view else None
 
-    def handler(*args, **kwargs):
-        x, *args = tensor_first(args, kwargs)
+    def handler(x, *args, **kwargs):
         if not isinstance(x, DTensor) or "dtype" in kwargs or torch.dtype in map(type, args):
             return prev(x, *args, **kwargs)
         shape = result_shape(fn, x.shape, *args, **kwargs)
